@@ -1,0 +1,169 @@
+"""The committed sequence and its KV cache, as one object.
+
+ReFusion's cache holds exactly the committed tokens, in commit order, each
+with its own position id (REFUSION.md §3). Every forward pass writes its keys
+and values into the rows just after the committed ones (the *scratch* rows):
+
+* ``extend(n)``: a pass of n tokens appended in sequence order (prefill,
+  planning, global verification). ``commit`` then keeps a prefix of those
+  rows; the rest are simply overwritten by the next pass ("crop").
+* ``infill(k, S, a)``: k slots decoded in parallel, slot i owning scratch rows
+  ``[i*S, (i+1)*S)``. Each slot sees the committed rows and its own rows only,
+  through one block-diagonal mask, so the committed cache is shared and never
+  copied per slot. When infill ends the slots' rows already sit in slot order
+  right after the committed rows, and ``commit`` adopts them: the infill K/V
+  are reused, not recomputed.
+
+Buffers are preallocated and grow in steps, so no pass concatenates.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+GROWTH_STEP = 256
+
+
+class CommittedCache:
+    """Committed tokens with their positions and per-layer K/V, in commit order."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: mx.Dtype = mx.float32, step: int = GROWTH_STEP):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.step = step
+        self.tokens: List[int] = []
+        self.positions: List[int] = []
+        self.keys: List[Optional[mx.array]] = [None] * num_layers
+        self.values: List[Optional[mx.array]] = [None] * num_layers
+        self.capacity = 0
+
+    @classmethod
+    def for_model(cls, model, step: int = GROWTH_STEP) -> "CommittedCache":
+        args = model.args
+        dtype = model.model.norm.weight.dtype
+        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, step)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values) if k is not None)
+
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` scratch rows after the committed ones.
+
+        Growth happens in multiples of ``step`` and copies the buffer once per
+        growth, never once per token.
+        """
+        need = len(self) + rows
+        if need <= self.capacity:
+            return
+        new_capacity = -(-need // self.step) * self.step
+        grow = new_capacity - self.capacity
+        shape = (1, self.num_kv_heads, grow, self.head_dim)
+        for i in range(self.num_layers):
+            pad = mx.zeros(shape, self.dtype)
+            if self.keys[i] is None:
+                self.keys[i], self.values[i] = pad, mx.zeros(shape, self.dtype)
+            else:
+                self.keys[i] = mx.concatenate([self.keys[i], pad], axis=2)
+                self.values[i] = mx.concatenate([self.values[i], pad], axis=2)
+        self.capacity = new_capacity
+
+    def extend(self, n: int) -> "KVWrite":
+        """A pass of n tokens after the committed ones, causal in sequence order."""
+        self.reserve(n)
+        start = len(self)
+        return KVWrite(self, start=start, rows=None, visible=start + n, mask="causal")
+
+    def infill(self, num_slots: int, slot_size: int, cursor: int) -> "KVWrite":
+        """A pass over tokens ``cursor..S-1`` of each of ``num_slots`` slots.
+
+        Slot i's window goes to scratch rows ``i*S + cursor ..``; its queries
+        see all committed rows plus rows ``i*S .. i*S + cursor + j`` (its own
+        private prefix and its window causally), never another slot's rows.
+        """
+        S, a, L = slot_size, cursor, len(self)
+        self.reserve(num_slots * S)
+        window = S - a
+        slot = mx.arange(num_slots * window) // window
+        offset = mx.arange(num_slots * window) % window
+        rows = L + slot * S + a + offset
+        keys = mx.arange(L + num_slots * S)[None, :]
+        own_start = (L + slot * S)[:, None]
+        mask = (keys < L) | ((keys >= own_start) & (keys <= rows[:, None]))
+        return KVWrite(self, start=L, rows=rows, visible=L + num_slots * S, mask=mask)
+
+    def commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        """Adopt the first len(tokens) scratch rows as committed."""
+        if len(tokens) != len(positions):
+            raise ValueError("commit needs one position per token")
+        if len(self) + len(tokens) > self.capacity:
+            raise ValueError("commit of rows that no pass has written")
+        self.tokens.extend(int(t) for t in tokens)
+        self.positions.extend(int(p) for p in positions)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only the given committed rows (in the given order); drop the rest.
+
+        Used between chat turns to drop slots committed beyond the answer's EOS.
+        """
+        rows = list(rows)
+        if rows == list(range(len(rows))):
+            del self.tokens[len(rows):], self.positions[len(rows):]
+            return
+        index = mx.array(rows, dtype=mx.int32)
+        for i in range(self.num_layers):
+            kept_k = mx.take(self.keys[i], index, axis=2)
+            kept_v = mx.take(self.values[i], index, axis=2)
+            self.keys[i][:, :, : len(rows), :] = kept_k
+            self.values[i][:, :, : len(rows), :] = kept_v
+        self.tokens = [self.tokens[r] for r in rows]
+        self.positions = [self.positions[r] for r in rows]
+
+    def truncate(self, length: int) -> None:
+        """Forget every committed row from ``length`` on."""
+        self.keep(range(min(length, len(self))))
+
+    def state(self) -> List[mx.array]:
+        """Arrays to evaluate so the committed rows are materialised."""
+        return [a for a in self.keys + self.values if a is not None]
+
+
+class KVWrite:
+    """Where one forward pass writes its K/V and what its queries may see."""
+
+    def __init__(self, cache: CommittedCache, start: int, rows: Optional[mx.array],
+                 visible: int, mask):
+        self.cache = cache
+        self.start = start
+        self.rows = rows
+        self.visible = visible
+        self.mask = mask
+
+    def layer(self, i: int) -> "_LayerWrite":
+        return _LayerWrite(self, i)
+
+
+class _LayerWrite:
+    __slots__ = ("write", "index")
+
+    def __init__(self, write: KVWrite, index: int):
+        self.write, self.index = write, index
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        w, c, i = self.write, self.write.cache, self.index
+        if w.rows is None:
+            end = w.start + keys.shape[2]
+            c.keys[i][:, :, w.start:end, :] = keys
+            c.values[i][:, :, w.start:end, :] = values
+        else:
+            c.keys[i][:, :, w.rows, :] = keys
+            c.values[i][:, :, w.rows, :] = values
+        return c.keys[i][:, :, : w.visible, :], c.values[i][:, :, : w.visible, :]

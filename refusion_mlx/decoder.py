@@ -1,0 +1,458 @@
+"""ReFusion's slot-level plan-and-infill decoding loop (REFUSION.md §4).
+
+For each block, while it has open slots:
+
+(a) **plan**: one pass over the block's open slots, all masks, proposes a
+    draft for every position; slots whose first token is confident enough are
+    selected (at least the most confident one);
+(b) **verify**: one pass over the selected drafts checks them left to right;
+    an accepted prefix of whole slots (or up to an EOS) is **committed**;
+(c) otherwise **infill**: the selected slots are decoded in parallel, each
+    against the shared committed cache plus its own tokens, draft/verify
+    rounds until every token is accepted; their K/V are then committed as is.
+
+Everything numeric stays on the device; the host fetches only what a decision
+needs: the slot confidences after planning, the verified probabilities after
+verification and after each infill round.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import CommittedCache
+
+
+class DecodeError(ValueError):
+    """Invalid decoding parameters or inputs, with a one-line reason."""
+
+
+# --------------------------------------------------------------------------
+# Parameters
+
+
+@dataclass
+class RefusionParams:
+    """Decoding parameters, named as in the reference ``generate_refusion``.
+
+    ``serial_num_blocks`` and ``block_length`` are two ways to cut the response
+    into blocks; give at most one. With neither, the reference's 32 blocks are
+    used when they cut the budget into whole slots, else the largest count
+    below 32 that does.
+    """
+
+    gen_length: int = 512
+    slot_size: int = 4
+    serial_num_blocks: Optional[int] = None
+    block_length: Optional[int] = None
+    slot_threshold: float = 0.6
+    token_threshold: float = 0.3
+    temperature: float = 0.0
+    seed: Optional[int] = None
+
+    def layout(self) -> "BlockLayout":
+        """Validate and resolve the budget into blocks of whole slots."""
+        S = self.slot_size
+        _positive_int("slot_size", S)
+        _positive_int("gen_length", self.gen_length)
+        for name in ("slot_threshold", "token_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise DecodeError(f"{name} must be within [0, 1], got {value!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise DecodeError(f"temperature must be >= 0, got {self.temperature!r}")
+        gen = -(-self.gen_length // S) * S  # rounded up to whole slots
+        if self.serial_num_blocks is not None and self.block_length is not None:
+            raise DecodeError("give serial_num_blocks or block_length, not both")
+        if self.block_length is not None:
+            _positive_int("block_length", self.block_length)
+            if self.block_length % S:
+                raise DecodeError(
+                    f"block_length {self.block_length} is not a multiple of slot_size {S}")
+            lengths = [self.block_length] * (gen // self.block_length)
+            if gen % self.block_length:
+                lengths.append(gen % self.block_length)
+            return BlockLayout(gen, lengths)
+        n = self.serial_num_blocks
+        if n is None:
+            n = next(c for c in range(32, 0, -1) if gen % c == 0 and (gen // c) % S == 0)
+        _positive_int("serial_num_blocks", n)
+        if gen % n or (gen // n) % S:
+            raise DecodeError(
+                f"serial_num_blocks {n} does not cut gen_length {gen} into blocks of "
+                f"whole slots of {S} tokens")
+        return BlockLayout(gen, [gen // n] * n)
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class BlockLayout:
+    gen_length: int
+    block_lengths: List[int]
+
+
+# --------------------------------------------------------------------------
+# Statistics (REFUSION.md §6)
+
+PHASES = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
+
+
+@dataclass
+class DecodeStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forwards: int = 0
+    host_syncs: int = 0
+    steps: int = 0
+    seconds: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    peak_memory_gb: float = 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / max(self.forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.total_seconds - self.seconds["prefill"]
+        return self.generated_tokens / decode if decode > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "forwards": self.forwards,
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "host_syncs": self.host_syncs,
+            "steps": self.steps,
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "total_seconds": round(self.total_seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "peak_memory_gb": round(self.peak_memory_gb, 4),
+        }
+
+
+# --------------------------------------------------------------------------
+# Steps yielded to the caller
+
+
+@dataclass
+class SlotCommit:
+    """Tokens committed for one slot (a whole slot, or one cut after EOS)."""
+
+    positions: List[int]
+    tokens: List[int]
+
+
+@dataclass
+class Step:
+    """One decoding step: which phase committed what."""
+
+    phase: str  # "verify" or "infill"
+    commits: List[SlotCommit]
+    stats: DecodeStats
+
+
+# --------------------------------------------------------------------------
+# Numerics kept on the device
+
+
+def draft_tokens(logits: mx.array, temperature: float, key: Optional[mx.array]) -> mx.array:
+    """Planning drafts: argmax, or Gumbel-max sampling at temperature > 0.
+
+    The reference draws ``exp(l) / E**T`` with E ~ Exp(1) in float64; its
+    argmax equals that of ``l / T + Gumbel`` which we form in float32 log
+    space (Metal has no float64) -- the same distribution without overflow.
+    """
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    gumbel = -mx.log(-mx.log(mx.random.uniform(shape=logits.shape, key=key)))
+    return mx.argmax(logits * (1.0 / temperature) + gumbel, axis=-1)
+
+
+def token_probs(logits: mx.array, tokens: mx.array) -> mx.array:
+    """Softmax probability of ``tokens`` under float32 ``logits`` (row-wise)."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    total = mx.sum(mx.exp(logits - top), axis=-1)
+    picked = mx.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return mx.exp(picked - top[..., 0]) / total
+
+
+def shift_right(logits: mx.array) -> mx.array:
+    """Row j-1's logits at row j (row 0 keeps its own): next-token verification."""
+    return mx.concatenate([logits[..., :1, :], logits[..., :-1, :]], axis=-2)
+
+
+# --------------------------------------------------------------------------
+# The loop
+
+
+class RefusionDecoder:
+    """Runs one response: plan, verify, infill and commit over a committed cache."""
+
+    def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
+                 mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
+                 prefill_step: int = 2048):
+        self.model = model
+        self.params = params
+        self.layout = params.layout()
+        self.mask_id = int(mask_id)
+        self.eos_id = int(eos_id)
+        self.cache = cache if cache is not None else CommittedCache.for_model(model)
+        self.prompt = [int(t) for t in prompt]
+        if not self.prompt:
+            raise DecodeError("the prompt is empty")
+        self.start = len(self.cache)  # committed rows before this prompt (chat reuse)
+        self.first_position = (max(self.cache.positions) + 1) if self.cache.positions else 0
+        self.response_start = self.first_position + len(self.prompt)
+        limit = model.args.max_position_embeddings
+        if self.response_start + self.layout.gen_length > limit:
+            raise DecodeError(
+                f"prompt ({self.response_start} tokens) + budget ({self.layout.gen_length}) "
+                f"exceeds the model's context of {limit} positions")
+        vocab = model.args.vocab_size
+        for name, tid in (("mask", self.mask_id), ("eos", self.eos_id)):
+            if not 0 <= tid < vocab:
+                raise DecodeError(f"{name} token id {tid} is outside the vocabulary of {vocab}")
+        bad = [t for t in self.prompt if not 0 <= t < vocab]
+        if bad:
+            raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
+        self.prefill_step = max(int(prefill_step), 1)
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt))
+        self.key = mx.random.key(params.seed) if params.seed is not None else None
+        self.eos_committed = False
+        self._pending_prompt = True
+
+    # -- bookkeeping -------------------------------------------------------
+
+    @contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds[name] += time.perf_counter() - t0
+
+    def _fetch(self, *arrays: mx.array) -> List[np.ndarray]:
+        """The one host synchronisation of a decision point."""
+        self.stats.host_syncs += 1
+        mx.eval(*arrays)
+        return [np.array(a) for a in arrays]
+
+    def _forward(self, tokens, positions, write) -> mx.array:
+        self.stats.forwards += 1
+        tokens = mx.array(tokens, dtype=mx.int32)[None] if not isinstance(tokens, mx.array) else tokens[None]
+        positions = mx.array(positions, dtype=mx.int32) if not isinstance(positions, mx.array) else positions
+        return self.model.hidden(tokens, positions, write)[0]
+
+    def _logits(self, hidden: mx.array) -> mx.array:
+        return self.model.head(hidden).astype(mx.float32)
+
+    def _commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        self.cache.commit(tokens, positions)
+        self.stats.generated_tokens += len(tokens)
+        if self.eos_id in tokens:
+            self.eos_committed = True
+
+    # -- (a) plan ----------------------------------------------------------
+
+    def plan(self, open_slots: List[int]) -> tuple:
+        """Draft every open slot from masks; return drafts, probs, selection."""
+        S = self.params.slot_size
+        positions = [self.response_start + o + j for o in open_slots for j in range(S)]
+        tokens = [self.mask_id] * len(positions)
+        phase = "plan"
+        if self._pending_prompt:  # the very first pass runs prompt and masks together
+            phase = "prefill"
+            with self._phase(phase):
+                tail = self._prefill_head()
+            tokens, positions = tail + tokens, list(range(self.response_start - len(tail), self.response_start)) + positions
+        with self._phase(phase):
+            n = len(open_slots) * S
+            hidden = self._forward(tokens, positions, self.cache.extend(len(tokens)))
+            if phase == "prefill":
+                self._commit_prompt(tokens[: len(tokens) - n], positions[: len(tokens) - n])
+            logits = self._logits(hidden[-n:])
+            key = None
+            if self.params.temperature > 0 and self.key is not None:
+                self.key, key = mx.random.split(self.key)
+            drafts = draft_tokens(logits, self.params.temperature, key).reshape(-1, S)
+            confidence = token_probs(logits[::S], drafts[:, 0])
+            (conf,) = self._fetch(confidence)
+        selected = [i for i, c in enumerate(conf) if c > self.params.slot_threshold]
+        if not selected:
+            selected = [int(np.argmax(conf))]
+        return drafts, confidence, selected
+
+    def _prefill_head(self) -> List[int]:
+        """Prefill all but the last ``prefill_step`` prompt tokens in chunks.
+
+        Returns the prompt tail that the first planning pass still carries.
+        """
+        prompt, step = self.prompt, self.prefill_step
+        done = 0
+        while len(prompt) - done > step:
+            chunk = prompt[done: done + step]
+            positions = list(range(self.first_position + done, self.first_position + done + step))
+            self._forward(chunk, positions, self.cache.extend(len(chunk)))
+            self.cache.commit(chunk, positions)
+            mx.eval(self.cache.state())
+            done += step
+        return prompt[done:]
+
+    def _commit_prompt(self, tokens, positions) -> None:
+        self.cache.commit(tokens, positions)
+        self._pending_prompt = False
+
+    # -- (b) global verification ------------------------------------------
+
+    def verify(self, drafts: mx.array, confidence: mx.array, selected: List[int],
+               open_slots: List[int]):
+        """Check the selected drafts in one pass; return tokens and accept flags."""
+        S = self.params.slot_size
+        index = mx.array(selected, dtype=mx.int32)
+        chosen = mx.take(drafts, index, axis=0).reshape(-1)
+        positions = [self.response_start + open_slots[i] + j for i in selected for j in range(S)]
+        with self._phase("verify"):
+            hidden = self._forward(chosen, positions, self.cache.extend(len(positions)))
+            verified = token_probs(shift_right(self._logits(hidden)), chosen).reshape(-1, S)
+            first = mx.take(confidence, index)
+            probs = mx.concatenate([first[:, None], verified[:, 1:]], axis=1)
+            tokens, probs = self._fetch(chosen.reshape(-1, S), probs)
+        accepted = probs > self.params.token_threshold
+        accepted[:, 0] = True
+        return tokens, accepted, positions
+
+    # -- (c) parallel infill -----------------------------------------------
+
+    def infill(self, tokens: np.ndarray, accepted: np.ndarray, positions: List[int]):
+        """Decode the selected slots in parallel until all their tokens are accepted.
+
+        Returns the slots' final tokens (k, S), how many slots survive (those
+        after the first slot holding an accepted EOS are dropped) and whether
+        EOS was found.
+        """
+        S = self.params.slot_size
+        tau = self.params.token_threshold
+        tokens = tokens.copy()
+        tags = np.cumprod(accepted, axis=1).astype(bool)
+        pos = np.array(positions, dtype=np.int32).reshape(-1, S)
+        a, eos_found = 0, False
+        for _ in range(S):
+            if tags.all():
+                break
+            k = tokens.shape[0]
+            window_pos = mx.array(pos[:, a:].reshape(-1))
+            held = mx.array(tags[:, a:].reshape(-1))
+            known = mx.array(tokens[:, a:].reshape(-1))
+            with self._phase("infill_draft"):
+                masked = mx.where(held, known, self.mask_id)
+                hidden = self._forward(masked, window_pos, self.cache.infill(k, S, a))
+                proposed = mx.argmax(self._logits(hidden), axis=-1)
+                filled = mx.where(held, known, proposed.astype(known.dtype))
+                mx.eval(filled)
+            with self._phase("infill_verify"):
+                hidden = self._forward(filled, window_pos, self.cache.infill(k, S, a))
+                logits = self._logits(hidden).reshape(k, S - a, -1)
+                probs = token_probs(shift_right(logits), filled.reshape(k, S - a))
+                filled_np, probs_np = self._fetch(filled.reshape(k, S - a), probs)
+            tokens[:, a:] = filled_np
+            # accepted: confident, or right after a token accepted before this
+            # round, or the window's first token; then made prefix-closed
+            before = np.concatenate([np.ones((k, 1), bool), tags[:, a:-1]], axis=1)
+            tags[:, a:] = np.cumprod((probs_np > tau) | before, axis=1).astype(bool)
+            eos_rows = np.any((tokens[:, a:] == self.eos_id) & tags[:, a:], axis=1)
+            if eos_rows.any():
+                first = int(np.argmax(eos_rows))
+                tokens, tags, pos = tokens[: first + 1], tags[: first + 1], pos[: first + 1]
+                tags[first] = True
+                eos_found = True
+            m = int(tags[:, a:].sum(axis=1).min())
+            a += m - 1 if not tags.all() else m
+        return tokens, eos_found
+
+    # -- the loop ----------------------------------------------------------
+
+    def steps(self) -> Iterator[Step]:
+        """Run the whole response, yielding each step that commits tokens."""
+        S = self.params.slot_size
+        block_start = 0
+        for block_len in self.layout.block_lengths:
+            open_slots = list(range(block_start, block_start + block_len, S))
+            block_start += block_len
+            while open_slots:
+                drafts, confidence, selected = self.plan(open_slots)
+                tokens, accepted, positions = self.verify(drafts, confidence, selected, open_slots)
+                step = self._after_verify(tokens, accepted, positions, selected, open_slots)
+                if step is None:
+                    step = self._infill_and_commit(tokens, accepted, positions, selected, open_slots)
+                self.stats.steps += 1
+                yield step
+            if self.eos_committed:
+                break
+        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def _after_verify(self, tokens, accepted, positions, selected, open_slots) -> Optional[Step]:
+        """Commit the accepted prefix of the verification if it is worth it."""
+        S = self.params.slot_size
+        flat = tokens.reshape(-1)
+        prefix = int(np.cumprod(accepted.reshape(-1)).sum())
+        eos_at = np.flatnonzero(flat[:prefix] == self.eos_id)
+        if eos_at.size:
+            end = int(eos_at[0]) + 1
+            eos_slot = int(eos_at[0]) // S
+            closed = set(selected[: eos_slot + 1])
+            eos_start = open_slots[selected[eos_slot]]
+            closed |= {i for i, o in enumerate(open_slots) if o >= eos_start}
+        elif prefix >= S:
+            end = (prefix // S) * S
+            closed = set(selected[: prefix // S])
+        else:
+            return None
+        self._commit(flat[:end].tolist(), positions[:end])
+        commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
+                   for i in range(0, end, S)]
+        open_slots[:] = [o for i, o in enumerate(open_slots) if i not in closed]
+        return Step("verify", commits, self.stats)
+
+    def _infill_and_commit(self, tokens, accepted, positions, selected, open_slots) -> Step:
+        S = self.params.slot_size
+        final, eos_found = self.infill(tokens, accepted, positions)
+        flat = final.reshape(-1)
+        eos_at = np.flatnonzero(flat == self.eos_id)
+        end = int(eos_at[0]) + 1 if eos_at.size else flat.size
+        self._commit(flat[:end].tolist(), positions[:end])
+        commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
+                   for i in range(0, end, S)]
+        closed = {selected[i] for i in range(len(selected))}
+        if eos_found:  # REFUSION.md §5.1: close only slots at or after the EOS slot
+            eos_start = open_slots[selected[final.shape[0] - 1]]
+            closed |= {i for i, o in enumerate(open_slots) if o >= eos_start}
+        open_slots[:] = [o for i, o in enumerate(open_slots) if i not in closed]
+        return Step("infill", commits, self.stats)
+
+    # -- the answer --------------------------------------------------------
+
+    def response(self) -> List[int]:
+        """Committed response ids in position order, up to and including the first EOS."""
+        pairs = sorted((p, t) for p, t in zip(self.cache.positions[self.start:], self.cache.tokens[self.start:])
+                       if p >= self.response_start)
+        out = []
+        for _, t in pairs:
+            out.append(t)
+            if t == self.eos_id:
+                break
+        return out

@@ -1,0 +1,214 @@
+"""Qwen3 with an explicit position id per token.
+
+ReFusion commits slots out of order, so the order of tokens in the sequence
+(and in the KV cache) is not their position order: attention is causal in
+*sequence* order while RoPE rotates each token by its *own* position id.
+Parameter names are Hugging Face's, so a converted folder also loads in
+``mlx_lm.load`` (which decodes the same weights left to right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.qwen3 import MLP
+
+
+class ConfigError(ValueError):
+    """A config.json this runtime cannot run, with a one-line reason."""
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    max_position_embeddings: int = 32768
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rope_parameters: Optional[Dict[str, Any]] = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    hidden_act: str = "silu"
+    mask_token_id: Optional[int] = None
+    architectures: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.model_type != "qwen3":
+            raise ConfigError(
+                f"model_type is {self.model_type!r}; ReFusion checkpoints are 'qwen3'"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:  # transformers >= 5 nests the RoPE settings
+            if self.rope_theta is None:
+                self.rope_theta = self.rope_parameters.get("rope_theta")
+            if self.rope_scaling is None:
+                self.rope_scaling = self.rope_parameters
+        if self.rope_theta is None:
+            self.rope_theta = 1_000_000.0
+        for name in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if self.head_dim % 2:
+            raise ConfigError("config.json: head_dim must be even for RoPE")
+        if self.use_sliding_window:
+            raise ConfigError("config.json: use_sliding_window is not supported")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        rope_scale(self.rope_scaling)  # validates the scaling type
+
+
+def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
+    """Position divisor of the RoPE scaling config; only none/default/linear exist here."""
+    if not scaling:
+        return 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return 1.0
+    if kind == "linear":
+        factor = float(scaling.get("factor", 1.0))
+        if factor <= 0:
+            raise ConfigError("config.json: rope_scaling factor must be positive")
+        return factor
+    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (none or linear)")
+
+
+class PositionalRoPE:
+    """RoPE from a per-token position array (non-interleaved halves).
+
+    The angles are formed exactly as Hugging Face does (float32 inverse
+    frequencies times float32 positions), so logits match the PyTorch model.
+    """
+
+    def __init__(self, head_dim: int, base: float, scaling: Optional[Dict[str, Any]]):
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv_freq = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
+        inv_freq = inv_freq / np.float32(rope_scale(scaling))
+        self.inv_freq = mx.array(inv_freq)
+
+    def angles(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
+        """cos and sin of shape (T, head_dim/2) for positions of shape (T,)."""
+        theta = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
+        return mx.cos(theta), mx.sin(theta)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate (B, H, T, D) by per-token angles; halves layout as in HF Qwen3."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.scale = hd**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv is not None:
+            k, v = kv.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, rope, mask, kv=None):
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """Qwen3 causal LM whose forward takes the position id of every token.
+
+    ``cache`` is ``None`` (plain causal pass) or a ``KVWrite`` from
+    :mod:`refusion_mlx.cache` that says where this pass's keys and values go
+    and which cached rows each query may see.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Qwen3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = PositionalRoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+
+    def hidden(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
+        """Final-norm hidden states for tokens (1, T) at positions (T,)."""
+        h = self.model.embed_tokens(tokens)
+        rope = self.rope.angles(positions)
+        mask = "causal" if cache is None else cache.mask
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, mask, None if cache is None else cache.layer(i))
+        return self.model.norm(h)
+
+    def head(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
+        return self.head(self.hidden(tokens, positions, cache))
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
+
+    @property
+    def layers(self):
+        return self.model.layers
