@@ -27,10 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import CommittedCache
-
-
-class DecodeError(ValueError):
-    """Invalid decoding parameters or inputs, with a one-line reason."""
+from .errors import DecodeError
 
 
 # --------------------------------------------------------------------------
@@ -110,7 +107,8 @@ PHASES = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 @dataclass
 class DecodeStats:
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # the answer: response ids up to the first EOS
+    committed_tokens: int = 0  # all committed, slots later dropped after EOS included
     forwards: int = 0
     host_syncs: int = 0
     steps: int = 0
@@ -134,6 +132,7 @@ class DecodeStats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
+            "committed_tokens": self.committed_tokens,
             "forwards": self.forwards,
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "host_syncs": self.host_syncs,
@@ -263,7 +262,7 @@ class RefusionDecoder:
 
     def _commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         self.cache.commit(tokens, positions)
-        self.stats.generated_tokens += len(tokens)
+        self.stats.committed_tokens += len(tokens)
         if self.eos_id in tokens:
             self.eos_committed = True
 
@@ -403,6 +402,7 @@ class RefusionDecoder:
                 yield step
             if self.eos_committed:
                 break
+        self.stats.generated_tokens = len(self.response())
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     def _after_verify(self, tokens, accepted, positions, selected, open_slots) -> Optional[Step]:

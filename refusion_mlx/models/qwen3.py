@@ -18,9 +18,7 @@ import numpy as np
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.qwen3 import MLP
 
-
-class ConfigError(ValueError):
-    """A config.json this runtime cannot run, with a one-line reason."""
+from ..errors import ConfigError
 
 
 @dataclass

@@ -1,0 +1,64 @@
+"""An optimized BLAS under MLX's Linux CPU wheel.
+
+The ``mlx-cpu`` wheel links the *reference* BLAS, which is ~50x slower than
+OpenBLAS on matmuls. When the system has OpenBLAS (Debian/Ubuntu:
+``apt-get install libopenblas0-pthread``), loading it with global symbol
+visibility *before* ``mlx.core`` binds MLX's BLAS calls to it, as
+``LD_PRELOAD`` would. Nothing happens on macOS (Accelerate, Metal).
+
+Opt out with ``REFUSION_MLX_BLAS=bundled``; point ``REFUSION_MLX_BLAS`` at a
+library file to use that one instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Optional
+
+ENV = "REFUSION_MLX_BLAS"
+OPT_OUT = {"bundled", "reference", "off", "0", "none"}
+CANDIDATES = [
+    f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0"
+    for arch in ("x86_64", "aarch64")
+] + [
+    f"/usr/lib/{arch}-linux-gnu/libopenblas.so.0" for arch in ("x86_64", "aarch64")
+] + ["/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0"]
+
+preloaded: Optional[str] = None
+
+
+def preload() -> Optional[str]:
+    """Load an optimized BLAS ahead of mlx.core; return its path, or None."""
+    global preloaded
+    choice = os.environ.get(ENV, "auto").strip()
+    if sys.platform != "linux" or choice.lower() in OPT_OUT or "mlx.core" in sys.modules:
+        return None
+    paths = CANDIDATES if choice.lower() in ("", "auto", "1") else [choice]
+    for path in paths:
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            preloaded = path
+            return path
+    return None
+
+
+def blas_in_use() -> str:
+    """Which BLAS library this process has mapped (Linux), for benchmark output."""
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return "unknown"
+    for needle, name in (("openblas", "OpenBLAS"), ("mkl", "MKL"), ("blis", "BLIS")):
+        hits = sorted(p for p in libs if needle in os.path.basename(p).lower()
+                      and "scipy_openblas" not in p)
+        if hits:
+            return f"{name} ({hits[0]})"
+    return "reference BLAS bundled with mlx-cpu (slow: install OpenBLAS, see README)"

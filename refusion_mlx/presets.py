@@ -1,0 +1,24 @@
+"""Decoding settings the ReFusion authors used per benchmark (REFUSION.md §2)."""
+
+from typing import Dict
+
+# gen_length 512 in all of them.
+PRESETS: Dict[str, Dict[str, float]] = {
+    "reference": dict(slot_size=4, serial_num_blocks=32, slot_threshold=0.6, token_threshold=0.3),
+    "gsm8k": dict(slot_size=32, serial_num_blocks=4, slot_threshold=0.9, token_threshold=0.4),
+    "math": dict(slot_size=32, serial_num_blocks=8, slot_threshold=0.8, token_threshold=0.6),
+    "gpqa": dict(slot_size=8, serial_num_blocks=32, slot_threshold=0.8, token_threshold=0.2),
+    "mbpp": dict(slot_size=32, serial_num_blocks=4, slot_threshold=0.9, token_threshold=0.3),
+    "humaneval": dict(slot_size=32, serial_num_blocks=4, slot_threshold=0.9, token_threshold=0.4),
+    "arc-c": dict(slot_size=8, serial_num_blocks=64, slot_threshold=0.8, token_threshold=0.1),
+    "mmlu-pro": dict(slot_size=16, serial_num_blocks=4, slot_threshold=0.9, token_threshold=0.4),
+}
+
+PRESET_GEN_LENGTH = 512
+
+
+def preset(name: str) -> Dict[str, float]:
+    """The settings of a named preset, gen_length included."""
+    if name not in PRESETS:
+        raise KeyError(name)
+    return {"gen_length": PRESET_GEN_LENGTH, **PRESETS[name]}

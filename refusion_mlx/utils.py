@@ -1,0 +1,205 @@
+"""Loading ReFusion checkpoints (Hugging Face or converted MLX folders)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ConfigError, LoadError
+from .models.qwen3 import Model, ModelArgs
+
+DEMO_MODEL = Path(__file__).parent / "demo" / "tiny-refusion"
+MASK_TOKEN = "<|mask|>"
+
+# What a model folder needs from the hub: no other weights formats, no docs.
+HUB_PATTERNS = [
+    "config.json", "generation_config.json", "model*.safetensors",
+    "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "*.jinja",
+]
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def resolve_model_path(path_or_repo: Union[str, Path, None],
+                       allow_patterns: Optional[List[str]] = None) -> Path:
+    """A local folder as is; a hub id through huggingface-hub (cache first)."""
+    if path_or_repo is None:
+        return DEMO_MODEL
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LoadError(f"{path} is a file; give the model folder")
+        return path
+    text = str(path_or_repo)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise LoadError(f"no model folder at {text}")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise LoadError(f"huggingface-hub is needed to fetch {text}: {e}") from e
+    try:
+        return Path(snapshot_download(text, allow_patterns=allow_patterns or HUB_PATTERNS))
+    except HFValidationError:
+        raise LoadError(f"no model folder at {text}, and it is not a valid hub repo id") from None
+    except Exception as e:  # offline, not cached, unknown repo, network error
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(
+            f"{text} is not a local folder and could not be fetched from the hub "
+            f"(offline and not cached?): {detail}") from None
+
+
+def read_config(model_path: Path) -> Dict[str, Any]:
+    config_file = model_path / "config.json"
+    if not config_file.is_file():
+        raise LoadError(f"{model_path} has no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoadError(f"{config_file} is not a JSON object")
+    return config
+
+
+def model_args(config: Dict[str, Any]) -> ModelArgs:
+    """ModelArgs from a config dict, with missing keys reported in one line."""
+    missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers",
+                           "intermediate_size", "num_attention_heads", "vocab_size")
+               if k not in config]
+    if missing:
+        raise LoadError(f"config.json lacks {', '.join(missing)}")
+    try:
+        return ModelArgs.from_dict(config)
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+    except TypeError as e:
+        raise LoadError(f"config.json: {e}") from None
+
+
+def weight_files(model_path: Path) -> List[Path]:
+    """Safetensors files named by the index (all must exist), else model*.safetensors."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise LoadError(f"{index} is malformed: {e}") from None
+        missing = [n for n in names if not (model_path / n).is_file()]
+        if missing:
+            raise LoadError(f"{model_path}: shard {missing[0]} named in the index is missing")
+        return [model_path / n for n in names]
+    files = sorted(model_path.glob("model*.safetensors"))
+    if files:
+        return files
+    if list(model_path.glob("pytorch_model*.bin")):
+        raise LoadError(
+            f"{model_path} holds a PyTorch .bin checkpoint; convert it first with "
+            "python -m refusion_mlx.convert")
+    raise LoadError(f"{model_path} has no model*.safetensors weights")
+
+
+def load_weights(files: List[Path]) -> Dict[str, mx.array]:
+    weights: Dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise LoadError(f"{f.name} is not a readable safetensors file: {e}") from None
+    return weights
+
+
+def _quantize(model: Model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> None:
+    """Swap in quantized layers where the checkpoint has scales (mlx-lm's layout)."""
+    quant = config["quantization"]
+    overrides = {k: v for k, v in quant.items() if isinstance(v, (dict, bool))}
+
+    def predicate(path: str, module: nn.Module):
+        if path in overrides:
+            return overrides[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
+                mode=quant.get("mode", "affine"), class_predicate=predicate)
+
+
+def default_dtype(stored: mx.Dtype) -> mx.Dtype:
+    """float32 on the CPU (half-precision matmuls are slower there, and exact
+    parity with the reference is a float32 property); the stored dtype on a GPU."""
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return stored
+
+
+def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False) -> Tuple[Model, Dict[str, Any]]:
+    """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``)."""
+    config = read_config(model_path)
+    args = model_args(config)
+    model = Model(args)
+    weights = model.sanitize(load_weights(weight_files(model_path)))
+    if "quantization" in config:
+        _quantize(model, config, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        message = " ".join(str(e).split())
+        raise LoadError(f"{model_path}: weights do not match config.json: {message}") from None
+    stored = model.model.norm.weight.dtype
+    if dtype is not None and dtype not in DTYPES:
+        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = DTYPES[dtype] if dtype else default_dtype(stored)
+    model.set_dtype(target)  # floating parameters only; packed weights keep their dtype
+    model.eval()
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config
+
+
+def load_tokenizer(model_path: Path):
+    """mlx-lm's tokenizer wrapper (HF tokenizer plus streaming detokenizer)."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    try:
+        return mlx_lm_load_tokenizer(model_path)
+    except Exception as e:
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise LoadError(f"{model_path}: cannot load the tokenizer: {detail}") from None
+
+
+def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
+    """config.json's mask_token_id, else the tokenizer's <|mask|> token."""
+    mask_id = config.get("mask_token_id")
+    if isinstance(mask_id, int) and not isinstance(mask_id, bool):
+        return mask_id
+    vocab = tokenizer.get_vocab()
+    if MASK_TOKEN in vocab:
+        return int(vocab[MASK_TOKEN])
+    raise LoadError(
+        f"no mask token: config.json has no mask_token_id and the tokenizer has no {MASK_TOKEN}")
+
+
+def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
+         lazy: bool = False):
+    """Load a ReFusion checkpoint: ``(model, tokenizer)``.
+
+    ``path_or_repo`` is a local folder (Hugging Face layout or converted by
+    ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
+    The mask id ends up in ``model.args.mask_token_id``.
+    """
+    model_path = resolve_model_path(path_or_repo)
+    model, config = load_model(model_path, dtype=dtype, lazy=lazy)
+    tokenizer = load_tokenizer(model_path)
+    mask_id = resolve_mask_id(config, tokenizer)
+    if not 0 <= mask_id < model.args.vocab_size:
+        raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {model.args.vocab_size}")
+    if tokenizer.eos_token_id is None:
+        raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
+    model.args.mask_token_id = mask_id
+    model.model_path = model_path
+    return model, tokenizer
