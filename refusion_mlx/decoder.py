@@ -403,7 +403,19 @@ class RefusionDecoder:
             if self.eos_committed:
                 break
         self.stats.generated_tokens = len(self.response())
+        self.settle()
         self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def settle(self) -> None:
+        """Drop committed rows beyond the answer's EOS, so the cache holds
+        exactly the conversation so far and a next turn can continue it."""
+        answer = self.response()
+        if not answer or answer[-1] != self.eos_id:
+            return
+        last = self.response_start + len(answer) - 1
+        rows = [r for r, p in enumerate(self.cache.positions) if r < self.start or p <= last]
+        if len(rows) < len(self.cache):
+            self.cache.keep(rows)
 
     def _after_verify(self, tokens, accepted, positions, selected, open_slots) -> Optional[Step]:
         """Commit the accepted prefix of the verification if it is worth it."""
