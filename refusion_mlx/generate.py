@@ -206,9 +206,16 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> RefusionParams:
+    """RefusionParams from CLI flags: a preset first, explicit flags over it.
+
+    A preset's block count is tied to its 512-token budget; with another
+    budget the preset keeps its block *length* instead.
+    """
     values = preset(args.preset) if getattr(args, "preset", None) else {}
-    if args.block_length is not None:
-        values.pop("serial_num_blocks", None)
+    if values and (args.block_length is not None or args.gen_length is not None):
+        n = values.pop("serial_num_blocks")
+        if args.block_length is None and args.serial_num_blocks is None:
+            values["block_length"] = values["gen_length"] // n
     for name in PARAM_NAMES:
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)

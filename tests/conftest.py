@@ -1,0 +1,29 @@
+"""Shared fixtures. Importing refusion_mlx first lets it preload an optimized BLAS."""
+
+import json
+from pathlib import Path
+
+import refusion_mlx  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from refusion_mlx.utils import DEMO_MODEL, load
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The bundled demo model in float32 and its tokenizer."""
+    return load(DEMO_MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def golden_cases():
+    return json.loads((FIXTURES / "golden_outputs.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def golden_logits():
+    return dict(np.load(FIXTURES / "golden_logits.npz"))

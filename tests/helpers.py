@@ -1,0 +1,73 @@
+"""Small random ReFusion checkpoints for tests."""
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from refusion_mlx.models.qwen3 import Model, ModelArgs
+from refusion_mlx.utils import DEMO_MODEL
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json"]
+
+
+def random_config(vocab_size=806, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                  intermediate=128, tie=False, mask_token_id: Optional[int] = 805, **extra):
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": intermediate,
+        "vocab_size": vocab_size, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": tie, "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if mask_token_id is not None:
+        config["mask_token_id"] = mask_token_id
+    config.update(extra)
+    return config
+
+
+def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: float = 0.08) -> Model:
+    """A float32 model with peaky outputs (so decisions are not coin flips)."""
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    params = []
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            value = mx.ones_like(p)
+        else:
+            std = scale if "embed" in name or "lm_head" in name else layer_std
+            value = mx.random.normal(p.shape) * std
+        params.append((name, value.astype(mx.float32)))
+    model.load_weights(params)
+    model.args.mask_token_id = config.get("mask_token_id")
+    mx.eval(model.parameters())
+    return model
+
+
+def write_checkpoint(model: Model, folder: Path, config: dict, tokenizer_from: Path = DEMO_MODEL,
+                     dtype=mx.float32) -> Path:
+    """An HF-layout folder: config.json, model.safetensors, the demo tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+def rows_of(cache, start=0):
+    return list(zip(cache.positions[start:], cache.tokens[start:]))
+
+
+def answer_positions_contiguous(cache, response_start, answer_len):
+    committed = {p for p in cache.positions if p >= response_start}
+    return set(range(response_start, response_start + answer_len)) <= committed

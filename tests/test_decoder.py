@@ -1,0 +1,194 @@
+"""Decoder parameters and invariants over random models and settings."""
+
+import random
+
+import numpy as np
+import pytest
+
+from refusion_mlx.cache import CommittedCache
+from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.errors import DecodeError
+
+from helpers import random_config, random_model
+
+
+# -- parameters -------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(slot_size=0), "slot_size must be a positive integer"),
+    (dict(slot_size=-4), "slot_size must be a positive integer"),
+    (dict(gen_length=0), "gen_length must be a positive integer"),
+    (dict(serial_num_blocks=0), "serial_num_blocks must be a positive integer"),
+    (dict(block_length=-8), "block_length must be a positive integer"),
+    (dict(block_length=6, slot_size=4), "not a multiple of slot_size"),
+    (dict(gen_length=100, slot_size=4, serial_num_blocks=32), "whole slots"),
+    (dict(gen_length=128, serial_num_blocks=3), "whole slots"),
+    (dict(serial_num_blocks=4, block_length=16), "not both"),
+    (dict(slot_threshold=1.5), r"within \[0, 1\]"),
+    (dict(token_threshold=-0.1), r"within \[0, 1\]"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(slot_size=2.5), "slot_size must be a positive integer"),
+])
+def test_invalid_parameters_raise_clear_errors(kwargs, message):
+    with pytest.raises(DecodeError, match=message):
+        RefusionParams(**kwargs).layout()
+
+
+def test_block_layouts():
+    assert RefusionParams().layout().block_lengths == [16] * 32              # the reference default
+    assert RefusionParams(gen_length=30, slot_size=4).layout().gen_length == 32  # rounded up
+    assert RefusionParams(gen_length=100, slot_size=4).layout().block_lengths == [4] * 25
+    assert RefusionParams(gen_length=40, slot_size=4, block_length=16).layout().block_lengths == [16, 16, 8]
+    assert RefusionParams(gen_length=64, slot_size=8, serial_num_blocks=2).layout().block_lengths == [32, 32]
+
+
+def test_prompt_plus_budget_over_context_is_refused():
+    model = random_model(random_config(max_position_embeddings=64), seed=0)
+    with pytest.raises(DecodeError, match="exceeds the model's context of 64"):
+        RefusionDecoder(model, [1] * 40, RefusionParams(gen_length=32, slot_size=4),
+                        mask_id=805, eos_id=801)
+    RefusionDecoder(model, [1] * 32, RefusionParams(gen_length=32, slot_size=4), mask_id=805, eos_id=801)
+
+
+def test_bad_ids_are_refused():
+    model = random_model(random_config(vocab_size=50, mask_token_id=49), seed=0)
+    with pytest.raises(DecodeError, match="empty"):
+        RefusionDecoder(model, [], RefusionParams(gen_length=8), mask_id=49, eos_id=1)
+    with pytest.raises(DecodeError, match="outside the vocabulary"):
+        RefusionDecoder(model, [3, 77], RefusionParams(gen_length=8), mask_id=49, eos_id=1)
+    with pytest.raises(DecodeError, match="mask token id 50"):
+        RefusionDecoder(model, [3], RefusionParams(gen_length=8), mask_id=50, eos_id=1)
+
+
+# -- invariants ---------------------------------------------------------------
+
+def random_setting(rng: random.Random):
+    S = rng.choice([1, 2, 3, 4, 8])
+    slots = rng.randint(1, 12)
+    gen = S * slots - rng.randint(0, S - 1)
+    if rng.random() < 0.5:
+        n = rng.choice([d for d in range(1, slots + 1) if slots % d == 0])
+        blocks = dict(serial_num_blocks=n)
+    else:
+        blocks = dict(block_length=S * rng.randint(1, slots))
+    return RefusionParams(
+        gen_length=gen, slot_size=S, **blocks,
+        slot_threshold=rng.choice([0.0, 0.3, 0.6, 0.9, 1.0, rng.random()]),
+        token_threshold=rng.choice([0.0, 0.1, 0.3, 0.9, 1.0, rng.random()]),
+        temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randint(0, 99))
+
+
+def likely_token(model, config, avoid):
+    """A token the decoder produces, but not its favourite, as EOS: random
+    runs then stop early in some settings and spend the budget in others."""
+    probe = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=32, slot_size=4),
+                            mask_id=avoid, eos_id=avoid)
+    for _ in probe.steps():
+        pass
+    answer = [t for t in probe.response() if t != avoid]
+    ranked = sorted(set(answer), key=lambda t: (-answer.count(t), t))
+    return ranked[min(1, len(ranked) - 1)]
+
+
+MODELS = [
+    dict(vocab_size=40, mask_token_id=39),                 # small vocabulary: EOS comes often
+    dict(vocab_size=48, mask_token_id=0, tie=True),        # mask id first, tied embeddings
+    dict(vocab_size=64, mask_token_id=20, heads=2, kv_heads=1, head_dim=32),  # mask id in the middle
+]
+
+
+@pytest.mark.parametrize("m", range(len(MODELS)))
+def test_invariants_over_random_settings(m):
+    config = random_config(**MODELS[m])
+    # strong layers, so outputs depend on context (tied heads would echo the input)
+    model = random_model(config, seed=10 + m, scale=2.0, layer_std=1.0)
+    mask_id = config["mask_token_id"]
+    eos_id = likely_token(model, config, avoid=mask_id)
+    rng = random.Random(m)
+    eos_seen, phases = 0, set()
+    for trial in range(25):
+        params = rng.choice([random_setting(rng)])
+        layout = params.layout()
+        prompt = [rng.randrange(config["vocab_size"]) for _ in range(rng.randint(1, 12))]
+        prompt = [t if t != mask_id else 1 for t in prompt]
+        dec = RefusionDecoder(model, prompt, params, mask_id=mask_id, eos_id=eos_id)
+        streamed = []
+        for step in dec.steps():
+            phases.add(step.phase)
+            assert step.commits, "every step commits at least one token"
+            for c in step.commits:
+                assert len(c.positions) == len(c.tokens) <= params.slot_size
+                streamed += list(zip(c.positions, c.tokens))
+        answer = dec.response()
+        start = len(prompt)
+        # the budget holds, nothing follows EOS, and there is no hole before the end
+        assert 1 <= len(answer) <= layout.gen_length
+        assert eos_id not in answer[:-1]
+        if answer[-1] == eos_id:
+            eos_seen += 1
+        else:
+            assert len(answer) == layout.gen_length
+        # the cache holds exactly prompt + answer, with the answer's positions
+        cache = dec.cache
+        assert len(cache) == len(cache.tokens) == len(cache.positions) == start + len(answer)
+        assert sorted(cache.positions) == list(range(start + len(answer)))
+        by_pos = dict(zip(cache.positions, cache.tokens))
+        assert [by_pos[start + i] for i in range(len(answer))] == answer
+        # what steps reported is what was committed
+        streamed = dict(streamed)
+        assert all(streamed[start + i] == t for i, t in enumerate(answer))
+        stats = dec.stats
+        assert stats.generated_tokens == len(answer)
+        assert stats.committed_tokens >= len(answer)
+        assert stats.forwards >= 2 * stats.steps
+        assert stats.host_syncs >= stats.steps
+    assert 0 < eos_seen < 25, "some runs stop at EOS, some spend the budget"
+    assert phases == {"verify", "infill"}
+
+
+def test_seeded_sampling_is_reproducible():
+    config = random_config(vocab_size=64, mask_token_id=63)
+    model = random_model(config, seed=4, scale=0.5)
+
+    def run(seed):
+        dec = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=24, slot_size=4, temperature=1.0,
+                                                               seed=seed), mask_id=63, eos_id=7)
+        for _ in dec.steps():
+            pass
+        return dec.response()
+
+    assert run(1) == run(1)
+    assert len({tuple(run(s)) for s in range(6)}) > 1
+
+
+def test_threshold_one_still_progresses():
+    """τs = τt = 1 can never be exceeded: one slot per step, infill accepts one token per round."""
+    config = random_config(vocab_size=64, mask_token_id=63)
+    model = random_model(config, seed=5)
+    dec = RefusionDecoder(model, [1, 2], RefusionParams(gen_length=16, slot_size=4, serial_num_blocks=1,
+                                                         slot_threshold=1.0, token_threshold=1.0),
+                          mask_id=63, eos_id=999 % 64)
+    steps = list(dec.steps())
+    assert all(len(s.commits) == 1 and s.phase == "infill" for s in steps)
+    assert dec.stats.forwards == len(steps) * (2 + 2 * 3)  # plan, verify, 3 draft/verify rounds
+
+
+def test_conversation_continues_the_cache():
+    """A second turn appends after the first: positions continue, the prompt prefill is only the new turn."""
+    config = random_config(vocab_size=40, mask_token_id=39)
+    model = random_model(config, seed=6, scale=2.0)
+    cache = CommittedCache.for_model(model)
+    first = RefusionDecoder(model, [1, 2, 3, 4], RefusionParams(gen_length=16, slot_size=4),
+                            mask_id=39, eos_id=7, cache=cache)
+    for _ in first.steps():
+        pass
+    held = len(cache)
+    assert sorted(cache.positions) == list(range(held))
+    second = RefusionDecoder(model, [5, 6], RefusionParams(gen_length=8, slot_size=4),
+                             mask_id=39, eos_id=7, cache=cache)
+    assert second.response_start == held + 2
+    for _ in second.steps():
+        pass
+    assert cache.tokens[held:held + 2] == [5, 6]
+    assert cache.positions[held:held + 2] == [held, held + 1]
+    assert sorted(cache.positions) == list(range(len(cache)))

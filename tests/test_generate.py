@@ -1,0 +1,311 @@
+"""Streaming API, the generate CLI, and every bad input's one-line error."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from refusion_mlx.errors import DecodeError, LoadError
+from refusion_mlx.generate import AnswerText, generate, main, make_params, stream_generate
+from refusion_mlx.utils import DEMO_MODEL, load
+
+from helpers import random_config, random_model, write_checkpoint
+
+
+# -- streaming ----------------------------------------------------------------
+
+def test_stream_releases_text_in_answer_order(demo):
+    model, tokenizer = demo
+    responses = list(stream_generate(model, tokenizer, [800, 265, 198, 422, 276, 383, 335, 338, 220, 16,
+                                                         16, 298, 220, 16, 287, 220, 21, 13, 801, 198,
+                                                         800, 268, 198],
+                                     max_tokens=128, slot_size=16, serial_num_blocks=2,
+                                     slot_threshold=0.8, token_threshold=0.6))
+    assert all(r.finish_reason is None and r.stats is None for r in responses[:-1])
+    last = responses[-1]
+    assert last.finish_reason in ("stop", "length") and last.stats is not None
+    tokens = [t for r in responses for t in r.tokens]
+    text = "".join(r.text for r in responses)
+    assert tokens and text == tokenizer.decode(tokens, skip_special_tokens=True)
+    committed = {p: t for r in responses for c in r.commits for p, t in zip(c.positions, c.tokens)}
+    start = min(committed)
+    assert [committed[start + i] for i in range(len(tokens))] == tokens
+    assert [r.step for r in responses] == list(range(len(responses)))
+    assert last.generation_tokens == len(tokens) == last.stats.generated_tokens
+
+
+def test_answer_text_waits_for_the_gap():
+    """Slots after a gap are held back; text is released once the gap closes."""
+    from refusion_mlx.decoder import SlotCommit
+
+    class Tok:
+        def __len__(self):
+            return 100
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    answer = AnswerText(Tok(), response_start=10, eos_id=99)
+    assert answer.add([SlotCommit([12, 13], [2, 3])]) == ([], "")
+    assert answer.add([SlotCommit([10, 11], [0, 1])]) == ([0, 1, 2, 3], "abcd")
+    assert answer.add([SlotCommit([14, 15], [99, 4])]) == ([99], "")
+    assert answer.done
+
+
+def test_generate_returns_text_and_stats(demo):
+    model, tokenizer = demo
+    text, stats = generate(model, tokenizer, "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n",
+                           max_tokens=96, slot_size=4, serial_num_blocks=3, slot_threshold=0.0,
+                           token_threshold=0.0, return_stats=True)
+    assert text == "Sven lives in Hanoi. Sven works as a baker. Sven has a turtle named Pepper."
+    assert stats.generated_tokens == 19 and stats.forwards >= 2
+
+
+def test_parameter_aliases_and_unknowns():
+    assert make_params(max_tokens=64, temp=0.5).gen_length == 64
+    assert make_params(max_tokens=64, temp=0.5).temperature == 0.5
+    with pytest.raises(DecodeError):
+        make_params(max_tokens=64, gen_length=32)
+    with pytest.raises(TypeError, match="top_k"):
+        make_params(top_k=3)
+
+
+def test_padded_vocabulary_ids_do_not_break_text(tmp_path):
+    """Embedding rows beyond the tokenizer: ids there stay in output_ids, text skips them."""
+    config = random_config(vocab_size=1200, mask_token_id=1100)
+    folder = write_checkpoint(random_model(config, seed=3, scale=2.0, layer_std=1.0), tmp_path / "m", config)
+    model, tokenizer = load(folder)
+    out = list(stream_generate(model, tokenizer, [800, 265, 198], max_tokens=32, slot_size=4))
+    ids = [t for r in out for t in r.tokens]
+    assert any(t >= len(tokenizer) for t in ids)
+    assert isinstance("".join(r.text for r in out), str)
+
+
+# -- CLI ------------------------------------------------------------------------
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_streams_text(capsys):
+    code, out, err = run_main(capsys, "--prompt", "Write the multiplication table of 3 up to 5.",
+                              "--max-tokens", "128", "--slot-size", "8", "--serial-num-blocks", "2",
+                              "--slot-threshold", "0.9", "--token-threshold", "0.9", "--verbose")
+    assert code == 0
+    assert out == "3 x 1 = 3\n3 x 2 = 6\n3 x 3 = 9\n3 x 4 = 12\n3 x 5 = 15\n"
+    assert "tokens/forward" in err and "peak memory" in err
+
+
+def test_cli_preset_and_override(capsys):
+    """A preset with a smaller budget keeps its block length (gsm8k: 512/4 = 128 tokens)."""
+    from refusion_mlx.generate import build_parser, params_from_args
+
+    args = build_parser().parse_args(["--preset", "gsm8k", "--max-tokens", "64"])
+    p = params_from_args(args)
+    assert (p.gen_length, p.slot_size, p.block_length, p.serial_num_blocks) == (64, 32, 128, None)
+    assert (p.slot_threshold, p.token_threshold) == (0.9, 0.4)
+    args = build_parser().parse_args(["--preset", "math"])
+    p = params_from_args(args)
+    assert (p.gen_length, p.slot_size, p.serial_num_blocks, p.token_threshold) == (512, 32, 8, 0.6)
+    args = build_parser().parse_args(["--preset", "gpqa", "--serial-num-blocks", "4", "--slot-threshold", "0.5"])
+    p = params_from_args(args)
+    assert (p.slot_size, p.serial_num_blocks, p.slot_threshold) == (8, 4, 0.5)
+    code, out, _ = run_main(capsys, "--prompt", "Who is Sven?", "--preset", "gsm8k", "--max-tokens", "64", "--json")
+    assert code == 0
+    assert json.loads(out)["stats"]["generated_tokens"] > 0
+
+
+def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Sven?"))
+    code, out, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
+    assert code == 0 and json.loads(out)["text"].startswith("Sven")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--slot-size", "0"], "slot_size must be a positive integer"),
+    (["--slot-size", "4", "--block-length", "6"], "not a multiple of slot_size"),
+    (["--max-tokens", "100", "--serial-num-blocks", "32"], "whole slots"),
+    (["--slot-threshold", "1.2"], "within [0, 1]"),
+    (["--token-threshold", "-1"], "within [0, 1]"),
+    (["--max-tokens", "-5"], "gen_length must be a positive integer"),
+    (["--temp", "-0.5"], "temperature must be >= 0"),
+    (["--max-tokens", "4096"], "exceeds the model's context of 2048"),
+    (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
+])
+def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--slot-size", "four"], ["--dtype", "float8"], ["--preset", "nope"],
+                                  ["--serial-num-blocks", "2", "--block-length", "8"], ["--bogus"]])
+def test_cli_usage_errors_are_one_line(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_module_entry_point_bad_input_has_no_traceback():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--slot-size", "x"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "invalid int value" in proc.stderr
+
+
+def test_module_entry_point_json():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompt", "Who is Sven?",
+                           "--max-tokens", "96", "--slot-size", "4", "--serial-num-blocks", "3",
+                           "--slot-threshold", "0", "--token-threshold", "0", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["output_ids"] == [593, 357, 311, 706, 13, 681, 352, 351, 275, 555, 13, 681, 355, 275,
+                                 535, 356, 622, 13, 801]
+
+
+# -- loading --------------------------------------------------------------------
+
+@pytest.fixture
+def demo_copy(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL, folder)
+    return folder
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_config(demo_copy):
+    (demo_copy / "config.json").unlink()
+    with pytest.raises(LoadError, match="has no config.json"):
+        load(demo_copy)
+
+
+def test_config_not_json(demo_copy):
+    (demo_copy / "config.json").write_text("{not json")
+    with pytest.raises(LoadError, match="not valid JSON"):
+        load(demo_copy)
+
+
+def test_config_missing_keys(demo_copy):
+    edit_config(demo_copy, hidden_size=None)
+    with pytest.raises(LoadError, match="lacks hidden_size"):
+        load(demo_copy)
+
+
+def test_wrong_architecture(demo_copy):
+    edit_config(demo_copy, model_type="llama")
+    with pytest.raises(LoadError, match="model_type is 'llama'"):
+        load(demo_copy)
+
+
+def test_unsupported_rope_type(demo_copy):
+    edit_config(demo_copy, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(LoadError, match="rope_scaling type 'yarn' is not supported"):
+        load(demo_copy)
+
+
+def test_mask_id_falls_back_to_the_tokenizer(demo_copy):
+    edit_config(demo_copy, mask_token_id=None)
+    model, _ = load(demo_copy)
+    assert model.args.mask_token_id == 805
+
+
+def test_mask_id_from_config_wins(demo_copy):
+    edit_config(demo_copy, mask_token_id=17)
+    model, _ = load(demo_copy)
+    assert model.args.mask_token_id == 17
+
+
+def test_no_mask_id_anywhere(demo_copy):
+    edit_config(demo_copy, mask_token_id=None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
+        path = demo_copy / name
+        path.write_text(path.read_text().replace("<|mask|>", "<|unused|>"))
+    with pytest.raises(LoadError, match="no mask token"):
+        load(demo_copy)
+
+
+def test_mask_id_outside_vocabulary(demo_copy):
+    edit_config(demo_copy, mask_token_id=806)
+    with pytest.raises(LoadError, match="outside the vocabulary of 806"):
+        load(demo_copy)
+
+
+def test_missing_shard_named_in_index(demo_copy):
+    (demo_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(LoadError, match="shard model-00001-of-00002.safetensors named in the index is missing"):
+        load(demo_copy)
+
+
+def test_truncated_weights(demo_copy):
+    data = (demo_copy / "model.safetensors").read_bytes()
+    (demo_copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(LoadError, match="model.safetensors is not a readable safetensors file"):
+        load(demo_copy)
+
+
+def test_weights_that_do_not_match_the_config(demo_copy):
+    edit_config(demo_copy, intermediate_size=512)
+    with pytest.raises(LoadError, match="weights do not match config.json"):
+        load(demo_copy)
+
+
+def test_pytorch_bin_only_points_to_convert(demo_copy):
+    (demo_copy / "model.safetensors").rename(demo_copy / "pytorch_model.bin")
+    with pytest.raises(LoadError, match="refusion_mlx.convert"):
+        load(demo_copy)
+
+
+def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(LoadError, match="could not be fetched from the hub"):
+        load("someone/not-a-cached-model")
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """A cached hub snapshot loads offline through huggingface-hub."""
+    cache = tmp_path / "hf" / "hub" / "models--someone--tiny-refusion"
+    snap = cache / "snapshots" / ("0" * 40)
+    shutil.copytree(DEMO_MODEL, snap)
+    (cache / "refs").mkdir(parents=True)
+    (cache / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    model, tokenizer = load("someone/tiny-refusion")
+    assert model.args.mask_token_id == 805 and tokenizer.eos_token_id == 801
+
+
+def test_load_a_file_not_a_folder():
+    with pytest.raises(LoadError, match="is a file"):
+        load(DEMO_MODEL / "config.json")
+
+
+def test_default_dtype_is_float32_on_cpu():
+    import mlx.core as mx
+
+    model, _ = load()
+    if mx.default_device() == mx.cpu:
+        assert model.model.norm.weight.dtype == mx.float32

@@ -1,0 +1,105 @@
+"""The MLX Qwen3 with per-token positions against the PyTorch model."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from refusion_mlx.errors import ConfigError
+from refusion_mlx.models.qwen3 import ModelArgs
+from refusion_mlx.utils import DEMO_MODEL, load
+
+from helpers import random_config, random_model
+
+
+@pytest.mark.parametrize("kind", ["plain", "slots"])
+def test_logits_match_pytorch_float32(demo, golden_logits, kind):
+    model, _ = demo
+    ids = mx.array(golden_logits[f"{kind}_input_ids"])[None]
+    pos = mx.array(golden_logits[f"{kind}_position_ids"])
+    out = np.array(model(ids, pos))[0]
+    assert np.abs(out - golden_logits[f"{kind}_logits"]).max() < 1e-4
+
+
+def test_shuffled_positions_change_the_logits(demo, golden_logits):
+    """RoPE must use each token's position id, not its index in the sequence."""
+    model, _ = demo
+    ids = mx.array(golden_logits["slots_input_ids"])[None]
+    by_index = np.array(model(ids, mx.arange(ids.shape[1])))[0]
+    assert np.abs(by_index - golden_logits["slots_logits"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_keeps_top1(golden_logits, dtype):
+    model, _ = load(DEMO_MODEL, dtype=dtype)
+    for kind in ("plain", "slots"):
+        ids = mx.array(golden_logits[f"{kind}_input_ids"])[None]
+        out = model(ids, mx.array(golden_logits[f"{kind}_position_ids"]))
+        assert out.dtype == getattr(mx, dtype)
+        top1 = np.array(mx.argmax(out, axis=-1))[0]
+        agree = (top1 == golden_logits[f"{kind}_logits"].argmax(-1)).mean()
+        assert agree >= 0.95
+
+
+def test_linear_rope_scaling_divides_positions():
+    base = random_model(random_config(), seed=1)
+    scaled = random_model(random_config(rope_scaling={"rope_type": "linear", "factor": 2.0}), seed=1)
+    ids = mx.array([[5, 9, 13, 2, 7]])
+    pos = mx.array([0, 3, 1, 4, 2])
+    assert np.allclose(np.array(base(ids, pos)), np.array(scaled(ids, pos * 2)), atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}])
+def test_unsupported_rope_scaling_is_a_clear_error(scaling):
+    with pytest.raises(ConfigError, match="not supported"):
+        ModelArgs.from_dict(random_config(rope_scaling=scaling))
+
+
+def test_non_qwen3_is_refused():
+    with pytest.raises(ConfigError, match="qwen3"):
+        ModelArgs.from_dict(random_config(model_type="llama"))
+
+
+def test_tied_embeddings_use_the_embedding_as_head():
+    model = random_model(random_config(tie=True), seed=2)
+    assert "lm_head" not in model
+    ids = mx.array([[1, 2, 3]])
+    h = model.hidden(ids, mx.arange(3))
+    expected = h @ model.model.embed_tokens.weight.T
+    assert np.allclose(np.array(model(ids, mx.arange(3))), np.array(expected), atol=1e-5)
+
+
+
+
+@pytest.mark.parametrize("variant", [
+    dict(tie=True),
+    dict(vocab_size=1000),                      # padded: embedding rows > tokenizer length
+    dict(heads=8, kv_heads=1, head_dim=8),      # GQA 8:1, small head_dim
+    dict(attention_bias=True),
+    dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+])
+def test_hf_checkpoint_logits_match_transformers(tmp_path, variant):
+    """Checkpoints saved by transformers load and run like Qwen3ForCausalLM."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from helpers import TOKENIZER_FILES
+
+    cfg = random_config(**variant)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    hf.eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    import shutil
+    for name in TOKENIZER_FILES:
+        if (DEMO_MODEL / name).exists():
+            shutil.copy(DEMO_MODEL / name, tmp_path / name)
+    model, tokenizer = load(tmp_path, dtype="float32")
+    assert model.args.mask_token_id == 805
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg["vocab_size"], size=24)
+    pos = rng.permutation(40)[:24]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)[None], position_ids=torch.tensor(pos)[None]).logits[0].numpy()
+    out = np.array(model(mx.array(ids)[None], mx.array(pos)))[0]
+    assert out.shape == (24, cfg["vocab_size"])
+    assert np.abs(out - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
