@@ -190,9 +190,15 @@ def token_probs(logits: mx.array, tokens: mx.array) -> mx.array:
     return mx.exp(picked - top[..., 0]) / total
 
 
-def shift_right(logits: mx.array) -> mx.array:
-    """Row j-1's logits at row j (row 0 keeps its own): next-token verification."""
-    return mx.concatenate([logits[..., :1, :], logits[..., :-1, :]], axis=-2)
+def next_token_probs(logits: mx.array, tokens: mx.array) -> mx.array:
+    """Verified probability of token j under the logits at j-1, for j >= 1.
+
+    Column 0 is left at 0: its verified probability is never used (in global
+    verification each slot's first token keeps its planning probability, in
+    infill the window's first token is accepted outright).
+    """
+    probs = token_probs(logits[..., :-1, :], tokens[..., 1:])
+    return mx.concatenate([mx.zeros((*tokens.shape[:-1], 1), probs.dtype), probs], axis=-1)
 
 
 # --------------------------------------------------------------------------
@@ -327,7 +333,7 @@ class RefusionDecoder:
         positions = [self.response_start + open_slots[i] + j for i in selected for j in range(S)]
         with self._phase("verify"):
             hidden = self._forward(chosen, positions, self.cache.extend(len(positions)))
-            verified = token_probs(shift_right(self._logits(hidden)), chosen).reshape(-1, S)
+            verified = next_token_probs(self._logits(hidden), chosen).reshape(-1, S)
             first = mx.take(confidence, index)
             probs = mx.concatenate([first[:, None], verified[:, 1:]], axis=1)
             tokens, probs = self._fetch(chosen.reshape(-1, S), probs)
@@ -357,16 +363,17 @@ class RefusionDecoder:
             window_pos = mx.array(pos[:, a:].reshape(-1))
             held = mx.array(tags[:, a:].reshape(-1))
             known = mx.array(tokens[:, a:].reshape(-1))
+            write = self.cache.infill(k, S, a)  # the same rows and mask for draft and verify
             with self._phase("infill_draft"):
                 masked = mx.where(held, known, self.mask_id)
-                hidden = self._forward(masked, window_pos, self.cache.infill(k, S, a))
+                hidden = self._forward(masked, window_pos, write)
                 proposed = mx.argmax(self._logits(hidden), axis=-1)
                 filled = mx.where(held, known, proposed.astype(known.dtype))
                 mx.eval(filled)
             with self._phase("infill_verify"):
-                hidden = self._forward(filled, window_pos, self.cache.infill(k, S, a))
+                hidden = self._forward(filled, window_pos, write)
                 logits = self._logits(hidden).reshape(k, S - a, -1)
-                probs = token_probs(shift_right(logits), filled.reshape(k, S - a))
+                probs = next_token_probs(logits, filled.reshape(k, S - a))
                 filled_np, probs_np = self._fetch(filled.reshape(k, S - a), probs)
             tokens[:, a:] = filled_np
             # accepted: confident, or right after a token accepted before this
