@@ -264,7 +264,8 @@ class RefusionDecoder:
         return self.model.hidden(tokens, positions, write)[0]
 
     def _logits(self, hidden: mx.array) -> mx.array:
-        return self.model.head(hidden).astype(mx.float32)
+        logits = self.model.head(hidden)
+        return logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
 
     def _commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         self.cache.commit(tokens, positions)

@@ -112,8 +112,13 @@ class PositionalRoPE:
         return mx.cos(theta), mx.sin(theta)
 
 
+@mx.compile
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate (B, H, T, D) by per-token angles; halves layout as in HF Qwen3."""
+    """Rotate (B, H, T, D) by per-token angles; halves layout as in HF Qwen3.
+
+    Compiled (per shape, not shapeless: the split depends on head_dim) so the
+    rotation is one fused kernel instead of eight elementwise passes.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
