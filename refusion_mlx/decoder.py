@@ -276,7 +276,11 @@ class RefusionDecoder:
     # -- (a) plan ----------------------------------------------------------
 
     def plan(self, open_slots: List[int]) -> tuple:
-        """Draft every open slot from masks; return drafts, probs, selection."""
+        """Draft every open slot from masks.
+
+        Returns the drafts (n, S), each slot's confidence (its first token's
+        probability, on the device) and the selected slot indices in order.
+        """
         S = self.params.slot_size
         positions = [self.response_start + o + j for o in open_slots for j in range(S)]
         tokens = [self.mask_id] * len(positions)
@@ -347,9 +351,9 @@ class RefusionDecoder:
     def infill(self, tokens: np.ndarray, accepted: np.ndarray, positions: List[int]):
         """Decode the selected slots in parallel until all their tokens are accepted.
 
-        Returns the slots' final tokens (k, S), how many slots survive (those
-        after the first slot holding an accepted EOS are dropped) and whether
-        EOS was found.
+        Returns the surviving slots' final tokens (k', S) -- slots after the
+        first one holding an accepted EOS are dropped -- and whether EOS was
+        found. The slots' K/V are left in their scratch rows, in slot order.
         """
         S = self.params.slot_size
         tau = self.params.token_threshold
@@ -396,6 +400,9 @@ class RefusionDecoder:
     def steps(self) -> Iterator[Step]:
         """Run the whole response, yielding each step that commits tokens."""
         S = self.params.slot_size
+        mx.reset_peak_memory()  # peak of this response (weights and cache included)
+        # every row this response can write: one allocation, no growth mid-decode
+        self.cache.reserve(len(self.prompt) + self.layout.gen_length)
         block_start = 0
         for block_len in self.layout.block_lengths:
             open_slots = list(range(block_start, block_start + block_len, S))
@@ -426,43 +433,47 @@ class RefusionDecoder:
             self.cache.keep(rows)
 
     def _after_verify(self, tokens, accepted, positions, selected, open_slots) -> Optional[Step]:
-        """Commit the accepted prefix of the verification if it is worth it."""
+        """Commit the verification's accepted prefix if it holds EOS or a whole slot."""
         S = self.params.slot_size
         flat = tokens.reshape(-1)
         prefix = int(np.cumprod(accepted.reshape(-1)).sum())
         eos_at = np.flatnonzero(flat[:prefix] == self.eos_id)
         if eos_at.size:
-            end = int(eos_at[0]) + 1
-            eos_slot = int(eos_at[0]) // S
-            closed = set(selected[: eos_slot + 1])
-            eos_start = open_slots[selected[eos_slot]]
-            closed |= {i for i, o in enumerate(open_slots) if o >= eos_start}
+            end, eos_slot = int(eos_at[0]) + 1, int(eos_at[0]) // S
+            closed = self._close_from(set(selected[: eos_slot + 1]), selected, open_slots, eos_slot)
         elif prefix >= S:
             end = (prefix // S) * S
             closed = set(selected[: prefix // S])
         else:
             return None
-        self._commit(flat[:end].tolist(), positions[:end])
-        commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
-                   for i in range(0, end, S)]
-        open_slots[:] = [o for i, o in enumerate(open_slots) if i not in closed]
-        return Step("verify", commits, self.stats)
+        return self._commit_slots("verify", flat, end, positions, closed, open_slots)
 
     def _infill_and_commit(self, tokens, accepted, positions, selected, open_slots) -> Step:
-        S = self.params.slot_size
+        """Infill the selected slots and commit them up to the first EOS."""
         final, eos_found = self.infill(tokens, accepted, positions)
         flat = final.reshape(-1)
         eos_at = np.flatnonzero(flat == self.eos_id)
         end = int(eos_at[0]) + 1 if eos_at.size else flat.size
+        closed = set(selected)
+        if eos_found:  # REFUSION.md §5.1: close by the EOS slot's block position, no holes
+            closed = self._close_from(closed, selected, open_slots, eos_slot=final.shape[0] - 1)
+        return self._commit_slots("infill", flat, end, positions, closed, open_slots)
+
+    @staticmethod
+    def _close_from(closed: set, selected, open_slots, eos_slot: int) -> set:
+        """Add every open slot at or after the EOS slot's position to ``closed``."""
+        eos_start = open_slots[selected[eos_slot]]
+        return closed | {i for i, o in enumerate(open_slots) if o >= eos_start}
+
+    def _commit_slots(self, phase: str, flat: np.ndarray, end: int, positions: List[int],
+                      closed: set, open_slots: List[int]) -> Step:
+        """Commit ``flat[:end]`` (whole slots, the last maybe cut after EOS); close slots."""
+        S = self.params.slot_size
         self._commit(flat[:end].tolist(), positions[:end])
         commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
                    for i in range(0, end, S)]
-        closed = {selected[i] for i in range(len(selected))}
-        if eos_found:  # REFUSION.md §5.1: close only slots at or after the EOS slot
-            eos_start = open_slots[selected[final.shape[0] - 1]]
-            closed |= {i for i, o in enumerate(open_slots) if o >= eos_start}
         open_slots[:] = [o for i, o in enumerate(open_slots) if i not in closed]
-        return Step("infill", commits, self.stats)
+        return Step(phase, commits, self.stats)
 
     # -- the answer --------------------------------------------------------
 
