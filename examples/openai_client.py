@@ -48,15 +48,15 @@ def main() -> int:
 
     # 2. One response, with ReFusion's decoding settings as extra body fields.
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "system", "content": "Answer briefly."},
-                               {"role": "user", "content": "Who is Sven?"}],
+        model=model, messages=[{"role": "user", "content": "Who is Sven?"}],
         max_tokens=64, temperature=0, stop=["Pepper"],
         extra_body={"slot_size": 4, "block_length": 32, "slot_threshold": 0.6, "token_threshold": 0.3})
     print(f"chat> {reply.choices[0].message.content}  [finish_reason={reply.choices[0].finish_reason}]")
 
-    # 3. A plain text completion.
-    done = client.completions.create(model=model, prompt="Write a Python function g that multiplies x by 4.",
-                                     max_tokens=24)
+    # 3. A text completion: the prompt is used as is (here written in the chat format by hand).
+    prompt = ("<|im_start|>user\nWrite a Python function g that multiplies x by 4.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=24)
     print(f"completion> {done.choices[0].text!r}")
 
     # 4. Bad requests come back as 4xx with an OpenAI error object.

@@ -298,13 +298,17 @@ class Trace:
         self.path = path
         self.tokenizer = tokenizer
         self.steps: List[dict] = []
+        self.turn = 0  # counts every turn of the run, /reset or not
         self.write()  # fail now (bad path) rather than after the first answer
 
-    def add(self, turn: int, response_start: int, response) -> None:
+    def begin_turn(self) -> None:
+        self.turn += 1
+
+    def add(self, response_start: int, response) -> None:
         positions = [p for c in response.commits for p in c.positions]
         tokens = [t for c in response.commits for t in c.tokens]
         self.steps.append({
-            "turn": turn, "step": response.step, "phase": response.phase,
+            "turn": self.turn, "step": response.step, "phase": response.phase,
             "positions": positions, "tokens": tokens,
             "pieces": [self.tokenizer.decode([t]) for t in tokens],
             "slots": [len(c.positions) for c in response.commits],
@@ -355,6 +359,8 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
     view = None
     answer = []
     stream = session.stream(text)
+    if trace is not None:
+        trace.begin_turn()
     try:
         for r in stream:
             if visualize:
@@ -368,7 +374,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
                 term.out.write(r.text)
                 term.out.flush()
             if trace is not None:
-                trace.add(len(session.turns) + 1, session.response_start, r)
+                trace.add(session.response_start, r)
     except KeyboardInterrupt:
         stream.close()
         if view is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -391,6 +392,7 @@ class Engine:
         self.max_active = max_active
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self.model = None
+        self.args = None
         self.tokenizer = None  # the engine thread's
         self.http_tokenizer = None  # the HTTP threads', behind tokenizer_lock
         self.tokenizer_lock = threading.Lock()
@@ -444,18 +446,28 @@ class Engine:
         from .utils import load, load_tokenizer
 
         self.model, self.tokenizer = load(self.model_path, dtype=self.dtype)
+        self.args = self.model.args  # plain config, read by the HTTP threads
         self.http_tokenizer = load_tokenizer(self.model.model_path)
 
     def _run(self) -> None:
+        running: "collections.deque[_Generation]" = collections.deque()
         try:
             self._load()
         except BaseException as e:  # reported by start() on the main thread
             self._error = e if isinstance(e, RefusionError) else RefusionError(
                 f"cannot load the model: {type(e).__name__}: {e}")
+            self._release(running)
             self._ready.set()
             return
         self._ready.set()
-        running: "collections.deque[_Generation]" = collections.deque()
+        try:
+            self._serve(running)
+        finally:
+            self._release(running)
+            self._refuse_waiting()
+
+    def _serve(self, running) -> None:
+        """Round robin: one step of each running generation in turn."""
         while not self._stopping.is_set():
             self._admit(running, block=not running)
             if running:
@@ -465,14 +477,34 @@ class Engine:
                 self.active = len(running)
         for gen in running:
             gen.abort(APIError(503, "the server is shutting down", code="shutting_down"))
-        self.active = 0
+
+    def _refuse_waiting(self) -> None:
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
-                break
+                return
             if job is not None:
                 job.events.put(("error", APIError(503, "the server is shutting down", code="shutting_down")))
+
+    def _release(self, running) -> None:
+        """Free this thread's arrays and MLX streams before it ends.
+
+        MLX gives each thread its own stream (and a worker thread for it on
+        the CPU); left for interpreter exit, they can abort the process
+        ("terminate called without an active exception").
+        """
+        import mlx.core as mx
+
+        running.clear()
+        self.model = self.tokenizer = None
+        self.active = 0
+        gc.collect()
+        try:
+            mx.synchronize()
+            mx.clear_streams()
+        except Exception:  # pragma: no cover - older MLX without clear_streams
+            pass
 
     def _admit(self, running, block: bool) -> None:
         """Move queued jobs into the running set, up to max_active."""
@@ -731,7 +763,7 @@ class Handler(BaseHTTPRequestHandler):
     def _completion(self, kind: str) -> None:
         body = self._read_json()
         engine = self.server.engine
-        args = engine.model.args
+        args = engine.args
         request = parse_request(body, kind, self._tokenize(kind), defaults=self.server.defaults,
                                 default_max_tokens=self.server.default_max_tokens,
                                 context=args.max_position_embeddings, vocab_size=args.vocab_size)
@@ -940,6 +972,9 @@ class APIServer(ThreadingHTTPServer):
         self.fingerprint = f"refusion-mlx-{uuid.uuid4().hex[:8]}"
 
     def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionError, socket.timeout)):  # the client went away
+            log.debug("connection from %s closed by the client", client_address)
+            return
         log.exception("unhandled error while serving %s", client_address)
 
 

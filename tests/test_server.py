@@ -36,8 +36,21 @@ PROMPTS = [
     "Write a Python function g that multiplies x by 4.",
 ]
 MAX_TOKENS = 48
+SHORT = 16  # the concurrency test's budget: 20 answers must stay cheap on a slow BLAS
 LONG = {"prompt": "1 2 3 4 5 6 7 8 9 10", "max_tokens": 1024, "slot_threshold": 1.0,
         "token_threshold": 1.0}  # a raw completion the demo model runs for 20+ seconds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_servers():
+    """Two ``python -m refusion_mlx.server`` processes, started first so that their
+    startup overlaps the in-process tests; the CLI tests stop them with a signal."""
+    procs = {sig: start_cli() for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +63,9 @@ def expected():
     model, tok = load()
     out = {}
     for p in PROMPTS:
-        out[p] = "".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p),
-                                                           max_tokens=MAX_TOKENS))
+        for n in (MAX_TOKENS, SHORT):
+            out[p, n] = "".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=n))
+        out[p] = out[p, MAX_TOKENS]
         out[p, "ids"] = len(chat_prompt(tok, p))
     return out
 
@@ -167,7 +181,7 @@ def test_twenty_concurrent_streams(client, expected, server):
         c = openai.OpenAI(base_url=server.url, api_key="local", max_retries=0, timeout=60)
         t0 = time.perf_counter()
         text, finish, first = "", None, None
-        for chunk in chat(c, p, stream=True):
+        for chunk in chat(c, p, stream=True, max_tokens=SHORT):
             if chunk.choices:
                 if chunk.choices[0].delta.content and first is None:
                     first = time.perf_counter() - t0
@@ -180,7 +194,7 @@ def test_twenty_concurrent_streams(client, expected, server):
         results = list(pool.map(run, range(20)))
     wall = time.perf_counter() - t0
     for p, text, finish, _, _ in results:
-        assert text == expected[p] and finish in ("stop", "length")
+        assert text == expected[p, SHORT] and finish in ("stop", "length")
     firsts = sorted(r[3] for r in results)
     print(f"\n20 concurrent streams: wall {wall:.2f}s, first text median {firsts[10]:.2f}s, "
           f"max {firsts[-1]:.2f}s, total max {max(r[4] for r in results):.2f}s")
@@ -366,6 +380,14 @@ def test_clients_that_leave_while_queued_are_cancelled(server):
     assert now["cancelled"] == before["cancelled"] + 6 and now["completed"] == before["completed"]
 
 
+def test_openai_client_example(server):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), "--base-url", server.url],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "stream> 17 18 19" in r.stdout and "finish_reason=" in r.stdout and "usage:" in r.stdout
+    assert "chat> Sven lives in Hanoi." in r.stdout and "bad request> 400" in r.stdout
+
+
 # --------------------------------------------------------------------------
 # Unit: in-order text shaping
 
@@ -392,11 +414,17 @@ def test_text_shaper_cuts_at_max_tokens():
 
 
 def start_cli(*args):
+    """Start the server CLI on a free port; its stderr lines go to a queue."""
     proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.server", "--port", "0", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: "queue.Queue[str]" = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
-    deadline = time.monotonic() + 60
+    return proc, lines
+
+
+def wait_ready(proc, lines) -> int:
+    """The port from the server's 'serving ... at http://127.0.0.1:PORT/v1' line."""
+    deadline = time.monotonic() + 90
     seen = []
     while time.monotonic() < deadline:
         try:
@@ -408,8 +436,7 @@ def start_cli(*args):
         seen.append(line)
         m = re.search(r"serving \S+ at http://127\.0\.0\.1:(\d+)/v1", line)
         if m:
-            return proc, int(m.group(1)), lines, seen
-    proc.kill()
+            return int(m.group(1))
     raise AssertionError(f"server did not start: {seen}")
 
 
@@ -423,25 +450,22 @@ def drain(lines) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_cli_serves_and_shuts_down_cleanly(sig):
-    proc, port, lines, _ = start_cli()
-    try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
-        assert c.models.list().data[0].id == "tiny-refusion"
-        stream = c.completions.create(model="tiny-refusion", stream=True, prompt=LONG["prompt"],
-                                      max_tokens=1024, extra_body={k: LONG[k] for k in ("slot_threshold", "token_threshold")})
-        next(iter(stream))  # a generation in flight when the signal comes
-        proc.send_signal(sig)
-        assert proc.wait(timeout=15) == 0
-        with pytest.raises(Exception):
-            for _ in stream:  # the stream ends (error event or closed connection), it does not hang
-                pass
-            raise RuntimeError("stream ended")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
+    proc, lines = cli_servers[sig]
+    port = wait_ready(proc, lines)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    assert c.models.list().data[0].id == "tiny-refusion"
+    stream = c.completions.create(model="tiny-refusion", stream=True, prompt=LONG["prompt"], max_tokens=1024,
+                                  extra_body={k: LONG[k] for k in ("slot_threshold", "token_threshold")})
+    next(iter(stream))  # a generation in flight when the signal comes
+    proc.send_signal(sig)
+    assert proc.wait(timeout=20) == 0
+    with pytest.raises(Exception):
+        for _ in stream:  # the stream ends (error event or closed connection), it does not hang
+            pass
+        raise RuntimeError("stream ended")
     log = drain(lines)
-    assert "stopped" in log and "Traceback" not in log
+    assert "shutting down" in log and "stopped" in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize("flags,needle", [
