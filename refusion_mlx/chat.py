@@ -188,7 +188,7 @@ class SlotView:
 
     def __init__(self, tokenizer, out: TextIO, response_start: int, block_lengths: Sequence[int],
                  eos_id: int, width: Optional[int] = None, height: Optional[int] = None,
-                 color: bool = True):
+                 color: bool = True, frame_time: float = 0.0):
         import shutil
 
         size = shutil.get_terminal_size((100, 30))
@@ -204,6 +204,8 @@ class SlotView:
         self.eos_at: Optional[int] = None
         self.lines = 0
         self.frames = 0
+        self.frame_time = frame_time  # minimum seconds a frame stays (fast models would just flash)
+        self.shown_at = 0.0
 
     def piece(self, token: int) -> str:
         if token == self.eos_id:
@@ -255,11 +257,15 @@ class SlotView:
             rows.append(line)
         rows = rows[-(self.height - 2):]  # a frame taller than the terminal cannot be redrawn
         frame = [self._style(header, "2")] + [self._row(row) for row in rows]
+        wait = self.shown_at + self.frame_time - time.perf_counter()
+        if self.frames and wait > 0:
+            time.sleep(wait)
         self._clear()
         self.out.write("\n".join(frame) + "\n")
         self.out.flush()
         self.lines = len(frame)
         self.frames += 1
+        self.shown_at = time.perf_counter()
 
     def _row(self, cells: List[tuple]) -> str:
         """One line, with one escape sequence per run of equally styled cells."""
@@ -282,6 +288,9 @@ class SlotView:
 
     def finish(self) -> None:
         """Erase the last frame (the answer is printed as plain text after it)."""
+        wait = self.shown_at + self.frame_time - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
         self._clear()
         self.lines = 0
         self.out.flush()
@@ -354,7 +363,7 @@ def turn_summary(t: TurnRecord) -> str:
 
 
 def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = False,
-             trace: Optional[Trace] = None) -> bool:
+             trace: Optional[Trace] = None, frame_time: float = 0.0) -> bool:
     """One user message: stream (or draw) the answer. False when it failed."""
     view = None
     answer = []
@@ -367,7 +376,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
                 if view is None:
                     view = SlotView(session.tokenizer, term.out, session.response_start,
                                     session.params.layout().block_lengths, session.tokenizer.eos_token_id,
-                                    color=True)
+                                    frame_time=frame_time)
                 view.update(r)
                 answer.append(r.text)
             else:
@@ -405,7 +414,8 @@ def stats_text(session: ChatSession) -> str:
     return json.dumps({**session.turns[-1].as_dict(), "conversation": session.totals()}, indent=2)
 
 
-def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None) -> int:
+def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None,
+         frame_time: float = 0.0) -> int:
     """Read lines until /quit or end of input; each line is a user turn or a command."""
     prompt = ">> " if term.interactive else ""
     while True:
@@ -430,7 +440,7 @@ def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: O
         elif command.startswith("/"):
             term.note(f"unknown command {command.split()[0]}; {HELP}")
         else:
-            run_turn(session, line, term, visualize=visualize, trace=trace)
+            run_turn(session, line, term, visualize=visualize, trace=trace, frame_time=frame_time)
     term.note("bye")
     return 0
 
@@ -449,6 +459,9 @@ def build_parser():
                         help="prefill the whole conversation every turn (to measure what reuse saves)")
     parser.add_argument("--visualize", action="store_true",
                         help="draw the answer's slots filling out of order (ANSI terminal)")
+    parser.add_argument("--frame-time", type=float, default=0.08, metavar="SECONDS",
+                        help="with --visualize, the least time a step stays on screen (default 0.08; 0: as fast "
+                             "as it decodes)")
     parser.add_argument("--trace", metavar="FILE", help="write each step's commits as JSON to FILE")
     return parser
 
@@ -459,6 +472,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     term = Terminal()
     try:
+        if not 0 <= args.frame_time <= 10:
+            raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         params = params_from_args(args)
         trace = None
         if args.trace:
@@ -486,7 +501,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
               + (" · no cache reuse" if args.no_reuse else ""))
     term.note(HELP)
-    return repl(session, term, visualize=args.visualize, trace=trace)
+    return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def background(tmp_path_factory):
     trace = folder / "trace.json"
     runs = {
         "chat": Background(folder, "chat", [sys.executable, "-m", "refusion_mlx.chat", "--max-tokens", "48",
-                                            "--block-length", "16", "--visualize", "--trace", str(trace)],
+                                            "--block-length", "16", "--visualize", "--frame-time", "0",
+                                            "--trace", str(trace)],
                            "Count from 17 to 38.\n/stats\n/reset\nWho is Sven?\n"),
         "app": Background(folder, "app", [sys.executable, str(ROOT / "examples" / "chat_app.py"), "Who is Sven?",
                                           "Count from 17 to 38."]),
@@ -238,6 +239,7 @@ def test_cli_visualize_and_trace(background, tmp_path):
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--trace", "/nonexistent-dir/trace.json"], "cannot write the trace"),
     (["--bogus"], "unrecognized arguments"),
+    (["--frame-time", "-1"], "--frame-time must be within"),
 ])
 def test_cli_bad_flags_one_line(flags, needle):
     r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", *flags], input="", capture_output=True,
