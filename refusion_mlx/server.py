@@ -204,8 +204,8 @@ def reject_unsupported(body: dict) -> None:
     if n is not None and n != 1:
         raise bad("only n = 1 is supported", "n", "unsupported_value")
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "best_of"):
-        value = body.get(name)
-        if value not in (None, False, 0, [], "", 1 if name == "best_of" else None):
+        harmless = (None, False, 0, [], "") + ((1,) if name == "best_of" else ())
+        if body.get(name) not in harmless:  # the default values clients send anyway pass
             raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
 
 
@@ -943,8 +943,12 @@ def _chain(first, rest) -> Iterator[tuple]:
 
 
 def _note(done: dict) -> str:
-    u = done["usage"]
-    return f"prompt={u['prompt_tokens']} completion={u['completion_tokens']} finish={done['finish_reason']}"
+    """The log line's summary of a finished request."""
+    u, stats = done["usage"], done["stats"]
+    note = f"prompt={u['prompt_tokens']} completion={u['completion_tokens']} finish={done['finish_reason']}"
+    if stats:
+        note += f" steps={stats['steps']} tokens/forward={stats['tokens_per_forward']:.2f}"
+    return note
 
 
 def _reject_constant(name: str):
