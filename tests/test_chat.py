@@ -1,0 +1,256 @@
+"""The chat REPL: committed-cache reuse across turns, commands, the live view and the trace."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refusion_mlx.chat import ChatSession, SlotView, Terminal, common_prefix, repl
+from refusion_mlx.decoder import SlotCommit
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.generate import GenerationResponse, make_params
+
+ROOT = Path(__file__).resolve().parents[1]
+TURNS = ["Who is Sven?", "Count from 17 to 38.", "Reverse the words: sugar forest orange"]
+
+
+class Background:
+    """A subprocess started now, its output collected later (startup overlaps other tests)."""
+
+    def __init__(self, folder: Path, name: str, argv, stdin: str = ""):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.in").write_text(stdin)
+        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
+        with open(folder / f"{name}.in") as fin, open(self.out, "w") as fout, open(self.err, "w") as ferr:
+            self.proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=ROOT)
+
+    def result(self, timeout: float = 120):
+        code = self.proc.wait(timeout)
+        return code, self.out.read_text(), self.err.read_text()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat-cli")
+    trace = folder / "trace.json"
+    runs = {
+        "chat": Background(folder, "chat", [sys.executable, "-m", "refusion_mlx.chat", "--max-tokens", "48",
+                                            "--block-length", "16", "--visualize", "--frame-time", "0",
+                                            "--trace", str(trace)],
+                           "Count from 17 to 38.\n/stats\n/reset\nWho is Sven?\n"),
+        "app": Background(folder, "app", [sys.executable, str(ROOT / "examples" / "chat_app.py"), "Who is Sven?",
+                                          "Count from 17 to 38."]),
+    }
+    runs["trace"] = trace
+    yield runs
+    for run in runs.values():
+        if isinstance(run, Background) and run.proc.poll() is None:
+            run.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from refusion_mlx.utils import load
+
+    return load()
+
+
+def session(loaded, reuse=True, **params):
+    model, tok = loaded
+    return ChatSession(model, tok, make_params(**{"max_tokens": 32, "block_length": 16, **params}), reuse=reuse)
+
+
+def positions_in_order(cache):
+    return sorted(cache.positions)
+
+
+def test_each_turn_prefills_only_the_new_suffix(loaded):
+    s = session(loaded)
+    for text in TURNS:
+        before = len(s.cache)
+        answer = s.send(text)
+        t = s.turns[-1]
+        assert answer == s.messages[-1]["content"] and s.messages[-2]["content"] == text
+        assert t.reused_tokens == before  # everything the cache held was reused
+        assert t.prefill_tokens == t.prompt_tokens - t.reused_tokens == t.stats.prompt_tokens
+        # the cache now holds exactly this turn's prompt and answer, positions 0..n-1
+        assert positions_in_order(s.cache) == list(range(t.prompt_tokens + t.stats.generated_tokens))
+    first, *later = s.turns
+    assert first.reused_tokens == 0 and first.prefill_tokens == first.prompt_tokens
+    for prev, t in zip(s.turns, later):
+        assert t.reused_tokens == prev.prompt_tokens + prev.stats.generated_tokens
+        assert t.prefill_tokens < t.prompt_tokens / 2
+    totals = s.totals()
+    assert totals["prefill_tokens"] < totals["prefill_tokens_without_reuse"]
+    print("\nprefill per turn (with reuse / without):",
+          [(t.prefill_tokens, t.prompt_tokens) for t in s.turns])
+
+
+def test_without_reuse_prefills_everything(loaded):
+    s = session(loaded, reuse=False)
+    for text in TURNS[:2]:
+        s.send(text)
+    assert [t.prefill_tokens for t in s.turns] == [t.prompt_tokens for t in s.turns]
+    assert all(t.reused_tokens == 0 for t in s.turns)
+
+
+def test_edited_history_truncates_the_cache_at_the_divergence(loaded):
+    s = session(loaded)
+    s.send(TURNS[0])
+    s.send(TURNS[1])
+    old = [t for _, t in sorted(zip(s.cache.positions, s.cache.tokens))]
+    s.messages[2]["content"] = "Count from 20 to 30."  # an app rewrote the second question
+    s.send(TURNS[2])
+    new_ids = s.prompt_ids()[: s.turns[-1].prompt_tokens]
+    diverge = next(i for i, (a, b) in enumerate(zip(old, new_ids)) if a != b)
+    assert s.turns[-1].reused_tokens == diverge
+    assert positions_in_order(s.cache) == list(range(len(s.cache)))
+
+
+def test_reset_clears_conversation_and_cache(loaded):
+    s = session(loaded)
+    s.send(TURNS[0])
+    s.reset()
+    assert len(s.cache) == 0 and s.messages == [] and s.turns == []
+    s.send(TURNS[1])
+    assert s.turns[-1].reused_tokens == 0
+
+
+def test_interrupted_turn_is_dropped(loaded):
+    s = session(loaded, max_tokens=64)
+    s.send(TURNS[0])
+    held = len(s.cache)
+    stream = s.stream(TURNS[1])
+    next(stream)  # one step, then the user hits Ctrl-C
+    stream.close()
+    assert len(s.messages) == 2 and len(s.turns) == 1
+    assert len(s.cache) == held and positions_in_order(s.cache) == list(range(held))
+    s.send(TURNS[2])
+    assert s.turns[-1].reused_tokens == held
+
+
+def test_context_overflow_is_a_clean_error(loaded):
+    s = session(loaded, max_tokens=2000)
+    with pytest.raises(RefusionError, match="context"):
+        s.send("Who is Sven? " * 20)
+    assert s.messages == [] and len(s.cache) == 0
+
+
+def test_common_prefix_stops_at_a_gap():
+    class C:
+        tokens = [5, 6, 8]
+        positions = [0, 1, 3]
+
+    assert common_prefix(C, [5, 6, 7, 8])[0] == 2
+    assert common_prefix(C, [5, 9])[0] == 1
+
+
+def run_repl(loaded, lines, **kw):
+    feed = iter(lines)
+
+    def read(prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    out, err = io.StringIO(), io.StringIO()
+    code = repl(session(loaded), Terminal(read, out, err, interactive=False), **kw)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_repl_commands(loaded):
+    code, out, err = run_repl(loaded, ["Who is Sven?", "/stats", "/bogus", "", "/help",
+                                       "Who is Sven?", "/reset", "/stats", "Who is Sven?", "/quit", "never read"])
+    assert code == 0
+    first_answer = out.splitlines()[0]
+    assert first_answer.startswith("Sven lives in Hanoi.")
+    assert out.rstrip().endswith(first_answer)  # after /reset: the same answer as a fresh start
+    stats = json.loads(out[out.index("{"): out.index("}\n}") + 3])
+    assert stats["turn"] == 1 and stats["prefill_tokens"] == stats["prompt_tokens"]
+    assert stats["decode"]["generated_tokens"] > 0 and "tokens_per_forward" in stats["decode"]
+    assert "no turn yet" in out  # /stats right after /reset
+    assert "unknown command /bogus" in err and "/reset clears" in err and "reset:" in err
+    prefill = [tuple(map(int, m)) for m in re.findall(r"prefill (\d+) of (\d+) prompt tokens \((\d+) reused", err)]
+    assert prefill[0][0] == prefill[0][1] and prefill[0][2] == 0  # turn 1: everything prefilled
+    assert prefill[1][0] < prefill[1][1] and prefill[1][2] > 0  # turn 2: history from the cache
+    assert prefill[2][2] == 0  # after /reset
+    assert err.rstrip().endswith("bye")
+
+
+def test_slot_view_draws_out_of_order_fill():
+    class Tok:
+        eos_token_id = 0
+
+        def decode(self, ids):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    out = io.StringIO()
+    view = SlotView(Tok(), out, response_start=10, block_lengths=[8, 8], eos_id=0, width=40, color=True)
+    step = lambda n, pos, toks: GenerationResponse("", [], [SlotCommit(pos, toks)], "verify", n, 1, 0)
+    view.update(step(0, [14, 15, 16, 17], [5, 6, 7, 8]))  # the second slot first
+    view.update(step(1, [10, 11, 12, 13], [1, 2, 3, 4]))
+    frames = out.getvalue()
+    first = frames.split("\x1b[2F")[0]
+    assert "░░░░" in first and "fghi" in first and "bcde" not in first
+    assert "\x1b[2F\x1b[J" in frames  # the second frame redraws over the first
+    assert "\x1b[1;32mbcde" in frames  # newly committed tokens highlighted
+    view.finish()
+    assert out.getvalue().endswith("\x1b[2F\x1b[J")
+
+
+def test_cli_visualize_and_trace(background, tmp_path):
+    code, out, err = background["chat"].result()
+    assert code == 0, err
+    assert "░" in out and "step 1 · " in out
+    plain = [part.split("\n")[0] for part in out.split("\x1b[J")[1:] if not part.startswith("\x1b")]
+    assert plain[0].startswith("17 18 19 20") and plain[1].startswith("Sven lives in")  # the answers, drawn last
+    trace = background["trace"]
+    steps = json.loads(trace.read_text())
+    assert {"turn", "step", "phase", "positions", "tokens"} <= set(steps[0])
+    assert {s["turn"] for s in steps} == {1, 2}
+    first = [s for s in steps if s["turn"] == 1]
+    assert [s["step"] for s in first] == list(range(len(first)))
+    start = first[0]["response_start"]
+    filled = sorted(p - start for s in first for p in s["positions"])
+    assert filled == list(range(len(filled))) and 0 < len(filled) <= 48  # each answer position once
+    assert first[-1]["finish_reason"] in ("stop", "length") and all(s["phase"] in ("verify", "infill") for s in first)
+
+    png = tmp_path / "trace.png"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "render_trace.py"), str(trace), "-o", str(png),
+                        "--turn", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    img = Image.open(png).convert("RGB")
+    assert img.size[0] == 1200 and img.size[1] > 200
+    colours = {c for _, c in img.getcolors(1 << 20)}
+    assert len(colours) > 10  # a timeline and a coloured answer map, not a blank page
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-tokens", "-5"], "gen_length must be a positive integer"),
+    (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
+    (["--trace", "/nonexistent-dir/trace.json"], "cannot write the trace"),
+    (["--bogus"], "unrecognized arguments"),
+    (["--frame-time", "-1"], "--frame-time must be within"),
+])
+def test_cli_bad_flags_one_line(flags, needle):
+    r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", *flags], input="", capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_chat_app_example(background):
+    code, out, err = background["app"].result()
+    assert code == 0, err
+    assert "Sven lives in Hanoi." in out
+    reused = [int(n) for n in re.findall(r"prefilled (\d+) of (\d+)", out)[1]]
+    assert reused[0] < reused[1]
