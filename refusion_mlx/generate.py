@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
@@ -271,6 +272,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
+
+class _CallableModule(types.ModuleType):
+    """``refusion_mlx.generate`` is both this module and the function above:
+    importing the submodule rebinds the package attribute to the module, so
+    the module forwards calls to the function (``rm.generate(...)`` works
+    either way, as ``mlx_lm.generate`` does)."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -64,6 +64,19 @@ def test_generate_returns_text_and_stats(demo):
     assert stats.generated_tokens == 19 and stats.forwards >= 2
 
 
+def test_package_generate_stays_callable_after_submodule_import(demo):
+    import importlib
+
+    import refusion_mlx as rm
+
+    importlib.import_module("refusion_mlx.generate")  # rebinds rm.generate to the module
+    model, tokenizer = demo
+    prompt = [800, 265, 198, 491, 286, 681, 30, 801, 198, 800, 268, 198]
+    first = rm.generate(model, tokenizer, prompt, max_tokens=96, slot_size=4, block_length=32)
+    second = rm.generate(model, tokenizer, prompt, max_tokens=96, slot_size=4, block_length=32)
+    assert first == second and first.startswith("Sven")
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5
