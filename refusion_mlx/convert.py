@@ -1,0 +1,566 @@
+"""Convert a ReFusion checkpoint (Hugging Face PyTorch layout) to MLX weights.
+
+    python -m refusion_mlx.convert --hf-path GSAI-ML/ReFusion --mlx-path refusion-4bit -q
+
+Everything is checked before anything is written: architecture, mask id,
+tokenizer, and every tensor's presence, shape and dtype. Then one module at a
+time is read, cast, quantized with MLX's quantizer and streamed into its
+shard, so memory stays near the size of the largest tensor. The output is
+built in a hidden sibling folder and renamed into place at the very end: an
+interrupted, crashed or refused conversion leaves no destination behind.
+The folder loads with ``refusion_mlx.load`` and with ``mlx_lm.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import os
+import shutil
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
+from .errors import LoadError, RefusionError
+from .models.qwen3 import Model, ModelArgs
+from .shards import ShardWriter, Spec, shard_names
+from .utils import (HUB_PATTERNS, MASK_TOKEN, load_tokenizer, model_args, read_config,
+                    resolve_mask_id, resolve_model_path)
+
+Q_BITS = [2, 3, 4, 6, 8]
+Q_GROUP_SIZES = [32, 64, 128]
+Q_MODES = ["affine", "mxfp4", "nvfp4", "mxfp8"]
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+MLX_LM_RECIPES = ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"]
+RECIPES = {
+    "mixed_2_6": "mlx-lm: 2-bit, 6-bit for lm_head and some v_proj/down_proj",
+    "mixed_3_4": "mlx-lm: 3-bit, 4-bit for lm_head and some v_proj/down_proj",
+    "mixed_3_6": "mlx-lm: 3-bit, 6-bit for lm_head and some v_proj/down_proj",
+    "mixed_4_6": "mlx-lm: 4-bit, 6-bit for lm_head and some v_proj/down_proj",
+    "embed_8": "--q-bits everywhere, 8-bit embeddings and lm_head",
+    "embed_fp": "--q-bits everywhere, embeddings and lm_head left unquantized (--dtype)",
+}
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+COPIED_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                "chat_template.json", "generation_config.json"]
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some exports carry
+MAX_SHARD_GB = 5
+
+
+@dataclass
+class QuantSettings:
+    group_size: int
+    bits: int
+    mode: str = "affine"
+    recipe: Optional[str] = None
+
+
+@dataclass
+class Summary:
+    """What a conversion produced (also printed at its end)."""
+
+    path: Path
+    parameters: int
+    bytes_before: int
+    bytes_after: int
+    bits_per_weight: float
+    dtype: str
+    quantization: Optional[dict]
+    notes: List[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# Settings and destination
+
+
+def quant_settings(quantize: bool = False, q_bits: Optional[int] = None,
+                   q_group_size: Optional[int] = None, q_mode: str = "affine",
+                   quant_predicate: Optional[str] = None) -> Optional[QuantSettings]:
+    """Validated quantization settings; None when not quantizing.
+
+    Any quantization flag implies ``quantize``: nobody passes --q-bits 4 to get bf16.
+    """
+    if not (quantize or q_bits or q_group_size or quant_predicate or q_mode != "affine"):
+        return None
+    if q_mode not in MODE_DEFAULTS:
+        raise RefusionError(f"--q-mode must be one of {', '.join(Q_MODES)}, got {q_mode!r}")
+    group, bits = MODE_DEFAULTS[q_mode]
+    group, bits = q_group_size or group, q_bits or bits
+    if q_mode == "affine":
+        if bits not in Q_BITS:
+            raise RefusionError(f"--q-bits must be one of {', '.join(map(str, Q_BITS))}, got {bits}")
+        if group not in Q_GROUP_SIZES:
+            raise RefusionError(f"--q-group-size must be one of "
+                                f"{', '.join(map(str, Q_GROUP_SIZES))}, got {group}")
+    elif (group, bits) != MODE_DEFAULTS[q_mode]:
+        need = MODE_DEFAULTS[q_mode]
+        raise RefusionError(f"--q-mode {q_mode} needs group size {need[0]} and {need[1]} bits, "
+                            f"got group size {group} and {bits} bits")
+    if quant_predicate is not None:
+        if quant_predicate not in RECIPES:
+            raise RefusionError(f"--quant-predicate must be one of {', '.join(RECIPES)}, "
+                                f"got {quant_predicate!r}")
+        if q_mode != "affine" and quant_predicate != "embed_fp":
+            raise RefusionError(f"recipe {quant_predicate} needs --q-mode affine")
+    return QuantSettings(group, bits, q_mode, quant_predicate)
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    """Refuse an existing non-empty destination unless forced; never the home or root folder."""
+    if dst.exists() and not force:
+        if not dst.is_dir():
+            raise RefusionError(f"{dst} exists and is a file; pass --force to replace it")
+        if any(dst.iterdir()):
+            raise RefusionError(f"{dst} exists and is not empty; pass --force to replace it")
+    resolved = dst.resolve()
+    if resolved in (Path.home().resolve(), Path(resolved.anchor)):
+        raise RefusionError(f"refusing to write the model into {dst}")
+
+
+def check_overlap(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s or d in s.parents:
+        raise RefusionError(f"--mlx-path {dst} would replace the source checkpoint {src}")
+
+
+def resolve_source(hf_path: Union[str, Path]) -> Path:
+    """A local folder, or a hub repo: config, tokenizer and weights only (.bin if no safetensors)."""
+    path = resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"])
+    if Path(hf_path).expanduser().exists() or any(path.glob("model*.safetensors")):
+        return path
+    return resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"] + BIN_PATTERNS)
+
+
+# --------------------------------------------------------------------------
+# Validation
+
+
+def check_architecture(config: dict) -> ModelArgs:
+    """Qwen3 decoder, not already quantized: ModelArgs from the config."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or any(not str(a).startswith("Qwen3") for a in archs):
+        raise LoadError(f"config.json architectures is {archs!r}; ReFusion checkpoints are Qwen3ForCausalLM")
+    if "quantization_config" in config or "quantization" in config:
+        raise LoadError("config.json says this checkpoint is already quantized; "
+                        "convert the bf16/fp16/fp32 checkpoint")
+    return model_args(config)
+
+
+def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]],
+                  tied: bool) -> List[str]:
+    """Every expected tensor present, floating-point and shaped as the config implies.
+
+    Returns notes on source tensors that are skipped on purpose.
+    """
+    names = set(ckpt.tensors)
+    skipped = sorted(n for n in names - set(expected)
+                     if n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight"))
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected) - set(skipped))
+    misshaped = [f"{n} is {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
+                 for n, s in expected.items() if n in names and tuple(ckpt.tensors[n].shape) != s]
+    not_float = [f"{n} is {ckpt.tensors[n].dtype}" for n in expected
+                 if n in names and ckpt.tensors[n].dtype not in FLOAT_TAGS]
+    problems = []
+    for label, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
+                         ("wrong shapes", misshaped), ("not bf16/fp16/fp32", not_float)):
+        if items:
+            shown = ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise LoadError("checkpoint does not match config.json: " + "; ".join(problems))
+    notes = []
+    if tied and "lm_head.weight" in skipped:
+        notes.append("tie_word_embeddings: lm_head.weight dropped (the embedding is the head)")
+    if any(n.endswith(IGNORED_SUFFIXES) for n in skipped):
+        notes.append("rotary_emb.inv_freq buffers dropped (recomputed from rope_theta)")
+    return notes
+
+
+def check_tokenizer(src: Path, config: dict, args: ModelArgs) -> int:
+    """The mask id (config or tokenizer), an EOS token, and no token without an embedding row."""
+    tokenizer = load_tokenizer(src)
+    mask_id = resolve_mask_id(config, tokenizer)
+    if not 0 <= mask_id < args.vocab_size:
+        raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {args.vocab_size}")
+    if tokenizer.eos_token_id is None:
+        raise LoadError("the tokenizer defines no eos_token")
+    if len(tokenizer) > args.vocab_size:
+        raise LoadError(f"the embedding has {args.vocab_size} rows but the tokenizer has "
+                        f"{len(tokenizer)} tokens")
+    return mask_id
+
+
+def output_dtype(dtype: Optional[str], config: dict, ckpt: Checkpoint) -> str:
+    """--dtype, else the config's torch_dtype, else the embedding's stored dtype."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return dtype
+    declared = config.get("torch_dtype") or config.get("dtype")
+    if declared in DTYPES:
+        return declared
+    return TAG_DTYPES[ckpt.tensors["model.embed_tokens.weight"].dtype]
+
+
+# --------------------------------------------------------------------------
+# Plan: which layer gets which quantization, and every output tensor's spec
+
+
+def recipe_predicate(qs: QuantSettings, model: nn.Module) -> Optional[Callable]:
+    """The per-layer choice of a recipe (mlx-lm's builder for its own recipes)."""
+    if qs.recipe is None:
+        return None
+    if qs.recipe in MLX_LM_RECIPES:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        return mixed_quant_predicate_builder(qs.recipe, model, qs.group_size)
+    edge = {"group_size": qs.group_size, "bits": 8, "mode": qs.mode} if qs.recipe == "embed_8" else False
+
+    def predicate(path: str, module: nn.Module):
+        return edge if path == "lm_head" or path.endswith("embed_tokens") else True
+
+    return predicate
+
+
+@dataclass
+class Plan:
+    leaves: List[Tuple[str, nn.Module]]          # unquantized modules, in model order
+    quant: Dict[str, dict]                       # leaf path -> to_quantized kwargs
+    specs: Dict[str, Spec]                       # output tensor -> (shape, dtype)
+    config_quant: Optional[dict]                 # the config's quantization block
+    parameters: int
+    notes: List[str]
+
+
+def make_plan(args: ModelArgs, dtype: str, qs: Optional[QuantSettings]) -> Plan:
+    """Quantize a lazy, never-evaluated copy of the model to learn the output layout.
+
+    mlx-lm's ``quantize_model`` decides per layer exactly as it would for
+    ``mlx_lm.convert`` (group-size divisibility, recipes) and writes the
+    config block ``mlx_lm.load`` reads back; nothing here allocates weights.
+    """
+    from mlx_lm.utils import get_total_parameters, quantize_model
+
+    plain = Model(args)
+    plain.set_dtype(DTYPES[dtype])
+    leaves = tree_flatten(plain.leaf_modules(), is_leaf=nn.Module.is_module)
+    shaped = Model(args)
+    shaped.set_dtype(DTYPES[dtype])
+    config_quant, notes = None, []
+    if qs is not None:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a bits-per-weight line of its own
+            shaped, qconfig = quantize_model(shaped, {}, qs.group_size, qs.bits, mode=qs.mode,
+                                             quant_predicate=recipe_predicate(qs, shaped))
+        config_quant = qconfig["quantization"]
+        notes += unquantized_notes(leaves, qs.group_size)
+    quant = {}
+    for path, module in tree_flatten(shaped.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            quant[path] = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
+    specs = {k: Spec(tuple(v.shape), v.dtype) for k, v in tree_flatten(shaped.parameters())}
+    return Plan(leaves, quant, specs, config_quant, get_total_parameters(shaped), notes)
+
+
+def unquantized_notes(leaves, group_size: int) -> List[str]:
+    odd = [(p, m.weight.shape[-1]) for p, m in leaves
+           if hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size]
+    if not odd:
+        return []
+    shown = ", ".join(f"{p} ({n})" for p, n in odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
+    return [f"left unquantized, input size not a multiple of group size {group_size}: {shown}"]
+
+
+# --------------------------------------------------------------------------
+# Conversion proper
+
+
+def convert_leaf(module: nn.Module, weights: Dict[str, mx.array], dtype: mx.Dtype,
+                 qparams: Optional[dict]) -> Dict[str, mx.array]:
+    """One module's output tensors (lazy): the source weights cast, then quantized by MLX."""
+    leaf = copy.copy(module)  # the skeleton keeps its placeholders; this copy takes the weights
+    leaf.update(tree_unflatten(list(weights.items())))
+    leaf.set_dtype(dtype)
+    if qparams:
+        leaf = leaf.to_quantized(**qparams)
+    return dict(tree_flatten(leaf.parameters()))
+
+
+def converted_tensors(ckpt: Checkpoint, plan: Plan, dtype: str,
+                      progress: bool) -> Iterator[Tuple[str, mx.array]]:
+    """Output tensors one module at a time, each evaluated, then forgotten by the caller."""
+    from tqdm import tqdm
+
+    total = sum(len(tree_flatten(m.parameters())) for _, m in plan.leaves)
+    with tqdm(total=total, unit="tensor", desc="Converting", disable=not progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        for path, module in plan.leaves:
+            names = [k for k, _ in tree_flatten(module.parameters())]
+            weights = {k: ckpt.read(f"{path}.{k}") for k in names}
+            outputs = convert_leaf(module, weights, DTYPES[dtype], plan.quant.get(path))
+            del weights
+            mx.eval(list(outputs.values()))
+            for k in list(outputs):
+                yield f"{path}.{k}", outputs.pop(k)
+            bar.update(len(names))
+    ckpt.close()
+
+
+def write_weights(folder: Path, ckpt: Checkpoint, plan: Plan, dtype: str,
+                  progress: bool) -> Dict[str, str]:
+    """Stream every tensor into shards of at most 5 GB; return the index's weight map."""
+    from mlx_lm.utils import make_shards
+
+    groups = make_shards(plan.specs, MAX_SHARD_GB) if plan.specs else [{}]
+    names = shard_names(len(groups))
+    where = {t: n for n, group in zip(names, groups) for t in group}
+    writers = {n: ShardWriter(folder / n, {t: plan.specs[t] for t in group}, {"format": "mlx"})
+               for n, group in zip(names, groups)}
+    try:
+        for name, array in converted_tensors(ckpt, plan, dtype, progress):
+            writers[where[name]].write(name, array)
+            del array
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return {t: where[t] for t in sorted(where)}
+
+
+@contextmanager
+def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
+    """A hidden sibling of ``dst`` that becomes ``dst`` only if the body completes."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(dst)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        publish(tmp, dst, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_staging(dst: Path) -> None:
+    """Folders left by a converter that was killed (SIGKILL cannot be caught)."""
+    for p in dst.parent.glob(f".{dst.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def publish(tmp: Path, dst: Path, force: bool) -> None:
+    """Rename into place; a replaced destination is moved aside first, then removed."""
+    if dst.is_dir() and not any(dst.iterdir()):
+        dst.rmdir()
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise RefusionError(f"{dst} appeared during the conversion; pass --force to replace it")
+        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+        return
+    os.rename(tmp, dst)
+
+
+def output_config(config: dict, args: ModelArgs, mask_id: int, dtype: str,
+                  config_quant: Optional[dict]) -> dict:
+    """The source config plus what both runtimes need spelled out."""
+    out = dict(config)
+    out["mask_token_id"] = mask_id
+    for key in ("head_dim", "num_key_value_heads", "rope_theta", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings"):
+        if out.get(key) is None:  # mlx-lm's Qwen3 has no defaults for these
+            out[key] = getattr(args, key)
+    for key in ("torch_dtype", "dtype"):
+        if key in out or key == "torch_dtype":
+            out[key] = dtype
+    if config_quant is not None:
+        out["quantization"] = config_quant
+    return out
+
+
+def model_card(src_name: str, summary: Summary) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(library_name="mlx", pipeline_tag="text-generation",
+                         tags=["mlx", "refusion", "diffusion-llm"],
+                         base_model=src_name if src_name.count("/") == 1 and not Path(src_name).exists() else None)
+    q = summary.quantization
+    precision = (f"{q['bits']}-bit {q['mode']} (group size {q['group_size']})" if q else "not quantized")
+    return (f"---\n{data.to_yaml()}\n---\n\n# {Path(summary.path).name}\n\n"
+            f"ReFusion (masked diffusion LLM, Qwen3 architecture) converted from `{src_name}` to MLX "
+            f"with `python -m refusion_mlx.convert`: {precision}, other tensors {summary.dtype}, "
+            f"{summary.bits_per_weight:.2f} bits per weight.\n\n"
+            "```bash\npip install refusion-mlx\n"
+            f"python -m refusion_mlx.generate --model {Path(summary.path).name} --prompt \"Hello\"\n```\n\n"
+            "`mlx_lm.load` reads the same folder (left-to-right decoding).\n")
+
+
+def write_metadata(folder: Path, src: Path, config: dict, weight_map: Dict[str, str],
+                   summary: Summary, src_name: str) -> None:
+    """Index, tokenizer and generation files, model card; config.json last (it makes the folder loadable)."""
+    import json
+
+    from mlx_lm.utils import save_config
+
+    index = {"metadata": {"total_size": summary.bytes_after, "total_parameters": summary.parameters},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    for name in COPIED_FILES + [p.name for p in src.glob("*.jinja")]:
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)
+    (folder / "README.md").write_text(model_card(src_name, summary))
+    save_config(config, folder / "config.json")
+
+
+def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
+            quantize: bool = False, q_group_size: Optional[int] = None,
+            q_bits: Optional[int] = None, q_mode: str = "affine",
+            quant_predicate: Optional[str] = None, dtype: Optional[str] = None,
+            force: bool = False, progress: bool = True) -> Summary:
+    """Convert ``hf_path`` (folder or hub id) into an MLX folder at ``mlx_path``.
+
+    Raises ``RefusionError`` (``LoadError`` for bad inputs) before writing
+    anything; on any failure or interrupt, ``mlx_path`` is left as it was.
+    """
+    qs = quant_settings(quantize, q_bits, q_group_size, q_mode, quant_predicate)
+    if dtype is not None and dtype not in DTYPES:
+        raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dst = Path(mlx_path).expanduser()
+    check_destination(dst, force)
+    src = resolve_source(hf_path)
+    check_overlap(src, dst)
+    config = read_config(src)
+    args = check_architecture(config)
+    ckpt = open_checkpoint(src)
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(Model(args).parameters())}
+    notes = check_tensors(ckpt, expected, args.tie_word_embeddings)
+    mask_id = check_tokenizer(src, config, args)
+    out_dtype = output_dtype(dtype, config, ckpt)
+    plan = make_plan(args, out_dtype, qs)
+    notes += plan.notes
+    bytes_after = sum(s.nbytes for s in plan.specs.values())
+    summary = Summary(dst, plan.parameters, sum(ckpt.tensors[k].nbytes for k in expected),
+                      bytes_after, bytes_after * 8 / plan.parameters, out_dtype,
+                      plan.config_quant and {k: v for k, v in plan.config_quant.items()
+                                             if not isinstance(v, dict)}, notes)
+    for note in notes:
+        print(f"[INFO] {note}", file=sys.stderr)
+    previous_limit = mx.set_cache_limit(0)  # freed buffers go back to the system at once
+    try:
+        with staging_folder(dst, force) as tmp:
+            weight_map = write_weights(tmp, ckpt, plan, out_dtype, progress)
+            config_out = output_config(config, args, mask_id, out_dtype, plan.config_quant)
+            write_metadata(tmp, src, config_out, weight_map, summary, str(hf_path))
+    finally:
+        mx.set_cache_limit(previous_limit)
+        ckpt.close()
+    return summary
+
+
+def format_summary(s: Summary) -> str:
+    q = s.quantization
+    what = f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}" if q else "not quantized"
+    return (f"[INFO] {s.path}: {s.parameters / 1e9:.3f}B parameters | "
+            f"{s.bytes_before / 1e9:.3f} GB -> {s.bytes_after / 1e9:.3f} GB | "
+            f"{s.bits_per_weight:.2f} bits per weight | {what}, other tensors {s.dtype}")
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP turned into an exception, so the staging folder is removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .generate import OneLineParser
+
+    parser = OneLineParser(prog="python -m refusion_mlx.convert",
+                           description="Convert a ReFusion (Qwen3, Hugging Face layout) checkpoint to MLX.")
+    parser.add_argument("--hf-path", "--model", required=True,
+                        help="source: a local folder or a Hugging Face repo id")
+    parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize (default 4-bit affine, group 64)")
+    parser.add_argument("--q-bits", type=int, choices=Q_BITS, help="bits per weight (affine)")
+    parser.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, help="quantization group size")
+    parser.add_argument("--q-mode", default="affine", choices=Q_MODES, help="quantization mode")
+    parser.add_argument("--quant-predicate", choices=list(RECIPES), metavar="RECIPE",
+                        help="mixed-precision recipe: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()))
+    parser.add_argument("--dtype", choices=list(DTYPES),
+                        help="dtype of unquantized tensors and scales (default: the config's torch_dtype)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --mlx-path")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
+    except RefusionError as e:
+        parser.error(str(e))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
+    try:
+        summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
+                          q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
+                          quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing written to {args.mlx_path}", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"terminated: nothing written to {args.mlx_path}", file=sys.stderr)
+        return 128 + e.args[0]
+    except OSError as e:
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); nothing written", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, and the staging folder is gone
+        print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
