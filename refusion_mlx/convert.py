@@ -18,6 +18,7 @@ import contextlib
 import copy
 import io
 import os
+import re
 import shutil
 import signal
 import sys
@@ -56,6 +57,8 @@ BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 COPIED_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                 "chat_template.json", "generation_config.json"]
+# Qwen3's dense decoder, or a ReFusion class name over it; not Qwen3-MoE, not other families
+ARCHITECTURE = re.compile(r"^(Qwen3(ForCausalLM|Model)|\w*(ReFusion|Refusion)\w*)$")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some exports carry
 MAX_SHARD_GB = 5
 
@@ -151,7 +154,7 @@ def resolve_source(hf_path: Union[str, Path]) -> Path:
 def check_architecture(config: dict) -> ModelArgs:
     """Qwen3 decoder, not already quantized: ModelArgs from the config."""
     archs = config.get("architectures") or []
-    if not isinstance(archs, list) or any(not str(a).startswith("Qwen3") for a in archs):
+    if not isinstance(archs, list) or not all(ARCHITECTURE.match(str(a)) for a in archs):
         raise LoadError(f"config.json architectures is {archs!r}; ReFusion checkpoints are Qwen3ForCausalLM")
     if "quantization_config" in config or "quantization" in config:
         raise LoadError("config.json says this checkpoint is already quantized; "
