@@ -10,7 +10,6 @@ refused, never executed.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import re
@@ -224,8 +223,7 @@ class BinCheckpoint(Checkpoint):
         return torch_to_mx(self._state.pop(name))
 
     def close(self) -> None:
-        self._state, self._file = {}, None
-        gc.collect()  # unmap the shard now, not at some later collection
+        self._state, self._file = {}, None  # the last reference: the shard is unmapped
 
 
 def bin_tensors(file: Path) -> Dict[str, TensorInfo]:
@@ -234,8 +232,6 @@ def bin_tensors(file: Path) -> Dict[str, TensorInfo]:
     for name, t in state.items():
         tag = TORCH_TAGS.get(torch_dtype_tag(t), torch_dtype_tag(t))
         infos[name] = TensorInfo(name, tuple(t.shape), tag, file)
-    del state
-    gc.collect()
     return infos
 
 

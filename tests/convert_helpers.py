@@ -32,6 +32,19 @@ def golden_results(model, tokenizer, cases) -> List[bool]:
     return results
 
 
+def golden_results_of(folder: str, dequantize: bool = False) -> List[bool]:
+    """``golden_results`` for a converted folder, loaded in float32; runs in a worker process."""
+    from refusion_mlx.utils import load
+
+    model, tokenizer = load(folder, dtype="float32")
+    if dequantize:  # dense matmuls of the dequantized weights: MLX's CPU quantized kernels are slow
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+    cases = json.loads((FIXTURES / "golden_outputs.json").read_text())
+    return golden_results(model, tokenizer, cases)
+
+
 def top1_agreement(model, golden_logits) -> float:
     """Share of positions whose argmax matches the PyTorch logits (plain and slotted passes)."""
     agree = total = 0
