@@ -10,15 +10,20 @@ refused, never executed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
+import mmap
 import re
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import LoadError
 
@@ -196,13 +201,56 @@ def torch_dtype_tag(tensor) -> str:
 TORCH_TAGS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
-def torch_to_mx(tensor) -> mx.array:
-    """Copy a CPU tensor into MLX (bf16 through a 16-bit integer view: numpy has no bf16)."""
+CHUNK_BYTES = 64 << 20
+MADV_DONTNEED = 4  # Linux
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+_MX_OF_NUMPY = {"float16": mx.float16, "float32": mx.float32}
+
+
+def torch_to_mx(tensor, mapped: bool = False) -> mx.array:
+    """Copy a CPU tensor into MLX memory, 64 MB at a time.
+
+    bf16 travels as int16 (numpy has no bf16). When the tensor is memory-mapped
+    (``mapped``), each chunk's file pages are released once copied, so a large
+    tensor is never resident twice: the copy goes straight into an MLX buffer
+    (numpy view of an evaluated array, as in MLX's numpy interop guide).
+    """
     torch = _torch()
-    tensor = tensor.detach().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        return mx.view(mx.array(tensor.view(torch.int16).numpy()), mx.bfloat16)
-    return mx.array(tensor.numpy())
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t, mapped = t.contiguous(), False
+    bf16 = t.dtype == torch.bfloat16
+    src = (t.view(torch.int16) if bf16 else t).numpy().reshape(-1)
+    out = mx.zeros(src.shape, dtype=mx.int16 if bf16 else _MX_OF_NUMPY[src.dtype.name])
+    mx.eval(out)
+    dst = np.array(out, copy=False)
+    if not (dst.flags.writeable and dst.flags.c_contiguous and src.size):
+        out = mx.array(src)
+    else:
+        step = max(1, CHUNK_BYTES // src.itemsize)
+        for i in range(0, src.size, step):
+            chunk = src[i:i + step]
+            dst[i:i + step] = chunk
+            if mapped:
+                release_pages(chunk.ctypes.data, chunk.nbytes)
+    out = out.reshape(tuple(t.shape))
+    return mx.view(out, mx.bfloat16) if bf16 else out
+
+
+def release_pages(start: int, nbytes: int) -> None:
+    """Drop the resident pages of a memory-mapped range already copied out.
+
+    File-mapped pages count as resident memory until unmapped, so a single-file
+    .bin would otherwise end up wholly resident. They are clean copies of the
+    file (read again on access): nothing is lost. Only whole pages inside the
+    range are released, never a neighbour's.
+    """
+    if _libc is None:
+        return
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED)
 
 
 class BinCheckpoint(Checkpoint):
@@ -214,13 +262,16 @@ class BinCheckpoint(Checkpoint):
         super().__init__(files, tensors)
         self._file: Optional[Path] = None
         self._state: Dict[str, object] = {}
+        self._mapped = False
 
     def read(self, name: str) -> mx.array:
         file = self.tensors[name].file
         if file != self._file:
             self.close()
             self._state, self._file = load_bin(file), file
-        return torch_to_mx(self._state.pop(name))
+            self._mapped = zipfile.is_zipfile(file)
+        # zip .bin files are memory-mapped; legacy ones were read into memory
+        return torch_to_mx(self._state.pop(name), mapped=self._mapped)
 
     def close(self) -> None:
         self._state, self._file = {}, None  # the last reference: the shard is unmapped

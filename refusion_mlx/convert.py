@@ -496,9 +496,17 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
 def format_summary(s: Summary) -> str:
     q = s.quantization
     what = f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}" if q else "not quantized"
-    return (f"[INFO] {s.path}: {s.parameters / 1e9:.3f}B parameters | "
-            f"{s.bytes_before / 1e9:.3f} GB -> {s.bytes_after / 1e9:.3f} GB | "
-            f"{s.bits_per_weight:.2f} bits per weight | {what}, other tensors {s.dtype}")
+    return (f"[INFO] {s.path}: {_count(s.parameters)} parameters | {_bytes(s.bytes_before)} -> "
+            f"{_bytes(s.bytes_after)} | {s.bits_per_weight:.2f} bits per weight | "
+            f"{what}, other tensors {s.dtype}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
 # --------------------------------------------------------------------------
