@@ -137,6 +137,20 @@ def test_every_input_format_converts_losslessly(tiny, tmp_path, fmt):
     assert summary.parameters == sum(v.size for v in expected.values())
 
 
+def test_legacy_non_zip_bin_converts(tiny, tmp_path):
+    import shutil
+
+    import torch
+
+    src = tmp_path / "legacy"
+    shutil.copytree(tiny["bin"], src)
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    conv.convert(src, tmp_path / "out", dtype="float32", progress=False)
+    out = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    assert all(np.array_equal(np.array(out[k]), v.float().numpy()) for k, v in state.items())
+
+
 def test_output_loads_in_both_runtimes_with_the_same_logits(tiny, tmp_path):
     import mlx_lm
 
