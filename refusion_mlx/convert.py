@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import shutil
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
@@ -240,8 +243,6 @@ def model_card(src_name: str, summary: Summary) -> str:
 def write_metadata(folder: Path, src: Path, config: dict, weight_map: Dict[str, str],
                    summary: Summary, src_name: str) -> None:
     """Index, tokenizer and generation files, model card; config.json last (it makes the folder loadable)."""
-    import json
-
     from mlx_lm.utils import save_config
 
     index = {"metadata": {"total_size": summary.bytes_after, "total_parameters": summary.parameters},
@@ -327,6 +328,20 @@ def _terminate(signum, frame):
     raise Terminated(signum)
 
 
+@contextmanager
+def termination_raises() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Terminated`` for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .generate import OneLineParser
 
@@ -354,23 +369,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
     except RefusionError as e:
         parser.error(str(e))
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _terminate)
     try:
-        summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
-                          q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
-                          quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
+        with termination_raises():
+            summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
+                              q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
+                              quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
     except RefusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted: nothing written to {args.mlx_path}", file=sys.stderr)
+        print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)
         return 130
     except Terminated as e:
-        print(f"terminated: nothing written to {args.mlx_path}", file=sys.stderr)
+        print(f"terminated: {args.mlx_path} left as it was", file=sys.stderr)
         return 128 + e.args[0]
     except OSError as e:
-        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); nothing written", file=sys.stderr)
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {args.mlx_path} left as it was",
+              file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line, and the staging folder is gone
         print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)

@@ -350,22 +350,27 @@ def test_failed_force_keeps_the_old_destination(tmp_path, capsys):
 # Interrupted conversions leave nothing loadable behind
 
 
-def test_ctrl_c_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("failure,code,message", [
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (OSError(28, "No space left on device"), 1, "No space left on device"),
+    (RuntimeError("a bug"), 1, "unexpected RuntimeError: a bug"),
+])
+def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, failure, code, message):
     from refusion_mlx.shards import ShardWriter
 
     written = []
     original = ShardWriter.write
 
-    def write_then_interrupt(self, name, array):
+    def write_then_fail(self, name, array):
         original(self, name, array)
         written.append(name)
         if len(written) == 5:
-            raise KeyboardInterrupt
+            raise failure
 
-    monkeypatch.setattr(ShardWriter, "write", write_then_interrupt)
+    monkeypatch.setattr(ShardWriter, "write", write_then_fail)
     dst = tmp_path / "out"
-    code, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
-    assert code == 130 and "interrupted" in err[-1] and len(written) == 5
+    rc, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
+    assert rc == code and message in err[-1] and len(written) == 5, err
     assert h.leftovers(dst) == []
 
 
