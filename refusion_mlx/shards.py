@@ -46,10 +46,15 @@ def shard_names(count: int) -> List[str]:
 
 
 class ShardWriter:
-    """One safetensors file: the header from the specs up front, then each tensor at its offset."""
+    """One safetensors file: the header from the specs up front, then each tensor at its offset.
+
+    It is written as ``NAME.partial`` and takes its name only when complete, so
+    no file with a loadable name is ever half-written.
+    """
 
     def __init__(self, path: Path, specs: Dict[str, Spec], metadata: Dict[str, str]):
         self.path = path
+        self.partial = path.with_name(path.name + ".partial")
         self.specs = specs
         header: Dict[str, object] = {"__metadata__": metadata}
         self.offsets: Dict[str, int] = {}
@@ -63,7 +68,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the format recommends
         self.start = 8 + len(raw)
         self.written: set = set()
-        self.file = open(path, "wb")
+        self.file = open(self.partial, "wb")
         self.file.write(len(raw).to_bytes(8, "little") + raw)
 
     def write(self, name: str, array: mx.array) -> None:
@@ -85,6 +90,7 @@ class ShardWriter:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
+        os.replace(self.partial, self.path)
 
     def abort(self) -> None:
         self.file.close()

@@ -319,6 +319,21 @@ def test_uncached_hub_id_offline_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("fmt,fetches", [("safetensors", 1), ("bin", 2)])
+def test_hub_source_fetches_bin_files_only_when_there_are_no_safetensors(tiny, monkeypatch, fmt, fetches):
+    asked = []
+
+    def snapshot(repo, allow_patterns=None):
+        asked.append(allow_patterns)
+        return tiny[fmt]
+
+    monkeypatch.setattr(conv, "resolve_model_path", snapshot)
+    assert conv.resolve_source("org/refusion") == tiny[fmt]
+    assert len(asked) == fetches and "model*.safetensors" in asked[0] and "config.json" in asked[0]
+    assert ("pytorch_model*.bin" in asked[-1]) == (fmt == "bin") and "pytorch_model*.bin" not in asked[0]
+    assert not any(p.endswith((".md", ".msgpack", ".h5", ".onnx")) for p in asked[-1])
+
+
 def test_existing_destination_needs_force(tmp_path, capsys):
     dst = tmp_path / "out"
     dst.mkdir()
@@ -398,7 +413,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
     for sig, proc in procs.items():
         staging = tmp_path / f".{runs[sig].name}.partial-{proc.pid}"
         deadline = time.time() + 60
-        while not (staging / "model.safetensors").is_file() and time.time() < deadline:
+        while not (staging / "model.safetensors.partial").is_file() and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # a few tensors in
         proc.send_signal(sig)
@@ -412,7 +427,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
         else:
             assert proc.returncode == -signal.SIGKILL
             (staging,) = [tmp_path / n for n in h.leftovers(dst)]  # SIGKILL cannot be caught...
-            assert (staging / "model.safetensors").is_file() and not (staging / "config.json").exists()
+            assert sorted(p.name for p in staging.iterdir()) == ["model.safetensors.partial"]
             with pytest.raises(LoadError):
                 load(staging)
             with pytest.raises(Exception):
