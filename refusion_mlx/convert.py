@@ -1,0 +1,398 @@
+"""Convert a ReFusion checkpoint (Hugging Face PyTorch layout) to MLX weights.
+
+    python -m refusion_mlx.convert --hf-path GSAI-ML/ReFusion --mlx-path refusion-4bit -q
+
+Everything is checked before anything is written: architecture, mask id,
+tokenizer, and every tensor's presence, shape and dtype. Then one module at a
+time is read, cast, quantized with MLX's quantizer and streamed into its
+shard, so memory stays near the size of the largest tensor. The output is
+built in a hidden sibling folder and renamed into place at the very end: an
+interrupted, crashed or refused conversion leaves no destination behind.
+The folder loads with ``refusion_mlx.load`` and with ``mlx_lm.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
+from .errors import LoadError, RefusionError
+from .models.qwen3 import Model, ModelArgs
+from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, Plan, make_plan, quant_settings
+from .shards import ShardWriter, shard_names
+from .staging import check_destination, check_overlap, staging_folder
+from .utils import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
+                    resolve_model_path)
+
+TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+COPIED_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                "chat_template.json", "generation_config.json"]
+# Qwen3's dense decoder, or a ReFusion class name over it; not Qwen3-MoE, not other families
+ARCHITECTURE = re.compile(r"^(Qwen3(ForCausalLM|Model)|\w*(ReFusion|Refusion)\w*)$")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some exports carry
+MAX_SHARD_GB = 5
+
+
+@dataclass
+class Summary:
+    """What a conversion produced (also printed at its end)."""
+
+    path: Path
+    parameters: int
+    bytes_before: int
+    bytes_after: int
+    bits_per_weight: float
+    dtype: str
+    quantization: Optional[dict]
+    notes: List[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# Source
+
+
+def resolve_source(hf_path: Union[str, Path]) -> Path:
+    """A local folder, or a hub repo: config, tokenizer and weights only (.bin if no safetensors)."""
+    path = resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"])
+    if Path(hf_path).expanduser().exists() or any(path.glob("model*.safetensors")):
+        return path
+    return resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"] + BIN_PATTERNS)
+
+
+# --------------------------------------------------------------------------
+# Validation
+
+
+def check_architecture(config: dict) -> ModelArgs:
+    """Qwen3 decoder, not already quantized: ModelArgs from the config."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(ARCHITECTURE.match(str(a)) for a in archs):
+        raise LoadError(f"config.json architectures is {archs!r}; ReFusion checkpoints are Qwen3ForCausalLM")
+    if "quantization_config" in config or "quantization" in config:
+        raise LoadError("config.json says this checkpoint is already quantized; "
+                        "convert the bf16/fp16/fp32 checkpoint")
+    return model_args(config)
+
+
+def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]],
+                  tied: bool) -> List[str]:
+    """Every expected tensor present, floating-point and shaped as the config implies.
+
+    Returns notes on source tensors that are skipped on purpose.
+    """
+    names = set(ckpt.tensors)
+    skipped = sorted(n for n in names - set(expected)
+                     if n.endswith(IGNORED_SUFFIXES) or (tied and n == "lm_head.weight"))
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected) - set(skipped))
+    misshaped = [f"{n} is {list(ckpt.tensors[n].shape)}, config implies {list(s)}"
+                 for n, s in expected.items() if n in names and tuple(ckpt.tensors[n].shape) != s]
+    not_float = [f"{n} is {ckpt.tensors[n].dtype}" for n in expected
+                 if n in names and ckpt.tensors[n].dtype not in FLOAT_TAGS]
+    problems = []
+    for label, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
+                         ("wrong shapes", misshaped), ("not bf16/fp16/fp32", not_float)):
+        if items:
+            shown = ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+            problems.append(f"{label}: {shown}")
+    if problems:
+        raise LoadError("checkpoint does not match config.json: " + "; ".join(problems))
+    notes = []
+    if tied and "lm_head.weight" in skipped:
+        notes.append("tie_word_embeddings: lm_head.weight dropped (the embedding is the head)")
+    if any(n.endswith(IGNORED_SUFFIXES) for n in skipped):
+        notes.append("rotary_emb.inv_freq buffers dropped (recomputed from rope_theta)")
+    return notes
+
+
+def check_tokenizer(src: Path, config: dict, args: ModelArgs) -> int:
+    """The mask id (config or tokenizer), an EOS token, and no token without an embedding row."""
+    tokenizer = load_tokenizer(src)
+    mask_id = resolve_mask_id(config, tokenizer)
+    if not 0 <= mask_id < args.vocab_size:
+        raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {args.vocab_size}")
+    if tokenizer.eos_token_id is None:
+        raise LoadError("the tokenizer defines no eos_token")
+    if len(tokenizer) > args.vocab_size:
+        raise LoadError(f"the embedding has {args.vocab_size} rows but the tokenizer has "
+                        f"{len(tokenizer)} tokens")
+    return mask_id
+
+
+def output_dtype(dtype: Optional[str], config: dict, ckpt: Checkpoint) -> str:
+    """--dtype, else the config's torch_dtype, else the embedding's stored dtype."""
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return dtype
+    declared = config.get("torch_dtype") or config.get("dtype")
+    if declared in DTYPES:
+        return declared
+    return TAG_DTYPES[ckpt.tensors["model.embed_tokens.weight"].dtype]
+
+
+# --------------------------------------------------------------------------
+# Conversion proper
+
+
+def convert_leaf(module: nn.Module, weights: Dict[str, mx.array], dtype: mx.Dtype,
+                 qparams: Optional[dict]) -> Dict[str, mx.array]:
+    """One module's output tensors (lazy): the source weights cast, then quantized by MLX."""
+    leaf = copy.copy(module)  # the skeleton keeps its placeholders; this copy takes the weights
+    leaf.update(tree_unflatten(list(weights.items())))
+    leaf.set_dtype(dtype)
+    if qparams:
+        leaf = leaf.to_quantized(**qparams)
+    return dict(tree_flatten(leaf.parameters()))
+
+
+def converted_tensors(ckpt: Checkpoint, plan: Plan, dtype: str,
+                      progress: bool) -> Iterator[Tuple[str, mx.array]]:
+    """Output tensors one module at a time, each evaluated, then forgotten by the caller."""
+    from tqdm import tqdm
+
+    total = sum(len(tree_flatten(m.parameters())) for _, m in plan.leaves)
+    with tqdm(total=total, unit="tensor", desc="Converting", disable=not progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        for path, module in plan.leaves:
+            names = [k for k, _ in tree_flatten(module.parameters())]
+            weights = {k: ckpt.read(f"{path}.{k}") for k in names}
+            outputs = convert_leaf(module, weights, DTYPES[dtype], plan.quant.get(path))
+            del weights
+            mx.eval(list(outputs.values()))
+            for k in list(outputs):
+                yield f"{path}.{k}", outputs.pop(k)
+            bar.update(len(names))
+    ckpt.close()
+
+
+def write_weights(folder: Path, ckpt: Checkpoint, plan: Plan, dtype: str,
+                  progress: bool) -> Dict[str, str]:
+    """Stream every tensor into shards of at most 5 GB; return the index's weight map."""
+    from mlx_lm.utils import make_shards
+
+    groups = make_shards(plan.specs, MAX_SHARD_GB) if plan.specs else [{}]
+    names = shard_names(len(groups))
+    where = {t: n for n, group in zip(names, groups) for t in group}
+    writers = {n: ShardWriter(folder / n, {t: plan.specs[t] for t in group}, {"format": "mlx"})
+               for n, group in zip(names, groups)}
+    try:
+        for name, array in converted_tensors(ckpt, plan, dtype, progress):
+            writers[where[name]].write(name, array)
+            del array
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return {t: where[t] for t in sorted(where)}
+
+
+def output_config(config: dict, args: ModelArgs, mask_id: int, dtype: str,
+                  config_quant: Optional[dict]) -> dict:
+    """The source config plus what both runtimes need spelled out."""
+    out = dict(config)
+    out["mask_token_id"] = mask_id
+    for key in ("head_dim", "num_key_value_heads", "rope_theta", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings"):
+        if out.get(key) is None:  # mlx-lm's Qwen3 has no defaults for these
+            out[key] = getattr(args, key)
+    for key in ("torch_dtype", "dtype"):
+        if key in out or key == "torch_dtype":
+            out[key] = dtype
+    if config_quant is not None:
+        out["quantization"] = config_quant
+    return out
+
+
+def model_card(src_name: str, summary: Summary) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(library_name="mlx", pipeline_tag="text-generation",
+                         tags=["mlx", "refusion", "diffusion-llm"],
+                         base_model=src_name if src_name.count("/") == 1 and not Path(src_name).exists() else None)
+    q = summary.quantization
+    precision = (f"{q['bits']}-bit {q['mode']} (group size {q['group_size']})" if q else "not quantized")
+    return (f"---\n{data.to_yaml()}\n---\n\n# {Path(summary.path).name}\n\n"
+            f"ReFusion (masked diffusion LLM, Qwen3 architecture) converted from `{src_name}` to MLX "
+            f"with `python -m refusion_mlx.convert`: {precision}, other tensors {summary.dtype}, "
+            f"{summary.bits_per_weight:.2f} bits per weight.\n\n"
+            "```bash\npip install refusion-mlx\n"
+            f"python -m refusion_mlx.generate --model {Path(summary.path).name} --prompt \"Hello\"\n```\n\n"
+            "`mlx_lm.load` reads the same folder (left-to-right decoding).\n")
+
+
+def write_metadata(folder: Path, src: Path, config: dict, weight_map: Dict[str, str],
+                   summary: Summary, src_name: str) -> None:
+    """Index, tokenizer and generation files, model card; config.json last (it makes the folder loadable)."""
+    from mlx_lm.utils import save_config
+
+    index = {"metadata": {"total_size": summary.bytes_after, "total_parameters": summary.parameters},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    for name in COPIED_FILES + [p.name for p in src.glob("*.jinja")]:
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)
+    (folder / "README.md").write_text(model_card(src_name, summary))
+    save_config(config, folder / "config.json")
+
+
+def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
+            quantize: bool = False, q_group_size: Optional[int] = None,
+            q_bits: Optional[int] = None, q_mode: str = "affine",
+            quant_predicate: Optional[str] = None, dtype: Optional[str] = None,
+            force: bool = False, progress: bool = True) -> Summary:
+    """Convert ``hf_path`` (folder or hub id) into an MLX folder at ``mlx_path``.
+
+    Raises ``RefusionError`` (``LoadError`` for bad inputs) before writing
+    anything; on any failure or interrupt, ``mlx_path`` is left as it was.
+    """
+    qs = quant_settings(quantize, q_bits, q_group_size, q_mode, quant_predicate)
+    if dtype is not None and dtype not in DTYPES:
+        raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dst = Path(mlx_path).expanduser()
+    check_destination(dst, force)
+    src = resolve_source(hf_path)
+    check_overlap(src, dst)
+    config = read_config(src)
+    args = check_architecture(config)
+    ckpt = open_checkpoint(src)
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(Model(args).parameters())}
+    notes = check_tensors(ckpt, expected, args.tie_word_embeddings)
+    mask_id = check_tokenizer(src, config, args)
+    out_dtype = output_dtype(dtype, config, ckpt)
+    plan = make_plan(args, out_dtype, qs)
+    notes += plan.notes
+    bytes_after = sum(s.nbytes for s in plan.specs.values())
+    summary = Summary(dst, plan.parameters, sum(ckpt.tensors[k].nbytes for k in expected),
+                      bytes_after, bytes_after * 8 / plan.parameters, out_dtype,
+                      plan.config_quant and {k: v for k, v in plan.config_quant.items()
+                                             if not isinstance(v, dict)}, notes)
+    for note in notes:
+        print(f"[INFO] {note}", file=sys.stderr)
+    previous_limit = mx.set_cache_limit(0)  # freed buffers go back to the system at once
+    try:
+        with staging_folder(dst, force) as tmp:
+            weight_map = write_weights(tmp, ckpt, plan, out_dtype, progress)
+            config_out = output_config(config, args, mask_id, out_dtype, plan.config_quant)
+            write_metadata(tmp, src, config_out, weight_map, summary, str(hf_path))
+    finally:
+        mx.set_cache_limit(previous_limit)
+        ckpt.close()
+    return summary
+
+
+def format_summary(s: Summary) -> str:
+    q = s.quantization
+    what = f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}" if q else "not quantized"
+    return (f"[INFO] {s.path}: {_count(s.parameters)} parameters | {_bytes(s.bytes_before)} -> "
+            f"{_bytes(s.bytes_after)} | {s.bits_per_weight:.2f} bits per weight | "
+            f"{what}, other tensors {s.dtype}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP turned into an exception, so the staging folder is removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def termination_raises() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Terminated`` for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .generate import OneLineParser
+
+    parser = OneLineParser(prog="python -m refusion_mlx.convert",
+                           description="Convert a ReFusion (Qwen3, Hugging Face layout) checkpoint to MLX.")
+    parser.add_argument("--hf-path", "--model", required=True,
+                        help="source: a local folder or a Hugging Face repo id")
+    parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize (default 4-bit affine, group 64)")
+    parser.add_argument("--q-bits", type=int, choices=Q_BITS, help="bits per weight (affine)")
+    parser.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, help="quantization group size")
+    parser.add_argument("--q-mode", default="affine", choices=Q_MODES, help="quantization mode")
+    parser.add_argument("--quant-predicate", choices=list(RECIPES), metavar="RECIPE",
+                        help="mixed-precision recipe: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()))
+    parser.add_argument("--dtype", choices=list(DTYPES),
+                        help="dtype of unquantized tensors and scales (default: the config's torch_dtype)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --mlx-path")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
+    except RefusionError as e:
+        parser.error(str(e))
+    try:
+        with termination_raises():
+            summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
+                              q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
+                              quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"terminated: {args.mlx_path} left as it was", file=sys.stderr)
+        return 128 + e.args[0]
+    except OSError as e:
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {args.mlx_path} left as it was",
+              file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, and the staging folder is gone
+        print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

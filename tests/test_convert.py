@@ -1,0 +1,455 @@
+"""python -m refusion_mlx.convert: golden parity of converted folders, every input format,
+quantization, one-line errors with no destination left, and atomic output."""
+
+import json
+import math
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import refusion_mlx  # noqa: F401  (before mlx.core: optimized BLAS on Linux)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import convert_helpers as h
+from convert.make_checkpoint import make_checkpoint
+from refusion_mlx import convert as conv
+from refusion_mlx.errors import LoadError, RefusionError
+from refusion_mlx.utils import DEMO_MODEL, load
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def golden_cases():
+    return json.loads((h.FIXTURES / "golden_outputs.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def golden_logits():
+    return dict(np.load(h.FIXTURES / "golden_logits.npz"))
+
+
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory):
+    """The demo checkpoint converted once per variant (each takes milliseconds)."""
+    root = tmp_path_factory.mktemp("demo")
+    variants = {"f32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"), "fp16": dict(dtype="float16"),
+                "q8": dict(quantize=True, q_bits=8), "q4": dict(quantize=True, q_bits=4)}
+    return {name: conv.convert(DEMO_MODEL, root / name, progress=False, **kw)
+            for name, kw in variants.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny random checkpoints (padded vocabulary: 1024 rows, 806 tokens) in every input format."""
+    root = tmp_path_factory.mktemp("tiny")
+    made = {fmt: make_checkpoint(root / fmt, "tiny", fmt) for fmt in
+            ("safetensors", "sharded-safetensors", "bin", "sharded-bin")}
+    made["tied-sharded-bin"] = make_checkpoint(root / "tied", "tiny", "sharded-bin", tie_word_embeddings=True)
+    return made
+
+
+@pytest.fixture(scope="module")
+def q8_golden(demo_out):
+    """The 8-bit golden run, started in a second process to share the two cores with the
+    float32 run (each is ~30 s of CPU with the reference BLAS of mlx-cpu)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool.submit(h.golden_results_of, str(demo_out["q8"].path), True)
+
+
+# --------------------------------------------------------------------------
+# The demo model, converted: golden cases and PyTorch logits
+
+
+def test_float32_conversion_reproduces_every_golden_case(demo_out, golden_cases, q8_golden):
+    model, tokenizer = load(demo_out["f32"].path, dtype="float32")
+    results = h.golden_results(model, tokenizer, golden_cases)
+    assert len(results) == 32 and all(results), [i for i, ok in enumerate(results) if not ok]
+
+
+def test_float32_conversion_is_bit_exact(demo_out):
+    converted, _ = load(demo_out["f32"].path, dtype="float32")
+    original, _ = load(DEMO_MODEL, dtype="float32")
+    a, b = dict(tree_flatten(converted.parameters())), dict(tree_flatten(original.parameters()))
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+@pytest.mark.parametrize("variant,dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_half_precision_keeps_top1_with_pytorch(demo_out, golden_logits, variant, dtype):
+    model, _ = load(demo_out[variant].path, dtype=dtype)  # computed in the stored half type
+    assert model.model.norm.weight.dtype == getattr(mx, dtype)
+    assert h.top1_agreement(model, golden_logits) >= 0.99  # measured: 166/166 for both
+
+
+def test_8bit_reproduces_95_percent_of_golden_cases(demo_out, golden_cases, golden_logits, q8_golden):
+    """The 8-bit weights decode the golden cases dequantized by mlx-lm's helper, on dense
+    matmuls (MLX's CPU quantized kernels are ~10x slower; they score the same 31/32, see README)."""
+    model, _ = load(demo_out["q8"].path, dtype="float32")
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    assert h.top1_agreement(model, golden_logits) >= 0.99  # the quantized kernels themselves
+    results = q8_golden.result(timeout=600)
+    assert len(results) == len(golden_cases) == 32
+    assert sum(results) >= math.ceil(0.95 * len(golden_cases)), sum(results)
+
+
+def test_4bit_is_measured_and_close(demo_out, golden_logits):
+    s = demo_out["q4"]
+    assert 4.4 < s.bits_per_weight < 4.6 and s.bytes_after < s.bytes_before / 3
+    model, _ = load(s.path, dtype="float32")
+    assert h.top1_agreement(model, golden_logits) >= 0.95  # measured: 162/166
+
+
+# --------------------------------------------------------------------------
+# Input formats, tied embeddings, padded vocabulary; both runtimes load the output
+
+
+def source_tensors(folder: Path) -> dict:
+    import torch
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(h.read_st(f))
+    for f in sorted(folder.glob("*.bin")):
+        tensors.update(torch.load(f, weights_only=True))
+    return {k: v.float().numpy() for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded-safetensors", "bin", "sharded-bin", "tied-sharded-bin"])
+def test_every_input_format_converts_losslessly(tiny, tmp_path, fmt):
+    src = tiny[fmt]
+    summary = conv.convert(src, tmp_path / "out", dtype="float32", progress=False)
+    out = {}
+    for f in (tmp_path / "out").glob("model*.safetensors"):
+        out.update(mx.load(str(f)))
+    expected = source_tensors(src)
+    assert out.keys() == expected.keys()
+    assert all(np.array_equal(np.array(out[k]), expected[k]) for k in expected)
+    assert ("lm_head.weight" in out) == (fmt != "tied-sharded-bin")
+    assert summary.parameters == sum(v.size for v in expected.values())
+
+
+def test_legacy_non_zip_bin_converts(tiny, tmp_path):
+    import shutil
+
+    import torch
+
+    src = tmp_path / "legacy"
+    shutil.copytree(tiny["bin"], src)
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    conv.convert(src, tmp_path / "out", dtype="float32", progress=False)
+    out = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    assert all(np.array_equal(np.array(out[k]), v.float().numpy()) for k, v in state.items())
+
+
+def test_output_loads_in_both_runtimes_with_the_same_logits(tiny, tmp_path):
+    import mlx_lm
+
+    for name, kwargs in (("f32", dict(dtype="float32")), ("q4", dict(quantize=True))):
+        dst = tmp_path / name
+        conv.convert(tiny["tied-sharded-bin"], dst, progress=False, **kwargs)
+        ours, tok = load(dst, dtype="float32")
+        theirs, tok2 = mlx_lm.load(str(dst))
+        theirs.set_dtype(mx.float32)
+        assert ours.args.mask_token_id == 1023 and tok2.eos_token_id == tok.eos_token_id == 801
+        ids = mx.array(np.random.default_rng(0).integers(0, 806, 40))[None]
+        a = ours(ids, mx.arange(40))
+        b = theirs(ids)
+        assert np.allclose(np.array(a), np.array(b), atol=2e-3), float(mx.abs(a - b).max())
+
+
+def test_tied_checkpoint_with_a_stray_lm_head_drops_it(tiny, tmp_path, capsys):
+    src = tmp_path / "src"
+    make_checkpoint(src, "tiny", "safetensors", tie_word_embeddings=True)
+    tensors = h.read_st(src / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    h.write_st(src / "model.safetensors", tensors)
+    summary = conv.convert(src, tmp_path / "out", progress=False)
+    assert any("lm_head.weight dropped" in n for n in summary.notes)
+    assert "lm_head.weight" not in mx.load(str(tmp_path / "out" / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------
+# Output folder, quantization recipes, sharding
+
+
+def test_output_folder_contents(demo_out):
+    dst = demo_out["q4"].path
+    config = json.loads((dst / "config.json").read_text())
+    assert config["mask_token_id"] == 805 and config["model_type"] == "qwen3"
+    assert {k: config["quantization"][k] for k in ("group_size", "bits", "mode")} == \
+        {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert config["quantization_config"] == config["quantization"]
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+              "README.md", "model.safetensors", "model.safetensors.index.json"):
+        assert (dst / f).is_file(), f
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    assert index["metadata"]["total_size"] == demo_out["q4"].bytes_after
+    assert "mlx" in (dst / "README.md").read_text()
+    assert not [p for p in dst.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_recipes_keep_embeddings_and_head_at_higher_precision(tmp_path):
+    import mlx_lm
+
+    s = conv.convert(DEMO_MODEL, tmp_path / "e8", quant_predicate="embed_8", progress=False)
+    config = json.loads((tmp_path / "e8" / "config.json").read_text())["quantization"]
+    assert config["model.embed_tokens"]["bits"] == config["lm_head"]["bits"] == 8 and config["bits"] == 4
+    model, _ = load(tmp_path / "e8")
+    assert model.lm_head.bits == 8 and model.model.layers[0].self_attn.q_proj.bits == 4
+    assert mlx_lm.load(str(tmp_path / "e8"))[0].model.embed_tokens.bits == 8
+    conv.convert(DEMO_MODEL, tmp_path / "fp", quant_predicate="embed_fp", progress=False)
+    model, _ = load(tmp_path / "fp")
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
+    assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    conv.convert(DEMO_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)
+    assert load(tmp_path / "m46")[0].lm_head.bits == 6
+    assert s.bits_per_weight > 4.6  # 8-bit edges cost more than uniform 4-bit's 4.5
+
+
+def test_layers_not_divisible_by_the_group_size_stay_unquantized(tmp_path):
+    src = make_checkpoint(tmp_path / "src", "tiny", "safetensors", intermediate_size=96)
+    s = conv.convert(src, tmp_path / "out", quantize=True, progress=False)
+    assert any("mlp.down_proj (96)" in n for n in s.notes)
+    weights = mx.load(str(tmp_path / "out" / "model.safetensors"))
+    assert "model.layers.0.mlp.down_proj.scales" not in weights
+    assert "model.layers.0.mlp.up_proj.scales" in weights
+    model, _ = load(tmp_path / "out")
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.Linear)
+
+
+def test_shards_are_split_and_indexed(tmp_path, monkeypatch):
+    import mlx_lm
+
+    monkeypatch.setattr(conv, "MAX_SHARD_GB", 0)  # every tensor in a shard of its own
+    conv.convert(DEMO_MODEL, tmp_path / "out", quantize=True, q_bits=8, progress=False)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 40 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors")) == shards
+    model, _ = load(tmp_path / "out")
+    assert model.model.layers[3].mlp.down_proj.bits == 8
+    mlx_lm.load(str(tmp_path / "out"))
+
+
+def test_other_quantization_modes(tmp_path):
+    conv.convert(DEMO_MODEL, tmp_path / "mx", q_mode="mxfp4", progress=False)
+    model, _ = load(tmp_path / "mx", dtype="float32")
+    assert model.lm_head.mode == "mxfp4"
+    out = model(mx.array([[800, 265, 198]]), mx.arange(3))
+    assert out.shape == (1, 3, 806) and bool(mx.isfinite(out).all())
+
+
+# --------------------------------------------------------------------------
+# Bad inputs: one line on stderr, exit != 0, nothing at the destination
+
+
+MALFORMED = {
+    "truncated": ("safetensors", h.truncate, "truncated"),
+    "header-length": ("safetensors", h.corrupt_header_length, "corrupted safetensors header"),
+    "header-json": ("safetensors", h.corrupt_header_json, "corrupted safetensors header"),
+    "missing-shard": ("sharded-safetensors", h.remove_shard, "missing shard model-00002-of-00003"),
+    "wrong-shape": ("safetensors", h.reshape_tensor, "model.layers.1.mlp.up_proj.weight is [100, 64]"),
+    "missing-tensor": ("safetensors", h.drop_tensor, "missing tensors: model.norm.weight"),
+    "unexpected-tensor": ("safetensors", h.add_tensor, "unexpected tensors: model.layers.0.mlp.extra_proj"),
+    "no-mask-id": ("safetensors", h.strip_mask_token, "no mask token"),
+    "mask-outside": ("safetensors", lambda f: h.edit_config(f, mask_token_id=5000), "outside the vocabulary"),
+    "pickle-runs-code": ("safetensors", h.evil_bin, "would run code"),
+    "not-qwen3": ("safetensors", lambda f: h.edit_config(f, model_type="llama", architectures=None),
+                  "model_type is 'llama'"),
+    "qwen3-moe": ("safetensors", lambda f: h.edit_config(f, architectures=["Qwen3MoeForCausalLM"]),
+                  "Qwen3ForCausalLM"),
+    "small-embedding": ("safetensors", None, "the embedding has 700 rows but the tokenizer has 806"),
+    "already-quantized": ("safetensors", lambda f: h.edit_config(f, quantization_config={"bits": 4}),
+                          "already quantized"),
+    "bad-index": ("sharded-safetensors", lambda f: (f / "model.safetensors.index.json").write_text("{"),
+                  "model.safetensors.index.json is malformed"),
+    "no-weights": ("safetensors", lambda f: (f / "model.safetensors").unlink(), "has no weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_checkpoint_one_line_error_and_no_destination(tmp_path, capsys, case):
+    fmt, corrupt, message = MALFORMED[case]
+    extra = {"vocab_size": 700} if case == "small-embedding" else {}
+    src = make_checkpoint(tmp_path / "src", "tiny", fmt, **extra)
+    if corrupt:
+        corrupt(src)
+    dst = tmp_path / "out" / "model"
+    code, err, _ = h.run_cli(capsys, "--hf-path", src, "--mlx-path", dst, "-q")
+    assert code == 1 and len(err) == 1 and message in err[0], err
+    assert err[0].startswith("error: ")
+    assert not dst.exists() and (not dst.parent.exists() or not any(dst.parent.iterdir()))
+    assert not (src / "PWNED").exists()
+
+
+@pytest.mark.parametrize("flags", [["--q-bits", "5"], ["--q-group-size", "48"], ["--dtype", "int8"],
+                                   ["--q-mode", "nvfp4", "--q-group-size", "64"],
+                                   ["--quant-predicate", "nonsense"], ["--q-mode", "mxfp4", "--quant-predicate", "mixed_3_6"]])
+def test_invalid_flags_exit_2_in_one_line(tmp_path, capsys, flags):
+    code, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", tmp_path / "out", *flags)
+    assert code == 2 and len(err) == 1 and "error:" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pytorch_bin_without_torch_names_the_extra(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    code, err, _ = h.run_cli(capsys, "--hf-path", tiny["bin"], "--mlx-path", tmp_path / "out")
+    assert code == 1 and len(err) == 1 and "refusion-mlx[torch]" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_uncached_hub_id_offline_is_one_line(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    code, err, _ = h.run_cli(capsys, "--hf-path", "nobody/no-such-refusion", "--mlx-path", tmp_path / "out")
+    assert code == 1 and len(err) == 1 and "offline and not cached" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt,fetches", [("safetensors", 1), ("bin", 2)])
+def test_hub_source_fetches_bin_files_only_when_there_are_no_safetensors(tiny, monkeypatch, fmt, fetches):
+    asked = []
+
+    def snapshot(repo, allow_patterns=None):
+        asked.append(allow_patterns)
+        return tiny[fmt]
+
+    monkeypatch.setattr(conv, "resolve_model_path", snapshot)
+    assert conv.resolve_source("org/refusion") == tiny[fmt]
+    assert len(asked) == fetches and "model*.safetensors" in asked[0] and "config.json" in asked[0]
+    assert ("pytorch_model*.bin" in asked[-1]) == (fmt == "bin") and "pytorch_model*.bin" not in asked[0]
+    assert not any(p.endswith((".md", ".msgpack", ".h5", ".onnx")) for p in asked[-1])
+
+
+def test_existing_destination_needs_force(tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
+    assert code == 1 and len(err) == 1 and "--force" in err[0]
+    assert (dst / "keep.txt").read_text() == "mine"
+    code, _, out = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst, "--force", "-q")
+    assert code == 0 and "bits per weight" in out
+    assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
+    code, err, _ = h.run_cli(capsys, "--hf-path", dst, "--mlx-path", dst, "--force")
+    assert code == 1 and "would replace the source" in err[0]
+    assert (dst / "config.json").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", empty)[0] == 0
+
+
+def test_failed_force_keeps_the_old_destination(tmp_path, capsys):
+    dst = tmp_path / "out"
+    conv.convert(DEMO_MODEL, dst, progress=False)
+    src = make_checkpoint(tmp_path / "bad", "tiny", "safetensors")
+    h.truncate(src)
+    code, _, _ = h.run_cli(capsys, "--hf-path", src, "--mlx-path", dst, "--force")
+    assert code == 1 and load(dst)[0].args.mask_token_id == 805
+
+
+# --------------------------------------------------------------------------
+# Interrupted conversions leave nothing loadable behind
+
+
+@pytest.mark.parametrize("failure,code,message", [
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (OSError(28, "No space left on device"), 1, "No space left on device"),
+    (RuntimeError("a bug"), 1, "unexpected RuntimeError: a bug"),
+])
+def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, failure, code, message):
+    from refusion_mlx.shards import ShardWriter
+
+    written = []
+    original = ShardWriter.write
+
+    def write_then_fail(self, name, array):
+        original(self, name, array)
+        written.append(name)
+        if len(written) == 5:
+            raise failure
+
+    monkeypatch.setattr(ShardWriter, "write", write_then_fail)
+    dst = tmp_path / "out"
+    rc, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
+    assert rc == code and message in err[-1] and len(written) == 5, err
+    assert h.leftovers(dst) == []
+
+
+SLOW_CONVERTER = """
+import sys, time
+import refusion_mlx
+from refusion_mlx import convert, shards
+write = shards.ShardWriter.write
+def slow_write(self, name, array):
+    write(self, name, array)
+    self.file.flush()
+    time.sleep(0.1)
+shards.ShardWriter.write = slow_write
+sys.exit(convert.main(sys.argv[1:]))
+"""
+
+
+def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
+    import mlx_lm
+
+    runs = {sig: tmp_path / f"out-{sig.name}" for sig in (signal.SIGKILL, signal.SIGTERM)}
+    procs = {sig: subprocess.Popen([sys.executable, "-c", SLOW_CONVERTER, "--hf-path", str(DEMO_MODEL),
+                                    "--mlx-path", str(dst)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+             for sig, dst in runs.items()}
+    for sig, proc in procs.items():
+        staging = tmp_path / f".{runs[sig].name}.partial-{proc.pid}"
+        deadline = time.time() + 60
+        while not (staging / "model.safetensors.partial").is_file() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few tensors in
+        proc.send_signal(sig)
+    for sig, proc in procs.items():
+        _, err = proc.communicate(timeout=60)
+        dst = runs[sig]
+        assert not dst.exists()
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 128 + signal.SIGTERM and "terminated" in err.splitlines()[-1]
+            assert h.leftovers(dst) == []
+        else:
+            assert proc.returncode == -signal.SIGKILL
+            (staging,) = [tmp_path / n for n in h.leftovers(dst)]  # SIGKILL cannot be caught...
+            assert sorted(p.name for p in staging.iterdir()) == ["model.safetensors.partial"]
+            with pytest.raises(LoadError):
+                load(staging)
+            with pytest.raises(Exception):
+                mlx_lm.load(str(staging))
+            conv.convert(DEMO_MODEL, dst, progress=False)  # ...and the next run clears it away
+            assert h.leftovers(dst) == [dst.name]
+
+
+# --------------------------------------------------------------------------
+# The convert/ tooling
+
+
+def test_parity_tool_against_transformers(tiny, tmp_path):
+    from convert.parity import parity
+
+    conv.convert(tiny["tied-sharded-bin"], tmp_path / "out", dtype="float32", progress=False)
+    report = parity(tiny["tied-sharded-bin"], tmp_path / "out", length=48, count=1)
+    assert report["top1_agreement"] == 1.0 and report["max_abs_diff"] < 1e-3, report
+    assert {r["sequence"] for r in report["sequences"]} == {"seq0-plain", "seq0-slots"}
+
+
+def test_python_api_raises_before_writing(tmp_path):
+    with pytest.raises(RefusionError, match="--q-bits"):
+        conv.convert(DEMO_MODEL, tmp_path / "out", quantize=True, q_bits=5)
+    assert not (tmp_path / "out").exists()
