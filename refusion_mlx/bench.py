@@ -73,7 +73,8 @@ def combine(side: str, runs: Sequence[RunResult]) -> RunResult:
         sum(r.wall_seconds for r in runs), sum(r.prefill_seconds for r in runs), phases,
         max((r.peak_memory_gb for r in runs), default=0.0), sum(r.host_syncs for r in runs),
         sum(r.steps for r in runs), "-", committed_tokens=sum(committed) if committed else None,
-        lookahead_forwards=sum(r.lookahead_forwards for r in runs))
+        lookahead_forwards=sum(r.lookahead_forwards for r in runs),
+        prefill_tokens=sum(r.prefill_tokens for r in runs))
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -243,11 +244,12 @@ def format_report(result: dict) -> str:
         rows.append(_row("all" if k == 0 else "", "", "", s, total[s], ratios))
     lines += ["", format_table(COLUMNS, rows, left=[0, 1, 2, 3]), ""]
     if "ratio" in total:
+        dec = f"{total['decode_ratio']:.2f}x" if total.get("decode_ratio") else "-"
         lines.append(f"ReFusion / AR tokens per second: {total['ratio']:.2f}x end to end, "
-                     f"{total['decode_ratio']:.2f}x decode only; identical answers on "
+                     f"{dec} decode only; identical answers on "
                      f"{total['same_answers']}/{len(cases)} prompts")
     lines.append("tokens: answer up to and including EOS | fwd: model forwards | tok/s: tokens / wall | "
-                 "dec tok/s: tokens / (wall - prefill) | times in ms: prefill = ReFusion's first pass "
+                 "dec tok/s: tokens after the prefill pass / (wall - prefill) | times in ms: prefill = ReFusion's first pass "
                  "(prompt + first block's masks) or AR's time to first token; plan/verify/inf-*: "
                  "ReFusion phases; AR steps: AR's token steps after the first; other: ReFusion wall "
                  "time outside its phases | peak MB: peak MLX memory, weights included | x: ReFusion / AR")

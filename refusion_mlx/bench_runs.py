@@ -9,8 +9,11 @@ sides). Counting rules, the same for both:
 * tokens: the answer up to and including EOS (or the whole budget).
 * prefill time: ReFusion's first forward (prompt plus the first block's
   masks, ``stats.seconds['prefill']``); AR's time to the first token.
-* end-to-end tokens/s = tokens / wall; decode tokens/s = tokens / (wall -
-  prefill), mlx-lm's own ``generation_tps`` convention.
+* end-to-end tokens/s = tokens / wall; decode tokens/s = tokens produced
+  after the prefill pass / (wall - prefill): AR's first token comes out of
+  its prefill, so AR counts tokens - 1 there; ReFusion's first pass only
+  plans, so it counts all its tokens. (mlx-lm's ``generation_tps`` counts
+  the first token without its time; this does not.)
 * forwards: model calls that contributed to the answer. mlx-lm prefills a
   prompt of P > 1 tokens as P-1 tokens then the last one (two calls) and
   dispatches one look-ahead step beyond the last token; that step is not
@@ -47,6 +50,7 @@ class RunResult:
     text: str = ""
     committed_tokens: Optional[int] = None
     lookahead_forwards: int = 0
+    prefill_tokens: int = 0  # answer tokens the prefill pass itself produced
 
     @property
     def tokens_per_forward(self) -> float:
@@ -57,9 +61,11 @@ class RunResult:
         return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
-    def decode_tokens_per_second(self) -> float:
+    def decode_tokens_per_second(self) -> Optional[float]:
+        """Tokens after the prefill pass per second after it (None: no such tokens)."""
         decode = self.wall_seconds - self.prefill_seconds
-        return self.generated_tokens / decode if decode > 0 else 0.0
+        tokens = self.generated_tokens - self.prefill_tokens
+        return tokens / decode if decode > 0 and tokens > 0 else None
 
     @property
     def other_seconds(self) -> float:
@@ -75,7 +81,8 @@ class RunResult:
             "lookahead_forwards": self.lookahead_forwards,
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
-            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
+            "decode_tokens_per_second": _round(self.decode_tokens_per_second, 3),
+            "prefill_tokens": self.prefill_tokens,
             "wall_seconds": round(self.wall_seconds, 6),
             "prefill_seconds": round(self.prefill_seconds, 6),
             "phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()},
@@ -87,6 +94,10 @@ class RunResult:
             "output_ids": list(self.output_ids),
             "text": self.text,
         }
+
+
+def _round(value: Optional[float], digits: int) -> Optional[float]:
+    return None if value is None else round(value, digits)
 
 
 def run_refusion(model, tokenizer, prompt_ids: Sequence[int], params: RefusionParams) -> RunResult:
@@ -146,7 +157,8 @@ def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int) -> RunR
     phases = {"prefill": first - t0, "steps": end - first}
     return RunResult("ar", len(tokens), calls - lookahead, end - t0, first - t0, phases, peak,
                      host_syncs=len(tokens), steps=len(tokens), finish_reason=last.finish_reason,
-                     output_ids=tokens, text=text, lookahead_forwards=lookahead)
+                     output_ids=tokens, text=text, lookahead_forwards=lookahead,
+                     prefill_tokens=min(len(tokens), 1))
 
 
 def share_weights(ar_model, model) -> None:
