@@ -19,6 +19,19 @@ from . import __version__
 from ._blas import blas_in_use
 
 
+def blas_threads() -> Optional[int]:
+    """OpenBLAS's thread count (OPENBLAS_NUM_THREADS), None if not OpenBLAS.
+
+    It matters on small models: idle OpenBLAS workers spin in sched_yield
+    between small matmuls and compete with MLX and Python for the cores."""
+    import ctypes
+
+    try:
+        return int(ctypes.CDLL(None).openblas_get_num_threads())
+    except (AttributeError, OSError):
+        return None
+
+
 def package_version(name: str) -> str:
     try:
         return metadata.version(name)
@@ -74,6 +87,7 @@ def environment(model, model_label: str) -> Dict[str, Any]:
     """Everything a reader needs to reproduce or discount the timings."""
     return {
         "blas": blas_in_use(),
+        "blas_threads": blas_threads(),
         "dtype": model_shape(model)["dtype"],
         "device": device_description(),
         "mlx": package_version("mlx"),
@@ -94,7 +108,8 @@ def header_lines(env: Dict[str, Any]) -> List[str]:
         f"{s['num_key_value_heads']} KV heads, head_dim {s['head_dim']}, intermediate "
         f"{s['intermediate_size']}, vocab {s['vocab_size']}; {s['parameters'] / 1e6:.2f}M parameters"
         f"{', quantized' if s['quantized'] else ''})",
-        f"BLAS: {env['blas']} | dtype: {env['dtype']} | device: {env['device']}",
+        f"BLAS: {env['blas']}{_threads(env.get('blas_threads'))} | dtype: {env['dtype']} | "
+        f"device: {env['device']}",
         f"versions: mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, refusion-mlx {env['refusion_mlx']}, "
         f"Python {env['python']}",
     ]
@@ -102,6 +117,10 @@ def header_lines(env: Dict[str, Any]) -> List[str]:
         lines.append("WARNING: the reference BLAS is slow; timings do not represent this machine "
                      "(install OpenBLAS, see README)")
     return lines
+
+
+def _threads(n: Optional[int]) -> str:
+    return f", {n} thread{'s' if n != 1 else ''}" if n else ""
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
