@@ -64,13 +64,30 @@ def timed(model, tokenizer, prompt, params: RefusionParams, cache=None) -> dict:
             "active_before_gb": round(before / GB, 4)}
 
 
+def repeated(run, items, repeat: int, label) -> List[dict]:
+    """``run(item)`` ``repeat`` times per item, interleaved (item by item, then
+    again), so slow spells of a shared machine spread over all rows; per item
+    the run with the median decode time per token is kept."""
+    runs: List[List[dict]] = [[] for _ in items]
+    for _ in range(repeat):
+        for i, item in enumerate(items):
+            r = run(item)
+            runs[i].append(r)
+            print(f"  {label(item)}: {r['decode_ms_per_token']:.1f} ms/token, prefill {r['prefill_seconds']:.2f} s",
+                  file=sys.stderr, flush=True)
+    rows = []
+    for rs in runs:
+        best = sorted(rs, key=lambda r: r["decode_ms_per_token"])[(len(rs) - 1) // 2]
+        best["repeat_decode_ms_per_token"] = [r["decode_ms_per_token"] for r in rs]
+        rows.append(best)
+    return rows
+
+
 def budgets_section(model, tokenizer, args) -> List[dict]:
     prompt = random_prompt(tokenizer, model, 64, args.seed)
-    rows = []
-    for b in args.budgets:
-        r = timed(model, tokenizer, prompt, make_params(b, args.slot_size, args.block_length, args.mode))
-        rows.append(r)
-        print(f"  budget {b}: {r['decode_ms_per_token']:.1f} ms/token", file=sys.stderr, flush=True)
+    rows = repeated(lambda b: timed(model, tokenizer, prompt,
+                                    make_params(b, args.slot_size, args.block_length, args.mode)),
+                    args.budgets, args.repeat, lambda b: f"budget {b}")
     base = rows[0]["decode_ms_per_token"]
     for r in rows:
         r["vs_first"] = round(r["decode_ms_per_token"] / base - 1, 4)
@@ -78,14 +95,9 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
 
 
 def prompts_section(model, tokenizer, args) -> List[dict]:
-    rows = []
-    for n in args.prompts:
-        prompt = random_prompt(tokenizer, model, n, args.seed)
-        r = timed(model, tokenizer, prompt,
-                  make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode))
-        rows.append(r)
-        print(f"  prompt {n}: prefill {r['prefill_seconds']:.2f} s", file=sys.stderr, flush=True)
-    return rows
+    params = make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode)
+    return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params),
+                    args.prompts, args.repeat, lambda n: f"prompt {n}")
 
 
 def prefill(model, prompt: List[int], room: int, chunk: int = 512) -> CommittedCache:
@@ -182,11 +194,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--prompt-budget", type=int, default=128, help="budget of the prompt table")
     parser.add_argument("--slots", type=int_list, default=[1, 4, 8, 16])
     parser.add_argument("--long-prompt", type=int, default=2048, help="prompt of the slots table")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per row of the budget and prompt tables (median kept)")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if not sections or any(s not in SECTIONS for s in sections):
         parser.error(f"--sections takes {', '.join(SECTIONS)}")
-    for name in ("block_length", "prompt_budget", "long_prompt", "slot_size"):
+    for name in ("block_length", "prompt_budget", "long_prompt", "slot_size", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.long_prompt < 2:
@@ -198,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             make_params(b, args.slot_size, args.block_length, args.mode).layout()
         model, tokenizer, env = load_model(args.model, args.dtype)
         print(f"scaling: slot {args.slot_size}, block {args.block_length}, mode {args.mode} "
-              f"({MODES[args.mode]}); one run per row (timings on a shared machine are noisy)")
+              f"({MODES[args.mode]}); median of {args.repeat} run(s) per row")
         warm = random_prompt(tokenizer, model, 64, args.seed)
         decode(model, tokenizer, warm, make_params(args.block_length, args.slot_size, args.block_length, args.mode))
         results = {}
