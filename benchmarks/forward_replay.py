@@ -1,0 +1,192 @@
+"""Record the forwards a ReFusion run makes, then run the same forwards bare.
+
+The decoder's overhead is everything it does besides the model: building
+masks and positions, drafting and scoring on the logits, host round trips,
+Python bookkeeping. To measure it, :class:`RecordingModel` wraps a model (the
+decoder only calls ``hidden`` and ``head``) and notes each forward's shape:
+tokens in, where its K/V go, how many cached rows its queries see, the mask,
+and on how many rows the LM head ran. :func:`replay` then runs forwards of
+exactly those shapes with a plain preallocated KV buffer and one evaluation
+per forward -- the cost of the model alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import refusion_mlx  # noqa: F401  (before mlx.core: BLAS preload)
+
+import mlx.core as mx
+import numpy as np
+
+PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
+
+
+@dataclass
+class ForwardShape:
+    """One forward as the model saw it."""
+
+    tokens: int
+    start: int  # first K/V row written (contiguous writes)
+    visible: int  # K/V rows the queries attend over
+    rows: Optional[np.ndarray] = None  # scattered K/V rows (parallel infill)
+    mask: object = "causal"  # "causal" or a boolean (tokens, visible) array
+    head_rows: int = 0  # rows the LM head ran on after this forward
+    phase: str = ""
+
+
+class _Pending:
+    """A forward recorded during the run; arrays converted only afterwards,
+    so recording adds no host synchronisation."""
+
+    def __init__(self, tokens: int, write):
+        self.tokens = tokens
+        self.write = write
+        self.head_rows = 0
+
+    def shape(self) -> ForwardShape:
+        w = self.write
+        if w is None:
+            return ForwardShape(self.tokens, 0, self.tokens, None, "causal", self.head_rows)
+        rows = None if w.rows is None else np.array(w.rows)
+        mask = w.mask if isinstance(w.mask, str) or w.mask is None else np.array(w.mask)
+        return ForwardShape(self.tokens, w.start, w.visible, rows, mask, self.head_rows)
+
+
+class RecordingModel:
+    """A model stand-in that records forward shapes and passes everything on."""
+
+    def __init__(self, model):
+        self._model = model
+        self._pending: List[_Pending] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def hidden(self, tokens, positions, cache=None):
+        self._pending.append(_Pending(int(tokens.shape[-1]), cache))
+        return self._model.hidden(tokens, positions, cache)
+
+    def head(self, h):
+        if self._pending:
+            self._pending[-1].head_rows += int(np.prod(h.shape[:-1]))
+        return self._model.head(h)
+
+    def shapes(self) -> List[ForwardShape]:
+        out = [p.shape() for p in self._pending]
+        tag_phases(out)
+        return out
+
+
+def tag_phases(shapes: Sequence[ForwardShape]) -> None:
+    """Name each forward's decoder phase from the loop's fixed order: prompt
+    chunks (no head), the first pass with a head (prefill), then plan and
+    verify alternating on contiguous writes, infill draft and verify
+    alternating on scattered ones."""
+    seen_first, next_extend, next_infill = False, "plan", "infill_draft"
+    for s in shapes:
+        if s.rows is None and s.head_rows == 0:
+            s.phase = "prefill"
+        elif s.rows is None and not seen_first:
+            s.phase, seen_first, next_extend = "prefill", True, "verify"
+        elif s.rows is None:
+            s.phase = next_extend
+            next_extend = "verify" if next_extend == "plan" else "plan"
+            next_infill = "infill_draft"
+        else:
+            s.phase = next_infill
+            next_infill = "infill_verify" if next_infill == "infill_draft" else "infill_draft"
+
+
+class BareCache:
+    """Per-layer K/V buffers written in place, like any preallocated KV cache."""
+
+    def __init__(self, model, capacity: int):
+        a = model.args
+        dtype = model.model.norm.weight.dtype
+        shape = (1, a.num_key_value_heads, capacity, a.head_dim)
+        self.keys = [mx.zeros(shape, dtype) for _ in range(a.num_hidden_layers)]
+        self.values = [mx.zeros(shape, dtype) for _ in range(a.num_hidden_layers)]
+        mx.eval(self.keys, self.values)
+
+
+class BareWrite:
+    """The KV interface the model expects, with nothing but the write."""
+
+    def __init__(self, cache: BareCache, shape: ForwardShape):
+        self.cache = cache
+        self.start, self.visible = shape.start, shape.visible
+        self.rows = None if shape.rows is None else mx.array(shape.rows, dtype=mx.int32)
+        self.mask = shape.mask if isinstance(shape.mask, str) else mx.array(shape.mask)
+
+    def layer(self, i: int) -> "BareWrite._Layer":
+        return BareWrite._Layer(self, i)
+
+    class _Layer:
+        __slots__ = ("w", "i")
+
+        def __init__(self, w: "BareWrite", i: int):
+            self.w, self.i = w, i
+
+        def update_and_fetch(self, keys, values):
+            w, c, i = self.w, self.w.cache, self.i
+            if w.rows is None:
+                c.keys[i][:, :, w.start:w.start + keys.shape[2], :] = keys
+                c.values[i][:, :, w.start:w.start + keys.shape[2], :] = values
+            else:
+                c.keys[i][:, :, w.rows, :] = keys
+                c.values[i][:, :, w.rows, :] = values
+            return c.keys[i][:, :, : w.visible, :], c.values[i][:, :, : w.visible, :]
+
+
+@dataclass
+class Replay:
+    """Bare forwards ready to run: inputs built and evaluated ahead of time."""
+
+    shapes: List[ForwardShape]
+    inputs: list = field(default_factory=list)
+    cache: Optional[BareCache] = None
+
+
+def prepare(model, shapes: List[ForwardShape], seed: int = 0) -> Replay:
+    capacity = max(s.visible for s in shapes)
+    cache = BareCache(model, capacity)
+    rng = np.random.default_rng(seed)
+    vocab = model.args.vocab_size
+    inputs = []
+    for s in shapes:
+        tokens = mx.array(rng.integers(0, vocab, (1, s.tokens)), dtype=mx.int32)
+        positions = mx.arange(s.start, s.start + s.tokens, dtype=mx.int32)
+        write = BareWrite(cache, s)
+        inputs.append((tokens, positions, write))
+        mx.eval(tokens, positions, *([write.rows] if write.rows is not None else []),
+                *([write.mask] if not isinstance(write.mask, str) else []))
+    return Replay(shapes, inputs, cache)
+
+
+def replay(model, prepared: Replay) -> List[float]:
+    """Run every recorded forward bare; return each one's seconds."""
+    times = []
+    for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
+        t0 = time.perf_counter()
+        h = model.hidden(tokens, positions, write)[0]
+        out = model.head(h[-s.head_rows:]).astype(mx.float32) if s.head_rows else h
+        mx.eval(out)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def by_phase(shapes: Sequence[ForwardShape], seconds: Sequence[float]) -> dict:
+    out = {p: 0.0 for p in PHASE_ORDER}
+    for s, t in zip(shapes, seconds):
+        out[s.phase] = out.get(s.phase, 0.0) + t
+    return out
+
+
+def count_by_phase(shapes: Sequence[ForwardShape]) -> dict:
+    out = {p: 0 for p in PHASE_ORDER}
+    for s in shapes:
+        out[s.phase] = out.get(s.phase, 0) + 1
+    return out

@@ -1,0 +1,134 @@
+"""What the speed scripts share: decoding modes, random prompts, timed
+decoder runs, host-sync counting, the model header and JSON output.
+
+Run the scripts from the repository root, e.g.
+``python benchmarks/overhead.py --model models/qwen3-0.6b-random``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import refusion_mlx  # noqa: F401  (before mlx.core: BLAS preload)
+from refusion_mlx.bench_report import environment, header_lines
+from refusion_mlx.cache import CommittedCache
+from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.generate import OneLineParser
+
+import mlx.core as mx
+import numpy as np
+
+# Threshold settings that fix the decoder's path whatever the weights say
+# (a random model is never confident, so the reference thresholds always take
+# the one-slot infill path on it).
+MODES: Dict[str, dict] = {
+    "reference": dict(slot_threshold=0.6, token_threshold=0.3),  # as the paper; on random weights: 1 slot, infill
+    "parallel": dict(slot_threshold=0.0, token_threshold=0.0),  # every slot drafted and accepted: plan + verify per block
+    "infill": dict(slot_threshold=0.0, token_threshold=1.0),  # every slot infilled in parallel, S-1 rounds
+}
+
+
+def base_parser(prog: str, description: str) -> OneLineParser:
+    parser = OneLineParser(prog=prog, description=description)
+    parser.add_argument("--model", help="model folder (default: the bundled demo model); "
+                        "make a real-shape one with benchmarks/make_speed_model.py")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--slot-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
+    return parser
+
+
+def load_model(path: Optional[str], dtype: str):
+    """Load a model and print the environment header."""
+    from refusion_mlx.utils import load
+
+    model, tokenizer = load(path, dtype=dtype)
+    env = environment(model, path or "bundled demo model")
+    for line in header_lines(env):
+        print(line)
+    return model, tokenizer, env
+
+
+def random_prompt(tokenizer, model, n: int, seed: int = 0) -> List[int]:
+    """n ordinary token ids (no special tokens), reproducible."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    limit = min(len(tokenizer), model.args.vocab_size)
+    rng = np.random.default_rng(seed)
+    ids: List[int] = []
+    while len(ids) < n:
+        ids += [int(t) for t in rng.integers(0, limit, n) if int(t) not in special]
+    return ids[:n]
+
+
+def make_params(gen_length: int, slot_size: int, block_length: int, mode: str) -> RefusionParams:
+    return RefusionParams(gen_length=gen_length, slot_size=slot_size, block_length=block_length,
+                          **MODES[mode])
+
+
+def decode(model, tokenizer, prompt: Sequence[int], params: RefusionParams,
+           cache: Optional[CommittedCache] = None) -> tuple:
+    """One full decoder run; (wall seconds, decoder) with its stats."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    decoder = RefusionDecoder(model, prompt, params, mask_id=model.args.mask_token_id,
+                              eos_id=tokenizer.eos_token_id, cache=cache)
+    for _ in decoder.steps():
+        pass
+    wall = time.perf_counter() - t0
+    return wall, decoder
+
+
+@contextmanager
+def counting_evals():
+    """Count every mx.eval call made inside (the decoder's host stalls,
+    counted or not by its stats)."""
+    real = mx.eval
+    counter = {"evals": 0}
+
+    def counted(*args, **kwargs):
+        counter["evals"] += 1
+        return real(*args, **kwargs)
+
+    mx.eval = counted
+    try:
+        yield counter
+    finally:
+        mx.eval = real
+
+
+def median(values: Sequence[float]) -> float:
+    return float(np.median(np.asarray(values, dtype=np.float64)))
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    if not path:
+        return
+    Path(path).expanduser().write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def check_json_path(path: Optional[str]) -> None:
+    if path and not Path(path).expanduser().resolve().parent.is_dir():
+        raise RefusionError(f"cannot write {path}: its folder does not exist")
+
+
+def run_main(body) -> int:
+    """Run a script body; user errors become one line and exit 1."""
+    try:
+        return body()
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,318 @@
+"""ReFusion against autoregressive decoding of the same weights.
+
+``python -m refusion_mlx.bench`` runs a prompt suite through the ReFusion
+decoder and through mlx-lm's AR decoding of the very same weight arrays, in
+one process, interleaved, after a warm-up: same chat-templated prompt ids,
+same token budget, both greedy, both stopping at EOS. It prints the
+environment, a table per prompt and in total, and the ReFusion / AR
+tokens-per-second ratio; ``--json`` writes everything to a file.
+
+    python -m refusion_mlx.bench                       # bundled demo model, default suite
+    python -m refusion_mlx.bench --preset gsm8k --repeat 3 --json bench.json
+    python -m refusion_mlx.bench --model models/qwen3-0.6b-random --suite my_suite.json
+
+Importable: ``run_benchmark(...)`` returns the same dict that ``--json``
+writes; ``format_report(result)`` renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from .bench_report import environment, format_table, header_lines
+from .bench_runs import RunResult, median_run, run_ar, run_refusion, share_weights
+from .bench_suite import BenchError, Suite, load_suite, resolve_params
+from .decoder import PHASES, RefusionParams
+from .errors import DecodeError, RefusionError
+from .generate import PARAM_NAMES, OneLineParser, add_decoding_args, chat_prompt
+
+SIDES = ("refusion", "ar")
+LABELS = {"refusion": "ReFusion", "ar": "AR"}
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = True):
+    """The ReFusion model and tokenizer, and mlx-lm's model sharing its weights."""
+    from .utils import load
+
+    model, tokenizer = load(model_path, dtype=dtype)
+    if not ar:
+        return model, tokenizer, None
+    try:
+        from mlx_lm.utils import load_model as ar_load_model
+
+        ar_model, _ = ar_load_model(Path(model.model_path), lazy=True)
+        share_weights(ar_model, model)
+    except Exception as e:  # mlx-lm's own errors are of many kinds
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise BenchError(f"mlx-lm cannot load {model.model_path} for the AR side: {detail} "
+                         "(use --no-ar to skip it)") from None
+    return model, tokenizer, ar_model
+
+
+# --------------------------------------------------------------------------
+# Running
+
+
+def combine(side: str, runs: Sequence[RunResult]) -> RunResult:
+    """The sum of several runs (peak memory: the largest)."""
+    phases: Dict[str, float] = {}
+    for r in runs:
+        for k, v in r.phase_seconds.items():
+            phases[k] = phases.get(k, 0.0) + v
+    committed = [r.committed_tokens for r in runs if r.committed_tokens is not None]
+    return RunResult(
+        side, sum(r.generated_tokens for r in runs), sum(r.forwards for r in runs),
+        sum(r.wall_seconds for r in runs), sum(r.prefill_seconds for r in runs), phases,
+        max((r.peak_memory_gb for r in runs), default=0.0), sum(r.host_syncs for r in runs),
+        sum(r.steps for r in runs), "-", committed_tokens=sum(committed) if committed else None,
+        lookahead_forwards=sum(r.lookahead_forwards for r in runs),
+        prefill_tokens=sum(r.prefill_tokens for r in runs))
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _side_dict(run: RunResult, repeats: Sequence[RunResult], keep_output: bool = True) -> dict:
+    d = run.as_dict()
+    if not keep_output:
+        d.pop("output_ids"), d.pop("text"), d.pop("finish_reason")
+    d["repeat_wall_seconds"] = [round(r.wall_seconds, 6) for r in repeats]
+    return d
+
+
+def params_dict(p: RefusionParams) -> dict:
+    layout = p.layout()
+    return {"gen_length": layout.gen_length, "slot_size": p.slot_size,
+            "block_lengths": sorted(set(layout.block_lengths)), "blocks": len(layout.block_lengths),
+            "serial_num_blocks": p.serial_num_blocks, "block_length": p.block_length,
+            "slot_threshold": p.slot_threshold, "token_threshold": p.token_threshold,
+            "temperature": p.temperature, "seed": p.seed}
+
+
+def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, Suite, None] = "default",
+                  preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None,
+                  dtype: str = "float32", repeat: int = 1, warmup: int = 1, ar: bool = True,
+                  chat_template: bool = True, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Run the suite on both sides and return the report as a JSON-able dict.
+
+    ``overrides``: decoding parameters that win over the suite and preset
+    (``gen_length``, ``slot_size``, ``serial_num_blocks``, ``block_length``,
+    ``slot_threshold``, ``token_threshold``, ``temperature``, ``seed``).
+    ``repeat`` timed runs per prompt and side (the median is reported);
+    ``warmup`` untimed runs per side first, cycling through the prompts.
+    """
+    if not isinstance(repeat, int) or repeat < 1:
+        raise BenchError(f"repeat must be a positive integer, got {repeat!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise BenchError(f"warmup must be a non-negative integer, got {warmup!r}")
+    suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    params = resolve_all(suite, preset, overrides)
+    say = log or (lambda _msg: None)
+    rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar)
+    label = str(model) if model is not None else "bundled demo model (refusion_mlx/demo/tiny-refusion)"
+    prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=chat_template)
+               for c in suite.cases]
+    eos_saved = set(tokenizer.eos_token_ids)
+    tokenizer.eos_token_ids = {tokenizer.eos_token_id}  # AR stops where ReFusion stops
+    try:
+        def once(side: str, i: int) -> RunResult:
+            if side == "refusion":
+                return run_refusion(rmodel, tokenizer, prompts[i], params[i])
+            return run_ar(ar_model, tokenizer, prompts[i], params[i].layout().gen_length)
+
+        sides = SIDES if ar else SIDES[:1]
+        for w in range(warmup):
+            for side in sides:
+                once(side, w % len(prompts))
+        runs: List[Dict[str, List[RunResult]]] = [{s: [] for s in sides} for _ in prompts]
+        for rep in range(repeat):
+            for i in range(len(prompts)):
+                order = sides if (rep + i) % 2 == 0 else sides[::-1]  # alternate who goes first
+                for side in order:
+                    r = once(side, i)
+                    runs[i][side].append(r)
+                    say(f"[{rep + 1}/{repeat}] #{i + 1} {LABELS[side]}: {r.generated_tokens} tokens, "
+                        f"{r.wall_seconds * 1000:.1f} ms")
+    finally:
+        tokenizer.eos_token_ids = eos_saved
+    return summarize(suite, prompts, params, runs, sides, environment(rmodel, label),
+                     dict(preset=preset, overrides={k: v for k, v in (overrides or {}).items() if v is not None},
+                          repeat=repeat, warmup=warmup, chat_template=chat_template))
+
+
+def resolve_all(suite: Suite, preset: Optional[str], overrides: Optional[Dict[str, Any]]) -> List[RefusionParams]:
+    """Every case's parameters, checked before any model is loaded."""
+    out = []
+    for i, case in enumerate(suite.cases):
+        try:
+            out.append(resolve_params(suite, case, preset, overrides))
+        except DecodeError as e:
+            raise DecodeError(f"prompt {i + 1} ({case.prompt[:40]!r}): {e}") from None
+    return out
+
+
+def summarize(suite: Suite, prompts, params, runs, sides, env: dict, settings: dict) -> dict:
+    cases, chosen = [], {s: [] for s in sides}
+    for i, case in enumerate(suite.cases):
+        entry = {"index": i + 1, "family": case.family, "prompt": case.prompt,
+                 "prompt_tokens": len(prompts[i]), "params": params_dict(params[i])}
+        for s in sides:
+            best = median_run(runs[i][s])
+            chosen[s].append(best)
+            entry[s] = _side_dict(best, runs[i][s])
+        if "ar" in sides:
+            rf, arr = chosen["refusion"][-1], chosen["ar"][-1]
+            entry["ratio"] = ratio(rf.tokens_per_second, arr.tokens_per_second)
+            entry["decode_ratio"] = ratio(rf.decode_tokens_per_second, arr.decode_tokens_per_second)
+            entry["same_answer"] = rf.output_ids == arr.output_ids
+        cases.append(entry)
+    total: Dict[str, Any] = {}
+    for s in sides:
+        combined = combine(s, chosen[s])
+        total[s] = _side_dict(combined, [], keep_output=False)
+        total[s].pop("repeat_wall_seconds")
+    if "ar" in sides:
+        rf, arr = combine("refusion", chosen["refusion"]), combine("ar", chosen["ar"])
+        total["ratio"] = ratio(rf.tokens_per_second, arr.tokens_per_second)
+        total["decode_ratio"] = ratio(rf.decode_tokens_per_second, arr.decode_tokens_per_second)
+        total["same_answers"] = sum(c["same_answer"] for c in cases)
+    return {"meta": {**env, "suite": suite.name, "suite_source": suite.source,
+                     "prompts": len(suite.cases), **settings,
+                     "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            "cases": cases, "total": total}
+
+
+# --------------------------------------------------------------------------
+# The report
+
+
+COLUMNS = ["#", "family", "prompt", "side", "tokens", "fwd", "tok/fwd", "tok/s", "dec tok/s",
+           "wall ms", "prefill", "plan", "verify", "inf-draft", "inf-verify", "AR steps", "other",
+           "peak MB", "x e2e", "x dec"]
+
+
+def _row(index, family, prompt, side: str, d: dict, ratios=(None, None)) -> list:
+    ph = d["phase_seconds"]
+
+    def ms(key):
+        return ph[key] * 1000 if key in ph else None
+
+    return [index, family, prompt, LABELS[side], d["generated_tokens"], d["forwards"],
+            d["tokens_per_forward"], d["tokens_per_second"], d["decode_tokens_per_second"],
+            d["wall_seconds"] * 1000, d["prefill_seconds"] * 1000, ms("plan"), ms("verify"),
+            ms("infill_draft"), ms("infill_verify"), ms("steps"),
+            d["other_seconds"] * 1000 if side == "refusion" else None,
+            d["peak_memory_gb"] * 1000, *ratios]
+
+
+def format_report(result: dict) -> str:
+    """The terminal report of a ``run_benchmark`` result."""
+    meta, cases, total = result["meta"], result["cases"], result["total"]
+    sides = [s for s in SIDES if s in total]
+    lines = header_lines(meta)
+    distinct = {json.dumps(c["params"], sort_keys=True) for c in cases}
+    if len(distinct) == 1:
+        p = cases[0]["params"]
+        decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
+                    f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
+                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
+    else:
+        decoding = "per prompt (see --json)"
+    lines.append(f"suite: {meta['suite']} ({meta['prompts']} prompts) | preset: {meta['preset'] or 'none'} | "
+                 f"decoding: {decoding}")
+    lines.append(f"timing: {meta['warmup']} warm-up run(s) per side, then {meta['repeat']} timed run(s) per "
+                 f"prompt and side, interleaved; the median run is shown")
+    rows: List[list] = []
+    for c in cases:
+        for k, s in enumerate(sides):
+            ratios = (c.get("ratio"), c.get("decode_ratio")) if s == "refusion" and "ar" in sides else (None, None)
+            first = k == 0
+            rows.append(_row(c["index"] if first else "", c["family"] if first else "",
+                             c["prompt"][:26] if first else "", s, c[s], ratios))
+    rows.append([])
+    for k, s in enumerate(sides):
+        ratios = (total.get("ratio"), total.get("decode_ratio")) if s == "refusion" else (None, None)
+        rows.append(_row("all" if k == 0 else "", "", "", s, total[s], ratios))
+    lines += ["", format_table(COLUMNS, rows, left=[0, 1, 2, 3]), ""]
+    if "ratio" in total:
+        dec = f"{total['decode_ratio']:.2f}x" if total.get("decode_ratio") else "-"
+        lines.append(f"ReFusion / AR tokens per second: {total['ratio']:.2f}x end to end, "
+                     f"{dec} decode only; identical answers on "
+                     f"{total['same_answers']}/{len(cases)} prompts")
+    lines.append("tokens: answer up to and including EOS | fwd: model forwards | tok/s: tokens / wall | "
+                 "dec tok/s: tokens after the prefill pass / (wall - prefill) | times in ms: prefill = ReFusion's first pass "
+                 "(prompt + first block's masks) or AR's time to first token; plan/verify/inf-*: "
+                 "ReFusion phases; AR steps: AR's token steps after the first; other: ReFusion wall "
+                 "time outside its phases | peak MB: peak MLX memory, weights included | x: ReFusion / AR")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="python -m refusion_mlx.bench",
+        description="Benchmark ReFusion decoding against mlx-lm's autoregressive decoding of the same weights.")
+    parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    parser.add_argument("--suite", default="default",
+                        help="'default' (the bundled suite) or a suite JSON file")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="compute dtype of both sides (default float32)")
+    add_decoding_args(parser)
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per prompt and side (median shown)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
+    parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
+    parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
+    parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
+    parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
+    try:
+        suite = load_suite(args.suite)
+        try:
+            resolve_all(suite, args.preset, overrides)
+        except DecodeError as e:
+            parser.error(str(e))
+        if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
+            raise BenchError(f"cannot write {args.json}: its folder does not exist")
+        log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
+        result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
+                               args.warmup, not args.no_ar, not args.no_chat_template, log)
+        print(format_report(result))
+        if args.json:
+            try:
+                Path(args.json).expanduser().write_text(json.dumps(result, indent=1) + "\n")
+            except OSError as e:
+                raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
+            print(f"wrote {args.json}")
+        return 0
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

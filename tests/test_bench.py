@@ -1,0 +1,187 @@
+"""python -m refusion_mlx.bench: end to end on the demo model, the report's
+keys, parameter layering, and one-line errors. No timing assertions: speed
+targets live in benchmarks/."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refusion_mlx import bench
+from refusion_mlx.bench_suite import BenchError, load_suite, parse_suite, resolve_params
+from refusion_mlx.errors import DecodeError
+from refusion_mlx.presets import PRESETS
+
+TINY = {
+    "name": "tiny",
+    "defaults": {"gen_length": 32, "slot_size": 4, "serial_num_blocks": 4,
+                 "slot_threshold": 0.6, "token_threshold": 0.3},
+    "prompts": [
+        {"family": "times-table", "prompt": "Write the multiplication table of 7 up to 5."},
+        {"family": "facts", "prompt": "Tell me about Uma.", "params": {"slot_size": 8, "serial_num_blocks": 2}},
+    ],
+}
+
+SIDE_KEYS = {"generated_tokens", "forwards", "tokens_per_forward", "tokens_per_second",
+             "decode_tokens_per_second", "wall_seconds", "prefill_seconds", "phase_seconds",
+             "other_seconds", "peak_memory_gb", "host_syncs", "steps"}
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    path = tmp_path_factory.mktemp("suite") / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_suite, tmp_path_factory):
+    """One CLI run shared by the end-to-end tests (loading mlx-lm is the slow part)."""
+    out = tmp_path_factory.mktemp("out") / "bench.json"
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = bench.main(["--suite", str(tiny_suite), "--warmup", "1", "--repeat", "1", "--json", str(out)])
+    return rc, stdout.getvalue(), json.loads(out.read_text())
+
+
+def test_end_to_end_both_sides_produce_tokens(cli_run):
+    rc, _, result = cli_run
+    assert rc == 0
+    assert len(result["cases"]) == 2
+    for case in result["cases"]:
+        for side in ("refusion", "ar"):
+            assert case[side]["generated_tokens"] > 0
+            assert case[side]["forwards"] > 0
+            assert SIDE_KEYS <= set(case[side])
+            assert case[side]["output_ids"]
+        assert case["ratio"] > 0 and case["decode_ratio"] > 0
+        assert isinstance(case["same_answer"], bool)
+    assert set(result["cases"][0]["refusion"]["phase_seconds"]) == {
+        "prefill", "plan", "verify", "infill_draft", "infill_verify"}
+    assert set(result["cases"][0]["ar"]["phase_seconds"]) == {"prefill", "steps"}
+
+
+def test_json_has_documented_keys(cli_run):
+    _, _, result = cli_run
+    assert set(result) == {"meta", "cases", "total"}
+    meta = result["meta"]
+    for key in ("blas", "dtype", "device", "mlx", "mlx_lm", "refusion_mlx", "model", "model_shape",
+                "suite", "prompts", "preset", "repeat", "warmup"):
+        assert key in meta
+    assert meta["dtype"] == "float32"
+    assert meta["model_shape"]["vocab_size"] == 806
+    total = result["total"]
+    assert {"refusion", "ar", "ratio", "decode_ratio", "same_answers"} <= set(total)
+    assert total["refusion"]["generated_tokens"] == sum(
+        c["refusion"]["generated_tokens"] for c in result["cases"])
+    assert total["ratio"] == pytest.approx(
+        total["refusion"]["tokens_per_second"] / total["ar"]["tokens_per_second"], rel=1e-2)
+    # per-case parameters: suite defaults, then the case's own
+    assert result["cases"][0]["params"]["slot_size"] == 4
+    assert result["cases"][1]["params"]["slot_size"] == 8
+    assert result["cases"][1]["params"]["blocks"] == 2
+
+
+def test_table_printed(cli_run):
+    _, out, _ = cli_run
+    assert "BLAS:" in out and "dtype: float32" in out and "device:" in out
+    assert "mlx-lm" in out and "hidden 256, 4 layers" in out
+    assert "ReFusion" in out and "AR" in out and "tok/fwd" in out
+    assert "ReFusion / AR tokens per second" in out
+    assert "wrote" in out
+
+
+def test_counting_is_consistent(cli_run):
+    _, _, result = cli_run
+    for case in result["cases"]:
+        ar = case["ar"]
+        # AR: one forward per token after the prompt's, plus the prompt's own call(s)
+        assert ar["forwards"] >= ar["generated_tokens"]
+        assert len(ar["output_ids"]) == ar["generated_tokens"]
+        rf = case["refusion"]
+        assert len(rf["output_ids"]) == rf["generated_tokens"]
+        for side in (ar, rf):
+            if side["finish_reason"] == "stop":
+                assert side["output_ids"][-1] == 801  # EOS counted on both sides
+
+
+def test_api_without_ar(tiny_suite):
+    result = bench.run_benchmark(suite=str(tiny_suite), warmup=0, repeat=1, ar=False,
+                                 overrides={"gen_length": 16})
+    assert "ar" not in result["total"] and "ratio" not in result["total"]
+    assert all(c["params"]["gen_length"] == 16 for c in result["cases"])
+    text = bench.format_report(result)
+    assert "ReFusion" in text and "ReFusion / AR tokens per second" not in text
+
+
+def test_default_suite_covers_the_demo_families():
+    suite = load_suite("default")
+    families = {c.family for c in suite.cases}
+    assert families >= {"counting", "times-table", "arithmetic", "facts", "python", "reverse", "sort"}
+    params = resolve_params(suite, suite.cases[0])
+    assert (params.gen_length, params.slot_size, params.slot_threshold, params.token_threshold) == (512, 4, 0.6, 0.3)
+    assert params.layout().block_lengths == [16] * 32
+
+
+def test_parameter_layers():
+    suite = parse_suite({"defaults": {"block_length": 8, "slot_size": 4},
+                         "prompts": [{"prompt": "x", "params": {"token_threshold": 0.5}}]})
+    case = suite.cases[0]
+    p = resolve_params(suite, case)
+    assert p.block_length == 8 and p.token_threshold == 0.5
+    p = resolve_params(suite, case, "gsm8k")  # the preset's block count replaces the suite's block length
+    assert p.block_length is None and p.serial_num_blocks == PRESETS["gsm8k"]["serial_num_blocks"]
+    assert p.token_threshold == PRESETS["gsm8k"]["token_threshold"]
+    p = resolve_params(suite, case, "gsm8k", {"token_threshold": 0.9, "gen_length": 256})
+    assert p.token_threshold == 0.9 and p.gen_length == 256
+    with pytest.raises(DecodeError):
+        resolve_params(suite, case, None, {"slot_size": 3})  # 8 is no multiple of 3
+
+
+@pytest.mark.parametrize("data", [
+    [], {"prompts": []}, {"prompts": [{"prompt": ""}]}, {"prompts": ["x"], "defaults": {"bogus": 1}},
+    {"prompts": [{"prompt": "x", "system": 3}]},
+])
+def test_bad_suites(data):
+    with pytest.raises(BenchError):
+        parse_suite(data)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--bogus"], ["--repeat", "0"], ["--warmup", "-1"], ["--slot-size", "x"], ["--slot-size", "0"],
+    ["--preset", "nope"], ["--slot-threshold", "2"], ["--dtype", "int8"],
+])
+def test_bad_flags_exit_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err and len(err.splitlines()) == 1 and "error" in err
+
+
+def test_bad_suite_file_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert bench.main(["--suite", str(bad)]) == 1
+    assert bench.main(["--suite", str(tmp_path / "missing.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error:") for line in err)
+
+
+def test_unwritable_json_one_line(tiny_suite, tmp_path, capsys):
+    assert bench.main(["--suite", str(tiny_suite), "--json", str(tmp_path / "no" / "such" / "x.json")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot write" in err
+
+
+def test_missing_model_one_line_exit_1(tmp_path):
+    """Through ``python -m``, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.bench", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "no model folder" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,116 @@
+"""benchmarks/: the speed-model generator, the overhead, scaling and profile
+scripts, run small on the demo model (no timing assertions)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import forward_replay  # noqa: E402
+import make_speed_model  # noqa: E402
+import overhead  # noqa: E402
+import profile_decoder  # noqa: E402
+import scaling  # noqa: E402
+
+
+def test_real_shapes_have_the_published_sizes():
+    config = make_speed_model.make_config("0.6b")
+    assert config["vocab_size"] == 151671 and config["mask_token_id"] == 151670
+    assert config["eos_token_id"] == 801  # the demo tokenizer's <|im_end|>
+    assert round(make_speed_model.parameter_count(config) / 1e6) == 596  # Qwen3-0.6B
+    assert round(make_speed_model.parameter_count(make_speed_model.make_config("1.7b")) / 1e8) == 17
+
+
+def test_generated_checkpoint_loads_and_decodes(tmp_path, monkeypatch):
+    import refusion_mlx as rm
+    from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+
+    monkeypatch.setitem(make_speed_model.SHAPES, "tiny", dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, tie_word_embeddings=True))
+    out = tmp_path / "tiny"
+    assert make_speed_model.main([str(out), "--shape", "tiny"]) == 0
+    assert make_speed_model.main([str(out), "--shape", "tiny"]) == 1  # no silent overwrite
+    model, tokenizer = rm.load(out)
+    assert model.args.vocab_size == 151671 and model.args.mask_token_id == 151670
+    assert len(tokenizer) < model.args.vocab_size  # a padded vocabulary
+    dec = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=8, slot_size=4, block_length=8),
+                          mask_id=151670, eos_id=tokenizer.eos_token_id)
+    list(dec.steps())
+    assert dec.stats.forwards > 0
+
+
+def test_make_speed_model_bad_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        make_speed_model.main(["x", "--shape", "9b"])
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_overhead_on_demo(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--modes", "reference,infill", "--gen-length", "16", "--block-length", "8",
+                          "--prompt-tokens", "16", "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for mode in ("reference", "infill"):
+        r = result["modes"][mode]
+        assert r["overhead"] > 0 and r["bare_seconds"] > 0
+        assert r["forwards"] == len(r["forward_tokens"]) == sum(r["forwards_per_phase"].values())
+        assert r["host_syncs_per_step"] > 0
+    assert "overhead" in capsys.readouterr().out
+
+
+def test_phase_tags_follow_the_decoder_loop():
+    import refusion_mlx as rm
+    from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+
+    model, tokenizer = rm.load()
+    rec = forward_replay.RecordingModel(model)
+    dec = RefusionDecoder(rec, [800, 265, 198, 801], RefusionParams(gen_length=8, slot_size=4, block_length=8,
+                                                                    slot_threshold=0, token_threshold=1.0),
+                          mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+    list(dec.steps())
+    phases = [s.phase for s in rec.shapes()]
+    assert phases[:2] == ["prefill", "verify"]
+    assert phases[2:] == ["infill_draft", "infill_verify"] * ((len(phases) - 2) // 2)
+    assert len(phases) == dec.stats.forwards
+
+
+def test_scaling_on_demo(tmp_path):
+    out = tmp_path / "scaling.json"
+    assert scaling.main(["--budgets", "16,32", "--prompts", "16,32", "--prompt-budget", "16",
+                         "--slots", "1,2", "--long-prompt", "48", "--block-length", "8",
+                         "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["gen_length"] for r in result["budgets"]] == [16, 32]
+    assert [r["prompt_tokens"] for r in result["prompts"]] == [16, 32]
+    assert [r["slots"] for r in result["slots"]] == [1, 2]
+    assert {"budget_max_deviation", "slots_peak_ratio", "slots_above_weights_ratio"} <= set(result["summary"])
+
+
+def test_profile_on_demo(tmp_path):
+    out = tmp_path / "profile.json"
+    assert profile_decoder.main(["--cases", "1", "--gen-length", "16", "--block-length", "8", "--top", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["forwards"] > 0 and len(result["top"]) == 5
+
+
+@pytest.mark.parametrize("main, argv", [
+    (overhead.main, ["--modes", "fast"]), (overhead.main, ["--repeat", "0"]),
+    (scaling.main, ["--sections", "bogus"]), (scaling.main, ["--budgets", "0"]),
+    (profile_decoder.main, ["--cases", "-1"]),
+])
+def test_script_bad_flags_exit_2(main, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_script_missing_model_exit_1(tmp_path, capsys):
+    assert overhead.main(["--model", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:")
