@@ -37,7 +37,7 @@ MODES: Dict[str, dict] = {
 def base_parser(prog: str, description: str) -> OneLineParser:
     parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("--model", help="model folder (default: the bundled demo model); "
-                        "make a real-shape one with benchmarks/make_speed_model.py")
+                        "make a real-shape one with python -m convert.make_checkpoint")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--slot-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

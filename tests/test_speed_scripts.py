@@ -10,44 +10,38 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import forward_replay  # noqa: E402
-import make_speed_model  # noqa: E402
 import overhead  # noqa: E402
 import profile_decoder  # noqa: E402
 import scaling  # noqa: E402
 
 
-def test_real_shapes_have_the_published_sizes():
-    config = make_speed_model.make_config("0.6b")
+def test_speed_model_shapes_have_the_published_sizes():
+    """The benchmark's realistic models come from convert.make_checkpoint."""
+    import math
+
+    from convert.make_checkpoint import make_config, tensor_shapes
+
+    config = make_config("0.6b")
     assert config["vocab_size"] == 151671 and config["mask_token_id"] == 151670
     assert config["eos_token_id"] == 801  # the demo tokenizer's <|im_end|>
-    assert round(make_speed_model.parameter_count(config) / 1e6) == 596  # Qwen3-0.6B
-    assert round(make_speed_model.parameter_count(make_speed_model.make_config("1.7b")) / 1e8) == 17
+    count = lambda c: sum(math.prod(s) for _, s in tensor_shapes(c))  # noqa: E731
+    assert round(count(config) / 1e6) == 596  # Qwen3-0.6B
+    assert round(count(make_config("1.7b")) / 1e8) == 17
 
 
-def test_generated_checkpoint_loads_and_decodes(tmp_path, monkeypatch):
+def test_generated_speed_model_loads_and_decodes(tmp_path):
     import refusion_mlx as rm
+    from convert.make_checkpoint import make_checkpoint
     from refusion_mlx.decoder import RefusionDecoder, RefusionParams
 
-    monkeypatch.setitem(make_speed_model.SHAPES, "tiny", dict(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, intermediate_size=64, tie_word_embeddings=True))
-    out = tmp_path / "tiny"
-    assert make_speed_model.main([str(out), "--shape", "tiny"]) == 0
-    assert make_speed_model.main([str(out), "--shape", "tiny"]) == 1  # no silent overwrite
+    out = make_checkpoint(tmp_path / "tiny", "tiny", "safetensors", vocab_size=1500, mask_token_id=1499)
     model, tokenizer = rm.load(out)
-    assert model.args.vocab_size == 151671 and model.args.mask_token_id == 151670
+    assert model.args.vocab_size == 1500 and model.args.mask_token_id == 1499
     assert len(tokenizer) < model.args.vocab_size  # a padded vocabulary
     dec = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=8, slot_size=4, block_length=8),
-                          mask_id=151670, eos_id=tokenizer.eos_token_id)
+                          mask_id=1499, eos_id=tokenizer.eos_token_id)
     list(dec.steps())
     assert dec.stats.forwards > 0
-
-
-def test_make_speed_model_bad_flags(capsys):
-    with pytest.raises(SystemExit) as e:
-        make_speed_model.main(["x", "--shape", "9b"])
-    assert e.value.code == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_overhead_on_demo(tmp_path, capsys):
