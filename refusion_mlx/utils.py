@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import _blas
 from .errors import ConfigError, LoadError
 from .models.qwen3 import Model, ModelArgs
 
@@ -202,4 +203,6 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
     model.args.mask_token_id = mask_id
     model.model_path = model_path
+    if mx.default_device() == mx.cpu:
+        _blas.fit_threads(model.args.hidden_size)
     return model, tokenizer
