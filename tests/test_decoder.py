@@ -192,3 +192,20 @@ def test_conversation_continues_the_cache():
     assert cache.tokens[held:held + 2] == [5, 6]
     assert cache.positions[held:held + 2] == [held, held + 1]
     assert sorted(cache.positions) == list(range(len(cache)))
+
+
+def test_long_prompts_prefill_in_chunks():
+    """A prompt longer than prefill_step is prefilled chunk by chunk, to the same answer."""
+    config = random_config(vocab_size=64, mask_token_id=63)
+    model = random_model(config, seed=8, scale=2.0, layer_std=1.0)
+    prompt = list(np.random.default_rng(1).integers(0, 60, 300))
+    params = RefusionParams(gen_length=16, slot_size=4, block_length=8)
+    runs = {}
+    for step in (1000, 64):
+        dec = RefusionDecoder(model, prompt, params, mask_id=63, eos_id=62, prefill_step=step)
+        for _ in dec.steps():
+            pass
+        runs[step] = (dec.response(), dec.stats.forwards, dec.cache.tokens[:300])
+    assert runs[64][2] == runs[1000][2] == [int(t) for t in prompt]
+    assert runs[64][1] == runs[1000][1] + 4  # 300 = 4 chunks of 64 + a 44-token tail with the masks
+    assert runs[64][0] == runs[1000][0]
