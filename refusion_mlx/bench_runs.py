@@ -166,7 +166,7 @@ def share_weights(ar_model, model) -> None:
     (same dtype, same quantization) in memory once, not a second copy."""
     from mlx.utils import tree_flatten
 
-    ours = dict(tree_flatten(model.parameters()))
+    ours = model.hf_parameters()
     theirs = {k for k, _ in tree_flatten(ar_model.parameters())}
     if set(ours) != theirs:
         missing = sorted(theirs ^ set(ours))[:3]

@@ -186,15 +186,19 @@ def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
-         lazy: bool = False):
+         lazy: bool = False, fuse: bool = True):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
     ``path_or_repo`` is a local folder (Hugging Face layout or converted by
     ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
-    The mask id ends up in ``model.args.mask_token_id``.
+    The mask id ends up in ``model.args.mask_token_id``. ``fuse`` joins the
+    q/k/v and gate/up projections into one matmul each (``model.hf_parameters()``
+    still gives the weights under Hugging Face's names).
     """
     model_path = resolve_model_path(path_or_repo)
     model, config = load_model(model_path, dtype=dtype, lazy=lazy)
+    if fuse and not lazy:
+        model.fuse_projections()
     tokenizer = load_tokenizer(model_path)
     mask_id = resolve_mask_id(config, tokenizer)
     if not 0 <= mask_id < model.args.vocab_size:

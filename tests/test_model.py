@@ -103,3 +103,43 @@ def test_hf_checkpoint_logits_match_transformers(tmp_path, variant):
     out = np.array(model(mx.array(ids)[None], mx.array(pos)))[0]
     assert out.shape == (24, cfg["vocab_size"])
     assert np.abs(out - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def _quantized(config, seed, **q):
+    import mlx.nn as nn
+
+    model = random_model(config, seed=seed)
+    nn.quantize(model, **q)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["float", "quantized"])
+def test_fused_projections_compute_the_same(kind):
+    """Fusing q/k/v and gate/up changes nothing but the number of matmuls."""
+    config = random_config(vocab_size=128, hidden=128, intermediate=256, head_dim=32)
+    make = (lambda: random_model(config, seed=9)) if kind == "float" else \
+        (lambda: _quantized(config, 9, group_size=32, bits=4))
+    plain, fused = make(), make()
+    assert fused.fuse_projections() == 2 * config["num_hidden_layers"]
+    assert "qkv_proj" in fused.model.layers[0].self_attn and "q_proj" not in fused.model.layers[0].self_attn
+    ids, pos = mx.array([[5, 9, 13, 2, 7, 1]]), mx.array([0, 3, 1, 4, 2, 5])
+    assert np.allclose(np.array(plain(ids, pos)), np.array(fused(ids, pos)), atol=1e-5)
+    from mlx.utils import tree_flatten
+
+    named = fused.hf_parameters()
+    for name, value in tree_flatten(plain.parameters()):
+        assert np.array_equal(np.array(named[name]), np.array(value)), name
+    assert set(named) == {n for n, _ in tree_flatten(plain.parameters())}
+
+
+def test_projections_with_different_quantization_stay_apart():
+    """A mixed recipe (v_proj at more bits) cannot share one quantized matmul."""
+    import mlx.nn as nn
+
+    config = random_config(vocab_size=128, hidden=128, intermediate=256, head_dim=32)
+    model = random_model(config, seed=9)
+    nn.quantize(model, class_predicate=lambda path, m: (
+        {"group_size": 32, "bits": 8} if path.endswith("v_proj") else
+        {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    assert model.fuse_projections() == config["num_hidden_layers"]  # only gate/up fused
+    assert "q_proj" in model.model.layers[0].self_attn and "gate_up_proj" in model.model.layers[0].mlp

@@ -9,14 +9,16 @@ Parameter names are Hugging Face's, so a converted folder also loads in
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
-from mlx_lm.models.qwen3 import MLP
 
 from ..errors import ConfigError
 
@@ -131,6 +133,7 @@ class Attention(nn.Module):
         dim, hd = args.hidden_size, args.head_dim
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd
         self.scale = hd**-0.5
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
@@ -142,14 +145,65 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if "qkv_proj" in self:
+            q_rows, kv_rows = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_rows, q_rows + kv_rows], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(B, T, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv is not None:
             k, v = kv.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x) -> mx.array:
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up))
+
+
+# Projections that read the same input, fused into one matmul at load time.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_linears(layers) -> Optional[nn.Module]:
+    """One layer computing several layers' outputs side by side, or None.
+
+    Plain layers fuse; quantized ones only with identical group size, bits
+    and mode (mixed recipes quantize v_proj differently: those stay apart).
+    Rows are concatenated, so each output is computed exactly as before.
+    """
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, nn.QuantizedLinear):
+        return None
+    if len({getattr(layer, "group_size", 0) for layer in layers}) > 1 or \
+            len({getattr(layer, "bits", 0) for layer in layers}) > 1 or \
+            len({getattr(layer, "mode", "") for layer in layers}) > 1 or \
+            len({tuple(sorted(layer.keys())) for layer in layers}) > 1:
+        return None
+    fused = copy.copy(layers[0])
+    for key in layers[0].keys():
+        fused[key] = mx.concatenate([layer[key] for layer in layers], axis=0)
+    return fused
+
+
+def _fused_rows(args: "ModelArgs") -> Dict[str, int]:
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv,
+            "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
 
 
 class TransformerBlock(nn.Module):
@@ -212,6 +266,44 @@ class Model(nn.Module):
 
     def __call__(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
         return self.head(self.hidden(tokens, positions, cache))
+
+    def fuse_projections(self) -> int:
+        """Fuse q/k/v and gate/up into one matmul each, layer by layer.
+
+        Fewer, larger matmuls per layer: +6% tokens/s on the demo model
+        (CPU), where dispatch dominates. Returns how many groups were fused.
+        """
+        count = 0
+        for layer in self.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for fused_name, parts in FUSED.items():
+                    if not all(p in parent for p in parts):
+                        continue
+                    fused = fuse_linears([parent[p] for p in parts])
+                    if fused is None:
+                        continue
+                    for p in parts:
+                        del parent[p]
+                    parent[fused_name] = fused
+                    mx.eval(fused.parameters())  # frees the separate weights now
+                    count += 1
+        return count
+
+    def hf_parameters(self) -> Dict[str, mx.array]:
+        """Parameters under Hugging Face's names (fused ones as row slices, no copies)."""
+        rows = _fused_rows(self.args)
+        out = {}
+        for name, value in tree_flatten(self.parameters()):
+            module, _, leaf = name.rpartition(".")
+            prefix, _, last = module.rpartition(".")
+            if last not in FUSED:
+                out[name] = value
+                continue
+            start = 0
+            for part in FUSED[last]:
+                out[f"{prefix}.{part}.{leaf}"] = value[start:start + rows[part]]
+                start += rows[part]
+        return out
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         if self.args.tie_word_embeddings:
