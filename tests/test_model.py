@@ -143,3 +143,53 @@ def test_projections_with_different_quantization_stay_apart():
         {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
     assert model.fuse_projections() == config["num_hidden_layers"]  # only gate/up fused
     assert "q_proj" in model.model.layers[0].self_attn and "gate_up_proj" in model.model.layers[0].mlp
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("queries", [1, 5, 16])
+def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
+    """The grouped CPU attention computes what mx.fast's attention computes."""
+    from refusion_mlx.models.qwen3 import attend, grouped_mask
+
+    keys, D = 23, 16
+    mx.random.seed(queries)
+    q = mx.random.normal((1, heads, queries, D))
+    k, v = mx.random.normal((1, kv_heads, keys, D)), mx.random.normal((1, kv_heads, keys, D))
+    rng = np.random.default_rng(queries)
+    block = rng.random((queries, keys)) < 0.5
+    block[:, 0] = True  # every query sees at least one key
+    for mask in ("causal", mx.array(block)):
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+        got = attend(q, k, v, D ** -0.5, grouped_mask(mask, queries, keys, heads, kv_heads, mx.float32))
+        assert np.allclose(np.array(got), np.array(expected), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rms_norm_matches_mlx(dtype):
+    from refusion_mlx.models.qwen3 import rms_norm
+
+    x = (mx.random.normal((3, 5, 4, 16)) * 3).astype(dtype)
+    w = mx.random.normal((16,)).astype(dtype)
+    expected = np.array(mx.fast.rms_norm(x, w, 1e-6).astype(mx.float32))
+    assert np.allclose(np.array(rms_norm(x, w, 1e-6).astype(mx.float32)), expected,
+                       atol=1e-5 if dtype == mx.float32 else 3e-2)
+    per_head = mx.random.normal((4, 16)).astype(dtype)  # one weight row per head
+    expected = np.array((mx.fast.rms_norm(x, None, 1e-6) * per_head).astype(mx.float32))
+    assert np.allclose(np.array(rms_norm(x, per_head, 1e-6).astype(mx.float32)), expected,
+                       atol=1e-5 if dtype == mx.float32 else 3e-2)
+
+
+def test_weights_replaced_after_a_forward_are_used():
+    """Arrays made once from the weights (transposed views, the q/k norm rows)
+    follow load_weights: nothing stale survives a weight update."""
+    from mlx.utils import tree_flatten
+
+    config = random_config()
+    model, other = random_model(config, seed=1), random_model(config, seed=2)
+    ids, pos = mx.array([[5, 9, 13, 2]]), mx.array([0, 2, 1, 3])
+    first = np.array(model(ids, pos))
+    new = [(n, v * 1.5 if n.endswith("norm.weight") else v) for n, v in tree_flatten(other.parameters())]
+    other.load_weights(new)
+    model.load_weights(new)
+    assert not np.allclose(np.array(model(ids, pos)), first)
+    assert np.array_equal(np.array(model(ids, pos)), np.array(other(ids, pos)))
