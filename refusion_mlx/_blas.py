@@ -38,7 +38,7 @@ SMALL_HIDDEN = 512
 
 def preload() -> Optional[str]:
     """Load an optimized BLAS ahead of mlx.core; return its path, or None."""
-    global preloaded
+    global preloaded, _library
     choice = os.environ.get(ENV, "auto").strip()
     if sys.platform != "linux" or choice.lower() in OPT_OUT or "mlx.core" in sys.modules:
         return None

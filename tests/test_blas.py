@@ -40,3 +40,21 @@ def test_opt_out_and_late_import_skip_the_preload(monkeypatch):
 
 def test_blas_in_use_names_a_library():
     assert blas.blas_in_use()
+
+
+def test_preload_keeps_the_library_for_the_thread_policy(tmp_path):
+    """A fresh process that preloads a library keeps its handle: fit_threads needs it."""
+    import subprocess
+    import sys
+
+    maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
+    libm = next((line.split()[-1] for line in maps.splitlines() if "/libm.so" in line), None)
+    assert sys.platform != "linux" or libm, "no libm mapped on Linux?"
+    code = ("import refusion_mlx._blas as b, sys; "
+            "print(b.preloaded, b._library is not None, 'mlx.core' in sys.modules)")
+    env = {"REFUSION_MLX_BLAS": libm or "auto", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    if sys.platform == "linux":
+        assert out.stdout.split() == [libm, "True", "False"]
+    else:
+        assert out.stdout.split()[:2] == ["None", "False"]
