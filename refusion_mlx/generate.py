@@ -101,6 +101,8 @@ class AnswerText:
             new.append(tok)
             self.next += 1
             self.done = tok == self.eos_id
+        if not new:
+            return new, ""  # nothing became final: no decode this step
         self.tokens += new
         return new, self._release(final=self.done)
 

@@ -148,7 +148,7 @@ def test_projections_with_different_quantization_stay_apart():
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("queries", [1, 5, 16])
 def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
-    """The grouped CPU attention computes what mx.fast's attention computes."""
+    """The grouped CPU attention (queries pre-scaled) computes what mx.fast's attention computes."""
     from refusion_mlx.models.qwen3 import attend, grouped_mask
 
     keys, D = 23, 16
@@ -160,7 +160,7 @@ def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
     block[:, 0] = True  # every query sees at least one key
     for mask in ("causal", mx.array(block)):
         expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
-        got = attend(q, k, v, D ** -0.5, grouped_mask(mask, queries, keys, heads, kv_heads, mx.float32))
+        got = attend(q * D ** -0.5, k, v, grouped_mask(mask, queries, keys, heads, kv_heads, mx.float32))
         assert np.allclose(np.array(got), np.array(expected), atol=1e-6)
 
 

@@ -116,16 +116,18 @@ class PositionalRoPE:
 
 
 @mx.compile
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate (B, H, T, D) by per-token angles; halves layout as in HF Qwen3.
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
+    """Rotate (B, H, T, D) by per-token angles (halves layout, as HF Qwen3),
+    then multiply each head by ``head_scale`` (H, 1, 1).
 
     Compiled (per shape, not shapeless: the split depends on head_dim) so the
-    rotation is one fused kernel instead of eight elementwise passes.
+    rotation and the scaling are two fused kernels instead of ten passes.
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    head_scale = head_scale.astype(x.dtype)
+    return mx.concatenate([(x1 * cos - x2 * sin) * head_scale, (x2 * cos + x1 * sin) * head_scale], axis=-1)
 
 
 @partial(mx.compile, shapeless=True)
@@ -157,21 +159,22 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _rms_norm(x, weight, eps, 1.0 / x.shape[-1])
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
-    """Attention of (1, H, T, D) queries over (1, K, L, D) keys and values.
+def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+    """Attention of (1, H, T, D) queries, already multiplied by the softmax
+    scale, over (1, K, L, D) keys and values.
 
     On the GPU: MLX's fused kernel, ``mask`` "causal" or (T, L). The CPU has
     no fused kernel and MLX splits that call into ~16 ops per layer, rebuilding
     the mask and broadcasting K/V over each query group; here the H/K query
     heads that share a KV head are stacked as the rows of one matrix, against a
     mask from :func:`grouped_mask` built once per forward. Same arithmetic,
-    bit-identical output, half the ops.
+    half the ops.
     """
     if mx.default_device() == mx.gpu:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
     _, H, T, D = q.shape
     K = k.shape[1]
-    scores = (q * scale).reshape(1, K, H // K * T, D) @ k.transpose(0, 1, 3, 2)
+    scores = q.reshape(1, K, H // K * T, D) @ k.transpose(0, 1, 3, 2)
     probs = mx.softmax(scores + mask, axis=-1, precise=True)
     return (probs @ v).reshape(1, H, T, D)
 
@@ -200,7 +203,8 @@ class _Derived:
         self.value: Optional[mx.array] = None
 
     def get(self, sources: Tuple[mx.array, ...], make) -> mx.array:
-        if len(sources) != len(self.sources) or any(a is not b for a, b in zip(sources, self.sources)):
+        if self.value is None or len(sources) != len(self.sources) or \
+                any(a is not b for a, b in zip(sources, self.sources)):
             self.value, self.sources = make(*sources), sources
         return self.value
 
@@ -236,6 +240,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self._qk_norm_weight = _Derived()
+        self._head_scale = _Derived()
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
         T = x.shape[0]
@@ -247,13 +252,19 @@ class Attention(nn.Module):
         # queries and keys share one norm call and one rotation: per head it is
         # the same arithmetic as two calls, with half the ops to dispatch
         qk = rms_norm(qk.reshape(1, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
-        qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope)
+        # the rotation also applies the softmax scale to the queries (keys x 1)
+        qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(1, T, K, D).transpose(0, 2, 1, 3)
         if kv is not None:
             k, v = kv.update_and_fetch(k, v)
-        out = attend(q, k, v, self.scale, mask)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, H * D))
+
+    def head_scale(self) -> mx.array:
+        """(H + K, 1, 1): the softmax scale for query heads, 1 for key heads."""
+        return self._head_scale.get((), lambda: mx.array(
+            [self.scale] * self.n_heads + [1.0] * self.n_kv_heads, mx.float32).reshape(-1, 1, 1))
 
     def qk_norm_weight(self) -> mx.array:
         """q_norm's weight for every query head, then k_norm's for every KV head."""
