@@ -22,7 +22,7 @@ import refusion_mlx  # noqa: F401  (first: the BLAS preload must precede mlx.cor
 
 from forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
 from speed_common import (MODES, base_parser, check_json_path, counting_evals, decode, load_model,
-                          make_params, median, random_prompt, run_main, write_json)
+                          make_params, random_prompt, run_main, write_json)
 
 from refusion_mlx.bench_report import format_table
 from refusion_mlx.errors import RefusionError

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from .bench_report import environment, format_table, header_lines
 from .bench_runs import RunResult, median_run, run_ar, run_refusion, share_weights
 from .bench_suite import BenchError, Suite, load_suite, resolve_params
-from .decoder import PHASES, RefusionParams
+from .decoder import RefusionParams
 from .errors import DecodeError, RefusionError
 from .generate import PARAM_NAMES, OneLineParser, add_decoding_args, chat_prompt
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 from .cache import CommittedCache

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import refusion_mlx  # noqa: F401  (before mlx.core)
-import mlx.core as mx
 import numpy as np
 import pytest
 

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from refusion_mlx.models.qwen3 import Model, ModelArgs
