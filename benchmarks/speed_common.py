@@ -2,7 +2,7 @@
 decoder runs, host-sync counting, the model header and JSON output.
 
 Run the scripts from the repository root, e.g.
-``python benchmarks/overhead.py --model models/qwen3-0.6b-random``.
+``python -m benchmarks.overhead --model models/qwen3-0.6b-random``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import refusion_mlx  # noqa: F401  (before mlx.core: BLAS preload)
-from refusion_mlx.bench_report import environment, header_lines
-from refusion_mlx.cache import CommittedCache
-from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.bench.report import environment, header_lines
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.generate import OneLineParser
 
@@ -37,7 +38,7 @@ MODES: Dict[str, dict] = {
 def base_parser(prog: str, description: str) -> OneLineParser:
     parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("--model", help="model folder (default: the bundled demo model); "
-                        "make a real-shape one with python -m convert.make_checkpoint")
+                        "make a real-shape one with python -m torch_tools.make_checkpoint")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--slot-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -47,7 +48,7 @@ def base_parser(prog: str, description: str) -> OneLineParser:
 
 def load_model(path: Optional[str], dtype: str):
     """Load a model and print the environment header."""
-    from refusion_mlx.utils import load
+    from refusion_mlx.models.loading import load
 
     model, tokenizer = load(path, dtype=dtype)
     env = environment(model, path or "bundled demo model")

@@ -15,10 +15,10 @@ import sys
 from typing import Iterable
 
 import refusion_mlx  # noqa: F401  (first: it picks an optimized BLAS before MLX loads)
-from refusion_mlx.chat import ChatSession
+from refusion_mlx.serve.chat import ChatSession
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.generate import make_params
-from refusion_mlx.utils import load
+from refusion_mlx.models.loading import load
 
 
 def messages_from_stdin() -> Iterable[str]:

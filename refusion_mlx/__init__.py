@@ -4,20 +4,21 @@ from . import _blas
 
 _blas.preload()  # must run before mlx.core is imported
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 _EXPORTS = {
-    "load": "utils",
-    "generate": "generate",
-    "stream_generate": "generate",
-    "chat_prompt": "generate",
-    "GenerationResponse": "generate",
-    "RefusionParams": "decoder",
-    "RefusionDecoder": "decoder",
-    "DecodeStats": "decoder",
-    "CommittedCache": "cache",
+    "load": "models.loading",
+    "convert": "convert.converter",
+    "generate": "decode.generate",
+    "stream_generate": "decode.generate",
+    "chat_prompt": "decode.generate",
+    "GenerationResponse": "decode.generate",
+    "RefusionParams": "decode.params",
+    "RefusionDecoder": "decode.decoder",
+    "DecodeStats": "decode.stats",
+    "CommittedCache": "decode.cache",
     "RefusionError": "errors",
-    "PRESETS": "presets",
+    "PRESETS": "decode.presets",
 }
 
 __all__ = ["__version__", *_EXPORTS]

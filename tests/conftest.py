@@ -7,7 +7,7 @@ import refusion_mlx  # noqa: F401  (before mlx.core)
 import numpy as np
 import pytest
 
-from refusion_mlx.utils import DEMO_MODEL, load
+from refusion_mlx.models.loading import DEMO_MODEL, load
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

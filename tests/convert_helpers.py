@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 
 from refusion_mlx.convert import main
-from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import RefusionParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MASK = "<|mask|>"
@@ -34,7 +35,7 @@ def golden_results(model, tokenizer, cases) -> List[bool]:
 
 def golden_results_of(folder: str, dequantize: bool = False) -> List[bool]:
     """``golden_results`` for a converted folder, loaded in float32; runs in a worker process."""
-    from refusion_mlx.utils import load
+    from refusion_mlx.models.loading import load
 
     model, tokenizer = load(folder, dtype="float32")
     if dequantize:  # dense matmuls of the dequantized weights: MLX's CPU quantized kernels are slow

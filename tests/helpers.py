@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from refusion_mlx.models.qwen3 import Model, ModelArgs
-from refusion_mlx.utils import DEMO_MODEL
+from refusion_mlx.models.loading import DEMO_MODEL
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from refusion_mlx import bench
-from refusion_mlx.bench_suite import BenchError, load_suite, parse_suite, resolve_params
+from refusion_mlx.bench.suite import BenchError, load_suite, parse_suite, resolve_params
 from refusion_mlx.errors import DecodeError
-from refusion_mlx.presets import PRESETS
+from refusion_mlx.decode.presets import PRESETS
 
 TINY = {
     "name": "tiny",

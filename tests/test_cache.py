@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from refusion_mlx.cache import CommittedCache
+from refusion_mlx.decode.cache import CommittedCache
 
 from helpers import random_config, random_model
 

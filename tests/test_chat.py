@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from refusion_mlx.chat import ChatSession, SlotView, Terminal, common_prefix, repl
-from refusion_mlx.decoder import SlotCommit
+from refusion_mlx.serve.chat import ChatSession, SlotView, Terminal, common_prefix, repl
+from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.generate import GenerationResponse, make_params
 
@@ -56,7 +56,7 @@ def background(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded():
-    from refusion_mlx.utils import load
+    from refusion_mlx.models.loading import load
 
     return load()
 

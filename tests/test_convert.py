@@ -19,10 +19,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import convert_helpers as h
-from convert.make_checkpoint import make_checkpoint
-from refusion_mlx import convert as conv
+from torch_tools.make_checkpoint import make_checkpoint
+from refusion_mlx.convert import converter as conv
 from refusion_mlx.errors import LoadError, RefusionError
-from refusion_mlx.utils import DEMO_MODEL, load
+from refusion_mlx.models.loading import DEMO_MODEL, load
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -371,7 +371,7 @@ def test_failed_force_keeps_the_old_destination(tmp_path, capsys):
     (RuntimeError("a bug"), 1, "unexpected RuntimeError: a bug"),
 ])
 def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, failure, code, message):
-    from refusion_mlx.shards import ShardWriter
+    from refusion_mlx.convert.shards import ShardWriter
 
     written = []
     original = ShardWriter.write
@@ -392,7 +392,8 @@ def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, 
 SLOW_CONVERTER = """
 import sys, time
 import refusion_mlx
-from refusion_mlx import convert, shards
+from refusion_mlx import convert
+from refusion_mlx.convert import shards
 write = shards.ShardWriter.write
 def slow_write(self, name, array):
     write(self, name, array)
@@ -441,7 +442,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
 
 
 def test_parity_tool_against_transformers(tiny, tmp_path):
-    from convert.parity import parity
+    from torch_tools.parity import parity
 
     conv.convert(tiny["tied-sharded-bin"], tmp_path / "out", dtype="float32", progress=False)
     report = parity(tiny["tied-sharded-bin"], tmp_path / "out", length=48, count=1)

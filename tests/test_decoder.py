@@ -5,8 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from refusion_mlx.cache import CommittedCache
-from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.errors import DecodeError
 
 from helpers import random_config, random_model

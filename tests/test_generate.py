@@ -10,7 +10,7 @@ import pytest
 
 from refusion_mlx.errors import DecodeError, LoadError
 from refusion_mlx.generate import AnswerText, generate, main, make_params, stream_generate
-from refusion_mlx.utils import DEMO_MODEL, load
+from refusion_mlx.models.loading import DEMO_MODEL, load
 
 from helpers import random_config, random_model, write_checkpoint
 
@@ -39,7 +39,7 @@ def test_stream_releases_text_in_answer_order(demo):
 
 def test_answer_text_waits_for_the_gap():
     """Slots after a gap are held back; text is released once the gap closes."""
-    from refusion_mlx.decoder import SlotCommit
+    from refusion_mlx.decode.stats import SlotCommit
 
     class Tok:
         def __len__(self):

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+from refusion_mlx.decode.decoder import RefusionDecoder
+
+from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.generate import chat_prompt, main, stream_generate
 
 CASE_IDS = list(range(32))
@@ -76,7 +78,7 @@ def test_cli_json_reproduces_golden(capsys, golden_cases, i):
 @pytest.mark.parametrize("i", [2, 8, 12, 16, 24, 28])
 def test_chunked_lm_head_changes_nothing(demo, golden_cases, monkeypatch, i):
     """With a logits budget of one slot per chunk, every case is still token-exact."""
-    import refusion_mlx.decoder as decoder_module
+    import refusion_mlx.decode.decoder as decoder_module
 
     model, tokenizer = demo
     case = golden_cases[i]

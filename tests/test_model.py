@@ -6,7 +6,7 @@ import pytest
 
 from refusion_mlx.errors import ConfigError
 from refusion_mlx.models.qwen3 import ModelArgs
-from refusion_mlx.utils import DEMO_MODEL, load
+from refusion_mlx.models.loading import DEMO_MODEL, load
 
 from helpers import random_config, random_model
 
@@ -123,7 +123,10 @@ def test_fused_projections_compute_the_same(kind):
     assert fused.fuse_projections() == 2 * config["num_hidden_layers"]
     assert "qkv_proj" in fused.model.layers[0].self_attn and "q_proj" not in fused.model.layers[0].self_attn
     ids, pos = mx.array([[5, 9, 13, 2, 7, 1]]), mx.array([0, 3, 1, 4, 2, 5])
-    assert np.allclose(np.array(plain(ids, pos)), np.array(fused(ids, pos)), atol=1e-5)
+    # a wider matmul may sum in another order (OpenBLAS picks kernels by shape):
+    # float32 rounding on logits of size ~20, not a different computation
+    a, b = np.array(plain(ids, pos)), np.array(fused(ids, pos))
+    assert np.allclose(a, b, atol=1e-4) and (a.argmax(-1) == b.argmax(-1)).all()
     from mlx.utils import tree_flatten
 
     named = fused.hf_parameters()

@@ -23,7 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from refusion_mlx.server import RefusionServer, TextShaper
+from refusion_mlx.serve.server import RefusionServer, TextShaper
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -57,7 +57,7 @@ def expected():
     """Each prompt's answer from the Python API, computed before the server's engine starts
     (so MLX is never used from two threads at once in this process)."""
     from refusion_mlx.generate import chat_prompt, stream_generate
-    from refusion_mlx.utils import load
+    from refusion_mlx.models.loading import load
 
     model, tok = load()
     out = {}

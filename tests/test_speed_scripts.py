@@ -2,24 +2,17 @@
 scripts, run small on the demo model (no timing assertions)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import forward_replay  # noqa: E402
-import overhead  # noqa: E402
-import profile_decoder  # noqa: E402
-import scaling  # noqa: E402
+from benchmarks import forward_replay, overhead, profile_decoder, scaling
 
 
 def test_speed_model_shapes_have_the_published_sizes():
-    """The benchmark's realistic models come from convert.make_checkpoint."""
+    """The benchmark's realistic models come from torch_tools.make_checkpoint."""
     import math
 
-    from convert.make_checkpoint import make_config, tensor_shapes
+    from torch_tools.make_checkpoint import make_config, tensor_shapes
 
     config = make_config("0.6b")
     assert config["vocab_size"] == 151671 and config["mask_token_id"] == 151670
@@ -31,8 +24,9 @@ def test_speed_model_shapes_have_the_published_sizes():
 
 def test_generated_speed_model_loads_and_decodes(tmp_path):
     import refusion_mlx as rm
-    from convert.make_checkpoint import make_checkpoint
-    from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+    from torch_tools.make_checkpoint import make_checkpoint
+    from refusion_mlx.decode.decoder import RefusionDecoder
+    from refusion_mlx.decode.params import RefusionParams
 
     out = make_checkpoint(tmp_path / "tiny", "tiny", "safetensors", vocab_size=1500, mask_token_id=1499)
     model, tokenizer = rm.load(out)
@@ -59,7 +53,8 @@ def test_overhead_on_demo(tmp_path, capsys):
 
 def test_phase_tags_follow_the_decoder_loop():
     import refusion_mlx as rm
-    from refusion_mlx.decoder import RefusionDecoder, RefusionParams
+    from refusion_mlx.decode.decoder import RefusionDecoder
+    from refusion_mlx.decode.params import RefusionParams
 
     model, tokenizer = rm.load()
     rec = forward_replay.RecordingModel(model)

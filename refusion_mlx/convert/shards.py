@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import RefusionError
+from ..errors import RefusionError
 
 TAGS = {
     mx.bfloat16: ("BF16", 2), mx.float16: ("F16", 2), mx.float32: ("F32", 4),

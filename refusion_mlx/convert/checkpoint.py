@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import LoadError
+from ..errors import LoadError
 
 # safetensors dtype tag -> (bytes per element, MLX dtype or None when not a float)
 SAFETENSORS_DTYPES = {

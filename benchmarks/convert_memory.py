@@ -1,7 +1,7 @@
 """Peak resident memory of ``python -m refusion_mlx.convert`` against checkpoint size.
 
-    python -m convert.measure_memory --layout 1.7b --format sharded-safetensors
-    python -m convert.measure_memory --hf-path SRC --run "-q --q-bits 4"
+    python -m benchmarks.convert_memory --layout 1.7b --format sharded-safetensors
+    python -m benchmarks.convert_memory --hf-path SRC --run "-q --q-bits 4"
 
 Generates a random checkpoint (or takes ``--hf-path``), converts it once per
 ``--run`` in a fresh process, which reports its own peak RSS as it exits
@@ -64,7 +64,7 @@ def peak_rss(module: str, args: List[str]) -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert.measure_memory",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, help="an existing checkpoint (default: generate one)")
     parser.add_argument("--layout", default="1.7b", help="layout of the generated checkpoint")
@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         src = args.hf_path
         if src is None:
-            from .make_checkpoint import make_checkpoint
+            from torch_tools.make_checkpoint import make_checkpoint
 
             overrides = {"num_hidden_layers": args.layers} if args.layers else {}
             if args.untied:
@@ -88,7 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             src = make_checkpoint(work / f"{args.layout}-{args.fmt}", args.layout, args.fmt, **overrides)
             print(f"generated {src} in {time.perf_counter() - t:.0f}s")
         size = weights_size(src)
-        from refusion_mlx.utils import DEMO_MODEL
+        from refusion_mlx.models.loading import DEMO_MODEL
 
         base, _ = peak_rss("refusion_mlx.convert", ["--hf-path", str(DEMO_MODEL), "--mlx-path",
                                                     str(work / "demo-out"), "--force"])

@@ -9,11 +9,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _blas
-from .errors import ConfigError, LoadError
-from .models.qwen3 import Model, ModelArgs
+from .. import _blas
+from ..errors import ConfigError, LoadError
+from .qwen3 import Model, ModelArgs
 
-DEMO_MODEL = Path(__file__).parent / "demo" / "tiny-refusion"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
 
 # What a model folder needs from the hub: no other weights formats, no docs.

@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .errors import RefusionError
-from .models.qwen3 import Model, ModelArgs
+from ..errors import RefusionError
+from ..models.qwen3 import Model, ModelArgs
 from .shards import Spec
 
 Q_BITS = [2, 3, 4, 6, 8]

@@ -28,8 +28,9 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .decoder import PHASES, RefusionParams
-from .generate import stream_generate
+from ..decode.params import RefusionParams
+from ..decode.stats import PHASES
+from ..decode.generate import stream_generate
 
 
 @dataclass

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from .decoder import RefusionParams
-from .errors import DecodeError, RefusionError
-from .generate import PARAM_NAMES, make_params
-from .presets import PRESETS, preset
+from ..decode.params import PARAM_NAMES, RefusionParams, make_params
+from ..errors import DecodeError, RefusionError
+from ..decode.presets import PRESETS, preset
 
-DEFAULT_SUITE = Path(__file__).with_name("bench_suite.json")
+DEFAULT_SUITE = Path(__file__).with_name("suite.json")
 
 
 class BenchError(RefusionError):
@@ -62,7 +61,7 @@ def load_suite(spec: Union[str, Path, None] = "default") -> Suite:
         raise BenchError(f"{path} is not valid JSON: {e}") from None
     suite = parse_suite(data, source=str(path))
     if spec in (None, "default"):
-        suite.source = "default (bundled bench_suite.json)"
+        suite.source = "default (bundled suite.json)"
     return suite
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .errors import RefusionError
+from ..errors import RefusionError
 
 
 def check_destination(dst: Path, force: bool) -> None:

@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from .bench_report import environment, format_table, header_lines
-from .bench_runs import RunResult, median_run, run_ar, run_refusion, share_weights
-from .bench_suite import BenchError, Suite, load_suite, resolve_params
-from .decoder import RefusionParams
-from .errors import DecodeError, RefusionError
-from .generate import PARAM_NAMES, OneLineParser, add_decoding_args, chat_prompt
+from .report import environment, format_table, header_lines
+from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
+from .suite import BenchError, Suite, load_suite, resolve_params
+from ..decode.params import PARAM_NAMES, RefusionParams
+from ..errors import DecodeError, RefusionError
+from ..cli import OneLineParser, add_decoding_args
+from ..decode.generate import chat_prompt
 
 SIDES = ("refusion", "ar")
 LABELS = {"refusion": "ReFusion", "ar": "AR"}
@@ -40,7 +41,7 @@ LABELS = {"refusion": "ReFusion", "ar": "AR"}
 
 def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = True):
     """The ReFusion model and tokenizer, and mlx-lm's model sharing its weights."""
-    from .utils import load
+    from ..models.loading import load
 
     model, tokenizer = load(model_path, dtype=dtype)
     if not ar:

@@ -31,12 +31,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
-from .errors import LoadError, RefusionError
-from .models.qwen3 import Model, ModelArgs
+from ..errors import LoadError, RefusionError
+from ..models.qwen3 import Model, ModelArgs
 from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, Plan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, staging_folder
-from .utils import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
+from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
                     resolve_model_path)
 
 TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -343,7 +343,7 @@ def termination_raises() -> Iterator[None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .generate import OneLineParser
+    from ..cli import OneLineParser
 
     parser = OneLineParser(prog="python -m refusion_mlx.convert",
                            description="Convert a ReFusion (Qwen3, Hugging Face layout) checkpoint to MLX.")

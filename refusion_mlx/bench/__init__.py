@@ -1,0 +1,10 @@
+"""``python -m refusion_mlx.bench``: ReFusion against mlx-lm's autoregressive
+decoding of the same weights, in one process.
+
+The prompt suite (``suite``, ``suite.json``), one timed run per side
+(``runs``), the comparison and its report (``compare``, ``report``).
+"""
+
+from .compare import format_report, main, run_benchmark
+
+__all__ = ["format_report", "main", "run_benchmark"]

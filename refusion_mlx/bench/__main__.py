@@ -1,0 +1,5 @@
+import sys
+
+from .compare import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""What the command-line tools share: one-line usage errors, the decoding
+flags and their translation into ``RefusionParams``.
+
+Every ``python -m refusion_mlx.*`` command is a thin layer over the Python
+API. This module sits just above ``decode`` (whose parameters it parses):
+the converter, the server, the chat and the benchmark build their parsers
+with it; the library code below never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from .decode.params import PARAM_NAMES, RefusionParams, make_params
+from .decode.presets import PRESETS, preset
+from .errors import RefusionError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model and --dtype, as every command that loads a model takes them."""
+    parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="compute dtype (default: float32 on CPU, the checkpoint's on GPU)")
+
+
+def add_decoding_args(parser: argparse.ArgumentParser) -> None:
+    """The ReFusion decoding flags, shared by generate, chat, server and bench."""
+    parser.add_argument("--max-tokens", "--gen-length", dest="gen_length", type=int,
+                        help="response budget in tokens, rounded up to whole slots (default 512)")
+    parser.add_argument("--slot-size", type=int, help="tokens per slot (default 4)")
+    blocks = parser.add_mutually_exclusive_group()
+    blocks.add_argument("--serial-num-blocks", type=int,
+                        help="number of blocks decoded one after another (reference semantics)")
+    blocks.add_argument("--block-length", type=int, help="block size in tokens (a multiple of the slot size)")
+    parser.add_argument("--slot-threshold", type=float, help="slot confidence to draft in parallel (default 0.6)")
+    parser.add_argument("--token-threshold", type=float, help="verified probability to keep a token (default 0.3)")
+    parser.add_argument("--temp", dest="temperature", type=float, help="planning temperature (default 0: argmax)")
+    parser.add_argument("--seed", type=int, help="random seed for temperature > 0")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="the paper's per-benchmark settings (explicit flags override)")
+
+
+def params_from_args(args: argparse.Namespace) -> RefusionParams:
+    """RefusionParams from CLI flags: a preset first, explicit flags over it.
+
+    A preset's block count is tied to its 512-token budget; with another
+    budget the preset keeps its block *length* instead.
+    """
+    values = preset(args.preset) if getattr(args, "preset", None) else {}
+    if values and (args.block_length is not None or args.gen_length is not None):
+        n = values.pop("serial_num_blocks")
+        if args.block_length is None and args.serial_num_blocks is None:
+            values["block_length"] = values["gen_length"] // n
+    for name in PARAM_NAMES:
+        if getattr(args, name, None) is not None:
+            values[name] = getattr(args, name)
+    params = make_params(**values)
+    params.layout()  # report bad combinations before loading the model
+    return params
+
+
+def run(body: Callable[[], int]) -> int:
+    """Run a command's body: a RefusionError is one line on stderr and exit 1,
+    Ctrl-C is "interrupted" and exit 130 -- never a traceback."""
+    try:
+        return body()
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,5 @@
+import sys
+
+from .converter import main
+
+sys.exit(main())

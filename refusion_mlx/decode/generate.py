@@ -1,0 +1,119 @@
+"""Generate with ReFusion: ``stream_generate`` and ``generate``.
+
+Slots finish out of order, but text is only ever released in answer order:
+each response carries the text that just became final (the contiguous prefix
+of the answer grew) and the slots committed at that step, for visualisers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Union
+
+from ..errors import DecodeError
+from .answer import AnswerText
+from .cache import CommittedCache
+from .decoder import RefusionDecoder
+from .params import RefusionParams, make_params
+from .stats import DecodeStats, SlotCommit
+
+
+@dataclass
+class GenerationResponse:
+    """One step of a streamed generation.
+
+    ``text``/``tokens``: what just became final, in answer order (may be
+    empty when the step committed slots beyond a gap). ``commits``: the slots
+    committed at this step, in commit order. The last response has
+    ``finish_reason`` ("stop": EOS; "length": budget spent) and ``stats``.
+    """
+
+    text: str
+    tokens: List[int]
+    commits: List[SlotCommit]
+    phase: str
+    step: int
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: Optional[str] = None
+    stats: Optional[DecodeStats] = None
+
+
+
+def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, str]]], system: Optional[str] = None,
+                chat_template: bool = True) -> List[int]:
+    """Prompt ids as the reference builds them: chat template, then tokenize."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(prompt)
+    if system is not None:
+        messages = [{"role": "system", "content": system}] + messages
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer.encode(text))
+
+
+
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
+                    cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
+                    **kwargs) -> Iterator[GenerationResponse]:
+    """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
+
+    Decoding parameters come as ``params`` or as keywords: ``max_tokens``
+    (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
+    ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
+    (= ``temp``), ``seed``. ``cache``: a CommittedCache to continue (chat).
+    """
+    if params is not None and kwargs:
+        raise TypeError("give params or decoding keywords, not both")
+    rp = params or make_params(**kwargs)
+    ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+    mask_id = getattr(model.args, "mask_token_id", None)
+    if mask_id is None:
+        raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
+    decoder = RefusionDecoder(model, ids, rp, mask_id=mask_id, eos_id=tokenizer.eos_token_id,
+                              cache=cache)
+    answer = AnswerText(tokenizer, decoder.response_start, decoder.eos_id)
+    held: Optional[GenerationResponse] = None
+    for n, step in enumerate(decoder.steps()):
+        tokens, text = answer.add(step.commits)
+        if held is not None:
+            yield held
+        held = GenerationResponse(text, tokens, step.commits, step.phase, n, len(ids),
+                                  len(answer.tokens))
+    held.text += answer.finish()
+    held.finish_reason = "stop" if answer.done else "length"
+    held.stats = decoder.stats
+    held.generation_tokens = len(answer.tokens)
+    yield held
+
+
+def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False,
+             return_stats: bool = False, **params):
+    """The whole answer's text (and its DecodeStats if ``return_stats``)."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, **params):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose:
+        print()
+        print(format_stats(last.stats), file=sys.stderr)
+    return (text, last.stats) if return_stats else text
+
+
+def format_stats(stats: DecodeStats) -> str:
+    s = stats.seconds
+    return (
+        f"prompt: {stats.prompt_tokens} tokens | generated: {stats.generated_tokens} tokens, "
+        f"{stats.forwards} forwards, {stats.tokens_per_forward:.2f} tokens/forward, "
+        f"{stats.tokens_per_second:.1f} tokens/s\n"
+        f"time: prefill {s['prefill']:.3f}s, plan {s['plan']:.3f}s, verify {s['verify']:.3f}s, "
+        f"infill draft {s['infill_draft']:.3f}s, infill verify {s['infill_verify']:.3f}s | "
+        f"peak memory {stats.peak_memory_gb:.3f} GB"
+    )

@@ -1,0 +1,90 @@
+"""Decoding parameters, named as in the reference ``generate_refusion`` (REFUSION.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..errors import DecodeError
+
+PARAM_NAMES = ("gen_length", "slot_size", "serial_num_blocks", "block_length",
+               "slot_threshold", "token_threshold", "temperature", "seed")
+
+
+@dataclass
+class RefusionParams:
+    """Decoding parameters, named as in the reference ``generate_refusion``.
+
+    ``serial_num_blocks`` and ``block_length`` are two ways to cut the response
+    into blocks; give at most one. With neither, the reference's 32 blocks are
+    used when they cut the budget into whole slots, else the largest count
+    below 32 that does.
+    """
+
+    gen_length: int = 512
+    slot_size: int = 4
+    serial_num_blocks: Optional[int] = None
+    block_length: Optional[int] = None
+    slot_threshold: float = 0.6
+    token_threshold: float = 0.3
+    temperature: float = 0.0
+    seed: Optional[int] = None
+
+    def layout(self) -> "BlockLayout":
+        """Validate and resolve the budget into blocks of whole slots."""
+        S = self.slot_size
+        _positive_int("slot_size", S)
+        _positive_int("gen_length", self.gen_length)
+        for name in ("slot_threshold", "token_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise DecodeError(f"{name} must be within [0, 1], got {value!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise DecodeError(f"temperature must be >= 0, got {self.temperature!r}")
+        gen = -(-self.gen_length // S) * S  # rounded up to whole slots
+        if self.serial_num_blocks is not None and self.block_length is not None:
+            raise DecodeError("give serial_num_blocks or block_length, not both")
+        if self.block_length is not None:
+            _positive_int("block_length", self.block_length)
+            if self.block_length % S:
+                raise DecodeError(
+                    f"block_length {self.block_length} is not a multiple of slot_size {S}")
+            lengths = [self.block_length] * (gen // self.block_length)
+            if gen % self.block_length:
+                lengths.append(gen % self.block_length)
+            return BlockLayout(gen, lengths)
+        n = self.serial_num_blocks
+        if n is None:
+            n = next(c for c in range(32, 0, -1) if gen % c == 0 and (gen // c) % S == 0)
+        _positive_int("serial_num_blocks", n)
+        if gen % n or (gen // n) % S:
+            raise DecodeError(
+                f"serial_num_blocks {n} does not cut gen_length {gen} into blocks of "
+                f"whole slots of {S} tokens")
+        return BlockLayout(gen, [gen // n] * n)
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class BlockLayout:
+    gen_length: int
+    block_lengths: List[int]
+
+def make_params(**kwargs) -> RefusionParams:
+    """RefusionParams from keyword arguments; ``max_tokens``/``temp`` are aliases."""
+    if "max_tokens" in kwargs:
+        value = kwargs.pop("max_tokens")
+        if "gen_length" in kwargs and kwargs["gen_length"] != value:
+            raise DecodeError("give max_tokens or gen_length, not both")
+        kwargs["gen_length"] = value
+    if "temp" in kwargs:
+        kwargs["temperature"] = kwargs.pop("temp")
+    unknown = sorted(set(kwargs) - set(PARAM_NAMES))
+    if unknown:
+        raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}")
+    return RefusionParams(**{k: v for k, v in kwargs.items() if v is not None})
+

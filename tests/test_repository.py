@@ -1,0 +1,77 @@
+"""The repository's shape: only the demo model and test fixtures are binary,
+and imports run one way between the package's layers."""
+
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BINARY_HOMES = ("refusion_mlx/demo/", "tests/fixtures/")
+
+# A layer may import itself and the layers listed before it, never one after.
+LAYERS = [
+    {"_blas", "errors", "_callable", "_version"},
+    {"models"},
+    {"decode"},
+    {"cli"},  # shared flags and one-line errors of the commands
+    {"convert", "train"},
+    {"serve"},
+    {"bench"},
+    {"generate", "chat", "server", "fuse", "__init__"},  # entry points
+]
+
+
+def tracked_files():
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    return [f for f in out.stdout.decode().split("\0") if f]
+
+
+def is_binary(path: Path) -> bool:
+    return b"\0" in path.read_bytes()[:8192]
+
+
+def test_only_the_demo_model_and_fixtures_are_binary():
+    files = tracked_files()
+    assert "README.md" in files and any(f.startswith("refusion_mlx/demo/") for f in files)
+    strays = [f for f in files if not f.startswith(BINARY_HOMES) and (ROOT / f).is_file() and is_binary(ROOT / f)]
+    assert not strays, f"binary files outside the demo model and fixtures: {strays}"
+
+
+def test_no_module_is_named_utils():
+    assert not [p for p in (ROOT / "refusion_mlx").rglob("*.py") if p.stem == "utils"]
+
+
+def _layer_of(parts):
+    name = parts[0]
+    for i, layer in enumerate(LAYERS):
+        if name in layer:
+            return i
+    raise AssertionError(f"refusion_mlx.{name} is in no layer of tests/test_repository.py")
+
+
+def _imported(path: Path):
+    """refusion_mlx submodules a module imports, as tuples of name parts."""
+    rel = path.relative_to(ROOT / "refusion_mlx").with_suffix("").parts
+    package = rel[:-1] if path.name != "__init__.py" else rel[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[: len(package) - (node.level - 1)])
+            target = base + (node.module.split(".") if node.module else [])
+            if target:
+                yield tuple(target)
+            else:  # "from . import x"
+                for alias in node.names:
+                    yield (alias.name,)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("refusion_mlx."):
+            yield tuple(node.module.split(".")[1:])
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for path in (ROOT / "refusion_mlx").rglob("*.py"):
+        rel = path.relative_to(ROOT / "refusion_mlx").with_suffix("").parts
+        here = _layer_of(rel if rel != ("__init__",) else ("__init__",))
+        for target in _imported(path):
+            if _layer_of(target) > here:
+                wrong.append(f"{'/'.join(rel)} imports {'.'.join(target)}")
+    assert not wrong, wrong
