@@ -110,8 +110,11 @@ class PositionalRoPE:
         self.inv_freq = mx.array(inv_freq)
 
     def angles(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
-        """cos and sin of shape (T, head_dim/2) for positions of shape (T,)."""
-        theta = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
+        """cos and sin for positions (T,) -> (T, head_dim/2), or for a batch
+        (B, T) -> (B, 1, T, head_dim/2), broadcasting over the heads."""
+        theta = positions.astype(mx.float32)[..., None] * self.inv_freq
+        if positions.ndim == 2:
+            theta = theta[:, None]
         return mx.cos(theta), mx.sin(theta)
 
 
@@ -160,8 +163,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-    """Attention of (1, H, T, D) queries, already multiplied by the softmax
-    scale, over (1, K, L, D) keys and values.
+    """Attention of (B, H, T, D) queries, already multiplied by the softmax
+    scale, over (B, K, L, D) keys and values.
 
     On the GPU: MLX's fused kernel, ``mask`` "causal" or (T, L). The CPU has
     no fused kernel and MLX splits that call into ~16 ops per layer, rebuilding
@@ -172,11 +175,11 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     """
     if mx.default_device() == mx.gpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
-    _, H, T, D = q.shape
+    B, H, T, D = q.shape
     K = k.shape[1]
-    scores = q.reshape(1, K, H // K * T, D) @ k.transpose(0, 1, 3, 2)
+    scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
     probs = mx.softmax(scores + mask, axis=-1, precise=True)
-    return (probs @ v).reshape(1, H, T, D)
+    return (probs @ v).reshape(B, H, T, D)
 
 
 def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:
@@ -243,7 +246,8 @@ class Attention(nn.Module):
         self._head_scale = _Derived()
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
-        T = x.shape[0]
+        """``x``: one sequence kept 2-D (T, dim), or a batch (B, T, dim)."""
+        B, T = (1, x.shape[0]) if x.ndim == 2 else x.shape[:2]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         if "qkv_proj" in self:
             qk, v = mx.split(self.qkv_proj(x), [(H + K) * D], axis=-1)
@@ -251,15 +255,15 @@ class Attention(nn.Module):
             qk, v = mx.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1), self.v_proj(x)
         # queries and keys share one norm call and one rotation: per head it is
         # the same arithmetic as two calls, with half the ops to dispatch
-        qk = rms_norm(qk.reshape(1, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
+        qk = rms_norm(qk.reshape(B, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
         # the rotation also applies the softmax scale to the queries (keys x 1)
         qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
         q, k = mx.split(qk, [H], axis=1)
-        v = v.reshape(1, T, K, D).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
         if kv is not None:
             k, v = kv.update_and_fetch(k, v)
         out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(T, H * D))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
     def head_scale(self) -> mx.array:
         """(H + K, 1, 1): the softmax scale for query heads, 1 for key heads."""
@@ -362,14 +366,18 @@ class Model(nn.Module):
         self.rope = PositionalRoPE(args.head_dim, args.rope_theta, args.rope_scaling)
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
-        """Final-norm hidden states for tokens (1, T) at positions (T,)."""
-        if tokens.ndim != 2 or tokens.shape[0] != 1:
-            raise ValueError(f"hidden() takes one sequence of shape (1, T), got {tokens.shape}")
+        """Final-norm hidden states (B, T, dim) for tokens (B, T) at positions
+        (T,) or (B, T). With a ``cache``, one sequence (B = 1); without one, a
+        plain causal pass over each row (training: right-padded rows)."""
+        if tokens.ndim != 2 or (cache is not None and tokens.shape[0] != 1):
+            raise ValueError(f"hidden() takes tokens (B, T), one row with a cache; got {tokens.shape}")
+        if tokens.shape[0] > 1:
+            return self._batch_hidden(tokens, positions)
         # one sequence, kept 2-D (T, hidden) inside: every projection is then a
         # plain matmul, without the reshapes a batch axis costs on each call
         h = self.model.embed_tokens(tokens.reshape(-1))
         T = h.shape[0]
-        rope = self.rope.angles(positions)
+        rope = self.rope.angles(positions.reshape(-1))
         mask = "causal" if cache is None else cache.mask
         if mx.default_device() != mx.gpu:
             mask = grouped_mask(mask, T, T if cache is None else cache.visible,
@@ -380,9 +388,21 @@ class Model(nn.Module):
         every = max(1, len(self.model.layers) // 8)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, mask, None if cache is None else cache.layer(i))
-            if (i + 1) % every == 0:
+            if cache is not None and (i + 1) % every == 0:  # decoding only: training compiles
                 mx.async_eval(h)
         return self.model.norm(h)[None]
+
+    def _batch_hidden(self, tokens: mx.array, positions: mx.array) -> mx.array:
+        B, T = tokens.shape
+        h = self.model.embed_tokens(tokens)
+        rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
+        mask = "causal"
+        if mx.default_device() != mx.gpu:
+            mask = grouped_mask(mask, T, T, self.args.num_attention_heads,
+                                self.args.num_key_value_heads, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, rope, mask)
+        return self.model.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
