@@ -194,6 +194,15 @@ def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype
     return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
 
 
+def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
+    """``mask`` ("causal" or boolean (T, L)) in the form :func:`attend` takes
+    on this device: as is for the GPU's fused kernel, grouped and additive on
+    the CPU. Made once per forward (or once per request of a packed batch)."""
+    if mx.default_device() == mx.gpu:
+        return mask
+    return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
+
+
 class _Derived:
     """An array made from parameters and remade whenever one is replaced
     (``load_weights``, ``update``, quantisation). It lives outside the
@@ -260,9 +269,12 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        if kv is not None:
-            k, v = kv.update_and_fetch(k, v)
-        out = attend(q, k, v, mask)
+        if kv is not None and hasattr(kv, "attend"):  # a packed batch: each request attends alone
+            out = kv.attend(q, k, v)
+        else:
+            if kv is not None:
+                k, v = kv.update_and_fetch(k, v)
+            out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
     def head_scale(self) -> mx.array:
@@ -379,9 +391,9 @@ class Model(nn.Module):
         T = h.shape[0]
         rope = self.rope.angles(positions.reshape(-1))
         mask = "causal" if cache is None else cache.mask
-        if mx.default_device() != mx.gpu:
-            mask = grouped_mask(mask, T, T if cache is None else cache.visible,
-                                self.args.num_attention_heads, self.args.num_key_value_heads, h.dtype)
+        if mask is not None:  # None: a packed batch, whose requests bring their own masks
+            mask = attention_mask(mask, T, T if cache is None else cache.visible,
+                                  self.args.num_attention_heads, self.args.num_key_value_heads, h.dtype)
         # Start computing every few layers while Python builds the next ones:
         # ReFusion syncs at each decision, so this is where graph building can
         # overlap with compute (+6% tokens/s on the demo model, CPU).
@@ -396,10 +408,8 @@ class Model(nn.Module):
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)
         rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
-        mask = "causal"
-        if mx.default_device() != mx.gpu:
-            mask = grouped_mask(mask, T, T, self.args.num_attention_heads,
-                                self.args.num_key_value_heads, h.dtype)
+        mask = attention_mask("causal", T, T, self.args.num_attention_heads,
+                              self.args.num_key_value_heads, h.dtype)
         for layer in self.model.layers:
             h = layer(h, rope, mask)
         return self.model.norm(h)
