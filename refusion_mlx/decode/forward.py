@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .. import _blas
 from ..models.qwen3 import attend, attention_mask
 from .cache import KVWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
@@ -178,6 +179,7 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     one host synchronisation of the step), device values stay on the device
     (evaluated, so what they were computed from can be freed).
     """
+    _blas.fit_rows(sum(len(p) for p in passes))
     hidden = forward(model, passes)
     heads = head_outputs(model, hidden, passes)
     derived = []

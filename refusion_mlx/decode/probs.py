@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..models.kernels import logsumexp
+
 # Float32 logits alive at once: the LM head runs over the rows of a step in
 # chunks of at most this size, so many parallel slots do not multiply the
 # vocabulary-sized working set (151671 columns: ~55 rows per chunk).
@@ -98,7 +100,7 @@ def row_statistics(logits: mx.array, first: int,
     in row order over the whole step (None: no drafts wanted). ``follow``:
     one token per row of this chunk (None: no verification wanted).
     """
-    lse = mx.logsumexp(logits, axis=-1)
+    lse = logsumexp(logits)
     draft = p_draft = p_follow = None
     if drafting is not None:
         draft = mx.argmax(_draft_scores(logits, lse, first, drafting), axis=-1)

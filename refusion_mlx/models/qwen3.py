@@ -18,10 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
+from .kernels import silu_gate, softmax
 
 
 @dataclass
@@ -178,7 +178,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     B, H, T, D = q.shape
     K = k.shape[1]
     scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
-    probs = mx.softmax(scores + mask, axis=-1, precise=True)
+    probs = softmax(scores + mask)
     return (probs @ v).reshape(B, H, T, D)
 
 
@@ -303,7 +303,7 @@ class MLP(nn.Module):
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(silu_gate(gate, up))
 
 
 # Projections that read the same input, fused into one matmul at load time.
