@@ -364,7 +364,7 @@ class Model(nn.Module):
     """Qwen3 causal LM whose forward takes the position id of every token.
 
     ``cache`` is ``None`` (plain causal pass) or a ``KVWrite`` from
-    :mod:`refusion_mlx.cache` that says where this pass's keys and values go
+    :mod:`refusion_mlx.decode.cache` that says where this pass's keys and values go
     and which cached rows each query may see.
     """
 
