@@ -17,6 +17,7 @@ writes; ``format_report(result)`` renders it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -261,6 +262,16 @@ def format_report(result: dict) -> str:
 # CLI
 
 
+def write_json(path: Optional[str], result: dict) -> None:
+    if not path:
+        return
+    try:
+        Path(path).expanduser().write_text(json.dumps(result, indent=1) + "\n")
+    except OSError as e:
+        raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
+    print(f"wrote {path}")
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m refusion_mlx.bench",
@@ -277,7 +288,38 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
     parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
+    parser.add_argument("--concurrency", type=levels_arg, metavar="N,N,...",
+                        help="instead of the AR comparison: aggregate tokens/s and latency per request for "
+                             "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --concurrency: prompts each client sends, one after another (default 2)")
     return parser
+
+
+def levels_arg(text: str) -> List[int]:
+    """--concurrency: comma-separated positive integers."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
+    return levels
+
+
+def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """The --concurrency report: one row per level, and the environment."""
+    from .concurrency import format_levels, run_levels
+
+    params = resolve_all(suite, args.preset, overrides)
+    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False)
+    prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=not args.no_chat_template)
+               for c in suite.cases]
+    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
+    results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log)
+    text = "\n".join(header_lines(env) + ["", format_levels(results, format_table)])
+    return {"environment": env, "levels": [r.as_dict() for r in results], "rounds": args.rounds,
+            "report": text}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -297,15 +339,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
             raise BenchError(f"cannot write {args.json}: its folder does not exist")
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
+        if args.concurrency:
+            if args.rounds < 1:
+                parser.error(f"--rounds must be at least 1, got {args.rounds}")
+            result = run_concurrency(args, suite, overrides, log)
+            print(result.pop("report"))
+            write_json(args.json, result)
+            return 0
         result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
                                args.warmup, not args.no_ar, not args.no_chat_template, log)
         print(format_report(result))
-        if args.json:
-            try:
-                Path(args.json).expanduser().write_text(json.dumps(result, indent=1) + "\n")
-            except OSError as e:
-                raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
-            print(f"wrote {args.json}")
+        write_json(args.json, result)
         return 0
     except RefusionError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,12 +1,11 @@
 """Many requests at once: aggregate tokens/s and latency per request for 1, 2,
 4, 8 ... concurrent clients, decoded in-process by continuous batching.
 
-Each of N clients sends the suite's prompts one after another (client c
-starts at prompt c, so the batch mixes prompts and phases); a client's next
-request joins the batch at the step boundary after its previous one ends.
-Every concurrency level decodes the same requests: N clients x the same
-number of prompts each (``rounds``) -- so the aggregate tokens/s compare
-like for like, and against one request at a time (N = 1).
+Every level decodes the same workload -- the suite's prompts, ``rounds``
+times over -- so the tokens are the same and the aggregate tokens/s compare
+like for like, against one request at a time (N = 1). N clients take the
+next request of the workload as soon as their previous one ends; it joins
+the batch at the next step boundary, so the batch mixes prompts and phases.
 """
 
 from __future__ import annotations
@@ -54,38 +53,37 @@ class LevelResult:
 
 
 def run_level(model, tokenizer, prompts: Sequence[List[int]], params: Sequence[RefusionParams],
-              clients: int, rounds: int, max_batch: Optional[int] = None) -> LevelResult:
-    """``clients`` clients, each sending ``rounds`` prompts back to back."""
-    gen = BatchGenerator(model, tokenizer, max_batch=max_batch or clients)
-    sent = [0] * clients
-    owner: Dict[int, tuple] = {}  # uid -> (client, start time, first text time)
+              clients: int, rounds: int) -> LevelResult:
+    """The workload (``prompts`` x ``rounds``) through ``clients`` concurrent clients."""
+    gen = BatchGenerator(model, tokenizer, max_batch=clients)
+    work = [i for _ in range(rounds) for i in range(len(prompts))]
+    owner: Dict[int, list] = {}  # uid -> [start time, first text time]
 
-    def submit(c: int) -> None:
-        i = (c + sent[c]) % len(prompts)
-        sent[c] += 1
-        owner[gen.insert(prompts[i], params[i])] = [c, time.perf_counter(), None]
+    def submit() -> None:
+        i = work[len(result.latencies) + len(owner)]
+        owner[gen.insert(prompts[i], params[i])] = [time.perf_counter(), None]
 
+    result = LevelResult(clients, len(work), 0, 0.0, 0)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    for c in range(clients):
-        submit(c)
-    result = LevelResult(clients, clients * rounds, 0, 0.0, 0)
+    for _ in range(min(clients, len(work))):
+        submit()
     while gen.has_work:
         for r in gen.step():
             entry = owner[r.uid]
             result.tokens += len(r.tokens)
-            if r.text and entry[2] is None:
-                entry[2] = time.perf_counter()
+            if r.text and entry[1] is None:
+                entry[1] = time.perf_counter()
             if r.finish_reason is not None:
                 if r.error is not None:
                     raise RuntimeError(f"a benchmark request failed: {r.error}")
-                c, start, first = owner.pop(r.uid)
+                start, first = owner.pop(r.uid)
                 now = time.perf_counter()
                 result.latencies.append(now - start)
                 result.first_text.append((first or now) - start)
                 result.prefill_tokens += r.stats.prompt_tokens
-                if sent[c] < rounds:
-                    submit(c)
+                if len(result.latencies) + len(owner) < len(work):
+                    submit()
         result.steps += 1
     result.wall_seconds = time.perf_counter() - t0
     result.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -97,7 +95,7 @@ def run_levels(model, tokenizer, prompts, params, levels: Sequence[int], rounds:
     """Every level in turn (after one untimed warm-up pass at the widest)."""
     say = log or (lambda _m: None)
     if warmup:
-        run_level(model, tokenizer, prompts, params, max(levels), 1)
+        run_level(model, tokenizer, prompts[:max(levels)], params, max(levels), 1)
     out = []
     for n in levels:
         r = run_level(model, tokenizer, prompts, params, n, rounds)
