@@ -1,9 +1,9 @@
 """The HTTP layer: FastAPI routes over the engine.
 
-Handlers run on uvicorn's event loop: they validate (pydantic), tokenize
-(on a worker thread), hand a Job to the engine and await its events. Errors
-are OpenAI's envelope ``{"error": {message, type, param, code}}``; a stream
-carries only final text, in answer order, as server-sent events.
+Handlers run on uvicorn's event loop: pydantic validates the body, a worker
+thread tokenizes, the engine gets a Job and the handler awaits its events.
+Every error is OpenAI's envelope ``{"error": {message, type, param, code}}``;
+a stream carries only final text, in answer order, as server-sent events.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 import weakref
-from typing import Any, List
+from typing import List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,12 +33,16 @@ class ClientGone(Exception):
     """The client closed its connection before the answer."""
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), error.status, headers={"Retry-After": "1"} if error.status == 503 else None)
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """pydantic's first complaint as one line naming the field (``messages[0].role: ...``)."""
+def as_api_error(request: Request, exc: Exception) -> APIError:
+    """Any 4xx as an APIError: pydantic's first complaint names its field (``messages[0].role: ...``)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, HTTPException):
+        path, method = request.url.path, request.method
+        status = exc.status_code
+        message = {404: f"no route for {method} {path}", 405: f"{path} does not take {method}"}.get(status)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        return APIError(status, message or str(exc.detail), code=code)
     err = exc.errors()[0]
     if err["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
@@ -50,7 +54,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
     code = {"missing": "missing_required_parameter", "unsupported_parameter": kind}.get(kind) or (
         "invalid_type" if kind.endswith("_type") else "invalid_value")
     message = " ".join(err["msg"].removeprefix("Value error, ").split())
-    return APIError(400, f"{param}: {message}" if param else f"the request body: {message}", param or None, code)
+    param = err.get("ctx", {}).get("field") or param  # a field refused before validation
+    return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers={"Retry-After": "1"} if error.status == 503 else None)
 
 
 class BodyLimit:
@@ -64,30 +73,20 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-        length = dict(headers).get(b"content-length")
-        error = None
+        length = dict(headers).get(b"content-length")  # a number: h11 refuses others
         if length is None:
             error = APIError(411, "a Content-Length header is required", code="length_required")
-        elif int(length) > self.max_bytes:  # h11 has checked it is a number
-            await _drain(receive, int(length))  # a client still sending would see a reset, not the 413
+        elif int(length) > self.max_bytes:
+            left, deadline = min(int(length), 64 << 20), time.monotonic() + 5
+            while left > 0 and time.monotonic() < deadline:  # read it, or the client sees a reset, not the 413
+                message = await receive()
+                left = left - len(message.get("body", b"")) if message.get("more_body") else 0
             error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
                              code="request_too_large")
-        if error is not None:
-            return await error_response(error)(scope, receive, send)
-        scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
-
-
-async def _drain(receive, n: int, cap: int = 64 << 20, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    left = min(n, cap)
-    while left > 0 and time.monotonic() < deadline:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        left -= len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
+        else:
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            return await self.app(scope, receive, send)
+        await error_response(error)(scope, receive, send)
 
 
 def create_app(server) -> FastAPI:
@@ -102,20 +101,11 @@ def create_app(server) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+    async def on_error(request: Request, exc: Exception):
+        return error_response(as_api_error(request, exc))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc))
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException):
-        message = {404: f"no route for {request.method} {request.url.path}",
-                   405: f"{request.url.path} does not take {request.method}"}.get(exc.status_code, str(exc.detail))
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-        return error_response(APIError(exc.status_code, message, code=code))
+    for exc in (APIError, HTTPException, RequestValidationError):
+        app.add_exception_handler(exc, on_error)
 
     def card() -> dict:
         return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
@@ -135,6 +125,7 @@ def create_app(server) -> FastAPI:
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health():
+        """Queue, batch, counters and the prompt cache's size."""
         return {"status": "ok" if engine.alive else "stopping", "model": server.model_id, **engine.snapshot()}
 
     @app.post("/v1/chat/completions")
@@ -150,7 +141,7 @@ def create_app(server) -> FastAPI:
     def tokenize(source) -> List[int]:
         from ..decode.generate import chat_prompt
 
-        if isinstance(source, list) and (not source or isinstance(source[0], int)):
+        if isinstance(source, list) and isinstance(source[0], int):
             return source
         with engine.tokenizer_lock:
             if isinstance(source, list):
@@ -158,68 +149,57 @@ def create_app(server) -> FastAPI:
             return list(engine.http_tokenizer.encode(source))
 
     def to_request(body, kind):
-        args = engine.args
         return prepare(body, kind, tokenize, defaults=server.defaults, default_max_tokens=server.default_max_tokens,
-                       context=args.max_position_embeddings, vocab_size=args.vocab_size)
+                       context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
 
     async def next_event(job: Job, request: Request) -> tuple:
-        """The job's next event; a client that leaves meanwhile cancels it."""
+        """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
         while True:
             try:
-                return await asyncio.wait_for(job.events.get(), 0.25)
+                event = await asyncio.wait_for(job.events.get(), 0.25)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     raise ClientGone() from None
-                if not engine.alive:
-                    raise APIError(503, "the server is shutting down", code="shutting_down") from None
+                continue
+            if event[0] == "error":
+                raise event[1]
+            return event
 
     async def complete(request: Request, body, kind: str):
         t0 = time.perf_counter()
         job = Job(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
         engine.submit(job)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        stream = job.request.stream
+        head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
+                "created": int(time.time()), "model": server.model_id, "system_fingerprint": server.fingerprint}
         try:
-            event = await next_event(job, request)  # admitted, or refused by the decoder
-            if event[0] == "error":
-                raise event[1]
-            if job.request.stream:
-                stream = sse(job, kind, rid, t0)
-                weakref.finalize(stream, job.cancel)  # also when the stream never starts
+            await next_event(job, request)  # admitted to the batch: the decoder took it
+            if stream:
+                stream = sse(job, kind, head, t0)
+                weakref.finalize(stream, job.cancel)  # also if the stream never starts
                 job = None  # the stream owns it now
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            pieces = []
+            pieces, event = [], ("start", None)
             while event[0] != "done":
                 event = await next_event(job, request)
-                if event[0] == "error":
-                    raise event[1]
-                if event[0] == "text":
-                    pieces.append(event[1])
-            done = event[1]
-            choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
-            if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": "".join(pieces)}
-            else:
-                choice["text"] = "".join(pieces)
-            _log(request, 200, t0, done)
-            return {**envelope(kind, rid, False), "choices": [choice], "usage": done["usage"]}
+                pieces += [event[1]] if event[0] == "text" else []
+            done, text = event[1], "".join(pieces)
+            choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None,
+                      **({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})}
+            _log(request.url.path, t0, done)
+            return {**head, "choices": [choice], "usage": done["usage"]}
         except ClientGone:
-            _log(request, 499, t0, "client went away")
+            _log(request.url.path, t0, "client went away")
             return Response(status_code=499)
         finally:
             if job is not None:
                 job.cancel()  # no-op once it finished; frees the generation when the client left
 
-    def envelope(kind: str, rid: str, stream: bool) -> dict:
-        obj = "text_completion" if kind == "text" else ("chat.completion.chunk" if stream else "chat.completion")
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": server.model_id,
-                "system_fingerprint": server.fingerprint}
-
-    async def sse(job: Job, kind: str, rid: str, t0: float):
-        """Server-sent events: one chunk per piece of final text, in order; usage; [DONE]."""
-        head = envelope(kind, rid, True)
-
-        def chunk(text: Any, finish=None, role: bool = False) -> dict:
-            choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+    async def sse(job: Job, kind: str, head: dict, t0: float):
+        """One chunk per piece of final text, in order; the finish (and usage); [DONE]."""
+        def chunk(text, finish=None, role: bool = False) -> dict:
+            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
             if kind == "chat":
                 choice["delta"] = {**({"role": "assistant"} if role else {}),
                                    **({"content": text} if text is not None else {})}
@@ -240,8 +220,7 @@ def create_app(server) -> FastAPI:
                     yield data(payload.body())
                     break
                 elif what == "done":
-                    note, usage = payload, payload["usage"]
-                    last = chunk(None if kind == "chat" else "", payload["finish_reason"])
+                    note, usage, last = payload, payload["usage"], chunk(None, payload["finish_reason"])
                     if job.request.include_usage:  # OpenAI's shape: usage in a chunk of its own
                         yield data(last) + data({**head, "choices": [], "usage": usage})
                     else:
@@ -250,7 +229,7 @@ def create_app(server) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
-            _log(None, 200, t0, note, stream=True)
+            _log("stream", t0, note)
 
     return app
 
@@ -259,12 +238,10 @@ def data(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _log(request, status: int, t0: float, note, stream: bool = False) -> None:
+def _log(what: str, t0: float, note) -> None:
     if isinstance(note, dict):
         u, s = note["usage"], note["stats"]
         note = (f"prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
-                f"completion={u['completion_tokens']} finish={note['finish_reason']}")
-        if s:
-            note += f" steps={s['steps']} tokens/forward={s['tokens_per_forward']:.2f}"
-    what = "stream" if stream else f"POST {request.url.path}"
-    log.info("%s %s %.3fs %s", what, status, time.perf_counter() - t0, note)
+                f"completion={u['completion_tokens']} finish={note['finish_reason']}"
+                + (f" steps={s['steps']} tokens/forward={s['tokens_per_forward']:.2f}" if s else ""))
+    log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)

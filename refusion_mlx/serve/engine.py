@@ -14,6 +14,7 @@ cache, so the conversation's next turn continues it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import gc
 import itertools
@@ -30,9 +31,9 @@ log = logging.getLogger("refusion_mlx.server")
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_QUEUE = 256
-# 2 GiB: about 14,000 cached tokens of ReFusion-8B in bfloat16 (144 KiB a token: 36 layers x 8 KV heads x
-# 128 x 2 x 2 bytes), e.g. eight 1,800-token conversations (one per batch row) plus a system prompt: an
-# eighth more than the 16 GB of weights. The demo model's tokens are 32 KiB.
+# 2 GiB: about 14,500 cached tokens of ReFusion-8B in bfloat16 (144 KiB a token: 36 layers x 8 KV heads x
+# 128 x 2 x 2 bytes; half as many in float32), e.g. eight 1,800-token conversations (one per batch row)
+# and a system prompt, for an eighth more memory than the 16 GB of weights.
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
@@ -43,8 +44,6 @@ class Job:
     asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError)."""
 
     def __init__(self, request: Request, loop):
-        import asyncio
-
         self.request, self.loop = request, loop
         self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -123,7 +122,9 @@ class Engine:
     def snapshot(self) -> dict:
         names = ("completed", "cancelled", "failed", "steps", "step_rows", "prefill_tokens", "cached_tokens")
         return {"active": len(self.running), "queued": len(self.waiting), "max_batch": self.max_batch,
-                **{k: self.counts[k] for k in names}, "prompt_cache": self.prompt_cache.snapshot()}
+                **{k: self.counts[k] for k in names}, "prompt_cache": {
+                    "entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
+                    "max_bytes": self.prompt_cache.max_bytes}}
 
     # -- the thread --------------------------------------------------------------
 
@@ -149,12 +150,14 @@ class Engine:
             log.exception("the engine failed")
             self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
         finally:
+            self._stopping.set()  # no request is taken from now on
             self._end_all(APIError(503, "the server is shutting down", code="shutting_down"))
             self._release()
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
-            self._drop_cancelled()
+            for job in [j for j in self.running.values() if j.cancelled.is_set()]:
+                self._close(job, "cancelled")  # its client left: it leaves the batch, its memory goes
             self._admit()
             if not self.running:
                 with self.wake:
@@ -165,12 +168,6 @@ class Engine:
             self.counts["step_rows"] += len(self.running)
             for response in self.gen.step():
                 self._route(response)
-
-    def _drop_cancelled(self) -> None:
-        """Requests whose client left (or that ended early) leave the batch; their memory goes."""
-        for uid, job in list(self.running.items()):
-            if job.cancelled.is_set():
-                self._close(job, "cancelled")
 
     def _admit(self) -> None:
         room = self.max_batch - len(self.running)
@@ -190,7 +187,7 @@ class Engine:
                 self._start(job, peers)
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
                 log.exception("cannot start a request")
-                self._fail(job, APIError(500, f"cannot start the request: {type(e).__name__}: {e}"))
+                self._close(job, "failed", APIError(500, f"cannot start the request: {type(e).__name__}: {e}"))
 
     def _start(self, job: Job, peers) -> None:
         from ..decode.cache import CommittedCache
@@ -210,7 +207,7 @@ class Engine:
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
-            return self._fail(job, APIError(400, str(e), code="invalid_request"))
+            return self._close(job, "failed", APIError(400, str(e), code="invalid_request"))
         self.counts["prefill_tokens"] += len(ids) - n
         self.counts["cached_tokens"] += job.cached
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
@@ -241,19 +238,15 @@ class Engine:
             "prompt_tokens_details": {"cached_tokens": job.cached}}})
 
     def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
-        """Take a running request out of the batch and free its cache now."""
-        self.gen.remove(job.uid)
-        self.running.pop(job.uid, None)
+        """Take a request out of the batch and free its cache now."""
+        if job.uid is not None:
+            self.gen.remove(job.uid)
+            self.running.pop(job.uid, None)
         if error is not None:
             job.post("error", error)
         _free(job.cache)
         job.cache = None
         self.counts[outcome] += 1
-
-    def _fail(self, job: Job, error: APIError) -> None:
-        job.post("error", error)
-        job.cache = None
-        self.counts["failed"] += 1
 
     def _end_all(self, error: APIError) -> None:
         for job in list(self.running.values()):
@@ -268,7 +261,7 @@ class Engine:
         interpreter exit, they can abort the process)."""
         import mlx.core as mx
 
-        self.prompt_cache.clear()
+        self.prompt_cache.entries.clear()
         self.model = self.tokenizer = self.gen = None
         gc.collect()
         try:

@@ -118,10 +118,3 @@ class PromptCache:
     def _drop(self, key: int) -> None:
         _, cache = self.entries.pop(key)
         self.nbytes -= cache.nbytes
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
-
-    def snapshot(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import RefusionError
@@ -49,15 +49,15 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "response_format": (None, {"type": "text"})}
 
 
-def _harmless(value, info):
-    if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in HARMLESS[info.field_name]):
-        if info.field_name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-            reason = "ReFusion decodes slots in any order; token penalties and biases cannot apply"
-        else:
-            reason = "not supported by this server"
-        raise PydanticCustomError("unsupported_parameter", "{field} is {reason}",
-                                  {"field": info.field_name, "reason": reason})
-    return value
+def refuse_unsupported(body):
+    """Before validation: the first field of HARMLESS holding another value is refused (its name in ctx)."""
+    for name, values in HARMLESS.items() if isinstance(body, dict) else ():
+        value = body.get(name)
+        if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
+            why = ("not supported: the planning drafts take temperature, top_p, top_k and min_p only"
+                   if name in ("presence_penalty", "frequency_penalty", "logit_bias") else "not supported by this server")
+            raise PydanticCustomError("unsupported_parameter", why, {"field": name})
+    return body
 
 
 class StreamOptions(BaseModel):
@@ -82,15 +82,8 @@ class _Request(BaseModel):
     serial_num_blocks: Optional[int] = Field(None, ge=1, description="ReFusion: number of blocks")
     slot_threshold: Optional[float] = Field(None, ge=0, le=1, description="ReFusion: τs")
     token_threshold: Optional[float] = Field(None, ge=0, le=1, description="ReFusion: τt")
-    n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
-    _refuse = field_validator("n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                              "logit_bias")(_harmless)
+    _refuse = model_validator(mode="before")(refuse_unsupported)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -130,21 +123,10 @@ class Message(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="as max_tokens (and over it)")
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
-
-    _refuse_chat = field_validator("tools", "functions", "tool_choice", "response_format")(_harmless)
 
 
 class CompletionRequest(_Request):
     prompt: Union[str, List[int]] = Field(description="a string (used as is) or a list of token ids")
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-
-    _refuse_text = field_validator("echo", "suffix", "best_of")(_harmless)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -183,14 +165,11 @@ def prepare(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, 
             default_max_tokens: int, context: int, vocab_size: int) -> Request:
     """Tokenize and check against the model: context, vocabulary, decoding layout."""
     param = "messages" if kind == "chat" else "prompt"
-    if kind == "chat":
-        source = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                  for m in body.messages]
-    else:
-        source = body.prompt
-        if isinstance(source, list) and not all(0 <= t < vocab_size for t in source):
-            t = next(t for t in source if not 0 <= t < vocab_size)
-            raise bad(f"prompt token id {t} is outside the vocabulary of {vocab_size}", param, "invalid_value")
+    source = ([{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
+              if kind == "chat" else body.prompt)
+    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size]
+    if outside:
+        raise bad(f"prompt token id {outside[0]} is outside the vocabulary of {vocab_size}", param, "invalid_value")
     try:
         ids = list(tokenize(source))
     except Exception as e:  # a chat template that refuses the conversation

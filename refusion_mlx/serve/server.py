@@ -1,12 +1,9 @@
 """OpenAI-compatible HTTP server for ReFusion: ``python -m refusion_mlx.server``.
 
-Local chat apps talk to a model through ``/v1/chat/completions``. The HTTP
-layer is FastAPI on uvicorn (:mod:`.app`, request models in :mod:`.schemas`,
-OpenAPI schema at ``/docs``); one engine thread (:mod:`.engine`) owns MLX and
-decodes up to ``--max-batch`` requests in one batched forward per step,
-continuing conversations and shared system prompts from a prompt cache
-(:mod:`.prompt_cache`). ReFusion finishes slots out of order; a stream only
-ever carries text that is final, in answer order (:mod:`.text`).
+FastAPI on uvicorn (routes in :mod:`.app`, request models in :mod:`.schemas`,
+the schema at ``/docs``) over one engine thread that owns MLX and decodes up
+to ``--max-batch`` requests per forward (:mod:`.engine`), continuing
+conversations and shared prompts from a prompt cache (:mod:`.prompt_cache`).
 """
 
 from __future__ import annotations
@@ -69,7 +66,8 @@ class RefusionServer:
                              prompt_cache_bytes=prompt_cache_bytes)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
-        self.uvicorn = _Uvicorn(config, self.engine)
+        self.uvicorn = _Uvicorn(config)
+        self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -119,9 +117,7 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn that, on SIGINT/SIGTERM, also ends the engine's requests (open
     streams end with an error event instead of holding the shutdown up)."""
 
-    def __init__(self, config, engine: Engine):
-        super().__init__(config)
-        self.engine = engine
+    engine: Engine
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
@@ -134,36 +130,32 @@ class _Uvicorn(uvicorn.Server):
 # CLI
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be within 0..65535, got {value}")
-    return value
+def _int_flag(lo: int, hi: int, message: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(message.format(value))
+        return value
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
+_positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
 
 
 def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G suffix (powers of 1024): 512M, 2G, 0 (off)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    """Bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2G, 0 (off)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1 << 10 * ("KMGT".index(t[-1]) + 1) if t[-1:] in ("K", "M", "G", "T") else 1
     try:
-        value = float(t[:-1] if t[-1:] in units else t) * units[t[-1:] if t[-1:] in units else ""]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512M, 2G, 0)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        value = -1
+    if not 0 <= value < 1 << 60:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512M, 2G, 0 for none)")
     return int(value)
 
 
@@ -179,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="compute dtype")
     parser.add_argument("--model-id", help="the model name reported by /v1/models (default: --model)")
     add_decoding_args(parser)  # server-wide defaults; requests override them
-    parser.add_argument("--max-batch", "--max-active", dest="max_batch", type=_positive,
-                        default=DEFAULT_MAX_BATCH,
+    parser.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH,
                         help=f"requests decoded together, one batched forward per step (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-active", dest="max_batch", type=_positive, help=argparse.SUPPRESS)  # the old name
     parser.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--prompt-cache-bytes", type=_size, default=DEFAULT_PROMPT_CACHE_BYTES,
