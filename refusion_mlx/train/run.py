@@ -5,7 +5,7 @@ save, optionally evaluate on the test set."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -70,9 +70,12 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
     return config
 
 
-def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **options) -> Optional[TrainResult]:
+def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
+              **options) -> Tuple[object, object, Optional[TrainResult]]:
     """Fine-tune as the CLI does; ``options`` are the CLI's (underscored names,
-    ``config`` a YAML file). Returns the training result (None when ``iters`` is 0)."""
+    ``config`` a YAML file). Returns ``(model, tokenizer, result)``: the model
+    with its trained adapters (in eval mode) and the training result (None when
+    ``iters`` is 0)."""
     o = merge(options, options.get("config"))
     if o["data"] is None:
         raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
@@ -136,4 +139,5 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **op
             batches = min(batches, o["test_batches"])
         loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id)
         report(f"Test loss {loss:.3f}.")
-    return result
+    model.eval()
+    return model, tokenizer, result

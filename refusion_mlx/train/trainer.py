@@ -142,7 +142,10 @@ def save_adapters(weights: Dict[str, mx.array], folder: Path, iteration: Optiona
 
 
 def write_adapter_config(config: dict, folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RefusionError(f"cannot create the adapter folder {folder}: {e.strerror or e}") from None
     return write_json_atomic(config, folder / ADAPTER_CONFIG)
 
 
@@ -157,6 +160,10 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     from tqdm import tqdm
 
     adapter_dir = Path(adapter_dir)
+    try:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RefusionError(f"cannot create the adapter folder {adapter_dir}: {e.strerror or e}") from None
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
                               pad_id=pad_id)
