@@ -296,6 +296,24 @@ def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
     assert agree > 0.8
 
 
+def test_dequantizing_matmuls_compute_the_same_products():
+    from refusion_mlx.train.trainer import dequantizing_matmuls
+    from tests.helpers import random_config, random_model
+
+    model = random_model(random_config(tie=True), seed=1)
+    nn.quantize(model, group_size=64, bits=4)
+    ids = mx.array([[5, 9, 805, 805, 7, 3]])
+    pos = mx.array([[0, 1, 4, 5, 2, 3]])
+    kernel = logits_of(model, ids, pos)
+    undo = dequantizing_matmuls(model, "dequantize")
+    assert type(model.model.embed_tokens).__name__ == "_DequantizingEmbedding"
+    np.testing.assert_allclose(logits_of(model, ids, pos), kernel, atol=1e-4)
+    undo()
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert type(model.layers[0].mlp.down_proj) is nn.QuantizedLinear
+    assert dequantizing_matmuls(model, "kernel")() is None  # nothing swapped
+
+
 # --------------------------------------------------------------------------
 # The command line
 

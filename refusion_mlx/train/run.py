@@ -126,7 +126,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"],
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
-                         grad_checkpoint=o["grad_checkpoint"], seed=o["seed"])
+                         grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
+                         quantized_matmul=o["quantized_matmul"])
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -137,7 +138,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         batches = len(test_set) // bs
         if o["test_batches"] != -1:
             batches = min(batches, o["test_batches"])
-        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id)
+        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
+                        quantized_matmul=o["quantized_matmul"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result
