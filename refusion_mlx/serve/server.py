@@ -43,7 +43,7 @@ class RefusionServer:
                  model_id: Optional[str] = None, max_batch: int = DEFAULT_MAX_BATCH,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY,
                  allowed_origins: Sequence[str] = (), prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
-                 max_active: Optional[int] = None):
+                 max_active: Optional[int] = None, adapter_path: Optional[str] = None):
         from ..decode.params import RefusionParams
         from .app import create_app
 
@@ -62,7 +62,8 @@ class RefusionServer:
         except OSError:
             self.socket.close()
             raise
-        self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
+        self.engine = Engine(model, dtype=dtype, adapter_path=adapter_path,
+                             max_batch=max_active or max_batch, max_queue=max_queue,
                              prompt_cache_bytes=prompt_cache_bytes)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
@@ -160,11 +161,12 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import OneLineParser, add_decoding_args
+    from ..cli import OneLineParser, add_adapter_arg, add_decoding_args
 
     parser = OneLineParser(prog="python -m refusion_mlx.server",
                            description="OpenAI-compatible HTTP server for a ReFusion model.")
     parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    add_adapter_arg(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -213,7 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     default_max_tokens=params.gen_length, model_id=args.model_id,
                                     max_batch=args.max_batch, max_queue=args.max_queue,
                                     max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                                    prompt_cache_bytes=args.prompt_cache_bytes)
+                                    prompt_cache_bytes=args.prompt_cache_bytes,
+                                    adapter_path=args.adapter_path)
         except OSError as e:
             raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         if server.host not in ("127.0.0.1", "::1", "localhost"):
