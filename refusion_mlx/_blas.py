@@ -69,13 +69,16 @@ def fit_threads(hidden_size: int) -> Optional[int]:
 
     Returns the thread count set, or None when nothing was changed.
     """
-    global _small_model
+    global _small_model, _threads
+    _small_model = False
     if _library is None or "OPENBLAS_NUM_THREADS" in os.environ or hidden_size > SMALL_HIDDEN:
         return None
-    if getattr(_library, "openblas_set_num_threads", None) is None:
+    setter = getattr(_library, "openblas_set_num_threads", None)
+    if setter is None:
         return None
-    _small_model = True
-    return _set_threads(1)
+    setter(1)
+    _small_model, _threads = True, 1
+    return 1
 
 
 def fit_rows(rows: int) -> Optional[int]:
