@@ -62,6 +62,7 @@ class RefusionServer:
         except OSError:
             self.socket.close()
             raise
+        self.host, self.port = self.socket.getsockname()[:2]
         self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
                              prompt_cache_bytes=prompt_cache_bytes)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
@@ -69,14 +70,6 @@ class RefusionServer:
         self.uvicorn = _Uvicorn(config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None
-
-    @property
-    def host(self) -> str:
-        return self.socket.getsockname()[0]
-
-    @property
-    def port(self) -> int:
-        return self.socket.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -99,11 +92,11 @@ class RefusionServer:
 
     def close(self) -> None:
         """End open requests (503), stop serving, stop the engine thread."""
-        self.engine.begin_stop()
+        self.engine.stop()
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
-        self.engine.stop()
+        self.engine.stop(timeout=10)
         self.socket.close()
 
     def __enter__(self) -> "RefusionServer":
@@ -122,7 +115,7 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             log.info("shutting down")
-        self.engine.begin_stop()
+        self.engine.stop()
         super().handle_exit(sig, frame)
 
 
