@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -213,9 +213,10 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     cannot be decoded (over the context, bad settings) gets a result with
     ``finish_reason`` "error" and the message in ``error``; the rest finish.
     """
-    results = [BatchResult() for _ in prompts]
-    for _, uid_index, response in _stream(model, tokenizer, prompts, params, max_batch, kwargs, results):
-        r = results[uid_index]
+    ids = _prompt_ids(tokenizer, prompts)
+    results = [BatchResult(prompt_ids=i) for i in ids]
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, **kwargs):
+        r = results[index]
         r.text += response.text
         r.output_ids += response.tokens
         if response.finish_reason is not None:
@@ -225,30 +226,25 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
 
 def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                 max_batch: int = 8, **kwargs) -> Iterator[tuple]:
+                 max_batch: int = 8, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
-    results = [BatchResult() for _ in prompts]
-    for _, index, response in _stream(model, tokenizer, prompts, params, max_batch, kwargs, results):
-        yield index, response
-
-
-def _stream(model, tokenizer, prompts, params, max_batch, kwargs, results):
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
     gen = BatchGenerator(model, tokenizer, max_batch=max_batch)
     index: Dict[int, int] = {}
-    for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
-        results[i].prompt_ids = ids
+    for i, (ids, p) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt)):
         try:
             index[gen.insert(ids, p)] = i
-        except RefusionError as e:
-            results[i].finish_reason, results[i].error = "error", str(e)
-            yield gen, i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
+        except RefusionError as e:  # this prompt fails alone
+            yield i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
     while gen.has_work:
         for response in gen.step():
-            response.cache = None  # not kept: the whole batch's caches would outlive their requests
-            yield gen, index[response.uid], response
+            response.cache = None  # not kept: the batch's caches would outlive their requests
+            yield index[response.uid], response
+
+
+def _prompt_ids(tokenizer, prompts) -> List[List[int]]:
+    return [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
 
 
 def _params_per_prompt(params, kwargs, n: int) -> List[RefusionParams]:
