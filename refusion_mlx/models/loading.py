@@ -186,17 +186,27 @@ def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
-         lazy: bool = False, fuse: bool = True):
+         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
     ``path_or_repo`` is a local folder (Hugging Face layout or converted by
     ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
     The mask id ends up in ``model.args.mask_token_id``. ``fuse`` joins the
     q/k/v and gate/up projections into one matmul each (``model.hf_parameters()``
-    still gives the weights under Hugging Face's names).
+    still gives the weights under Hugging Face's names). ``adapter_path``: a
+    local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
+    writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
+    stays quantized); only the projection groups they leave plain are fused.
     """
     model_path = resolve_model_path(path_or_repo)
     model, config = load_model(model_path, dtype=dtype, lazy=lazy)
+    if adapter_path is not None:
+        from .adapters import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
+        if not lazy:
+            mx.eval(model.parameters())
     if fuse and not lazy:
         model.fuse_projections()
     tokenizer = load_tokenizer(model_path)

@@ -1,0 +1,226 @@
+"""Fine-tuned adapters in mlx-lm's layout: apply, save, fuse.
+
+An adapter folder holds ``adapter_config.json`` (``fine_tune_type`` lora,
+dora or full; ``num_layers``; ``lora_parameters`` with rank, scale, dropout
+and the adapted ``keys``) and ``adapters.safetensors`` (the trained
+parameters under the model's own names). The layers are mlx-lm's
+(``mlx_lm.tuner``): ``LoRALinear`` / ``DoRALinear`` wrapped around the
+model's ``Linear`` or ``nn.QuantizedLinear`` (QLoRA: the base stays
+quantized). The same folder therefore loads with ``mlx_lm.load(...,
+adapter_path=...)``.
+
+Adapters need the separate projections (q_proj, k_proj, v_proj, gate_proj,
+up_proj): load the model with ``fuse=False``, apply, and only then fuse the
+projection groups that were left plain (``Model.fuse_projections`` skips
+adapted ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import LoadError, RefusionError
+from .qwen3 import FUSED, Linear
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapters.safetensors"
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+# every projection of a block, as mlx-lm names them (relative to the block)
+LORA_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LORA_DEFAULTS = {"rank": 8, "scale": 20.0, "dropout": 0.0}
+
+
+def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
+                    keys: Optional[Sequence[str]] = None) -> dict:
+    """A checked ``lora_parameters`` block (keys: every projection when None)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise RefusionError(f"LoRA rank must be a positive integer, got {rank!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise RefusionError(f"LoRA scale must be a number, got {scale!r}")
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise RefusionError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    keys = list(LORA_KEYS if keys is None else keys)
+    unknown = [k for k in keys if k not in LORA_KEYS]
+    if not keys or unknown:
+        raise RefusionError(f"LoRA keys must be a non-empty subset of {', '.join(LORA_KEYS)}"
+                            + (f"; unknown: {', '.join(map(str, unknown))}" if unknown else ""))
+    return {"rank": rank, "scale": float(scale), "dropout": float(dropout), "keys": keys}
+
+
+def _check_unfused(model) -> None:
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            if any(name in parent for name in FUSED):
+                raise RefusionError("adapters need the separate q/k/v and gate/up projections: "
+                                    "load the model with fuse=False")
+
+
+def check_num_layers(model, num_layers: int) -> None:
+    n = len(model.layers)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or \
+            not (num_layers == -1 or 1 <= num_layers <= n):
+        raise RefusionError(f"num_layers must be -1 (all) or 1..{n} for this {n}-layer model, got {num_layers!r}")
+
+
+def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[dict] = None) -> None:
+    """Make the last ``num_layers`` blocks trainable (-1: all), the rest frozen.
+
+    lora / dora: mlx-lm's layers wrap the projections named by ``params['keys']``
+    (the base, quantized or not, stays frozen). full: the blocks' own weights
+    train (not the embedding or the head); a quantized block cannot.
+    """
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    if fine_tune_type not in FINE_TUNE_TYPES:
+        raise RefusionError(f"fine-tune type must be one of {', '.join(FINE_TUNE_TYPES)}, got {fine_tune_type!r}")
+    check_num_layers(model, num_layers)
+    _check_unfused(model)
+    model.freeze()
+    blocks = model.layers[-num_layers:] if num_layers > 0 else model.layers
+    if fine_tune_type == "full":
+        quantized = [n for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+        if quantized:
+            raise RefusionError("full fine-tuning needs an unquantized model (its weights train); "
+                                "use --fine-tune-type lora or dora on a quantized model (QLoRA)")
+        for block in blocks:
+            block.unfreeze()
+        return
+    params = dict(params or lora_parameters())
+    try:
+        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
+    except (KeyError, ValueError) as e:
+        raise RefusionError(f"cannot add {fine_tune_type} layers: {e}") from None
+
+
+def read_adapter_config(folder: Union[str, Path]) -> dict:
+    """The checked ``adapter_config.json`` of an adapter folder."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise LoadError(f"no adapter folder at {folder} (adapters are read from a local folder)")
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise LoadError(f"{folder} has no {ADAPTER_CONFIG}")
+    if not (folder / ADAPTER_FILE).is_file():
+        raise LoadError(f"{folder} has no {ADAPTER_FILE}")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoadError(f"{path} is not a JSON object")
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in FINE_TUNE_TYPES:
+        raise LoadError(f"{path}: fine_tune_type must be one of {', '.join(FINE_TUNE_TYPES)}, got {kind!r}")
+    if "num_layers" not in config:
+        raise LoadError(f"{path} lacks num_layers")
+    if kind != "full":
+        lp = config.get("lora_parameters")
+        if not isinstance(lp, dict) or "rank" not in lp or "scale" not in lp:
+            raise LoadError(f"{path}: lora_parameters needs rank and scale")
+        lp.setdefault("dropout", 0.0)
+    return config
+
+
+def load_adapters(model, adapter_path: Union[str, Path]):
+    """Apply the adapters of a folder to an unfused model (in place) and return it.
+
+    The layers are built by mlx-lm's ``load_adapters`` from the config; every
+    tensor of ``adapters.safetensors`` must be an adapter parameter of that
+    shape. Errors are one-line ``LoadError``s.
+    """
+    from mlx_lm.tuner.utils import load_adapters as mlx_lm_load_adapters
+
+    folder = Path(adapter_path).expanduser()
+    config = read_adapter_config(folder)
+    try:
+        check_num_layers(model, config["num_layers"])
+        _check_unfused(model)
+    except RefusionError as e:
+        raise LoadError(f"{folder}: {e}") from None
+    if config.get("fine_tune_type") == "full" and any(
+            isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        raise LoadError(f"{folder} holds fully fine-tuned weights; they cannot go into a quantized model")
+    try:
+        mx.load(str(folder / ADAPTER_FILE))
+    except Exception as e:
+        raise LoadError(f"{folder / ADAPTER_FILE} is not a readable safetensors file: {e}") from None
+    try:
+        mlx_lm_load_adapters(model, str(folder))
+    except (ValueError, KeyError, TypeError) as e:
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise LoadError(f"{folder}: {message}") from None
+    return model
+
+
+def has_adapters(model) -> bool:
+    return any(hasattr(m, "fuse") and hasattr(m, "lora_a") for _, m in model.named_modules())
+
+
+def trainable_weights(model) -> Dict[str, mx.array]:
+    """What an adapter file holds: the model's trainable parameters, flat."""
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def save_weights_atomic(weights: Dict[str, mx.array], path: Union[str, Path]) -> Path:
+    """Write a safetensors file via a temporary sibling renamed into place
+    (a reader never sees a half-written file; a crash leaves the old one)."""
+    path = Path(path)
+    tmp = path.parent / f".{path.stem}.tmp-{os.getpid()}.safetensors"
+    try:
+        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+        os.replace(tmp, path)
+    except (RuntimeError, OSError) as e:
+        raise RefusionError(f"cannot write {path}: {' '.join(str(e).split())}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_json_atomic(data: dict, path: Union[str, Path]) -> Path:
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(data, indent=4) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RefusionError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def fuse_adapters(model, dequantize: bool = False) -> int:
+    """Fold every LoRA/DoRA layer into a plain layer (mlx-lm's ``fuse``), in place.
+
+    The sum is formed in float32 and cast back to the layer's dtype; a
+    quantized base is quantized again with its own settings unless
+    ``dequantize``. Returns how many layers were fused.
+    """
+    fused = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "fuse") and hasattr(module, "lora_a")):
+            continue
+        base = module.linear
+        dtype = (base.scales if isinstance(base, nn.QuantizedLinear) else base.weight).dtype
+        module.set_dtype(mx.float32)
+        layer = module.fuse(dequantize=dequantize)
+        layer.set_dtype(dtype)
+        if type(layer) is nn.Linear:  # the model's own Linear (no transpose per call)
+            plain = Linear(layer.weight.shape[1], layer.weight.shape[0], bias="bias" in layer)
+            plain.update(layer.parameters())
+            layer = plain
+        mx.eval(layer.parameters())
+        fused.append((name, layer))
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return len(fused)

@@ -1,0 +1,116 @@
+"""From tokenized records to padded batches: length limits, collation, iteration.
+
+As in mlx-lm, records are sorted by length and cut into batches of similar
+lengths once; each pass over the data visits those batches in a new random
+order. Every time a record is used it gets a fresh example (slot size, mask
+draws and slot order), so the model never sees the same corruption twice.
+Batch lengths are rounded up to a multiple of ``pad_to`` (32) so a compiled
+step sees few distinct shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import RefusionError
+from .examples import IGNORE, SLOT_SIZES, Example, build_example
+
+PAD_TO = 32
+
+
+@dataclass
+class Record:
+    """One tokenized training pair; ``where`` names its file and line for errors."""
+
+    prompt: List[int]
+    response: List[int]  # EOS included
+    where: str = ""
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+
+def fit_length(records: Sequence[Record], max_seq_length: int) -> int:
+    """Cut responses so every sequence fits ``max_seq_length``; return how many were cut.
+
+    A prompt that leaves no room for a single response token is an error
+    (the example could teach nothing).
+    """
+    if max_seq_length < 2:
+        raise RefusionError(f"--max-seq-length must be at least 2, got {max_seq_length}")
+    cut = 0
+    for r in records:
+        if len(r.prompt) >= max_seq_length:
+            raise RefusionError(f"{r.where}: the prompt has {len(r.prompt)} tokens, no room for a response "
+                                f"within --max-seq-length {max_seq_length}")
+        if len(r) > max_seq_length:
+            r.response = r.response[:max_seq_length - len(r.prompt)]
+            cut += 1
+    return cut
+
+
+def padded_length(length: int, max_seq_length: Optional[int] = None, pad_to: int = PAD_TO) -> int:
+    """``length`` rounded up to a multiple of ``pad_to``, at most ``max_seq_length``."""
+    n = -(-length // pad_to) * pad_to
+    if max_seq_length is not None:
+        n = min(n, max(max_seq_length, length))
+    return n
+
+
+def collate(examples: Sequence[Example], max_seq_length: Optional[int] = None,
+            pad_to: int = PAD_TO, pad_id: int = 0) -> Dict[str, np.ndarray]:
+    """Right-padded numpy arrays of a batch (pads: ``pad_id`` at position 0, label IGNORE)."""
+    B = len(examples)
+    T = padded_length(max(len(e) for e in examples), max_seq_length, pad_to)
+    batch = {
+        "input_ids": np.full((B, T), pad_id, np.int32),
+        "position_ids": np.zeros((B, T), np.int32),
+        "labels": np.full((B, T), IGNORE, np.int32),
+        "mdm": np.zeros((B, T), bool),
+        "mask_prob": np.array([e.mask_prob for e in examples], np.float32),
+        "response_length": np.array([e.response_length for e in examples], np.int32),
+    }
+    for i, e in enumerate(examples):
+        n = len(e)
+        batch["input_ids"][i, :n] = e.input_ids
+        batch["position_ids"][i, :n] = e.position_ids
+        batch["labels"][i, :n] = e.labels
+        batch["mdm"][i, :n] = e.mdm
+    return batch
+
+
+def batch_tokens(batch: Dict[str, np.ndarray]) -> int:
+    """Real (non-pad) tokens of a collated batch: prompt plus response of every row."""
+    return int((batch["position_ids"] > 0).sum() + batch["position_ids"].shape[0])
+
+
+def batch_indices(records: Sequence[Record], batch_size: int) -> List[List[int]]:
+    """Indices sorted by length, cut into full batches (a remainder is left out, as in mlx-lm)."""
+    if batch_size < 1:
+        raise RefusionError(f"--batch-size must be at least 1, got {batch_size}")
+    order = sorted(range(len(records)), key=lambda i: len(records[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+
+
+def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rng: np.random.Generator,
+                    max_seq_length: Optional[int] = None, loop: bool = False, shuffle: bool = True,
+                    slot_sizes: Sequence[int] = SLOT_SIZES, pad_id: int = 0,
+                    pad_to: int = PAD_TO) -> Iterator[Dict[str, np.ndarray]]:
+    """Collated batches of fresh examples; forever with ``loop``.
+
+    Records must already fit ``max_seq_length`` (see :func:`fit_length`).
+    """
+    groups = batch_indices(records, batch_size)
+    if not groups:
+        raise RefusionError(f"{len(records)} examples are fewer than the batch size {batch_size}")
+    while True:
+        order = rng.permutation(len(groups)) if shuffle else range(len(groups))
+        for g in order:
+            examples = [build_example(records[i].prompt, records[i].response, mask_id, rng, slot_sizes)
+                        for i in groups[g]]
+            yield collate(examples, max_seq_length, pad_to, pad_id)
+        if not loop:
+            return

@@ -1,0 +1,183 @@
+"""Training options: command-line flags over a YAML file over the defaults.
+
+YAML keys are the flag names with underscores (``learning_rate: 1e-4``),
+plus mlx-lm's nested blocks ``lora_parameters`` (rank, scale, dropout,
+keys), ``lr_schedule`` (mlx-lm's ``build_schedule`` format) and
+``optimizer_config`` (per-optimizer keyword arguments). An unknown key is an
+error, and so is a value of the wrong type or out of range.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import RefusionError
+from ..models.adapters import FINE_TUNE_TYPES, LORA_DEFAULTS, lora_parameters
+
+
+class OptionError(RefusionError):
+    """A bad option value, from a flag or the YAML file (a usage error: exit 2)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: type          # int, float, str or bool
+    default: Any
+    help: str
+    choices: Tuple[str, ...] = ()
+    yaml_only: bool = False
+
+
+# learning rate: mlx-lm's 1e-5 barely moves LoRA weights on the demo in a few
+# hundred steps; 1e-4 (LoRA scale 20, Adam) trains it steadily without spikes
+DEFAULT_LR = 1e-4
+DEFAULT_NUM_LAYERS = 16
+
+OPTIONS: Dict[str, Option] = {
+    "model": Option(str, None, "model folder or hub repo id (default: the bundled demo model)"),
+    "data": Option(str, None, "folder with train.jsonl and valid.jsonl (test.jsonl for --test)"),
+    "adapter_path": Option(str, "adapters", "folder the adapters are saved to (default: adapters)"),
+    "fine_tune_type": Option(str, "lora", "lora, dora or full (default: lora)", FINE_TUNE_TYPES),
+    "optimizer": Option(str, "adam", "adam or adamw (default: adam)", ("adam", "adamw")),
+    "num_layers": Option(int, None, f"blocks to fine-tune, counted from the last; -1: all "
+                                    f"(default: {DEFAULT_NUM_LAYERS}, or all of a smaller model)"),
+    "rank": Option(int, LORA_DEFAULTS["rank"], "LoRA/DoRA rank (default: 8)"),
+    "batch_size": Option(int, 4, "sequences per step (default: 4)"),
+    "iters": Option(int, 1000, "training steps (default: 1000; 0 with --test only evaluates)"),
+    "val_batches": Option(int, 25, "validation batches, -1: the whole valid.jsonl (default: 25)"),
+    "learning_rate": Option(float, DEFAULT_LR, f"Adam learning rate (default: {DEFAULT_LR:g})"),
+    "steps_per_report": Option(int, 10, "steps between training-loss reports (default: 10)"),
+    "steps_per_eval": Option(int, 200, "steps between validations (default: 200)"),
+    "save_every": Option(int, 100, "save the adapters every N steps (default: 100)"),
+    "resume_adapter_file": Option(str, None, "adapters.safetensors to start from"),
+    "max_seq_length": Option(int, 2048, "longest sequence; longer responses are cut (default: 2048)"),
+    "grad_checkpoint": Option(bool, False, "recompute activations in the backward pass (less memory)"),
+    "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
+    "test": Option(bool, False, "evaluate on test.jsonl after training"),
+    "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
+    "quantized_matmul": Option(str, "auto", "how quantized layers multiply while training: kernel "
+                                            "(mx.quantized_matmul), dequantize (then a plain matmul) or auto "
+                                            "(dequantize on the CPU, where it is ~25x faster; default)",
+                               ("auto", "kernel", "dequantize")),
+    "dtype": Option(str, None, "compute dtype (default: float32 on CPU, the checkpoint's on GPU)",
+                    ("float32", "float16", "bfloat16")),
+    "lora_parameters": Option(dict, None, "", yaml_only=True),
+    "lr_schedule": Option(dict, None, "", yaml_only=True),
+    "optimizer_config": Option(dict, None, "", yaml_only=True),
+}
+IGNORED_YAML_KEYS = ("train",)  # mlx-lm's config files say train: true; training is what this command does
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser) -> None:
+    """Every option as a flag defaulting to None (so a YAML value can fill it)."""
+    for name, opt in OPTIONS.items():
+        if opt.yaml_only:
+            continue
+        if opt.kind is bool:
+            parser.add_argument(flag(name), action="store_true", default=None, help=opt.help)
+        else:
+            kwargs = {"choices": opt.choices} if opt.choices else {}
+            parser.add_argument(flag(name), type=opt.kind, default=None, help=opt.help, **kwargs)
+    parser.add_argument("-c", "--config", help="YAML file of options (flags win over it)")
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise OptionError(f"--config {path}: no such file")
+    loader = type("Loader", (yaml.SafeLoader,), {})
+    # YAML 1.1 reads 1e-4 as a string; mlx-lm adds the same resolver for floats
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+"
+                   r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+    try:
+        data = yaml.load(p.read_text(), Loader=loader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        detail = " ".join(str(e).split())
+        raise OptionError(f"--config {path} is not valid YAML: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OptionError(f"--config {path} must be a mapping of option names to values")
+    return data
+
+
+def _typed(name: str, value: Any, source: str) -> Any:
+    opt = OPTIONS[name]
+    if value is None:
+        return None
+    kind = opt.kind
+    ok = (isinstance(value, bool) if kind is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else
+          isinstance(value, kind))
+    if not ok:
+        raise OptionError(f"{source}: {name} must be {kind.__name__ if kind is not dict else 'a mapping'}, "
+                          f"got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise OptionError(f"{source}: {name} must be one of {', '.join(opt.choices)}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any]:
+    """Options: a flag given on the command line, else the YAML value, else the default."""
+    values = {name: opt.default for name, opt in OPTIONS.items()}
+    rank_given = cli.get("rank") is not None
+    if yaml_path:
+        source = f"--config {yaml_path}"
+        data = read_yaml(yaml_path)
+        rank_given = rank_given or data.get("rank") is not None
+        for key, value in data.items():
+            if key in IGNORED_YAML_KEYS:
+                continue
+            if key not in OPTIONS:
+                raise OptionError(f"{source}: unknown option {key!r}")
+            values[key] = _typed(key, value, source)
+    for key, value in cli.items():
+        if key in OPTIONS and value is not None:
+            values[key] = _typed(key, value, flag(key))
+    return check(values, rank_given)
+
+
+def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
+    """Range checks, and the LoRA block: ``rank`` over ``lora_parameters.rank``."""
+    minimum = {"batch_size": 1, "iters": 0, "steps_per_report": 1, "steps_per_eval": 1, "save_every": 1,
+               "max_seq_length": 2, "rank": 1}
+    for name, low in minimum.items():
+        if v[name] < low:
+            raise OptionError(f"{flag(name)} must be at least {low}, got {v[name]}")
+    for name in ("val_batches", "test_batches"):
+        if v[name] < -1:
+            raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
+    if not v["learning_rate"] > 0:
+        raise OptionError(f"--learning-rate must be positive, got {v['learning_rate']}")
+    if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):
+        raise OptionError(f"--num-layers must be -1 (all) or at least 1, got {v['num_layers']}")
+    lp = dict(LORA_DEFAULTS)
+    given = v.get("lora_parameters") or {}
+    unknown = sorted(set(given) - {"rank", "scale", "dropout", "keys"})
+    if unknown:
+        raise OptionError(f"lora_parameters: unknown key {unknown[0]!r} (rank, scale, dropout, keys)")
+    lp.update(given)
+    if rank_given or "rank" not in given:
+        lp["rank"] = v["rank"]
+    try:
+        v["lora_parameters"] = lora_parameters(**lp)
+    except RefusionError as e:
+        raise OptionError(str(e).replace("LoRA rank", "--rank")) from None
+    v["rank"] = v["lora_parameters"]["rank"]
+    for name in ("lr_schedule", "optimizer_config"):
+        if v[name] is not None and not isinstance(v[name], dict):
+            raise OptionError(f"{name} must be a mapping")
+    return v

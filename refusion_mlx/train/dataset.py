@@ -1,0 +1,132 @@
+"""Training data: JSONL files in mlx-lm's formats, tokenized into (prompt, response) pairs.
+
+A data folder holds ``train.jsonl``, ``valid.jsonl`` and optionally
+``test.jsonl``, one JSON object per line, in one of mlx-lm's formats:
+
+* ``{"messages": [{"role": ..., "content": ...}, ...]}`` (optionally ``"tools"``):
+  the response is the last message, which must be the assistant's; every
+  earlier message (earlier turns included) is prompt;
+* ``{"prompt": ..., "completion": ...}``: one user turn and its answer;
+* ``{"text": ...}``: no prompt, the whole text is the response.
+
+The prompt goes through the tokenizer's chat template with
+``add_generation_prompt=True``, exactly as decoding builds it; the response
+is the message's tokens plus EOS. Blank lines are skipped; anything else that
+is not such an object is a one-line error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import RefusionError
+from .batches import Record
+
+SPLITS = ("train", "valid", "test")
+
+
+def prompt_ids(tokenizer, messages: List[Dict[str, str]], tools=None) -> List[int]:
+    """Prompt ids as decoding builds them: chat template with the generation prompt, then encode."""
+    if not messages and not getattr(tokenizer, "chat_template", None):
+        return []
+    if getattr(tokenizer, "chat_template", None):
+        kwargs = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=True, **kwargs)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer.encode(text))
+
+
+def response_ids(tokenizer, text: str) -> List[int]:
+    """The response's tokens (no special tokens added) and EOS."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
+
+
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RefusionError(f"{where}: \"messages\" must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RefusionError(f"{where}: message {i + 1} needs a string \"role\" and a string \"content\"")
+    if messages[-1]["role"] != "assistant":
+        raise RefusionError(f"{where}: the last message must be the assistant's (the response to learn), "
+                            f"not {messages[-1]['role']!r}")
+
+
+def encode_line(obj, tokenizer, where: str) -> Record:
+    """One JSONL object as a Record (see the module's formats)."""
+    if not isinstance(obj, dict):
+        raise RefusionError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        messages = obj["messages"]
+        _check_messages(messages, where)
+        tools = obj.get("tools")
+        return Record(prompt_ids(tokenizer, messages[:-1], tools), response_ids(tokenizer, messages[-1]["content"]),
+                      where)
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise RefusionError(f"{where}: \"prompt\" and \"completion\" must both be strings")
+        return Record(prompt_ids(tokenizer, [{"role": "user", "content": prompt}], obj.get("tools")),
+                      response_ids(tokenizer, completion), where)
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise RefusionError(f"{where}: \"text\" must be a string")
+        return Record([], response_ids(tokenizer, obj["text"]), where)
+    keys = ", ".join(sorted(obj)[:5]) or "none"
+    raise RefusionError(f"{where}: unknown format (keys: {keys}); expected \"messages\", "
+                        "\"prompt\"/\"completion\" or \"text\"")
+
+
+def read_jsonl(path: Path, tokenizer) -> List[Record]:
+    """Every non-blank line of ``path`` as a Record."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RefusionError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise RefusionError(f"{path}:{line}: not valid UTF-8") from None
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RefusionError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        records.append(encode_line(obj, tokenizer, where))
+    return records
+
+
+def load_split(data: Path, name: str, tokenizer, required: bool) -> Optional[List[Record]]:
+    """``name``.jsonl of the data folder: its records, None if absent and not required."""
+    path = data / f"{name}.jsonl"
+    if not path.is_file():
+        if required:
+            raise RefusionError(f"{data} has no {name}.jsonl")
+        return None
+    records = read_jsonl(path, tokenizer)
+    if not records:
+        raise RefusionError(f"{path} holds no examples")
+    return records
+
+
+def load_datasets(data, tokenizer, test: bool = False, train: bool = True
+                  ) -> Tuple[Optional[List[Record]], Optional[List[Record]], Optional[List[Record]]]:
+    """(train, valid, test) records of a data folder.
+
+    train.jsonl and valid.jsonl are required when ``train``; test.jsonl when ``test``.
+    """
+    data = Path(data).expanduser()
+    if not data.is_dir():
+        raise RefusionError(f"--data {data}: no such folder" if not data.exists() else
+                            f"--data {data} is a file; give the folder holding train.jsonl and valid.jsonl")
+    return (load_split(data, "train", tokenizer, train), load_split(data, "valid", tokenizer, train),
+            load_split(data, "test", tokenizer, test))

@@ -1,0 +1,145 @@
+"""A whole fine-tuning run, as ``python -m refusion_mlx.train`` does it:
+check the inputs, load the model and the data, add the adapters, train,
+save, optionally evaluate on the test set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import RefusionError
+from ..models.adapters import add_adapters
+from ..models.loading import load
+from .batches import fit_length
+from .config import DEFAULT_NUM_LAYERS, merge
+from .dataset import load_datasets
+from .examples import EPSILON, SLOT_SIZES
+from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train, write_adapter_config
+
+
+def resolve_num_layers(requested: Optional[int], total: int) -> int:
+    if requested is None:
+        return min(DEFAULT_NUM_LAYERS, total)
+    if requested > total:
+        raise RefusionError(f"--num-layers {requested} is more than the model's {total} layers")
+    return requested
+
+
+def load_resume(model, path: str) -> None:
+    """Start from saved adapter weights: each must be a trainable parameter of that shape."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise RefusionError(f"--resume-adapter-file {path}: no such file")
+    try:
+        weights = mx.load(str(file))
+    except Exception as e:
+        raise RefusionError(f"--resume-adapter-file {path} is not a readable safetensors file: {e}") from None
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    for name, value in weights.items():
+        if name not in trainable:
+            raise RefusionError(f"--resume-adapter-file {path}: {name} is not a trainable parameter of this "
+                                "run (another --fine-tune-type, --num-layers or LoRA keys?)")
+        if value.shape != trainable[name].shape:
+            raise RefusionError(f"--resume-adapter-file {path}: {name} has shape {tuple(value.shape)}, this run "
+                                f"trains {tuple(trainable[name].shape)} (another --rank?)")
+    missing = sorted(set(trainable) - set(weights))
+    if missing:
+        raise RefusionError(f"--resume-adapter-file {path} lacks {missing[0]}"
+                            + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_weights(list(weights.items()), strict=False)
+
+
+def parameter_count(model) -> int:
+    from mlx_lm.utils import get_total_parameters
+
+    return get_total_parameters(model)
+
+
+def adapter_config(o: Dict, num_layers: int) -> dict:
+    """adapter_config.json as mlx-lm writes it (its loader reads fine_tune_type,
+    num_layers, lora_parameters), plus this run's options and the objective."""
+    config = {k: v for k, v in o.items() if k != "config"}
+    config["num_layers"] = num_layers
+    if o["fine_tune_type"] == "full":
+        config["lora_parameters"] = None
+    config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(SLOT_SIZES), "epsilon": EPSILON}
+    return config
+
+
+def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
+              **options) -> Tuple[object, object, Optional[TrainResult]]:
+    """Fine-tune as the CLI does; ``options`` are the CLI's (underscored names,
+    ``config`` a YAML file). Returns ``(model, tokenizer, result)``: the model
+    with its trained adapters (in eval mode) and the training result (None when
+    ``iters`` is 0)."""
+    o = merge(options, options.get("config"))
+    if o["data"] is None:
+        raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
+    training = o["iters"] > 0
+    if not training and not o["test"]:
+        raise RefusionError("--iters 0 trains nothing; add --test to only evaluate")
+    data = Path(o["data"]).expanduser()
+    if not data.is_dir():
+        raise RefusionError(f"--data {o['data']}: no such folder")
+    needed = (["train", "valid"] if training else []) + (["test"] if o["test"] else [])
+    for name in needed:
+        if not (data / f"{name}.jsonl").is_file():
+            raise RefusionError(f"--data {o['data']} has no {name}.jsonl")
+    adapter_dir = Path(o["adapter_path"]).expanduser()
+    if adapter_dir.exists() and not adapter_dir.is_dir():
+        raise RefusionError(f"--adapter-path {o['adapter_path']} is a file; give a folder")
+    if o["resume_adapter_file"] and not Path(o["resume_adapter_file"]).expanduser().is_file():
+        raise RefusionError(f"--resume-adapter-file {o['resume_adapter_file']}: no such file")
+
+    report("Loading pretrained model")
+    model, tokenizer = load(o["model"], dtype=o["dtype"], fuse=False)
+    num_layers = resolve_num_layers(o["num_layers"], len(model.layers))
+    report("Loading datasets")
+    train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training)
+    cut = sum(fit_length(s, o["max_seq_length"]) for s in (train_set, valid_set, test_set) if s)
+    if cut:
+        report(f"[WARNING] {cut} responses were cut to fit --max-seq-length {o['max_seq_length']}")
+    bs = o["batch_size"]
+    for name, split, used in (("train", train_set, training), ("valid", valid_set, training and o["val_batches"]),
+                              ("test", test_set, o["test"])):
+        if used and len(split) < bs:
+            raise RefusionError(f"{name}.jsonl has {len(split)} examples, fewer than --batch-size {bs}")
+
+    mx.random.seed(o["seed"])
+    np.random.seed(o["seed"])
+    add_adapters(model, o["fine_tune_type"], num_layers, o["lora_parameters"])
+    if o["resume_adapter_file"]:
+        report(f"Loading fine-tuned weights from {o['resume_adapter_file']}")
+        load_resume(model, o["resume_adapter_file"])
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    total = parameter_count(model)
+    report(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)")
+    mask_id, pad_id = model.args.mask_token_id, int(tokenizer.eos_token_id)
+    result = None
+    if training:
+        write_adapter_config(adapter_config(o, num_layers), adapter_dir)
+        optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"])
+        args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"],
+                         steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
+                         save_every=o["save_every"], max_seq_length=o["max_seq_length"],
+                         grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
+                         quantized_matmul=o["quantized_matmul"])
+        report("Training")
+        result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
+                       report=report, progress=progress)
+        report(f"Trained {result.iterations} iterations: {result.tokens_per_second:.1f} tokens/s, "
+               f"{result.iterations_per_second:.3f} it/s, peak memory {result.peak_memory_gb:.3f} GB")
+    if o["test"]:
+        report("Testing")
+        batches = len(test_set) // bs
+        if o["test_batches"] != -1:
+            batches = min(batches, o["test_batches"])
+        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
+                        quantized_matmul=o["quantized_matmul"])
+        report(f"Test loss {loss:.3f}.")
+    model.eval()
+    return model, tokenizer, result
