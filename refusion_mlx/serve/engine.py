@@ -64,8 +64,8 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, dtype: Optional[str] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
-        self.model_path, self.dtype = model_path, dtype
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None):
+        self.model_path, self.dtype, self.adapter_path = model_path, dtype, adapter_path
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.waiting: "collections.deque[Job]" = collections.deque()
@@ -127,7 +127,7 @@ class Engine:
             from ..decode.batch import BatchGenerator
             from ..models.loading import load, load_tokenizer
 
-            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype)
+            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path)
             self.args = self.model.args
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=self.max_batch)
