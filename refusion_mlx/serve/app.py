@@ -169,17 +169,16 @@ def create_app(server) -> FastAPI:
         t0 = time.perf_counter()
         job = Job(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
         engine.submit(job)
-        stream = job.request.stream
         head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
+                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * job.request.stream,
                 "created": int(time.time()), "model": server.model_id, "system_fingerprint": server.fingerprint}
         try:
             await next_event(job, request)  # admitted to the batch: the decoder took it
-            if stream:
-                stream = sse(job, kind, head, t0)
-                weakref.finalize(stream, job.cancel)  # also if the stream never starts
+            if job.request.stream:
+                events = sse(job, kind, head, t0)
+                weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
                 job = None  # the stream owns it now
-                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             pieces, event = [], ("start", None)
             while event[0] != "done":
                 event = await next_event(job, request)
@@ -194,7 +193,7 @@ def create_app(server) -> FastAPI:
             return Response(status_code=499)
         finally:
             if job is not None:
-                job.cancel()  # no-op once it finished; frees the generation when the client left
+                job.cancelled.set()  # no-op once it finished; frees the generation when the client left
 
     async def sse(job: Job, kind: str, head: dict, t0: float):
         """One chunk per piece of final text, in order; the finish (and usage); [DONE]."""
@@ -228,7 +227,7 @@ def create_app(server) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()
+            job.cancelled.set()
             _log("stream", t0, note)
 
     return app

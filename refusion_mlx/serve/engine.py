@@ -58,9 +58,6 @@ class Job:
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 
-    def cancel(self) -> None:
-        self.cancelled.set()
-
 
 class Engine:
     """Loads the model and runs every generation, batched, on one thread."""
@@ -94,15 +91,12 @@ class Engine:
         if self._error is not None:
             raise self._error
 
-    def begin_stop(self) -> None:
-        """Ask the thread to end every request (503) after the step in progress."""
+    def stop(self, timeout: float = 0.0) -> None:
+        """End every request (503) after the step in progress; wait ``timeout`` s for the thread."""
         self._stopping.set()
         with self.wake:
             self.wake.notify()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.begin_stop()
-        if self._thread.is_alive():
+        if timeout and self._thread.is_alive():
             self._thread.join(timeout)
 
     @property

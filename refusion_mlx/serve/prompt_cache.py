@@ -51,12 +51,11 @@ def prefill(model, cache, ids: Sequence[int]) -> None:
 
     from ..decode.forward import Pass, run_passes
 
-    start = len(cache)
     for i in range(0, len(ids), PREFILL_STEP):
-        chunk = [int(t) for t in ids[i:i + PREFILL_STEP]]
-        positions = list(range(start + i, start + i + len(chunk)))
-        run_passes(model, [Pass("prefill", mx.array(chunk, dtype=mx.int32),
-                                mx.array(positions, dtype=mx.int32), cache.extend(len(chunk)))])
+        chunk = list(ids[i:i + PREFILL_STEP])
+        positions = list(range(len(cache), len(cache) + len(chunk)))
+        run_passes(model, [Pass("prefill", mx.array(chunk, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
+                                cache.extend(len(chunk)))])
         cache.commit(chunk, positions)
 
 
@@ -65,9 +64,8 @@ class PromptCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.entries: "OrderedDict[int, tuple]" = OrderedDict()  # id -> (tokens, cache)
+        self.entries: "OrderedDict[tuple, object]" = OrderedDict()  # tokens -> compact cache, oldest use first
         self.nbytes = 0
-        self._next = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -79,42 +77,31 @@ class PromptCache:
         (a prompt prefilled a step ago) count too. At least one token of
         ``ids`` is left to prefill: the decoder's first pass needs one.
         """
-        best, n, key = None, 0, None
-        for k, (tokens, cache) in self.entries.items():
-            m = prefix_length(tokens, ids)
+        sources = [(tokens, cache, None) for tokens, cache in self.entries.items()]
+        sources += [(tokens, c, rows) for c in running for tokens, rows in [ordered(c)]]
+        best, n = None, 0
+        for source in sources:
+            m = prefix_length(source[0], ids)
             if m > n:
-                best, n, key = (cache, range(m)), m, k
-        for cache in running:
-            tokens, rows = ordered(cache)
-            m = prefix_length(tokens, ids)
-            if m > n:
-                best, n, key = (cache, rows), m, None
+                best, n = source, m
         n = min(n, len(ids) - 1)
         if best is None or n <= 0:
             return 0, None
-        if key is not None:
-            self.entries.move_to_end(key)
-        return n, best[0].fork(best[1][:n])
+        tokens, cache, rows = best
+        if rows is None:  # an entry: rows in position order
+            self.entries.move_to_end(tokens)
+        return n, cache.fork(range(n) if rows is None else rows[:n])
 
     def insert(self, cache) -> None:
         """Keep a compact copy of ``cache`` (a finished request's, or a prefix
         prefilled for many); entries it extends are dropped, then the least
         recently used ones beyond the byte budget."""
-        if self.max_bytes <= 0:
-            return
         tokens, rows = ordered(cache)
-        if not tokens:
+        if self.max_bytes <= 0 or not tokens:
             return
-        for key, (old, _) in list(self.entries.items()):
-            if len(old) <= len(tokens) and tokens[:len(old)] == old:
-                self._drop(key)
-        entry = cache.fork(rows)
-        self.entries[self._next] = (tokens, entry)
-        self._next += 1
+        for old in [t for t in self.entries if t == tuple(tokens[:len(t)])]:
+            self.nbytes -= self.entries.pop(old).nbytes
+        self.entries[tuple(tokens)] = entry = cache.fork(rows)
         self.nbytes += entry.nbytes
-        while self.nbytes > self.max_bytes and self.entries:
-            self._drop(next(iter(self.entries)))
-
-    def _drop(self, key: int) -> None:
-        _, cache = self.entries.pop(key)
-        self.nbytes -= cache.nbytes
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes

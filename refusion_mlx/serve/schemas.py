@@ -54,8 +54,9 @@ def refuse_unsupported(body):
     for name, values in HARMLESS.items() if isinstance(body, dict) else ():
         value = body.get(name)
         if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
-            why = ("not supported: the planning drafts take temperature, top_p, top_k and min_p only"
-                   if name in ("presence_penalty", "frequency_penalty", "logit_bias") else "not supported by this server")
+            why = "not supported by this server"
+            if name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+                why = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
             raise PydanticCustomError("unsupported_parameter", why, {"field": name})
     return body
 

@@ -62,22 +62,14 @@ class RefusionServer:
         except OSError:
             self.socket.close()
             raise
-        self.engine = Engine(model, dtype=dtype, adapter_path=adapter_path,
-                             max_batch=max_active or max_batch, max_queue=max_queue,
-                             prompt_cache_bytes=prompt_cache_bytes)
+        self.host, self.port = self.socket.getsockname()[:2]
+        self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
+                             prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None
-
-    @property
-    def host(self) -> str:
-        return self.socket.getsockname()[0]
-
-    @property
-    def port(self) -> int:
-        return self.socket.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -100,11 +92,11 @@ class RefusionServer:
 
     def close(self) -> None:
         """End open requests (503), stop serving, stop the engine thread."""
-        self.engine.begin_stop()
+        self.engine.stop()
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
-        self.engine.stop()
+        self.engine.stop(timeout=10)
         self.socket.close()
 
     def __enter__(self) -> "RefusionServer":
@@ -123,7 +115,7 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             log.info("shutting down")
-        self.engine.begin_stop()
+        self.engine.stop()
         super().handle_exit(sig, frame)
 
 
@@ -161,16 +153,14 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import OneLineParser, add_adapter_arg, add_decoding_args
+    from ..cli import OneLineParser, add_decoding_args, add_model_args
 
     parser = OneLineParser(prog="python -m refusion_mlx.server",
                            description="OpenAI-compatible HTTP server for a ReFusion model.")
-    parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
-    add_adapter_arg(parser)
+    add_model_args(parser)  # --model, --adapter-path, --dtype
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="compute dtype")
     parser.add_argument("--model-id", help="the model name reported by /v1/models (default: --model)")
     add_decoding_args(parser)  # server-wide defaults; requests override them
     parser.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH,
@@ -215,8 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     default_max_tokens=params.gen_length, model_id=args.model_id,
                                     max_batch=args.max_batch, max_queue=args.max_queue,
                                     max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                                    prompt_cache_bytes=args.prompt_cache_bytes,
-                                    adapter_path=args.adapter_path)
+                                    prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path)
         except OSError as e:
             raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         if server.host not in ("127.0.0.1", "::1", "localhost"):
