@@ -131,6 +131,7 @@ class BatchGenerator:
             for r in list(queue):
                 if r.uid == uid:
                     queue.remove(r)
+                    r.decoder.close()
                     return True
         return False
 

@@ -108,6 +108,12 @@ class RefusionDecoder:
         steps, self.steps_done = self.steps_done, []
         return steps
 
+    def close(self) -> None:
+        """Abandon the response: end the paused loop now, so its cache and
+        arrays go at once (a paused generator holds them in a cycle)."""
+        self._loop.close()
+        self._pass, self.done = None, True
+
     def steps(self) -> Iterator[Step]:
         """Run the whole response alone, yielding each step that commits tokens."""
         mx.reset_peak_memory()  # peak of this response (weights and cache included)
