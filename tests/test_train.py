@@ -334,9 +334,9 @@ def test_yaml_config_and_flags(tmp_path, capsys):
                       "lora_parameters:\n  rank: 4\n  scale: 10.0\ntrain: true\n")
     folder = tmp_path / "a"
     code = train_main(["--config", str(config), "--data", str(DATA), "--adapter-path", str(folder),
-                       "--iters", "2", "--num-layers", "2"])
+                       "--iters", "2", "--num-layers", "2", "--test"])
     out = capsys.readouterr().out
-    assert code == 0 and "Iter 2: Train loss" in out
+    assert code == 0 and "Iter 2: Train loss" in out and "Test loss" in out
     saved = json.loads((folder / "adapter_config.json").read_text())
     assert saved["iters"] == 2 and saved["learning_rate"] == 2e-4 and saved["num_layers"] == 2
     assert saved["lora_parameters"]["rank"] == 4 and saved["lora_parameters"]["scale"] == 10.0

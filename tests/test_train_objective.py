@@ -131,6 +131,7 @@ def test_loss_mixed_hand_batch_with_padding(tiny):
 def test_loss_of_empty_labels_is_zero(tiny):
     batch = hand_batch([([1, 2, 3], [4])], [0.5], [set()])  # a single AR token has no label
     assert refusion_loss(tiny, as_mx(batch)).item() == 0.0
+    assert refusion_loss(tiny, batch).item() == 0.0  # numpy arrays are taken as well
 
 
 def test_loss_has_gradients(tiny):

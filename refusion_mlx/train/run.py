@@ -84,7 +84,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         raise RefusionError("--iters 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
     if not data.is_dir():
-        raise RefusionError(f"--data {o['data']}: no such folder")
+        raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"
+                            if data.exists() else f"--data {o['data']}: no such folder")
     needed = (["train", "valid"] if training else []) + (["test"] if o["test"] else [])
     for name in needed:
         if not (data / f"{name}.jsonl").is_file():

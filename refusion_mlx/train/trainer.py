@@ -176,15 +176,17 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
     rng = np.random.default_rng(seed)
     batches = iterate_batches(records, batch_size, mask_id, rng, max_seq_length, shuffle=False, pad_id=pad_id)
     total, count = 0.0, 0
-    for batch in itertools.islice(batches, None if num_batches == -1 else num_batches):
-        loss = refusion_loss(model, to_mx(batch))
-        mx.eval(loss)
-        total += loss.item()
-        count += 1
-        if progress is not None:
-            progress()
-    undo()
-    model.train(was_training)
+    try:
+        for batch in itertools.islice(batches, None if num_batches == -1 else num_batches):
+            loss = refusion_loss(model, to_mx(batch))
+            mx.eval(loss)
+            total += loss.item()
+            count += 1
+            if progress is not None:
+                progress()
+    finally:
+        undo()
+        model.train(was_training)
     return total / max(count, 1)
 
 
@@ -276,12 +278,12 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
             loss = step(to_mx(batch))
             mx.eval(state, loss)
             elapsed = time.perf_counter() - tic
-            last_good = trainable_weights(model)
-            result.iterations = it
             value = loss.item()
-            if not math.isfinite(value):
+            if not math.isfinite(value):  # the adapters saved so far are kept as they are
                 raise RefusionError(f"the training loss became {value} at iteration {it}; "
                                     "lower --learning-rate")
+            last_good = trainable_weights(model)
+            result.iterations = it
             window_loss += value
             window_steps += 1
             window_tokens += tokens
