@@ -206,3 +206,25 @@ def test_concurrency_bad_flags(flags, capsys):
         bench.main(flags)
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_concurrency_through_the_server(tiny_suite, tmp_path):
+    out = tmp_path / "http.json"
+    assert bench.main(["--suite", str(tiny_suite), "--concurrency", "1,2", "--http", "--rounds", "1",
+                       "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["http_levels"]
+    assert [lv["clients"] for lv in levels] == [1, 2]
+    assert levels[0]["tokens"] == levels[1]["tokens"] > 0 and levels[0]["requests"] == 2
+
+
+def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
+    out = tmp_path / "conv.json"
+    assert bench.main(["--suite", str(tiny_suite), "--conversation", "3", "--json", str(out)]) == 0
+    sides = json.loads(out.read_text())["conversation"]
+    reuse, fresh = sides["reuse"], sides["no reuse"]
+    assert all(r["cached_tokens"] == 0 for r in fresh)
+    assert reuse[0]["cached_tokens"] == 0
+    for prev, row in zip(reuse, reuse[1:]):  # the previous prompt and answer come from the cache
+        assert row["cached_tokens"] >= prev["prompt_tokens"] + prev["answer_tokens"] - 2
+        assert row["prefilled_tokens"] < row["prompt_tokens"] // 2
+    assert sum(r["prefilled_tokens"] for r in reuse) < sum(r["prefilled_tokens"] for r in fresh)

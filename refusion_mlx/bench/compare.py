@@ -28,8 +28,8 @@ from .report import environment, format_table, header_lines
 from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
 from .suite import BenchError, Suite, load_suite, resolve_params
 from ..decode.params import PARAM_NAMES, RefusionParams
-from ..errors import DecodeError, RefusionError
-from ..cli import OneLineParser, add_adapter_arg, add_decoding_args
+from ..errors import DecodeError
+from ..cli import OneLineParser, add_adapter_arg, add_decoding_args, run
 from ..decode.generate import chat_prompt
 
 SIDES = ("refusion", "ar")
@@ -427,7 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
-    try:
+
+    def body() -> int:
         suite = load_suite(args.suite)
         try:
             resolve_all(suite, args.preset, overrides)
@@ -443,8 +444,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.concurrency or args.conversation:
             if args.rounds < 1:
                 parser.error(f"--rounds must be at least 1, got {args.rounds}")
-            run = run_conversation if args.conversation else run_http if args.http else run_concurrency
-            result = run(args, suite, overrides, log)
+            measure = run_conversation if args.conversation else run_http if args.http else run_concurrency
+            result = measure(args, suite, overrides, log)
             print(result.pop("report"))
             write_json(args.json, result)
             return 0
@@ -454,12 +455,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_report(result))
         write_json(args.json, result)
         return 0
-    except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+
+    return run(body)
 
 
 if __name__ == "__main__":
