@@ -19,6 +19,7 @@ import numpy as np
 
 from ..decode.batch import BatchGenerator
 from ..decode.params import RefusionParams
+from .suite import BenchError
 
 
 @dataclass
@@ -76,7 +77,7 @@ def run_level(model, tokenizer, prompts: Sequence[List[int]], params: Sequence[R
                 entry[1] = time.perf_counter()
             if r.finish_reason is not None:
                 if r.error is not None:
-                    raise RuntimeError(f"a benchmark request failed: {r.error}")
+                    raise BenchError(f"a benchmark request failed: {r.error}")
                 start, first = owner.pop(r.uid)
                 now = time.perf_counter()
                 result.latencies.append(now - start)

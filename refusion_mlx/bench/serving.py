@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from .suite import BenchError
+
 
 @dataclass
 class Reply:
@@ -47,7 +49,7 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            raise BenchError(f"the server answered HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -118,7 +120,7 @@ def http_level(url: str, requests: Sequence[dict], clients: int) -> HttpLevel:
         t.join()
     out.wall_seconds = time.perf_counter() - t0
     if errors:
-        raise RuntimeError(f"a benchmark request failed: {errors[0]}")
+        raise BenchError(f"a benchmark request failed: {errors[0]}")
     return out
 
 
