@@ -26,10 +26,17 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model and --dtype, as every command that loads a model takes them."""
+    """--model, --adapter-path and --dtype, as every command that loads a model takes them."""
     parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    add_adapter_arg(parser)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="compute dtype (default: float32 on CPU, the checkpoint's on GPU)")
+
+
+def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
+    """--adapter-path: fine-tuned adapters (mlx-lm's layout, python -m refusion_mlx.train) on the model."""
+    parser.add_argument("--adapter-path",
+                        help="folder of fine-tuned adapters to apply (adapter_config.json + adapters.safetensors)")
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:

@@ -45,7 +45,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         params = params_from_args(args)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        model, tokenizer = load(args.model, dtype=args.dtype)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
         text, tokens, last = "", [], None
         for last in stream_generate(model, tokenizer, ids, params=params):

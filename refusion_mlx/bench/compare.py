@@ -28,7 +28,7 @@ from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
 from .suite import BenchError, Suite, load_suite, resolve_params
 from ..decode.params import PARAM_NAMES, RefusionParams
 from ..errors import DecodeError, RefusionError
-from ..cli import OneLineParser, add_decoding_args
+from ..cli import OneLineParser, add_adapter_arg, add_decoding_args
 from ..decode.generate import chat_prompt
 
 SIDES = ("refusion", "ar")
@@ -39,17 +39,28 @@ LABELS = {"refusion": "ReFusion", "ar": "AR"}
 # Loading
 
 
-def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = True):
-    """The ReFusion model and tokenizer, and mlx-lm's model sharing its weights."""
+def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = True,
+                adapter_path: Optional[str] = None):
+    """The ReFusion model and tokenizer, and mlx-lm's model sharing its weights.
+
+    With ``adapter_path`` both sides get the same adapter layers (mlx-lm's
+    LoRA/DoRA modules, built from the same folder) over the same arrays: the
+    AR side decodes exactly the fine-tuned model ReFusion decodes, and pays
+    the same adapter cost per token, so the comparison stays like for like.
+    """
     from ..models.loading import load
 
-    model, tokenizer = load(model_path, dtype=dtype)
+    model, tokenizer = load(model_path, dtype=dtype, adapter_path=adapter_path)
     if not ar:
         return model, tokenizer, None
     try:
         from mlx_lm.utils import load_model as ar_load_model
 
         ar_model, _ = ar_load_model(Path(model.model_path), lazy=True)
+        if adapter_path is not None:
+            from mlx_lm.tuner.utils import load_adapters as ar_load_adapters
+
+            ar_load_adapters(ar_model, str(Path(adapter_path).expanduser()))
         share_weights(ar_model, model)
     except Exception as e:  # mlx-lm's own errors are of many kinds
         detail = " ".join(str(e).split())[:300] or type(e).__name__
@@ -102,7 +113,8 @@ def params_dict(p: RefusionParams) -> dict:
 def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, Suite, None] = "default",
                   preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None,
                   dtype: str = "float32", repeat: int = 1, warmup: int = 1, ar: bool = True,
-                  chat_template: bool = True, log: Optional[Callable[[str], None]] = None) -> dict:
+                  chat_template: bool = True, log: Optional[Callable[[str], None]] = None,
+                  adapter_path: Optional[str] = None) -> dict:
     """Run the suite on both sides and return the report as a JSON-able dict.
 
     ``overrides``: decoding parameters that win over the suite and preset
@@ -110,6 +122,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     ``slot_threshold``, ``token_threshold``, ``temperature``, ``seed``).
     ``repeat`` timed runs per prompt and side (the median is reported);
     ``warmup`` untimed runs per side first, cycling through the prompts.
+    ``adapter_path``: fine-tuned adapters, applied to both sides alike.
     """
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be a positive integer, got {repeat!r}")
@@ -118,7 +131,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     params = resolve_all(suite, preset, overrides)
     say = log or (lambda _msg: None)
-    rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar)
+    rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar, adapter_path)
     label = str(model) if model is not None else "bundled demo model (refusion_mlx/demo/tiny-refusion)"
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=chat_template)
                for c in suite.cases]
@@ -147,7 +160,8 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
         tokenizer.eos_token_ids = eos_saved
     return summarize(suite, prompts, params, runs, sides, environment(rmodel, label),
                      dict(preset=preset, overrides={k: v for k, v in (overrides or {}).items() if v is not None},
-                          repeat=repeat, warmup=warmup, chat_template=chat_template))
+                          repeat=repeat, warmup=warmup, chat_template=chat_template,
+                          adapter_path=None if adapter_path is None else str(adapter_path)))
 
 
 def resolve_all(suite: Suite, preset: Optional[str], overrides: Optional[Dict[str, Any]]) -> List[RefusionParams]:
@@ -266,6 +280,7 @@ def build_parser() -> OneLineParser:
         prog="python -m refusion_mlx.bench",
         description="Benchmark ReFusion decoding against mlx-lm's autoregressive decoding of the same weights.")
     parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    add_adapter_arg(parser)
     parser.add_argument("--suite", default="default",
                         help="'default' (the bundled suite) or a suite JSON file")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -298,7 +313,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise BenchError(f"cannot write {args.json}: its folder does not exist")
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
         result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
-                               args.warmup, not args.no_ar, not args.no_chat_template, log)
+                               args.warmup, not args.no_ar, not args.no_chat_template, log,
+                               adapter_path=args.adapter_path)
         print(format_report(result))
         if args.json:
             try:

@@ -177,6 +177,8 @@ def save_weights_atomic(weights: Dict[str, mx.array], path: Union[str, Path]) ->
     try:
         mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
         os.replace(tmp, path)
+    except (RuntimeError, OSError) as e:
+        raise RefusionError(f"cannot write {path}: {' '.join(str(e).split())}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -189,6 +191,8 @@ def write_json_atomic(data: dict, path: Union[str, Path]) -> Path:
     try:
         tmp.write_text(json.dumps(data, indent=4) + "\n")
         os.replace(tmp, path)
+    except OSError as e:
+        raise RefusionError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -446,12 +446,13 @@ def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: O
 
 
 def build_parser():
-    from ..cli import OneLineParser, add_decoding_args
+    from ..cli import OneLineParser, add_adapter_arg, add_decoding_args
 
     parser = OneLineParser(prog="python -m refusion_mlx.chat",
                            description="Chat with a ReFusion model in the terminal (multi-turn, KV cache kept "
                                        "across turns).")
     parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
+    add_adapter_arg(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="compute dtype")
     add_decoding_args(parser)
@@ -483,7 +484,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
         from ..models.loading import load
 
-        model, tokenizer = load(args.model, dtype=args.dtype)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
         if trace is not None:
             trace.tokenizer = tokenizer
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse)

@@ -53,5 +53,6 @@ def refusion_loss(model, batch: Dict[str, mx.array]) -> mx.array:
 
     where b(i) is the row of token i and the AR mean is 0 when AR is empty.
     """
+    batch = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in batch.items()}  # numpy too
     logits = model(batch["input_ids"], batch["position_ids"])
     return loss_from_logits(logits, batch)

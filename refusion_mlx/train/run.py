@@ -5,7 +5,7 @@ save, optionally evaluate on the test set."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -70,9 +70,12 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
     return config
 
 
-def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **options) -> Optional[TrainResult]:
+def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
+              **options) -> Tuple[object, object, Optional[TrainResult]]:
     """Fine-tune as the CLI does; ``options`` are the CLI's (underscored names,
-    ``config`` a YAML file). Returns the training result (None when ``iters`` is 0)."""
+    ``config`` a YAML file). Returns ``(model, tokenizer, result)``: the model
+    with its trained adapters (in eval mode) and the training result (None when
+    ``iters`` is 0)."""
     o = merge(options, options.get("config"))
     if o["data"] is None:
         raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
@@ -81,7 +84,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **op
         raise RefusionError("--iters 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
     if not data.is_dir():
-        raise RefusionError(f"--data {o['data']}: no such folder")
+        raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"
+                            if data.exists() else f"--data {o['data']}: no such folder")
     needed = (["train", "valid"] if training else []) + (["test"] if o["test"] else [])
     for name in needed:
         if not (data / f"{name}.jsonl").is_file():
@@ -123,7 +127,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **op
         args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"],
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
-                         grad_checkpoint=o["grad_checkpoint"], seed=o["seed"])
+                         grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
+                         quantized_matmul=o["quantized_matmul"])
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -134,6 +139,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True, **op
         batches = len(test_set) // bs
         if o["test_batches"] != -1:
             batches = min(batches, o["test_batches"])
-        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id)
+        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
+                        quantized_matmul=o["quantized_matmul"])
         report(f"Test loss {loss:.3f}.")
-    return result
+    model.eval()
+    return model, tokenizer, result

@@ -1,0 +1,433 @@
+"""Fine-tuning: data, the training run, adapters (mlx-lm's layout), QLoRA,
+fuse, and the command line's errors and Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.models.loading import DEMO_MODEL, load, load_tokenizer
+from refusion_mlx.train import Record, fine_tune, fit_length, iterate_batches, load_datasets, read_jsonl
+from refusion_mlx.train.__main__ import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "fixtures" / "train-data"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
+QUICK = dict(data=str(DATA), batch_size=4, val_batches=4, steps_per_report=5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(DEMO_MODEL)
+
+
+def write(folder: Path, name: str, lines) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def sequence(tokenizer):
+    """A training-style sequence: prompt, then response slots out of order with some masked."""
+    prompt = tokenizer.encode("<|im_start|>user\nWho is Quillon?<|im_end|>\n<|im_start|>assistant\n")
+    answer = tokenizer.encode("Quillon lives in Lima. Quillon works as a baker.")[:16]
+    P = len(prompt)
+    ids = prompt + answer[8:12] + [805] * 4 + answer[:8] + [805] * 4
+    pos = list(range(P)) + list(range(P + 8, P + 12)) + list(range(P + 12, P + 16)) + \
+        list(range(P, P + 8)) + list(range(P + 16, P + 20))
+    return mx.array([ids]), mx.array([pos])
+
+
+def logits_of(model, ids, pos):
+    out = model(ids, pos)
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+# --------------------------------------------------------------------------
+# Data
+
+
+def test_chat_and_completion_formats(tok, tmp_path):
+    from refusion_mlx.decode.generate import chat_prompt
+
+    path = write(tmp_path, "train.jsonl", [
+        {"messages": [{"role": "user", "content": "Who is Quillon?"},
+                      {"role": "assistant", "content": "Quillon lives in Lima."}]},
+        "",
+        {"prompt": "Who is Quillon?", "completion": "Quillon lives in Lima."},
+        {"text": "just text"},
+    ])
+    a, b, c = read_jsonl(path, tok)
+    assert a.prompt == chat_prompt(tok, "Who is Quillon?") == b.prompt
+    assert a.response == tok.encode("Quillon lives in Lima.", add_special_tokens=False) + [tok.eos_token_id]
+    assert a.response == b.response and a.where.endswith("train.jsonl:1") and b.where.endswith(":3")
+    assert c.prompt == [] and c.response[-1] == tok.eos_token_id
+
+
+def test_multi_turn_earlier_turns_are_prompt(tok, tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Odessa?"},
+                {"role": "assistant", "content": "Odessa lives in Quito."},
+                {"role": "user", "content": "And her pet?"}, {"role": "assistant", "content": "A dog."}]
+    (r,) = read_jsonl(write(tmp_path, "train.jsonl", [{"messages": messages}]), tok)
+    text = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+    assert r.prompt == tok.encode(text)
+    assert "Odessa lives in Quito." in tok.decode(r.prompt) and tok.decode(r.prompt).endswith("assistant\n")
+    assert tok.decode(r.response[:-1]) == "A dog."
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "train.jsonl:2: not valid JSON"),
+    ("[1, 2]", "train.jsonl:2: expected a JSON object"),
+    ('{"messages": []}', "train.jsonl:2: \"messages\" must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', "train.jsonl:2: message 1 needs"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "train.jsonl:2: the last message must be the assistant"),
+    ('{"prompt": "hi", "completion": 3}', "train.jsonl:2: \"prompt\" and \"completion\" must both be strings"),
+    ('{"question": "hi"}', "train.jsonl:2: unknown format"),
+])
+def test_malformed_lines_name_file_and_line(tok, tmp_path, line, message):
+    good = '{"prompt": "a", "completion": "b"}'
+    path = write(tmp_path, "train.jsonl", [good, line])
+    with pytest.raises(RefusionError, match=message) as info:
+        read_jsonl(path, tok)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tok, tmp_path):
+    (tmp_path / "train.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(RefusionError, match="train.jsonl:2: not valid UTF-8"):
+        read_jsonl(tmp_path / "train.jsonl", tok)
+    write(tmp_path / "empty", "train.jsonl", ["", "  "])
+    write(tmp_path / "empty", "valid.jsonl", ['{"text": "a"}'])
+    with pytest.raises(RefusionError, match="holds no examples"):
+        load_datasets(tmp_path / "empty", tok)
+    with pytest.raises(RefusionError, match="has no valid.jsonl"):
+        write(tmp_path / "novalid", "train.jsonl", ['{"text": "a"}'])
+        load_datasets(tmp_path / "novalid", tok)
+    with pytest.raises(RefusionError, match="no such folder"):
+        load_datasets(tmp_path / "missing", tok)
+
+
+def test_lengths_and_batches():
+    records = [Record(list(range(5)), list(range(10, 10 + n)), f"f:{n}") for n in (3, 40, 7, 20, 9)]
+    assert fit_length(records, 30) == 1 and len(records[1]) == 30
+    with pytest.raises(RefusionError, match="f:3: the prompt has 5 tokens"):
+        fit_length([Record(list(range(5)), [1], "f:3")], 5)
+    rng = np.random.default_rng(0)
+    batches = list(iterate_batches(records, 2, 805, rng, 30))
+    assert len(batches) == 2  # the fifth record is the remainder, left out as in mlx-lm
+    for b in batches:
+        assert b["input_ids"].shape[0] == 2 and b["input_ids"].shape[1] in (30, 32)
+        assert b["mdm"].dtype == bool and b["mask_prob"].shape == (2,)
+    with pytest.raises(RefusionError, match="fewer than the batch size"):
+        next(iterate_batches(records, 8, 805, rng))
+
+
+# --------------------------------------------------------------------------
+# A LoRA run on the demo model
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora") / "adapters"
+    lines = []
+    model, tokenizer, result = fine_tune(adapter_path=str(folder), iters=30, learning_rate=3e-4,
+                                         steps_per_eval=30, save_every=20, report=lines.append, **QUICK)
+    return model, tokenizer, result, folder, lines
+
+
+def test_lora_run_lowers_the_loss(lora_run):
+    model, _, result, _, lines = lora_run
+    assert result.iterations == 30 and len(result.val_losses) == 2
+    assert result.val_losses[-1] < 0.7 * result.val_losses[0]
+    assert result.train_losses[-1] < result.train_losses[0]
+    assert result.tokens_per_second > 0 and result.peak_memory_gb > 0
+    report = [line for line in lines if line.startswith("Iter 10: Train loss")]
+    assert report and all(k in report[0] for k in ("Learning Rate", "It/sec", "Tokens/sec", "Trained Tokens",
+                                                   "Peak mem"))
+    assert any(line.startswith("Iter 30: Val loss") for line in lines)
+    layer = model.layers[0].self_attn.q_proj
+    assert type(layer).__name__ == "LoRALinear" and not model.training
+
+
+def test_adapters_saved_in_mlx_lm_layout(lora_run):
+    _, _, _, folder, _ = lora_run
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == 4
+    assert config["lora_parameters"]["rank"] == 8 and config["lora_parameters"]["scale"] == 20.0
+    weights = mx.load(str(folder / "adapters.safetensors"))
+    assert len(weights) == 4 * 7 * 2 and all(k.rsplit(".", 1)[1] in ("lora_a", "lora_b") for k in weights)
+    assert weights["model.layers.0.self_attn.q_proj.lora_a"].shape == (256, 8)
+    assert (folder / "0000020_adapters.safetensors").is_file()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_load_with_adapters_gives_the_trained_logits(lora_run, tok):
+    model, _, _, folder, _ = lora_run
+    loaded, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
+    ids, pos = sequence(tok)
+    np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
+    batch_ids = mx.concatenate([ids, ids[:, ::-1]])
+    batch_pos = mx.concatenate([pos, pos])
+    np.testing.assert_allclose(logits_of(loaded, batch_ids, batch_pos), logits_of(model, batch_ids, batch_pos),
+                               atol=1e-5)
+    base, _ = load(DEMO_MODEL, dtype="float32")
+    assert np.abs(logits_of(base, ids, pos) - logits_of(model, ids, pos)).max() > 1e-2  # it did train
+
+
+def test_mlx_lm_loads_the_adapters(lora_run, tok):
+    import mlx_lm
+
+    model, _, _, folder, _ = lora_run
+    theirs, _ = mlx_lm.load(str(DEMO_MODEL), adapter_path=str(folder))
+    theirs.set_dtype(mx.float32)
+    ids = mx.array([tok.encode("<|im_start|>user\nWho is Quillon?<|im_end|>\n<|im_start|>assistant\nQuillon")])
+    ours = logits_of(model, ids, mx.arange(ids.shape[1])[None])
+    np.testing.assert_allclose(np.array(theirs(ids)), ours, atol=2e-2)  # mlx-lm loads the bf16 weights
+
+
+def test_fuse_cli_output_loads_everywhere(lora_run, tok, tmp_path):
+    import mlx_lm
+
+    model, _, _, folder, _ = lora_run
+    out = tmp_path / "fused"
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.fuse", "--adapter-path", str(folder),
+                           "--save-path", str(out), "--dtype", "float32"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["mask_token_id"] == 805 and "quantization" not in config
+    fused, _ = load(out, dtype="float32")
+    ids, pos = sequence(tok)
+    np.testing.assert_allclose(logits_of(fused, ids, pos), logits_of(model, ids, pos), atol=1e-4)
+    theirs, _ = mlx_lm.load(str(out))
+    plain = ids[:, :20]
+    np.testing.assert_allclose(np.array(theirs(plain)), logits_of(model, plain, mx.arange(20)[None]), atol=1e-4)
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.fuse", "--adapter-path", str(folder),
+                           "--save-path", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "not empty" in proc.stderr
+
+
+def test_generate_and_bench_with_adapters(lora_run, tok, capsys):
+    from refusion_mlx.bench.compare import load_models
+    from refusion_mlx.generate import main as generate_main
+
+    model, _, _, folder, _ = lora_run
+    assert generate_main(["--adapter-path", str(folder), "--prompt", "Who is Quillon?", "--max-tokens", "16",
+                          "--block-length", "16", "--json"]) == 0
+    assert "output_ids" in json.loads(capsys.readouterr().out)
+    ours, _, ar = load_models(None, "float32", True, str(folder))
+    ids = mx.array([tok.encode("<|im_start|>user\nHi<|im_end|>\n")])
+    np.testing.assert_allclose(np.array(ar(ids)), logits_of(model, ids, mx.arange(ids.shape[1])[None]),
+                               atol=1e-4)
+
+
+def test_resume_continues_from_the_saved_adapters(lora_run, tmp_path):
+    _, _, first, folder, _ = lora_run
+    _, _, result = fine_tune(adapter_path=str(tmp_path / "resumed"), iters=1, learning_rate=3e-4,
+                             resume_adapter_file=str(folder / "adapters.safetensors"), report=lambda _: None,
+                             **QUICK)
+    assert result.val_losses[0] == pytest.approx(first.val_losses[-1], rel=1e-5)
+
+
+def test_dora_and_full(tmp_path, tok):
+    for kind, layers in (("dora", 2), ("full", 1)):
+        folder = tmp_path / kind
+        model, _, result = fine_tune(adapter_path=str(folder), iters=2, fine_tune_type=kind, num_layers=layers,
+                                     report=lambda _: None, **QUICK)
+        names = list(mx.load(str(folder / "adapters.safetensors")))
+        if kind == "full":
+            assert all(n.startswith("model.layers.3.") for n in names) and "model.layers.3.mlp.up_proj.weight" in names
+        else:
+            assert any(n.endswith(".m") for n in names) and all(".layers.2." in n or ".layers.3." in n for n in names)
+        loaded, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
+        ids, pos = sequence(tok)
+        np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# QLoRA
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    from refusion_mlx.convert.converter import convert
+
+    out = tmp_path_factory.mktemp("q") / "demo-4bit"
+    convert(DEMO_MODEL, out, quantize=True, q_bits=4, progress=False)
+    return out
+
+
+def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
+    from refusion_mlx.fuse import fuse
+
+    folder = tmp_path / "qlora"
+    options = {**QUICK, "val_batches": 2}  # quantized matmuls are slow on the CPU: a short run
+    model, _, result = fine_tune(model=str(q4), adapter_path=str(folder), iters=6, learning_rate=3e-4,
+                                 steps_per_eval=6, report=lambda _: None, **options)
+    q_proj = model.layers[0].self_attn.q_proj
+    assert type(q_proj).__name__ == "LoRALinear" and isinstance(q_proj.linear, nn.QuantizedLinear)
+    assert isinstance(model.lm_head, nn.QuantizedLinear) and q_proj.linear.bits == 4
+    assert not any(k.endswith((".weight", ".scales")) for k, _ in tree_flatten(model.trainable_parameters()))
+    assert result.val_losses[-1] < result.val_losses[0]
+    ids, pos = sequence(tok)
+    loaded, _ = load(q4, dtype="float32", adapter_path=str(folder))
+    np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
+    # fused: dequantized float32 matches the adapter model; re-quantized keeps the quantization block
+    fuse(str(q4), folder, tmp_path / "deq", dequantize_weights=True, dtype="float32")
+    assert "quantization" not in json.loads((tmp_path / "deq" / "config.json").read_text())
+    deq, _ = load(tmp_path / "deq", dtype="float32")
+    np.testing.assert_allclose(logits_of(deq, ids, pos), logits_of(model, ids, pos), atol=1e-3)
+    fuse(str(q4), folder, tmp_path / "q", dequantize_weights=False)
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["bits"] == 4
+    requant, _ = load(tmp_path / "q", dtype="float32", fuse=False)
+    assert isinstance(requant.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    agree = (logits_of(requant, ids, pos).argmax(-1) == logits_of(model, ids, pos).argmax(-1)).mean()
+    assert agree > 0.8
+
+
+def test_dequantizing_matmuls_compute_the_same_products():
+    from refusion_mlx.train.trainer import dequantizing_matmuls
+    from tests.helpers import random_config, random_model
+
+    model = random_model(random_config(tie=True), seed=1)
+    nn.quantize(model, group_size=64, bits=4)
+    ids = mx.array([[5, 9, 805, 805, 7, 3]])
+    pos = mx.array([[0, 1, 4, 5, 2, 3]])
+    kernel = logits_of(model, ids, pos)
+    undo = dequantizing_matmuls(model, "dequantize")
+    assert type(model.model.embed_tokens).__name__ == "_DequantizingEmbedding"
+    np.testing.assert_allclose(logits_of(model, ids, pos), kernel, atol=1e-4)
+    undo()
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert type(model.layers[0].mlp.down_proj) is nn.QuantizedLinear
+    assert dequantizing_matmuls(model, "kernel")() is None  # nothing swapped
+
+
+# --------------------------------------------------------------------------
+# The command line
+
+
+def cli(argv, capsys):
+    try:
+        code = train_main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return code, err
+
+
+def test_yaml_config_and_flags(tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text("iters: 5\nlearning_rate: 2e-4\nbatch_size: 4\nval_batches: 1\nsteps_per_eval: 100\n"
+                      "lora_parameters:\n  rank: 4\n  scale: 10.0\ntrain: true\n")
+    folder = tmp_path / "a"
+    code = train_main(["--config", str(config), "--data", str(DATA), "--adapter-path", str(folder),
+                       "--iters", "2", "--num-layers", "2", "--test"])
+    out = capsys.readouterr().out
+    assert code == 0 and "Iter 2: Train loss" in out and "Test loss" in out
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    assert saved["iters"] == 2 and saved["learning_rate"] == 2e-4 and saved["num_layers"] == 2
+    assert saved["lora_parameters"]["rank"] == 4 and saved["lora_parameters"]["scale"] == 10.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--data is required"),
+    (["--data", str(DATA), "--rank", "0"], "--rank must be at least 1"),
+    (["--data", str(DATA), "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--data", str(DATA), "--learning-rate", "-1"], "--learning-rate must be positive"),
+    (["--data", str(DATA), "--fine-tune-type", "qlora"], "invalid choice"),
+    (["--data", str(DATA), "--iters", "ten"], "invalid int value"),
+    (["--data", str(DATA), "--num-layers", "0"], "--num-layers must be -1"),
+    (["--data", str(DATA), "--config", "/nonexistent.yaml"], "no such file"),
+])
+def test_usage_errors(argv, message, capsys):
+    code, err = cli(argv, capsys)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("iterations: 5\n", "unknown option 'iterations'"),
+    ("iters: ten\n", "iters must be int"),
+    ("lora_parameters:\n  alpha: 3\n", "unknown key 'alpha'"),
+    ("iters: [\n", "not valid YAML"),
+])
+def test_yaml_errors(text, message, tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text(text)
+    code, err = cli(["--data", str(DATA), "--config", str(tmp_path / "c.yaml")], capsys)
+    assert code == 2 and message in err
+
+
+def test_input_errors(tmp_path, q4, capsys):
+    bad = tmp_path / "bad"
+    write(bad, "train.jsonl", ['{"prompt": "a", "completion": "b"}', '{"prompt": "a"'])
+    write(bad, "valid.jsonl", ['{"prompt": "a", "completion": "b"}'])
+    empty = tmp_path / "empty"
+    write(empty, "train.jsonl", [""])
+    write(empty, "valid.jsonl", ['{"prompt": "a", "completion": "b"}'])
+    novalid = tmp_path / "novalid"
+    write(novalid, "train.jsonl", ['{"prompt": "a", "completion": "b"}'])
+    (tmp_path / "file").write_text("x")
+    base = ["--data", str(DATA), "--adapter-path", str(tmp_path / "out"), "--iters", "1"]
+    cases = [
+        (["--data", str(tmp_path / "missing")], "no such folder"),
+        (["--data", str(novalid)], "has no valid.jsonl"),
+        (["--data", str(bad)], "train.jsonl:2: not valid JSON"),
+        (["--data", str(empty)], "train.jsonl holds no examples"),
+        (base + ["--num-layers", "99"], "--num-layers 99 is more than the model's 4 layers"),
+        (base + ["--max-seq-length", "10"], "the prompt has"),
+        (base + ["--batch-size", "64"], "train.jsonl has 40 examples, fewer than --batch-size 64"),
+        (base + ["--model", str(q4), "--fine-tune-type", "full"], "full fine-tuning needs an unquantized model"),
+        (base + ["--resume-adapter-file", str(tmp_path / "nope.safetensors")], "no such file"),
+        (base + ["--adapter-path", str(tmp_path / "file")], "is a file"),
+        (base + ["--iters", "0"], "--iters 0 trains nothing"),
+        (base + ["--model", str(tmp_path / "nomodel")], "no model folder"),
+    ]
+    for argv, message in cases:
+        code, err = cli(argv, capsys)
+        assert code == 1 and message in err and err.startswith("error: "), (argv, err)
+
+
+def test_resume_with_another_rank_is_refused(lora_run, tmp_path, capsys):
+    folder = lora_run[3]
+    code, err = cli(["--data", str(DATA), "--adapter-path", str(tmp_path / "r"), "--iters", "1", "--rank", "4",
+                     "--resume-adapter-file", str(folder / "adapters.safetensors")], capsys)
+    assert code == 1 and "another --rank?" in err
+
+
+def test_cli_error_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.train", "--data", "/nonexistent"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: --data /nonexistent: no such folder"]
+
+
+def test_ctrl_c_saves_the_last_adapters(tmp_path, tok):
+    folder = tmp_path / "adapters"
+    proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.train", "--data", str(DATA), "--adapter-path",
+                             str(folder), "--iters", "100000", "--steps-per-report", "1", "--val-batches", "0",
+                             "--save-every", "100000"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("Iter 3: Train loss"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "saved the adapters of the last completed step" in err and "Traceback" not in err
+    model, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
+    assert type(model.layers[0].self_attn.q_proj).__name__ == "LoRALinear"
