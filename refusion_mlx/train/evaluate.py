@@ -50,6 +50,7 @@ FAMILIES = (
 )
 _COMPILED = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in FAMILIES]
 OTHER = "other"
+BATCH = 16  # requests decoded together
 BLOCK_LENGTH = 16       # the CLI default: 512 tokens in 32 blocks
 MAX_BUDGET = 512
 
@@ -108,11 +109,14 @@ def default_params():
     return RefusionParams(block_length=BLOCK_LENGTH)
 
 
-def decode(model, tokenizer, messages: Sequence[dict], params) -> str:
-    """The model's greedy answer to ``messages`` (the one place that decodes)."""
-    from ..decode.generate import chat_prompt, generate
+def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Sequence) -> List[str]:
+    """The model's greedy answers to many conversations (the one place that
+    decodes): decoded together, each exactly as it would be alone."""
+    from ..decode.batch import batch_generate
+    from ..decode.generate import chat_prompt
 
-    return generate(model, tokenizer, chat_prompt(tokenizer, list(messages)), params=params)
+    prompts = [chat_prompt(tokenizer, list(m)) for m in conversations]
+    return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH)]
 
 
 def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
@@ -134,13 +138,20 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
     counts: Dict[str, List[int]] = {}
     failures: Dict[str, List[dict]] = {}
     start = time.perf_counter()
-    for i, row in enumerate(rows):
-        messages, reference = row["messages"][:-1], row["messages"][-1]["content"]
+    settings = []
+    for row in rows:
         budget = max_tokens
         if budget is None:
-            block = params.block_length or BLOCK_LENGTH
-            budget = answer_budget(tokenizer, reference, block)
-        text = decode(model, tokenizer, messages, dataclasses.replace(params, gen_length=budget))
+            budget = answer_budget(tokenizer, row["messages"][-1]["content"], params.block_length or BLOCK_LENGTH)
+        settings.append(dataclasses.replace(params, gen_length=budget))
+    texts: List[str] = []
+    for i in range(0, len(rows), 4 * BATCH):  # in chunks, so progress can be shown
+        chunk = rows[i:i + 4 * BATCH]
+        texts += decode(model, tokenizer, [r["messages"][:-1] for r in chunk], settings[i:i + len(chunk)])
+        if progress is not None:
+            progress(len(texts), len(rows))
+    for row, text in zip(rows, texts):
+        messages, reference = row["messages"][:-1], row["messages"][-1]["content"]
         fam = family_of(row)
         c = counts.setdefault(fam, [0, 0])
         c[1] += 1
@@ -148,8 +159,6 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
             c[0] += 1
         elif len(failures.setdefault(fam, [])) < keep_failures:
             failures[fam].append({"prompt": messages[-1]["content"], "expected": reference, "got": text})
-        if progress is not None:
-            progress(i + 1, len(rows))
     correct = sum(c for c, _ in counts.values())
     total = sum(n for _, n in counts.values())
     return {
@@ -185,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m refusion_mlx.train.evaluate",
                            description="Exact-match accuracy of a model's answers to the last user turn of "
                                        "each row of a chat JSONL file, per task family.")
-    add_model_args(parser)
-    parser.add_argument("--adapter-path", help="fine-tuned adapters to apply (refusion_mlx.train's folder)")
+    add_model_args(parser)  # --model, --adapter-path, --dtype
     parser.add_argument("--data", required=True, help="chat JSONL file (rows ending with the reference answer)")
     parser.add_argument("--limit", type=int, help="evaluate the first N rows only")
     parser.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
