@@ -54,18 +54,48 @@ def preload() -> Optional[str]:
     return None
 
 
+# A forward carrying at least this many tokens (a batch of requests, a
+# prompt chunk) has matmuls big enough for every core even on a small model:
+# on the demo model, 96 rows of its MLP take 0.96 ms with one thread and
+# 0.51 ms with two.
+WIDE_ROWS = 64
+
+_small_model = False
+_threads: Optional[int] = None
+
+
 def fit_threads(hidden_size: int) -> Optional[int]:
     """One BLAS thread for small models, unless the user chose a count.
 
     Returns the thread count set, or None when nothing was changed.
     """
+    global _small_model, _threads
+    _small_model = False
     if _library is None or "OPENBLAS_NUM_THREADS" in os.environ or hidden_size > SMALL_HIDDEN:
         return None
     setter = getattr(_library, "openblas_set_num_threads", None)
     if setter is None:
         return None
     setter(1)
+    _small_model, _threads = True, 1
     return 1
+
+
+def fit_rows(rows: int) -> Optional[int]:
+    """For a small model (see ``fit_threads``): every core for a forward of
+    ``WIDE_ROWS`` tokens or more, one thread below. Returns the count in
+    force, or None when the thread count is not ours to set."""
+    if not _small_model:
+        return None
+    return _set_threads((os.cpu_count() or 1) if rows >= WIDE_ROWS else 1)
+
+
+def _set_threads(n: int) -> int:
+    global _threads
+    if n != _threads:
+        _library.openblas_set_num_threads(n)
+        _threads = n
+    return n
 
 
 def blas_in_use() -> str:

@@ -75,6 +75,28 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
     return params
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def read_text(path: str) -> str:
+    """A text file's contents, or a one-line RefusionError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise RefusionError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise RefusionError(f"{path} is not UTF-8 text") from None
+
+
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError is one line on stderr and exit 1,
     Ctrl-C is "interrupted" and exit 130 -- never a traceback."""

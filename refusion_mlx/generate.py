@@ -12,7 +12,9 @@ import sys
 from typing import List, Optional
 
 from ._callable import make_callable
-from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, run
+from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, positive_int, read_text, run
+from .decode.batch import batch_generate
+from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
 from .decode.generate import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
 from .decode.params import PARAM_NAMES, make_params
@@ -29,10 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m refusion_mlx.generate",
                            description="Generate text with a ReFusion model (slot-level plan-and-infill decoding).")
     add_model_args(parser)
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt; '-' reads standard input")
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt; '-' reads standard input")
+    prompts.add_argument("--prompts-file", metavar="FILE",
+                         help="many prompts decoded in batches: one per line, or JSONL objects with 'prompt' "
+                              "and optional per-prompt settings ('-' reads standard input)")
     parser.add_argument("--system", help="system message")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as is")
     add_decoding_args(parser)
+    parser.add_argument("--batch-size", type=positive_int, default=8,
+                        help="with --prompts-file: requests decoded together (default 8)")
     parser.add_argument("--verbose", action="store_true", help="print statistics to standard error")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, output_ids, statistics) instead of streaming")
@@ -44,6 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         params = params_from_args(args)
+        if args.prompts_file is not None:
+            return run_prompts_file(args, params)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
@@ -63,6 +73,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     return run(body)
+
+
+def run_prompts_file(args, params) -> int:
+    """Decode every prompt of ``--prompts-file`` in batches; print each
+    answer (or one JSON object per line with ``--json``) in file order.
+    Exit status 1 if any prompt failed alone (the others are still printed)."""
+    text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
+    items = parse_prompts(text, args.prompts_file, params)
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
+           for it in items]
+    results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size)
+    for i, r in enumerate(results):
+        if args.json:
+            print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,
+                              "finish_reason": r.finish_reason, "error": r.error,
+                              "stats": r.stats.as_dict() if r.stats else None}))
+        elif r.error is not None:
+            print(f"[{i}] error: {r.error}")
+        else:
+            print(f"[{i}] {r.text}")
+        if args.verbose and r.stats is not None:
+            print(f"[{i}] {format_stats(r.stats)}", file=sys.stderr)
+    failed = [i for i, r in enumerate(results) if r.error is not None]
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} prompts failed (first: [{failed[0]}] "
+              f"{results[failed[0]].error})", file=sys.stderr)
+        return 1
+    return 0
 
 
 make_callable(__name__, generate)

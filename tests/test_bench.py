@@ -185,3 +185,46 @@ def test_missing_model_one_line_exit_1(tmp_path):
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "no model folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_concurrency_levels_decode_the_same_workload(tiny_suite, tmp_path, capsys):
+    out = tmp_path / "levels.json"
+    assert bench.main(["--suite", str(tiny_suite), "--concurrency", "1,2,3", "--rounds", "2",
+                       "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    levels = report["levels"]
+    assert [lv["clients"] for lv in levels] == [1, 2, 3]
+    assert len({lv["tokens"] for lv in levels}) == 1 and levels[0]["tokens"] > 0  # same answers at every level
+    assert len({lv["requests"] for lv in levels}) == 1
+    assert levels[0]["steps"] > levels[2]["steps"]  # shared forwards: fewer steps
+    assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--concurrency", "0,2"], ["--concurrency", "x"], ["--concurrency", "2", "--rounds", "0"]])
+def test_concurrency_bad_flags(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(flags)
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_concurrency_through_the_server(tiny_suite, tmp_path):
+    out = tmp_path / "http.json"
+    assert bench.main(["--suite", str(tiny_suite), "--concurrency", "1,2", "--http", "--rounds", "1",
+                       "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["http_levels"]
+    assert [lv["clients"] for lv in levels] == [1, 2]
+    assert levels[0]["tokens"] == levels[1]["tokens"] > 0 and levels[0]["requests"] == 2
+
+
+def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
+    out = tmp_path / "conv.json"
+    assert bench.main(["--suite", str(tiny_suite), "--conversation", "3", "--json", str(out)]) == 0
+    sides = json.loads(out.read_text())["conversation"]
+    reuse, fresh = sides["reuse"], sides["no reuse"]
+    assert all(r["cached_tokens"] == 0 for r in fresh)
+    assert reuse[0]["cached_tokens"] == 0
+    for prev, row in zip(reuse, reuse[1:]):  # the previous prompt and answer come from the cache
+        assert row["cached_tokens"] >= prev["prompt_tokens"] + prev["answer_tokens"] - 2
+        assert row["prefilled_tokens"] < row["prompt_tokens"] // 2
+    assert sum(r["prefilled_tokens"] for r in reuse) < sum(r["prefilled_tokens"] for r in fresh)

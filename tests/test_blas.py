@@ -19,6 +19,17 @@ def test_small_models_get_one_blas_thread(monkeypatch):
     assert blas.fit_threads(1024) is None and fake.calls == [1]
 
 
+def test_wide_forwards_of_small_models_use_every_core(monkeypatch):
+    fake = FakeOpenBLAS()
+    monkeypatch.setattr(blas, "_library", fake)
+    monkeypatch.setattr(blas.os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert blas.fit_threads(256) == 1
+    assert blas.fit_rows(12) == 1 and blas.fit_rows(blas.WIDE_ROWS) == 4 and blas.fit_rows(100) == 4
+    assert blas.fit_rows(3) == 1 and fake.calls == [1, 4, 1]  # set only when it changes
+    assert blas.fit_threads(1024) is None and blas.fit_rows(500) is None  # big models: not ours to set
+
+
 def test_the_users_thread_count_wins(monkeypatch):
     fake = FakeOpenBLAS()
     monkeypatch.setattr(blas, "_library", fake)

@@ -114,3 +114,21 @@ def test_keep_drops_rows_and_keeps_kv(model):
     assert np.array_equal(np.array(cache.values[1][:, :, :4]), before[:, :, [0, 1, 2, 4]])
     cache.truncate(2)
     assert cache.tokens == [1, 2]
+
+
+def test_fork_copies_rows_and_leaves_the_source_alone():
+    cache = CommittedCache(num_layers=2, num_kv_heads=1, head_dim=4, step=8)
+    write = cache.extend(5)
+    kv = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
+    for i in range(2):
+        write.layer(i).update_and_fetch(kv + i, kv - i)
+    cache.commit([10, 11, 12, 13, 14], [0, 1, 2, 4, 3])
+    fork = cache.fork([0, 1, 2, 4])
+    assert fork.tokens == [10, 11, 12, 14] and fork.positions == [0, 1, 2, 3]
+    assert np.array_equal(np.array(fork.keys[1][0, 0, 3]), np.array(kv[0, 0, 4] + 1))
+    assert np.array_equal(np.array(fork.values[0][0, 0, :3]), np.array(kv[0, 0, :3]))
+    fork.commit([], [])
+    fork.reserve(20)
+    fork.keys[0][:, :, 0, :] = 0.0
+    assert len(cache) == 5 and float(cache.keys[0][0, 0, 0, 1]) == 1.0  # the source is untouched
+    assert len(cache.fork([])) == 0

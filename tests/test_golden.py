@@ -78,12 +78,12 @@ def test_cli_json_reproduces_golden(capsys, golden_cases, i):
 @pytest.mark.parametrize("i", [2, 8, 12, 16, 24, 28])
 def test_chunked_lm_head_changes_nothing(demo, golden_cases, monkeypatch, i):
     """With a logits budget of one slot per chunk, every case is still token-exact."""
-    import refusion_mlx.decode.decoder as decoder_module
+    import refusion_mlx.decode.forward as forward_module
 
     model, tokenizer = demo
     case = golden_cases[i]
     one_slot = 4 * model.args.vocab_size * case["slot_size"]
-    monkeypatch.setattr(decoder_module, "LOGITS_BUDGET_BYTES", one_slot)
+    monkeypatch.setattr(forward_module, "LOGITS_BUDGET_BYTES", one_slot)
     decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
                               mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
     for _ in decoder.steps():

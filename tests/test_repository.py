@@ -10,7 +10,7 @@ BINARY_HOMES = ("refusion_mlx/demo/", "tests/fixtures/")
 
 # A layer may import itself and the layers listed before it, never one after.
 LAYERS = [
-    {"_blas", "errors", "_callable", "_version"},
+    {"_blas", "errors", "_callable", "_version", "_json"},
     {"models"},
     {"decode"},
     {"cli"},  # shared flags and one-line errors of the commands

@@ -1,4 +1,4 @@
-"""Conversion tooling that needs PyTorch: random checkpoints, parity and memory checks.
+"""Conversion tooling that needs PyTorch: random checkpoints and the parity check.
 
-The user entry point is ``python -m refusion_mlx.convert``; see README.md here.
+The user entry point is ``python -m refusion_mlx.convert``; see docs/convert.md.
 """

@@ -127,6 +127,26 @@ class CommittedCache:
         self.tokens = [self.tokens[r] for r in rows]
         self.positions = [self.positions[r] for r in rows]
 
+    def fork(self, rows: Sequence[int]) -> "CommittedCache":
+        """A new cache holding copies of the given committed rows, in that order.
+
+        How another request starts from a conversation or system prompt this
+        cache already holds (a server's prompt cache): one copy per request,
+        made when it is admitted, never per slot or per step.
+        """
+        rows = list(rows)
+        new = CommittedCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.step)
+        if rows:
+            new.reserve(len(rows))
+            index = mx.array(rows, dtype=mx.int32)
+            for i in range(self.num_layers):
+                new.keys[i][:, :, : len(rows), :] = mx.take(self.keys[i], index, axis=2)
+                new.values[i][:, :, : len(rows), :] = mx.take(self.values[i], index, axis=2)
+            mx.eval(new.state())
+        new.tokens = [self.tokens[r] for r in rows]
+        new.positions = [self.positions[r] for r in rows]
+        return new
+
     def truncate(self, length: int) -> None:
         """Forget every committed row from ``length`` on."""
         self.keep(range(min(length, len(self))))

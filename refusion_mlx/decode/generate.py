@@ -8,37 +8,15 @@ of the answer grew) and the slots committed at that step, for visualisers.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
-from .answer import AnswerText
+from .batch import BatchGenerator, GenerationResponse
 from .cache import CommittedCache
-from .decoder import RefusionDecoder
 from .params import RefusionParams, make_params
-from .stats import DecodeStats, SlotCommit
+from .stats import DecodeStats
 
-
-@dataclass
-class GenerationResponse:
-    """One step of a streamed generation.
-
-    ``text``/``tokens``: what just became final, in answer order (may be
-    empty when the step committed slots beyond a gap). ``commits``: the slots
-    committed at this step, in commit order. The last response has
-    ``finish_reason`` ("stop": EOS; "length": budget spent) and ``stats``.
-    """
-
-    text: str
-    tokens: List[int]
-    commits: List[SlotCommit]
-    phase: str
-    step: int
-    prompt_tokens: int
-    generation_tokens: int
-    finish_reason: Optional[str] = None
-    stats: Optional[DecodeStats] = None
-
+__all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate"]
 
 
 def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, str]]], system: Optional[str] = None,
@@ -67,30 +45,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     Decoding parameters come as ``params`` or as keywords: ``max_tokens``
     (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
-    (= ``temp``), ``seed``. ``cache``: a CommittedCache to continue (chat).
+    (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
+    CommittedCache to continue (chat). A batch of one: the same loop as
+    :func:`refusion_mlx.decode.batch.batch_generate` runs.
     """
     if params is not None and kwargs:
         raise TypeError("give params or decoding keywords, not both")
-    rp = params or make_params(**kwargs)
-    ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
-    mask_id = getattr(model.args, "mask_token_id", None)
-    if mask_id is None:
-        raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
-    decoder = RefusionDecoder(model, ids, rp, mask_id=mask_id, eos_id=tokenizer.eos_token_id,
-                              cache=cache)
-    answer = AnswerText(tokenizer, decoder.response_start, decoder.eos_id)
-    held: Optional[GenerationResponse] = None
-    for n, step in enumerate(decoder.steps()):
-        tokens, text = answer.add(step.commits)
-        if held is not None:
-            yield held
-        held = GenerationResponse(text, tokens, step.commits, step.phase, n, len(ids),
-                                  len(answer.tokens))
-    held.text += answer.finish()
-    held.finish_reason = "stop" if answer.done else "length"
-    held.stats = decoder.stats
-    held.generation_tokens = len(answer.tokens)
-    yield held
+    gen = BatchGenerator(model, tokenizer, max_batch=1)
+    gen.insert(prompt, params or make_params(**kwargs), cache=cache)
+    while gen.has_work:
+        for response in gen.step():
+            if response.error is not None:
+                raise DecodeError(response.error)
+            yield response
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False,

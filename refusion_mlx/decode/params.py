@@ -8,7 +8,7 @@ from typing import List, Optional
 from ..errors import DecodeError
 
 PARAM_NAMES = ("gen_length", "slot_size", "serial_num_blocks", "block_length",
-               "slot_threshold", "token_threshold", "temperature", "seed")
+               "slot_threshold", "token_threshold", "temperature", "seed", "top_p", "top_k", "min_p")
 
 
 @dataclass
@@ -29,6 +29,10 @@ class RefusionParams:
     token_threshold: float = 0.3
     temperature: float = 0.0
     seed: Optional[int] = None
+    # filters on the planning drafts at temperature > 0 (mlx-lm's): 1.0 / 0 / 0.0 = off
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def layout(self) -> "BlockLayout":
         """Validate and resolve the budget into blocks of whole slots."""
@@ -41,6 +45,14 @@ class RefusionParams:
                 raise DecodeError(f"{name} must be within [0, 1], got {value!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise DecodeError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise DecodeError(f"top_p must be within (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise DecodeError(f"seed must be an integer, got {self.seed!r}")
         gen = -(-self.gen_length // S) * S  # rounded up to whole slots
         if self.serial_num_blocks is not None and self.block_length is not None:
             raise DecodeError("give serial_num_blocks or block_length, not both")

@@ -1,51 +1,133 @@
 """The per-token numbers the decisions are made from, kept on the device:
-planning drafts, softmax probabilities, verified next-token probabilities."""
+planning drafts, softmax probabilities, verified next-token probabilities.
+
+Every head row yields up to three numbers, computed from one ``logsumexp``
+(one reduction: no vocabulary-sized softmax copy, which is what keeps many
+parallel slots and many requests from multiplying peak memory):
+
+* ``draft``: the row's draft token -- argmax, or a Gumbel-max sample at
+  temperature > 0 (planning only);
+* ``p_draft``: the draft's probability under the plain softmax of the row;
+* ``p_follow``: the probability of a given token under the row's logits --
+  the token *after* the row's own in its slot, which is how verification
+  scores a drafted token with the logits one position before it.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-def draft_tokens(logits: mx.array, temperature: float, key: Optional[mx.array]) -> mx.array:
-    """Planning drafts: argmax, or Gumbel-max sampling at temperature > 0.
+from ..models.kernels import logsumexp
 
-    The reference draws ``exp(l) / E**T`` with E ~ Exp(1) in float64; its
-    argmax equals that of ``l / T + Gumbel`` which we form in float32 log
-    space (Metal has no float64) -- the same distribution without overflow.
-    """
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    gumbel = -mx.log(-mx.log(mx.random.uniform(shape=logits.shape, key=key)))
-    return mx.argmax(logits * (1.0 / temperature) + gumbel, axis=-1)
-
-
-def token_probs(logits: mx.array, tokens: mx.array) -> mx.array:
-    """Softmax probability of ``tokens`` under float32 ``logits`` (row-wise).
-
-    ``logsumexp`` is one reduction: no vocabulary-sized temporaries, which is
-    what keeps many parallel slots from multiplying peak memory.
-    """
-    picked = mx.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    return mx.exp(picked - mx.logsumexp(logits, axis=-1))
-
-
-def next_token_probs(logits: mx.array, tokens: mx.array) -> mx.array:
-    """Verified probability of token j under the logits at j-1, for j >= 1.
-
-    Each row is paired with the token after it, so the reductions run on the
-    whole (contiguous) logits and only the small result is shifted. Column 0
-    is left at 0: its verified probability is never used (in global
-    verification each slot's first token keeps its planning probability, in
-    infill the window's first token is accepted outright).
-    """
-    pad = mx.zeros((*tokens.shape[:-1], 1), tokens.dtype)
-    following = mx.concatenate([tokens[..., 1:], pad], axis=-1)
-    probs = token_probs(logits, following)
-    return mx.concatenate([pad.astype(mx.float32), probs[..., :-1]], axis=-1)
-
-
-# Float32 logits alive at once: the LM head runs over whole slots' rows in
+# Float32 logits alive at once: the LM head runs over the rows of a step in
 # chunks of at most this size, so many parallel slots do not multiply the
 # vocabulary-sized working set (151671 columns: ~55 rows per chunk).
 LOGITS_BUDGET_BYTES = 32 << 20
+
+
+@dataclass
+class Drafting:
+    """How one pass draws its drafts (REFUSION.md §4a, §5.3).
+
+    At temperature 0 the draft is the argmax (top-k / top-p / min-p cannot
+    change it). Above 0 it is ``argmax(filtered / T + Gumbel)``: a sample
+    from the softmax at temperature T of the logits left by mlx-lm's top-k,
+    top-p and min-p filters -- the same distribution the reference draws
+    with ``exp(l) / E**T`` in float64 when no filter is set, formed in
+    float32 log space (Metal has no float64).
+    """
+
+    temperature: float = 0.0
+    noise: Optional[mx.array] = None  # (rows, vocab) Gumbel noise at temperature > 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def scores(self, logits: mx.array, lse: mx.array, noise: mx.array) -> mx.array:
+        """What the argmax runs over, for rows of this pass."""
+        x = logits
+        filters = self._filters(logits.shape[-1])
+        if filters:
+            x = logits - lse[:, None]  # mlx-lm's filters take log-probabilities
+            for f in filters:
+                x = f(x)
+        return x * (1.0 / self.temperature) + noise
+
+    def _filters(self, vocab: int) -> list:
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        out = []
+        if 0 < self.top_p < 1.0:
+            out.append(lambda x: apply_top_p(x, self.top_p))
+        if self.min_p != 0.0:
+            out.append(lambda x: apply_min_p(x, self.min_p))
+        if 0 < self.top_k < vocab:
+            out.append(lambda x: apply_top_k(x, self.top_k))
+        return out
+
+
+def gumbel_noise(key: Optional[mx.array], rows: int, vocab: int, slot_size: int) -> mx.array:
+    """Gumbel noise for ``rows`` planning rows, one key per chunk of whole
+    slots (the chunks of the logits budget), so no two rows share noise.
+    ``key`` None: MLX's global generator (an unseeded request)."""
+    keys = mx.random.split(key, rows) if key is not None else None
+    per_chunk = slot_size * max(1, LOGITS_BUDGET_BYTES // (4 * vocab * slot_size))
+    parts = [-mx.log(-mx.log(mx.random.uniform(shape=(min(per_chunk, rows - i), vocab),
+                                               key=None if keys is None else keys[i])))
+             for i in range(0, rows, per_chunk)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def picked_probs(logits: mx.array, lse: mx.array, tokens: mx.array) -> mx.array:
+    """Softmax probability of ``tokens`` (one per row) under float32 ``logits``."""
+    picked = mx.take_along_axis(logits, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    return mx.exp(picked - lse)
+
+
+def row_statistics(logits: mx.array, first: int,
+                   drafting: Optional[Sequence[Tuple[Optional[Drafting], int]]],
+                   follow: Optional[mx.array]) -> Tuple[Optional[mx.array], ...]:
+    """(draft, p_draft, p_follow) for a chunk of head rows starting at row ``first``.
+
+    ``drafting``: each pass's Drafting (or None) and its number of head rows,
+    in row order over the whole step (None: no drafts wanted). ``follow``:
+    one token per row of this chunk (None: no verification wanted).
+    """
+    lse = logsumexp(logits)
+    draft = p_draft = p_follow = None
+    if drafting is not None:
+        draft = mx.argmax(_draft_scores(logits, lse, first, drafting), axis=-1)
+        p_draft = picked_probs(logits, lse, draft)
+    if follow is not None:
+        p_follow = picked_probs(logits, lse, follow)
+    return draft, p_draft, p_follow
+
+
+def _draft_scores(logits: mx.array, lse: mx.array, first: int,
+                  drafting: Sequence[Tuple[Optional[Drafting], int]]) -> mx.array:
+    """The logits themselves when every row of the chunk is greedy; else each
+    sampling pass's rows replaced by its scores."""
+    rows = logits.shape[0]
+    spans: List[Tuple[Optional[Drafting], int, int, int]] = []  # drafting, chunk start, end, pass row
+    start = 0
+    for d, n in drafting:
+        a, b = max(start, first), min(start + n, first + rows)
+        if a < b:
+            spans.append((d, a - first, b - first, a - start))
+        start += n
+    if all(d is None or d.greedy for d, *_ in spans):
+        return logits
+    parts = []
+    for d, a, b, own in spans:
+        if d is None or d.greedy:
+            parts.append(logits[a:b])
+        else:
+            parts.append(d.scores(logits[a:b], lse[a:b], d.noise[own:own + b - a]))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)

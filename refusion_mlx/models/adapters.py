@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .._json import read_json_object
 from ..errors import LoadError, RefusionError
 from .qwen3 import FUSED, Linear
 
@@ -110,12 +111,7 @@ def read_adapter_config(folder: Union[str, Path]) -> dict:
         raise LoadError(f"{folder} has no {ADAPTER_CONFIG}")
     if not (folder / ADAPTER_FILE).is_file():
         raise LoadError(f"{folder} has no {ADAPTER_FILE}")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoadError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise LoadError(f"{path} is not a JSON object")
+    config = read_json_object(path)
     kind = config.get("fine_tune_type", "lora")
     if kind not in FINE_TUNE_TYPES:
         raise LoadError(f"{path}: fine_tune_type must be one of {', '.join(FINE_TUNE_TYPES)}, got {kind!r}")

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import _blas
+from .._json import read_json_object
 from ..errors import ConfigError, LoadError
 from .qwen3 import Model, ModelArgs
 
@@ -59,13 +60,7 @@ def read_config(model_path: Path) -> Dict[str, Any]:
     config_file = model_path / "config.json"
     if not config_file.is_file():
         raise LoadError(f"{model_path} has no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoadError(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise LoadError(f"{config_file} is not a JSON object")
-    return config
+    return read_json_object(config_file)
 
 
 def model_args(config: Dict[str, Any]) -> ModelArgs:

@@ -18,10 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
+from .kernels import silu_gate, softmax
 
 
 @dataclass
@@ -178,7 +178,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     B, H, T, D = q.shape
     K = k.shape[1]
     scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
-    probs = mx.softmax(scores + mask, axis=-1, precise=True)
+    probs = softmax(scores + mask)
     return (probs @ v).reshape(B, H, T, D)
 
 
@@ -192,6 +192,15 @@ def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype
     groups = heads // kv_heads
     mask = mx.broadcast_to(mask[None], (groups, *mask.shape)).reshape(groups * mask.shape[0], -1)
     return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
+
+
+def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
+    """``mask`` ("causal" or boolean (T, L)) in the form :func:`attend` takes
+    on this device: as is for the GPU's fused kernel, grouped and additive on
+    the CPU. Made once per forward (or once per request of a packed batch)."""
+    if mx.default_device() == mx.gpu:
+        return mask
+    return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
 
 
 class _Derived:
@@ -260,9 +269,12 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        if kv is not None:
-            k, v = kv.update_and_fetch(k, v)
-        out = attend(q, k, v, mask)
+        if kv is not None and hasattr(kv, "attend"):  # a packed batch: each request attends alone
+            out = kv.attend(q, k, v)
+        else:
+            if kv is not None:
+                k, v = kv.update_and_fetch(k, v)
+            out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
     def head_scale(self) -> mx.array:
@@ -291,7 +303,7 @@ class MLP(nn.Module):
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(silu_gate(gate, up))
 
 
 # Projections that read the same input, fused into one matmul at load time.
@@ -352,7 +364,7 @@ class Model(nn.Module):
     """Qwen3 causal LM whose forward takes the position id of every token.
 
     ``cache`` is ``None`` (plain causal pass) or a ``KVWrite`` from
-    :mod:`refusion_mlx.cache` that says where this pass's keys and values go
+    :mod:`refusion_mlx.decode.cache` that says where this pass's keys and values go
     and which cached rows each query may see.
     """
 
@@ -379,9 +391,9 @@ class Model(nn.Module):
         T = h.shape[0]
         rope = self.rope.angles(positions.reshape(-1))
         mask = "causal" if cache is None else cache.mask
-        if mx.default_device() != mx.gpu:
-            mask = grouped_mask(mask, T, T if cache is None else cache.visible,
-                                self.args.num_attention_heads, self.args.num_key_value_heads, h.dtype)
+        if mask is not None:  # None: a packed batch, whose requests bring their own masks
+            mask = attention_mask(mask, T, T if cache is None else cache.visible,
+                                  self.args.num_attention_heads, self.args.num_key_value_heads, h.dtype)
         # Start computing every few layers while Python builds the next ones:
         # ReFusion syncs at each decision, so this is where graph building can
         # overlap with compute (+6% tokens/s on the demo model, CPU).
@@ -396,10 +408,8 @@ class Model(nn.Module):
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)
         rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
-        mask = "causal"
-        if mx.default_device() != mx.gpu:
-            mask = grouped_mask(mask, T, T, self.args.num_attention_heads,
-                                self.args.num_key_value_heads, h.dtype)
+        mask = attention_mask("causal", T, T, self.args.num_attention_heads,
+                              self.args.num_key_value_heads, h.dtype)
         for layer in self.model.layers:
             h = layer(h, rope, mask)
         return self.model.norm(h)

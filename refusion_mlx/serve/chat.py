@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO
 
 from ..errors import RefusionError
+from .prompt_cache import common_prefix
 
 
 # --------------------------------------------------------------------------
@@ -47,21 +48,6 @@ class TurnRecord:
                 "prefill_tokens": self.prefill_tokens, "reused_tokens": self.reused_tokens,
                 "answer_tokens": self.answer_tokens, "finish_reason": self.finish_reason,
                 "seconds": round(self.seconds, 4), "decode": self.stats.as_dict()}
-
-
-def common_prefix(cache, ids: Sequence[int]) -> tuple:
-    """(n, rows): the cache's rows for positions 0..n-1, whose tokens equal ids[:n].
-
-    The cache holds rows in commit order; in position order they are the
-    conversation so far. A gap in the positions ends the usable prefix.
-    """
-    rows = sorted(range(len(cache.tokens)), key=lambda r: cache.positions[r])
-    n = 0
-    for i, r in enumerate(rows):
-        if i >= len(ids) or cache.positions[r] != i or cache.tokens[r] != ids[i]:
-            break
-        n = i + 1
-    return n, rows[:n]
 
 
 class ChatSession:

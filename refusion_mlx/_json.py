@@ -1,0 +1,21 @@
+"""Reading the small JSON files users hand us (config.json, adapter configs,
+benchmark suites): every way one can be broken is one line, never a traceback."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Type
+
+from .errors import LoadError, RefusionError
+
+
+def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict[str, Any]:
+    """The JSON object in ``path``; ``error`` for unreadable, invalid or non-object files."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} is not a JSON object")
+    return data

@@ -1,0 +1,261 @@
+"""Many requests decoded together: one forward per step carries the next pass
+of every active request (continuous batching).
+
+Each request keeps its own decoder loop and its own committed cache (grown
+in place, never copied per slot or per step); requests in different phases
+(plan, verify, infill) and with different settings share every forward
+through :func:`refusion_mlx.decode.forward.run_passes`, which keeps each
+request's attention to its own rows. The decisions are the ones the request
+would make alone: a request's answer does not depend on its neighbours.
+
+New requests wait in a queue and join at a step boundary (up to
+``max_batch`` active); finished and removed ones leave at the next step and
+their memory goes with them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from ..errors import DecodeError, RefusionError
+from .answer import AnswerText
+from .cache import CommittedCache
+from .decoder import RefusionDecoder
+from .forward import run_passes
+from .params import RefusionParams, make_params
+from .stats import DecodeStats, SlotCommit
+
+
+@dataclass
+class GenerationResponse:
+    """One step of a streamed generation.
+
+    ``text``/``tokens``: what just became final, in answer order (may be
+    empty when the step committed slots beyond a gap). ``commits``: the slots
+    committed at this step, in commit order. The last response of a request
+    has ``finish_reason`` ("stop": EOS; "length": budget spent; "error": it
+    failed alone, ``error`` says why), ``stats`` and ``cache`` (its committed
+    cache, settled to prompt + answer, for reuse by a later request).
+    """
+
+    text: str
+    tokens: List[int]
+    commits: List[SlotCommit]
+    phase: str
+    step: int
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: Optional[str] = None
+    stats: Optional[DecodeStats] = None
+    uid: int = 0
+    cache: Optional[CommittedCache] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class _Request:
+    """One request of the batch: its decoder loop and its answer text."""
+
+    uid: int
+    decoder: RefusionDecoder
+    answer: AnswerText
+    steps: int = 0
+
+    def response(self, step=None, final: bool = False) -> GenerationResponse:
+        tokens, text = self.answer.add(step.commits) if step is not None else ([], "")
+        r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
+                               self.steps, len(self.decoder.prompt), len(self.answer.tokens), uid=self.uid)
+        self.steps += step is not None
+        if final:
+            r.text += self.answer.finish()
+            r.finish_reason = "stop" if self.answer.done else "length"
+            r.stats = self.decoder.stats
+            r.generation_tokens = len(self.answer.tokens)
+            r.cache = self.decoder.cache
+        return r
+
+    def failure(self, message: str) -> GenerationResponse:
+        return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
+                                  len(self.answer.tokens), finish_reason="error",
+                                  stats=self.decoder.stats, uid=self.uid, error=message)
+
+
+class BatchGenerator:
+    """Continuous batching of ReFusion requests.
+
+    ``insert`` validates a request and queues it; ``step`` runs one forward
+    over every active request and returns their responses; ``remove``
+    cancels one. One thread drives it (MLX is not shared across threads).
+    """
+
+    def __init__(self, model, tokenizer, max_batch: int = 8):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
+        mask_id = getattr(model.args, "mask_token_id", None)
+        if mask_id is None:
+            raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)
+        self.waiting: Deque[_Request] = deque()
+        self.active: List[_Request] = []
+        self._next_uid = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
+               cache: Optional[CommittedCache] = None) -> int:
+        """Queue a request; returns its uid. Bad settings or a prompt over the
+        context raise ``DecodeError`` here, before anything is queued.
+
+        ``prompt``: text (tokenized as is) or ids; with ``cache`` (a
+        conversation so far, which the request then owns), only the new ids.
+        """
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
+                                  eos_id=self.eos_id, cache=cache)
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        self.waiting.append(_Request(uid, decoder, AnswerText(self.tokenizer, decoder.response_start,
+                                                              self.eos_id)))
+        return uid
+
+    def remove(self, uid: int) -> bool:
+        """Cancel a request (queued or active); True if it was there."""
+        for queue in (self.waiting, self.active):
+            for r in list(queue):
+                if r.uid == uid:
+                    queue.remove(r)
+                    r.decoder.close()
+                    return True
+        return False
+
+    def step(self) -> List[GenerationResponse]:
+        """One forward over every active request; their responses of this step."""
+        if not self.active and self.waiting:
+            mx.reset_peak_memory()  # the peak of this busy period
+        while self.waiting and len(self.active) < self.max_batch:
+            self.active.append(self.waiting.popleft())
+        if not self.active:
+            return []
+        out: List[GenerationResponse] = []
+        passes, running = [], []
+        for r in self.active:
+            try:
+                passes.append(r.decoder.next_pass())
+                running.append(r)
+            except Exception as e:  # a failure of this request's own loop: it fails alone
+                out.append(r.failure(_message(e)))
+        t0 = time.perf_counter()
+        try:
+            results = run_passes(self.model, passes) if passes else []
+        except Exception as e:  # the shared forward failed (e.g. out of memory): all of it fails
+            out += [r.failure(_message(e)) for r in running]
+            self.active = []
+            return out
+        seconds = time.perf_counter() - t0
+        for r, result in zip(running, results):
+            try:
+                out += self._advance(r, result, seconds)
+            except Exception as e:
+                out.append(r.failure(_message(e)))
+        done = {o.uid for o in out if o.finish_reason is not None}
+        self.active = [r for r in self.active if r.uid not in done]
+        return out
+
+    def _advance(self, r: _Request, result, seconds: float) -> List[GenerationResponse]:
+        steps = r.decoder.take(result, seconds)
+        out = [r.response(s) for s in steps[:-1]]
+        if r.decoder.done:
+            r.decoder.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            out.append(r.response(steps[-1] if steps else None, final=True))
+        elif steps:
+            out.append(r.response(steps[-1]))
+        return out
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, RefusionError):
+        return str(e)
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+# --------------------------------------------------------------------------
+# Whole answers for a list of prompts
+
+
+@dataclass
+class BatchResult:
+    """One prompt's whole answer: text, response ids in position order
+    through the first EOS, why it finished, its statistics (and the error
+    of a request that failed alone)."""
+
+    text: str = ""
+    output_ids: List[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stats: Optional[DecodeStats] = None
+    prompt_ids: List[int] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
+                   params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
+                   max_batch: int = 8, **kwargs) -> List[BatchResult]:
+    """Decode many prompts together; one result per prompt, in order.
+
+    ``prompts``: strings (tokenized as is) or token-id lists. ``params``: one
+    RefusionParams for all, a list with one per prompt, or decoding keywords
+    as in ``generate`` (``max_tokens``, ``slot_size``, ...). A prompt that
+    cannot be decoded (over the context, bad settings) gets a result with
+    ``finish_reason`` "error" and the message in ``error``; the rest finish.
+    """
+    ids = _prompt_ids(tokenizer, prompts)
+    results = [BatchResult(prompt_ids=i) for i in ids]
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, **kwargs):
+        r = results[index]
+        r.text += response.text
+        r.output_ids += response.tokens
+        if response.finish_reason is not None:
+            r.finish_reason, r.stats, r.error = response.finish_reason, response.stats, response.error
+    return results
+
+
+def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
+                 params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
+                 max_batch: int = 8, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
+    """Like ``batch_generate``, streaming: yields ``(index, response)`` as
+    each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
+    per_prompt = _params_per_prompt(params, kwargs, len(prompts))
+    gen = BatchGenerator(model, tokenizer, max_batch=max_batch)
+    index: Dict[int, int] = {}
+    for i, (ids, p) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt)):
+        try:
+            index[gen.insert(ids, p)] = i
+        except RefusionError as e:  # this prompt fails alone
+            yield i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
+    while gen.has_work:
+        for response in gen.step():
+            response.cache = None  # not kept: the batch's caches would outlive their requests
+            yield index[response.uid], response
+
+
+def _prompt_ids(tokenizer, prompts) -> List[List[int]]:
+    return [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+
+def _params_per_prompt(params, kwargs, n: int) -> List[RefusionParams]:
+    if params is not None and kwargs:
+        raise TypeError("give params or decoding keywords, not both")
+    if params is None:
+        return [make_params(**kwargs)] * n
+    if isinstance(params, RefusionParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise DecodeError(f"{len(params)} parameter sets for {n} prompts")
+    return params

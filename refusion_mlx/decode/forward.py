@@ -1,0 +1,193 @@
+"""One forward pass over the next pass of every active request.
+
+Each request asks for a :class:`Pass`: the tokens it feeds, their positions,
+where its keys and values go in *its own* committed cache (a ``KVWrite``) and
+what it needs from the LM head. :func:`run_passes` packs the passes of many
+requests into one sequence, so every weight is read once per step, while
+attention stays per request (:class:`PackedWrite`): each request's queries
+see its own committed rows and its own pass, exactly as if it ran alone
+(REFUSION.md §3-§4). The LM head runs once over the rows every request needs,
+in chunks that bound the vocabulary-sized working set, and one evaluation
+then serves the whole batch: one host synchronisation per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import _blas
+from ..models.qwen3 import attend, attention_mask
+from .cache import KVWrite
+from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
+
+
+@dataclass
+class HeadOutput:
+    """Per head row of one pass: the draft token and its probability, and the
+    probability of the pass's ``follow`` token (device arrays)."""
+
+    draft: Optional[mx.array]
+    p_draft: Optional[mx.array]
+    p_follow: Optional[mx.array]
+
+
+# derive(head) -> (values fetched to the host, values kept on the device)
+Derive = Callable[[HeadOutput], Tuple[Dict[str, mx.array], Dict[str, mx.array]]]
+
+
+@dataclass
+class Pass:
+    """What one request feeds to the next forward, and what it wants back.
+
+    ``head_rows``: how many of the last rows go through the LM head (0: none,
+    e.g. a prefill chunk). ``drafting``: how drafts are drawn on those rows
+    (None: no drafts wanted). ``follow``: for each head row, the token whose
+    probability it should give (verification), or None. ``derive`` turns
+    the head's rows into the values the request's decision needs.
+    """
+
+    phase: str
+    tokens: mx.array
+    positions: mx.array
+    write: KVWrite
+    head_rows: int = 0
+    drafting: Optional[Drafting] = None
+    follow: Optional[mx.array] = None
+    derive: Optional[Derive] = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class PassResult:
+    """A pass's derived values: numpy arrays for the host, mx arrays kept."""
+
+    host: Dict[str, np.ndarray] = field(default_factory=dict)
+    device: Dict[str, mx.array] = field(default_factory=dict)
+
+    def __getitem__(self, name: str):
+        return self.host[name] if name in self.host else self.device[name]
+
+
+class PackedWrite:
+    """The KV writes of several requests' passes in one forward.
+
+    Rows ``[offset, offset + n)`` of the packed sequence belong to one
+    request: they write into that request's cache and attend to it alone.
+    Masks are made once per forward, on first use, in the form the
+    attention kernel of this device takes.
+    """
+
+    def __init__(self, writes: Sequence[KVWrite], lengths: Sequence[int]):
+        offsets = np.cumsum([0, *lengths]).tolist()
+        self.segments = [(w, offsets[i], offsets[i + 1]) for i, w in enumerate(writes)]
+        self.mask = None  # Model.hidden: no shared mask, each segment has its own
+        self._masks: Optional[List] = None
+
+    def layer(self, i: int) -> "_PackedLayer":
+        return _PackedLayer(self, i)
+
+    def masks(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> List:
+        if self._masks is None:
+            self._masks = [attention_mask(w.mask, end - start, w.visible, heads, kv_heads, dtype)
+                           for w, start, end in self.segments]
+        return self._masks
+
+
+class _PackedLayer:
+    __slots__ = ("packed", "index")
+
+    def __init__(self, packed: PackedWrite, index: int):
+        self.packed, self.index = packed, index
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Each segment's queries over its own cache and pass only."""
+        masks = self.packed.masks(q.shape[1], k.shape[1], q.dtype)
+        outs = []
+        for (write, start, end), mask in zip(self.packed.segments, masks):
+            keys, values = write.layer(self.index).update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+            outs.append(attend(q[:, :, start:end], keys, values, mask))
+        return mx.concatenate(outs, axis=2)
+
+
+def forward(model, passes: Sequence[Pass]) -> mx.array:
+    """Hidden states (N, dim) of all passes, packed in order."""
+    tokens = passes[0].tokens if len(passes) == 1 else mx.concatenate([p.tokens for p in passes])
+    positions = passes[0].positions if len(passes) == 1 else mx.concatenate([p.positions for p in passes])
+    write = passes[0].write if len(passes) == 1 else PackedWrite([p.write for p in passes],
+                                                               [len(p) for p in passes])
+    return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write)[0]
+
+
+def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Optional[HeadOutput]]:
+    """The LM head over every pass's head rows, in chunks; split back per pass."""
+    spans, start = [], 0
+    for p in passes:
+        end = start + len(p)
+        spans.append((end - p.head_rows, end) if p.head_rows else None)
+        start = end
+    wanted = [(p, s) for p, s in zip(passes, spans) if s is not None]
+    if not wanted:
+        return [None] * len(passes)
+    rows = [s for _, s in wanted]
+    if len(rows) == 1:
+        head_hidden = hidden[rows[0][0]:rows[0][1]]
+    else:
+        head_hidden = mx.concatenate([hidden[a:b] for a, b in rows])
+    want_draft = any(p.drafting is not None for p, _ in wanted)
+    want_follow = any(p.follow is not None for p, _ in wanted)
+    drafting = [(p.drafting, p.head_rows) for p, _ in wanted]
+    follow = None
+    if want_follow:
+        follow = mx.concatenate([p.follow if p.follow is not None else mx.zeros((p.head_rows,), mx.int32)
+                                 for p, _ in wanted]) if len(wanted) > 1 else wanted[0][0].follow
+    vocab = model.args.vocab_size
+    per_chunk = max(1, LOGITS_BUDGET_BYTES // (4 * vocab))
+    total = head_hidden.shape[0]
+    parts = []
+    for i in range(0, total, per_chunk):
+        logits = model.head(head_hidden[i:i + per_chunk])
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
+        parts.append(row_statistics(logits, i, drafting if want_draft else None,
+                                    None if follow is None else follow[i:i + per_chunk]))
+    draft, p_draft, p_follow = (
+        (mx.concatenate(col) if len(col) > 1 else col[0]) if col[0] is not None else None
+        for col in zip(*parts))
+    out: List[Optional[HeadOutput]] = []
+    at = 0
+    for s in spans:
+        if s is None:
+            out.append(None)
+            continue
+        n = s[1] - s[0]
+        pick = (lambda a: None if a is None else a[at:at + n])
+        out.append(HeadOutput(pick(draft), pick(p_draft), pick(p_follow)))
+        at += n
+    return out
+
+
+def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
+    """One forward over all passes, the head, and one evaluation for all.
+
+    Returns each pass's derived values; host values are numpy arrays (the
+    one host synchronisation of the step), device values stay on the device
+    (evaluated, so what they were computed from can be freed).
+    """
+    _blas.fit_rows(sum(len(p) for p in passes))
+    hidden = forward(model, passes)
+    heads = head_outputs(model, hidden, passes)
+    derived = []
+    for p, h in zip(passes, heads):
+        derived.append(p.derive(h) if p.derive is not None else ({}, {}))
+    to_eval = [a for host, device in derived for a in (*host.values(), *device.values())]
+    for p in passes:
+        if p.derive is None:  # a prefill chunk: materialise its cache's new rows now
+            to_eval += p.write.cache.state()
+    mx.eval(*to_eval)
+    return [PassResult({k: np.array(v) for k, v in host.items()}, device) for host, device in derived]

@@ -1,0 +1,75 @@
+"""A file of many prompts for batch decoding.
+
+Plain text: one prompt per non-empty line. JSONL (the first non-empty line
+starts with ``{``): one object per line with ``prompt`` (a string, or chat
+``messages``) and optional per-prompt decoding settings under the names of
+:class:`RefusionParams` (``max_tokens`` and ``temp`` are aliases), layered
+over the command line's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Dict, List, Union
+
+from ..errors import DecodeError, RefusionError
+from .params import PARAM_NAMES, RefusionParams
+
+ALIASES = {"max_tokens": "gen_length", "temp": "temperature"}
+
+
+@dataclass
+class PromptItem:
+    prompt: Union[str, List[Dict[str, str]]]
+    params: RefusionParams
+
+
+def parse_prompts(text: str, source: str, defaults: RefusionParams) -> List[PromptItem]:
+    """The prompts of a file, each with its settings; a bad line is a
+    one-line RefusionError naming it."""
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise RefusionError(f"{source}: no prompts")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [PromptItem(line, defaults) for _, line in lines]
+    return [_json_item(n, line, source, defaults) for n, line in lines]
+
+
+def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> PromptItem:
+    where = f"{source}:{n}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RefusionError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise RefusionError(f"{where}: expected a JSON object")
+    prompt = obj.pop("prompt", None)
+    messages = obj.pop("messages", None)
+    if (prompt is None) == (messages is None):
+        raise RefusionError(f"{where}: give 'prompt' (a string) or 'messages'")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise RefusionError(f"{where}: 'prompt' must be a non-empty string")
+    if messages is not None and not _valid_messages(messages):
+        raise RefusionError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+    settings = {ALIASES.get(k, k): v for k, v in obj.items()}
+    unknown = sorted(set(settings) - set(PARAM_NAMES))
+    if unknown:
+        raise RefusionError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    if settings.get("serial_num_blocks") is not None:
+        settings.setdefault("block_length", None)
+    elif settings.get("block_length") is not None:
+        settings.setdefault("serial_num_blocks", None)
+    params = dataclasses.replace(defaults, **settings)
+    try:
+        params.layout()
+    except DecodeError as e:
+        raise RefusionError(f"{where}: {e}") from None
+    return PromptItem(prompt if prompt is not None else messages, params)
+
+
+def _valid_messages(messages) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)

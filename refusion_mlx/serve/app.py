@@ -1,0 +1,246 @@
+"""The HTTP layer: FastAPI routes over the engine.
+
+Handlers run on uvicorn's event loop: pydantic validates the body, a worker
+thread tokenizes, the engine gets a Job and the handler awaits its events.
+Every error is OpenAI's envelope ``{"error": {message, type, param, code}}``;
+a stream carries only final text, in answer order, as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+import weakref
+from typing import List
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from .._version import __version__
+from .engine import Job
+from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
+
+log = logging.getLogger("refusion_mlx.server")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer."""
+
+
+def as_api_error(request: Request, exc: Exception) -> APIError:
+    """Any 4xx as an APIError: pydantic's first complaint names its field (``messages[0].role: ...``)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, HTTPException):
+        path, method = request.url.path, request.method
+        status = exc.status_code
+        message = {404: f"no route for {method} {path}", 405: f"{path} does not take {method}"}.get(status)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        return APIError(status, message or str(exc.detail), code=code)
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
+                        code="invalid_json")
+    param = ""
+    for part in err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    kind = err["type"]
+    code = {"missing": "missing_required_parameter", "unsupported_parameter": kind}.get(kind) or (
+        "invalid_type" if kind.endswith("_type") else "invalid_value")
+    message = " ".join(err["msg"].removeprefix("Value error, ").split())
+    param = err.get("ctx", {}).get("field") or param  # a field refused before validation
+    return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), error.status, headers={"Retry-After": "1"} if error.status == 503 else None)
+
+
+class BodyLimit:
+    """ASGI middleware: a POST needs a Content-Length within the limit (411,
+    413); its body is read as JSON whatever the Content-Type (``curl -d``)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        length = dict(headers).get(b"content-length")  # a number: h11 refuses others
+        if length is None:
+            error = APIError(411, "a Content-Length header is required", code="length_required")
+        elif int(length) > self.max_bytes:
+            left, deadline = min(int(length), 64 << 20), time.monotonic() + 5
+            while left > 0 and time.monotonic() < deadline:  # read it, or the client sees a reset, not the 413
+                message = await receive()
+                left = left - len(message.get("body", b"")) if message.get("more_body") else 0
+            error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
+                             code="request_too_large")
+        else:
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            return await self.app(scope, receive, send)
+        await error_response(error)(scope, receive, send)
+
+
+def create_app(server) -> FastAPI:
+    """The FastAPI app of a RefusionServer (its engine, model id, defaults and limits)."""
+    engine = server.engine
+    app = FastAPI(title="refusion-mlx", version=__version__,
+                  description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
+    app.add_middleware(BodyLimit, max_bytes=server.max_body_bytes)
+    if server.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
+
+    async def on_error(request: Request, exc: Exception):
+        return error_response(as_api_error(request, exc))
+
+    for exc in (APIError, HTTPException, RequestValidationError):
+        app.add_exception_handler(exc, on_error)
+
+    def card() -> dict:
+        return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
+
+    @app.get("/v1/models")
+    @app.get("/models", include_in_schema=False)
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != server.model_id:
+            raise APIError(404, f"model {name!r} is not served here (this server serves {server.model_id!r})",
+                           "model", "model_not_found")
+        return card()
+
+    @app.get("/health")
+    @app.get("/v1/health", include_in_schema=False)
+    async def health():
+        """Queue, batch, counters and the prompt cache's size."""
+        return {"status": "ok" if engine.alive else "stopping", "model": server.model_id, **engine.snapshot()}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions", include_in_schema=False)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await complete(request, body, "chat")
+
+    @app.post("/v1/completions")
+    @app.post("/completions", include_in_schema=False)
+    async def completions(body: CompletionRequest, request: Request):
+        return await complete(request, body, "text")
+
+    def tokenize(source) -> List[int]:
+        from ..decode.generate import chat_prompt
+
+        if isinstance(source, list) and isinstance(source[0], int):
+            return source
+        with engine.tokenizer_lock:
+            if isinstance(source, list):
+                return chat_prompt(engine.http_tokenizer, source)
+            return list(engine.http_tokenizer.encode(source))
+
+    def to_request(body, kind):
+        return prepare(body, kind, tokenize, defaults=server.defaults, default_max_tokens=server.default_max_tokens,
+                       context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
+
+    async def next_event(job: Job, request: Request) -> tuple:
+        """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone() from None
+                continue
+            if event[0] == "error":
+                raise event[1]
+            return event
+
+    async def complete(request: Request, body, kind: str):
+        t0 = time.perf_counter()
+        job = Job(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
+        engine.submit(job)
+        head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * job.request.stream,
+                "created": int(time.time()), "model": server.model_id, "system_fingerprint": server.fingerprint}
+        try:
+            await next_event(job, request)  # admitted to the batch: the decoder took it
+            if job.request.stream:
+                events = sse(job, kind, head, t0)
+                weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
+                job = None  # the stream owns it now
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            pieces, event = [], ("start", None)
+            while event[0] != "done":
+                event = await next_event(job, request)
+                pieces += [event[1]] if event[0] == "text" else []
+            done, text = event[1], "".join(pieces)
+            choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None,
+                      **({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})}
+            _log(request.url.path, t0, done)
+            return {**head, "choices": [choice], "usage": done["usage"]}
+        except ClientGone:
+            _log(request.url.path, t0, "client went away")
+            return Response(status_code=499)
+        finally:
+            if job is not None:
+                job.cancelled.set()  # no-op once it finished; frees the generation when the client left
+
+    async def sse(job: Job, kind: str, head: dict, t0: float):
+        """One chunk per piece of final text, in order; the finish (and usage); [DONE]."""
+        def chunk(text, finish=None, role: bool = False) -> dict:
+            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if kind == "chat":
+                choice["delta"] = {**({"role": "assistant"} if role else {}),
+                                   **({"content": text} if text is not None else {})}
+            else:
+                choice["text"] = text or ""
+            return {**head, "choices": [choice]}
+
+        note = "client went away"
+        try:
+            if kind == "chat":
+                yield data(chunk("", role=True))
+            while True:
+                what, payload = await job.events.get()
+                if what == "text":
+                    yield data(chunk(payload))
+                elif what == "error":
+                    note = payload.message
+                    yield data(payload.body())
+                    break
+                elif what == "done":
+                    note, usage, last = payload, payload["usage"], chunk(None, payload["finish_reason"])
+                    if job.request.include_usage:  # OpenAI's shape: usage in a chunk of its own
+                        yield data(last) + data({**head, "choices": [], "usage": usage})
+                    else:
+                        yield data({**last, "usage": usage})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()
+            _log("stream", t0, note)
+
+    return app
+
+
+def data(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _log(what: str, t0: float, note) -> None:
+    if isinstance(note, dict):
+        u, s = note["usage"], note["stats"]
+        note = (f"prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
+                f"completion={u['completion_tokens']} finish={note['finish_reason']}"
+                + (f" steps={s['steps']} tokens/forward={s['tokens_per_forward']:.2f}" if s else ""))
+    log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)

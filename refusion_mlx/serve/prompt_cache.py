@@ -1,0 +1,107 @@
+"""Committed caches kept across requests: a conversation's next turn, or a
+system prompt many requests share, continues from cached keys and values
+instead of prefilling them again.
+
+An entry is a CommittedCache compacted to its rows in position order (the
+conversation: prompt, then answer). A lookup finds the entry with the
+longest common prefix with a new prompt and hands the request its own copy
+of those rows (``CommittedCache.fork``), so entries are never written to and
+any number of requests can start from one. Entries are evicted least
+recently used first, beyond a byte budget (``CommittedCache.nbytes``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+PREFILL_STEP = 512  # tokens per prefill pass, as the decoder's own prefill
+
+
+def ordered(cache) -> Tuple[List[int], List[int]]:
+    """(tokens, rows): the cache's rows for positions 0, 1, 2, ... up to the first gap."""
+    rows = sorted(range(len(cache.tokens)), key=lambda r: cache.positions[r])
+    n = next((i for i, r in enumerate(rows) if cache.positions[r] != i), len(rows))
+    return [cache.tokens[r] for r in rows[:n]], rows[:n]
+
+
+def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def common_prefix(cache, ids: Sequence[int]) -> tuple:
+    """(n, rows): the cache's rows for positions 0..n-1, whose tokens equal ids[:n].
+
+    The cache holds rows in commit order; in position order they are the
+    conversation so far. A gap in the positions ends the usable prefix.
+    """
+    tokens, rows = ordered(cache)
+    n = prefix_length(tokens, ids)
+    return n, rows[:n]
+
+
+def prefill(model, cache, ids: Sequence[int]) -> None:
+    """Append ``ids`` (positions after the cache's) to ``cache`` as committed rows."""
+    import mlx.core as mx
+
+    from ..decode.forward import Pass, run_passes
+
+    for i in range(0, len(ids), PREFILL_STEP):
+        chunk = list(ids[i:i + PREFILL_STEP])
+        positions = list(range(len(cache), len(cache) + len(chunk)))
+        run_passes(model, [Pass("prefill", mx.array(chunk, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
+                                cache.extend(len(chunk)))])
+        cache.commit(chunk, positions)
+
+
+class PromptCache:
+    """An LRU of committed caches keyed by their tokens in position order."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: "OrderedDict[tuple, object]" = OrderedDict()  # tokens -> compact cache, oldest use first
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, ids: Sequence[int], running: Iterable = ()) -> Tuple[int, Optional[object]]:
+        """(n, cache): a copy of the cached rows of ``ids[:n]`` (None when n is 0).
+
+        ``running``: caches of requests still decoding, whose committed rows
+        (a prompt prefilled a step ago) count too. At least one token of
+        ``ids`` is left to prefill: the decoder's first pass needs one.
+        """
+        sources = [(tokens, cache, None) for tokens, cache in self.entries.items()]
+        sources += [(tokens, c, rows) for c in running for tokens, rows in [ordered(c)]]
+        best, n = None, 0
+        for source in sources:
+            m = prefix_length(source[0], ids)
+            if m > n:
+                best, n = source, m
+        n = min(n, len(ids) - 1)
+        if best is None or n <= 0:
+            return 0, None
+        tokens, cache, rows = best
+        if rows is None:  # an entry: rows in position order
+            self.entries.move_to_end(tokens)
+        return n, cache.fork(range(n) if rows is None else rows[:n])
+
+    def insert(self, cache) -> None:
+        """Keep a compact copy of ``cache`` (a finished request's, or a prefix
+        prefilled for many); entries it extends are dropped, then the least
+        recently used ones beyond the byte budget."""
+        tokens, rows = ordered(cache)
+        if self.max_bytes <= 0 or not tokens:
+            return
+        for old in [t for t in self.entries if t == tuple(tokens[:len(t)])]:
+            self.nbytes -= self.entries.pop(old).nbytes
+        self.entries[tuple(tokens)] = entry = cache.fork(rows)
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
