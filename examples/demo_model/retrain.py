@@ -20,7 +20,6 @@ About 45 minutes on a 2-core CPU (OpenBLAS, float32 training).
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -57,8 +56,12 @@ def main() -> int:
         resume = str(adapters / "adapters.safetensors")
     fused = fuse(DEMO_MODEL, work / f"stage{len(STAGES)}", work / "fused", dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
-    if args.install:
-        shutil.copy(fused / "model.safetensors", DEMO_MODEL / "model.safetensors")
+    if args.install:  # one bfloat16 file, as the demo has always been stored
+        import mlx.core as mx
+
+        weights = mx.load(str(fused / "model.safetensors"))
+        mx.save_safetensors(str(DEMO_MODEL / "model.safetensors"),
+                            {k: v.astype(mx.bfloat16) for k, v in weights.items()}, metadata={"format": "pt"})
         print(f"installed into {DEMO_MODEL}")
     return 0
 
