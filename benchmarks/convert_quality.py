@@ -25,7 +25,9 @@ import numpy as np
 from refusion_mlx.convert import convert
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
-from refusion_mlx.models.loading import DEMO_MODEL, load
+from refusion_mlx.models.loading import load
+
+FIXTURE_MODEL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny-refusion"  # the golden cases' model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 VARIANTS = {
@@ -76,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants.split(","):
-            s = convert(DEMO_MODEL, Path(tmp) / name, progress=False, **VARIANTS[name])
+            s = convert(FIXTURE_MODEL, Path(tmp) / name, progress=False, **VARIANTS[name])
             agree, total = top1(s.path, logits)
             print(f"| {name} | {golden_exact(s.path, cases)}/{len(cases)} | {agree}/{total} "
                   f"| {s.bytes_after / 1e6:.2f} | {s.bits_per_weight:.2f} |", flush=True)

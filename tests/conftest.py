@@ -7,15 +7,15 @@ import refusion_mlx  # noqa: F401  (before mlx.core)
 import numpy as np
 import pytest
 
-from refusion_mlx.models.loading import DEMO_MODEL, load
+from refusion_mlx.models.loading import load
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="session")
 def demo():
-    """The bundled demo model in float32 and its tokenizer."""
-    return load(DEMO_MODEL, dtype="float32")
+    """The golden fixture model (the demo model the reference decoded) in float32."""
+    return load(FIXTURES / "tiny-refusion", dtype="float32")
 
 
 @pytest.fixture(scope="session")

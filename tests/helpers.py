@@ -11,6 +11,10 @@ from mlx.utils import tree_flatten
 from refusion_mlx.models.qwen3 import Model, ModelArgs
 from refusion_mlx.models.loading import DEMO_MODEL
 
+# The model the golden outputs and logits were made with: the demo model as it
+# was before it was retrained to converse (the package's demo may change).
+FIXTURE_MODEL = Path(__file__).parent / "fixtures" / "tiny-refusion"
+
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
                    "generation_config.json"]

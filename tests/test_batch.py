@@ -12,6 +12,8 @@ from refusion_mlx.decode.batch import BatchGenerator, batch_generate, stream_bat
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.errors import DecodeError
 
+from helpers import FIXTURE_MODEL
+
 
 def params_of(case):
     return RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
@@ -146,8 +148,9 @@ def test_prompts_file_cli(tmp_path, golden_cases):
                          "token_threshold": c["token_threshold"]}) for c in cases]
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(lines) + "\n")
-    r = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", str(f), "--json",
-                        "--batch-size", "3"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL),
+                        "--prompts-file", str(f), "--json", "--batch-size", "3"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["output_ids"] for row in rows] == [c["output_ids"] for c in cases]

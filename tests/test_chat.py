@@ -14,6 +14,8 @@ import pytest
 from refusion_mlx.serve.chat import ChatSession, SlotView, Terminal, common_prefix, repl
 from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.errors import RefusionError
+
+from helpers import FIXTURE_MODEL
 from refusion_mlx.generate import GenerationResponse, make_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,8 @@ def background(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-cli")
     trace = folder / "trace.json"
     runs = {
-        "chat": Background(folder, "chat", [sys.executable, "-m", "refusion_mlx.chat", "--max-tokens", "48",
+        "chat": Background(folder, "chat", [sys.executable, "-m", "refusion_mlx.chat", "--model", str(FIXTURE_MODEL),
+                                            "--max-tokens", "48",
                                             "--block-length", "16", "--visualize", "--frame-time", "0",
                                             "--trace", str(trace)],
                            "Count from 17 to 38.\n/stats\n/reset\nWho is Sven?\n"),
@@ -58,7 +61,7 @@ def background(tmp_path_factory):
 def loaded():
     from refusion_mlx.models.loading import load
 
-    return load()
+    return load(FIXTURE_MODEL)
 
 
 def session(loaded, reuse=True, **params):

@@ -19,10 +19,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 import convert_helpers as h
+from helpers import FIXTURE_MODEL
 from torch_tools.make_checkpoint import make_checkpoint
 from refusion_mlx.convert import converter as conv
 from refusion_mlx.errors import LoadError, RefusionError
-from refusion_mlx.models.loading import DEMO_MODEL, load
+from refusion_mlx.models.loading import load
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,7 @@ def demo_out(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     variants = {"f32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"), "fp16": dict(dtype="float16"),
                 "q8": dict(quantize=True, q_bits=8), "q4": dict(quantize=True, q_bits=4)}
-    return {name: conv.convert(DEMO_MODEL, root / name, progress=False, **kw)
+    return {name: conv.convert(FIXTURE_MODEL, root / name, progress=False, **kw)
             for name, kw in variants.items()}
 
 
@@ -77,7 +78,7 @@ def test_float32_conversion_reproduces_every_golden_case(demo_out, golden_cases,
 
 def test_float32_conversion_is_bit_exact(demo_out):
     converted, _ = load(demo_out["f32"].path, dtype="float32")
-    original, _ = load(DEMO_MODEL, dtype="float32")
+    original, _ = load(FIXTURE_MODEL, dtype="float32")
     a, b = dict(tree_flatten(converted.parameters())), dict(tree_flatten(original.parameters()))
     assert a.keys() == b.keys()
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
@@ -202,17 +203,17 @@ def test_output_folder_contents(demo_out):
 def test_recipes_keep_embeddings_and_head_at_higher_precision(tmp_path):
     import mlx_lm
 
-    s = conv.convert(DEMO_MODEL, tmp_path / "e8", quant_predicate="embed_8", progress=False)
+    s = conv.convert(FIXTURE_MODEL, tmp_path / "e8", quant_predicate="embed_8", progress=False)
     config = json.loads((tmp_path / "e8" / "config.json").read_text())["quantization"]
     assert config["model.embed_tokens"]["bits"] == config["lm_head"]["bits"] == 8 and config["bits"] == 4
     model, _ = load(tmp_path / "e8", fuse=False)
     assert model.lm_head.bits == 8 and model.model.layers[0].self_attn.q_proj.bits == 4
     assert mlx_lm.load(str(tmp_path / "e8"))[0].model.embed_tokens.bits == 8
-    conv.convert(DEMO_MODEL, tmp_path / "fp", quant_predicate="embed_fp", progress=False)
+    conv.convert(FIXTURE_MODEL, tmp_path / "fp", quant_predicate="embed_fp", progress=False)
     model, _ = load(tmp_path / "fp", fuse=False)
     assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
     assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
-    conv.convert(DEMO_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)
+    conv.convert(FIXTURE_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)
     assert load(tmp_path / "m46")[0].lm_head.bits == 6
     assert s.bits_per_weight > 4.6  # 8-bit edges cost more than uniform 4-bit's 4.5
 
@@ -232,7 +233,7 @@ def test_shards_are_split_and_indexed(tmp_path, monkeypatch):
     import mlx_lm
 
     monkeypatch.setattr(conv, "MAX_SHARD_GB", 0)  # every tensor in a shard of its own
-    conv.convert(DEMO_MODEL, tmp_path / "out", quantize=True, q_bits=8, progress=False)
+    conv.convert(FIXTURE_MODEL, tmp_path / "out", quantize=True, q_bits=8, progress=False)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 40 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -243,7 +244,7 @@ def test_shards_are_split_and_indexed(tmp_path, monkeypatch):
 
 
 def test_other_quantization_modes(tmp_path):
-    conv.convert(DEMO_MODEL, tmp_path / "mx", q_mode="mxfp4", progress=False)
+    conv.convert(FIXTURE_MODEL, tmp_path / "mx", q_mode="mxfp4", progress=False)
     model, _ = load(tmp_path / "mx", dtype="float32")
     assert model.lm_head.mode == "mxfp4"
     out = model(mx.array([[800, 265, 198]]), mx.arange(3))
@@ -297,7 +298,7 @@ def test_malformed_checkpoint_one_line_error_and_no_destination(tmp_path, capsys
                                    ["--q-mode", "nvfp4", "--q-group-size", "64"],
                                    ["--quant-predicate", "nonsense"], ["--q-mode", "mxfp4", "--quant-predicate", "mixed_3_6"]])
 def test_invalid_flags_exit_2_in_one_line(tmp_path, capsys, flags):
-    code, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", tmp_path / "out", *flags)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "out", *flags)
     assert code == 2 and len(err) == 1 and "error:" in err[0], err
     assert not (tmp_path / "out").exists()
 
@@ -338,10 +339,10 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    code, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst)
     assert code == 1 and len(err) == 1 and "--force" in err[0]
     assert (dst / "keep.txt").read_text() == "mine"
-    code, _, out = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst, "--force", "-q")
+    code, _, out = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force", "-q")
     assert code == 0 and "bits per weight" in out
     assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
     code, err, _ = h.run_cli(capsys, "--hf-path", dst, "--mlx-path", dst, "--force")
@@ -349,12 +350,12 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     assert (dst / "config.json").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", empty)[0] == 0
+    assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", empty)[0] == 0
 
 
 def test_failed_force_keeps_the_old_destination(tmp_path, capsys):
     dst = tmp_path / "out"
-    conv.convert(DEMO_MODEL, dst, progress=False)
+    conv.convert(FIXTURE_MODEL, dst, progress=False)
     src = make_checkpoint(tmp_path / "bad", "tiny", "safetensors")
     h.truncate(src)
     code, _, _ = h.run_cli(capsys, "--hf-path", src, "--mlx-path", dst, "--force")
@@ -384,7 +385,7 @@ def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, 
 
     monkeypatch.setattr(ShardWriter, "write", write_then_fail)
     dst = tmp_path / "out"
-    rc, err, _ = h.run_cli(capsys, "--hf-path", DEMO_MODEL, "--mlx-path", dst)
+    rc, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst)
     assert rc == code and message in err[-1] and len(written) == 5, err
     assert h.leftovers(dst) == []
 
@@ -408,7 +409,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
     import mlx_lm
 
     runs = {sig: tmp_path / f"out-{sig.name}" for sig in (signal.SIGKILL, signal.SIGTERM)}
-    procs = {sig: subprocess.Popen([sys.executable, "-c", SLOW_CONVERTER, "--hf-path", str(DEMO_MODEL),
+    procs = {sig: subprocess.Popen([sys.executable, "-c", SLOW_CONVERTER, "--hf-path", str(FIXTURE_MODEL),
                                     "--mlx-path", str(dst)], cwd=REPO, stderr=subprocess.PIPE, text=True)
              for sig, dst in runs.items()}
     for sig, proc in procs.items():
@@ -433,7 +434,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
                 load(staging)
             with pytest.raises(Exception):
                 mlx_lm.load(str(staging))
-            conv.convert(DEMO_MODEL, dst, progress=False)  # ...and the next run clears it away
+            conv.convert(FIXTURE_MODEL, dst, progress=False)  # ...and the next run clears it away
             assert h.leftovers(dst) == [dst.name]
 
 
@@ -452,5 +453,5 @@ def test_parity_tool_against_transformers(tiny, tmp_path):
 
 def test_python_api_raises_before_writing(tmp_path):
     with pytest.raises(RefusionError, match="--q-bits"):
-        conv.convert(DEMO_MODEL, tmp_path / "out", quantize=True, q_bits=5)
+        conv.convert(FIXTURE_MODEL, tmp_path / "out", quantize=True, q_bits=5)
     assert not (tmp_path / "out").exists()

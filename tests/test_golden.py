@@ -9,6 +9,8 @@ from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.generate import chat_prompt, main, stream_generate
 
+from helpers import FIXTURE_MODEL
+
 CASE_IDS = list(range(32))
 
 
@@ -58,7 +60,7 @@ def test_streamed_text_is_the_golden_text(demo, golden_cases, i):
 def test_cli_json_reproduces_golden(capsys, golden_cases, i):
     """The judged interface: python -m refusion_mlx.generate --json (float32, T=0)."""
     case = golden_cases[i]
-    code = main(["--prompt", case["prompt"], "--dtype", "float32", "--json",
+    code = main(["--model", str(FIXTURE_MODEL), "--prompt", case["prompt"], "--dtype", "float32", "--json",
                  "--max-tokens", str(case["gen_length"]), "--slot-size", str(case["slot_size"]),
                  "--serial-num-blocks", str(case["serial_num_blocks"]),
                  "--slot-threshold", str(case["slot_threshold"]),

@@ -6,9 +6,9 @@ import pytest
 
 from refusion_mlx.errors import ConfigError
 from refusion_mlx.models.qwen3 import ModelArgs
-from refusion_mlx.models.loading import DEMO_MODEL, load
+from refusion_mlx.models.loading import load
 
-from helpers import random_config, random_model
+from helpers import FIXTURE_MODEL, random_config, random_model
 
 
 @pytest.mark.parametrize("kind", ["plain", "slots"])
@@ -30,7 +30,7 @@ def test_shuffled_positions_change_the_logits(demo, golden_logits):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_keeps_top1(golden_logits, dtype):
-    model, _ = load(DEMO_MODEL, dtype=dtype)
+    model, _ = load(FIXTURE_MODEL, dtype=dtype)
     for kind in ("plain", "slots"):
         ids = mx.array(golden_logits[f"{kind}_input_ids"])[None]
         out = model(ids, mx.array(golden_logits[f"{kind}_position_ids"]))
@@ -91,8 +91,8 @@ def test_hf_checkpoint_logits_match_transformers(tmp_path, variant):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     import shutil
     for name in TOKENIZER_FILES:
-        if (DEMO_MODEL / name).exists():
-            shutil.copy(DEMO_MODEL / name, tmp_path / name)
+        if (FIXTURE_MODEL / name).exists():
+            shutil.copy(FIXTURE_MODEL / name, tmp_path / name)
     model, tokenizer = load(tmp_path, dtype="float32")
     assert model.args.mask_token_id == 805
     rng = np.random.default_rng(0)

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+
+from helpers import FIXTURE_MODEL
 import pytest
 
 from refusion_mlx.serve.server import RefusionServer, TextShaper
@@ -67,7 +69,7 @@ def expected():
     from refusion_mlx.models.loading import load
     from refusion_mlx.serve.chat import ChatSession
 
-    model, tok = load()
+    model, tok = load(FIXTURE_MODEL)
     out = {}
     for p in PROMPTS:
         for n in (MAX_TOKENS, SHORT):
@@ -86,7 +88,7 @@ def expected():
 
 @pytest.fixture(scope="module")
 def server(expected):
-    srv = RefusionServer(port=0).start()
+    srv = RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0).start()
     yield srv
     srv.close()
 
@@ -355,7 +357,7 @@ def test_lru_eviction_under_a_tiny_budget():
 
 def test_tiny_prompt_cache_budget_evicts(expected):
     """--prompt-cache-bytes bounds the cache: with room for one conversation, another evicts it."""
-    with RefusionServer(port=0, prompt_cache_bytes=(3 << 20) // 2) as srv:
+    with RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, prompt_cache_bytes=(3 << 20) // 2) as srv:
         c = openai.OpenAI(base_url=srv.url, api_key="local", max_retries=0, timeout=60)
         first = [chat(c, p, max_tokens=SHORT).usage.prompt_tokens_details.cached_tokens
                  for p in (PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0])]
