@@ -255,6 +255,32 @@ def test_dora_and_full(tmp_path, tok):
         np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
 
 
+def test_train_embeddings_saves_loads_and_fuses(tmp_path, tok):
+    folder = tmp_path / "emb"
+    base, _ = load(DEMO_MODEL, dtype="float32")
+    model, _, _ = fine_tune(adapter_path=str(folder), iters=3, learning_rate=1e-3, train_embeddings=True,
+                            report=lambda _: None, **QUICK)
+    weights = mx.load(str(folder / "adapters.safetensors"))
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(weights)
+    assert json.loads((folder / "adapter_config.json").read_text())["train_embeddings"] is True
+    moved = np.abs(np.array(weights["lm_head.weight"]) - np.array(base.lm_head.weight)).max()
+    assert moved > 1e-4  # the head trained, not only the LoRA layers
+    loaded, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
+    ids, pos = sequence(tok)
+    np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
+    from refusion_mlx.fuse import fuse
+
+    fused, _ = load(fuse(None, folder, tmp_path / "fused", dtype="float32"), dtype="float32")
+    np.testing.assert_allclose(logits_of(fused, ids, pos), logits_of(model, ids, pos), atol=1e-4)
+    # a LoRA folder that holds a head without saying train_embeddings is refused, in one line
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["train_embeddings"] = False
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(RefusionError, match=r"lm_head.weight: not an adapter parameter") as e:
+        load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
+    assert "\n" not in str(e.value)
+
+
 # --------------------------------------------------------------------------
 # QLoRA
 
@@ -294,6 +320,9 @@ def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
     assert isinstance(requant.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     agree = (logits_of(requant, ids, pos).argmax(-1) == logits_of(model, ids, pos).argmax(-1)).mean()
     assert agree > 0.8
+    with pytest.raises(RefusionError, match="unquantized embedding"):  # a quantized head cannot train
+        fine_tune(model=str(q4), adapter_path=str(tmp_path / "qe"), iters=1, train_embeddings=True,
+                  report=lambda _: None, **options)
 
 
 def test_dequantizing_matmuls_compute_the_same_products():

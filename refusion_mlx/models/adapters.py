@@ -7,7 +7,9 @@ parameters under the model's own names). The layers are mlx-lm's
 (``mlx_lm.tuner``): ``LoRALinear`` / ``DoRALinear`` wrapped around the
 model's ``Linear`` or ``nn.QuantizedLinear`` (QLoRA: the base stays
 quantized). The same folder therefore loads with ``mlx_lm.load(...,
-adapter_path=...)``.
+adapter_path=...)``, except one trained with ``train_embeddings`` (it also
+holds the embedding, final norm and head, which mlx-lm's loader refuses in
+a LoRA folder; fuse it, and both load the result).
 
 Adapters need the separate projections (q_proj, k_proj, v_proj, gate_proj,
 up_proj): load the model with ``fuse=False``, apply, and only then fuse the
@@ -37,6 +39,10 @@ FINE_TUNE_TYPES = ("lora", "dora", "full")
 LORA_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LORA_DEFAULTS = {"rank": 8, "scale": 20.0, "dropout": 0.0}
+# what ``train_embeddings`` adds to the trained set: the token embedding, the
+# final norm and the LM head (model-level names' prefixes)
+EMBEDDING_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
 
 
 def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
@@ -71,12 +77,16 @@ def check_num_layers(model, num_layers: int) -> None:
         raise RefusionError(f"num_layers must be -1 (all) or 1..{n} for this {n}-layer model, got {num_layers!r}")
 
 
-def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[dict] = None) -> None:
+def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[dict] = None,
+                 train_embeddings: bool = False) -> None:
     """Make the last ``num_layers`` blocks trainable (-1: all), the rest frozen.
 
     lora / dora: mlx-lm's layers wrap the projections named by ``params['keys']``
     (the base, quantized or not, stays frozen). full: the blocks' own weights
-    train (not the embedding or the head); a quantized block cannot.
+    train; a quantized block cannot. ``train_embeddings`` also trains the
+    token embedding, the final norm and the head (unquantized only): a task
+    whose tokens the model rarely produced needs their rows to move, which
+    a small model's blocks alone learn several times slower.
     """
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -93,12 +103,24 @@ def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[d
                                 "use --fine-tune-type lora or dora on a quantized model (QLoRA)")
         for block in blocks:
             block.unfreeze()
-        return
-    params = dict(params or lora_parameters())
-    try:
-        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
-    except (KeyError, ValueError) as e:
-        raise RefusionError(f"cannot add {fine_tune_type} layers: {e}") from None
+    else:
+        params = dict(params or lora_parameters())
+        try:
+            linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
+        except (KeyError, ValueError) as e:
+            raise RefusionError(f"cannot add {fine_tune_type} layers: {e}") from None
+    if train_embeddings:
+        for module in embedding_modules(model):
+            if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                raise RefusionError("train_embeddings needs an unquantized embedding and head "
+                                    "(this model is quantized)")
+            module.unfreeze()
+
+
+def embedding_modules(model) -> list:
+    """The modules ``train_embeddings`` trains (a tied head is the embedding itself)."""
+    modules = dict(model.named_modules())
+    return [modules[name] for name in EMBEDDING_MODULES if name in modules]
 
 
 def read_adapter_config(folder: Union[str, Path]) -> dict:
@@ -128,12 +150,11 @@ def read_adapter_config(folder: Union[str, Path]) -> dict:
 def load_adapters(model, adapter_path: Union[str, Path]):
     """Apply the adapters of a folder to an unfused model (in place) and return it.
 
-    The layers are built by mlx-lm's ``load_adapters`` from the config; every
-    tensor of ``adapters.safetensors`` must be an adapter parameter of that
-    shape. Errors are one-line ``LoadError``s.
+    The LoRA/DoRA layers are mlx-lm's, built from the config; every tensor
+    of ``adapters.safetensors`` must be an adapter parameter of that shape
+    (or, with ``train_embeddings``, an embedding, final-norm or head
+    weight). Errors are one-line ``LoadError``s.
     """
-    from mlx_lm.tuner.utils import load_adapters as mlx_lm_load_adapters
-
     folder = Path(adapter_path).expanduser()
     config = read_adapter_config(folder)
     try:
@@ -145,15 +166,38 @@ def load_adapters(model, adapter_path: Union[str, Path]):
             isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
         raise LoadError(f"{folder} holds fully fine-tuned weights; they cannot go into a quantized model")
     try:
-        mx.load(str(folder / ADAPTER_FILE))
+        weights = mx.load(str(folder / ADAPTER_FILE))
     except Exception as e:
         raise LoadError(f"{folder / ADAPTER_FILE} is not a readable safetensors file: {e}") from None
-    try:
-        mlx_lm_load_adapters(model, str(folder))
-    except (ValueError, KeyError, TypeError) as e:
-        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        raise LoadError(f"{folder}: {message}") from None
+    kind = config.get("fine_tune_type", "lora")
+    if kind != "full":
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        try:
+            linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"], use_dora=kind == "dora")
+        except (KeyError, ValueError, TypeError) as e:
+            raise LoadError(f"{folder}: cannot add {kind} layers: {e}") from None
+    params = dict(tree_flatten(model.parameters()))
+    errors = [f"{name}: {problem}" for name, w in weights.items()
+              for problem in [_adapter_tensor_problem(name, w, params, kind, config.get("train_embeddings", False))]
+              if problem]
+    if errors:
+        raise LoadError(f"{folder / ADAPTER_FILE}: {'; '.join(errors[:3])}"
+                        + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
+    model.load_weights(list(weights.items()), strict=False)
     return model
+
+
+def _adapter_tensor_problem(name: str, w: mx.array, params: Dict[str, mx.array], kind: str,
+                            embeddings: bool) -> Optional[str]:
+    """Why ``name`` cannot be loaded from an adapter file (None: it can)."""
+    allowed = kind == "full" or name.rsplit(".", 1)[-1] in ADAPTER_LEAVES or (
+        embeddings and any(name.startswith(m + ".") for m in EMBEDDING_MODULES))
+    if not allowed or name not in params:
+        return "not an adapter parameter of this model"
+    if w.shape != params[name].shape:
+        return f"shape {tuple(w.shape)} does not match the model's {tuple(params[name].shape)}"
+    return None
 
 
 def has_adapters(model) -> bool:

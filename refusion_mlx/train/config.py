@@ -44,6 +44,9 @@ OPTIONS: Dict[str, Option] = {
     "optimizer": Option(str, "adam", "adam or adamw (default: adam)", ("adam", "adamw")),
     "num_layers": Option(int, None, f"blocks to fine-tune, counted from the last; -1: all "
                                     f"(default: {DEFAULT_NUM_LAYERS}, or all of a smaller model)"),
+    "train_embeddings": Option(bool, False, "also train the token embedding, final norm and LM head (new "
+                                            "tokens and formats learn several times faster on small models; "
+                                            "unquantized only)"),
     "rank": Option(int, LORA_DEFAULTS["rank"], "LoRA/DoRA rank (default: 8)"),
     "batch_size": Option(int, 4, "sequences per step (default: 4)"),
     "iters": Option(int, 1000, "training steps (default: 1000; 0 with --test only evaluates)"),

@@ -112,7 +112,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
 
     mx.random.seed(o["seed"])
     np.random.seed(o["seed"])
-    add_adapters(model, o["fine_tune_type"], num_layers, o["lora_parameters"])
+    add_adapters(model, o["fine_tune_type"], num_layers, o["lora_parameters"], o["train_embeddings"])
     if o["resume_adapter_file"]:
         report(f"Loading fine-tuned weights from {o['resume_adapter_file']}")
         load_resume(model, o["resume_adapter_file"])
