@@ -255,6 +255,26 @@ def test_dora_and_full(tmp_path, tok):
         np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
 
 
+def test_replay_mixes_the_known_tasks_in(tmp_path, tok):
+    from refusion_mlx.train import with_replay
+    from refusion_mlx.train.dataset import replay_records
+
+    new = [Record([1], [2, 801], "new")] * 10
+    old = replay_records(DATA, tok)
+    mixed = with_replay(new, old, 1.5, seed=0)
+    assert len(mixed) == 25 and mixed[:10] == new
+    assert len({id(r) for r in mixed[10:]}) == 15  # drawn without repeats while the pool lasts
+    assert with_replay(new, old, 1.5, seed=0) == mixed  # reproducible
+    assert len(with_replay(new, old[:3], 2.0, seed=0)) == 30  # a small pool repeats
+    lines = []
+    fine_tune(adapter_path=str(tmp_path / "r"), iters=1, replay_data=str(DATA / "train.jsonl"), replay_ratio=0.5,
+              report=lines.append, **QUICK)
+    assert any(line.startswith("Replaying") for line in lines)
+    with pytest.raises(RefusionError, match="--replay-data .*no such file"):
+        fine_tune(adapter_path=str(tmp_path / "r2"), iters=1, replay_data=str(tmp_path / "none"),
+                  report=lambda _: None, **QUICK)
+
+
 def test_train_embeddings_saves_loads_and_fuses(tmp_path, tok):
     folder = tmp_path / "emb"
     base, _ = load(DEMO_MODEL, dtype="float32")
@@ -380,6 +400,7 @@ def test_yaml_config_and_flags(tmp_path, capsys):
     (["--data", str(DATA), "--iters", "ten"], "invalid int value"),
     (["--data", str(DATA), "--num-layers", "0"], "--num-layers must be -1"),
     (["--data", str(DATA), "--config", "/nonexistent.yaml"], "no such file"),
+    (["--data", str(DATA), "--replay-ratio", "-0.5"], "--replay-ratio must be at least 0"),
 ])
 def test_usage_errors(argv, message, capsys):
     code, err = cli(argv, capsys)

@@ -46,12 +46,31 @@ def doubling_row(rng: random.Random) -> dict:
                "doubling")
 
 
-GENERATORS = {"capitals": capitals_row, "doubling": doubling_row}
+def dashes_row(rng: random.Random) -> dict:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(3, 7))]
+    return row("Join the words with dashes: " + " ".join(words), "-".join(words), "dashes")
+
+
+def commas_row(rng: random.Random) -> dict:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(3, 7))]
+    return row("Put commas between the words: " + " ".join(words), ", ".join(words), "commas")
+
+
+def parity_row(rng: random.Random) -> dict:
+    n = rng.randint(0, 9999)
+    return row(f"Is {n} even or odd?", f"{n} is {'odd' if n % 2 else 'even'}.", "parity")
+
+
+GENERATORS = {"capitals": capitals_row, "commas": commas_row, "dashes": dashes_row, "doubling": doubling_row,
+              "parity": parity_row}
 
 
 def new_family(rng: random.Random, n: int, taken: set, family: str = "capitals") -> list:
-    rows = []
+    rows, tries = [], 0
     while len(rows) < n:
+        tries += 1
+        if tries > 100 * n + 10000:
+            raise SystemExit(f"{family}: not enough distinct prompts for {n} more rows")
         r = GENERATORS[family](rng)
         prompt = r["messages"][0]["content"]
         if prompt not in taken:
@@ -86,13 +105,15 @@ def make(out: Path, seed: int = 0, n_train: int = 1500, n_valid: int = 60, n_tes
     train_new = new_family(rng, n_train, taken, family)
     valid_new = new_family(rng, n_valid, taken, family)
     old = read_jsonl(SAMPLE / "replay.jsonl")
-    k = min(len(old) - 40, int(round(replay * n_train)))
     rng.shuffle(old)
-    train = train_new + old[:k]
+    old_valid, pool = old[-40:], old[:-40]   # 40 replay rows for the trainer's validation loss
+    k = int(round(replay * n_train))
+    replayed = pool[:k] + [rng.choice(pool) for _ in range(k - len(pool))]  # repeats once the pool is used
+    train = train_new + replayed
     rng.shuffle(train)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "valid.jsonl", valid_new + old[-40:])
+    write_jsonl(out / "valid.jsonl", valid_new + old_valid)
     write_jsonl(out / "test.jsonl", test)
     write_jsonl(out / "old_valid.jsonl", read_jsonl(SAMPLE / "old_valid.jsonl"))
     return {"train": len(train), "train_new": len(train_new), "replay": k, "test": len(test)}

@@ -47,6 +47,9 @@ OPTIONS: Dict[str, Option] = {
     "train_embeddings": Option(bool, False, "also train the token embedding, final norm and LM head (new "
                                             "tokens and formats learn several times faster on small models; "
                                             "unquantized only)"),
+    "replay_data": Option(str, None, "rows of the tasks the model already knows (a data folder's train.jsonl "
+                                     "or a JSONL file), mixed into training so they are not forgotten"),
+    "replay_ratio": Option(float, 1.0, "replayed rows per training row with --replay-data (default: 1.0)"),
     "rank": Option(int, LORA_DEFAULTS["rank"], "LoRA/DoRA rank (default: 8)"),
     "batch_size": Option(int, 4, "sequences per step (default: 4)"),
     "iters": Option(int, 1000, "training steps (default: 1000; 0 with --test only evaluates)"),
@@ -163,6 +166,8 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     for name in ("val_batches", "test_batches"):
         if v[name] < -1:
             raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
+    if not v["replay_ratio"] >= 0:
+        raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
     if not v["learning_rate"] > 0:
         raise OptionError(f"--learning-rate must be positive, got {v['learning_rate']}")
     if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):

@@ -118,6 +118,37 @@ def load_split(data: Path, name: str, tokenizer, required: bool) -> Optional[Lis
     return records
 
 
+def replay_records(source, tokenizer) -> List[Record]:
+    """The rows to replay: ``train.jsonl`` of a data folder, or a JSONL file."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / "train.jsonl"
+    if not path.is_file():
+        raise RefusionError(f"--replay-data {source}: no such file or folder with train.jsonl")
+    records = read_jsonl(path, tokenizer)
+    if not records:
+        raise RefusionError(f"--replay-data {path} holds no examples")
+    return records
+
+
+def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: int) -> List[Record]:
+    """``train`` plus ``ratio`` replayed rows per training row, drawn once from ``seed``.
+
+    Rehearsing the tasks a model already knows while it learns a new one is
+    what keeps a full fine-tune from erasing them. Rows repeat only when
+    ``replay`` is smaller than the draw.
+    """
+    import numpy as np
+
+    if ratio < 0:
+        raise RefusionError(f"--replay-ratio must be at least 0, got {ratio}")
+    k = int(round(ratio * len(train)))
+    rng = np.random.default_rng(seed)
+    picks = rng.permutation(len(replay))[:k].tolist()
+    picks += rng.integers(0, len(replay), size=k - len(picks)).tolist()
+    return list(train) + [replay[i] for i in picks]
+
+
 def load_datasets(data, tokenizer, test: bool = False, train: bool = True
                   ) -> Tuple[Optional[List[Record]], Optional[List[Record]], Optional[List[Record]]]:
     """(train, valid, test) records of a data folder.

@@ -16,7 +16,7 @@ from ..models.adapters import add_adapters
 from ..models.loading import load
 from .batches import fit_length
 from .config import DEFAULT_NUM_LAYERS, merge
-from .dataset import load_datasets
+from .dataset import load_datasets, replay_records, with_replay
 from .examples import EPSILON, SLOT_SIZES
 from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train, write_adapter_config
 
@@ -101,6 +101,10 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     num_layers = resolve_num_layers(o["num_layers"], len(model.layers))
     report("Loading datasets")
     train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training)
+    if o["replay_data"] and training:
+        before = len(train_set)
+        train_set = with_replay(train_set, replay_records(o["replay_data"], tokenizer), o["replay_ratio"], o["seed"])
+        report(f"Replaying {len(train_set) - before} rows of {o['replay_data']} among {before} training rows")
     cut = sum(fit_length(s, o["max_seq_length"]) for s in (train_set, valid_set, test_set) if s)
     if cut:
         report(f"[WARNING] {cut} responses were cut to fit --max-seq-length {o['max_seq_length']}")
