@@ -1,11 +1,13 @@
-"""Teach the demo model a task family it has never seen, without erasing the ones it knows.
+"""Teach the fixture model a task family it has never seen, without erasing the ones it knows.
 
-1. ``make_data.py``: the new family (train / valid / unseen test prompts) plus a
-   replay sample of the old task mix;
-2. measure the demo model before: the new family's test prompts and the old
+1. ``make_data.py``: the new family (train / valid / unseen test prompts); the
+   old task mix's replay sample (``data/replay.jsonl``) is mixed in by the
+   trainer (``--replay-data``, one old row per new row);
+2. measure the model before (``--model``, default the test fixture: the
+   demo's original weights, trained on the shared task mix): the new family's test prompts and the old
    families' 500 validation rows (``refusion_mlx.train.evaluate``);
-3. fine-tune with ``refusion_mlx.train`` (the trainer's defaults, or
-   ``--config recipe.yaml`` and any trainer option as a flag after ``--``);
+3. fine-tune with ``refusion_mlx.train`` (``recipe.yaml``: a full fine-tune
+   with the embeddings, 2000 steps; any trainer option as a flag after ``--``);
 4. measure again with the adapters, fuse them (``refusion_mlx.fuse``) and
    check the fused folder answers the same;
 5. print the before/after table, the targets (new family >= 85% exact, old
@@ -56,7 +58,9 @@ def measure(model, tokenizer, new_rows, old_rows):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="new_family_run", help="working folder (data, adapters, fused model)")
-    ap.add_argument("--family", default="capitals", choices=sorted(make_data.GENERATORS))
+    ap.add_argument("--model", default=str(HERE.parents[1] / "tests" / "fixtures" / "tiny-refusion"),
+                    help="the model to teach (default: the test fixture, trained on the task mix)")
+    ap.add_argument("--family", default="parity", choices=sorted(make_data.GENERATORS))
     ap.add_argument("--config", default=str(HERE / "recipe.yaml"),
                     help="trainer YAML recipe ('none': the trainer's defaults)")
     ap.add_argument("--seed", type=int, default=0)
@@ -69,15 +73,15 @@ def main() -> int:
     start = time.perf_counter()
     out = Path(args.out)
     data = out / "data"
-    print("data:", make_data.make(data, seed=args.seed, n_test=args.n_test, family=args.family))
+    print("data:", make_data.make(data, seed=args.seed, n_test=args.n_test, family=args.family, replay=0.0))
     new_rows, old_rows = read_rows(data / "test.jsonl"), read_rows(data / "old_valid.jsonl")
 
-    model, tokenizer = load(dtype="float32")
+    model, tokenizer = load(args.model, dtype="float32")
     before = measure(model, tokenizer, new_rows, old_rows)
     del model
     print(f"before: {time.perf_counter() - start:.0f} s")
 
-    options = trainer_options(extra)
+    options = {"model": args.model, "replay_data": str(make_data.SAMPLE / "replay.jsonl"), **trainer_options(extra)}
     if args.config != "none":
         options["config"] = args.config
     t0 = time.perf_counter()
@@ -85,13 +89,13 @@ def main() -> int:
                        report=lambda s: print(s, flush=True), **options)
     train_s = time.perf_counter() - t0
 
-    model, tokenizer = load(dtype="float32", adapter_path=out / "adapters")
+    model, tokenizer = load(args.model, dtype="float32", adapter_path=out / "adapters")
     after = measure(model, tokenizer, new_rows, old_rows)
     fused_same = None
     if not args.no_fuse:
         from refusion_mlx.fuse import fuse
 
-        fused_dir = fuse(None, out / "adapters", out / "fused", force=True)
+        fused_dir = fuse(args.model, out / "adapters", out / "fused", force=True)
         fmodel, ftok = load(fused_dir, dtype="float32")
         fused = exact_match(fmodel, ftok, new_rows[:50])
         fused_same = fused["correct"], fused["total"]
