@@ -7,7 +7,7 @@
    demo's original weights, trained on the shared task mix): the new family's test prompts and the old
    families' 500 validation rows (``refusion_mlx.train.evaluate``);
 3. fine-tune with ``refusion_mlx.train`` (``recipe.yaml``: a full fine-tune
-   with the embeddings, 2000 steps; any trainer option as a flag after ``--``);
+   with the embeddings, 1500 steps; any trainer option as a flag after ``--``);
 4. measure again with the adapters, fuse them (``refusion_mlx.fuse``) and
    check the fused folder answers the same;
 5. print the before/after table, the targets (new family >= 85% exact, old
@@ -85,7 +85,7 @@ def main() -> int:
     if args.config != "none":
         options["config"] = args.config
     t0 = time.perf_counter()
-    result = fine_tune(data=str(data), adapter_path=str(out / "adapters"), progress=False,
+    _, _, result = fine_tune(data=str(data), adapter_path=str(out / "adapters"), progress=False,
                        report=lambda s: print(s, flush=True), **options)
     train_s = time.perf_counter() - t0
 
