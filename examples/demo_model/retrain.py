@@ -1,6 +1,7 @@
 """Retrain the bundled demo model to hold a conversation, with refusion_mlx.train.
 
-Two stages of full fine-tuning from today's weights (recipe: retrain.yaml):
+Two stages of full fine-tuning from the weights the demo shipped with (kept as
+tests/fixtures/tiny-refusion; recipe: retrain.yaml):
 
 1. 500 steps on the shared task mix + 3000 counting rows + 12000 multi-turn
    conversations built from the mix (``build_data.py --seed 0``);
@@ -33,6 +34,10 @@ from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
 
 RECIPE = HERE / "retrain.yaml"
+# The weights the demo shipped with before it was retrained (the golden tests'
+# fixture). Training starts from them, not from the installed demo, so that a
+# second run reproduces the first instead of fine-tuning its result again.
+ORIGINAL = HERE.parent.parent / "tests" / "fixtures" / "tiny-refusion"
 STAGES = [  # (build_data seed, conversations, steps)
     (0, 12000, 500),
     (1, 30000, 1400),
@@ -51,10 +56,10 @@ def main() -> int:
         data = work / f"data{i}"
         print(build(Path(args.tasks), data, seed=seed, n_conversations=conversations))
         adapters = work / f"stage{i}"
-        fine_tune(config=str(RECIPE), data=str(data), adapter_path=str(adapters), iters=steps, seed=seed,
+        fine_tune(config=str(RECIPE), model=str(ORIGINAL), data=str(data), adapter_path=str(adapters), iters=steps, seed=seed,
                   resume_adapter_file=resume)
         resume = str(adapters / "adapters.safetensors")
-    fused = fuse(DEMO_MODEL, work / f"stage{len(STAGES)}", work / "fused", dtype="bfloat16", force=True)
+    fused = fuse(ORIGINAL, work / f"stage{len(STAGES)}", work / "fused", dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
     if args.install:  # one bfloat16 file, as the demo has always been stored
         import mlx.core as mx
