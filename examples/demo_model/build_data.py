@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Optional, Sequence
 
 COUNT_TEMPLATES = ("Count from {a} to {b}.", "Please count from {a} up to {b}.", "List the numbers from {a} to {b}.")
 
@@ -52,9 +53,9 @@ def family_key(row: dict) -> str:
     return " ".join(row["messages"][0]["content"].split()[:2])
 
 
-def conversation(rng: random.Random, rows: list, by_family: dict, turns: int) -> dict:
-    """``turns`` user/assistant pairs from ``rows``; the last answer is the target."""
-    last = rng.choice(rows)
+def conversation(rng: random.Random, rows: list, by_family: dict, turns: int, last: Optional[dict] = None) -> dict:
+    """``turns`` user/assistant pairs from ``rows``; the last answer (``last``'s, or a random row's) is the target."""
+    last = last or rng.choice(rows)
     if rng.random() < 0.5:  # the context holds questions like the last one
         pool = by_family[family_key(last)]
         earlier = [rng.choice(pool) for _ in range(turns - 1)]
@@ -67,7 +68,14 @@ def conversation(rng: random.Random, rows: list, by_family: dict, turns: int) ->
 
 
 def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n_counting: int = 3000,
-          n_valid_conversations: int = 200, n_eval_conversations: int = 100) -> dict:
+          n_valid_conversations: int = 200, n_eval_conversations: int = 100,
+          focus: Sequence[str] = (), n_focus: int = 0) -> dict:
+    """Write train/valid/conversations JSONL into ``out``.
+
+    ``focus`` (family keys, such as the times tables' "Show the" and "Write the"), ``n_focus``: that many more
+    conversations whose last question is of that family, for a family the
+    model answers alone but loses in a conversation.
+    """
     rng = random.Random(seed)
     train = read_jsonl(tasks / "train.jsonl")
     valid = read_jsonl(tasks / "valid.jsonl")
@@ -82,7 +90,10 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
     for row in single:
         by_family.setdefault(family_key(row), []).append(row)
     convs = [conversation(rng, single, by_family, rng.choice((2, 3, 4))) for _ in range(n_conversations)]
-    rows = single + convs
+    pool = [row for key in focus for row in by_family[key]]
+    focused = [conversation(rng, single, by_family, rng.choice((2, 3, 4)), last=rng.choice(pool))
+               for _ in range(n_focus if pool else 0)]
+    rows = single + convs + focused
     rng.shuffle(rows)
 
     v_by_family: dict = {}
@@ -95,7 +106,7 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
     write_jsonl(out / "train.jsonl", rows)
     write_jsonl(out / "valid.jsonl", valid + v_convs)
     write_jsonl(out / "conversations.jsonl", evals)
-    return {"train": len(rows), "task_mix": len(train), "counting": len(counting), "conversations": len(convs),
+    return {"train": len(rows), "task_mix": len(train), "counting": len(counting), "conversations": len(convs) + len(focused),
             "valid": len(valid) + len(v_convs), "eval_conversations": len(evals)}
 
 
