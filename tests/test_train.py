@@ -468,7 +468,10 @@ def test_ctrl_c_saves_the_last_adapters(tmp_path, tok):
     proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.train", "--data", str(DATA), "--adapter-path",
                              str(folder), "--iters", "100000", "--steps-per-report", "1", "--val-batches", "0",
                              "--save-every", "100000"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background job (`pytest &`) ignores SIGINT, and a child
+                            # inherits that; the trainer must be tested as a terminal runs it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("Iter 3: Train loss"):

@@ -118,8 +118,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", type=int, default=12000)
     ap.add_argument("--counting", type=int, default=3000)
+    ap.add_argument("--focus", nargs="*", default=(), metavar="KEY",
+                    help="family keys (a prompt's first two words) to add conversations ending in")
+    ap.add_argument("--focus-conversations", type=int, default=0)
     args = ap.parse_args()
-    print(build(Path(args.tasks), Path(args.out), args.seed, args.conversations, args.counting))
+    print(build(Path(args.tasks), Path(args.out), args.seed, args.conversations, args.counting,
+                focus=tuple(args.focus), n_focus=args.focus_conversations))
 
 
 if __name__ == "__main__":
