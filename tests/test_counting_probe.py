@@ -1,0 +1,63 @@
+"""examples/demo_model/counting_probe.py: the measurement behind the demo's
+counting note must look at the right tokens, and its training loop must train."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from refusion_mlx.models.loading import load
+from refusion_mlx.train.examples import IGNORE
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "demo_model"
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-refusion"
+
+
+def probe_module():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        spec = importlib.util.spec_from_file_location("counting_probe", EXAMPLE / "counting_probe.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return module
+
+
+def test_probe_positions_are_the_last_digit_of_each_number():
+    probe = probe_module()
+    _, tokenizer = load(FIXTURE, fuse=False)
+    for sep in (", ", " "):
+        ids, ends, others = probe.count_case(tokenizer, 8, 12, sep)
+        assert ends == [len(ids) - 1]  # the answer is cut right after the end number
+        assert [tokenizer.decode([ids[i]]) for i in others] == ["8", "9", "0", "1"]
+        assert tokenizer.decode([ids[ends[0]]]) == "2" and tokenizer.decode(ids[ends[0] - 1:]) == "12"
+        # after every other number the next token is the separator, which the probe scores against "."
+        assert all(tokenizer.decode([ids[i + 1]]) == sep[0] for i in others)
+
+
+def test_left_to_right_example_labels_each_response_token_with_the_next():
+    probe = probe_module()
+    e = probe.left_to_right_example([1, 2, 3], [7, 8, 9])
+    assert e.input_ids.tolist() == [1, 2, 3, 7, 8, 9]
+    assert e.labels.tolist() == [IGNORE, IGNORE, 7, 8, 9, IGNORE]
+    assert not e.mdm.any() and e.position_ids.tolist() == list(range(6))
+
+
+def test_a_few_training_steps_move_the_stop_probabilities():
+    probe = probe_module()
+    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    cases = probe.probe_cases(2)
+    before = probe.stop_probabilities(model, tokenizer, cases)
+    assert 0.0 <= before["other"] <= 1.0 and 0.0 <= before["end"] <= 1.0
+    args = SimpleNamespace(seed=0, learning_rate=1e-3, steps=2, batch_size=2, probe_every=1, train="refusion")
+    rows = probe.train_and_probe(model, tokenizer, args, cases)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not np.isclose(rows[-1]["end"], before["end"])  # the weights were updated
+    batch = probe.counting_batch(tokenizer, random.Random(0), np.random.default_rng(0), 3, "ar", 805)
+    assert batch["input_ids"].shape[0] == 3 and not bool(batch["mdm"].any())
