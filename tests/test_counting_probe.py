@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.examples import IGNORE
@@ -61,3 +62,21 @@ def test_a_few_training_steps_move_the_stop_probabilities():
     assert not np.isclose(rows[-1]["end"], before["end"])  # the weights were updated
     batch = probe.counting_batch(tokenizer, random.Random(0), np.random.default_rng(0), 3, "ar", 805)
     assert batch["input_ids"].shape[0] == 3 and not bool(batch["mdm"].any())
+
+
+def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
+    probe = probe_module()
+    _, tokenizer = load(FIXTURE, fuse=False)
+    texts = iter(["3, 4, 5, 6.", "10 11 12 13 14", "no numbers"])
+    monkeypatch.setattr(probe, "batch_generate",
+                        lambda model, tok, prompts: [SimpleNamespace(text=next(texts)) for _ in prompts])
+    offsets = probe.last_number_offsets(None, tokenizer, [(3, 6, " "), (10, 12, " "), (1, 4, " ")])
+    assert offsets == [0, 2, None]
+
+
+def test_the_probe_cli_rejects_bad_counts(capsys):
+    probe = probe_module()
+    for flag in (["--decode", "-1"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            probe.main(flag)
+        assert exit_.value.code == 2 and "must be" in capsys.readouterr().err

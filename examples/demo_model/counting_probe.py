@@ -10,6 +10,9 @@ no decoding settings in the way:
 * ``P(. | end)``: the probability of ``.`` right after the asked end number;
 * ``P(. | other)``: the same after every other number of the count.
 
+``--decode N`` also decodes N ranges with the CLI's settings and counts the
+answers whose last number is the asked one (and within one of it).
+
 A model that compares has the first near 1 and the second near 0; one that
 stops by length has them close. ``--train`` fine-tunes on counting rows only
 (``build_data.counting_row``) and probes every ``--probe-every`` steps, with
@@ -20,16 +23,18 @@ infill). Nothing is saved.
 
     python examples/demo_model/counting_probe.py
     python examples/demo_model/counting_probe.py --train ar --steps 900
+    python examples/demo_model/counting_probe.py --adapter-path ADAPTERS --decode 60
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import refusion_mlx  # noqa: F401  (loads an optimized BLAS before mlx.core)
 import mlx.core as mx
@@ -37,6 +42,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from refusion_mlx.decode.batch import batch_generate
+from refusion_mlx.decode.generate import chat_prompt
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.batches import collate
@@ -93,6 +100,17 @@ def probe_cases(n: int, seed: int = 7) -> List[Tuple[int, int, str]]:
     return out
 
 
+def last_number_offsets(model, tokenizer, cases: Sequence[Tuple[int, int, str]]) -> List[Optional[int]]:
+    """Decode ``Count from a to b.`` for every case (CLI settings, greedy): the
+    last number written minus b, or None when the answer has no number."""
+    prompts = [chat_prompt(tokenizer, f"Count from {a} to {b}.") for a, b, _ in cases]
+    offsets = []
+    for (a, b, _), result in zip(cases, batch_generate(model, tokenizer, prompts)):
+        numbers = re.findall(r"\d+", result.text)
+        offsets.append(int(numbers[-1]) - b if numbers else None)
+    return offsets
+
+
 def left_to_right_example(prompt: List[int], response: List[int]) -> Example:
     """The response in order, every token labelled with the next one (plain AR)."""
     ids = np.array(prompt + response, np.int32)
@@ -139,6 +157,8 @@ def report(step: int, probs: Dict[str, float], seconds: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEMO))
+    ap.add_argument("--adapter-path", help="adapters of refusion_mlx.train to apply")
+    ap.add_argument("--decode", type=int, default=0, metavar="N", help="also decode N ranges and count the stops")
     ap.add_argument("--cases", type=int, default=30, help="counting ranges to probe")
     ap.add_argument("--train", choices=["refusion", "ar"], help="fine-tune on counting rows with this objective")
     ap.add_argument("--steps", type=int, default=900)
@@ -150,13 +170,20 @@ def main(argv=None) -> int:
     for name in ("cases", "steps", "batch_size", "probe_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.decode < 0:
+        ap.error("--decode must be 0 or more")
     try:
-        model, tokenizer = load(args.model, dtype="float32", fuse=False)
+        model, tokenizer = load(args.model, dtype="float32", fuse=False, adapter_path=args.adapter_path)
         cases = probe_cases(args.cases)
         print(f"{'step':>6} {'P(.|end)':>10} {'P(.|other)':>12} {'end>0.5':>9} {'other>0.5':>11} {'seconds':>8}")
         report(0, stop_probabilities(model, tokenizer, cases), 0.0)
         if args.train:
             train_and_probe(model, tokenizer, args, cases)
+        if args.decode > 0:
+            offsets = last_number_offsets(model, tokenizer, probe_cases(args.decode, seed=1))
+            exact = sum(o == 0 for o in offsets)
+            near = sum(o is not None and abs(o) <= 1 for o in offsets)
+            print(f"decoded {len(offsets)} ranges: {exact} end at the asked number, {near} within one of it")
     except RefusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
