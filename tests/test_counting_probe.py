@@ -80,3 +80,17 @@ def test_the_probe_cli_rejects_bad_counts(capsys):
         with pytest.raises(SystemExit) as exit_:
             probe.main(flag)
         assert exit_.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def test_saved_weights_load_as_a_full_fine_tune(tmp_path):
+    probe = probe_module()
+    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    args = SimpleNamespace(seed=0, learning_rate=1e-3, steps=1, batch_size=2, probe_every=1, train="ar",
+                           model=str(FIXTURE))
+    cases = probe.probe_cases(2)
+    trained = probe.train_and_probe(model, tokenizer, args, cases)[-1]
+    probe.save_full(model, tmp_path / "ad", args)
+    reloaded, _ = load(FIXTURE, dtype="float32", fuse=False, adapter_path=tmp_path / "ad")
+    again = probe.stop_probabilities(reloaded, tokenizer, cases)
+    assert np.isclose(again["end"], trained["end"], atol=1e-5)
+    assert np.isclose(again["other"], trained["other"], atol=1e-5)

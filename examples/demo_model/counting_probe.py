@@ -19,11 +19,14 @@ stops by length has them close. ``--train`` fine-tunes on counting rows only
 either ReFusion's hybrid objective (``refusion``, what ``refusion_mlx.train``
 optimizes) or plain left-to-right next-token prediction over the response
 (``ar``, a diagnostic only: ReFusion needs the hybrid objective to plan and
-infill). Nothing is saved.
+infill). ``--save DIR`` writes the fine-tuned weights as a full fine-tune's
+adapter folder, which ``--adapter-path``, ``refusion_mlx.train
+--resume-adapter-file`` and ``refusion_mlx.fuse`` read.
 
     python examples/demo_model/counting_probe.py
     python examples/demo_model/counting_probe.py --train ar --steps 900
     python examples/demo_model/counting_probe.py --adapter-path ADAPTERS --decode 60
+    python examples/demo_model/counting_probe.py --train ar --steps 900 --save ar-counting
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from refusion_mlx.models.loading import load
 from refusion_mlx.train.batches import collate
 from refusion_mlx.train.examples import IGNORE, Example, build_example
 from refusion_mlx.train.objective import loss_from_logits
+from refusion_mlx.train.trainer import save_adapters, write_adapter_config
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_data import counting_row  # noqa: E402
@@ -148,6 +153,16 @@ def train_and_probe(model, tokenizer, args, cases) -> List[dict]:
     return rows
 
 
+def save_full(model, folder: Path, args) -> None:
+    """Every weight, as ``refusion_mlx.train --fine-tune-type full`` saves them."""
+    write_adapter_config({"fine_tune_type": "full", "num_layers": -1, "train_embeddings": True,
+                          "model": args.model, "objective": {"name": args.train},
+                          "iters": args.steps, "learning_rate": args.learning_rate,
+                          "batch_size": args.batch_size, "seed": args.seed}, folder)
+    save_adapters(dict(tree_flatten(model.parameters())), folder)
+    print(f"saved to {folder}")
+
+
 def report(step: int, probs: Dict[str, float], seconds: float) -> dict:
     print(f"{step:>6} {probs['end']:>10.3f} {probs['other']:>12.3f} {probs['end_over_half']:>9.2f} "
           f"{probs['other_over_half']:>11.2f} {seconds:>8.0f}", flush=True)
@@ -166,12 +181,15 @@ def main(argv=None) -> int:
     ap.add_argument("--learning-rate", type=float, default=3e-4)
     ap.add_argument("--probe-every", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", type=Path, metavar="DIR", help="write the fine-tuned weights (with --train)")
     args = ap.parse_args(argv)
     for name in ("cases", "steps", "batch_size", "probe_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.decode < 0:
         ap.error("--decode must be 0 or more")
+    if args.save and not args.train:
+        ap.error("--save needs --train")
     try:
         model, tokenizer = load(args.model, dtype="float32", fuse=False, adapter_path=args.adapter_path)
         cases = probe_cases(args.cases)
@@ -179,6 +197,8 @@ def main(argv=None) -> int:
         report(0, stop_probabilities(model, tokenizer, cases), 0.0)
         if args.train:
             train_and_probe(model, tokenizer, args, cases)
+            if args.save:
+                save_full(model, args.save, args)
         if args.decode > 0:
             offsets = last_number_offsets(model, tokenizer, probe_cases(args.decode, seed=1))
             exact = sum(o == 0 for o in offsets)
