@@ -389,6 +389,34 @@ def test_yaml_config_and_flags(tmp_path, capsys):
     saved = json.loads((folder / "adapter_config.json").read_text())
     assert saved["iters"] == 2 and saved["learning_rate"] == 2e-4 and saved["num_layers"] == 2
     assert saved["lora_parameters"]["rank"] == 4 and saved["lora_parameters"]["scale"] == 10.0
+    assert saved["objective"]["slot_sizes"] == [4, 8, 16, 32]  # the paper's, unless asked
+
+
+def test_slot_sizes_reach_every_example(tmp_path, capsys, monkeypatch):
+    """--slot-sizes (flag or YAML list) is the size every training example draws from, and is recorded."""
+    import refusion_mlx.train.batches as batches
+
+    drawn = []
+    real = batches.build_example
+
+    def spy(*args, **kwargs):
+        example = real(*args, **kwargs)
+        drawn.append(example.slot_size)
+        return example
+
+    monkeypatch.setattr(batches, "build_example", spy)
+    config = tmp_path / "c.yaml"
+    config.write_text("slot_sizes: [2, 1]\n")
+    for argv, sizes in ((["--slot-sizes", "1,2"], {1, 2}), (["--config", str(config)], {1, 2}), ([], {4, 8, 16, 32})):
+        drawn.clear()
+        folder = tmp_path / f"a{len(argv)}"
+        code = train_main(["--data", str(DATA), "--adapter-path", str(folder), "--iters", "4", "--batch-size", "4",
+                           "--num-layers", "1", "--val-batches", "1", *argv])
+        assert code == 0, capsys.readouterr().err
+        assert set(drawn) <= sizes and len(drawn) >= 16
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        assert set(saved["objective"]["slot_sizes"]) == sizes
+    assert set(drawn) != {4}  # the default draws all four sizes over 20 examples (seed 0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -401,6 +429,8 @@ def test_yaml_config_and_flags(tmp_path, capsys):
     (["--data", str(DATA), "--num-layers", "0"], "--num-layers must be -1"),
     (["--data", str(DATA), "--config", "/nonexistent.yaml"], "no such file"),
     (["--data", str(DATA), "--replay-ratio", "-0.5"], "--replay-ratio must be at least 0"),
+    (["--data", str(DATA), "--slot-sizes", "4,0"], "slot_sizes must be positive integers"),
+    (["--data", str(DATA), "--slot-sizes", "four"], "slot_sizes must be positive integers"),
 ])
 def test_usage_errors(argv, message, capsys):
     code, err = cli(argv, capsys)
@@ -412,6 +442,8 @@ def test_usage_errors(argv, message, capsys):
     ("iters: ten\n", "iters must be int"),
     ("lora_parameters:\n  alpha: 3\n", "unknown key 'alpha'"),
     ("iters: [\n", "not valid YAML"),
+    ("slot_sizes: [4, 2.5]\n", "slot_sizes must be positive integers"),
+    ("slot_sizes: {a: 1}\n", "slot_sizes must be"),
 ])
 def test_yaml_errors(text, message, tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(text)

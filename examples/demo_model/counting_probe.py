@@ -50,7 +50,7 @@ from refusion_mlx.decode.generate import chat_prompt
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.batches import collate
-from refusion_mlx.train.examples import IGNORE, Example, build_example
+from refusion_mlx.train.examples import IGNORE, SLOT_SIZES, Example, build_example
 from refusion_mlx.train.objective import loss_from_logits
 from refusion_mlx.train.trainer import save_adapters, write_adapter_config
 from mlx.utils import tree_flatten
@@ -95,6 +95,33 @@ def stop_probabilities(model, tokenizer, cases: Sequence[Tuple[int, int, str]]) 
             "end_over_half": float((end_a > 0.5).mean()), "other_over_half": float((other_a > 0.5).mean())}
 
 
+def mask_stop_probabilities(model, tokenizer, cases: Sequence[Tuple[int, int, str]]) -> Dict[str, float]:
+    """The same decision as decoding drafts it: P(.) at a mask right after each number.
+
+    Decoding never takes a token from the next-token logits; it drafts every
+    token from the logits of a mask at that token's position (planning, and
+    infill after the accepted prefix of a slot). So one row per number: the
+    answer written up to that number, then one mask.
+    """
+    dot = tokenizer.encode(".", add_special_tokens=False)[0]
+    mask_id = model.args.mask_token_id
+    end, other = [], []
+    for a, b, sep in cases:
+        ids, ends, others = count_case(tokenizer, a, b, sep)
+        cuts = others + ends
+        rows = [ids[:i + 1] + [mask_id] for i in cuts]
+        width = max(len(r) for r in rows)
+        padded = [r + [mask_id] * (width - len(r)) for r in rows]  # after the mask: causal, never seen
+        logits = model(mx.array(padded), mx.array([list(range(width))] * len(rows)))
+        at = mx.array([i + 1 for i in cuts])
+        p = np.array(mx.softmax(logits[mx.arange(len(rows)), at].astype(mx.float32), axis=-1)[:, dot])
+        other += list(p[:len(others)])
+        end += list(p[len(others):])
+    end_a, other_a = np.array(end), np.array(other)
+    return {"end": float(end_a.mean()), "other": float(other_a.mean()),
+            "end_over_half": float((end_a > 0.5).mean()), "other_over_half": float((other_a > 0.5).mean())}
+
+
 def probe_cases(n: int, seed: int = 7) -> List[Tuple[int, int, str]]:
     """``n`` ranges in the task mix's shape: start 0-80, 3-25 steps, either separator."""
     rng = random.Random(seed)
@@ -125,7 +152,7 @@ def left_to_right_example(prompt: List[int], response: List[int]) -> Example:
 
 
 def counting_batch(tokenizer, rng: random.Random, nrng: np.random.Generator, size: int, objective: str,
-                   mask_id: int) -> Dict[str, mx.array]:
+                   mask_id: int, slot_sizes: Sequence[int] = SLOT_SIZES) -> Dict[str, mx.array]:
     """One batch of fresh counting rows under ``objective`` (``refusion`` or ``ar``)."""
     examples = []
     for _ in range(size):
@@ -133,7 +160,7 @@ def counting_batch(tokenizer, rng: random.Random, nrng: np.random.Generator, siz
         prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
         response = tokenizer.encode(messages[1]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
         examples.append(left_to_right_example(prompt, response) if objective == "ar"
-                        else build_example(prompt, response, mask_id, nrng))
+                        else build_example(prompt, response, mask_id, nrng, slot_sizes))
     return {k: mx.array(v) for k, v in collate(examples).items()}
 
 
@@ -144,12 +171,13 @@ def train_and_probe(model, tokenizer, args, cases) -> List[dict]:
     loss_and_grad = nn.value_and_grad(model, lambda m, b: loss_from_logits(m(b["input_ids"], b["position_ids"]), b))
     rows, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        batch = counting_batch(tokenizer, rng, nrng, args.batch_size, args.train, model.args.mask_token_id)
+        batch = counting_batch(tokenizer, rng, nrng, args.batch_size, args.train, model.args.mask_token_id,
+                               getattr(args, "slot_sizes", SLOT_SIZES))
         loss, grads = loss_and_grad(model, batch)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
         if step % args.probe_every == 0 or step == args.steps:
-            rows.append(report(step, stop_probabilities(model, tokenizer, cases), time.perf_counter() - start))
+            rows.append(report(step, probe(model, tokenizer, cases), time.perf_counter() - start))
     return rows
 
 
@@ -163,10 +191,30 @@ def save_full(model, folder: Path, args) -> None:
     print(f"saved to {folder}")
 
 
-def report(step: int, probs: Dict[str, float], seconds: float) -> dict:
-    print(f"{step:>6} {probs['end']:>10.3f} {probs['other']:>12.3f} {probs['end_over_half']:>9.2f} "
-          f"{probs['other_over_half']:>11.2f} {seconds:>8.0f}", flush=True)
+def probe(model, tokenizer, cases) -> Dict[str, Dict[str, float]]:
+    """Both readings of the stop: next-token logits and the mask that drafts it."""
+    return {"next": stop_probabilities(model, tokenizer, cases), "mask": mask_stop_probabilities(model, tokenizer, cases)}
+
+
+HEADER = (f"{'step':>6} {'next: P(.|end)':>15} {'P(.|other)':>11} {'end>0.5':>8} "
+          f"{'mask: P(.|end)':>15} {'P(.|other)':>11} {'end>0.5':>8} {'seconds':>8}")
+
+
+def report(step: int, probs: Dict[str, Dict[str, float]], seconds: float) -> dict:
+    cells = " ".join(f"{probs[k]['end']:>15.3f} {probs[k]['other']:>11.3f} {probs[k]['end_over_half']:>8.2f}"
+                     for k in ("next", "mask"))
+    print(f"{step:>6} {cells} {seconds:>8.0f}", flush=True)
     return {"step": step, "seconds": seconds, **probs}
+
+
+def parse_sizes(text: str) -> Tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return sizes
 
 
 def main(argv=None) -> int:
@@ -180,6 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--learning-rate", type=float, default=3e-4)
     ap.add_argument("--probe-every", type=int, default=300)
+    ap.add_argument("--slot-sizes", type=parse_sizes, default=SLOT_SIZES, metavar="4,8,16,32",
+                    help="slot sizes of the hybrid objective (default: the paper's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", type=Path, metavar="DIR", help="write the fine-tuned weights (with --train)")
     args = ap.parse_args(argv)
@@ -193,8 +243,8 @@ def main(argv=None) -> int:
     try:
         model, tokenizer = load(args.model, dtype="float32", fuse=False, adapter_path=args.adapter_path)
         cases = probe_cases(args.cases)
-        print(f"{'step':>6} {'P(.|end)':>10} {'P(.|other)':>12} {'end>0.5':>9} {'other>0.5':>11} {'seconds':>8}")
-        report(0, stop_probabilities(model, tokenizer, cases), 0.0)
+        print(HEADER)
+        report(0, probe(model, tokenizer, cases), 0.0)
         if args.train:
             train_and_probe(model, tokenizer, args, cases)
             if args.save:

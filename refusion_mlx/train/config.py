@@ -61,6 +61,9 @@ OPTIONS: Dict[str, Option] = {
     "resume_adapter_file": Option(str, None, "adapters.safetensors to start from"),
     "max_seq_length": Option(int, 2048, "longest sequence; longer responses are cut (default: 2048)"),
     "grad_checkpoint": Option(bool, False, "recompute activations in the backward pass (less memory)"),
+    "slot_sizes": Option(str, "4,8,16,32", "slot sizes the objective draws from, comma-separated (YAML: a list; "
+                                           "default: the paper's 4,8,16,32; smaller slots put more masks right "
+                                           "after written tokens, as slot infill drafts them)"),
     "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
@@ -123,6 +126,8 @@ def _typed(name: str, value: Any, source: str) -> Any:
     opt = OPTIONS[name]
     if value is None:
         return None
+    if name == "slot_sizes" and isinstance(value, (list, tuple)):
+        return slot_sizes(value, source)
     kind = opt.kind
     ok = (isinstance(value, bool) if kind is bool else
           isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
@@ -134,6 +139,18 @@ def _typed(name: str, value: Any, source: str) -> Any:
     if opt.choices and value not in opt.choices:
         raise OptionError(f"{source}: {name} must be one of {', '.join(opt.choices)}, got {value!r}")
     return float(value) if kind is float else value
+
+
+def slot_sizes(value: Any, source: str) -> Tuple[int, ...]:
+    """``"4,8,16,32"`` or ``[4, 8, 16, 32]`` -> (4, 8, 16, 32); each at least 1."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = tuple(int(x) if not isinstance(x, (bool, float)) else None for x in items)
+    except (TypeError, ValueError):
+        sizes = (None,)
+    if not sizes or any(s is None or s < 1 for s in sizes):
+        raise OptionError(f"{source}: slot_sizes must be positive integers (like 4,8,16,32), got {value!r}")
+    return tuple(sorted(set(sizes)))
 
 
 def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any]:
@@ -166,6 +183,7 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     for name in ("val_batches", "test_batches"):
         if v[name] < -1:
             raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
+    v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
     if not v["replay_ratio"] >= 0:
         raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
     if not v["learning_rate"] > 0:

@@ -17,7 +17,7 @@ from ..models.loading import load
 from .batches import fit_length
 from .config import DEFAULT_NUM_LAYERS, merge
 from .dataset import load_datasets, replay_records, with_replay
-from .examples import EPSILON, SLOT_SIZES
+from .examples import EPSILON
 from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train, write_adapter_config
 
 
@@ -66,7 +66,8 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
     config["num_layers"] = num_layers
     if o["fine_tune_type"] == "full":
         config["lora_parameters"] = None
-    config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(SLOT_SIZES), "epsilon": EPSILON}
+    config["slot_sizes"] = list(o["slot_sizes"])
+    config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(o["slot_sizes"]), "epsilon": EPSILON}
     return config
 
 
@@ -132,7 +133,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
-                         quantized_matmul=o["quantized_matmul"])
+                         quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"])
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -144,7 +145,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         if o["test_batches"] != -1:
             batches = min(batches, o["test_batches"])
         loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
-                        quantized_matmul=o["quantized_matmul"])
+                        quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result
