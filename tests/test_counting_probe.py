@@ -59,7 +59,7 @@ def test_a_few_training_steps_move_the_stop_probabilities():
     args = SimpleNamespace(seed=0, learning_rate=1e-3, steps=2, batch_size=2, probe_every=1, train="refusion")
     rows = probe.train_and_probe(model, tokenizer, args, cases)
     assert [r["step"] for r in rows] == [1, 2]
-    assert not np.isclose(rows[-1]["end"], before["end"])  # the weights were updated
+    assert not np.isclose(rows[-1]["next"]["end"], before["end"])  # the weights were updated
     batch = probe.counting_batch(tokenizer, random.Random(0), np.random.default_rng(0), 3, "ar", 805)
     assert batch["input_ids"].shape[0] == 3 and not bool(batch["mdm"].any())
 
@@ -76,10 +76,41 @@ def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
 
 def test_the_probe_cli_rejects_bad_counts(capsys):
     probe = probe_module()
-    for flag in (["--decode", "-1"], ["--steps", "0"]):
+    for flag in (["--decode", "-1"], ["--steps", "0"], ["--slot-sizes", "4,0"], ["--slot-sizes", "x"]):
         with pytest.raises(SystemExit) as exit_:
             probe.main(flag)
-        assert exit_.value.code == 2 and "must be" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and ("must be" in err or "positive integers" in err), err
+
+
+def test_mask_probe_reads_a_mask_right_after_each_number():
+    """The mask probe equals, number by number, one plain pass of the answer so
+    far plus a mask, read at that mask (how decoding drafts the next token)."""
+    import mlx.core as mx
+
+    probe = probe_module()
+    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    dot, mask_id = tokenizer.encode(".", add_special_tokens=False)[0], model.args.mask_token_id
+    case = (5, 9, ", ")
+    ids, ends, others = probe.count_case(tokenizer, *case)
+    expected = []
+    for i in others + ends:
+        row = ids[:i + 1] + [mask_id]
+        logits = model(mx.array([row]), mx.array([list(range(len(row)))]))[0, -1]
+        expected.append(mx.softmax(logits, axis=-1)[dot].item())
+    got = probe.mask_stop_probabilities(model, tokenizer, [case])
+    assert np.isclose(got["end"], expected[-1], atol=1e-5)
+    assert np.isclose(got["other"], np.mean(expected[:-1]), atol=1e-5)
+    assert got["other"] != probe.stop_probabilities(model, tokenizer, [case])["other"]
+
+
+def test_slot_sizes_reach_the_hybrid_examples():
+    probe = probe_module()
+    _, tokenizer = load(FIXTURE, fuse=False)
+    batch = probe.counting_batch(tokenizer, random.Random(0), np.random.default_rng(0), 4, "refusion", 805, (1,))
+    ar = (np.array(batch["labels"]) != -100) & ~np.array(batch["mdm"])
+    assert not ar.any()  # slots of one token have no next token of their own slot to predict
+    assert probe.parse_sizes("8,4") == (8, 4)
 
 
 def test_saved_weights_load_as_a_full_fine_tune(tmp_path):
@@ -92,5 +123,5 @@ def test_saved_weights_load_as_a_full_fine_tune(tmp_path):
     probe.save_full(model, tmp_path / "ad", args)
     reloaded, _ = load(FIXTURE, dtype="float32", fuse=False, adapter_path=tmp_path / "ad")
     again = probe.stop_probabilities(reloaded, tokenizer, cases)
-    assert np.isclose(again["end"], trained["end"], atol=1e-5)
-    assert np.isclose(again["other"], trained["other"], atol=1e-5)
+    assert np.isclose(again["end"], trained["next"]["end"], atol=1e-5)
+    assert np.isclose(again["other"], trained["next"]["other"], atol=1e-5)
