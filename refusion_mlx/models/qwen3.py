@@ -190,16 +190,32 @@ def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype
         mask = mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
     mask = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
     groups = heads // kv_heads
+    if mask.ndim == 3:  # one mask per row: (B, T, L) -> (B, 1, groups * T, L)
+        B = mask.shape[0]
+        return mx.broadcast_to(mask[:, None], (B, groups, *mask.shape[1:])).reshape(B, 1, -1, mask.shape[-1])
     mask = mx.broadcast_to(mask[None], (groups, *mask.shape)).reshape(groups * mask.shape[0], -1)
     return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
 
 
+def visible_mask(visible: mx.array) -> mx.array:
+    """(B, T, T) bool from (B, T) ints: token i attends to the first
+    ``visible[b, i]`` tokens of its row, and to itself.
+
+    ``visible = arange(T)`` is the causal mask. Training's drafting examples
+    give a mask fewer: only the written tokens before its own position, as
+    decoding drafts it (see ``train.examples.build_draft_example``).
+    """
+    keys = mx.arange(visible.shape[-1])
+    return (keys[None, None, :] < visible[..., None]) | (keys[None, None, :] == keys[None, :, None])
+
+
 def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
-    """``mask`` ("causal" or boolean (T, L)) in the form :func:`attend` takes
-    on this device: as is for the GPU's fused kernel, grouped and additive on
-    the CPU. Made once per forward (or once per request of a packed batch)."""
+    """``mask`` ("causal", boolean (T, L), or (B, T, L) one per row) in the
+    form :func:`attend` takes on this device: as is for the GPU's fused kernel,
+    grouped and additive on the CPU. Made once per forward (or once per
+    request of a packed batch)."""
     if mx.default_device() == mx.gpu:
-        return mask
+        return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
 
 
@@ -377,14 +393,16 @@ class Model(nn.Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = PositionalRoPE(args.head_dim, args.rope_theta, args.rope_scaling)
 
-    def hidden(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
+    def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
+               visible: Optional[mx.array] = None) -> mx.array:
         """Final-norm hidden states (B, T, dim) for tokens (B, T) at positions
         (T,) or (B, T). With a ``cache``, one sequence (B = 1); without one, a
-        plain causal pass over each row (training: right-padded rows)."""
-        if tokens.ndim != 2 or (cache is not None and tokens.shape[0] != 1):
+        plain causal pass over each row (training: right-padded rows), or with
+        ``visible`` (B, T) ints the pass :func:`visible_mask` describes."""
+        if tokens.ndim != 2 or (cache is not None and (tokens.shape[0] != 1 or visible is not None)):
             raise ValueError(f"hidden() takes tokens (B, T), one row with a cache; got {tokens.shape}")
-        if tokens.shape[0] > 1:
-            return self._batch_hidden(tokens, positions)
+        if tokens.shape[0] > 1 or visible is not None:
+            return self._batch_hidden(tokens, positions, visible)
         # one sequence, kept 2-D (T, hidden) inside: every projection is then a
         # plain matmul, without the reshapes a batch axis costs on each call
         h = self.model.embed_tokens(tokens.reshape(-1))
@@ -404,11 +422,12 @@ class Model(nn.Module):
                 mx.async_eval(h)
         return self.model.norm(h)[None]
 
-    def _batch_hidden(self, tokens: mx.array, positions: mx.array) -> mx.array:
+    def _batch_hidden(self, tokens: mx.array, positions: mx.array, visible: Optional[mx.array] = None) -> mx.array:
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)
         rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
-        mask = attention_mask("causal", T, T, self.args.num_attention_heads,
+        mask = attention_mask("causal" if visible is None else visible_mask(visible), T, T,
+                              self.args.num_attention_heads,
                               self.args.num_key_value_heads, h.dtype)
         for layer in self.model.layers:
             h = layer(h, rope, mask)
@@ -419,8 +438,9 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def __call__(self, tokens: mx.array, positions: mx.array, cache=None) -> mx.array:
-        return self.head(self.hidden(tokens, positions, cache))
+    def __call__(self, tokens: mx.array, positions: mx.array, cache=None,
+                 visible: Optional[mx.array] = None) -> mx.array:
+        return self.head(self.hidden(tokens, positions, cache, visible))
 
     def fuse_projections(self) -> int:
         """Fuse q/k/v and gate/up into one matmul each, layer by layer.

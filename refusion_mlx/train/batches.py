@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import RefusionError
-from .examples import IGNORE, SLOT_SIZES, Example, build_example
+from .examples import IGNORE, SLOT_SIZES, Example, build_draft_example, build_example
 
 PAD_TO = 32
 
@@ -62,7 +62,11 @@ def padded_length(length: int, max_seq_length: Optional[int] = None, pad_to: int
 
 def collate(examples: Sequence[Example], max_seq_length: Optional[int] = None,
             pad_to: int = PAD_TO, pad_id: int = 0) -> Dict[str, np.ndarray]:
-    """Right-padded numpy arrays of a batch (pads: ``pad_id`` at position 0, label IGNORE)."""
+    """Right-padded numpy arrays of a batch (pads: ``pad_id`` at position 0, label IGNORE).
+
+    With a drafting example in it (:func:`build_draft_example`), the batch
+    also holds ``visible`` (B, T): the causal ``arange(T)`` except at its masks.
+    """
     B = len(examples)
     T = padded_length(max(len(e) for e in examples), max_seq_length, pad_to)
     batch = {
@@ -79,6 +83,11 @@ def collate(examples: Sequence[Example], max_seq_length: Optional[int] = None,
         batch["position_ids"][i, :n] = e.position_ids
         batch["labels"][i, :n] = e.labels
         batch["mdm"][i, :n] = e.mdm
+    if any(e.visible is not None for e in examples):
+        batch["visible"] = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+        for i, e in enumerate(examples):
+            if e.visible is not None:
+                batch["visible"][i, :len(e)] = e.visible
     return batch
 
 
@@ -95,13 +104,26 @@ def batch_indices(records: Sequence[Record], batch_size: int) -> List[List[int]]
     return [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
 
 
+def make_example(record: Record, mask_id: int, rng: np.random.Generator, slot_sizes: Sequence[int],
+                 draft_fraction: float = 0.0, max_seq_length: Optional[int] = None) -> Example:
+    """A hybrid example, or with probability ``draft_fraction`` a drafting one.
+
+    At fraction 0 no extra draw is made, so runs reproduce the paper-objective ones."""
+    if draft_fraction > 0 and rng.random() < draft_fraction and \
+            (max_seq_length is None or len(record) + len(record.response) <= max_seq_length):
+        return build_draft_example(record.prompt, record.response, mask_id)
+    return build_example(record.prompt, record.response, mask_id, rng, slot_sizes)
+
+
 def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rng: np.random.Generator,
                     max_seq_length: Optional[int] = None, loop: bool = False, shuffle: bool = True,
                     slot_sizes: Sequence[int] = SLOT_SIZES, pad_id: int = 0,
-                    pad_to: int = PAD_TO) -> Iterator[Dict[str, np.ndarray]]:
+                    pad_to: int = PAD_TO, draft_fraction: float = 0.0) -> Iterator[Dict[str, np.ndarray]]:
     """Collated batches of fresh examples; forever with ``loop``.
 
     Records must already fit ``max_seq_length`` (see :func:`fit_length`).
+    With ``draft_fraction`` > 0 each example is a drafting example with that
+    probability (when its doubled response still fits ``max_seq_length``).
     """
     groups = batch_indices(records, batch_size)
     if not groups:
@@ -109,7 +131,7 @@ def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rn
     while True:
         order = rng.permutation(len(groups)) if shuffle else range(len(groups))
         for g in order:
-            examples = [build_example(records[i].prompt, records[i].response, mask_id, rng, slot_sizes)
+            examples = [make_example(records[i], mask_id, rng, slot_sizes, draft_fraction, max_seq_length)
                         for i in groups[g]]
             yield collate(examples, max_seq_length, pad_to, pad_id)
         if not loop:

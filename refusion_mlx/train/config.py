@@ -64,6 +64,9 @@ OPTIONS: Dict[str, Option] = {
     "slot_sizes": Option(str, "4,8,16,32", "slot sizes the objective draws from, comma-separated (YAML: a list; "
                                            "default: the paper's 4,8,16,32; smaller slots put more masks right "
                                            "after written tokens, as slot infill drafts them)"),
+    "draft_fraction": Option(float, 0.0, "share of examples that teach drafting each response token from the "
+                                         "written tokens before it, as decoding drafts (this project's addition; "
+                                         "default: 0, the paper's objective alone)"),
     "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
@@ -184,6 +187,8 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
         if v[name] < -1:
             raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
     v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
+    if not 0 <= v["draft_fraction"] <= 1:
+        raise OptionError(f"--draft-fraction must be between 0 and 1, got {v['draft_fraction']}")
     if not v["replay_ratio"] >= 0:
         raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
     if not v["learning_rate"] > 0:

@@ -14,12 +14,16 @@ the causal model sees is
 Every token keeps its true position id (RoPE sees real positions; attention is
 causal in sequence order, as in decoding). All randomness comes from the
 ``numpy.random.Generator`` passed in, so an example is reproducible.
+
+:func:`build_draft_example` is this project's addition (the trainer's
+``--draft-fraction``, off by default): the condition decoding drafts every
+token under, taught at every response position at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +45,7 @@ class Example:
     mask_prob: float           # p of this example
     response_length: int       # response tokens (EOS included)
     slot_size: int
+    visible: Optional[np.ndarray] = None  # (T,) int32: keys each token sees (None: causal)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -97,3 +102,39 @@ def build_example(prompt_ids: Sequence[int], response_ids: Sequence[int], mask_i
         mdm.append(np.ones(e - s, bool))
     return Example(np.concatenate(ids).astype(np.int32), np.concatenate(pos), np.concatenate(labels),
                    np.concatenate(mdm), float(p), int(L), size)
+
+
+def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], mask_id: int) -> Example:
+    """Every response token drafted from the written tokens before it.
+
+    Decoding writes no token from next-token logits: it drafts each one from
+    a mask at its position that sees the committed tokens (plan, and infill
+    after a slot's accepted prefix), and the next-token logits only verify.
+    The hybrid examples above put most masks after other masks, so a small
+    model learns a decision such as where a count ends at the real tokens
+    (AR task) but not at the mask that drafts it. This example asks it of
+    every response position at once:
+
+    * the prompt (no loss) and the response in order, each response token
+      labelled with the next one (AR task, the whole response one slot);
+    * then one mask per response position k, labelled with token k, that
+      attends to the prompt, the response before k and itself only
+      (``visible``; the model builds the attention from it).
+
+    It enters the loss as an example whose every response token is masked
+    (``mask_prob`` 1): the mean cross-entropy of its masks.
+    """
+    prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+    response = np.asarray(response_ids, dtype=np.int32).reshape(-1)
+    if response.size == 0:
+        raise RefusionError("a training example needs at least one response token (EOS)")
+    P, L = prompt.size, response.size
+    ids = np.concatenate([prompt, response, np.full(L, mask_id, np.int32)])
+    pos = np.concatenate([np.arange(P + L, dtype=np.int32), np.arange(P, P + L, dtype=np.int32)])
+    labels = np.full(P + 2 * L, IGNORE, np.int32)
+    labels[P:P + L - 1] = response[1:]  # as the hybrid's AR task: no label leaves the prompt
+    labels[P + L:] = response
+    mdm = np.zeros(P + 2 * L, bool)
+    mdm[P + L:] = True
+    visible = np.concatenate([np.arange(P + L, dtype=np.int32), np.arange(P, P + L, dtype=np.int32)])
+    return Example(ids, pos, labels, mdm, 1.0, int(L), int(L), visible)

@@ -52,7 +52,13 @@ def refusion_loss(model, batch: Dict[str, mx.array]) -> mx.array:
         loss = ( mean_{i in AR} CE_i  +  sum_{i in MDM} CE_i / (p_b(i) * len_b(i)) ) / B
 
     where b(i) is the row of token i and the AR mean is 0 when AR is empty.
+    An optional (B, T) int ``visible`` (drafting examples) sets which tokens
+    each token attends to (``models.qwen3.visible_mask``); without it the
+    pass is causal.
     """
     batch = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in batch.items()}  # numpy too
-    logits = model(batch["input_ids"], batch["position_ids"])
+    if "visible" in batch:  # drafting examples: their masks see only the tokens before them
+        logits = model(batch["input_ids"], batch["position_ids"], visible=batch["visible"])
+    else:
+        logits = model(batch["input_ids"], batch["position_ids"])
     return loss_from_logits(logits, batch)

@@ -67,7 +67,8 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
     if o["fine_tune_type"] == "full":
         config["lora_parameters"] = None
     config["slot_sizes"] = list(o["slot_sizes"])
-    config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(o["slot_sizes"]), "epsilon": EPSILON}
+    config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(o["slot_sizes"]), "epsilon": EPSILON,
+                           "draft_fraction": o["draft_fraction"]}
     return config
 
 
@@ -133,7 +134,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
-                         quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"])
+                         quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
+                         draft_fraction=o["draft_fraction"])
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -145,7 +147,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         if o["test_batches"] != -1:
             batches = min(batches, o["test_batches"])
         loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
-                        quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"])
+                        quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
+                        draft_fraction=o["draft_fraction"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result
