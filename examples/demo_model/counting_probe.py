@@ -8,7 +8,11 @@ the model has to match the two digits it just wrote against the two after
 no decoding settings in the way:
 
 * ``P(. | end)``: the probability of ``.`` right after the asked end number;
-* ``P(. | other)``: the same after every other number of the count.
+* ``P(. | other)``: the same after every other number of the count;
+
+each read two ways: from the next-token logits of the number's last digit
+(``next``), and from one mask placed right after the number (``mask``), which
+is how decoding drafts every token (next-token logits only verify).
 
 ``--decode N`` also decodes N ranges with the CLI's settings and counts the
 answers whose last number is the asked one (and within one of it).
@@ -27,6 +31,7 @@ adapter folder, which ``--adapter-path``, ``refusion_mlx.train
     python examples/demo_model/counting_probe.py --train ar --steps 900
     python examples/demo_model/counting_probe.py --adapter-path ADAPTERS --decode 60
     python examples/demo_model/counting_probe.py --train ar --steps 900 --save ar-counting
+    python examples/demo_model/counting_probe.py --train refusion --slot-sizes 1,2,4 --steps 600
 """
 
 from __future__ import annotations

@@ -11,14 +11,7 @@ tests/fixtures/tiny-refusion; recipe: retrain.yaml):
    mix + 12000 conversations + 4000 conversations that end in a times-table
    question (``build_data.py --seed 2 --focus "Show the" "Write the"
    --focus-conversations 4000``): stage 2 had cost the times tables
-   (92% -> 52% asked alone); stage 3 brings them back to 67%;
-4. 800 steps at lr 3e-4 on 11800 counting rows alone, every example a
-   drafting example (``--draft-fraction 1``: each answer token drafted from
-   a mask that sees only the answer written before it, as decoding drafts):
-   the hybrid objective alone never taught the masks where a count ends;
-5. 500 steps at lr 1e-4 on the mix + counting + 12000 conversations
-   (``build_data.py --seed 4``), half the examples drafting ones, half the
-   paper's hybrid ones: stage 4 alone breaks planning (masks after masks).
+   (92% -> 52% asked alone); stage 3 brings them back to 67%.
 
 Then the trained weights are fused into a standalone bfloat16 folder (the
 demo's storage dtype) and, with ``--install``, its ``model.safetensors``
@@ -40,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import refusion_mlx  # noqa: E402  (before mlx.core: optimized BLAS on Linux)
-from build_data import build, build_counting  # noqa: E402
+from build_data import build  # noqa: E402
 from refusion_mlx.fuse import fuse  # noqa: E402
 from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
@@ -51,12 +44,10 @@ RECIPE = HERE / "retrain.yaml"
 # second run reproduces the first instead of fine-tuning its result again.
 ORIGINAL = HERE.parent.parent / "tests" / "fixtures" / "tiny-refusion"
 TIMES_TABLES = ("Show the", "Write the")  # the times tables' family keys in build_data
-STAGES = [  # (build_data seed, conversations, focused conversations, steps, learning rate, draft fraction)
-    (0, 12000, 0, 500, 1e-4, 0.0),
-    (1, 30000, 0, 1400, 1e-4, 0.0),
-    (2, 12000, 4000, 800, 5e-5, 0.0),
-    (3, None, 0, 800, 3e-4, 1.0),  # None: counting rows only
-    (4, 12000, 0, 500, 1e-4, 0.5),
+STAGES = [  # (build_data seed, conversations, focused conversations, steps, learning rate)
+    (0, 12000, 0, 500, 1e-4),
+    (1, 30000, 0, 1400, 1e-4),
+    (2, 12000, 4000, 800, 5e-5),
 ]
 
 
@@ -68,16 +59,13 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(args.work)
     resume = None
-    for i, (seed, conversations, focused, steps, lr, drafts) in enumerate(STAGES, 1):
+    for i, (seed, conversations, focused, steps, lr) in enumerate(STAGES, 1):
         data = work / f"data{i}"
-        if conversations is None:
-            print(build_counting(Path(args.tasks), data, seed=seed))
-        else:
-            print(build(Path(args.tasks), data, seed=seed, n_conversations=conversations,
-                        focus=TIMES_TABLES, n_focus=focused))
+        print(build(Path(args.tasks), data, seed=seed, n_conversations=conversations,
+                    focus=TIMES_TABLES, n_focus=focused))
         adapters = work / f"stage{i}"
         fine_tune(config=str(RECIPE), model=str(ORIGINAL), data=str(data), adapter_path=str(adapters),
-                  iters=steps, seed=seed, learning_rate=lr, draft_fraction=drafts, resume_adapter_file=resume)
+                  iters=steps, seed=seed, learning_rate=lr, resume_adapter_file=resume)
         resume = str(adapters / "adapters.safetensors")
     fused = fuse(ORIGINAL, work / f"stage{len(STAGES)}", work / "fused", dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
