@@ -55,16 +55,18 @@ def test_causal_visibility_is_the_plain_pass(tiny):
     np.testing.assert_allclose(np.array(tiny(ids, pos, visible=causal)), np.array(tiny(ids, pos)), atol=1e-5)
 
 
-def test_loss_of_a_mixed_batch(tiny):
+@pytest.mark.parametrize("ar_weight", [1.0, 2.0])
+def test_loss_of_a_mixed_batch(tiny, ar_weight):
     """A drafting row enters the loss with p = 1: the mean CE of its masks; its
-    response tokens join the batch's AR mean. Checked against a row-by-row sum."""
+    response tokens join the batch's AR mean (times ``ar_weight``). Checked
+    against a row-by-row sum."""
     rng = np.random.default_rng(1)
     draft = build_draft_example([1, 2, 3], [7, 8, 9, 10], MASK)
     hybrid = build_example([4, 5], [30, 31, 32, 33, 34, 35], MASK, rng, (2,))
     batch = collate([draft, hybrid], pad_to=4)
     assert batch["visible"].shape == batch["input_ids"].shape
     assert batch["visible"][1].tolist() == list(range(batch["input_ids"].shape[1]))  # the hybrid row: causal
-    loss = refusion_loss(tiny, batch).item()
+    loss = refusion_loss(tiny, batch, ar_weight=ar_weight).item()
 
     def ce(row, visible):
         ids, pos = mx.array(row.input_ids[None]), mx.array(row.position_ids[None])
@@ -76,7 +78,7 @@ def test_loss_of_a_mixed_batch(tiny):
     ces = [ce(draft, True), ce(hybrid, False)]
     ar = np.concatenate([c[(r.labels != IGNORE) & ~r.mdm] for c, r in zip(ces, (draft, hybrid))])
     mdm = sum(c[r.mdm].sum() / (r.mask_prob * r.response_length) for c, r in zip(ces, (draft, hybrid)))
-    expected = ((ar.mean() if ar.size else 0.0) + mdm) / 2
+    expected = (ar_weight * (ar.mean() if ar.size else 0.0) + mdm) / 2
     assert loss == pytest.approx(expected, rel=1e-4)
 
 
@@ -113,3 +115,28 @@ def test_draft_fraction_option(tmp_path, capsys):
             train_main(["--data", str(data), "--draft-fraction", bad])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "--draft-fraction must be between 0 and 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ar_weight_option(tmp_path, capsys):
+    """--ar-weight reaches the loss: the same seed's first training loss moves
+    by (w - 1) * AR mean / B, and is recorded; zero or less exits 2."""
+    from refusion_mlx.train.__main__ import main as train_main
+    from pathlib import Path
+
+    data = Path(__file__).parent / "fixtures" / "train-data"
+    losses = {}
+    for w in ("1", "5"):
+        folder = tmp_path / w
+        code = train_main(["--data", str(data), "--adapter-path", str(folder), "--iters", "1", "--batch-size", "4",
+                           "--num-layers", "1", "--val-batches", "1", "--steps-per-report", "1",
+                           "--steps-per-eval", "100", "--ar-weight", w])
+        out = capsys.readouterr().out
+        assert code == 0
+        losses[w] = float(out.split("Iter 1: Train loss")[1].split(",")[0])
+        assert json.loads((folder / "adapter_config.json").read_text())["objective"]["ar_weight"] == float(w)
+    assert losses["5"] > losses["1"] + 0.1  # four more AR means (each ~ln V / 4 at the start)
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            train_main(["--data", str(data), "--ar-weight", bad])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "--ar-weight must be positive" in err and len(err.strip().splitlines()) == 1

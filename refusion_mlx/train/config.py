@@ -67,6 +67,9 @@ OPTIONS: Dict[str, Option] = {
     "draft_fraction": Option(float, 0.0, "share of examples that teach drafting each response token from the "
                                          "written tokens before it, as decoding drafts (this project's addition; "
                                          "default: 0, the paper's objective alone)"),
+    "ar_weight": Option(float, 1.0, "multiplies the loss's AR mean, which the paper weighs like one row's "
+                                    "masks (default: 1, the paper's loss; the batch size gives a drafting "
+                                    "example's next-token labels the weight of its masks)"),
     "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
@@ -189,6 +192,8 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
     if not 0 <= v["draft_fraction"] <= 1:
         raise OptionError(f"--draft-fraction must be between 0 and 1, got {v['draft_fraction']}")
+    if not v["ar_weight"] > 0:
+        raise OptionError(f"--ar-weight must be positive, got {v['ar_weight']}")
     if not v["replay_ratio"] >= 0:
         raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
     if not v["learning_rate"] > 0:

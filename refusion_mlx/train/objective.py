@@ -23,7 +23,7 @@ def token_cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
     return mx.where(valid, mx.logsumexp(logits, axis=-1) - picked, 0.0)
 
 
-def loss_from_logits(logits: mx.array, batch: Dict[str, mx.array]) -> mx.array:
+def loss_from_logits(logits: mx.array, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> mx.array:
     """The batch loss from logits (B, T, V); see :func:`refusion_loss`."""
     labels, mdm = batch["labels"], batch["mdm"].astype(mx.bool_)
     ce = token_cross_entropy(logits, labels)
@@ -34,10 +34,10 @@ def loss_from_logits(logits: mx.array, batch: Dict[str, mx.array]) -> mx.array:
     ar_mean = mx.where(n_ar > 0, (ce * ar).sum() / mx.maximum(n_ar, 1), 0.0)
     weight = batch["mask_prob"].astype(mx.float32) * batch["response_length"].astype(mx.float32)
     mdm_sum = (mx.where(mdm, ce, 0.0) / weight[:, None]).sum()
-    return (ar_mean + mdm_sum) / labels.shape[0]
+    return (ar_weight * ar_mean + mdm_sum) / labels.shape[0]
 
 
-def refusion_loss(model, batch: Dict[str, mx.array]) -> mx.array:
+def refusion_loss(model, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> mx.array:
     """The scalar training loss of a batch.
 
     ``batch`` holds (B, T) arrays ``input_ids``, ``position_ids``, ``labels``
@@ -52,6 +52,9 @@ def refusion_loss(model, batch: Dict[str, mx.array]) -> mx.array:
         loss = ( mean_{i in AR} CE_i  +  sum_{i in MDM} CE_i / (p_b(i) * len_b(i)) ) / B
 
     where b(i) is the row of token i and the AR mean is 0 when AR is empty.
+    ``ar_weight`` (1 in the paper) multiplies the AR mean: the AR term counts
+    like one row's MDM term, so at ``ar_weight = B`` a drafting example's
+    next-token labels weigh as much as its masks (``--ar-weight``).
     An optional (B, T) int ``visible`` (drafting examples) sets which tokens
     each token attends to (``models.qwen3.visible_mask``); without it the
     pass is causal.
@@ -61,4 +64,4 @@ def refusion_loss(model, batch: Dict[str, mx.array]) -> mx.array:
         logits = model(batch["input_ids"], batch["position_ids"], visible=batch["visible"])
     else:
         logits = model(batch["input_ids"], batch["position_ids"])
-    return loss_from_logits(logits, batch)
+    return loss_from_logits(logits, batch, ar_weight)

@@ -68,7 +68,7 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
         config["lora_parameters"] = None
     config["slot_sizes"] = list(o["slot_sizes"])
     config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(o["slot_sizes"]), "epsilon": EPSILON,
-                           "draft_fraction": o["draft_fraction"]}
+                           "draft_fraction": o["draft_fraction"], "ar_weight": o["ar_weight"]}
     return config
 
 
@@ -135,7 +135,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
                          quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
-                         draft_fraction=o["draft_fraction"])
+                         draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"])
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -148,7 +148,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
             batches = min(batches, o["test_batches"])
         loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
                         quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
-                        draft_fraction=o["draft_fraction"])
+                        draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result

@@ -50,6 +50,7 @@ class TrainArgs:
     seed: int = 0
     slot_sizes: Tuple[int, ...] = SLOT_SIZES  # the objective's slot-size draw
     draft_fraction: float = 0.0  # share of drafting examples (build_draft_example)
+    ar_weight: float = 1.0  # multiplies the loss's AR mean (1: the paper's loss)
     # mx.compile the step; None: unless grad_checkpoint (a compiled step keeps
     # what checkpointing would free: 0.6B QLoRA peaks at 4.0 GB compiled, 1.8 GB not)
     compile: Optional[bool] = None
@@ -171,7 +172,8 @@ def to_mx(batch: Dict[str, np.ndarray]) -> Dict[str, mx.array]:
 def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int, mask_id: int,
              max_seq_length: int, seed: int = 0, pad_id: int = 0,
              progress: Optional[Callable[[], None]] = None, quantized_matmul: str = "auto",
-             slot_sizes: Sequence[int] = SLOT_SIZES, draft_fraction: float = 0.0) -> float:
+             slot_sizes: Sequence[int] = SLOT_SIZES, draft_fraction: float = 0.0,
+             ar_weight: float = 1.0) -> float:
     """Mean batch loss over ``num_batches`` batches (-1: all), in a fixed order
     and with fixed corruption draws (``seed``), so evaluations compare."""
     was_training = model.training
@@ -183,7 +185,7 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
     total, count = 0.0, 0
     try:
         for batch in itertools.islice(batches, None if num_batches == -1 else num_batches):
-            loss = refusion_loss(model, to_mx(batch))
+            loss = refusion_loss(model, to_mx(batch), ar_weight)
             mx.eval(loss)
             total += loss.item()
             count += 1
@@ -231,7 +233,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
                               slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction)
     undo_checkpoint = enable_grad_checkpoint(model) if args.grad_checkpoint else (lambda: None)
     undo_dequantize = dequantizing_matmuls(model, args.quantized_matmul)
-    loss_and_grad = nn.value_and_grad(model, refusion_loss)
+    loss_and_grad = nn.value_and_grad(model, partial(refusion_loss, ar_weight=args.ar_weight))
     state = [model.state, optimizer.state, mx.random.state]
 
     def step(batch):
@@ -256,7 +258,8 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
                   disable=not progress, dynamic_ncols=True) as bar:
             loss = evaluate(model, valid_set, args.batch_size, val_batches, mask_id, args.max_seq_length,
                             args.seed, pad_id, progress=bar.update, quantized_matmul=args.quantized_matmul,
-                            slot_sizes=args.slot_sizes, draft_fraction=args.draft_fraction)
+                            slot_sizes=args.slot_sizes, draft_fraction=args.draft_fraction,
+                            ar_weight=args.ar_weight)
         result.val_losses.append(loss)
         say(f"Iter {it}: Val loss {loss:.3f}, Val took {time.perf_counter() - tic:.3f}s")
 
