@@ -133,6 +133,38 @@ def test_lengths_and_batches():
         next(iterate_batches(records, 8, 805, rng))
 
 
+def passes(by_length: bool, n_passes: int = 3):
+    """The batches of ``n_passes`` passes over 16 records, each named by its response length."""
+    records = [Record([1, 2], list(range(10, 10 + n))) for n in range(1, 17)]
+    it = iterate_batches(records, 4, 805, np.random.default_rng(0), 64, loop=True, by_length=by_length)
+    return [[sorted(int(n) for n in next(it)["response_length"]) for _ in range(4)] for _ in range(n_passes)]
+
+
+def test_batch_order():
+    """length (default, mlx-lm's): the same four batches of neighbouring lengths every pass;
+    random: every record once per pass, in batches dealt anew that mix lengths."""
+    for p in passes(True):
+        assert sorted(map(tuple, p)) == [tuple(range(1 + 4 * k, 5 + 4 * k)) for k in range(4)]
+    dealt = passes(False)
+    for p in dealt:
+        assert sorted(n for batch in p for n in batch) == list(range(1, 17))
+    assert len({tuple(map(tuple, sorted(p))) for p in dealt}) == 3  # new batches each pass
+    assert any(batch[-1] - batch[0] > 3 for p in dealt for batch in p)  # lengths mixed
+
+
+def test_batch_order_option(tmp_path, capsys):
+    data = Path(__file__).parent / "fixtures" / "train-data"
+    folder = tmp_path / "a"
+    code = train_main(["--data", str(data), "--adapter-path", str(folder), "--iters", "2", "--batch-size", "2",
+                       "--num-layers", "1", "--val-batches", "1", "--batch-order", "random"])
+    assert code == 0 and json.loads((folder / "adapter_config.json").read_text())["batch_order"] == "random"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["--data", str(data), "--batch-order", "shuffled"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--batch-order" in err and len(err.strip().splitlines()) == 1
+
+
 # --------------------------------------------------------------------------
 # A LoRA run on the demo model
 

@@ -118,17 +118,26 @@ def make_example(record: Record, mask_id: int, rng: np.random.Generator, slot_si
 def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rng: np.random.Generator,
                     max_seq_length: Optional[int] = None, loop: bool = False, shuffle: bool = True,
                     slot_sizes: Sequence[int] = SLOT_SIZES, pad_id: int = 0,
-                    pad_to: int = PAD_TO, draft_fraction: float = 0.0) -> Iterator[Dict[str, np.ndarray]]:
+                    pad_to: int = PAD_TO, draft_fraction: float = 0.0,
+                    by_length: bool = True) -> Iterator[Dict[str, np.ndarray]]:
     """Collated batches of fresh examples; forever with ``loop``.
 
     Records must already fit ``max_seq_length`` (see :func:`fit_length`).
     With ``draft_fraction`` > 0 each example is a drafting example with that
     probability (when its doubled response still fits ``max_seq_length``).
+    ``by_length`` (mlx-lm's way, least padding): batches of records of about
+    one length, the same batches every pass in a shuffled order. Without it
+    (and with ``shuffle``) every pass deals the records into new batches at
+    random: rows of one length share a decision's position (where a count
+    ends), and a batch of them rewards a position rule over reading the prompt.
     """
     groups = batch_indices(records, batch_size)
     if not groups:
         raise RefusionError(f"{len(records)} examples are fewer than the batch size {batch_size}")
     while True:
+        if shuffle and not by_length:
+            deal = rng.permutation(len(records)).tolist()
+            groups = [deal[i:i + batch_size] for i in range(0, len(deal) - batch_size + 1, batch_size)]
         order = rng.permutation(len(groups)) if shuffle else range(len(groups))
         for g in order:
             examples = [make_example(records[i], mask_id, rng, slot_sizes, draft_fraction, max_seq_length)

@@ -67,6 +67,10 @@ OPTIONS: Dict[str, Option] = {
     "draft_fraction": Option(float, 0.0, "share of examples that teach drafting each response token from the "
                                          "written tokens before it, as decoding drafts (this project's addition; "
                                          "default: 0, the paper's objective alone)"),
+    "batch_order": Option(str, "length", "length: batches of rows of about one length, as mlx-lm (least "
+                                         "padding); random: rows dealt into new batches every pass (rows of "
+                                         "one length share where their answer ends) (default: length)",
+                          ("length", "random")),
     "ar_weight": Option(float, 1.0, "multiplies the loss's AR mean, which the paper weighs like one row's "
                                     "masks (default: 1, the paper's loss; the batch size gives a drafting "
                                     "example's next-token labels the weight of its masks)"),

@@ -135,7 +135,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
                          quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
-                         draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"])
+                         draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
+                         by_length=o["batch_order"] == "length")
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)

@@ -51,6 +51,7 @@ class TrainArgs:
     slot_sizes: Tuple[int, ...] = SLOT_SIZES  # the objective's slot-size draw
     draft_fraction: float = 0.0  # share of drafting examples (build_draft_example)
     ar_weight: float = 1.0  # multiplies the loss's AR mean (1: the paper's loss)
+    by_length: bool = True  # batches of one length (mlx-lm's); False: rows dealt at random each pass
     # mx.compile the step; None: unless grad_checkpoint (a compiled step keeps
     # what checkpointing would free: 0.6B QLoRA peaks at 4.0 GB compiled, 1.8 GB not)
     compile: Optional[bool] = None
@@ -230,7 +231,8 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
         raise RefusionError(f"cannot create the adapter folder {adapter_dir}: {e.strerror or e}") from None
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
-                              slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction)
+                              slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction,
+                              by_length=args.by_length)
     undo_checkpoint = enable_grad_checkpoint(model) if args.grad_checkpoint else (lambda: None)
     undo_dequantize = dequantizing_matmuls(model, args.quantized_matmul)
     loss_and_grad = nn.value_and_grad(model, partial(refusion_loss, ar_weight=args.ar_weight))
