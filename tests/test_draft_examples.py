@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from refusion_mlx.train import IGNORE, build_example, collate, refusion_loss
 from refusion_mlx.train.batches import Record, iterate_batches
+from refusion_mlx.errors import RefusionError
 from refusion_mlx.train.examples import build_draft_example
 from tests.helpers import random_config, random_model
 
@@ -140,3 +141,78 @@ def test_ar_weight_option(tmp_path, capsys):
             train_main(["--data", str(data), "--ar-weight", bad])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "--ar-weight must be positive" in err and len(err.strip().splitlines()) == 1
+
+
+def test_runs_of_masks_layout():
+    """--draft-run R: masks in runs of R (the first run shorter by a draw);
+    a mask sees the response before its run and its run's masks up to itself."""
+    from refusion_mlx.train.examples import run_starts
+
+    seen = set()
+    for seed in range(12):
+        starts = run_starts(10, 4, np.random.default_rng(seed))
+        first = int(np.argmax(starts > 0)) if (starts > 0).any() else 10
+        assert 1 <= first <= 4 and starts[:first].tolist() == [0] * first
+        rest = starts[first:].tolist()
+        assert rest == [first + (k // 4) * 4 for k in range(len(rest))]  # full runs of 4 after the first
+        seen.add(first)
+    assert len(seen) > 1  # the boundaries move between examples
+    assert run_starts(5, 1, None).tolist() == [0, 1, 2, 3, 4]
+    e = build_draft_example([1, 2, 3], [7, 8, 9, 10, 11], MASK, run=3, rng=np.random.default_rng(0))
+    starts = run_starts(5, 3, np.random.default_rng(0))
+    assert e.input_ids.tolist() == [1, 2, 3, 7, 8, 9, 10, 11] + [MASK] * 5
+    assert e.visible[8:].tolist() == (3 + starts).tolist()
+    assert e.run_start[:8].tolist() == list(range(8)) and e.run_start[8:].tolist() == (8 + starts).tolist()
+    with pytest.raises(RefusionError):
+        build_draft_example([1], [7], MASK, run=0)
+    with pytest.raises(RefusionError):
+        build_draft_example([1], [7, 8], MASK, run=2)  # a draw needs a generator
+
+
+def test_each_mask_of_a_run_sees_what_the_plan_shows_it(tiny):
+    """Mask k of a run that starts at j: its logits equal a plain causal pass of
+    prompt + response[:j] + (k - j + 1) masks, as the plan pass drafts a block."""
+    from refusion_mlx.train.examples import run_starts
+
+    prompt, response = [11, 12, 13], [21, 22, 23, 24, 25, 26, 27]
+    e = build_draft_example(prompt, response, MASK, run=3, rng=np.random.default_rng(2))
+    starts = run_starts(len(response), 3, np.random.default_rng(2))
+    batch = collate([e])
+    out = tiny(mx.array(batch["input_ids"]), mx.array(batch["position_ids"]), visible=mx.array(batch["visible"]),
+               run_start=mx.array(batch["run_start"]))[0]
+    for k in range(len(response)):
+        j = int(starts[k])
+        row = prompt + response[:j] + [MASK] * (k - j + 1)
+        ref = tiny(mx.array([row]), mx.array([list(range(len(row)))]))[0, -1]
+        np.testing.assert_allclose(np.array(out[len(prompt) + len(response) + k]), np.array(ref), atol=1e-4)
+    assert len(set(starts.tolist())) > 1 and (starts < np.arange(len(response))).any()  # real runs
+
+
+def test_draft_run_option(tmp_path, capsys):
+    from refusion_mlx.train.__main__ import main as train_main
+    from pathlib import Path
+
+    data = Path(__file__).parent / "fixtures" / "train-data"
+    folder = tmp_path / "a"
+    code = train_main(["--data", str(data), "--adapter-path", str(folder), "--iters", "2", "--batch-size", "4",
+                       "--num-layers", "1", "--val-batches", "1", "--draft-fraction", "1", "--draft-run", "8",
+                       "--steps-per-report", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and np.isfinite(float(out.split("Iter 2: Train loss")[1].split(",")[0]))
+    assert json.loads((folder / "adapter_config.json").read_text())["objective"]["draft_run"] == 8
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["--data", str(data), "--draft-run", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--draft-run must be at least 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_loss_uses_the_runs(tiny):
+    from refusion_mlx.train.objective import loss_from_logits
+
+    e = build_draft_example([1, 2, 3], [7, 8, 9, 10, 11, 12], MASK, run=4, rng=np.random.default_rng(3))
+    batch = {k: mx.array(v) for k, v in collate([e]).items()}
+    logits = tiny(batch["input_ids"], batch["position_ids"], visible=batch["visible"], run_start=batch["run_start"])
+    expected = loss_from_logits(logits, batch).item()
+    assert refusion_loss(tiny, batch).item() == pytest.approx(expected, rel=1e-5)
+    without = {k: v for k, v in batch.items() if k != "run_start"}  # each mask alone: another loss
+    assert abs(refusion_loss(tiny, without).item() - expected) > 1e-4

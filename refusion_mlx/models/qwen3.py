@@ -197,16 +197,21 @@ def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype
     return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
 
 
-def visible_mask(visible: mx.array) -> mx.array:
+def visible_mask(visible: mx.array, run_start: Optional[mx.array] = None) -> mx.array:
     """(B, T, T) bool from (B, T) ints: token i attends to the first
-    ``visible[b, i]`` tokens of its row, and to itself.
+    ``visible[b, i]`` tokens of its row, and to its own run: the tokens from
+    ``run_start[b, i]`` (default: i itself) up to i.
 
     ``visible = arange(T)`` is the causal mask. Training's drafting examples
-    give a mask fewer: only the written tokens before its own position, as
-    decoding drafts it (see ``train.examples.build_draft_example``).
+    give a mask fewer: only the written tokens before the run of masks it
+    belongs to, and the masks of that run before it, as the plan pass drafts a
+    block (see ``train.examples.build_draft_example``).
     """
     keys = mx.arange(visible.shape[-1])
-    return (keys[None, None, :] < visible[..., None]) | (keys[None, None, :] == keys[None, :, None])
+    queries = keys[None, :, None]
+    start = queries if run_start is None else run_start[..., None]
+    own_run = (keys[None, None, :] >= start) & (keys[None, None, :] <= queries)
+    return (keys[None, None, :] < visible[..., None]) | own_run
 
 
 def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
@@ -394,15 +399,15 @@ class Model(nn.Module):
         self.rope = PositionalRoPE(args.head_dim, args.rope_theta, args.rope_scaling)
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
-               visible: Optional[mx.array] = None) -> mx.array:
+               visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
         """Final-norm hidden states (B, T, dim) for tokens (B, T) at positions
         (T,) or (B, T). With a ``cache``, one sequence (B = 1); without one, a
         plain causal pass over each row (training: right-padded rows), or with
-        ``visible`` (B, T) ints the pass :func:`visible_mask` describes."""
+        ``visible`` (and ``run_start``) (B, T) ints the pass :func:`visible_mask` describes."""
         if tokens.ndim != 2 or (cache is not None and (tokens.shape[0] != 1 or visible is not None)):
             raise ValueError(f"hidden() takes tokens (B, T), one row with a cache; got {tokens.shape}")
         if tokens.shape[0] > 1 or visible is not None:
-            return self._batch_hidden(tokens, positions, visible)
+            return self._batch_hidden(tokens, positions, visible, run_start)
         # one sequence, kept 2-D (T, hidden) inside: every projection is then a
         # plain matmul, without the reshapes a batch axis costs on each call
         h = self.model.embed_tokens(tokens.reshape(-1))
@@ -422,11 +427,12 @@ class Model(nn.Module):
                 mx.async_eval(h)
         return self.model.norm(h)[None]
 
-    def _batch_hidden(self, tokens: mx.array, positions: mx.array, visible: Optional[mx.array] = None) -> mx.array:
+    def _batch_hidden(self, tokens: mx.array, positions: mx.array, visible: Optional[mx.array] = None,
+                      run_start: Optional[mx.array] = None) -> mx.array:
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)
         rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
-        mask = attention_mask("causal" if visible is None else visible_mask(visible), T, T,
+        mask = attention_mask("causal" if visible is None else visible_mask(visible, run_start), T, T,
                               self.args.num_attention_heads,
                               self.args.num_key_value_heads, h.dtype)
         for layer in self.model.layers:
@@ -439,8 +445,8 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     def __call__(self, tokens: mx.array, positions: mx.array, cache=None,
-                 visible: Optional[mx.array] = None) -> mx.array:
-        return self.head(self.hidden(tokens, positions, cache, visible))
+                 visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
+        return self.head(self.hidden(tokens, positions, cache, visible, run_start))
 
     def fuse_projections(self) -> int:
         """Fuse q/k/v and gate/up into one matmul each, layer by layer.

@@ -65,7 +65,8 @@ def collate(examples: Sequence[Example], max_seq_length: Optional[int] = None,
     """Right-padded numpy arrays of a batch (pads: ``pad_id`` at position 0, label IGNORE).
 
     With a drafting example in it (:func:`build_draft_example`), the batch
-    also holds ``visible`` (B, T): the causal ``arange(T)`` except at its masks.
+    also holds ``visible`` (B, T): the causal ``arange(T)`` except at its masks
+    (and ``run_start`` (B, T), ``arange(T)`` except at them, with runs of masks).
     """
     B = len(examples)
     T = padded_length(max(len(e) for e in examples), max_seq_length, pad_to)
@@ -88,6 +89,11 @@ def collate(examples: Sequence[Example], max_seq_length: Optional[int] = None,
         for i, e in enumerate(examples):
             if e.visible is not None:
                 batch["visible"][i, :len(e)] = e.visible
+    if any(e.run_start is not None for e in examples):
+        batch["run_start"] = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+        for i, e in enumerate(examples):
+            if e.run_start is not None:
+                batch["run_start"][i, :len(e)] = e.run_start
     return batch
 
 
@@ -105,13 +111,15 @@ def batch_indices(records: Sequence[Record], batch_size: int) -> List[List[int]]
 
 
 def make_example(record: Record, mask_id: int, rng: np.random.Generator, slot_sizes: Sequence[int],
-                 draft_fraction: float = 0.0, max_seq_length: Optional[int] = None) -> Example:
-    """A hybrid example, or with probability ``draft_fraction`` a drafting one.
+                 draft_fraction: float = 0.0, max_seq_length: Optional[int] = None,
+                 draft_run: int = 1) -> Example:
+    """A hybrid example, or with probability ``draft_fraction`` a drafting one
+    (its masks in runs of ``draft_run``).
 
     At fraction 0 no extra draw is made, so runs reproduce the paper-objective ones."""
     if draft_fraction > 0 and rng.random() < draft_fraction and \
             (max_seq_length is None or len(record) + len(record.response) <= max_seq_length):
-        return build_draft_example(record.prompt, record.response, mask_id)
+        return build_draft_example(record.prompt, record.response, mask_id, draft_run, rng)
     return build_example(record.prompt, record.response, mask_id, rng, slot_sizes)
 
 
@@ -119,12 +127,13 @@ def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rn
                     max_seq_length: Optional[int] = None, loop: bool = False, shuffle: bool = True,
                     slot_sizes: Sequence[int] = SLOT_SIZES, pad_id: int = 0,
                     pad_to: int = PAD_TO, draft_fraction: float = 0.0,
-                    by_length: bool = True) -> Iterator[Dict[str, np.ndarray]]:
+                    by_length: bool = True, draft_run: int = 1) -> Iterator[Dict[str, np.ndarray]]:
     """Collated batches of fresh examples; forever with ``loop``.
 
     Records must already fit ``max_seq_length`` (see :func:`fit_length`).
     With ``draft_fraction`` > 0 each example is a drafting example with that
-    probability (when its doubled response still fits ``max_seq_length``).
+    probability (when its doubled response still fits ``max_seq_length``),
+    its masks in runs of ``draft_run``.
     ``by_length`` (mlx-lm's way, least padding): batches of records of about
     one length, the same batches every pass in a shuffled order. Without it
     (and with ``shuffle``) every pass deals the records into new batches at
@@ -140,7 +149,8 @@ def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rn
             groups = [deal[i:i + batch_size] for i in range(0, len(deal) - batch_size + 1, batch_size)]
         order = rng.permutation(len(groups)) if shuffle else range(len(groups))
         for g in order:
-            examples = [make_example(records[i], mask_id, rng, slot_sizes, draft_fraction, max_seq_length)
+            examples = [make_example(records[i], mask_id, rng, slot_sizes, draft_fraction, max_seq_length,
+                                     draft_run)
                         for i in groups[g]]
             yield collate(examples, max_seq_length, pad_to, pad_id)
         if not loop:

@@ -67,6 +67,9 @@ OPTIONS: Dict[str, Option] = {
     "draft_fraction": Option(float, 0.0, "share of examples that teach drafting each response token from the "
                                          "written tokens before it, as decoding drafts (this project's addition; "
                                          "default: 0, the paper's objective alone)"),
+    "draft_run": Option(int, 1, "masks of a drafting example come in runs of this many, each seeing the "
+                                "text before its run and the run's masks before it, as the plan pass drafts "
+                                "a block (default: 1, each mask sees only written tokens)"),
     "batch_order": Option(str, "length", "length: batches of rows of about one length, as mlx-lm (least "
                                          "padding); random: rows dealt into new batches every pass (rows of "
                                          "one length share where their answer ends) (default: length)",
@@ -186,7 +189,7 @@ def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any
 def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     """Range checks, and the LoRA block: ``rank`` over ``lora_parameters.rank``."""
     minimum = {"batch_size": 1, "iters": 0, "steps_per_report": 1, "steps_per_eval": 1, "save_every": 1,
-               "max_seq_length": 2, "rank": 1}
+               "max_seq_length": 2, "rank": 1, "draft_run": 1}
     for name, low in minimum.items():
         if v[name] < low:
             raise OptionError(f"{flag(name)} must be at least {low}, got {v[name]}")

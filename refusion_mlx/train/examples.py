@@ -46,6 +46,7 @@ class Example:
     response_length: int       # response tokens (EOS included)
     slot_size: int
     visible: Optional[np.ndarray] = None  # (T,) int32: keys each token sees (None: causal)
+    run_start: Optional[np.ndarray] = None  # (T,) int32: first key of its own run (None: itself)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -104,7 +105,8 @@ def build_example(prompt_ids: Sequence[int], response_ids: Sequence[int], mask_i
                    np.concatenate(mdm), float(p), int(L), size)
 
 
-def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], mask_id: int) -> Example:
+def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], mask_id: int,
+                        run: int = 1, rng: Optional[np.random.Generator] = None) -> Example:
     """Every response token drafted from the written tokens before it.
 
     Decoding writes no token from next-token logits: it drafts each one from
@@ -121,6 +123,13 @@ def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], 
       attends to the prompt, the response before k and itself only
       (``visible``; the model builds the attention from it).
 
+    With ``run`` > 1 the masks come in runs of ``run`` consecutive positions
+    (the first run shorter, by a draw from ``rng``, so that run boundaries
+    fall anywhere): a mask sees the response before its run and the masks of
+    its run before it -- the plan pass, which drafts a block of masks after
+    the committed text. A count's end is then drafted up to ``run - 1``
+    masks away from the last written number, as the plan drafts it.
+
     It enters the loss as an example whose every response token is masked
     (``mask_prob`` 1): the mean cross-entropy of its masks.
     """
@@ -128,6 +137,8 @@ def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], 
     response = np.asarray(response_ids, dtype=np.int32).reshape(-1)
     if response.size == 0:
         raise RefusionError("a training example needs at least one response token (EOS)")
+    if run < 1:
+        raise RefusionError(f"a run of masks needs at least one mask, got {run}")
     P, L = prompt.size, response.size
     ids = np.concatenate([prompt, response, np.full(L, mask_id, np.int32)])
     pos = np.concatenate([np.arange(P + L, dtype=np.int32), np.arange(P, P + L, dtype=np.int32)])
@@ -136,5 +147,23 @@ def build_draft_example(prompt_ids: Sequence[int], response_ids: Sequence[int], 
     labels[P + L:] = response
     mdm = np.zeros(P + 2 * L, bool)
     mdm[P + L:] = True
-    visible = np.concatenate([np.arange(P + L, dtype=np.int32), np.arange(P, P + L, dtype=np.int32)])
-    return Example(ids, pos, labels, mdm, 1.0, int(L), int(L), visible)
+    starts = run_starts(L, run, rng)  # response position where each mask's run begins
+    visible = np.concatenate([np.arange(P + L, dtype=np.int32), P + starts])
+    run_start = None
+    if run > 1:
+        run_start = np.concatenate([np.arange(P + L, dtype=np.int32), P + L + starts])
+    return Example(ids, pos, labels, mdm, 1.0, int(L), int(L), visible, run_start)
+
+
+def run_starts(length: int, run: int, rng: Optional[np.random.Generator]) -> np.ndarray:
+    """(length,) int32: the first position of the run each position falls in.
+
+    Runs are ``run`` long; the first is 1..run long (drawn), so that over
+    examples every position is some run's k-th mask for every k < run."""
+    k = np.arange(length, dtype=np.int32)
+    if run == 1:
+        return k
+    if rng is None:
+        raise RefusionError("runs of masks longer than one need a random generator")
+    shift = int(rng.integers(run))  # positions before the first full run
+    return np.where(k < shift, 0, shift + (k - shift) // run * run).astype(np.int32)

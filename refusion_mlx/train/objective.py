@@ -55,13 +55,14 @@ def refusion_loss(model, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> 
     ``ar_weight`` (1 in the paper) multiplies the AR mean: the AR term counts
     like one row's MDM term, so at ``ar_weight = B`` a drafting example's
     next-token labels weigh as much as its masks (``--ar-weight``).
-    An optional (B, T) int ``visible`` (drafting examples) sets which tokens
-    each token attends to (``models.qwen3.visible_mask``); without it the
-    pass is causal.
+    Optional (B, T) ints ``visible`` and ``run_start`` (drafting examples) set
+    which tokens each token attends to (``models.qwen3.visible_mask``);
+    without them the pass is causal.
     """
     batch = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in batch.items()}  # numpy too
     if "visible" in batch:  # drafting examples: their masks see only the tokens before them
-        logits = model(batch["input_ids"], batch["position_ids"], visible=batch["visible"])
+        logits = model(batch["input_ids"], batch["position_ids"], visible=batch["visible"],
+                       run_start=batch.get("run_start"))
     else:
         logits = model(batch["input_ids"], batch["position_ids"])
     return loss_from_logits(logits, batch, ar_weight)

@@ -68,7 +68,8 @@ def adapter_config(o: Dict, num_layers: int) -> dict:
         config["lora_parameters"] = None
     config["slot_sizes"] = list(o["slot_sizes"])
     config["objective"] = {"name": "refusion-hybrid", "slot_sizes": list(o["slot_sizes"]), "epsilon": EPSILON,
-                           "draft_fraction": o["draft_fraction"], "ar_weight": o["ar_weight"]}
+                           "draft_fraction": o["draft_fraction"], "draft_run": o["draft_run"],
+                           "ar_weight": o["ar_weight"]}
     return config
 
 
@@ -136,7 +137,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
                          quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
                          draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
-                         by_length=o["batch_order"] == "length")
+                         draft_run=o["draft_run"], by_length=o["batch_order"] == "length")
         report("Training")
         result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
                        report=report, progress=progress)
@@ -149,7 +150,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
             batches = min(batches, o["test_batches"])
         loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
                         quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
-                        draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"])
+                        draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
+                        draft_run=o["draft_run"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result

@@ -50,6 +50,7 @@ class TrainArgs:
     seed: int = 0
     slot_sizes: Tuple[int, ...] = SLOT_SIZES  # the objective's slot-size draw
     draft_fraction: float = 0.0  # share of drafting examples (build_draft_example)
+    draft_run: int = 1  # their masks in runs of this many (1: each mask sees only written tokens)
     ar_weight: float = 1.0  # multiplies the loss's AR mean (1: the paper's loss)
     by_length: bool = True  # batches of one length (mlx-lm's); False: rows dealt at random each pass
     # mx.compile the step; None: unless grad_checkpoint (a compiled step keeps
@@ -174,7 +175,7 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
              max_seq_length: int, seed: int = 0, pad_id: int = 0,
              progress: Optional[Callable[[], None]] = None, quantized_matmul: str = "auto",
              slot_sizes: Sequence[int] = SLOT_SIZES, draft_fraction: float = 0.0,
-             ar_weight: float = 1.0) -> float:
+             ar_weight: float = 1.0, draft_run: int = 1) -> float:
     """Mean batch loss over ``num_batches`` batches (-1: all), in a fixed order
     and with fixed corruption draws (``seed``), so evaluations compare."""
     was_training = model.training
@@ -182,7 +183,8 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
     model.eval()
     rng = np.random.default_rng(seed)
     batches = iterate_batches(records, batch_size, mask_id, rng, max_seq_length, shuffle=False,
-                              slot_sizes=slot_sizes, pad_id=pad_id, draft_fraction=draft_fraction)
+                              slot_sizes=slot_sizes, pad_id=pad_id, draft_fraction=draft_fraction,
+                              draft_run=draft_run)
     total, count = 0.0, 0
     try:
         for batch in itertools.islice(batches, None if num_batches == -1 else num_batches):
@@ -232,7 +234,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
                               slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction,
-                              by_length=args.by_length)
+                              by_length=args.by_length, draft_run=args.draft_run)
     undo_checkpoint = enable_grad_checkpoint(model) if args.grad_checkpoint else (lambda: None)
     undo_dequantize = dequantizing_matmuls(model, args.quantized_matmul)
     loss_and_grad = nn.value_and_grad(model, partial(refusion_loss, ar_weight=args.ar_weight))
@@ -261,7 +263,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
             loss = evaluate(model, valid_set, args.batch_size, val_batches, mask_id, args.max_seq_length,
                             args.seed, pad_id, progress=bar.update, quantized_matmul=args.quantized_matmul,
                             slot_sizes=args.slot_sizes, draft_fraction=args.draft_fraction,
-                            ar_weight=args.ar_weight)
+                            ar_weight=args.ar_weight, draft_run=args.draft_run)
         result.val_losses.append(loss)
         say(f"Iter {it}: Val loss {loss:.3f}, Val took {time.perf_counter() - tic:.3f}s")
 
