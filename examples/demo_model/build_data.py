@@ -110,6 +110,21 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
             "valid": len(valid) + len(v_convs), "eval_conversations": len(evals)}
 
 
+def build_counting(tasks: Path, out: Path, seed: int = 0, n_train: int = 11800, n_valid: int = 200) -> dict:
+    """Counting rows only (``counting_row``), none with a prompt of the mix's validation rows."""
+    rng = random.Random(seed)
+    held_out = {r["messages"][0]["content"] for r in read_jsonl(tasks / "valid.jsonl")}
+    rows = []
+    while len(rows) < n_train + n_valid:
+        row = counting_row(rng)
+        if row["messages"][0]["content"] not in held_out:
+            rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "train.jsonl", rows[:n_train])
+    write_jsonl(out / "valid.jsonl", rows[n_train:])
+    return {"train": n_train, "valid": n_valid}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="../shared/fixtures/tiny-refusion-tasks",
