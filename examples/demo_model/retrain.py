@@ -1,39 +1,55 @@
-"""Retrain the bundled demo model to hold a conversation, with refusion_mlx.train.
+"""Retrain the bundled demo model to hold a conversation and stop counting where asked, with refusion_mlx.train.
 
-Three stages of full fine-tuning from the weights the demo shipped with (kept as
-tests/fixtures/tiny-refusion; recipe: retrain.yaml):
+Two phases of full fine-tuning (recipe: retrain.yaml, plus each stage's options below).
+
+Phase 1, conversing: three stages from the weights the demo shipped with (kept
+as tests/fixtures/tiny-refusion), each resumed from the one before:
 
 1. 500 steps on the shared task mix + 3000 counting rows + 12000 multi-turn
    conversations built from the mix (``build_data.py --seed 0``);
-2. 1400 more steps, resumed from stage 1, on the mix + 30000 conversations
-   (``build_data.py --seed 1 --conversations 30000``);
-3. 800 steps at half the learning rate (5e-5), resumed from stage 2, on the
-   mix + 12000 conversations + 4000 conversations that end in a times-table
-   question (``build_data.py --seed 2 --focus "Show the" "Write the"
-   --focus-conversations 4000``): stage 2 had cost the times tables
-   (92% -> 52% asked alone); stage 3 brings them back to 67%.
+2. 1400 more steps on the mix + 30000 conversations (``--seed 1 --conversations 30000``);
+3. 800 steps at half the learning rate (5e-5) on the mix + 12000 conversations
+   + 4000 conversations that end in a times-table question (``--seed 2 --focus
+   "Show the" "Write the" --focus-conversations 4000``): stage 2 had cost the
+   times tables (92% -> 52% asked alone); stage 3 brings them back to 67%.
 
-Then the trained weights are fused into a standalone bfloat16 folder (the
-demo's storage dtype) and, with ``--install``, its ``model.safetensors``
-replaces the bundled one. The golden tests keep the old weights as their
-fixture (``tests/fixtures/tiny-refusion``).
+Its result is fused and stored in bfloat16 (the demo's storage dtype).
+
+Phase 2, counting: from that model, with this project's drafting examples
+(``--draft-fraction``, ``--draft-run``: each mask sees what decoding shows it)
+and rows dealt into new batches every pass (``--batch-order random``):
+
+4. 900 steps (lr 3e-4) on counting rows only (``build_data.build_counting``),
+   each mask seeing the written tokens before it: the stop right after a number;
+5. 600 more steps with the masks in runs of 16 (``--draft-run 16``), as the
+   plan pass drafts a block: the stop drafted several masks ahead;
+6. 400 steps (lr 1e-4, runs of 16) on the mix + 12000 counting rows + 12000
+   conversations (``build_data.py --seed 4 --counting 12000``), which brings
+   back the other families that the counting stages cost.
+
+Then the trained weights are fused into a standalone bfloat16 folder and, with
+``--install``, its ``model.safetensors`` replaces the bundled one. The golden
+tests keep the old weights as their fixture (``tests/fixtures/tiny-refusion``).
 
     python examples/demo_model/retrain.py --tasks ../shared/fixtures/tiny-refusion-tasks --work /tmp/demo-retrain --install
 
-About an hour on a 2-core CPU (OpenBLAS, float32 training).
+``--conversing FOLDER`` skips phase 1 and starts phase 2 from FOLDER, a fused
+phase-1 result (such as a previous run's ``WORK/conversing``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import refusion_mlx  # noqa: E402  (before mlx.core: optimized BLAS on Linux)
-from build_data import build  # noqa: E402
+from build_data import build, build_counting  # noqa: E402
 from refusion_mlx.fuse import fuse  # noqa: E402
 from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
@@ -44,30 +60,77 @@ RECIPE = HERE / "retrain.yaml"
 # second run reproduces the first instead of fine-tuning its result again.
 ORIGINAL = HERE.parent.parent / "tests" / "fixtures" / "tiny-refusion"
 TIMES_TABLES = ("Show the", "Write the")  # the times tables' family keys in build_data
-STAGES = [  # (build_data seed, conversations, focused conversations, steps, learning rate)
-    (0, 12000, 0, 500, 1e-4),
-    (1, 30000, 0, 1400, 1e-4),
-    (2, 12000, 4000, 800, 5e-5),
+
+
+@dataclass
+class Stage:
+    """One fine-tuning run, resumed from the stage before it."""
+
+    name: str
+    data: Callable[[Path, Path], dict]  # (task mix folder, output folder) -> what was written
+    steps: int
+    learning_rate: float
+    seed: int
+    options: Dict = field(default_factory=dict)  # trainer options beyond retrain.yaml
+
+
+def mix(seed: int, conversations: int, counting: int = 3000, focused: int = 0) -> Callable[[Path, Path], dict]:
+    return lambda tasks, out: build(tasks, out, seed=seed, n_conversations=conversations, n_counting=counting,
+                                    focus=TIMES_TABLES, n_focus=focused)
+
+
+CONVERSING: List[Stage] = [
+    Stage("stage1", mix(0, 12000), 500, 1e-4, 0),
+    Stage("stage2", mix(1, 30000), 1400, 1e-4, 1),
+    Stage("stage3", mix(2, 12000, focused=4000), 800, 5e-5, 2),
 ]
+# phase 2's trainer options beyond the recipe: drafting examples only, their
+# next-token labels weighted as much as their masks, rows dealt at random
+DRAFTING = dict(draft_fraction=1.0, ar_weight=16.0, train_embeddings=True, batch_order="random")
+COUNTING: List[Stage] = [
+    Stage("stage4", lambda tasks, out: build_counting(tasks, out, seed=0), 900, 3e-4, 0, DRAFTING),
+    Stage("stage5", lambda tasks, out: build_counting(tasks, out, seed=0), 600, 3e-4, 1,
+          dict(DRAFTING, draft_run=16)),
+    Stage("stage6", mix(4, 12000, counting=12000), 400, 1e-4, 4, dict(DRAFTING, draft_run=16)),
+]
+
+
+def run_stages(stages: List[Stage], model: Path, tasks: Path, work: Path) -> Path:
+    """Train ``stages`` in order on ``model``; the last stage's adapter folder.
+
+    A stage whose last checkpoint is already in ``work`` is kept (a run
+    stopped with Ctrl-C starts again at the stage it was in)."""
+    resume: Optional[str] = None
+    for stage in stages:
+        data = work / f"data-{stage.name}"
+        adapters = work / stage.name
+        if (adapters / f"{stage.steps:07d}_adapters.safetensors").is_file():
+            print(f"{stage.name}: done in an earlier run, kept")
+            resume = str(adapters / "adapters.safetensors")
+            continue
+        print(stage.data(tasks, data))
+        fine_tune(config=str(RECIPE), model=str(model), data=str(data), adapter_path=str(adapters),
+                  iters=stage.steps, seed=stage.seed, learning_rate=stage.learning_rate,
+                  resume_adapter_file=resume, **stage.options)
+        resume = str(adapters / "adapters.safetensors")
+    return adapters
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", required=True, help="the shared task mix (train.jsonl, valid.jsonl)")
-    ap.add_argument("--work", default="demo-retrain", help="folder for data, checkpoints and the fused model")
+    ap.add_argument("--work", default="demo-retrain", help="folder for data, checkpoints and the fused models")
+    ap.add_argument("--conversing", help="skip phase 1: this fused phase-1 model starts phase 2")
     ap.add_argument("--install", action="store_true", help="replace the bundled demo's model.safetensors")
     args = ap.parse_args()
-    work = Path(args.work)
-    resume = None
-    for i, (seed, conversations, focused, steps, lr) in enumerate(STAGES, 1):
-        data = work / f"data{i}"
-        print(build(Path(args.tasks), data, seed=seed, n_conversations=conversations,
-                    focus=TIMES_TABLES, n_focus=focused))
-        adapters = work / f"stage{i}"
-        fine_tune(config=str(RECIPE), model=str(ORIGINAL), data=str(data), adapter_path=str(adapters),
-                  iters=steps, seed=seed, learning_rate=lr, resume_adapter_file=resume)
-        resume = str(adapters / "adapters.safetensors")
-    fused = fuse(ORIGINAL, work / f"stage{len(STAGES)}", work / "fused", dtype="bfloat16", force=True)
+    work, tasks = Path(args.work), Path(args.tasks)
+    if args.conversing:
+        conversing = Path(args.conversing)
+    else:
+        conversing = fuse(ORIGINAL, run_stages(CONVERSING, ORIGINAL, tasks, work), work / "conversing",
+                          dtype="bfloat16", force=True)
+    fused = fuse(conversing, run_stages(COUNTING, conversing, tasks, work), work / "fused",
+                 dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
     if args.install:  # one bfloat16 file, as the demo has always been stored
         import mlx.core as mx
