@@ -13,7 +13,9 @@ counting rows, and multi-turn conversations built from the same tasks.
 
 ``valid.jsonl`` (for the trainer's validation loss) is built the same way
 from the mix's ``valid.jsonl``; ``conversations.jsonl`` holds 3-turn
-conversations over valid rows, for ``evaluate.py``. Deterministic in ``--seed``.
+conversations over valid rows, for ``evaluate.py``, and ``alone.jsonl`` the
+same third questions asked alone: the two files' scores compare a question in
+a conversation with itself asked alone. Deterministic in ``--seed``.
 
     python examples/demo_model/build_data.py --tasks ../shared/fixtures/tiny-refusion-tasks --out demo_data
 """
@@ -106,6 +108,7 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
     write_jsonl(out / "train.jsonl", rows)
     write_jsonl(out / "valid.jsonl", valid + v_convs)
     write_jsonl(out / "conversations.jsonl", evals)
+    write_jsonl(out / "alone.jsonl", [{"messages": row["messages"][-2:]} for row in evals])
     return {"train": len(rows), "task_mix": len(train), "counting": len(counting), "conversations": len(convs) + len(focused),
             "valid": len(valid) + len(v_convs), "eval_conversations": len(evals)}
 

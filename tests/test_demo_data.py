@@ -1,0 +1,69 @@
+"""The demo's training data builder (examples/demo_model/build_data.py): the
+conversations it evaluates on and the same questions asked alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "demo_model"
+
+
+def build_data_module():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        spec = importlib.util.spec_from_file_location("build_data", EXAMPLE / "build_data.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return module
+
+
+def write_tasks(folder: Path) -> None:
+    """A small mix in the shared mix's shape: a few families, train and valid."""
+    def rows(names):
+        out = []
+        for name in names:
+            out.append({"messages": [{"role": "user", "content": f"Spell the word {name}."},
+                                     {"role": "assistant", "content": "-".join(name)}]})
+            out.append({"messages": [{"role": "user", "content": f"Reverse the words: {name} sun"},
+                                     {"role": "assistant", "content": f"sun {name}"}]})
+        return out
+
+    folder.mkdir()
+    for split, names in (("train", ["apple", "river", "stone", "cloud"]), ("valid", ["tiger", "moon"])):
+        with open(folder / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows(names))
+
+
+def read(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_alone_rows_are_the_conversations_last_questions(tmp_path):
+    bd = build_data_module()
+    write_tasks(tmp_path / "tasks")
+    bd.build(tmp_path / "tasks", tmp_path / "out", seed=3, n_conversations=20, n_counting=10,
+             n_valid_conversations=5, n_eval_conversations=12)
+    convs = read(tmp_path / "out" / "conversations.jsonl")
+    alone = read(tmp_path / "out" / "alone.jsonl")
+    assert len(convs) == len(alone) == 12
+    valid_prompts = {r["messages"][0]["content"] for r in read(tmp_path / "tasks" / "valid.jsonl")}
+    for conv, single in zip(convs, alone):
+        assert len(conv["messages"]) == 6  # three turns
+        assert single["messages"] == conv["messages"][-2:]
+        assert single["messages"][0]["content"] in valid_prompts  # evaluated on held-out rows
+
+
+def test_the_files_are_deterministic_in_the_seed(tmp_path):
+    """retrain.py's stages rebuild their data from a seed; a rerun must train on the same rows."""
+    bd = build_data_module()
+    write_tasks(tmp_path / "tasks")
+    for run, seed in (("a", 5), ("b", 5), ("c", 6)):
+        bd.build(tmp_path / "tasks", tmp_path / run, seed=seed, n_conversations=30, n_counting=10)
+    for name in ("train.jsonl", "conversations.jsonl", "alone.jsonl"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+    assert (tmp_path / "a" / "train.jsonl").read_text() != (tmp_path / "c" / "train.jsonl").read_text()
