@@ -287,6 +287,28 @@ def test_dora_and_full(tmp_path, tok):
         np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
 
 
+def test_full_fine_tune_weights_take_the_models_dtype(tmp_path, tok):
+    """The trainer saves float32; a bfloat16 load, and a fuse that keeps the
+    checkpoint's dtype, must hold bfloat16 weights, not float32 behind a
+    bfloat16 config."""
+    from refusion_mlx.fuse import fuse
+
+    folder = tmp_path / "full"
+    fine_tune(adapter_path=str(folder), iters=1, fine_tune_type="full", num_layers=1, train_embeddings=True,
+              report=lambda _: None, **QUICK)
+    saved = mx.load(str(folder / "adapters.safetensors"))
+    assert saved["model.layers.3.mlp.up_proj.weight"].dtype == mx.float32
+    model, _ = load(DEMO_MODEL, dtype="bfloat16", adapter_path=str(folder))
+    params = model.hf_parameters()  # checkpoint names (loading fuses some projections)
+    assert {params[name].dtype for name in saved} == {mx.bfloat16}
+    np.testing.assert_array_equal(np.array(params["lm_head.weight"].astype(mx.float32)),
+                                  np.array(saved["lm_head.weight"].astype(mx.bfloat16).astype(mx.float32)))
+    out = fuse(None, folder, tmp_path / "fused")  # the demo is stored in bfloat16
+    written = mx.load(str(out / "model.safetensors"))
+    assert {w.dtype for w in written.values()} == {mx.bfloat16}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_replay_mixes_the_known_tasks_in(tmp_path, tok):
     from refusion_mlx.train import with_replay
     from refusion_mlx.train.dataset import replay_records

@@ -184,8 +184,20 @@ def load_adapters(model, adapter_path: Union[str, Path]):
     if errors:
         raise LoadError(f"{folder / ADAPTER_FILE}: {'; '.join(errors[:3])}"
                         + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
-    model.load_weights(list(weights.items()), strict=False)
+    model.load_weights([(name, _as_model_dtype(name, w, params)) for name, w in weights.items()], strict=False)
     return model
+
+
+def _as_model_dtype(name: str, w: mx.array, params: Dict[str, mx.array]) -> mx.array:
+    """A base weight (full fine-tune, embeddings) in the dtype the model was loaded in.
+
+    The trainer saves float32 weights; put into a bfloat16 model as they are,
+    they would make its matmuls mixed-precision and a fused folder float32
+    behind a config that says bfloat16. LoRA/DoRA tensors keep their own
+    dtype, as mlx-lm's layers do."""
+    if name.rsplit(".", 1)[-1] in ADAPTER_LEAVES or not mx.issubdtype(params[name].dtype, mx.floating):
+        return w
+    return w.astype(params[name].dtype)
 
 
 def _adapter_tensor_problem(name: str, w: mx.array, params: Dict[str, mx.array], kind: str,
