@@ -4,6 +4,7 @@ counting note must look at the right tokens, and its training loop must train.""
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -72,6 +73,36 @@ def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
                         lambda model, tok, prompts: [SimpleNamespace(text=next(texts)) for _ in prompts])
     offsets = probe.last_number_offsets(None, tokenizer, [(3, 6, " "), (10, 12, " "), (1, 4, " ")])
     assert offsets == [0, 2, None]
+
+
+def test_counts_are_asked_again_after_earlier_turns(monkeypatch, tmp_path):
+    probe = probe_module()
+    _, tokenizer = load(FIXTURE, fuse=False)
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in [("Spell the word sun.", "s-u-n"), ("Count from 1 to 3.", "1, 2, 3."),
+                         ("Who is Sven?", "Sven lives in Oslo.")]]
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    contexts = probe.earlier_turns(tmp_path / "valid.jsonl", 2)
+    assert all(len(c) == 4 and "Count" not in str(c) for c in contexts)  # two turns, no count among them
+    seen = []
+    monkeypatch.setattr(probe, "batch_generate",
+                        lambda model, tok, prompts: seen.extend(prompts) or [SimpleNamespace(text="3 4 5.")] * 2)
+    assert probe.last_number_offsets(None, tokenizer, [(3, 5, " "), (3, 6, " ")], contexts) == [0, -1]
+    text = tokenizer.decode(seen[0])
+    assert text.index("Spell the word sun.") < text.index("Count from 3 to 5.")
+    assert "Sven lives in Oslo." in text
+
+
+def test_the_probe_cli_refuses_a_bad_context(capsys, tmp_path):
+    probe = probe_module()
+    with pytest.raises(SystemExit) as exit_:
+        probe.main(["--context", str(tmp_path / "none.jsonl")])
+    assert exit_.value.code == 2 and "--context needs --decode" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user"}, 3]}\n')
+    for name in ("none.jsonl", "bad.jsonl"):
+        assert probe.main(["--cases", "1", "--decode", "1", "--context", str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --context") and err.count("\n") == 1, err
 
 
 def test_the_probe_cli_rejects_bad_counts(capsys):

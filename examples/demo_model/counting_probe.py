@@ -15,7 +15,10 @@ each read two ways: from the next-token logits of the number's last digit
 is how decoding drafts every token (next-token logits only verify).
 
 ``--decode N`` also decodes N ranges with the CLI's settings and counts the
-answers whose last number is the asked one (and within one of it).
+answers whose last number is the asked one (and within one of it);
+``--context FILE`` (a chat JSONL such as the mix's ``valid.jsonl``) decodes
+the same ranges again as the third turn of a conversation, after two rows of
+FILE that are not counts (question and reference answer).
 
 A model that compares has the first near 1 and the second near 0; one that
 stops by length has them close. ``--train`` fine-tunes on counting rows only
@@ -30,6 +33,7 @@ adapter folder, which ``--adapter-path``, ``refusion_mlx.train
     python examples/demo_model/counting_probe.py
     python examples/demo_model/counting_probe.py --train ar --steps 900
     python examples/demo_model/counting_probe.py --adapter-path ADAPTERS --decode 60
+    python examples/demo_model/counting_probe.py --decode 60 --context ../shared/fixtures/tiny-refusion-tasks/valid.jsonl
     python examples/demo_model/counting_probe.py --train ar --steps 900 --save ar-counting
     python examples/demo_model/counting_probe.py --train refusion --slot-sizes 1,2,4 --steps 600
 """
@@ -61,7 +65,7 @@ from refusion_mlx.train.trainer import save_adapters, write_adapter_config
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_data import counting_row  # noqa: E402
+from build_data import counting_row, read_jsonl  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "refusion_mlx" / "demo" / "tiny-refusion"
 
@@ -137,10 +141,32 @@ def probe_cases(n: int, seed: int = 7) -> List[Tuple[int, int, str]]:
     return out
 
 
-def last_number_offsets(model, tokenizer, cases: Sequence[Tuple[int, int, str]]) -> List[Optional[int]]:
+def earlier_turns(path: Path, n: int, seed: int = 3) -> List[List[dict]]:
+    """``n`` contexts of two turns (question, reference answer) drawn from the
+    chat JSONL ``path``, leaving out counting rows (a count before a count
+    would hint the format)."""
+    try:
+        rows = [r["messages"][:2] for r in read_jsonl(path) if "messages" in r]
+        rows = [r for r in rows if len(r) == 2 and "count" not in r[0]["content"].lower()]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise RefusionError(f"--context {path}: cannot read it as chat JSONL ({type(e).__name__}: {e})") from None
+    if len(rows) < 2:
+        raise RefusionError(f"--context {path}: needs at least two chat rows that are not counts")
+    rng = random.Random(seed)
+    return [[m for row in rng.sample(rows, 2) for m in row] for _ in range(n)]
+
+
+def last_number_offsets(model, tokenizer, cases: Sequence[Tuple[int, int, str]],
+                        contexts: Optional[Sequence[List[dict]]] = None) -> List[Optional[int]]:
     """Decode ``Count from a to b.`` for every case (CLI settings, greedy): the
-    last number written minus b, or None when the answer has no number."""
-    prompts = [chat_prompt(tokenizer, f"Count from {a} to {b}.") for a, b, _ in cases]
+    last number written minus b, or None when the answer has no number.
+    ``contexts``: earlier turns to ask each count after (one per case)."""
+    questions = [f"Count from {a} to {b}." for a, b, _ in cases]
+    if contexts is None:
+        prompts = [chat_prompt(tokenizer, q) for q in questions]
+    else:
+        prompts = [tokenizer.apply_chat_template(list(c) + [{"role": "user", "content": q}], add_generation_prompt=True)
+                   for c, q in zip(contexts, questions)]
     offsets = []
     for (a, b, _), result in zip(cases, batch_generate(model, tokenizer, prompts)):
         numbers = re.findall(r"\d+", result.text)
@@ -222,11 +248,19 @@ def parse_sizes(text: str) -> Tuple[int, ...]:
     return sizes
 
 
+def print_stops(what: str, offsets: List[Optional[int]]) -> None:
+    exact = sum(o == 0 for o in offsets)
+    near = sum(o is not None and abs(o) <= 1 for o in offsets)
+    print(f"{what} {len(offsets)} ranges: {exact} end at the asked number, {near} within one of it")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEMO))
     ap.add_argument("--adapter-path", help="adapters of refusion_mlx.train to apply")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="also decode N ranges and count the stops")
+    ap.add_argument("--context", type=Path, metavar="FILE",
+                    help="with --decode: decode the ranges again as the third turn after two rows of this chat JSONL")
     ap.add_argument("--cases", type=int, default=30, help="counting ranges to probe")
     ap.add_argument("--train", choices=["refusion", "ar"], help="fine-tune on counting rows with this objective")
     ap.add_argument("--steps", type=int, default=900)
@@ -245,6 +279,8 @@ def main(argv=None) -> int:
         ap.error("--decode must be 0 or more")
     if args.save and not args.train:
         ap.error("--save needs --train")
+    if args.context and not args.decode:
+        ap.error("--context needs --decode")
     try:
         model, tokenizer = load(args.model, dtype="float32", fuse=False, adapter_path=args.adapter_path)
         cases = probe_cases(args.cases)
@@ -255,10 +291,11 @@ def main(argv=None) -> int:
             if args.save:
                 save_full(model, args.save, args)
         if args.decode > 0:
-            offsets = last_number_offsets(model, tokenizer, probe_cases(args.decode, seed=1))
-            exact = sum(o == 0 for o in offsets)
-            near = sum(o is not None and abs(o) <= 1 for o in offsets)
-            print(f"decoded {len(offsets)} ranges: {exact} end at the asked number, {near} within one of it")
+            ranges = probe_cases(args.decode, seed=1)
+            print_stops("decoded", last_number_offsets(model, tokenizer, ranges))
+            if args.context:
+                contexts = earlier_turns(args.context, len(ranges))
+                print_stops("as a third turn", last_number_offsets(model, tokenizer, ranges, contexts))
     except RefusionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
