@@ -67,3 +67,17 @@ def test_the_files_are_deterministic_in_the_seed(tmp_path):
     for name in ("train.jsonl", "conversations.jsonl", "alone.jsonl"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
     assert (tmp_path / "a" / "train.jsonl").read_text() != (tmp_path / "c" / "train.jsonl").read_text()
+
+
+def test_evaluation_conversations_can_end_in_one_family(tmp_path):
+    bd = build_data_module()
+    write_tasks(tmp_path / "tasks")
+    bd.build(tmp_path / "tasks", tmp_path / "out", seed=1, n_conversations=10, n_counting=5,
+             n_eval_conversations=20, eval_focus=("Spell the",))
+    lasts = [row["messages"][-2]["content"] for row in read(tmp_path / "out" / "alone.jsonl")]
+    assert len(lasts) == 20 and all(q.startswith("Spell the word") for q in lasts)
+    import pytest
+
+    with pytest.raises(SystemExit, match="no validation row"):
+        bd.build(tmp_path / "tasks", tmp_path / "out2", seed=1, n_conversations=10, n_counting=5,
+                 eval_focus=("Sort these",))

@@ -71,12 +71,13 @@ def conversation(rng: random.Random, rows: list, by_family: dict, turns: int, la
 
 def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n_counting: int = 3000,
           n_valid_conversations: int = 200, n_eval_conversations: int = 100,
-          focus: Sequence[str] = (), n_focus: int = 0) -> dict:
+          focus: Sequence[str] = (), n_focus: int = 0, eval_focus: Sequence[str] = ()) -> dict:
     """Write train/valid/conversations JSONL into ``out``.
 
     ``focus`` (family keys, such as the times tables' "Show the" and "Write the"), ``n_focus``: that many more
     conversations whose last question is of that family, for a family the
-    model answers alone but loses in a conversation.
+    model answers alone but loses in a conversation. ``eval_focus``: family
+    keys the evaluation conversations' third questions are drawn from (default: any row).
     """
     rng = random.Random(seed)
     train = read_jsonl(tasks / "train.jsonl")
@@ -102,7 +103,11 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
     for row in valid:
         v_by_family.setdefault(family_key(row), []).append(row)
     v_convs = [conversation(rng, valid, v_by_family, rng.choice((2, 3, 4))) for _ in range(n_valid_conversations)]
-    evals = [conversation(rng, valid, v_by_family, 3) for _ in range(n_eval_conversations)]
+    v_pool = [row for key in eval_focus for row in v_by_family.get(key, [])]
+    if eval_focus and not v_pool:
+        raise SystemExit(f"error: no validation row has a family key among {list(eval_focus)}")
+    evals = [conversation(rng, valid, v_by_family, 3, last=rng.choice(v_pool) if v_pool else None)
+             for _ in range(n_eval_conversations)]
 
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", rows)
@@ -139,9 +144,13 @@ def main() -> None:
     ap.add_argument("--focus", nargs="*", default=(), metavar="KEY",
                     help="family keys (a prompt's first two words) to add conversations ending in")
     ap.add_argument("--focus-conversations", type=int, default=0)
+    ap.add_argument("--eval-conversations", type=int, default=100, help="3-turn conversations to evaluate on")
+    ap.add_argument("--eval-focus", nargs="*", default=(), metavar="KEY",
+                    help="family keys the evaluation conversations end in (default: any)")
     args = ap.parse_args()
     print(build(Path(args.tasks), Path(args.out), args.seed, args.conversations, args.counting,
-                focus=tuple(args.focus), n_focus=args.focus_conversations))
+                n_eval_conversations=args.eval_conversations, focus=tuple(args.focus),
+                n_focus=args.focus_conversations, eval_focus=tuple(args.eval_focus)))
 
 
 if __name__ == "__main__":
