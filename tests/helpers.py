@@ -14,6 +14,7 @@ from refusion_mlx.models.loading import DEMO_MODEL
 # The model the golden outputs and logits were made with: the demo model as it
 # was before it was retrained to converse (the package's demo may change).
 FIXTURE_MODEL = Path(__file__).parent / "fixtures" / "tiny-refusion"
+DEMO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "demo_model"
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -74,3 +75,19 @@ def rows_of(cache, start=0):
 def answer_positions_contiguous(cache, response_start, answer_len):
     committed = {p for p in cache.positions if p >= response_start}
     return set(range(response_start, response_start + answer_len)) <= committed
+
+
+def demo_example_module(name: str):
+    """A script of examples/demo_model imported by path (it imports its neighbours, so their folder goes on
+    sys.path while it loads)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(DEMO_EXAMPLE))
+    try:
+        spec = importlib.util.spec_from_file_location(name, DEMO_EXAMPLE / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(DEMO_EXAMPLE))
+    return module

@@ -3,10 +3,8 @@ counting note must look at the right tokens, and its training loop must train.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,19 +14,13 @@ import pytest
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.examples import IGNORE
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "demo_model"
+from helpers import demo_example_module
+
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-refusion"
 
 
 def probe_module():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        spec = importlib.util.spec_from_file_location("counting_probe", EXAMPLE / "counting_probe.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    return module
+    return demo_example_module("counting_probe")
 
 
 def test_probe_positions_are_the_last_digit_of_each_number():

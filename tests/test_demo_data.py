@@ -3,23 +3,14 @@ conversations it evaluates on and the same questions asked alone."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "demo_model"
+from helpers import demo_example_module
 
 
 def build_data_module():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        spec = importlib.util.spec_from_file_location("build_data", EXAMPLE / "build_data.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    return module
+    return demo_example_module("build_data")
 
 
 def write_tasks(folder: Path) -> None:
