@@ -79,7 +79,7 @@ def test_loss_of_a_mixed_batch(tiny, ar_weight):
     ces = [ce(draft, True), ce(hybrid, False)]
     ar = np.concatenate([c[(r.labels != IGNORE) & ~r.mdm] for c, r in zip(ces, (draft, hybrid))])
     mdm = sum(c[r.mdm].sum() / (r.mask_prob * r.response_length) for c, r in zip(ces, (draft, hybrid)))
-    expected = (ar_weight * (ar.mean() if ar.size else 0.0) + mdm) / 2
+    expected = ar_weight * (ar.mean() if ar.size else 0.0) + mdm / 2
     assert loss == pytest.approx(expected, rel=1e-4)
 
 

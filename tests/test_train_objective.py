@@ -16,23 +16,39 @@ MASK = 805
 
 
 def torch_loss(logits: np.ndarray, batch: dict) -> float:
-    """The issue's formula, written from scratch in PyTorch (float32):
-    (mean CE over AR-labelled tokens of the batch, 0 if none
-     + sum over MDM tokens of CE / (p * response length of its row)) / B."""
+    """The authors' loss as their ``Qwen3ForCausalLM.forward`` computes it
+    (the ``labels is not None`` branch), in PyTorch float32: the logits and
+    the per-row arrays flattened, ``cross_entropy(..., reduction="mean")``
+    over the boolean-indexed AR tokens (every token that is not a mask:
+    prompt and pads too, ignored by their -100 label), and over the masked
+    tokens the per-token cross-entropy divided by the token's p and its row's
+    response length, summed and divided by ``input_ids.shape[0]``.
+
+    One departure, written in: a batch with no labelled AR token takes 0
+    for the AR term where the authors' mean would be NaN (REFUSION.md, 8)."""
     logits = torch.tensor(np.asarray(logits), dtype=torch.float32)
-    labels = torch.tensor(batch["labels"], dtype=torch.long)
-    mdm = torch.tensor(batch["mdm"], dtype=torch.bool)
-    p = torch.tensor(batch["mask_prob"], dtype=torch.float32)
-    length = torch.tensor(batch["response_length"], dtype=torch.float32)
     B, T, V = logits.shape
-    ce = F.cross_entropy(logits.reshape(B * T, V), labels.reshape(B * T), ignore_index=-100,
-                         reduction="none").reshape(B, T)
-    labelled = labels != -100
-    ar = labelled & ~mdm
-    ar_mean = ce[ar].mean() if ar.any() else torch.tensor(0.0)
-    scale = (p * length)[:, None].expand(B, T)
-    mdm_sum = (ce[labelled & mdm] / scale[labelled & mdm]).sum()
-    return float((ar_mean + mdm_sum) / B)
+    input_ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+    # their forward_process hands p and the answer length out per token (B, T)
+    p_mask = torch.tensor(batch["mask_prob"], dtype=torch.float32).view(-1, 1).repeat(1, T)
+    answer_lengths = torch.tensor(batch["response_length"]).view(-1, 1).repeat(1, T)
+
+    com_logits = logits.float().view(-1, V)
+    labels = torch.tensor(batch["labels"], dtype=torch.long).view(-1)
+    masked_indices = torch.tensor(batch["mdm"], dtype=torch.bool).view(-1)
+    p_mask = p_mask.view(-1)
+    answer_lengths = answer_lengths.view(-1)
+
+    AR_indices = ~masked_indices
+    if (labels[AR_indices] != -100).any():
+        AR_loss = F.cross_entropy(com_logits[AR_indices], labels[AR_indices], ignore_index=-100,
+                                  reduction="mean")
+    else:
+        AR_loss = torch.tensor(0.0)
+    MDM_token_loss = F.cross_entropy(com_logits[masked_indices], labels[masked_indices], ignore_index=-100,
+                                     reduction="none") / p_mask[masked_indices]
+    MDM_loss = torch.sum(MDM_token_loss / answer_lengths[masked_indices]) / input_ids.shape[0]
+    return float(AR_loss + MDM_loss)
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +128,13 @@ def test_loss_without_mdm_tokens(tiny):
     batch = hand_batch(rows, [0.001, 0.2], [set(), set()])
     assert not batch["mdm"].any()
     loss = check_against_torch(tiny, batch)
-    # then it is exactly the AR mean divided by B
+    # then it is exactly the AR mean over the batch's tokens, not divided by B
     logits = tiny(mx.array(batch["input_ids"]), mx.array(batch["position_ids"]))
     labels = batch["labels"]
     lp = np.array(mx.log(mx.softmax(logits.astype(mx.float32), axis=-1)))
     rows, cols = np.nonzero(labels != IGNORE)
     ce = -lp[rows, cols, labels[rows, cols]]
-    assert loss == pytest.approx(ce.mean() / 2, rel=1e-4)
+    assert loss == pytest.approx(ce.mean(), rel=1e-4)
 
 
 def test_loss_mixed_hand_batch_with_padding(tiny):
@@ -126,6 +142,38 @@ def test_loss_mixed_hand_batch_with_padding(tiny):
     rows = [random_pair(rng, 5, 3), random_pair(rng, 2, 30), random_pair(rng, 11, 12)]
     batch = hand_batch(rows, [0.5, 0.05, 0.9], [{0}, {1, 3, 5}, {2}])
     check_against_torch(tiny, batch)
+
+
+@pytest.mark.parametrize("B", [3, 4, 5, 6])
+def test_loss_matches_the_authors_at_every_batch_size(tiny, B):
+    """B rows of different lengths; one row fully masked, one with no mask."""
+    rng = np.random.default_rng(100 + B)
+    rows = [random_pair(rng, int(rng.integers(2, 12)), int(rng.integers(5, 40))) for _ in range(B)]
+    slots = [-(-len(r) // 4) for _, r in rows]
+    masked = [set(range(slots[0])), set()] + [
+        {i for i in range(n) if rng.random() < 0.5} for n in slots[2:]]
+    probs = [1.0, 0.001] + [float(rng.uniform(0.05, 1.0)) for _ in range(B - 2)]
+    batch = hand_batch(rows, probs, masked)
+    row_mdm = batch["mdm"].any(axis=1)
+    assert row_mdm[0] and not row_mdm[1]
+    assert ((batch["labels"][0] != IGNORE) & ~batch["mdm"][0]).sum() == 0  # row 0 has no AR label
+    check_against_torch(tiny, batch)
+
+
+def test_ar_term_is_not_divided_by_the_batch_size(tiny):
+    """Repeating every row leaves the loss unchanged: the AR term is a token
+    mean and the MDM sum is divided by B, so both are per-row averages."""
+    rng = np.random.default_rng(12)
+    rows = [random_pair(rng, 5, 17), random_pair(rng, 8, 22)]
+    once = hand_batch(rows, [0.4, 0.6], [{1}, {0, 3}])
+    twice = hand_batch(rows * 2, [0.4, 0.6] * 2, [{1}, {0, 3}] * 2)
+    a, b = refusion_loss(tiny, once).item(), refusion_loss(tiny, twice).item()
+    assert b == pytest.approx(a, rel=1e-5)
+    # and --ar-weight multiplies the AR term alone
+    logits = tiny(mx.array(once["input_ids"]), mx.array(once["position_ids"]))
+    no_mdm = dict(once, mdm=np.zeros_like(once["mdm"]), labels=np.where(once["mdm"], IGNORE, once["labels"]))
+    ar = loss_from_logits(logits, as_mx(no_mdm)).item()
+    assert loss_from_logits(logits, as_mx(once), ar_weight=3.0).item() == pytest.approx(a + 2 * ar, rel=1e-5)
 
 
 def test_loss_of_empty_labels_is_zero(tiny):

@@ -74,9 +74,8 @@ OPTIONS: Dict[str, Option] = {
                                          "padding); random: rows dealt into new batches every pass (rows of "
                                          "one length share where their answer ends) (default: length)",
                           ("length", "random")),
-    "ar_weight": Option(float, 1.0, "multiplies the loss's AR mean, which the paper weighs like one row's "
-                                    "masks (default: 1, the paper's loss; the batch size gives a drafting "
-                                    "example's next-token labels the weight of its masks)"),
+    "ar_weight": Option(float, 1.0, "multiplies the loss's AR term, the mean cross-entropy over the batch's "
+                                    "next-token labels (default: 1, the paper's loss)"),
     "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),

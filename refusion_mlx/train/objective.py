@@ -34,7 +34,7 @@ def loss_from_logits(logits: mx.array, batch: Dict[str, mx.array], ar_weight: fl
     ar_mean = mx.where(n_ar > 0, (ce * ar).sum() / mx.maximum(n_ar, 1), 0.0)
     weight = batch["mask_prob"].astype(mx.float32) * batch["response_length"].astype(mx.float32)
     mdm_sum = (mx.where(mdm, ce, 0.0) / weight[:, None]).sum()
-    return (ar_weight * ar_mean + mdm_sum) / labels.shape[0]
+    return ar_weight * ar_mean + mdm_sum / labels.shape[0]
 
 
 def refusion_loss(model, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> mx.array:
@@ -46,15 +46,17 @@ def refusion_loss(model, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> 
     ``response_length`` (its response tokens, EOS included). Rows are
     right-padded; pads are labelled -100.
 
-    With CE the float32 cross-entropy of a token, AR the labelled tokens that
-    are not MDM (over the whole batch) and MDM the labelled MDM tokens::
+    The authors' loss (``Qwen3ForCausalLM.forward`` of their
+    ``modeling_qwen3_refusion.py``). With CE the float32 cross-entropy of a
+    token, AR the labelled tokens that are not MDM (over the whole batch), MDM
+    the labelled MDM tokens, b(i) the row of token i and B the batch's rows::
 
-        loss = ( mean_{i in AR} CE_i  +  sum_{i in MDM} CE_i / (p_b(i) * len_b(i)) ) / B
+        loss = mean_{i in AR} CE_i  +  ( sum_{i in MDM} CE_i / (p_b(i) * len_b(i)) ) / B
 
-    where b(i) is the row of token i and the AR mean is 0 when AR is empty.
-    ``ar_weight`` (1 in the paper) multiplies the AR mean: the AR term counts
-    like one row's MDM term, so at ``ar_weight = B`` a drafting example's
-    next-token labels weigh as much as its masks (``--ar-weight``).
+    The AR term is a token mean over the batch and is not divided by B; only
+    the MDM sum is. It is 0 when AR is empty (the authors' mean over nothing
+    is NaN). ``ar_weight`` (1 = the paper, ``--ar-weight``) multiplies the AR
+    mean.
     Optional (B, T) ints ``visible`` and ``run_start`` (drafting examples) set
     which tokens each token attends to (``models.qwen3.visible_mask``);
     without them the pass is causal.
