@@ -81,7 +81,7 @@ def run_prompts_file(args, params) -> int:
     Exit status 1 if any prompt failed alone (the others are still printed)."""
     text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
     items = parse_prompts(text, args.prompts_file, params)
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
     results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size)

@@ -18,7 +18,7 @@ from refusion_mlx.train import fine_tune
 from refusion_mlx.train.dataset import encode_line
 from refusion_mlx.train.batches import collate
 from refusion_mlx.train.examples import build_example
-from refusion_mlx.train.evaluate import exact_match, row_family
+from refusion_mlx.train.accuracy import exact_match, row_family
 from refusion_mlx.train.objective import refusion_loss
 
 ROOT = Path(__file__).resolve().parents[1]

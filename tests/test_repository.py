@@ -75,3 +75,32 @@ def test_imports_run_one_way():
             if _layer_of(target) > here:
                 wrong.append(f"{'/'.join(rel)} imports {'.'.join(target)}")
     assert not wrong, wrong
+
+
+def test_no_public_name_is_shadowed_by_a_submodule():
+    """Importing a submodule binds its name on the package: an exported
+    function of the same name would be replaced by a module
+    (``refusion_mlx.train.evaluate`` was the trainer's function until something
+    imported the exact-match CLI module). Either no submodule takes an exported
+    name, or the module stays callable as that function (``_callable``)."""
+    import importlib
+
+    broken = []
+    for init in sorted((ROOT / "refusion_mlx").rglob("__init__.py")):
+        package = ".".join(init.relative_to(ROOT).parent.parts)
+        module = importlib.import_module(package)
+        submodules = {p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"}
+        submodules |= {p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()}
+        for name in sorted(set(getattr(module, "__all__", ())) & submodules):
+            before = getattr(module, name)
+            importlib.import_module(f"{package}.{name}")
+            if callable(before) and not callable(getattr(module, name)):
+                broken.append(f"{package}.{name}")
+    assert not broken, f"exported functions that a submodule import replaces: {broken}"
+
+
+def test_the_trainers_evaluate_survives_every_import():
+    import refusion_mlx.train as train
+    import refusion_mlx.train.accuracy  # noqa: F401  (the exact-match CLI)
+
+    assert callable(train.evaluate) and train.evaluate.__module__ == "refusion_mlx.train.trainer"

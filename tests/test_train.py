@@ -264,6 +264,29 @@ def test_generate_and_bench_with_adapters(lora_run, tok, capsys):
                                atol=1e-4)
 
 
+def test_prompts_file_decodes_with_the_adapters(lora_run, tmp_path, capsys):
+    """generate --prompts-file --adapter-path decodes with the adapters, as a single --prompt does."""
+    from refusion_mlx.generate import main as generate_main
+
+    _, _, _, folder, _ = lora_run
+    prompts = ["Who is Quillon?", "Count from 3 to 9.", "Spell the word river."]
+    common = ["--max-tokens", "32", "--block-length", "16", "--json"]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n")
+
+    def answers(*extra):
+        assert generate_main(["--prompts-file", str(path), *extra, *common]) == 0
+        return [json.loads(line)["output_ids"] for line in capsys.readouterr().out.splitlines()]
+
+    adapted, base = answers("--adapter-path", str(folder)), answers()
+    alone = []
+    for prompt in prompts:
+        assert generate_main(["--prompt", prompt, "--adapter-path", str(folder), *common]) == 0
+        alone.append(json.loads(capsys.readouterr().out)["output_ids"])
+    assert adapted == alone
+    assert adapted != base  # the adapters change these answers, so the check has teeth
+
+
 def test_resume_continues_from_the_saved_adapters(lora_run, tmp_path):
     _, _, first, folder, _ = lora_run
     _, _, result = fine_tune(adapter_path=str(tmp_path / "resumed"), iters=1, learning_rate=3e-4,

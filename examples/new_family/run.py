@@ -5,7 +5,7 @@
    trainer (``--replay-data``, one old row per new row);
 2. measure the model before (``--model``, default the test fixture: the
    demo's original weights, trained on the shared task mix): the new family's test prompts and the old
-   families' 500 validation rows (``refusion_mlx.train.evaluate``);
+   families' 500 validation rows (``refusion_mlx.train.accuracy``);
 3. fine-tune with ``refusion_mlx.train`` (``recipe.yaml``: a full fine-tune
    with the embeddings, 1500 steps; any trainer option as a flag after ``--``);
 4. measure again with the adapters, fuse them (``refusion_mlx.fuse``) and
@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 import refusion_mlx  # noqa: E402,F401  (before mlx: an optimized BLAS)
 from refusion_mlx.models.loading import load  # noqa: E402
 from refusion_mlx.train import fine_tune  # noqa: E402
-from refusion_mlx.train.evaluate import exact_match, format_table, read_rows  # noqa: E402
+from refusion_mlx.train.accuracy import exact_match, format_table, read_rows  # noqa: E402
 
 import make_data  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Exact-match evaluation over a chat JSONL file: ``python -m refusion_mlx.train.evaluate``.
+"""Exact-match evaluation over a chat JSONL file: ``python -m refusion_mlx.train.accuracy``.
 
 Each row is ``{"messages": [...]}`` (mlx-lm's chat format) whose last message
 is the assistant's reference answer. The model decodes the conversation
@@ -15,8 +15,8 @@ decoded exactly as ``python -m refusion_mlx.generate`` would decode it;
 ``--max-tokens`` fixes one budget for every row instead.
 
 ```bash
-python -m refusion_mlx.train.evaluate --data valid.jsonl
-python -m refusion_mlx.train.evaluate --model M --adapter-path adapters --data test.jsonl --json out.json
+python -m refusion_mlx.train.accuracy --data valid.jsonl
+python -m refusion_mlx.train.accuracy --model M --adapter-path adapters --data test.jsonl --json out.json
 ```
 """
 
@@ -191,7 +191,7 @@ def format_table(result: dict, before: Optional[dict] = None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from ..cli import OneLineParser, add_decoding_args, add_model_args
 
-    parser = OneLineParser(prog="python -m refusion_mlx.train.evaluate",
+    parser = OneLineParser(prog="python -m refusion_mlx.train.accuracy",
                            description="Exact-match accuracy of a model's answers to the last user turn of "
                                        "each row of a chat JSONL file, per task family.")
     add_model_args(parser)  # --model, --adapter-path, --dtype

@@ -1,4 +1,4 @@
-"""python -m refusion_mlx.train.evaluate: task families, budgets, exact match, the CLI."""
+"""python -m refusion_mlx.train.accuracy: task families, budgets, exact match, the CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from refusion_mlx.decode.generate import chat_prompt, generate
 from refusion_mlx.errors import RefusionError
-from refusion_mlx.train.evaluate import (answer_budget, default_params, exact_match, family_of_prompt,
+from refusion_mlx.train.accuracy import (answer_budget, default_params, exact_match, family_of_prompt,
                                          format_table, main, read_rows, row_family)
 
 # one prompt of every template of the demo's task mix
