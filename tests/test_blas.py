@@ -1,6 +1,14 @@
 """The optimized-BLAS arrangement on Linux: preload and thread policy."""
 
+import os
+import subprocess
+import sys
+
+import pytest
+
 import refusion_mlx._blas as blas
+
+THREAD_VARS = {v for names in blas.USER_THREAD_VARS.values() for v in names}
 
 
 class FakeOpenBLAS:
@@ -11,10 +19,27 @@ class FakeOpenBLAS:
         self.calls.append(n)
 
 
+class FakeMKL:
+    def __init__(self):
+        self.calls = []
+
+    def MKL_Set_Num_Threads(self, n):
+        self.calls.append(n)
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    """No thread count chosen in the environment; the module's thread state
+    restored afterwards (the real library's count is left as it was)."""
+    for name in THREAD_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(blas, "_threads", None)
+    monkeypatch.setattr(blas, "_small_model", False)
+
+
 def test_small_models_get_one_blas_thread(monkeypatch):
     fake = FakeOpenBLAS()
     monkeypatch.setattr(blas, "_library", fake)
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     assert blas.fit_threads(256) == 1 and fake.calls == [1]
     assert blas.fit_threads(1024) is None and fake.calls == [1]
 
@@ -23,7 +48,6 @@ def test_wide_forwards_of_small_models_use_every_core(monkeypatch):
     fake = FakeOpenBLAS()
     monkeypatch.setattr(blas, "_library", fake)
     monkeypatch.setattr(blas.os, "cpu_count", lambda: 4)
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     assert blas.fit_threads(256) == 1
     assert blas.fit_rows(12) == 1 and blas.fit_rows(blas.WIDE_ROWS) == 4 and blas.fit_rows(100) == 4
     assert blas.fit_rows(3) == 1 and fake.calls == [1, 4, 1]  # set only when it changes
@@ -37,8 +61,26 @@ def test_the_users_thread_count_wins(monkeypatch):
     assert blas.fit_threads(256) is None and fake.calls == []
 
 
-def test_nothing_to_tune_without_openblas(monkeypatch):
+def test_mkl_threads_go_through_mkls_setter(monkeypatch):
+    fake = FakeMKL()
+    monkeypatch.setattr(blas, "_library", fake)
+    monkeypatch.setattr(blas.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # OpenBLAS's variable: not MKL's business
+    assert blas.fit_threads(256) == 1 and blas.fit_rows(blas.WIDE_ROWS) == 2 and fake.calls == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["MKL_NUM_THREADS", "OMP_NUM_THREADS"])
+def test_the_users_mkl_thread_count_wins(monkeypatch, name):
+    fake = FakeMKL()
+    monkeypatch.setattr(blas, "_library", fake)
+    monkeypatch.setenv(name, "2")
+    assert blas.fit_threads(256) is None and blas.fit_rows(100) is None and fake.calls == []
+
+
+def test_nothing_to_tune_without_an_optimized_blas(monkeypatch):
     monkeypatch.setattr(blas, "_library", None)
+    assert blas.fit_threads(256) is None
+    monkeypatch.setattr(blas, "_library", object())  # a library with no known setter
     assert blas.fit_threads(256) is None
 
 
@@ -49,15 +91,111 @@ def test_opt_out_and_late_import_skip_the_preload(monkeypatch):
     assert blas.preload() is None  # mlx.core is already imported: too late to interpose
 
 
+def test_system_openblas_comes_before_the_environments_mkl(monkeypatch, tmp_path):
+    for name in ("libmkl_rt.so", "libmkl_rt.so.2", "libmkl_rt.so.3"):
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setattr(blas, "library_roots", lambda: [str(tmp_path)])
+    mkl = [str(tmp_path / n) for n in ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")]
+    assert blas.mkl_candidates() == mkl
+    assert blas.candidates() == blas.CANDIDATES + mkl
+
+
+def test_mkl_is_searched_in_the_environment_and_the_user_scheme():
+    roots = blas.library_roots()
+    assert os.path.join(sys.prefix, "lib") == roots[0]
+    assert os.path.join(sys.base_prefix, "lib") in roots
+
+
 def test_blas_in_use_names_a_library():
-    assert blas.blas_in_use()
+    assert blas.blas_in_use() and blas.describe()
+
+
+def test_reference_warning_only_without_an_optimized_blas(monkeypatch):
+    monkeypatch.setattr(blas, "_library", None)
+    monkeypatch.setattr(blas.sys, "platform", "linux")
+    monkeypatch.delenv(blas.ENV, raising=False)
+    monkeypatch.setattr(blas, "_mapped_libraries", lambda: ["/x/libblas-bd8a282c.so.3.10.0"])
+    warning = blas.reference_warning()
+    assert "reference BLAS" in warning and "pip install mkl" in warning and "\n" not in warning
+    assert blas.describe().startswith("reference BLAS")
+    for mapped in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/env/lib/libmkl_rt.so.3"):
+        monkeypatch.setattr(blas, "_mapped_libraries", lambda: [mapped])
+        assert blas.reference_warning() is None
+    monkeypatch.setattr(blas, "_library", FakeMKL())  # preloaded
+    monkeypatch.setattr(blas, "_mapped_libraries", lambda: [])
+    assert blas.reference_warning() is None
+
+
+def _run(code, **env):
+    base = {"PATH": "/usr/bin:/bin", **env}
+    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is Linux's")
+def test_the_opt_out_runs_on_the_reference_blas_and_says_so():
+    code = ("import refusion_mlx, refusion_mlx._blas as b, mlx.core as mx; "
+            "mx.set_default_device(mx.cpu); print(b.describe()); print(b.reference_warning())")
+    describe, warning = _run(code, REFUSION_MLX_BLAS="bundled")[:2]
+    assert describe.startswith("reference BLAS") and "REFUSION_MLX_BLAS=bundled" in warning
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not blas.mkl_candidates(), reason="no pip-installed MKL here")
+@pytest.mark.parametrize("with_openmp", [True, False])
+def test_preload_finds_the_environments_mkl_without_a_system_openblas(tmp_path, with_openmp):
+    """A fake environment whose lib/ links to the real MKL files, and no system
+    OpenBLAS to find: the preload loads that MKL, MLX's matmuls run on it, and
+    the threading layer is INTEL beside libiomp5, SEQUENTIAL without."""
+    real = os.path.dirname(blas.mkl_candidates()[0])
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name in os.listdir(real):
+        if name.startswith("libmkl_") or (with_openmp and name.startswith("libiomp5")):
+            (lib / name).symlink_to(os.path.join(real, name))
+    code = (
+        "import os; import refusion_mlx._blas as b; os.environ.pop('REFUSION_MLX_BLAS'); "
+        f"b.CANDIDATES = ['/nonexistent/libopenblas.so.0']; b.library_roots = lambda: [{str(lib)!r}]; "
+        "print(b.preload()); print(b.mkl_layer); "
+        "import mlx.core as mx; mx.set_default_device(mx.cpu); "
+        "a = mx.ones((64, 64)); print(float((a @ a)[0, 0])); print(b.describe())"
+    )
+    # bundled while refusion_mlx is imported (its own preload); cleared for ours
+    path, layer, value, describe = _run(code, REFUSION_MLX_BLAS="bundled")[:4]
+    assert path.startswith(str(lib)) and os.path.basename(path).startswith("libmkl_rt.so")
+    assert layer == ("INTEL" if with_openmp else "SEQUENTIAL")
+    assert value == "64.0" and describe.startswith("MKL ") and layer in describe
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not blas.mkl_candidates(), reason="no pip-installed MKL here")
+def test_the_users_threading_layer_wins():
+    code = "import refusion_mlx, refusion_mlx._blas as b; print(b.preloaded); print(b.mkl_layer)"
+    env = {"MKL_THREADING_LAYER": "SEQUENTIAL"}
+    if any(os.path.exists(p) for p in blas.CANDIDATES):
+        pytest.skip("a system OpenBLAS is preloaded first")
+    path, layer = _run(code, **env)[:2]
+    assert "libmkl_rt" in path and layer == "None"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is Linux's")
+def test_wide_matmuls_stay_right_after_torch_brings_libgomp():
+    """torch (transformers imports it) loads libgomp with global visibility.
+    MKL's INTEL threading then bound its OpenMP calls to libgomp: a 2-thread
+    matmul after the thread fitting left rows unwritten (errors ~67). The
+    preload loads libiomp5 first, so they bind to it."""
+    pytest.importorskip("torch")
+    code = (
+        "import refusion_mlx._blas as b, torch, mlx.core as mx, numpy as np; mx.set_default_device(mx.cpu); "
+        "b.fit_threads(256); b.fit_rows(96); rng = np.random.default_rng(0); "
+        "a = rng.standard_normal((96, 256)).astype(np.float32); w = rng.standard_normal((768, 256)).astype(np.float32); "
+        "print(float(np.abs(np.array(mx.array(a) @ mx.array(w).T) - a @ w.T).max())); print(b.describe())"
+    )
+    error, describe = _run(code)[:2]
+    assert float(error) < 1e-3, describe
 
 
 def test_preload_keeps_the_library_for_the_thread_policy(tmp_path):
     """A fresh process that preloads a library keeps its handle: fit_threads needs it."""
-    import subprocess
-    import sys
-
     maps = open("/proc/self/maps").read() if sys.platform == "linux" else ""
     libm = next((line.split()[-1] for line in maps.splitlines() if "/libm.so" in line), None)
     assert sys.platform != "linux" or libm, "no libm mapped on Linux?"
