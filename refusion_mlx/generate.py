@@ -11,6 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
+from ._blas import describe as blas_description
 from ._callable import make_callable
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, positive_int, read_text, run
 from .decode.batch import batch_generate
@@ -70,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print()
         if args.verbose:
             print(format_stats(last.stats), file=sys.stderr)
+            print(f"BLAS: {blas_description()}", file=sys.stderr)
         return 0
 
     return run(body)

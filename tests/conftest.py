@@ -12,6 +12,15 @@ from refusion_mlx.models.loading import load
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_report_header(config):
+    """The BLAS the tests' matmuls run on (and its threads): the reference one
+    makes the suite ~10x slower."""
+    from refusion_mlx import _blas
+
+    warning = _blas.reference_warning()
+    return [f"BLAS: {_blas.describe()}"] + ([f"WARNING: {warning}"] if warning else [])
+
+
 @pytest.fixture(scope="session")
 def demo():
     """The golden fixture model (the demo model the reference decoded) in float32."""

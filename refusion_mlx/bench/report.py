@@ -16,20 +16,15 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .._version import __version__
-from .._blas import blas_in_use
+from .._blas import blas_in_use, reference_warning, threads
 
 
 def blas_threads() -> Optional[int]:
-    """OpenBLAS's thread count (OPENBLAS_NUM_THREADS), None if not OpenBLAS.
+    """The BLAS library's thread count (OpenBLAS or MKL), None for the reference one.
 
-    It matters on small models: idle OpenBLAS workers spin in sched_yield
-    between small matmuls and compete with MLX and Python for the cores."""
-    import ctypes
-
-    try:
-        return int(ctypes.CDLL(None).openblas_get_num_threads())
-    except (AttributeError, OSError):
-        return None
+    It matters on small models: idle BLAS workers spin between small matmuls
+    and compete with MLX and Python for the cores."""
+    return threads()
 
 
 def package_version(name: str) -> str:
@@ -108,19 +103,15 @@ def header_lines(env: Dict[str, Any]) -> List[str]:
         f"{s['num_key_value_heads']} KV heads, head_dim {s['head_dim']}, intermediate "
         f"{s['intermediate_size']}, vocab {s['vocab_size']}; {s['parameters'] / 1e6:.2f}M parameters"
         f"{', quantized' if s['quantized'] else ''})",
-        f"BLAS: {env['blas']}{_threads(env.get('blas_threads'))} | dtype: {env['dtype']} | "
+        f"BLAS: {env['blas']} | dtype: {env['dtype']} | "
         f"device: {env['device']}",
         f"versions: mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, refusion-mlx {env['refusion_mlx']}, "
         f"Python {env['python']}",
     ]
     if "reference BLAS" in env["blas"]:
-        lines.append("WARNING: the reference BLAS is slow; timings do not represent this machine "
-                     "(install OpenBLAS, see README)")
+        fix = reference_warning() or "slow reference BLAS in use"
+        lines.append(f"WARNING: {fix}; timings do not represent this machine")
     return lines
-
-
-def _threads(n: Optional[int]) -> str:
-    return f", {n} thread{'s' if n != 1 else ''}" if n else ""
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],

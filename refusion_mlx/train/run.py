@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .._blas import reference_warning
 from ..errors import RefusionError
 from ..models.adapters import add_adapters
 from ..models.loading import load
@@ -101,6 +102,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
 
     report("Loading pretrained model")
     model, tokenizer = load(o["model"], dtype=o["dtype"], fuse=False)
+    if reference_warning():
+        report(f"[WARNING] {reference_warning()}")
     num_layers = resolve_num_layers(o["num_layers"], len(model.layers))
     report("Loading datasets")
     train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training)
