@@ -228,3 +228,49 @@ def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
         assert row["cached_tokens"] >= prev["prompt_tokens"] + prev["answer_tokens"] - 2
         assert row["prefilled_tokens"] < row["prompt_tokens"] // 2
     assert sum(r["prefilled_tokens"] for r in reuse) < sum(r["prefilled_tokens"] for r in fresh)
+
+
+def test_layouts_sweep(tmp_path, capsys):
+    """--layouts: per budget, slot size and layout, the resolved layout, tokens per
+    forward, tokens/s and exact matches; the old count rule plans one slot per
+    block at a 64-token budget, the default several."""
+    data = tmp_path / "rows.jsonl"
+    rows = [("Who is Sven?", "x"), ("Count from 3 to 7.", "3, 4, 5, 6, 7."), ("Spell the word cat.", "c-a-t")]
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in rows))
+    out = tmp_path / "layouts.json"
+    assert bench.main(["--layouts", "default,count,2s", "--budgets", "64", "--slot-sizes", "4",
+                       "--data", str(data), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tok/forward" in printed and "slots/block" in printed
+    result = json.loads(out.read_text())
+    by = {r["layout"]: r for r in result["layouts"]}
+    assert (by["default"]["block_length"], by["default"]["blocks"], by["default"]["slots_per_block"]) == (16, 4, 4)
+    assert (by["count"]["block_length"], by["count"]["slots_per_block"]) == (4, 1)
+    assert by["2s"]["block_length"] == 8
+    for r in by.values():
+        assert r["rows"] == 3 and r["forwards"] > 0 and r["tokens_per_second"] > 0
+        assert r["tokens_per_forward"] == pytest.approx(r["tokens"] / r["forwards"], abs=1e-3)
+        assert 0 <= r["correct"] <= 3 and r["accuracy"] == pytest.approx(r["correct"] / 3, abs=1e-3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--layouts", "wide"], "--layouts"),
+    (["--layouts", "16", "--budgets", "0"], "--budgets"),
+    (["--layouts", "16", "--slot-sizes", "4,x"], "--slot-sizes"),
+])
+def test_layouts_bad_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_layouts_bad_data_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    for path, message in ((tmp_path / "missing.jsonl", "cannot read"), (bad, "bad.jsonl:1")):
+        assert bench.main(["--layouts", "16", "--data", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

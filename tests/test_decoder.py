@@ -7,7 +7,8 @@ import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.decode.params import RefusionParams
+from refusion_mlx.decode.params import (DEFAULT_BLOCK_TOKENS, RefusionParams, default_block_length, make_params,
+                                        reference_block_count)
 from refusion_mlx.errors import DecodeError
 
 from helpers import random_config, random_model
@@ -38,9 +39,44 @@ def test_invalid_parameters_raise_clear_errors(kwargs, message):
 def test_block_layouts():
     assert RefusionParams().layout().block_lengths == [16] * 32              # the reference default
     assert RefusionParams(gen_length=30, slot_size=4).layout().gen_length == 32  # rounded up
-    assert RefusionParams(gen_length=100, slot_size=4).layout().block_lengths == [4] * 25
+    assert RefusionParams(gen_length=100, slot_size=4).layout().block_lengths == [16] * 6 + [4]
     assert RefusionParams(gen_length=40, slot_size=4, block_length=16).layout().block_lengths == [16, 16, 8]
     assert RefusionParams(gen_length=64, slot_size=8, serial_num_blocks=2).layout().block_lengths == [32, 32]
+
+
+@pytest.mark.parametrize("budget", [64, 96, 128, 200, 256, 512])
+@pytest.mark.parametrize("slot_size", [4, 8])
+def test_default_layout_is_parallel_at_every_budget(budget, slot_size):
+    """Without a layout, blocks have a fixed length in tokens (whole slots), so
+    short budgets plan several slots per block, not one."""
+    layout = RefusionParams(gen_length=budget, slot_size=slot_size).layout()
+    block = default_block_length(slot_size)
+    assert block % slot_size == 0 and block >= DEFAULT_BLOCK_TOKENS
+    assert all(n == block for n in layout.block_lengths[:-1]) and 0 < layout.block_lengths[-1] <= block
+    assert sum(layout.block_lengths) == layout.gen_length
+    described = layout.describe()
+    assert described == {"block_length": block, "blocks": len(layout.block_lengths),
+                         "slots_per_block": block // slot_size}
+    assert described["slots_per_block"] >= 2
+
+
+def test_default_layout_keeps_the_references_at_its_own_defaults():
+    """512 tokens in 4-token slots: the reference's 32 blocks, exactly."""
+    assert RefusionParams().layout() == RefusionParams(serial_num_blocks=32).layout()
+    # the old count rule made a 128-token budget 32 blocks of one slot each
+    assert reference_block_count(128, 4) == 32 and reference_block_count(512, 4) == 32
+    assert RefusionParams(gen_length=128).layout().block_lengths == [16] * 8
+
+
+def test_explicit_layouts_keep_their_meaning():
+    assert RefusionParams(gen_length=128, serial_num_blocks=32).layout().block_lengths == [4] * 32
+    assert RefusionParams(gen_length=128, serial_num_blocks=2).layout().block_lengths == [64, 64]
+    assert RefusionParams(gen_length=64, block_length=8).layout().block_lengths == [8] * 8
+    from refusion_mlx.decode.presets import preset
+
+    for name in ("reference", "gsm8k", "gpqa", "arc-c"):
+        p = make_params(**preset(name))
+        assert sum(p.layout().block_lengths) == 512 and len(p.layout().block_lengths) == p.serial_num_blocks
 
 
 def test_prompt_plus_budget_over_context_is_refused():

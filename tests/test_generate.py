@@ -116,6 +116,15 @@ def test_cli_streams_text(capsys):
     assert code == 0
     assert out == "3 x 1 = 3\n3 x 2 = 6\n3 x 3 = 9\n3 x 4 = 12\n3 x 5 = 15\n"
     assert "tokens/forward" in err and "peak memory" in err
+    assert "layout: blocks of 64 tokens, 2 blocks, 8 slots per block" in err
+
+
+def test_cli_reports_the_default_layout(capsys):
+    """No layout flag: blocks of 16 tokens at any budget, reported by --verbose and --json."""
+    code, out, err = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "128", "--verbose")
+    assert code == 0 and "layout: blocks of 16 tokens, 8 blocks, 4 slots per block" in err
+    code, out, _ = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "64", "--slot-size", "8", "--json")
+    assert json.loads(out)["stats"]["layout"] == {"block_length": 16, "blocks": 4, "slots_per_block": 2}
 
 
 def test_cli_preset_and_override(capsys):

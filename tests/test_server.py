@@ -128,6 +128,10 @@ def test_chat_matches_python_api(client, expected):
         assert r.usage.prompt_tokens == expected[p, "ids"]
         assert 0 < r.usage.completion_tokens <= MAX_TOKENS
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        # ReFusion's own usage fields: the default layout (blocks of 16 tokens) and the forwards taken
+        usage = r.usage.model_dump()
+        assert usage["layout"] == {"block_length": 16, "blocks": 3, "slots_per_block": 4}
+        assert usage["forwards"] > 0 and usage["tokens_per_forward"] > 0
 
 
 def test_chat_stream_in_order(client, expected):

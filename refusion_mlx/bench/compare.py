@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from .layouts import add_layout_args
 from .report import environment, format_table, header_lines
 from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
 from .suite import BenchError, Suite, load_suite, resolve_params
-from ..decode.params import PARAM_NAMES, RefusionParams
+from ..decode.params import PARAM_NAMES, RefusionParams, make_params
 from ..errors import DecodeError
 from ..cli import OneLineParser, add_adapter_arg, add_decoding_args, run
 from ..decode.generate import chat_prompt
@@ -315,6 +316,7 @@ def build_parser() -> OneLineParser:
                         help="instead of the AR comparison: a conversation of TURNS questions from the suite "
                              "sent to the server the way chat apps send it (whole history each turn); the "
                              "tokens it prefilled per turn with and without its prompt cache")
+    add_layout_args(parser)
     return parser
 
 
@@ -419,6 +421,20 @@ def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict
             "report": "\n".join(header_lines(env) + ["", table, f"same answers with and without reuse: {same}"])}
 
 
+def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """--layouts: the block-layout sweep (``layouts``), with the environment."""
+    from .layouts import run_layouts
+
+    fixed = ("gen_length", "slot_size", "block_length", "serial_num_blocks")
+    base = make_params(**{k: v for k, v in overrides.items() if k not in fixed})
+    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
+    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
+    result = run_layouts(args, model, tokenizer, suite, base, log)
+    result["environment"] = env
+    result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])
+    return result
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -441,6 +457,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error("--http goes with --concurrency")
         if args.conversation is not None and args.conversation < 1:
             parser.error(f"--conversation must be at least 1, got {args.conversation}")
+        if args.layouts:
+            result = measure_layouts(args, suite, overrides, log)
+            print(result.pop("report"))
+            write_json(args.json, result)
+            return 0
         if args.concurrency or args.conversation:
             if args.rounds < 1:
                 parser.error(f"--rounds must be at least 1, got {args.rounds}")

@@ -73,7 +73,7 @@ class RefusionDecoder:
         if bad:
             raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
         self.prefill_step = max(int(prefill_step), 1)
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt))
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt), layout=self.layout.describe())
         self.key = mx.random.key(params.seed) if params.seed is not None else None
         self.vocab = vocab
         self.eos_committed = False

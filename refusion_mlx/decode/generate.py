@@ -76,7 +76,10 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool 
 
 def format_stats(stats: DecodeStats) -> str:
     s = stats.seconds
-    return (
+    lay = stats.layout
+    layout = (f"layout: blocks of {lay['block_length']} tokens, {lay['blocks']} blocks, "
+              f"{lay['slots_per_block']} slots per block\n" if lay else "")
+    return layout + (
         f"prompt: {stats.prompt_tokens} tokens | generated: {stats.generated_tokens} tokens, "
         f"{stats.forwards} forwards, {stats.tokens_per_forward:.2f} tokens/forward, "
         f"{stats.tokens_per_second:.1f} tokens/s\n"

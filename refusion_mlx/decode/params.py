@@ -7,6 +7,14 @@ from typing import List, Optional
 
 from ..errors import DecodeError
 
+# With neither serial_num_blocks nor block_length, the response is cut into
+# blocks of this many tokens (rounded up to whole slots): 16 tokens hold 4
+# slots of the default size, so every budget plans and infills several slots
+# per block, and the reference's own default (512 tokens in 32 blocks of 4-token
+# slots) is this very layout. Chosen by `python -m refusion_mlx.bench --layouts`
+# (docs/benchmarks.md, "Block layout").
+DEFAULT_BLOCK_TOKENS = 16
+
 PARAM_NAMES = ("gen_length", "slot_size", "serial_num_blocks", "block_length",
                "slot_threshold", "token_threshold", "temperature", "seed", "top_p", "top_k", "min_p")
 
@@ -16,9 +24,10 @@ class RefusionParams:
     """Decoding parameters, named as in the reference ``generate_refusion``.
 
     ``serial_num_blocks`` and ``block_length`` are two ways to cut the response
-    into blocks; give at most one. With neither, the reference's 32 blocks are
-    used when they cut the budget into whole slots, else the largest count
-    below 32 that does.
+    into blocks; give at most one. With neither, blocks of
+    ``default_block_length(slot_size)`` tokens (``DEFAULT_BLOCK_TOKENS``
+    rounded up to whole slots), the last one shorter when the budget is not a
+    whole number of blocks.
     """
 
     gen_length: int = 512
@@ -56,24 +65,37 @@ class RefusionParams:
         gen = -(-self.gen_length // S) * S  # rounded up to whole slots
         if self.serial_num_blocks is not None and self.block_length is not None:
             raise DecodeError("give serial_num_blocks or block_length, not both")
-        if self.block_length is not None:
-            _positive_int("block_length", self.block_length)
-            if self.block_length % S:
-                raise DecodeError(
-                    f"block_length {self.block_length} is not a multiple of slot_size {S}")
-            lengths = [self.block_length] * (gen // self.block_length)
-            if gen % self.block_length:
-                lengths.append(gen % self.block_length)
-            return BlockLayout(gen, lengths)
+        if self.block_length is not None or self.serial_num_blocks is None:
+            length = self.block_length
+            if length is None:
+                length = default_block_length(S)
+            _positive_int("block_length", length)
+            if length % S:
+                raise DecodeError(f"block_length {length} is not a multiple of slot_size {S}")
+            lengths = [length] * (gen // length)
+            if gen % length:
+                lengths.append(gen % length)
+            return BlockLayout(gen, lengths, S)
         n = self.serial_num_blocks
-        if n is None:
-            n = next(c for c in range(32, 0, -1) if gen % c == 0 and (gen // c) % S == 0)
         _positive_int("serial_num_blocks", n)
         if gen % n or (gen // n) % S:
             raise DecodeError(
                 f"serial_num_blocks {n} does not cut gen_length {gen} into blocks of "
                 f"whole slots of {S} tokens")
-        return BlockLayout(gen, [gen // n] * n)
+        return BlockLayout(gen, [gen // n] * n, S)
+
+
+def default_block_length(slot_size: int, tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """The default block: ``tokens`` rounded up to whole slots."""
+    return -(-tokens // slot_size) * slot_size
+
+
+def reference_block_count(gen_length: int, slot_size: int, most: int = 32) -> int:
+    """The reference's count rule (this project's default before blocks had a
+    fixed length): 32 blocks when they cut the budget into whole slots, else
+    the largest count below that does. Kept for the layout benchmark."""
+    gen = -(-gen_length // slot_size) * slot_size
+    return next(c for c in range(most, 0, -1) if gen % c == 0 and (gen // c) % slot_size == 0)
 
 
 def _positive_int(name: str, value) -> None:
@@ -85,6 +107,14 @@ def _positive_int(name: str, value) -> None:
 class BlockLayout:
     gen_length: int
     block_lengths: List[int]
+    slot_size: int = 4
+
+    def describe(self) -> dict:
+        """The layout as reports show it: block length (the first block's;
+        the last may be shorter), blocks, slots per block."""
+        first = self.block_lengths[0]
+        return {"block_length": first, "blocks": len(self.block_lengths),
+                "slots_per_block": -(-first // self.slot_size)}
 
 def make_params(**kwargs) -> RefusionParams:
     """RefusionParams from keyword arguments; ``max_tokens``/``temp`` are aliases."""

@@ -18,6 +18,8 @@ class DecodeStats:
     steps: int = 0
     seconds: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     peak_memory_gb: float = 0.0
+    # the response's block layout: block_length (tokens), blocks, slots_per_block
+    layout: Dict[str, int] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -45,6 +47,7 @@ class DecodeStats:
             "total_seconds": round(self.total_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "peak_memory_gb": round(self.peak_memory_gb, 4),
+            "layout": dict(self.layout),
         }
 
 

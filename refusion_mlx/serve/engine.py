@@ -227,9 +227,13 @@ class Engine:
         prompt, completion = len(job.request.prompt_ids), len(job.shaper.tokens)
         self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
         self._close(job, "completed")
-        job.post("done", {"finish_reason": reason, "stats": r.stats.as_dict() if r.stats else None, "usage": {
-            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": job.cached}}})
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": job.cached}}
+        if r.stats is not None:  # ReFusion's own: the block layout used and the forwards it took
+            usage.update(layout=dict(r.stats.layout), forwards=r.stats.forwards,
+                         tokens_per_forward=round(r.stats.tokens_per_forward, 4))
+        job.post("done", {"finish_reason": reason, "stats": r.stats.as_dict() if r.stats else None,
+                          "usage": usage})
 
     def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
         """Take a request out of the batch and free its cache now."""

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
+from ..decode.params import RefusionParams, default_block_length
 from ..errors import RefusionError
 
 # The demo model's task templates (refusion_mlx/demo/tiny-refusion), first match wins.
@@ -51,7 +52,6 @@ FAMILIES = (
 _COMPILED = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in FAMILIES]
 OTHER = "other"
 BATCH = 16  # requests decoded together
-BLOCK_LENGTH = 16       # the CLI default: 512 tokens in 32 blocks
 MAX_BUDGET = 512
 
 
@@ -97,16 +97,15 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
     return rows
 
 
-def answer_budget(tokenizer, reference: str, block_length: int = BLOCK_LENGTH, cap: int = MAX_BUDGET) -> int:
+def answer_budget(tokenizer, reference: str, block_length: Optional[int] = None, cap: int = MAX_BUDGET) -> int:
     """Twice the reference's tokens (EOS included), rounded up to whole blocks, at most ``cap``."""
+    block_length = block_length or default_block_length(RefusionParams.slot_size)
     need = 2 * (len(tokenizer.encode(reference)) + 1)
     return max(block_length, min(cap, -(-need // block_length) * block_length))
 
 
-def default_params():
-    from ..decode.params import RefusionParams
-
-    return RefusionParams(block_length=BLOCK_LENGTH)
+def default_params() -> RefusionParams:
+    return RefusionParams()
 
 
 def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Sequence) -> List[str]:
@@ -139,10 +138,11 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
     failures: Dict[str, List[dict]] = {}
     start = time.perf_counter()
     settings = []
+    block = params.block_length or default_block_length(params.slot_size)
     for row in rows:
         budget = max_tokens
         if budget is None:
-            budget = answer_budget(tokenizer, row["messages"][-1]["content"], params.block_length or BLOCK_LENGTH)
+            budget = answer_budget(tokenizer, row["messages"][-1]["content"], block)
         settings.append(dataclasses.replace(params, gen_length=budget))
     texts: List[str] = []
     for i in range(0, len(rows), 4 * BATCH):  # in chunks, so progress can be shown
@@ -224,8 +224,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             values[name] = getattr(args, name)
             if name == "serial_num_blocks":
                 values.pop("block_length", None)
-    if "serial_num_blocks" not in values and "block_length" not in values:
-        values["block_length"] = BLOCK_LENGTH
     try:
         params = make_params(**values)
         dataclasses.replace(params, gen_length=args.gen_length or MAX_BUDGET).layout()

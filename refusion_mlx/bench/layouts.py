@@ -1,0 +1,197 @@
+"""``python -m refusion_mlx.bench --layouts ...``: how the response's block
+layout moves tokens per forward, tokens per second and exact-match accuracy.
+
+Every row of a chat JSONL (``--data``; the last message is the reference
+answer) is decoded alone, greedily, at each budget (``--budgets``), slot size
+(``--slot-sizes``) and layout (``--layouts``), with the other decoding
+settings as given (default thresholds otherwise). A layout is
+
+* ``default``: what a request without a layout gets (``RefusionParams``);
+* ``count``: the reference's count rule, 32 blocks when they cut the budget
+  into whole slots (this project's default before blocks had a fixed length);
+* ``N``: blocks of N tokens (rounded up to whole slots);
+* ``Ns``: blocks of N slots.
+
+Without ``--data`` the bundled suite's prompts are decoded and accuracy is
+not measured. The table and JSON give, per setting, the layout it resolved to
+(block length, blocks, slots per block), tokens per forward (answer tokens
+over forwards, summed over rows), tokens per second (answer tokens over
+decoding seconds, prefill excluded) and exact matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..decode.generate import chat_prompt, stream_generate
+from ..decode.params import RefusionParams, default_block_length, reference_block_count
+from .report import format_table
+from .suite import BenchError
+
+LAYOUTS_HELP = ("instead of the AR comparison: decode at every budget, slot size and block layout and "
+                "compare tokens per forward, tokens/s and exact matches; layouts: default, count (the "
+                "reference's 32 blocks), N (blocks of N tokens) or Ns (N slots), e.g. default,count,16,32")
+
+
+def layouts_arg(text: str) -> List[str]:
+    """--layouts: comma-separated layout names (see the module docstring)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    for item in items:
+        digits = item[:-1] if item.endswith("s") else item
+        if item not in ("default", "count") and not (digits.isdigit() and int(digits) > 0):
+            raise argparse.ArgumentTypeError(
+                f"a layout is default, count, N (tokens per block) or Ns (slots per block), got {item!r}")
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one layout")
+    return items
+
+
+def positive_list(text: str) -> List[int]:
+    """--budgets, --slot-sizes: comma-separated positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 64,128, got {text!r}")
+    return values
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", type=layouts_arg, metavar="L,L,...", help=LAYOUTS_HELP)
+    parser.add_argument("--budgets", type=positive_list, default=[64, 128, 256, 512], metavar="N,N,...",
+                        help="with --layouts: response budgets (default 64,128,256,512)")
+    parser.add_argument("--slot-sizes", type=positive_list, default=[4, 8], metavar="S,S,...",
+                        help="with --layouts: slot sizes (default 4,8)")
+    parser.add_argument("--data", help="with --layouts: chat JSONL whose last message is the reference answer "
+                                       "(exact-match accuracy); default: the suite's prompts, no accuracy")
+    parser.add_argument("--limit", type=int, default=60, help="with --layouts --data: rows used (default 60)")
+
+
+def layout_params(base: RefusionParams, layout: str, budget: int, slot_size: int) -> RefusionParams:
+    """``base`` with the budget, slot size and layout of one setting."""
+    p = dataclasses.replace(base, gen_length=budget, slot_size=slot_size, block_length=None,
+                            serial_num_blocks=None)
+    if layout == "count":
+        p.serial_num_blocks = reference_block_count(budget, slot_size)
+    elif layout.endswith("s"):
+        p.block_length = int(layout[:-1]) * slot_size
+    elif layout != "default":
+        p.block_length = default_block_length(slot_size, int(layout))
+    return p
+
+
+@dataclasses.dataclass
+class Setting:
+    budget: int
+    slot_size: int
+    layout: str
+    resolved: dict
+    rows: int = 0
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    correct: Optional[int] = None
+
+    def as_dict(self) -> dict:
+        return {"budget": self.budget, "slot_size": self.slot_size, "layout": self.layout, **self.resolved,
+                "rows": self.rows, "tokens": self.tokens, "forwards": self.forwards,
+                "tokens_per_forward": round(self.tokens / max(self.forwards, 1), 4),
+                "tokens_per_second": round(self.tokens / self.seconds, 2) if self.seconds > 0 else 0.0,
+                "correct": self.correct,
+                "accuracy": None if self.correct is None else round(self.correct / max(self.rows, 1), 4)}
+
+
+def read_rows(path: str, limit: int) -> List[dict]:
+    """Up to ``limit`` chat rows whose last message is the assistant's answer."""
+    rows = []
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"cannot read --data {path}: {getattr(e, 'strerror', None) or e}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            ok = isinstance(messages, list) and len(messages) >= 2 and messages[-1]["role"] == "assistant"
+        except (json.JSONDecodeError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise BenchError(f"{path}:{n}: expected {{\"messages\": [..., {{\"role\": \"assistant\", ...}}]}}")
+        rows.append({"messages": messages[:-1], "answer": messages[-1]["content"]})
+        if len(rows) >= limit:
+            break
+    if not rows:
+        raise BenchError(f"--data {path} has no rows")
+    return rows
+
+
+def sweep(model, tokenizer, conversations: Sequence[Sequence[dict]], answers: Optional[Sequence[str]],
+          budgets: Sequence[int], slot_sizes: Sequence[int], layouts: Sequence[str],
+          base: Optional[RefusionParams] = None, log: Optional[Callable[[str], None]] = None) -> List[Setting]:
+    """Decode every conversation alone at every setting; one Setting each."""
+    base = base or RefusionParams()
+    prompts = [chat_prompt(tokenizer, list(c)) for c in conversations]
+    results = []
+    for S in slot_sizes:
+        for budget in budgets:
+            for layout in layouts:
+                p = layout_params(base, layout, budget, S)
+                setting = Setting(budget, S, layout, p.layout().describe(),
+                                  correct=None if answers is None else 0)
+                for i, ids in enumerate(prompts):
+                    text, last = "", None
+                    for last in stream_generate(model, tokenizer, ids, params=p):
+                        text += last.text
+                    stats = last.stats
+                    setting.rows += 1
+                    setting.tokens += stats.generated_tokens
+                    setting.forwards += stats.forwards
+                    setting.seconds += stats.total_seconds - stats.seconds["prefill"]
+                    if answers is not None and text == answers[i]:
+                        setting.correct += 1
+                if log:
+                    d = setting.as_dict()
+                    log(f"S={S} budget={budget} {layout}: {d['tokens_per_forward']} tok/forward, "
+                        f"{d['tokens_per_second']} tok/s, correct {setting.correct}")
+                results.append(setting)
+    return results
+
+
+def format_layouts(results: Sequence[Setting]) -> str:
+    rows = []
+    for r in results:
+        d = r.as_dict()
+        rows.append([d["slot_size"], d["budget"], d["layout"], d["block_length"], d["blocks"],
+                     d["slots_per_block"], f"{d['tokens_per_forward']:.2f}", f"{d['tokens_per_second']:.1f}",
+                     "-" if d["correct"] is None else f"{d['correct']}/{d['rows']}"])
+    return format_table(["slot", "budget", "layout", "block tokens", "blocks", "slots/block", "tok/forward",
+                         "tok/s", "exact"], rows)
+
+
+def run_layouts(args, model, tokenizer, suite, base: RefusionParams, log) -> dict:
+    """The --layouts report: the table, and every setting as a dict."""
+    if args.data:
+        if args.limit < 1:
+            raise BenchError(f"--limit must be at least 1, got {args.limit}")
+        rows = read_rows(args.data, args.limit)
+        conversations, answers = [r["messages"] for r in rows], [r["answer"] for r in rows]
+    else:
+        conversations = [([{"role": "system", "content": c.system}] if c.system else [])
+                         + [{"role": "user", "content": c.prompt}] for c in suite.cases]
+        answers = None
+    for S in args.slot_sizes:
+        for layout in args.layouts:
+            try:
+                layout_params(base, layout, args.budgets[0], S).layout()
+            except Exception as e:  # DecodeError: a layout that cannot cut these slots
+                raise BenchError(f"layout {layout} with slot size {S}: {e}") from None
+    results = sweep(model, tokenizer, conversations, answers, args.budgets, args.slot_sizes, args.layouts,
+                    base, log)
+    return {"layouts": [r.as_dict() for r in results], "data": args.data or "suite prompts",
+            "rows": len(conversations), "table": format_layouts(results)}
