@@ -199,7 +199,9 @@ def train_and_probe(model, tokenizer, args, cases) -> List[dict]:
     """Fine-tune every weight on counting rows, probing as it goes; the probe rows."""
     rng, nrng = random.Random(args.seed), np.random.default_rng(args.seed)
     optimizer = optim.Adam(learning_rate=args.learning_rate)
-    loss_and_grad = nn.value_and_grad(model, lambda m, b: loss_from_logits(m(b["input_ids"], b["position_ids"]), b))
+    weight = getattr(args, "ar_weight", 1.0)
+    loss_and_grad = nn.value_and_grad(
+        model, lambda m, b: loss_from_logits(m(b["input_ids"], b["position_ids"]), b, ar_weight=weight))
     rows, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         batch = counting_batch(tokenizer, rng, nrng, args.batch_size, args.train, model.args.mask_token_id,
@@ -269,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-every", type=int, default=300)
     ap.add_argument("--slot-sizes", type=parse_sizes, default=SLOT_SIZES, metavar="4,8,16,32",
                     help="slot sizes of the hybrid objective (default: the paper's)")
+    ap.add_argument("--ar-weight", type=float, default=1.0,
+                    help="multiplies the loss's AR term (1: the authors' loss; 1/batch-size: the loss this "
+                         "project trained with before the AR term was fixed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", type=Path, metavar="DIR", help="write the fine-tuned weights (with --train)")
     args = ap.parse_args(argv)
@@ -277,6 +282,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.decode < 0:
         ap.error("--decode must be 0 or more")
+    if not args.ar_weight > 0:
+        ap.error("--ar-weight must be positive")
     if args.save and not args.train:
         ap.error("--save needs --train")
     if args.context and not args.decode:
