@@ -57,6 +57,21 @@ def test_a_few_training_steps_move_the_stop_probabilities():
     assert batch["input_ids"].shape[0] == 3 and not bool(batch["mdm"].any())
 
 
+def test_the_probe_trains_with_the_ar_weight_it_is_given(monkeypatch):
+    """--ar-weight reaches the loss (1/batch size is the loss before the fix)."""
+    probe = probe_module()
+    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    seen = []
+    real = probe.loss_from_logits
+    monkeypatch.setattr(probe, "loss_from_logits", lambda *a, **k: seen.append(k.get("ar_weight")) or real(*a, **k))
+    monkeypatch.setattr(probe, "probe", lambda *a: {"next": {"end": 0, "other": 0, "end_over_half": 0},
+                                                    "mask": {"end": 0, "other": 0, "end_over_half": 0}})
+    args = SimpleNamespace(seed=0, learning_rate=1e-3, steps=1, batch_size=2, probe_every=1, train="refusion",
+                           ar_weight=0.5)
+    probe.train_and_probe(model, tokenizer, args, probe.probe_cases(1))
+    assert seen == [0.5]
+
+
 def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
     probe = probe_module()
     _, tokenizer = load(FIXTURE, fuse=False)
@@ -99,7 +114,8 @@ def test_the_probe_cli_refuses_a_bad_context(capsys, tmp_path):
 
 def test_the_probe_cli_rejects_bad_counts(capsys):
     probe = probe_module()
-    for flag in (["--decode", "-1"], ["--steps", "0"], ["--slot-sizes", "4,0"], ["--slot-sizes", "x"]):
+    for flag in (["--decode", "-1"], ["--steps", "0"], ["--slot-sizes", "4,0"], ["--slot-sizes", "x"],
+                 ["--ar-weight", "0"]):
         with pytest.raises(SystemExit) as exit_:
             probe.main(flag)
         err = capsys.readouterr().err
