@@ -8,7 +8,8 @@ The first that loads, in this order:
 1. ``REFUSION_MLX_BLAS``: a library file; or ``bundled`` (also
    ``reference``, ``off``, ``0``, ``none``) to keep the reference BLAS;
 2. a system OpenBLAS (Debian/Ubuntu: ``apt-get install
-   libopenblas0-pthread``), kept first: it measured faster here;
+   libopenblas0-pthread``), first as the library the project was measured
+   with before MKL;
 3. MKL from the Python environment (``libmkl_rt``, which the ``mkl`` wheel,
    a dependency on Linux x86_64, installs into ``<prefix>/lib``).
 
@@ -33,10 +34,11 @@ CANDIDATES = [
     f"/usr/lib/{arch}-linux-gnu/libopenblas.so.0" for arch in ("x86_64", "aarch64")
 ] + ["/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0"]
 
-# MKL's threading layers (MKL_Set_Threading_Layer). Measured on the matmul
-# shapes of our models (docs/benchmarks.md): INTEL (libiomp5, which the
-# intel-openmp wheel installs beside libmkl_rt) is the fastest, GNU (libgomp)
-# the slowest; SEQUENTIAL is the fallback that needs no OpenMP runtime.
+# MKL's threading layers (MKL_Set_Threading_Layer). INTEL (libiomp5, which
+# the intel-openmp wheel installs beside libmkl_rt) and GNU (the system's
+# libgomp) are equally fast on an idle machine, but with other jobs on the
+# cores GNU's spinning workers collapse (a 2-thread 0.6B-shape forward:
+# 1.1 s INTEL, 9.3 s GNU; docs/benchmarks.md). SEQUENTIAL needs no OpenMP.
 MKL_LAYERS = {"INTEL": 0, "SEQUENTIAL": 1, "GNU": 3}
 
 # The environment variables each library reads its thread count from: one
@@ -53,7 +55,8 @@ mkl_layer: Optional[str] = None  # the threading layer we chose for MKL, if we d
 # Below this hidden size the matmuls are so small that waking (and spinning)
 # a second BLAS thread costs more than it saves: measured on the demo model
 # (hidden 256: +20% tokens/s with one thread) and the 0.6B shape (hidden 1024:
-# a 16-token forward takes 448 ms with two threads, 702 ms with one).
+# a 16-token forward takes 448 ms with two threads, 702 ms with one; MKL:
+# 388-409 ms and 485-511 ms).
 SMALL_HIDDEN = 512
 
 
@@ -336,5 +339,7 @@ def reference_warning() -> Optional[str]:
             pass
     if os.environ.get(ENV, "").strip().lower() in OPT_OUT:
         return f"slow reference BLAS in use ({ENV}={os.environ[ENV].strip()})"
-    return ("slow reference BLAS in use (~30x slower matmuls): pip install mkl "
-            "(or apt-get install libopenblas0-pthread)")
+    fix = "apt-get install libopenblas0-pthread"
+    if os.uname().machine == "x86_64":  # the mkl wheel exists for x86_64 only
+        fix = f"pip install mkl (or {fix})"
+    return f"slow reference BLAS in use (~30x slower matmuls): {fix}"
