@@ -12,13 +12,21 @@ from refusion_mlx.models.loading import load
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def pytest_report_header(config):
+def blas_lines():
     """The BLAS the tests' matmuls run on (and its threads): the reference one
-    makes the suite ~10x slower."""
+    makes the suite ~10x slower, and then one more line says how to fix it."""
     from refusion_mlx import _blas
 
     warning = _blas.reference_warning()
     return [f"BLAS: {_blas.describe()}"] + ([f"WARNING: {warning}"] if warning else [])
+
+
+def pytest_sessionstart(session):
+    """Written at the top of every run, ``-q`` included (which hides pytest's own header)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in blas_lines():
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

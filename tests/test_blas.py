@@ -208,3 +208,22 @@ def test_preload_keeps_the_library_for_the_thread_policy(tmp_path):
         assert out.stdout.split() == [libm, "True", "False"]
     else:
         assert out.stdout.split()[:2] == ["None", "False"]
+
+
+def test_the_test_run_names_its_blas_even_when_quiet():
+    """The README's test command is ``pytest -q``, which hides pytest's header:
+    the BLAS line (and the fix, on the reference BLAS) is written anyway."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    test = "tests/test_blas.py::test_blas_in_use_names_a_library"
+    for env, expect in (({}, None), ({"REFUSION_MLX_BLAS": "bundled"}, "WARNING: slow reference BLAS")):
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=root,
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=120).stdout
+        lines = out.splitlines()
+        assert lines[0].startswith("BLAS: "), out
+        if expect:
+            assert lines[1].startswith(expect) and "reference BLAS" in lines[0]
