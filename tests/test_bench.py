@@ -1,6 +1,6 @@
 """python -m refusion_mlx.bench: end to end on the demo model, the report's
 keys, parameter layering, and one-line errors. No timing assertions: speed
-targets live in benchmarks/."""
+targets live in docs/benchmarks.md (refusion_mlx.bench.overhead, .scaling)."""
 
 import json
 import subprocess
@@ -270,7 +270,7 @@ def test_layouts_bad_flags(flags, message, capsys):
 def test_layouts_bad_data_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    for path, message in ((tmp_path / "missing.jsonl", "cannot read"), (bad, "bad.jsonl:1")):
+    for path, message in ((tmp_path / "missing.jsonl", "no such file"), (bad, "bad.jsonl:1")):
         assert bench.main(["--layouts", "16", "--data", str(path)]) == 1
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1

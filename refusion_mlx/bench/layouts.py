@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..decode.generate import chat_prompt, stream_generate
+from ..decode.stream import chat_prompt, stream_generate
 from ..decode.params import RefusionParams, default_block_length, reference_block_count
+from ..train.accuracy import read_rows
 from .report import format_table
 from .suite import BenchError
 
@@ -106,31 +105,6 @@ class Setting:
                 "accuracy": None if self.correct is None else round(self.correct / max(self.rows, 1), 4)}
 
 
-def read_rows(path: str, limit: int) -> List[dict]:
-    """Up to ``limit`` chat rows whose last message is the assistant's answer."""
-    rows = []
-    try:
-        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BenchError(f"cannot read --data {path}: {getattr(e, 'strerror', None) or e}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            messages = json.loads(line)["messages"]
-            ok = isinstance(messages, list) and len(messages) >= 2 and messages[-1]["role"] == "assistant"
-        except (json.JSONDecodeError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise BenchError(f"{path}:{n}: expected {{\"messages\": [..., {{\"role\": \"assistant\", ...}}]}}")
-        rows.append({"messages": messages[:-1], "answer": messages[-1]["content"]})
-        if len(rows) >= limit:
-            break
-    if not rows:
-        raise BenchError(f"--data {path} has no rows")
-    return rows
-
-
 def sweep(model, tokenizer, conversations: Sequence[Sequence[dict]], answers: Optional[Sequence[str]],
           budgets: Sequence[int], slot_sizes: Sequence[int], layouts: Sequence[str],
           base: Optional[RefusionParams] = None, log: Optional[Callable[[str], None]] = None) -> List[Setting]:
@@ -180,7 +154,8 @@ def run_layouts(args, model, tokenizer, suite, base: RefusionParams, log) -> dic
         if args.limit < 1:
             raise BenchError(f"--limit must be at least 1, got {args.limit}")
         rows = read_rows(args.data, args.limit)
-        conversations, answers = [r["messages"] for r in rows], [r["answer"] for r in rows]
+        conversations = [r["messages"][:-1] for r in rows]
+        answers = [r["messages"][-1]["content"] for r in rows]
     else:
         conversations = [([{"role": "system", "content": c.system}] if c.system else [])
                          + [{"role": "user", "content": c.prompt}] for c in suite.cases]
