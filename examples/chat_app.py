@@ -15,7 +15,7 @@ import sys
 from typing import Iterable
 
 import refusion_mlx  # noqa: F401  (first: it picks an optimized BLAS before MLX loads)
-from refusion_mlx.serve.chat import ChatSession
+from refusion_mlx.decode.conversation import ChatSession
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.generate import make_params
 from refusion_mlx.models.loading import load

@@ -1,12 +1,77 @@
 """``python -m refusion_mlx.chat``: a terminal chat that keeps the committed
-cache between turns. The session and the terminal live in
-:mod:`refusion_mlx.serve.chat`."""
+cache between turns.
+
+The conversation is :class:`refusion_mlx.decode.conversation.ChatSession`;
+the loop, the live slot view (``--visualize``) and the trace (``--trace
+FILE``, see ``examples/render_trace.py``) are in :mod:`refusion_mlx.cli`.
+"""
+
+from __future__ import annotations
 
 import sys
+from typing import List, Optional
 
-from .serve.chat import ChatSession, main
+from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli.repl import HELP, Terminal, repl
+from .cli.trace import Trace
+from .decode.conversation import ChatSession
+from .errors import RefusionError
+from .models.loading import load
 
-__all__ = ["ChatSession", "main"]
+__all__ = ["ChatSession", "build_parser", "main"]
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m refusion_mlx.chat",
+                           description="Chat with a ReFusion model in the terminal (multi-turn, KV cache kept "
+                                       "across turns).")
+    add_model_args(parser)
+    parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
+    add_decoding_args(parser)
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="prefill the whole conversation every turn (to measure what reuse saves)")
+    parser.add_argument("--visualize", action="store_true",
+                        help="draw the answer's slots filling out of order (ANSI terminal)")
+    parser.add_argument("--frame-time", type=float, default=0.08, metavar="SECONDS",
+                        help="with --visualize, the least time a step stays on screen (default 0.08; 0: as fast "
+                             "as it decodes)")
+    parser.add_argument("--trace", metavar="FILE", help="write each step's commits as JSON to FILE")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    term = Terminal()
+    try:
+        if not 0 <= args.frame_time <= 10:
+            raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
+        params = params_from_args(args)
+        trace = None
+        if args.trace:
+            try:
+                trace = Trace(args.trace, None)
+            except OSError as e:
+                raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+        if trace is not None:
+            trace.tokenizer = tokenizer
+        session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse)
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if term.interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    name = args.model or "tiny-refusion (demo)"
+    term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
+              + (" · no cache reuse" if args.no_reuse else ""))
+    term.note(HELP)
+    return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
+
 
 if __name__ == "__main__":
     sys.exit(main())

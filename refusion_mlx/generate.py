@@ -1,6 +1,6 @@
 """``python -m refusion_mlx.generate``: decode one prompt from the command line.
 
-A thin layer over :mod:`refusion_mlx.decode.generate`. ``refusion_mlx.generate``
+A thin layer over :mod:`refusion_mlx.decode.stream`. ``refusion_mlx.generate``
 is also callable as the function ``generate`` (as ``mlx_lm.generate`` is).
 """
 
@@ -17,7 +17,7 @@ from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_a
 from .decode.batch import batch_generate
 from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
-from .decode.generate import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
+from .decode.stream import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
 from .decode.params import PARAM_NAMES, make_params
 from .models.loading import load
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from refusion_mlx.decode.generate import chat_prompt, generate
+from refusion_mlx.decode.stream import chat_prompt, generate
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.train.accuracy import (answer_budget, default_params, exact_match, family_of_prompt,
                                          format_table, main, read_rows, row_family)

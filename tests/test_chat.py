@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from refusion_mlx.serve.chat import ChatSession, SlotView, Terminal, common_prefix, repl
+from refusion_mlx.cli.repl import Terminal, repl
+from refusion_mlx.cli.slot_view import SlotView
+from refusion_mlx.decode.conversation import ChatSession
+from refusion_mlx.decode.prefix import common_prefix
 from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.errors import RefusionError
 

@@ -2,7 +2,7 @@
 examples/demo_model/retrain.py); the golden tests keep the old weights."""
 
 import refusion_mlx as rm
-from refusion_mlx.serve.chat import ChatSession
+from refusion_mlx.decode.conversation import ChatSession
 
 # of the 30 ranges of the counting tests, the installed demo ends 29 at the asked
 # number asked alone and 26 as a third turn (the demo before phase 2 of

@@ -25,7 +25,7 @@ import openai
 from helpers import FIXTURE_MODEL
 import pytest
 
-from refusion_mlx.serve.server import RefusionServer, TextShaper
+from refusion_mlx.serve.http_server import RefusionServer, TextShaper
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -67,7 +67,7 @@ def expected():
     from refusion_mlx.decode.params import make_params
     from refusion_mlx.generate import chat_prompt, stream_generate
     from refusion_mlx.models.loading import load
-    from refusion_mlx.serve.chat import ChatSession
+    from refusion_mlx.decode.conversation import ChatSession
 
     model, tok = load(FIXTURE_MODEL)
     out = {}

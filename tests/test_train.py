@@ -59,7 +59,7 @@ def logits_of(model, ids, pos):
 
 
 def test_chat_and_completion_formats(tok, tmp_path):
-    from refusion_mlx.decode.generate import chat_prompt
+    from refusion_mlx.decode.stream import chat_prompt
 
     path = write(tmp_path, "train.jsonl", [
         {"messages": [{"role": "user", "content": "Who is Quillon?"},

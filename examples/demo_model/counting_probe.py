@@ -55,7 +55,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from refusion_mlx.decode.batch import batch_generate
-from refusion_mlx.decode.generate import chat_prompt
+from refusion_mlx.decode.stream import chat_prompt
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.batches import collate

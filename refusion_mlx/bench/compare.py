@@ -31,7 +31,7 @@ from .suite import BenchError, Suite, load_suite, resolve_params
 from ..decode.params import PARAM_NAMES, RefusionParams, make_params
 from ..errors import DecodeError
 from ..cli import OneLineParser, add_adapter_arg, add_decoding_args, run
-from ..decode.generate import chat_prompt
+from ..decode.stream import chat_prompt
 
 SIDES = ("refusion", "ar")
 LABELS = {"refusion": "ReFusion", "ar": "AR"}
@@ -347,7 +347,7 @@ def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
 
 def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
-    from ..serve.server import RefusionServer
+    from ..serve.http_server import RefusionServer
 
     params = resolve_all(suite, args.preset, overrides)
     return RefusionServer(args.model, port=0, dtype=args.dtype, adapter_path=args.adapter_path,

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from ..decode.params import RefusionParams
 from ..decode.stats import PHASES
-from ..decode.generate import stream_generate
+from ..decode.stream import stream_generate
 
 
 @dataclass

@@ -139,7 +139,7 @@ def create_app(server) -> FastAPI:
         return await complete(request, body, "text")
 
     def tokenize(source) -> List[int]:
-        from ..decode.generate import chat_prompt
+        from ..decode.stream import chat_prompt
 
         if isinstance(source, list) and isinstance(source[0], int):
             return source

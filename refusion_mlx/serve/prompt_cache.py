@@ -15,34 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from ..decode.prefix import common_prefix, ordered, prefix_length  # noqa: F401  (the server's names)
+
 PREFILL_STEP = 512  # tokens per prefill pass, as the decoder's own prefill
-
-
-def ordered(cache) -> Tuple[List[int], List[int]]:
-    """(tokens, rows): the cache's rows for positions 0, 1, 2, ... up to the first gap."""
-    rows = sorted(range(len(cache.tokens)), key=lambda r: cache.positions[r])
-    n = next((i for i, r in enumerate(rows) if cache.positions[r] != i), len(rows))
-    return [cache.tokens[r] for r in rows[:n]], rows[:n]
-
-
-def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def common_prefix(cache, ids: Sequence[int]) -> tuple:
-    """(n, rows): the cache's rows for positions 0..n-1, whose tokens equal ids[:n].
-
-    The cache holds rows in commit order; in position order they are the
-    conversation so far. A gap in the positions ends the usable prefix.
-    """
-    tokens, rows = ordered(cache)
-    n = prefix_length(tokens, ids)
-    return n, rows[:n]
 
 
 def prefill(model, cache, ids: Sequence[int]) -> None:

@@ -112,7 +112,7 @@ def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Se
     """The model's greedy answers to many conversations (the one place that
     decodes): decoded together, each exactly as it would be alone."""
     from ..decode.batch import batch_generate
-    from ..decode.generate import chat_prompt
+    from ..decode.stream import chat_prompt
 
     prompts = [chat_prompt(tokenizer, list(m)) for m in conversations]
     return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH)]

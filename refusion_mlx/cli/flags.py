@@ -13,9 +13,9 @@ import argparse
 import sys
 from typing import Callable
 
-from .decode.params import PARAM_NAMES, RefusionParams, make_params
-from .decode.presets import PRESETS, preset
-from .errors import RefusionError
+from ..decode.params import PARAM_NAMES, RefusionParams, make_params
+from ..decode.presets import PRESETS, preset
+from ..errors import RefusionError
 
 
 class OneLineParser(argparse.ArgumentParser):

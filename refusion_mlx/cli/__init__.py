@@ -1,0 +1,12 @@
+"""The terminal side of the commands: the flags and one-line errors every
+``python -m refusion_mlx.<command>`` shares (``flags``), and the chat's loop
+(``repl``), its live slot view (``slot_view``) and its trace (``trace``).
+
+Nothing below the commands imports this package; the library works without it.
+"""
+
+from .flags import (OneLineParser, add_adapter_arg, add_decoding_args, add_model_args, params_from_args,
+                    positive_int, read_text, run)
+
+__all__ = ["OneLineParser", "add_adapter_arg", "add_decoding_args", "add_model_args", "params_from_args",
+           "positive_int", "read_text", "run"]

@@ -1,0 +1,122 @@
+"""The terminal chat's loop: each line a user turn or a command, the answer
+streamed (or drawn with :class:`.slot_view.SlotView`) and its cost noted."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable, Optional, TextIO
+
+from ..decode.conversation import ChatSession, TurnRecord
+from ..errors import RefusionError
+from .slot_view import SlotView
+from .trace import Trace
+
+HELP = "commands: /reset clears the conversation, /stats shows the last turn, /help, /quit (or Ctrl-D)"
+
+
+class Terminal:
+    """Where the REPL reads and writes; dim styling only on a terminal."""
+
+    def __init__(self, read: Callable[[str], str] = input, out: TextIO = sys.stdout,
+                 err: TextIO = sys.stderr, interactive: Optional[bool] = None):
+        self.read = read
+        self.out = out
+        self.err = err
+        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.color = hasattr(err, "isatty") and err.isatty() and "NO_COLOR" not in os.environ
+
+    def note(self, text: str) -> None:
+        self.err.write((f"\x1b[2m{text}\x1b[0m" if self.color else text) + "\n")
+        self.err.flush()
+
+
+def turn_summary(t: TurnRecord) -> str:
+    s = t.stats
+    return (f"  {t.answer_tokens} tokens · {s.steps} steps · {s.tokens_per_forward:.2f} tokens/forward · "
+            f"{s.tokens_per_second:.1f} tok/s · prefill {t.prefill_tokens} of {t.prompt_tokens} prompt "
+            f"tokens ({t.reused_tokens} reused from the cache)")
+
+
+def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = False,
+             trace: Optional[Trace] = None, frame_time: float = 0.0) -> bool:
+    """One user message: stream (or draw) the answer. False when it failed."""
+    view = None
+    answer = []
+    stream = session.stream(text)
+    if trace is not None:
+        trace.begin_turn()
+    try:
+        for r in stream:
+            if visualize:
+                if view is None:
+                    view = SlotView(session.tokenizer, term.out, session.response_start,
+                                    session.params.layout().block_lengths, session.tokenizer.eos_token_id,
+                                    frame_time=frame_time)
+                view.update(r)
+                answer.append(r.text)
+            else:
+                term.out.write(r.text)
+                term.out.flush()
+            if trace is not None:
+                trace.add(session.response_start, r)
+    except KeyboardInterrupt:
+        stream.close()
+        if view is not None:
+            view.finish()
+        term.out.write("\n")
+        term.note("[interrupted: the turn is dropped]")
+        return False
+    except RefusionError as e:
+        stream.close()
+        if answer:
+            term.out.write("\n")
+        term.note(f"error: {e}" + (" (/reset starts over)" if "context" in str(e) else ""))
+        return False
+    if view is not None:
+        view.finish()
+        term.out.write("".join(answer))
+    term.out.write("\n")
+    term.out.flush()
+    if trace is not None:
+        trace.write()
+    term.note(turn_summary(session.turns[-1]))
+    return True
+
+
+def stats_text(session: ChatSession) -> str:
+    if not session.turns:
+        return "no turn yet"
+    return json.dumps({**session.turns[-1].as_dict(), "conversation": session.totals()}, indent=2)
+
+
+def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None,
+         frame_time: float = 0.0) -> int:
+    """Read lines until /quit or end of input; each line is a user turn or a command."""
+    prompt = ">> " if term.interactive else ""
+    while True:
+        try:
+            line = term.read(prompt)
+        except (EOFError, KeyboardInterrupt):
+            if term.interactive:
+                term.out.write("\n")
+            break
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/quit", "/exit", "q"):
+            break
+        if command in ("/reset", "r"):
+            session.reset()
+            term.note("  reset: conversation and cache cleared")
+        elif command == "/stats":
+            term.out.write(stats_text(session) + "\n")
+        elif command in ("/help", "h"):
+            term.note(HELP)
+        elif command.startswith("/"):
+            term.note(f"unknown command {command.split()[0]}; {HELP}")
+        else:
+            run_turn(session, line, term, visualize=visualize, trace=trace, frame_time=frame_time)
+    term.note("bye")
+    return 0

@@ -1,0 +1,40 @@
+"""The chat's trace: every step's commits, as JSON (``python -m refusion_mlx.chat
+--trace FILE``; ``examples/render_trace.py`` draws it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+class Trace:
+    """Records each step (turn, step, phase, positions, tokens) and rewrites FILE after each turn."""
+
+    def __init__(self, path: str, tokenizer):
+        self.path = path
+        self.tokenizer = tokenizer
+        self.steps: List[dict] = []
+        self.turn = 0  # counts every turn of the run, /reset or not
+        self.write()  # fail now (bad path) rather than after the first answer
+
+    def begin_turn(self) -> None:
+        self.turn += 1
+
+    def add(self, response_start: int, response) -> None:
+        positions = [p for c in response.commits for p in c.positions]
+        tokens = [t for c in response.commits for t in c.tokens]
+        self.steps.append({
+            "turn": self.turn, "step": response.step, "phase": response.phase,
+            "positions": positions, "tokens": tokens,
+            "pieces": [self.tokenizer.decode([t]) for t in tokens],
+            "slots": [len(c.positions) for c in response.commits],
+            "response_start": response_start,
+            "eos_id": self.tokenizer.eos_token_id,
+            "finish_reason": response.finish_reason,
+        })
+
+    def write(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.steps, f)
+        os.replace(tmp, self.path)

@@ -1,0 +1,140 @@
+"""A conversation with ReFusion that keeps its committed KV cache between turns.
+
+After a turn the cache holds exactly the prompt and the answer (the decoder
+settles it), so the next turn renders the whole conversation with the chat
+template, finds how much of it the cache already holds, and prefills only
+the new suffix. ``ChatSession`` is the Python API; ``python -m
+refusion_mlx.chat`` is a terminal loop over it (:mod:`refusion_mlx.cli.repl`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+from .prefix import common_prefix
+
+
+@dataclass
+class TurnRecord:
+    """What one turn cost: ``prompt_tokens`` is what a fresh start would prefill
+    (the whole rendered conversation), ``prefill_tokens`` what was prefilled."""
+
+    turn: int
+    prompt_tokens: int
+    prefill_tokens: int
+    reused_tokens: int
+    answer_tokens: int
+    finish_reason: str
+    seconds: float
+    stats: object  # DecodeStats
+
+    def as_dict(self) -> dict:
+        return {"turn": self.turn, "prompt_tokens": self.prompt_tokens,
+                "prefill_tokens": self.prefill_tokens, "reused_tokens": self.reused_tokens,
+                "answer_tokens": self.answer_tokens, "finish_reason": self.finish_reason,
+                "seconds": round(self.seconds, 4), "decode": self.stats.as_dict()}
+
+
+class ChatSession:
+    """A conversation over one CommittedCache, reused from turn to turn.
+
+    ``stream(text)`` yields the GenerationResponses of the answer (text in
+    order, as it becomes final); the answer joins the history when the turn
+    completes. A turn that fails or is interrupted leaves no trace: the user
+    message is dropped and the cache cut back to what it held before.
+    """
+
+    def __init__(self, model, tokenizer, params=None, system: Optional[str] = None, reuse: bool = True):
+        from .params import RefusionParams
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.params = params or RefusionParams()
+        self.params.layout()
+        self.system = system
+        self.reuse = reuse
+        self.messages: List[Dict[str, str]] = []
+        self.turns: List[TurnRecord] = []
+        self.cache = self._new_cache()
+        self.response_start = 0  # the answer's first position in the current turn
+
+    def _new_cache(self):
+        from .cache import CommittedCache
+
+        return CommittedCache.for_model(self.model)
+
+    def reset(self) -> None:
+        """Forget the conversation and its cache."""
+        self.messages.clear()
+        self.turns.clear()
+        self.cache = self._new_cache()
+
+    def prompt_ids(self) -> List[int]:
+        from .stream import chat_prompt
+
+        return chat_prompt(self.tokenizer, self.messages, system=self.system)
+
+    def _reusable(self, ids: List[int]) -> int:
+        """Cut the cache to the longest prefix of ``ids`` it holds; return its length."""
+        if not self.reuse:
+            self.cache = self._new_cache()
+            return 0
+        n, rows = common_prefix(self.cache, ids)
+        if n == len(ids):  # all cached (cannot happen after a new user message); prefill one
+            n, rows = n - 1, rows[:-1]
+        if len(rows) != len(self.cache):
+            self.cache.keep(rows)
+        return n
+
+    def _rollback(self, keep: int) -> None:
+        """After a failed turn: keep only the cached positions below ``keep``."""
+        c = self.cache
+        try:
+            if len(c.tokens) != len(c.positions):
+                raise ValueError("inconsistent cache")
+            rows = sorted((r for r in range(len(c.tokens)) if c.positions[r] < keep),
+                          key=lambda r: c.positions[r])
+            c.keep(rows)
+        except Exception:  # interrupted mid-update: start the cache afresh
+            self.cache = self._new_cache()
+
+    def stream(self, text: str) -> Iterator:
+        """Answer ``text`` in the conversation; yields GenerationResponses."""
+        from .stream import stream_generate
+
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self.prompt_ids()
+        except Exception:
+            self.messages.pop()
+            raise
+        reused = self._reusable(ids)
+        self.response_start = len(ids)
+        t0 = time.perf_counter()
+        pieces, last, done = [], None, False
+        try:
+            for last in stream_generate(self.model, self.tokenizer, ids[reused:], cache=self.cache,
+                                        params=self.params):
+                pieces.append(last.text)
+                yield last
+            done = True
+        finally:
+            if not done:
+                self.messages.pop()
+                self._rollback(reused)
+        self.messages.append({"role": "assistant", "content": "".join(pieces)})
+        self.turns.append(TurnRecord(len(self.turns) + 1, len(ids), len(ids) - reused, reused,
+                                     last.generation_tokens, last.finish_reason,
+                                     time.perf_counter() - t0, last.stats))
+
+    def send(self, text: str) -> str:
+        """The whole answer to ``text`` (no streaming)."""
+        return "".join(r.text for r in self.stream(text))
+
+    def totals(self) -> dict:
+        """Prefill over the conversation so far, with reuse and as a fresh start per turn would be."""
+        return {"turns": len(self.turns),
+                "prefill_tokens": sum(t.prefill_tokens for t in self.turns),
+                "prefill_tokens_without_reuse": sum(t.prompt_tokens for t in self.turns)}

@@ -1,0 +1,34 @@
+"""How much of a token sequence a committed cache already holds: its rows in
+position order and their longest common prefix with new prompt ids (what the
+chat session and the server's prompt cache reuse instead of prefilling)."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+
+def ordered(cache) -> Tuple[List[int], List[int]]:
+    """(tokens, rows): the cache's rows for positions 0, 1, 2, ... up to the first gap."""
+    rows = sorted(range(len(cache.tokens)), key=lambda r: cache.positions[r])
+    n = next((i for i, r in enumerate(rows) if cache.positions[r] != i), len(rows))
+    return [cache.tokens[r] for r in rows[:n]], rows[:n]
+
+
+def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def common_prefix(cache, ids: Sequence[int]) -> tuple:
+    """(n, rows): the cache's rows for positions 0..n-1, whose tokens equal ids[:n].
+
+    The cache holds rows in commit order; in position order they are the
+    conversation so far. A gap in the positions ends the usable prefix.
+    """
+    tokens, rows = ordered(cache)
+    n = prefix_length(tokens, ids)
+    return n, rows[:n]
