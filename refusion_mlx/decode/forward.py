@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
-from ..models.qwen3 import attend, attention_mask
+from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
 

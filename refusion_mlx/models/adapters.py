@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._json import read_json_object
 from ..errors import LoadError, RefusionError
-from .qwen3 import FUSED, Linear
+from .fused import FUSED, Linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapters.safetensors"

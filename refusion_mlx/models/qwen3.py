@@ -9,19 +9,19 @@ Parameter names are Hugging Face's, so a converted folder also loads in
 
 from __future__ import annotations
 
-import copy
-from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
-from .kernels import silu_gate, softmax
+from .cpu_paths import RMSNorm, attend, attention_mask, grouped_mask, rms_norm  # noqa: F401  (importable here)
+from .fused import FUSED, Linear, Derived, fuse_linears, fused_rows
+from .kernels import silu_gate
+from .rope import PositionalRoPE, apply_rope, rope_scale
 
 
 @dataclass
@@ -81,122 +81,6 @@ class ModelArgs(BaseModelArgs):
         rope_scale(self.rope_scaling)  # validates the scaling type
 
 
-def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
-    """Position divisor of the RoPE scaling config; only none/default/linear exist here."""
-    if not scaling:
-        return 1.0
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return 1.0
-    if kind == "linear":
-        factor = float(scaling.get("factor", 1.0))
-        if factor <= 0:
-            raise ConfigError("config.json: rope_scaling factor must be positive")
-        return factor
-    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (none or linear)")
-
-
-class PositionalRoPE:
-    """RoPE from a per-token position array (non-interleaved halves).
-
-    The angles are formed exactly as Hugging Face does (float32 inverse
-    frequencies times float32 positions), so logits match the PyTorch model.
-    """
-
-    def __init__(self, head_dim: int, base: float, scaling: Optional[Dict[str, Any]]):
-        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-        inv_freq = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
-        inv_freq = inv_freq / np.float32(rope_scale(scaling))
-        self.inv_freq = mx.array(inv_freq)
-
-    def angles(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
-        """cos and sin for positions (T,) -> (T, head_dim/2), or for a batch
-        (B, T) -> (B, 1, T, head_dim/2), broadcasting over the heads."""
-        theta = positions.astype(mx.float32)[..., None] * self.inv_freq
-        if positions.ndim == 2:
-            theta = theta[:, None]
-        return mx.cos(theta), mx.sin(theta)
-
-
-@mx.compile
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
-    """Rotate (B, H, T, D) by per-token angles (halves layout, as HF Qwen3),
-    then multiply each head by ``head_scale`` (H, 1, 1).
-
-    Compiled (per shape, not shapeless: the split depends on head_dim) so the
-    rotation and the scaling are two fused kernels instead of ten passes.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    head_scale = head_scale.astype(x.dtype)
-    return mx.concatenate([(x1 * cos - x2 * sin) * head_scale, (x2 * cos + x1 * sin) * head_scale], axis=-1)
-
-
-@partial(mx.compile, shapeless=True)
-def _rms_norm(x: mx.array, weight: mx.array, eps: float, inv_dim: float) -> mx.array:
-    xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) * inv_dim + eps)
-    return weight * normed.astype(x.dtype)
-
-
-class RMSNorm(nn.RMSNorm):
-    """RMSNorm computed in float32, then scaled in the input dtype (as HF does).
-
-    On the GPU ``mx.fast.rms_norm`` is one fused kernel. The CPU backend has no
-    such kernel and decomposes it into a chain of small ops, each dispatched on
-    its own; there a compiled version (one reduction plus one fused
-    elementwise pass) makes a forward 5-10% faster on the demo model.
-    """
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self["weight"], self.eps)
-
-
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """RMS-normalise the last axis; ``weight`` broadcasts against ``x``."""
-    if mx.default_device() == mx.gpu:
-        if weight.ndim == 1:
-            return mx.fast.rms_norm(x, weight, eps)
-        return weight * mx.fast.rms_norm(x, None, eps)
-    return _rms_norm(x, weight, eps, 1.0 / x.shape[-1])
-
-
-def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-    """Attention of (B, H, T, D) queries, already multiplied by the softmax
-    scale, over (B, K, L, D) keys and values.
-
-    On the GPU: MLX's fused kernel, ``mask`` "causal" or (T, L). The CPU has
-    no fused kernel and MLX splits that call into ~16 ops per layer, rebuilding
-    the mask and broadcasting K/V over each query group; here the H/K query
-    heads that share a KV head are stacked as the rows of one matrix, against a
-    mask from :func:`grouped_mask` built once per forward. Same arithmetic,
-    half the ops.
-    """
-    if mx.default_device() == mx.gpu:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
-    B, H, T, D = q.shape
-    K = k.shape[1]
-    scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
-    probs = softmax(scores + mask)
-    return (probs @ v).reshape(B, H, T, D)
-
-
-def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:
-    """The CPU :func:`attend`'s mask: "causal" or boolean (T, L) made additive
-    (0 or -inf; adding 0 leaves a score as is) and laid out like its scores,
-    (1, kv_heads, heads / kv_heads * T, L), so no layer has to broadcast it."""
-    if isinstance(mask, str):
-        mask = mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
-    mask = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
-    groups = heads // kv_heads
-    if mask.ndim == 3:  # one mask per row: (B, T, L) -> (B, 1, groups * T, L)
-        B = mask.shape[0]
-        return mx.broadcast_to(mask[:, None], (B, groups, *mask.shape[1:])).reshape(B, 1, -1, mask.shape[-1])
-    mask = mx.broadcast_to(mask[None], (groups, *mask.shape)).reshape(groups * mask.shape[0], -1)
-    return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
-
-
 def visible_mask(visible: mx.array, run_start: Optional[mx.array] = None) -> mx.array:
     """(B, T, T) bool from (B, T) ints: token i attends to the first
     ``visible[b, i]`` tokens of its row, and to its own run: the tokens from
@@ -214,49 +98,6 @@ def visible_mask(visible: mx.array, run_start: Optional[mx.array] = None) -> mx.
     return (keys[None, None, :] < visible[..., None]) | own_run
 
 
-def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
-    """``mask`` ("causal", boolean (T, L), or (B, T, L) one per row) in the
-    form :func:`attend` takes on this device: as is for the GPU's fused kernel,
-    grouped and additive on the CPU. Made once per forward (or once per
-    request of a packed batch)."""
-    if mx.default_device() == mx.gpu:
-        return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
-    return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
-
-
-class _Derived:
-    """An array made from parameters and remade whenever one is replaced
-    (``load_weights``, ``update``, quantisation). It lives outside the
-    module's parameters: never saved, never counted twice."""
-
-    __slots__ = ("sources", "value")
-
-    def __init__(self):
-        self.sources: Tuple[mx.array, ...] = ()
-        self.value: Optional[mx.array] = None
-
-    def get(self, sources: Tuple[mx.array, ...], make) -> mx.array:
-        if self.value is None or len(sources) != len(self.sources) or \
-                any(a is not b for a, b in zip(sources, self.sources)):
-            self.value, self.sources = make(*sources), sources
-        return self.value
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` multiplying by a transposed view of its weight made once
-    (no copy), instead of a transpose op in every call."""
-
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = True):
-        super().__init__(input_dims, output_dims, bias=bias)
-        self._weight_t = _Derived()
-
-    def __call__(self, x: mx.array) -> mx.array:
-        weight_t = self._weight_t.get((self["weight"],), lambda w: w.T)
-        if "bias" in self:
-            return mx.addmm(self["bias"], x, weight_t)
-        return x @ weight_t
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -272,8 +113,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * hd, dim, bias=bias)
         self.q_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=args.rms_norm_eps)
-        self._qk_norm_weight = _Derived()
-        self._head_scale = _Derived()
+        self._qk_norm_weight = Derived()
+        self._head_scale = Derived()
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
         """``x``: one sequence kept 2-D (T, dim), or a batch (B, T, dim)."""
@@ -325,39 +166,6 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_gate(gate, up))
-
-
-# Projections that read the same input, fused into one matmul at load time.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def fuse_linears(layers) -> Optional[nn.Module]:
-    """One layer computing several layers' outputs side by side, or None.
-
-    Plain layers fuse; quantized ones only with identical group size, bits
-    and mode (mixed recipes quantize v_proj differently: those stay apart).
-    Rows are concatenated, so each output is computed exactly as before.
-    """
-    kinds = {type(layer) for layer in layers}
-    if len(kinds) != 1 or kinds.pop() not in (Linear, nn.QuantizedLinear):
-        return None
-    if len({getattr(layer, "group_size", 0) for layer in layers}) > 1 or \
-            len({getattr(layer, "bits", 0) for layer in layers}) > 1 or \
-            len({getattr(layer, "mode", "") for layer in layers}) > 1 or \
-            len({tuple(sorted(layer.keys())) for layer in layers}) > 1:
-        return None
-    fused = copy.copy(layers[0])
-    if isinstance(fused, Linear):
-        fused._weight_t = _Derived()  # its own, not the copied layer's
-    for key in layers[0].keys():
-        fused[key] = mx.concatenate([layer[key] for layer in layers], axis=0)
-    return fused
-
-
-def _fused_rows(args: "ModelArgs") -> Dict[str, int]:
-    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
-    return {"q_proj": q, "k_proj": kv, "v_proj": kv,
-            "gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
 
 
 class TransformerBlock(nn.Module):
@@ -472,7 +280,7 @@ class Model(nn.Module):
 
     def hf_parameters(self) -> Dict[str, mx.array]:
         """Parameters under Hugging Face's names (fused ones as row slices, no copies)."""
-        rows = _fused_rows(self.args)
+        rows = fused_rows(self.args)
         out = {}
         for name, value in tree_flatten(self.parameters()):
             module, _, leaf = name.rpartition(".")

@@ -23,7 +23,8 @@ import threading
 from typing import Dict, Optional
 
 from ..errors import RefusionError
-from .prompt_cache import PromptCache, prefill, prefix_length
+from ..decode.prefix import prefix_length
+from .prompt_cache import PromptCache, prefill
 from .schemas import APIError, Request
 from .text import TextShaper
 

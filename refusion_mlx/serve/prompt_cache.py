@@ -13,9 +13,9 @@ recently used first, beyond a byte budget (``CommittedCache.nbytes``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
-from ..decode.prefix import common_prefix, ordered, prefix_length  # noqa: F401  (the server's names)
+from ..decode.prefix import ordered
 
 PREFILL_STEP = 512  # tokens per prefill pass, as the decoder's own prefill
 

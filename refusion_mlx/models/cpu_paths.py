@@ -1,0 +1,87 @@
+"""The model's device-dependent operations: on the GPU MLX's fused kernels
+(``mx.fast.rms_norm``, ``scaled_dot_product_attention``); on the CPU, which
+has none, compiled or regrouped equivalents with the same arithmetic and
+fewer dispatched ops (RMSNorm, grouped-query attention and its mask)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .kernels import softmax
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float, inv_dim: float) -> mx.array:
+    xf = x.astype(mx.float32)
+    normed = xf * mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) * inv_dim + eps)
+    return weight * normed.astype(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32, then scaled in the input dtype (as HF does).
+
+    On the GPU ``mx.fast.rms_norm`` is one fused kernel. The CPU backend has no
+    such kernel and decomposes it into a chain of small ops, each dispatched on
+    its own; there a compiled version (one reduction plus one fused
+    elementwise pass) makes a forward 5-10% faster on the demo model.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMS-normalise the last axis; ``weight`` broadcasts against ``x``."""
+    if mx.default_device() == mx.gpu:
+        if weight.ndim == 1:
+            return mx.fast.rms_norm(x, weight, eps)
+        return weight * mx.fast.rms_norm(x, None, eps)
+    return _rms_norm(x, weight, eps, 1.0 / x.shape[-1])
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+    """Attention of (B, H, T, D) queries, already multiplied by the softmax
+    scale, over (B, K, L, D) keys and values.
+
+    On the GPU: MLX's fused kernel, ``mask`` "causal" or (T, L). The CPU has
+    no fused kernel and MLX splits that call into ~16 ops per layer, rebuilding
+    the mask and broadcasting K/V over each query group; here the H/K query
+    heads that share a KV head are stacked as the rows of one matrix, against a
+    mask from :func:`grouped_mask` built once per forward. Same arithmetic,
+    half the ops.
+    """
+    if mx.default_device() == mx.gpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
+    probs = softmax(scores + mask)
+    return (probs @ v).reshape(B, H, T, D)
+
+
+def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:
+    """The CPU :func:`attend`'s mask: "causal" or boolean (T, L) made additive
+    (0 or -inf; adding 0 leaves a score as is) and laid out like its scores,
+    (1, kv_heads, heads / kv_heads * T, L), so no layer has to broadcast it."""
+    if isinstance(mask, str):
+        mask = mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
+    mask = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+    groups = heads // kv_heads
+    if mask.ndim == 3:  # one mask per row: (B, T, L) -> (B, 1, groups * T, L)
+        B = mask.shape[0]
+        return mx.broadcast_to(mask[:, None], (B, groups, *mask.shape[1:])).reshape(B, 1, -1, mask.shape[-1])
+    mask = mx.broadcast_to(mask[None], (groups, *mask.shape)).reshape(groups * mask.shape[0], -1)
+    return mx.broadcast_to(mask, (1, kv_heads, *mask.shape))
+
+
+def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype):
+    """``mask`` ("causal", boolean (T, L), or (B, T, L) one per row) in the
+    form :func:`attend` takes on this device: as is for the GPU's fused kernel,
+    grouped and additive on the CPU. Made once per forward (or once per
+    request of a packed batch)."""
+    if mx.default_device() == mx.gpu:
+        return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
+    return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)

@@ -1,0 +1,63 @@
+"""RoPE from a per-token position id: ReFusion commits slots out of order, so
+each token is rotated by its own position, not its place in the sequence."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ConfigError
+
+
+def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
+    """Position divisor of the RoPE scaling config; only none/default/linear exist here."""
+    if not scaling:
+        return 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return 1.0
+    if kind == "linear":
+        factor = float(scaling.get("factor", 1.0))
+        if factor <= 0:
+            raise ConfigError("config.json: rope_scaling factor must be positive")
+        return factor
+    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (none or linear)")
+
+
+class PositionalRoPE:
+    """RoPE from a per-token position array (non-interleaved halves).
+
+    The angles are formed exactly as Hugging Face does (float32 inverse
+    frequencies times float32 positions), so logits match the PyTorch model.
+    """
+
+    def __init__(self, head_dim: int, base: float, scaling: Optional[Dict[str, Any]]):
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv_freq = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
+        inv_freq = inv_freq / np.float32(rope_scale(scaling))
+        self.inv_freq = mx.array(inv_freq)
+
+    def angles(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
+        """cos and sin for positions (T,) -> (T, head_dim/2), or for a batch
+        (B, T) -> (B, 1, T, head_dim/2), broadcasting over the heads."""
+        theta = positions.astype(mx.float32)[..., None] * self.inv_freq
+        if positions.ndim == 2:
+            theta = theta[:, None]
+        return mx.cos(theta), mx.sin(theta)
+
+
+@mx.compile
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
+    """Rotate (B, H, T, D) by per-token angles (halves layout, as HF Qwen3),
+    then multiply each head by ``head_scale`` (H, 1, 1).
+
+    Compiled (per shape, not shapeless: the split depends on head_dim) so the
+    rotation and the scaling are two fused kernels instead of ten passes.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    head_scale = head_scale.astype(x.dtype)
+    return mx.concatenate([(x1 * cos - x2 * sin) * head_scale, (x2 * cos + x1 * sin) * head_scale], axis=-1)
