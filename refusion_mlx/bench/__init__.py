@@ -5,6 +5,13 @@ The prompt suite (``suite``, ``suite.json``), one timed run per side
 (``runs``), the comparison and its report (``compare``, ``report``).
 """
 
-from .compare import format_report, main, run_benchmark
+from .compare import format_report, run_benchmark
 
 __all__ = ["format_report", "main", "run_benchmark"]
+
+
+def main(argv=None) -> int:
+    """``python -m refusion_mlx.bench`` from Python (the command is ``__main__``'s)."""
+    from .__main__ import main as command
+
+    return command(argv)

@@ -1,5 +1,108 @@
+"""``python -m refusion_mlx.bench``: ReFusion against mlx-lm's autoregressive
+decoding of the same weights (``compare``), or one of the other measurements
+(``modes``: --concurrency, --http, --conversation, --layouts)."""
+
+from __future__ import annotations
+
+import argparse
 import sys
+from pathlib import Path
+from typing import List, Optional
 
-from .compare import main
+from ..cli import OneLineParser, add_decoding_args, add_model_args, run
+from ..decode.params import PARAM_NAMES
+from ..errors import DecodeError
+from . import modes
+from .compare import format_report, resolve_all, run_benchmark, write_json
+from .layouts import add_layout_args
+from .suite import BenchError, load_suite
 
-sys.exit(main())
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="python -m refusion_mlx.bench",
+        description="Benchmark ReFusion decoding against mlx-lm's autoregressive decoding of the same weights.")
+    add_model_args(parser, dtype_default="float32", dtype_help="compute dtype of both sides (default float32)")
+    parser.add_argument("--suite", default="default",
+                        help="'default' (the bundled suite) or a suite JSON file")
+    add_decoding_args(parser)
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per prompt and side (median shown)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
+    parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
+    parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
+    parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
+    parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
+    parser.add_argument("--concurrency", type=levels_arg, metavar="N,N,...",
+                        help="instead of the AR comparison: aggregate tokens/s and latency per request for "
+                             "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --concurrency: how many times the workload goes through the suite (default 2)")
+    parser.add_argument("--http", action="store_true",
+                        help="with --concurrency: through the OpenAI-compatible server on loopback, "
+                             "streaming, instead of in-process")
+    parser.add_argument("--conversation", type=int, metavar="TURNS",
+                        help="instead of the AR comparison: a conversation of TURNS questions from the suite "
+                             "sent to the server the way chat apps send it (whole history each turn); the "
+                             "tokens it prefilled per turn with and without its prompt cache")
+    add_layout_args(parser)
+    return parser
+
+
+def levels_arg(text: str) -> List[int]:
+    """--concurrency: comma-separated positive integers."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
+    return levels
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
+
+    def body() -> int:
+        suite = load_suite(args.suite)
+        try:
+            resolve_all(suite, args.preset, overrides)
+        except DecodeError as e:
+            parser.error(str(e))
+        if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
+            raise BenchError(f"cannot write {args.json}: its folder does not exist")
+        log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
+        if args.http and not args.concurrency:
+            parser.error("--http goes with --concurrency")
+        if args.conversation is not None and args.conversation < 1:
+            parser.error(f"--conversation must be at least 1, got {args.conversation}")
+        if args.layouts:
+            result = modes.measure_layouts(args, suite, overrides, log)
+            print(result.pop("report"))
+            write_json(args.json, result)
+            return 0
+        if args.concurrency or args.conversation:
+            if args.rounds < 1:
+                parser.error(f"--rounds must be at least 1, got {args.rounds}")
+            measure = modes.run_conversation if args.conversation else modes.run_http if args.http else modes.run_concurrency
+            result = measure(args, suite, overrides, log)
+            print(result.pop("report"))
+            write_json(args.json, result)
+            return 0
+        result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
+                               args.warmup, not args.no_ar, not args.no_chat_template, log,
+                               adapter_path=args.adapter_path)
+        print(format_report(result))
+        write_json(args.json, result)
+        return 0
+
+    return run(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,25 +12,22 @@ tokens-per-second ratio; ``--json`` writes everything to a file.
     python -m refusion_mlx.bench --model models/qwen3-0.6b-random --suite my_suite.json
 
 Importable: ``run_benchmark(...)`` returns the same dict that ``--json``
-writes; ``format_report(result)`` renders it.
+writes; ``format_report(result)`` renders it. The other modes (concurrency,
+HTTP, conversation, layouts) are in ``modes``, the command in ``__main__``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from .layouts import add_layout_args
 from .report import environment, format_table, header_lines
 from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
 from .suite import BenchError, Suite, load_suite, resolve_params
-from ..decode.params import PARAM_NAMES, RefusionParams, make_params
+from ..decode.params import RefusionParams
 from ..errors import DecodeError
-from ..cli import OneLineParser, add_adapter_arg, add_decoding_args, run
 from ..decode.stream import chat_prompt
 
 SIDES = ("refusion", "ar")
@@ -285,200 +282,3 @@ def write_json(path: Optional[str], result: dict) -> None:
     except OSError as e:
         raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
     print(f"wrote {path}")
-
-
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="python -m refusion_mlx.bench",
-        description="Benchmark ReFusion decoding against mlx-lm's autoregressive decoding of the same weights.")
-    parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
-    add_adapter_arg(parser)
-    parser.add_argument("--suite", default="default",
-                        help="'default' (the bundled suite) or a suite JSON file")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                        help="compute dtype of both sides (default float32)")
-    add_decoding_args(parser)
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs per prompt and side (median shown)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
-    parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
-    parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
-    parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
-    parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
-    parser.add_argument("--concurrency", type=levels_arg, metavar="N,N,...",
-                        help="instead of the AR comparison: aggregate tokens/s and latency per request for "
-                             "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="with --concurrency: how many times the workload goes through the suite (default 2)")
-    parser.add_argument("--http", action="store_true",
-                        help="with --concurrency: through the OpenAI-compatible server on loopback, "
-                             "streaming, instead of in-process")
-    parser.add_argument("--conversation", type=int, metavar="TURNS",
-                        help="instead of the AR comparison: a conversation of TURNS questions from the suite "
-                             "sent to the server the way chat apps send it (whole history each turn); the "
-                             "tokens it prefilled per turn with and without its prompt cache")
-    add_layout_args(parser)
-    return parser
-
-
-def levels_arg(text: str) -> List[int]:
-    """--concurrency: comma-separated positive integers."""
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
-    return levels
-
-
-def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """The --concurrency report: one row per level, and the environment."""
-    from .concurrency import format_levels, run_levels
-
-    params = resolve_all(suite, args.preset, overrides)
-    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
-    prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=not args.no_chat_template)
-               for c in suite.cases]
-    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
-    results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log)
-    text = "\n".join(header_lines(env) + ["", format_levels(results, format_table)])
-    return {"environment": env, "levels": [r.as_dict() for r in results], "rounds": args.rounds,
-            "report": text}
-
-
-def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
-    from ..serve.http_server import RefusionServer
-
-    params = resolve_all(suite, args.preset, overrides)
-    return RefusionServer(args.model, port=0, dtype=args.dtype, adapter_path=args.adapter_path,
-                          **kw), params
-
-
-def _request_fields(p: RefusionParams) -> dict:
-    """A suite case's settings as the server's request fields."""
-    fields = {"max_tokens": p.gen_length, "slot_size": p.slot_size, "slot_threshold": p.slot_threshold,
-              "token_threshold": p.token_threshold, "temperature": p.temperature}
-    if p.block_length is not None:
-        fields["block_length"] = p.block_length
-    elif p.serial_num_blocks is not None:
-        fields["serial_num_blocks"] = p.serial_num_blocks
-    return fields
-
-
-def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """--concurrency --http: the same workload through the server's streams."""
-    from .serving import http_level
-
-    say = log or (lambda _m: None)
-    server, params = _server(args, suite, overrides, max_batch=max(args.concurrency))
-    bodies = [{"messages": ([{"role": "system", "content": c.system}] if c.system else []) +
-               [{"role": "user", "content": c.prompt}], **_request_fields(p)}
-              for c, p in zip(suite.cases, params)]
-    work = bodies * args.rounds
-    with server:
-        env = environment(server.engine.model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
-        http_level(server.url, bodies[:max(args.concurrency)], max(args.concurrency))  # warm-up
-        levels = []
-        for n in args.concurrency:
-            lv = http_level(server.url, work, n)
-            say(f"{n} streams: {lv.tokens} tokens in {lv.wall_seconds:.2f} s")
-            levels.append(lv.as_dict())
-    base = levels[0]["tokens_per_second"] or 1.0
-    rows = [[d["clients"], d["requests"], d["tokens"], d["wall_seconds"], d["tokens_per_second"],
-             f"{d['tokens_per_second'] / base:.2f}x", d["latency_p50_s"], d["latency_p90_s"],
-             d["first_text_p50_s"]] for d in levels]
-    table = format_table(["streams", "requests", "tokens", "wall s", "tok/s", "vs 1", "latency p50 s", "p90 s",
-                          "first text p50 s"], rows)
-    return {"environment": env, "http_levels": levels, "rounds": args.rounds,
-            "report": "\n".join(header_lines(env) + ["", "through the HTTP server (streaming, loopback)", table])}
-
-
-def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """--conversation TURNS: prefilled tokens per turn, with and without the prompt cache."""
-    from .serving import conversation, new_since_previous_turn
-
-    questions = [suite.cases[i % len(suite.cases)].prompt for i in range(args.conversation)]
-    sides = {}
-    env = None
-    for name, cache_bytes in (("reuse", None), ("no reuse", 0)):
-        kw = {} if cache_bytes is None else {"prompt_cache_bytes": cache_bytes}
-        server, params = _server(args, suite, overrides, **kw)
-        with server:
-            env = env or environment(server.engine.model, args.model or "bundled demo model")
-            sides[name] = conversation(server.url, questions, **_request_fields(params[0]))
-        if log:
-            log(f"{name}: prefilled {[r['prefilled_tokens'] for r in sides[name]]}")
-    new = new_since_previous_turn(sides["no reuse"])
-    rows = [[a["turn"], a["prompt_tokens"], n if n is not None else "-", a["cached_tokens"],
-             a["prefilled_tokens"], b["prefilled_tokens"], a["answer_tokens"]]
-            for a, b, n in zip(sides["reuse"], sides["no reuse"], new)]
-    total = [sum(r["prefilled_tokens"] for r in sides[k]) for k in ("reuse", "no reuse")]
-    rows.append(["all", "", "", "", total[0], total[1], ""])
-    table = format_table(["turn", "prompt tokens", "new since last turn", "cached", "prefilled (reuse)",
-                          "prefilled (no reuse)", "answer tokens"], rows)
-    same = all(a["answer"] == b["answer"] for a, b in zip(sides["reuse"], sides["no reuse"]))
-    return {"environment": env, "conversation": sides, "same_answers": same,
-            "report": "\n".join(header_lines(env) + ["", table, f"same answers with and without reuse: {same}"])}
-
-
-def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """--layouts: the block-layout sweep (``layouts``), with the environment."""
-    from .layouts import run_layouts
-
-    fixed = ("gen_length", "slot_size", "block_length", "serial_num_blocks")
-    base = make_params(**{k: v for k, v in overrides.items() if k not in fixed})
-    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
-    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
-    result = run_layouts(args, model, tokenizer, suite, base, log)
-    result["environment"] = env
-    result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])
-    return result
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat must be at least 1, got {args.repeat}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be at least 0, got {args.warmup}")
-    overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
-
-    def body() -> int:
-        suite = load_suite(args.suite)
-        try:
-            resolve_all(suite, args.preset, overrides)
-        except DecodeError as e:
-            parser.error(str(e))
-        if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
-            raise BenchError(f"cannot write {args.json}: its folder does not exist")
-        log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
-        if args.http and not args.concurrency:
-            parser.error("--http goes with --concurrency")
-        if args.conversation is not None and args.conversation < 1:
-            parser.error(f"--conversation must be at least 1, got {args.conversation}")
-        if args.layouts:
-            result = measure_layouts(args, suite, overrides, log)
-            print(result.pop("report"))
-            write_json(args.json, result)
-            return 0
-        if args.concurrency or args.conversation:
-            if args.rounds < 1:
-                parser.error(f"--rounds must be at least 1, got {args.rounds}")
-            measure = run_conversation if args.conversation else run_http if args.http else run_concurrency
-            result = measure(args, suite, overrides, log)
-            print(result.pop("report"))
-            write_json(args.json, result)
-            return 0
-        result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
-                               args.warmup, not args.no_ar, not args.no_chat_template, log,
-                               adapter_path=args.adapter_path)
-        print(format_report(result))
-        write_json(args.json, result)
-        return 0
-
-    return run(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

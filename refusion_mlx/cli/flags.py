@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from ..decode.params import PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
@@ -25,12 +25,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --adapter-path and --dtype, as every command that loads a model takes them."""
-    parser.add_argument("--model", help="model folder or hub repo id (default: the bundled demo model)")
-    add_adapter_arg(parser)
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        help="compute dtype (default: float32 on CPU, the checkpoint's on GPU)")
+def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype_default: Optional[str] = None,
+                   dtype_help: str = "compute dtype (default: float32 on CPU, the checkpoint's on GPU)",
+                   model_help: str = "model folder or hub repo id (default: the bundled demo model)") -> None:
+    """--model, --adapter-path and --dtype, as every command that loads a model takes them.
+
+    ``adapters=False`` leaves --adapter-path to a command that means something
+    else by it (fuse); ``dtype_default``/``dtype_help`` for a command whose
+    --dtype has another default or meaning (bench, fuse)."""
+    parser.add_argument("--model", help=model_help)
+    if adapters:
+        add_adapter_arg(parser)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=dtype_default,
+                        help=dtype_help)
 
 
 def add_adapter_arg(parser: argparse.ArgumentParser) -> None:

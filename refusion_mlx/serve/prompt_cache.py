@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence, Tuple
 
-from ..decode.prefix import ordered
+from ..decode.prefix import ordered, prefix_length
 
 PREFILL_STEP = 512  # tokens per prefill pass, as the decoder's own prefill
 

@@ -1,0 +1,119 @@
+"""The benchmark's measurements besides the AR comparison, each a function of
+the parsed flags returning its report dict: aggregate throughput of N
+concurrent requests in process (``run_concurrency``) or through the server's
+streams (``run_http``), a conversation's prefill with and without the prompt
+cache (``run_conversation``), the block-layout sweep (``measure_layouts``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from ..decode.params import RefusionParams, make_params
+from ..decode.stream import chat_prompt
+from .compare import load_models, resolve_all
+from .report import environment, format_table, header_lines
+from .suite import Suite
+
+
+def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """The --concurrency report: one row per level, and the environment."""
+    from .concurrency import format_levels, run_levels
+
+    params = resolve_all(suite, args.preset, overrides)
+    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
+    prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=not args.no_chat_template)
+               for c in suite.cases]
+    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
+    results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log)
+    text = "\n".join(header_lines(env) + ["", format_levels(results, format_table)])
+    return {"environment": env, "levels": [r.as_dict() for r in results], "rounds": args.rounds,
+            "report": text}
+
+
+def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
+    from ..serve.http_server import RefusionServer
+
+    params = resolve_all(suite, args.preset, overrides)
+    return RefusionServer(args.model, port=0, dtype=args.dtype, adapter_path=args.adapter_path,
+                          **kw), params
+
+
+def _request_fields(p: RefusionParams) -> dict:
+    """A suite case's settings as the server's request fields."""
+    fields = {"max_tokens": p.gen_length, "slot_size": p.slot_size, "slot_threshold": p.slot_threshold,
+              "token_threshold": p.token_threshold, "temperature": p.temperature}
+    if p.block_length is not None:
+        fields["block_length"] = p.block_length
+    elif p.serial_num_blocks is not None:
+        fields["serial_num_blocks"] = p.serial_num_blocks
+    return fields
+
+
+def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """--concurrency --http: the same workload through the server's streams."""
+    from .serving import http_level
+
+    say = log or (lambda _m: None)
+    server, params = _server(args, suite, overrides, max_batch=max(args.concurrency))
+    bodies = [{"messages": ([{"role": "system", "content": c.system}] if c.system else []) +
+               [{"role": "user", "content": c.prompt}], **_request_fields(p)}
+              for c, p in zip(suite.cases, params)]
+    work = bodies * args.rounds
+    with server:
+        env = environment(server.engine.model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
+        http_level(server.url, bodies[:max(args.concurrency)], max(args.concurrency))  # warm-up
+        levels = []
+        for n in args.concurrency:
+            lv = http_level(server.url, work, n)
+            say(f"{n} streams: {lv.tokens} tokens in {lv.wall_seconds:.2f} s")
+            levels.append(lv.as_dict())
+    base = levels[0]["tokens_per_second"] or 1.0
+    rows = [[d["clients"], d["requests"], d["tokens"], d["wall_seconds"], d["tokens_per_second"],
+             f"{d['tokens_per_second'] / base:.2f}x", d["latency_p50_s"], d["latency_p90_s"],
+             d["first_text_p50_s"]] for d in levels]
+    table = format_table(["streams", "requests", "tokens", "wall s", "tok/s", "vs 1", "latency p50 s", "p90 s",
+                          "first text p50 s"], rows)
+    return {"environment": env, "http_levels": levels, "rounds": args.rounds,
+            "report": "\n".join(header_lines(env) + ["", "through the HTTP server (streaming, loopback)", table])}
+
+
+def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """--conversation TURNS: prefilled tokens per turn, with and without the prompt cache."""
+    from .serving import conversation, new_since_previous_turn
+
+    questions = [suite.cases[i % len(suite.cases)].prompt for i in range(args.conversation)]
+    sides = {}
+    env = None
+    for name, cache_bytes in (("reuse", None), ("no reuse", 0)):
+        kw = {} if cache_bytes is None else {"prompt_cache_bytes": cache_bytes}
+        server, params = _server(args, suite, overrides, **kw)
+        with server:
+            env = env or environment(server.engine.model, args.model or "bundled demo model")
+            sides[name] = conversation(server.url, questions, **_request_fields(params[0]))
+        if log:
+            log(f"{name}: prefilled {[r['prefilled_tokens'] for r in sides[name]]}")
+    new = new_since_previous_turn(sides["no reuse"])
+    rows = [[a["turn"], a["prompt_tokens"], n if n is not None else "-", a["cached_tokens"],
+             a["prefilled_tokens"], b["prefilled_tokens"], a["answer_tokens"]]
+            for a, b, n in zip(sides["reuse"], sides["no reuse"], new)]
+    total = [sum(r["prefilled_tokens"] for r in sides[k]) for k in ("reuse", "no reuse")]
+    rows.append(["all", "", "", "", total[0], total[1], ""])
+    table = format_table(["turn", "prompt tokens", "new since last turn", "cached", "prefilled (reuse)",
+                          "prefilled (no reuse)", "answer tokens"], rows)
+    same = all(a["answer"] == b["answer"] for a, b in zip(sides["reuse"], sides["no reuse"]))
+    return {"environment": env, "conversation": sides, "same_answers": same,
+            "report": "\n".join(header_lines(env) + ["", table, f"same answers with and without reuse: {same}"])}
+
+
+def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """--layouts: the block-layout sweep (``layouts``), with the environment."""
+    from .layouts import run_layouts
+
+    fixed = ("gen_length", "slot_size", "block_length", "serial_num_blocks")
+    base = make_params(**{k: v for k, v in overrides.items() if k not in fixed})
+    model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
+    env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
+    result = run_layouts(args, model, tokenizer, suite, base, log)
+    result["environment"] = env
+    result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])
+    return result
