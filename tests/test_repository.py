@@ -13,11 +13,11 @@ LAYERS = [
     {"_blas", "errors", "_callable", "_version", "_json"},
     {"models"},
     {"decode"},
-    {"cli"},  # shared flags and one-line errors of the commands
+    {"cli"},  # the terminal: shared flags and one-line errors, the chat's loop, slot view and trace
     {"convert", "train"},
     {"serve"},
     {"bench"},
-    {"generate", "chat", "server", "fuse", "__init__"},  # entry points
+    {"generate", "chat", "server", "fuse", "__init__"},  # the commands without a package of their own
 ]
 
 
@@ -104,3 +104,39 @@ def test_the_trainers_evaluate_survives_every_import():
     import refusion_mlx.train.accuracy  # noqa: F401  (the exact-match CLI)
 
     assert callable(train.evaluate) and train.evaluate.__module__ == "refusion_mlx.train.trainer"
+
+
+def _modules():
+    return [p for p in (ROOT / "refusion_mlx").rglob("*.py")]
+
+
+def test_no_two_modules_share_a_name():
+    """One name, one home: a command (``generate.py``, ``convert/__main__.py``)
+    and the library code it calls never share a module or package name."""
+    homes = {}
+    for p in _modules():
+        if p.stem == "__main__" or p.parent == ROOT / "refusion_mlx" and p.stem == "__init__":
+            continue
+        home = p.parent if p.stem == "__init__" else p  # a package is named by its folder
+        homes.setdefault(home.stem, set()).add(str(home.relative_to(ROOT)))
+    shared = {name: sorted(paths) for name, paths in homes.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_every_command_defines_main_where_python_m_runs_it():
+    """``python -m refusion_mlx.X`` runs ``X.py`` or ``X/__main__.py``: that file defines ``main``."""
+    commands = ["generate", "chat", "server", "fuse", "convert", "bench", "train", "train.accuracy"]
+    missing = []
+    for command in commands:
+        path = ROOT / "refusion_mlx" / (command.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = path.with_suffix("") / "__main__.py"
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"commands whose main is defined elsewhere: {missing}"
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

@@ -314,7 +314,7 @@ def test_full_fine_tune_weights_take_the_models_dtype(tmp_path, tok):
     """The trainer saves float32; a bfloat16 load, and a fuse that keeps the
     checkpoint's dtype, must hold bfloat16 weights, not float32 behind a
     bfloat16 config."""
-    from refusion_mlx.fuse import fuse
+    from refusion_mlx.convert.fusion import fuse
 
     folder = tmp_path / "full"
     fine_tune(adapter_path=str(folder), iters=1, fine_tune_type="full", num_layers=1, train_embeddings=True,
@@ -365,7 +365,7 @@ def test_train_embeddings_saves_loads_and_fuses(tmp_path, tok):
     loaded, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
     ids, pos = sequence(tok)
     np.testing.assert_allclose(logits_of(loaded, ids, pos), logits_of(model, ids, pos), atol=1e-5)
-    from refusion_mlx.fuse import fuse
+    from refusion_mlx.convert.fusion import fuse
 
     fused, _ = load(fuse(None, folder, tmp_path / "fused", dtype="float32"), dtype="float32")
     np.testing.assert_allclose(logits_of(fused, ids, pos), logits_of(model, ids, pos), atol=1e-4)
@@ -392,7 +392,7 @@ def q4(tmp_path_factory):
 
 
 def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
-    from refusion_mlx.fuse import fuse
+    from refusion_mlx.convert.fusion import fuse
 
     folder = tmp_path / "qlora"
     options = {**QUICK, "val_batches": 2}  # quantized matmuls are slow on the CPU: a short run

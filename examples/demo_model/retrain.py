@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import refusion_mlx  # noqa: E402  (before mlx.core: optimized BLAS on Linux)
 from build_data import build, build_counting  # noqa: E402
-from refusion_mlx.fuse import fuse  # noqa: E402
+from refusion_mlx.convert.fusion import fuse  # noqa: E402
 from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
 

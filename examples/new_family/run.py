@@ -93,7 +93,7 @@ def main() -> int:
     after = measure(model, tokenizer, new_rows, old_rows)
     fused_same = None
     if not args.no_fuse:
-        from refusion_mlx.fuse import fuse
+        from refusion_mlx.convert.fusion import fuse
 
         fused_dir = fuse(args.model, out / "adapters", out / "fused", force=True)
         fmodel, ftok = load(fused_dir, dtype="float32")

@@ -89,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.concurrency or args.conversation:
             if args.rounds < 1:
                 parser.error(f"--rounds must be at least 1, got {args.rounds}")
-            measure = modes.run_conversation if args.conversation else modes.run_http if args.http else modes.run_concurrency
+            measure = (modes.run_conversation if args.conversation else modes.run_http if args.http
+                       else modes.run_concurrency)
             result = measure(args, suite, overrides, log)
             print(result.pop("report"))
             write_json(args.json, result)

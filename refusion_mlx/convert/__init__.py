@@ -7,8 +7,16 @@ into a folder that appears atomically (``staging``); ``converter`` runs them.
 """
 
 from .._callable import make_callable
-from .converter import Summary, convert, format_summary, main, resolve_source
+from .converter import Summary, convert, format_summary, resolve_source
 
 __all__ = ["Summary", "convert", "format_summary", "main", "resolve_source"]
+
+
+def main(argv=None) -> int:
+    """``python -m refusion_mlx.convert`` from Python (the command is ``__main__``'s)."""
+    from .__main__ import main as command
+
+    return command(argv)
+
 
 make_callable(__name__, convert)

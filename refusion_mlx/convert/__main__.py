@@ -1,5 +1,93 @@
+"""``python -m refusion_mlx.convert``: a ReFusion checkpoint (Hugging Face
+PyTorch layout) to an MLX folder, :func:`refusion_mlx.convert.convert` from
+the command line. SIGTERM and SIGHUP, like Ctrl-C, leave the destination as
+it was."""
+
+from __future__ import annotations
+
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
 
-from .converter import main
+from ..cli import OneLineParser
+from ..errors import RefusionError
+from .converter import convert, format_summary
+from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
 
-sys.exit(main())
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP turned into an exception, so the staging folder is removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def termination_raises() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Terminated`` for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m refusion_mlx.convert",
+                           description="Convert a ReFusion (Qwen3, Hugging Face layout) checkpoint to MLX.")
+    parser.add_argument("--hf-path", "--model", required=True,
+                        help="source: a local folder or a Hugging Face repo id")
+    parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize (default 4-bit affine, group 64)")
+    parser.add_argument("--q-bits", type=int, choices=Q_BITS, help="bits per weight (affine)")
+    parser.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, help="quantization group size")
+    parser.add_argument("--q-mode", default="affine", choices=Q_MODES, help="quantization mode")
+    parser.add_argument("--quant-predicate", choices=list(RECIPES), metavar="RECIPE",
+                        help="mixed-precision recipe: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()))
+    parser.add_argument("--dtype", choices=list(DTYPES),
+                        help="dtype of unquantized tensors and scales (default: the config's torch_dtype)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --mlx-path")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
+    except RefusionError as e:
+        parser.error(str(e))
+    try:
+        with termination_raises():
+            summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
+                              q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
+                              quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
+    except RefusionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"terminated: {args.mlx_path} left as it was", file=sys.stderr)
+        return 128 + e.args[0]
+    except OSError as e:
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {args.mlx_path} left as it was",
+              file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, and the staging folder is gone
+        print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Fold fine-tuned adapters into the base weights and write a standalone model
+folder (``python -m refusion_mlx.fuse`` is its command line).
+
+    python -m refusion_mlx.fuse --model M --adapter-path adapters --save-path fused
+    python -m refusion_mlx.fuse --model refusion-4bit --adapter-path adapters --save-path fused-bf16 --dequantize
+
+The folder has Hugging Face parameter names, ``config.json`` with
+``mask_token_id`` (and the ``quantization`` block while the weights stay
+quantized), the tokenizer files: ``refusion_mlx.load`` and ``mlx_lm.load``
+both read it. LoRA/DoRA deltas are added in float32, then cast to the
+checkpoint's dtype; a quantized base is quantized again with its own
+settings unless ``--dequantize``. The folder is built as a hidden sibling and
+renamed into place when complete (as the converter does).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .converter import COPIED_FILES, output_config
+from .staging import check_destination, staging_folder
+from ..errors import RefusionError
+from ..models.adapters import fuse_adapters, has_adapters, load_adapters, read_adapter_config
+from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
+                             resolve_model_path)
+
+MAX_SHARD_GB = 5
+
+
+def stored_dtype(config: dict, model_path: Path) -> str:
+    """The dtype the checkpoint's floating tensors are stored in."""
+    declared = config.get("torch_dtype") or config.get("dtype")
+    if declared in DTYPES:
+        return declared
+    for f in sorted(model_path.glob("model*.safetensors"))[:1]:
+        for value in mx.load(str(f)).values():
+            if mx.issubdtype(value.dtype, mx.floating):
+                return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(value.dtype,
+                                                                                                 "float32")
+    return "float32"
+
+
+def dequantize(model) -> int:
+    """Quantized layers back to plain ones (mlx-lm's ``dequantize_model``); how many there were."""
+    from mlx_lm.utils import dequantize_model
+
+    count = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    dequantize_model(model)
+    return count
+
+
+def write_weights(folder: Path, weights: dict) -> None:
+    """Shards of at most 5 GB and their index, mlx-lm's names and layout."""
+    from mlx_lm.utils import make_shards
+
+    shards = make_shards(weights, MAX_SHARD_GB)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+
+
+def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_path: Union[str, Path],
+         dequantize_weights: bool = False, force: bool = False, dtype: Optional[str] = None) -> Path:
+    """Fuse ``adapter_path`` into ``model`` and write the folder ``save_path``; returns it.
+
+    ``dtype``: of the written floating tensors (default: the checkpoint's).
+    """
+    from mlx_lm.utils import save_config
+
+    if dtype is not None and dtype not in DTYPES:
+        raise RefusionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    src = resolve_model_path(model)
+    dst = Path(save_path).expanduser()
+    read_adapter_config(adapter_path)
+    check_destination(dst, force)
+    for other, flag in ((src, "--model"), (Path(adapter_path).expanduser(), "--adapter-path")):
+        o, d = other.resolve(), dst.resolve()
+        if d == o or d in o.parents or o in d.parents:
+            raise RefusionError(f"--save-path {dst} overlaps {flag} {other}")
+    dtype = dtype or stored_dtype(read_config(src), src)
+    model_obj, config = load_model(src, dtype=dtype)
+    tokenizer = load_tokenizer(src)
+    mask_id = resolve_mask_id(config, tokenizer)
+    load_adapters(model_obj, adapter_path)
+    fused = fuse_adapters(model_obj, dequantize=dequantize_weights)
+    if has_adapters(model_obj):
+        raise RefusionError("some adapter layers could not be fused")
+    config = dict(config)
+    quant = config.get("quantization")
+    if dequantize_weights:
+        count = dequantize(model_obj)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        quant = None
+        print(f"[INFO] dequantized {count} layers", file=sys.stderr)
+    out = output_config(config, model_obj.args, mask_id, dtype, quant)
+    weights = model_obj.hf_parameters()
+    mx.eval(list(weights.values()))
+    with staging_folder(dst, force) as tmp:
+        write_weights(tmp, weights)
+        for name in COPIED_FILES + [p.name for p in src.glob("*.jinja")]:
+            if (src / name).is_file():
+                shutil.copy(src / name, tmp / name)
+        (tmp / "README.md").write_text(
+            f"# {dst.name}\n\n`{src.name}` with the adapters of `{Path(adapter_path).name}` fused in "
+            f"(`python -m refusion_mlx.fuse`, {fused} layers"
+            f"{', dequantized' if dequantize_weights else ''}). Loads with `refusion_mlx.load` "
+            "and `mlx_lm.load`.\n")
+        save_config(out, tmp / "config.json")  # last: it makes the folder loadable
+    return dst
