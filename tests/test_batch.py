@@ -12,7 +12,7 @@ from refusion_mlx.decode.batch import BatchGenerator, batch_generate, stream_bat
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.errors import DecodeError
 
-from helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL
 
 
 def params_of(case):

@@ -6,7 +6,7 @@ import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
 
-from helpers import random_config, random_model
+from tests.helpers import random_config, random_model
 
 
 @pytest.fixture(scope="module")

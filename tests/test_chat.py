@@ -18,7 +18,7 @@ from refusion_mlx.decode.prefix import common_prefix
 from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.errors import RefusionError
 
-from helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL
 from refusion_mlx.generate import GenerationResponse, make_params
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import convert_helpers as h
-from helpers import FIXTURE_MODEL
-from torch_tools.make_checkpoint import make_checkpoint
+from tests import convert_helpers as h
+from tests.helpers import FIXTURE_MODEL
+from convert.make_checkpoint import make_checkpoint
 from refusion_mlx.convert import converter as conv
 from refusion_mlx.errors import LoadError, RefusionError
 from refusion_mlx.models.loading import load
@@ -443,7 +443,7 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
 
 
 def test_parity_tool_against_transformers(tiny, tmp_path):
-    from torch_tools.parity import parity
+    from convert.parity import parity
 
     conv.convert(tiny["tied-sharded-bin"], tmp_path / "out", dtype="float32", progress=False)
     report = parity(tiny["tied-sharded-bin"], tmp_path / "out", length=48, count=1)

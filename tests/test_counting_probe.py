@@ -14,7 +14,7 @@ import pytest
 from refusion_mlx.models.loading import load
 from refusion_mlx.train.examples import IGNORE
 
-from helpers import demo_example_module
+from tests.helpers import demo_example_module
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-refusion"
 

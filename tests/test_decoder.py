@@ -11,7 +11,7 @@ from refusion_mlx.decode.params import (DEFAULT_BLOCK_TOKENS, RefusionParams, de
                                         reference_block_count)
 from refusion_mlx.errors import DecodeError
 
-from helpers import random_config, random_model
+from tests.helpers import random_config, random_model
 
 
 # -- parameters -------------------------------------------------------------

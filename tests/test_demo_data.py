@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import demo_example_module
+from tests.helpers import demo_example_module
 
 
 def build_data_module():

@@ -12,7 +12,7 @@ from refusion_mlx.errors import DecodeError, LoadError
 from refusion_mlx.generate import AnswerText, generate, main, make_params, stream_generate
 from refusion_mlx.models.loading import DEMO_MODEL, load
 
-from helpers import random_config, random_model, write_checkpoint
+from tests.helpers import random_config, random_model, write_checkpoint
 
 
 # -- streaming ----------------------------------------------------------------

@@ -9,7 +9,7 @@ from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.generate import chat_prompt, main, stream_generate
 
-from helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL
 
 CASE_IDS = list(range(32))
 

@@ -8,7 +8,7 @@ from refusion_mlx.errors import ConfigError
 from refusion_mlx.models.qwen3 import ModelArgs
 from refusion_mlx.models.loading import load
 
-from helpers import FIXTURE_MODEL, random_config, random_model
+from tests.helpers import FIXTURE_MODEL, random_config, random_model
 
 
 @pytest.mark.parametrize("kind", ["plain", "slots"])
@@ -82,7 +82,7 @@ def test_hf_checkpoint_logits_match_transformers(tmp_path, variant):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from helpers import TOKENIZER_FILES
+    from tests.helpers import TOKENIZER_FILES
 
     cfg = random_config(**variant)
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """The repository's shape: only the demo model and test fixtures are binary,
-and imports run one way between the package's layers."""
+imports run one way between the package's layers, and the package never
+imports the tooling beside it (convert/, tests/)."""
 
 import ast
 import subprocess
@@ -74,6 +75,23 @@ def test_imports_run_one_way():
         for target in _imported(path):
             if _layer_of(target) > here:
                 wrong.append(f"{'/'.join(rel)} imports {'.'.join(target)}")
+    assert not wrong, wrong
+
+
+def test_the_package_never_imports_the_repository_tooling():
+    """convert/ (PyTorch-side tooling), tests/ and examples/ are not installed: a module of
+    the package that imported them would work here and fail for every user."""
+    outside = {"convert", "tests", "examples"}
+    wrong = []
+    for path in (ROOT / "refusion_mlx").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in outside]
     assert not wrong, wrong
 
 

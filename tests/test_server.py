@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 
-from helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL
 import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer, TextShaper

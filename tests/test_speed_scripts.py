@@ -1,18 +1,19 @@
-"""benchmarks/: the speed-model generator, the overhead, scaling and profile
-scripts, run small on the demo model (no timing assertions)."""
+"""The decoder's speed scripts (refusion_mlx.bench.overhead, .scaling,
+.profile_decoder) run small on the demo model (no timing assertions), and
+the real-shape checkpoints they measure (convert.make_checkpoint)."""
 
 import json
 
 import pytest
 
-from benchmarks import forward_replay, overhead, profile_decoder, scaling
+from refusion_mlx.bench import forward_replay, overhead, profile_decoder, scaling
 
 
 def test_speed_model_shapes_have_the_published_sizes():
-    """The benchmark's realistic models come from torch_tools.make_checkpoint."""
+    """The benchmark's realistic models come from convert.make_checkpoint."""
     import math
 
-    from torch_tools.make_checkpoint import make_config, tensor_shapes
+    from convert.make_checkpoint import make_config, tensor_shapes
 
     config = make_config("0.6b")
     assert config["vocab_size"] == 151671 and config["mask_token_id"] == 151670
@@ -24,7 +25,7 @@ def test_speed_model_shapes_have_the_published_sizes():
 
 def test_generated_speed_model_loads_and_decodes(tmp_path):
     import refusion_mlx as rm
-    from torch_tools.make_checkpoint import make_checkpoint
+    from convert.make_checkpoint import make_checkpoint
     from refusion_mlx.decode.decoder import RefusionDecoder
     from refusion_mlx.decode.params import RefusionParams
 

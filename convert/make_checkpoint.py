@@ -1,6 +1,6 @@
 """Random ReFusion checkpoints of real shapes, in every input format the converter reads.
 
-    python -m torch_tools.make_checkpoint OUT --layout 0.6b --format sharded-bin
+    python -m convert.make_checkpoint OUT --layout 0.6b --format sharded-bin
 
 Layouts are Qwen3's (0.6B, 1.7B, 8B) with ReFusion's resized vocabulary
 (151671 rows, ``mask_token_id`` 151670), or ``tiny`` for tests. Weights are
@@ -158,7 +158,7 @@ def make_checkpoint(out: Path, layout: str = "tiny", fmt: str = "safetensors", s
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_tools.make_checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m convert.make_checkpoint", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder to write (created)")
     parser.add_argument("--layout", choices=list(LAYOUTS), default="0.6b")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, default="sharded-safetensors")

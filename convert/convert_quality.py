@@ -1,6 +1,6 @@
 """How each conversion of the demo model fares on the golden fixtures.
 
-    python -m benchmarks.convert_quality [--variants f32,bf16,fp16,q8,q4,embed_8,mixed_4_6]
+    python -m convert.convert_quality [--variants f32,bf16,fp16,q8,q4,embed_8,mixed_4_6]
 
 Converts ``refusion_mlx/demo/tiny-refusion`` once per variant and reports,
 with the runtime as it is (quantized layers on MLX's quantized kernels):
@@ -69,7 +69,7 @@ def _stored(folder: Path) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert_quality", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m convert.convert_quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="f32,bf16,fp16,q8,q6,q4,q4-g32,embed_8,mixed_4_6")
     args = parser.parse_args(argv)
     cases = json.loads((FIXTURES / "golden_outputs.json").read_text())

@@ -1,6 +1,6 @@
 """Logit parity of a converted MLX folder with its PyTorch checkpoint.
 
-    python -m torch_tools.parity --hf-path SRC --mlx-path DST [--min-top1 0.99]
+    python -m convert.parity --hf-path SRC --mlx-path DST [--min-top1 0.99]
 
 Runs transformers' ``Qwen3ForCausalLM`` (float32, eager attention) on the
 PyTorch checkpoint and ``refusion_mlx`` on the converted folder over the same
@@ -95,7 +95,7 @@ def parity(src: Path, dst: Path, dtype: str = "float32", seqs: Optional[List[Seq
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_tools.parity", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m convert.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, required=True, help="the PyTorch checkpoint folder")
     parser.add_argument("--mlx-path", type=Path, required=True, help="the converted folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],

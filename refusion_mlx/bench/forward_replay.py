@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-import refusion_mlx  # noqa: F401  (before mlx.core: BLAS preload)
-
 import mlx.core as mx
 import numpy as np
 

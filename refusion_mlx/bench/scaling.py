@@ -2,8 +2,8 @@
 budget and the prompt length, peak memory against the number of slots
 decoded in parallel.
 
-    python -m benchmarks.scaling --model models/qwen3-0.6b-random --json scaling.json
-    python -m benchmarks.scaling --model M --sections slots --long-prompt 4096
+    python -m refusion_mlx.bench.scaling --model models/qwen3-0.6b-random --json scaling.json
+    python -m refusion_mlx.bench.scaling --model M --sections slots --long-prompt 4096
 
 Three tables:
 
@@ -29,14 +29,12 @@ import sys
 import time
 from typing import List, Optional
 
-import refusion_mlx  # noqa: F401  (first: the BLAS preload must precede mlx.core)
-
 from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
                           random_prompt, run_main, write_json)
 
-from refusion_mlx.bench.report import format_table
-from refusion_mlx.decode.cache import CommittedCache
-from refusion_mlx.decode.params import RefusionParams
+from .report import format_table
+from ..decode.cache import CommittedCache
+from ..decode.params import RefusionParams
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -199,7 +197,7 @@ def int_list(text: str) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m benchmarks.scaling", "Decoder scaling: budget, prompt length, slots.")
+    parser = base_parser("python -m refusion_mlx.bench.scaling", "Decoder scaling: budget, prompt length, slots.")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--mode", choices=sorted(MODES), default="parallel",
                         help="decoding path for the budget and prompt tables (default parallel)")

@@ -6,8 +6,8 @@ plain KV buffer, one evaluation per forward) then alternate, and the medians
 are compared. Also reported: host synchronisations per decoding step (the
 decoder's own count, and every ``mx.eval`` it makes), and the split per phase.
 
-    python -m benchmarks.overhead --model models/qwen3-0.6b-random
-    python -m benchmarks.overhead                     # the bundled demo model
+    python -m refusion_mlx.bench.overhead --model models/qwen3-0.6b-random
+    python -m refusion_mlx.bench.overhead                     # the bundled demo model
 
 Modes fix the decoding path whatever the weights (see speed_common.MODES).
 Target (issue): overhead <= 1.10x on the Qwen3-0.6B shape.
@@ -18,14 +18,12 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-import refusion_mlx  # noqa: F401  (first: the BLAS preload must precede mlx.core)
-
 from .forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
 from .speed_common import (MODES, base_parser, check_json_path, counting_evals, decode, load_model,
                           make_params, random_prompt, run_main, write_json)
 
-from refusion_mlx.bench.report import format_table
-from refusion_mlx.errors import RefusionError
+from .report import format_table
+from ..errors import RefusionError
 
 TARGET = 1.10
 
@@ -99,7 +97,7 @@ def report(results: dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m benchmarks.overhead", "Decoder overhead over bare forwards.")
+    parser = base_parser("python -m refusion_mlx.bench.overhead", "Decoder overhead over bare forwards.")
     parser.add_argument("--modes", default="reference,parallel,infill",
                         help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--gen-length", type=int, default=64, help="response budget (default 64)")

@@ -1,8 +1,9 @@
 """What the speed scripts share: decoding modes, random prompts, timed
 decoder runs, host-sync counting, the model header and JSON output.
 
-Run the scripts from the repository root, e.g.
-``python -m benchmarks.overhead --model models/qwen3-0.6b-random``.
+The scripts: ``python -m refusion_mlx.bench.overhead``, ``.scaling`` and
+``.profile_decoder`` (docs/benchmarks.md), on the bundled demo model or any
+converted folder (``--model``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import refusion_mlx  # noqa: F401  (before mlx.core: BLAS preload)
-from refusion_mlx.bench.report import environment, header_lines
-from refusion_mlx.decode.cache import CommittedCache
-from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.decode.params import RefusionParams
-from refusion_mlx.errors import RefusionError
-from refusion_mlx.generate import OneLineParser
+from .report import environment, header_lines
+from ..cli import OneLineParser
+from ..decode.cache import CommittedCache
+from ..decode.decoder import RefusionDecoder
+from ..decode.params import RefusionParams
+from ..errors import RefusionError
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +38,7 @@ MODES: Dict[str, dict] = {
 def base_parser(prog: str, description: str) -> OneLineParser:
     parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("--model", help="model folder (default: the bundled demo model); "
-                        "make a real-shape one with python -m torch_tools.make_checkpoint")
+                        "make a real-shape one with python -m convert.make_checkpoint")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--slot-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -48,7 +48,7 @@ def base_parser(prog: str, description: str) -> OneLineParser:
 
 def load_model(path: Optional[str], dtype: str):
     """Load a model and print the environment header."""
-    from refusion_mlx.models.loading import load
+    from ..models.loading import load
 
     model, tokenizer = load(path, dtype=dtype)
     env = environment(model, path or "bundled demo model")

@@ -1,7 +1,7 @@
 """Peak resident memory of ``python -m refusion_mlx.convert`` against checkpoint size.
 
-    python -m benchmarks.convert_memory --layout 1.7b --format sharded-safetensors
-    python -m benchmarks.convert_memory --hf-path SRC --run "-q --q-bits 4"
+    python -m convert.convert_memory --layout 1.7b --format sharded-safetensors
+    python -m convert.convert_memory --hf-path SRC --run "-q --q-bits 4"
 
 Generates a random checkpoint (or takes ``--hf-path``), converts it once per
 ``--run`` in a fresh process, which reports its own peak RSS as it exits
@@ -64,7 +64,7 @@ def peak_rss(module: str, args: List[str]) -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert_memory",
+    parser = argparse.ArgumentParser(prog="python -m convert.convert_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, help="an existing checkpoint (default: generate one)")
     parser.add_argument("--layout", default="1.7b", help="layout of the generated checkpoint")
@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         src = args.hf_path
         if src is None:
-            from torch_tools.make_checkpoint import make_checkpoint
+            from .make_checkpoint import make_checkpoint
 
             overrides = {"num_hidden_layers": args.layers} if args.layers else {}
             if args.untied:
