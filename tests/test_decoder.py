@@ -246,3 +246,36 @@ def test_long_prompts_prefill_in_chunks():
     assert runs[64][2] == runs[1000][2] == [int(t) for t in prompt]
     assert runs[64][1] == runs[1000][1] + 4  # 300 = 4 chunks of 64 + a 44-token tail with the masks
     assert runs[64][0] == runs[1000][0]
+
+
+def test_steps_decide_and_only_the_state_commits():
+    """A request's decoding state is one object: the commit step returns a
+    decision and leaves the state alone; DecodeState.commit applies it."""
+    import copy
+
+    from refusion_mlx.decode import commit
+    from refusion_mlx.decode.state import DecodeState
+    from refusion_mlx.decode.stats import DecodeStats
+
+    model = random_model(random_config(), seed=0)
+    params = RefusionParams(gen_length=16, slot_size=4)
+    cache = CommittedCache.for_model(model)
+    cache.reserve(40)
+    cache.extend(3)
+    cache.commit([1, 2, 3], [0, 1, 2])
+    state = DecodeState(params=params, layout=params.layout(), mask_id=805, eos_id=801, vocab=806, cache=cache,
+                        start=0, response_start=3, stats=DecodeStats())
+    state.open_block(0, 16)
+    assert state.open_slots == [0, 4, 8, 12]
+    tokens = np.array([[10, 11, 12, 13], [801, 0, 0, 0]])  # slots 0 and 2 selected; the second holds EOS
+    accepted = np.ones_like(tokens, dtype=bool)
+    positions = [3, 4, 5, 6, 11, 12, 13, 14]
+    before = copy.deepcopy((state.open_slots, state.stats, state.eos_committed, len(state.cache)))
+    decision = commit.after_verify(state, tokens, accepted, positions, selected=[0, 2])
+    assert (state.open_slots, state.stats, state.eos_committed, len(state.cache)) == before
+    assert decision.end == 5 and decision.closed == {0, 2, 3}  # EOS closes its slot and every later one
+    cache.extend(8)
+    step = state.commit(decision.phase, decision.tokens, decision.end, decision.positions, decision.closed)
+    assert state.open_slots == [4] and state.eos_committed and state.stats.committed_tokens == 5
+    assert [c.tokens for c in step.commits] == [[10, 11, 12, 13], [801]]
+    assert state.response() == [10, 11, 12, 13, 801]  # committed ids in position order, up to EOS

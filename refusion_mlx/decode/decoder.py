@@ -13,6 +13,11 @@ For each block, while it has open slots:
     draft/verify rounds until every token is accepted; their K/V are then
     committed as is.
 
+The request's state (committed cache, open slots, key, statistics, whether
+EOS was committed) is one :class:`~refusion_mlx.decode.state.DecodeState`;
+the steps read it and return a pass or a decision, and only the state's own
+methods change it (``state.py`` says who owns the cache and when).
+
 The loop is a generator that *yields* the pass it needs next and receives
 its result, so a request never runs its own forward: alone (``steps``) or
 in a batch with other requests (:mod:`refusion_mlx.decode.batch`), the
@@ -35,6 +40,7 @@ from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
 from .params import RefusionParams
+from .state import DecodeState
 from .stats import DecodeStats, Step
 
 
@@ -49,38 +55,57 @@ class RefusionDecoder:
                  mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
                  prefill_step: int = 512):
         self.model = model
-        self.params = params
-        self.layout = params.layout()
-        self.mask_id = int(mask_id)
-        self.eos_id = int(eos_id)
-        self.cache = cache if cache is not None else CommittedCache.for_model(model)
+        layout = params.layout()
+        cache = cache if cache is not None else CommittedCache.for_model(model)
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise DecodeError("the prompt is empty")
-        self.start = len(self.cache)  # committed rows before this prompt (chat reuse)
-        self.first_position = (max(self.cache.positions) + 1) if self.cache.positions else 0
-        self.response_start = self.first_position + len(self.prompt)
+        self.first_position = (max(cache.positions) + 1) if cache.positions else 0
+        response_start = self.first_position + len(self.prompt)
         limit = model.args.max_position_embeddings
-        if self.response_start + self.layout.gen_length > limit:
+        if response_start + layout.gen_length > limit:
             raise DecodeError(
-                f"prompt ({self.response_start} tokens) + budget ({self.layout.gen_length}) "
+                f"prompt ({response_start} tokens) + budget ({layout.gen_length}) "
                 f"exceeds the model's context of {limit} positions")
         vocab = model.args.vocab_size
-        for name, tid in (("mask", self.mask_id), ("eos", self.eos_id)):
-            if not 0 <= tid < vocab:
+        for name, tid in (("mask", mask_id), ("eos", eos_id)):
+            if not 0 <= int(tid) < vocab:
                 raise DecodeError(f"{name} token id {tid} is outside the vocabulary of {vocab}")
         bad = [t for t in self.prompt if not 0 <= t < vocab]
         if bad:
             raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
         self.prefill_step = max(int(prefill_step), 1)
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt), layout=self.layout.describe())
-        self.key = mx.random.key(params.seed) if params.seed is not None else None
-        self.vocab = vocab
-        self.eos_committed = False
+        self.state = DecodeState(
+            params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
+            start=len(cache), response_start=response_start,
+            stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
+            key=mx.random.key(params.seed) if params.seed is not None else None)
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
         self.done = False
+
+    # -- the state, as callers read it ---------------------------------------
+
+    @property
+    def params(self) -> RefusionParams:
+        return self.state.params
+
+    @property
+    def layout(self):
+        return self.state.layout
+
+    @property
+    def cache(self) -> CommittedCache:
+        return self.state.cache
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.state.stats
+
+    @property
+    def response_start(self) -> int:
+        return self.state.response_start
 
     # -- driving the loop ----------------------------------------------------
 
@@ -127,58 +152,55 @@ class RefusionDecoder:
     # -- the loop ------------------------------------------------------------
 
     def _run(self) -> Generator[Pass, PassResult, None]:
-        S = self.params.slot_size
+        state = self.state
         # every row this response can write: one allocation, no growth mid-decode
-        self.cache.reserve(len(self.prompt) + self.layout.gen_length)
+        state.cache.reserve(len(self.prompt) + state.layout.gen_length)
         tail = yield from self._prefill_head()
         block_start = 0
-        for block_len in self.layout.block_lengths:
-            open_slots = list(range(block_start, block_start + block_len, S))
+        for block_len in state.layout.block_lengths:
+            state.open_block(block_start, block_len)
             block_start += block_len
-            while open_slots:
-                step = yield from self._step(open_slots, tail)
+            while state.open_slots:
+                step = yield from self._step(tail)
                 tail = []
-                self.stats.steps += 1
+                state.stats.steps += 1
                 self.steps_done.append(step)
-            if self.eos_committed:
+            if state.eos_committed:
                 break
-        self.stats.generated_tokens = len(self.response())
-        self.settle()
+        state.stats.generated_tokens = len(state.response())
+        state.settle()
 
     def _prefill_head(self):
         """Prompt chunks before the first plan; returns the tail it carries."""
-        done = 0
+        cache, done = self.state.cache, 0
         for tokens, positions in plan.prefill_chunks(self.prompt, self.first_position, self.prefill_step):
             yield Pass("prefill", mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
-                       self.cache.extend(len(tokens)))
-            self.cache.commit(tokens, positions)
+                       cache.extend(len(tokens)))
+            cache.commit(tokens, positions)
             done += len(tokens)
         return self.prompt[done:]
 
-    def _step(self, open_slots: List[int], tail: List[int]):
+    def _step(self, tail: List[int]):
         """(a) plan, (b) verify, then commit -- or (c) infill, then commit."""
-        planned = yield plan.plan_pass(self, open_slots, tail)
+        state = self.state
+        planned = yield plan.plan_pass(state, tail)
         if tail:  # the first pass also prefilled the prompt's tail
-            start = self.response_start - len(tail)
-            self.cache.commit(tail, list(range(start, self.response_start)))
+            start = state.response_start - len(tail)
+            state.cache.commit(tail, list(range(start, state.response_start)))
         confidence = planned["confidence"]
-        selected = plan.select(confidence, self.params.slot_threshold)
-        checking, positions = verify.verify_pass(self, planned["drafts"], confidence, selected, open_slots)
+        selected = plan.select(confidence, state.params.slot_threshold)
+        checking, positions = verify.verify_pass(state, planned["drafts"], confidence, selected)
         checked = yield checking
         tokens = checked["tokens"]
-        accepted = verify.accepted(checked["probs"], self.params.token_threshold)
-        step = commit.after_verify(self, tokens, accepted, positions, selected, open_slots)
-        if step is None:
-            final, eos_found = yield from infill(self, tokens, accepted, positions)
-            step = commit.after_infill(self, final, eos_found, positions, selected, open_slots)
-        return step
+        accepted = verify.accepted(checked["probs"], state.params.token_threshold)
+        decision = commit.after_verify(state, tokens, accepted, positions, selected)
+        if decision is None:
+            final, eos_found = yield from infill(state, tokens, accepted, positions)
+            decision = commit.after_infill(state, final, eos_found, positions, selected)
+        return state.commit(decision.phase, decision.tokens, decision.end, decision.positions, decision.closed)
 
     # -- the answer ----------------------------------------------------------
 
     def response(self) -> List[int]:
         """Committed response ids in position order, up to and including the first EOS."""
-        return commit.response(self)
-
-    def settle(self) -> None:
-        """Drop committed rows beyond the answer's EOS (see ``commit.settle``)."""
-        commit.settle(self)
+        return self.state.response()

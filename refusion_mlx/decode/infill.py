@@ -28,18 +28,19 @@ import numpy as np
 
 from .forward import HeadOutput, Pass, PassResult
 from .probs import Drafting
+from .state import DecodeState
 
 GREEDY = Drafting()
 
 
-def infill(dec, tokens: np.ndarray, accepted: np.ndarray,
+def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray,
            positions: List[int]) -> Generator[Pass, PassResult, Tuple[np.ndarray, bool]]:
     """Rounds of draft and verify passes until every token is accepted.
 
     A generator: it yields the passes and receives their results. Returns
     the surviving slots' tokens (k', S) and whether EOS was found.
     """
-    S, tau = dec.params.slot_size, dec.params.token_threshold
+    S, tau = state.slot_size, state.params.token_threshold
     tokens = tokens.copy()
     tags = np.cumprod(accepted, axis=1).astype(bool)
     pos = np.array(positions, dtype=np.int32).reshape(-1, S)
@@ -48,25 +49,25 @@ def infill(dec, tokens: np.ndarray, accepted: np.ndarray,
         if tags.all():
             break
         k, width = tokens.shape[0], S - a
-        write = dec.cache.infill(k, S, a)  # the same rows and mask for draft and verify
+        write = state.cache.infill(k, S, a)  # the same rows and mask for draft and verify
         window_pos = mx.array(pos[:, a:].reshape(-1))
         held = mx.array(tags[:, a:].reshape(-1))
         known = mx.array(tokens[:, a:].reshape(-1))
-        drafted = yield draft_pass(dec, held, known, window_pos, write)
+        drafted = yield draft_pass(state.mask_id, held, known, window_pos, write)
         checked = yield verify_pass(drafted["filled"], window_pos, write, k, width)
         tokens[:, a:] = checked["tokens"]
         before = np.concatenate([np.ones((k, 1), bool), tags[:, a:-1]], axis=1)
         tags[:, a:] = np.cumprod((checked["probs"] > tau) | before, axis=1).astype(bool)
-        tokens, tags, pos, found = cut_after_eos(tokens, tags, pos, a, dec.eos_id)
+        tokens, tags, pos, found = cut_after_eos(tokens, tags, pos, a, state.eos_id)
         eos_found |= found
         m = int(tags[:, a:].sum(axis=1).min())
         a += m - 1 if not tags.all() else m
     return tokens, eos_found
 
 
-def draft_pass(dec, held: mx.array, known: mx.array, positions: mx.array, write) -> Pass:
+def draft_pass(mask_id: int, held: mx.array, known: mx.array, positions: mx.array, write) -> Pass:
     """Unaccepted tokens as masks; each becomes its position's argmax."""
-    masked = mx.where(held, known, dec.mask_id)
+    masked = mx.where(held, known, mask_id)
 
     def derive(h: HeadOutput):
         return {}, {"filled": mx.where(held, known, h.draft.astype(known.dtype))}

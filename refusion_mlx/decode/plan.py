@@ -15,6 +15,7 @@ import numpy as np
 
 from .forward import HeadOutput, Pass
 from .probs import Drafting, gumbel_noise
+from .state import DecodeState
 
 
 def prefill_chunks(prompt: List[int], first_position: int, step: int):
@@ -28,28 +29,26 @@ def prefill_chunks(prompt: List[int], first_position: int, step: int):
         done += step
 
 
-def plan_pass(dec, open_slots: List[int], tail: List[int]) -> Pass:
-    """The planning pass of ``open_slots``; ``tail``: prompt tokens still to
-    prefill (only on the first pass), fed first at their own positions."""
-    S = dec.params.slot_size
-    n = len(open_slots) * S
-    positions = list(range(dec.response_start - len(tail), dec.response_start)) + \
-        [dec.response_start + o + j for o in open_slots for j in range(S)]
-    tokens = tail + [dec.mask_id] * n
+def plan_pass(state: DecodeState, tail: List[int]) -> Pass:
+    """The planning pass of the block's open slots; ``tail``: prompt tokens
+    still to prefill (only on the first pass), fed first at their own positions."""
+    S = state.slot_size
+    n = len(state.open_slots) * S
+    positions = list(range(state.response_start - len(tail), state.response_start)) + \
+        [state.response_start + o + j for o in state.open_slots for j in range(S)]
+    tokens = tail + [state.mask_id] * n
     return Pass("prefill" if tail else "plan", mx.array(tokens, dtype=mx.int32),
-                mx.array(positions, dtype=mx.int32), dec.cache.extend(len(tokens)), head_rows=n,
-                drafting=drafting(dec, n), derive=lambda h: _confidence(h, S))
+                mx.array(positions, dtype=mx.int32), state.cache.extend(len(tokens)), head_rows=n,
+                drafting=drafting(state, n), derive=lambda h: _confidence(h, S))
 
 
-def drafting(dec, rows: int) -> Drafting:
+def drafting(state: DecodeState, rows: int) -> Drafting:
     """This pass's drafting: greedy, or sampled with fresh noise from the
     request's own key (its draws never depend on other requests)."""
-    p = dec.params
-    noise, key = None, None
+    p = state.params
+    noise = None
     if p.temperature > 0:
-        if dec.key is not None:
-            dec.key, key = mx.random.split(dec.key)
-        noise = gumbel_noise(key, rows, dec.vocab, p.slot_size)
+        noise = gumbel_noise(state.next_key(), rows, state.vocab, p.slot_size)
     return Drafting(p.temperature, noise, p.top_p, p.top_k, p.min_p)
 
 

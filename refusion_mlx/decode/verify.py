@@ -16,14 +16,15 @@ import mlx.core as mx
 import numpy as np
 
 from .forward import HeadOutput, Pass
+from .state import DecodeState
 
 
-def verify_pass(dec, drafts: mx.array, confidence: np.ndarray, selected: List[int],
-                open_slots: List[int]) -> Tuple[Pass, List[int]]:
+def verify_pass(state: DecodeState, drafts: mx.array, confidence: np.ndarray,
+                selected: List[int]) -> Tuple[Pass, List[int]]:
     """The verification pass and the positions of its tokens."""
-    S = dec.params.slot_size
+    S = state.slot_size
     chosen = mx.take(drafts, mx.array(selected, dtype=mx.int32), axis=0).reshape(-1)
-    positions = [dec.response_start + open_slots[i] + j for i in selected for j in range(S)]
+    positions = [state.response_start + state.open_slots[i] + j for i in selected for j in range(S)]
     follow = mx.concatenate([chosen[1:], mx.zeros((1,), chosen.dtype)])  # each row scores the next token
     first = mx.array(confidence[selected], dtype=mx.float32)
 
@@ -32,7 +33,7 @@ def verify_pass(dec, drafts: mx.array, confidence: np.ndarray, selected: List[in
         probs = mx.concatenate([first[:, None], verified], axis=1)
         return {"tokens": chosen.reshape(-1, S), "probs": probs}, {}
 
-    return Pass("verify", chosen, mx.array(positions, dtype=mx.int32), dec.cache.extend(len(positions)),
+    return Pass("verify", chosen, mx.array(positions, dtype=mx.int32), state.cache.extend(len(positions)),
                 head_rows=len(positions), follow=follow, derive=derive), positions
 
 

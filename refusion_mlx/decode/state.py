@@ -1,0 +1,109 @@
+"""One request's decoding state, and the only operations that change it.
+
+The decoding steps (``plan``, ``verify``, ``infill``, ``commit``) are
+functions that read a :class:`DecodeState` and return a pass or a decision;
+they never assign to it. What changes the state is one of its methods:
+
+* :meth:`DecodeState.open_block` starts the next block's slots;
+* :meth:`DecodeState.next_key` draws the key of a sampled planning pass;
+* :meth:`DecodeState.commit` applies a commit decision: the tokens join the
+  committed cache, the statistics count them, the decided slots close;
+* :meth:`DecodeState.settle` drops committed rows beyond the answer's EOS.
+
+Ownership of the committed cache: whoever passes a cache in (a chat session,
+the server's prompt cache) owns it; without one the state makes its own.
+While the request decodes, only the state's methods (and the passes it
+hands out, through ``CommittedCache.extend`` / ``infill``) write to it. When
+the request finishes, the cache is settled to prompt + answer and handed
+back with the final response (``GenerationResponse.cache``) for the owner
+to keep, reuse or drop; the state keeps no reference a caller must free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import CommittedCache
+from .params import BlockLayout, RefusionParams
+from .stats import DecodeStats, SlotCommit, Step
+
+
+@dataclass
+class DecodeState:
+    """A request's decoding state: settings, committed cache, the open slots
+    of the current block, the sampling key, statistics, and whether EOS has
+    been committed."""
+
+    params: RefusionParams
+    layout: BlockLayout
+    mask_id: int
+    eos_id: int
+    vocab: int
+    cache: CommittedCache
+    start: int  # committed rows before this request's prompt (a conversation so far)
+    response_start: int  # the answer's first position
+    stats: DecodeStats
+    key: Optional[mx.array] = None
+    open_slots: List[int] = field(default_factory=list)  # slot offsets in the response, in position order
+    eos_committed: bool = False
+
+    @property
+    def slot_size(self) -> int:
+        return self.params.slot_size
+
+    # -- the operations that change the state ---------------------------------
+
+    def open_block(self, block_start: int, block_length: int) -> None:
+        """The slots of the block ``[block_start, block_start + block_length)`` are open."""
+        self.open_slots = list(range(block_start, block_start + block_length, self.slot_size))
+
+    def next_key(self) -> Optional[mx.array]:
+        """A fresh key for one sampled pass, split from the request's own
+        (None without a seed): its draws never depend on other requests."""
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def commit(self, phase: str, flat: np.ndarray, end: int, positions: List[int], closed: Set[int]) -> Step:
+        """Commit ``flat[:end]`` at ``positions[:end]`` (whole slots, the last
+        maybe cut after EOS), close the open slots whose indices are in
+        ``closed``; the Step says which slots were committed."""
+        S = self.slot_size
+        tokens = flat[:end].tolist()
+        self.cache.commit(tokens, positions[:end])
+        self.stats.committed_tokens += len(tokens)
+        self.eos_committed |= self.eos_id in tokens
+        commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
+                   for i in range(0, end, S)]
+        self.open_slots = [o for i, o in enumerate(self.open_slots) if i not in closed]
+        return Step(phase, commits, self.stats)
+
+    def settle(self) -> None:
+        """Drop committed rows beyond the answer's EOS, so the cache holds
+        exactly the conversation so far and a next turn can continue it."""
+        answer = self.response()
+        if not answer or answer[-1] != self.eos_id:
+            return
+        last = self.response_start + len(answer) - 1
+        rows = [r for r, p in enumerate(self.cache.positions) if r < self.start or p <= last]
+        if len(rows) < len(self.cache):
+            self.cache.keep(rows)
+
+    # -- reading it -----------------------------------------------------------
+
+    def response(self) -> List[int]:
+        """Committed response ids in position order, up to and including the first EOS."""
+        cache = self.cache
+        pairs = sorted((p, t) for p, t in zip(cache.positions[self.start:], cache.tokens[self.start:])
+                       if p >= self.response_start)
+        out = []
+        for _, t in pairs:
+            out.append(t)
+            if t == self.eos_id:
+                break
+        return out
