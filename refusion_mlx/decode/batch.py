@@ -172,7 +172,7 @@ class BatchGenerator:
         steps = r.decoder.take(result, seconds)
         out = [r.response(s) for s in steps[:-1]]
         if r.decoder.done:
-            r.decoder.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            r.decoder.state.record_peak(mx.get_peak_memory() / 1e9)
             out.append(r.response(steps[-1] if steps else None, final=True))
         elif steps:
             out.append(r.response(steps[-1]))

@@ -122,9 +122,7 @@ class RefusionDecoder:
         pass's phase.
         """
         p = self._pass
-        self.stats.forwards += 1
-        self.stats.host_syncs += bool(result.host)
-        self.stats.seconds[p.phase] += seconds
+        self.state.count_pass(p.phase, seconds, bool(result.host))
         try:
             self._pass = self._loop.send(result)
         except StopIteration:
@@ -147,7 +145,7 @@ class RefusionDecoder:
             t0 = time.perf_counter()
             (result,) = run_passes(self.model, [p])
             yield from self.take(result, time.perf_counter() - t0)
-        self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        self.state.record_peak(mx.get_peak_memory() / 1e9)
 
     # -- the loop ------------------------------------------------------------
 
@@ -163,12 +161,10 @@ class RefusionDecoder:
             while state.open_slots:
                 step = yield from self._step(tail)
                 tail = []
-                state.stats.steps += 1
                 self.steps_done.append(step)
             if state.eos_committed:
                 break
-        state.stats.generated_tokens = len(state.response())
-        state.settle()
+        state.finish()
 
     def _prefill_head(self):
         """Prompt chunks before the first plan; returns the tail it carries."""

@@ -8,7 +8,10 @@ they never assign to it. What changes the state is one of its methods:
 * :meth:`DecodeState.next_key` draws the key of a sampled planning pass;
 * :meth:`DecodeState.commit` applies a commit decision: the tokens join the
   committed cache, the statistics count them, the decided slots close;
-* :meth:`DecodeState.settle` drops committed rows beyond the answer's EOS.
+* :meth:`DecodeState.count_pass` books a forward in the statistics;
+* :meth:`DecodeState.finish` counts the answer and settles the cache
+  (:meth:`DecodeState.settle`: committed rows beyond the answer's EOS are
+  dropped); :meth:`DecodeState.record_peak` keeps the peak memory.
 
 Ownership of the committed cache: whoever passes a cache in (a chat session,
 the server's prompt cache) owns it; without one the state makes its own.
@@ -81,6 +84,7 @@ class DecodeState:
         commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
                    for i in range(0, end, S)]
         self.open_slots = [o for i, o in enumerate(self.open_slots) if i not in closed]
+        self.stats.steps += 1
         return Step(phase, commits, self.stats)
 
     def settle(self) -> None:
@@ -93,6 +97,21 @@ class DecodeState:
         rows = [r for r, p in enumerate(self.cache.positions) if r < self.start or p <= last]
         if len(rows) < len(self.cache):
             self.cache.keep(rows)
+
+    def count_pass(self, phase: str, seconds: float, host_sync: bool) -> None:
+        """Book one forward this request took part in (its phase's wall time)."""
+        self.stats.forwards += 1
+        self.stats.host_syncs += bool(host_sync)
+        self.stats.seconds[phase] += seconds
+
+    def finish(self) -> None:
+        """The response is complete: count the answer and settle the cache."""
+        self.stats.generated_tokens = len(self.response())
+        self.settle()
+
+    def record_peak(self, peak_memory_gb: float) -> None:
+        """The peak memory the response was decoded in (weights and cache included)."""
+        self.stats.peak_memory_gb = peak_memory_gb
 
     # -- reading it -----------------------------------------------------------
 
