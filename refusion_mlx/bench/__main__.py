@@ -4,12 +4,11 @@ decoding of the same weights (``compare``), or one of the other measurements
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import OneLineParser, add_decoding_args, add_model_args, run
+from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_ints, run
 from ..decode.params import PARAM_NAMES
 from ..errors import DecodeError
 from . import modes
@@ -32,7 +31,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
     parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
-    parser.add_argument("--concurrency", type=levels_arg, metavar="N,N,...",
+    parser.add_argument("--concurrency", type=positive_ints, metavar="N,N,...",
                         help="instead of the AR comparison: aggregate tokens/s and latency per request for "
                              "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
     parser.add_argument("--rounds", type=int, default=2,
@@ -46,17 +45,6 @@ def build_parser() -> OneLineParser:
                              "tokens it prefilled per turn with and without its prompt cache")
     add_layout_args(parser)
     return parser
-
-
-def levels_arg(text: str) -> List[int]:
-    """--concurrency: comma-separated positive integers."""
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
-    return levels
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..decode.stream import chat_prompt, stream_generate
 from ..decode.params import RefusionParams, default_block_length, reference_block_count
+from ..cli import positive_ints
 from ..train.accuracy import read_rows
 from .report import format_table
 from .suite import BenchError
@@ -49,22 +50,11 @@ def layouts_arg(text: str) -> List[str]:
     return items
 
 
-def positive_list(text: str) -> List[int]:
-    """--budgets, --slot-sizes: comma-separated positive integers."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 64,128, got {text!r}")
-    return values
-
-
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", type=layouts_arg, metavar="L,L,...", help=LAYOUTS_HELP)
-    parser.add_argument("--budgets", type=positive_list, default=[64, 128, 256, 512], metavar="N,N,...",
+    parser.add_argument("--budgets", type=positive_ints, default=[64, 128, 256, 512], metavar="N,N,...",
                         help="with --layouts: response budgets (default 64,128,256,512)")
-    parser.add_argument("--slot-sizes", type=positive_list, default=[4, 8], metavar="S,S,...",
+    parser.add_argument("--slot-sizes", type=positive_ints, default=[4, 8], metavar="S,S,...",
                         help="with --layouts: slot sizes (default 4,8)")
     parser.add_argument("--data", help="with --layouts: chat JSONL whose last message is the reference answer "
                                        "(exact-match accuracy); default: the suite's prompts, no accuracy")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from ..decode.params import PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
@@ -91,6 +91,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def positive_ints(text: str) -> List[int]:
+    """argparse type: comma-separated integers >= 1 (``1,2,4,8``)."""
+    try:
+        values = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
+    return values
 
 
 def read_text(path: str) -> str:
