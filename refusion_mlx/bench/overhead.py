@@ -20,7 +20,8 @@ from typing import List, Optional
 
 from .forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
 from .speed_common import (MODES, base_parser, check_json_path, counting_evals, decode, load_model,
-                          make_params, random_prompt, run_main, write_json)
+                           make_params, random_prompt, write_json)
+from ..cli import run
 
 from .report import format_table
 from ..errors import RefusionError
@@ -130,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_json(args.json, {"meta": env, "target": TARGET, "modes": results})
         return 0
 
-    return run_main(body)
+    return run(body)
 
 
 if __name__ == "__main__":

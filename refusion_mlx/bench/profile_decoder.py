@@ -22,7 +22,8 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
-from .speed_common import MODES, base_parser, check_json_path, decode, load_model, run_main, write_json
+from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, write_json)
+from ..cli import run
 
 from .report import format_table
 from .suite import load_suite, resolve_params
@@ -169,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_json(args.json, result)
         return 0
 
-    return run_main(body)
+    return run(body)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import time
 from typing import List, Optional
 
 from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
-                          random_prompt, run_main, write_json)
+                           random_prompt, write_json)
+from ..cli import run
 
 from .report import format_table
 from ..decode.cache import CommittedCache
@@ -241,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                **results, "summary": summ})
         return 0
 
-    return run_main(body)
+    return run(body)
 
 
 if __name__ == "__main__":

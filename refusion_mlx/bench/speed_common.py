@@ -9,7 +9,6 @@ converted folder (``--model``).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,18 +117,3 @@ def write_json(path: Optional[str], payload: dict) -> None:
 def check_json_path(path: Optional[str]) -> None:
     if path and not Path(path).expanduser().resolve().parent.is_dir():
         raise RefusionError(f"cannot write {path}: its folder does not exist")
-
-
-def run_main(body) -> int:
-    """Run a script body; user errors become one line and exit 1."""
-    try:
-        return body()
-    except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130

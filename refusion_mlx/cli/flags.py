@@ -116,12 +116,16 @@ def read_text(path: str) -> str:
 
 
 def run(body: Callable[[], int]) -> int:
-    """Run a command's body: a RefusionError is one line on stderr and exit 1,
-    Ctrl-C is "interrupted" and exit 130 -- never a traceback."""
+    """Run a command's body: a RefusionError or a file-system error is one
+    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 -- never
+    a traceback."""
     try:
         return body()
     except RefusionError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
