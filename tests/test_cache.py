@@ -132,3 +132,29 @@ def test_fork_copies_rows_and_leaves_the_source_alone():
     fork.keys[0][:, :, 0, :] = 0.0
     assert len(cache) == 5 and float(cache.keys[0][0, 0, 0, 1]) == 1.0  # the source is untouched
     assert len(cache.fork([])) == 0
+
+
+def test_prefill_chunks_and_passes_commit_each_chunk(model):
+    """decode.prefill: chunks of at most ``step`` from a first position, until
+    ``leave`` are left; the passes commit each chunk once the next is asked
+    for; ``prefill`` runs them all, to the K/V of one pass."""
+    from refusion_mlx.decode import prefill as pf
+
+    assert list(pf.chunks([1, 2, 3, 4, 5], 10, step=2)) == [([1, 2], [10, 11]), ([3, 4], [12, 13]), ([5], [14])]
+    assert list(pf.chunks([1, 2, 3, 4, 5], 0, step=2, leave=2)) == [([1, 2], [0, 1]), ([3, 4], [2, 3])]
+    assert list(pf.chunks([1, 2], 0, step=2, leave=2)) == []
+
+    cache = CommittedCache.for_model(model)
+    gen = pf.passes(cache, [5, 6, 7], 0, step=2)
+    first = next(gen)
+    assert (first.phase, first.tokens.tolist(), first.positions.tolist(), len(cache)) == ("prefill", [5, 6], [0, 1], 0)
+    second = gen.send(None)
+    assert (second.tokens.tolist(), second.positions.tolist(), cache.tokens) == ([7], [2], [5, 6])
+
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 100, 13)]
+    chunked, whole = CommittedCache.for_model(model), CommittedCache.for_model(model)
+    pf.prefill(model, chunked, tokens[:3], step=4)
+    pf.prefill(model, chunked, tokens[3:], step=4)  # positions go on after the cache's
+    prefill(model, whole, tokens, list(range(13)))
+    assert chunked.tokens == whole.tokens and chunked.positions == list(range(13))
+    np.testing.assert_allclose(np.array(chunked.keys[0][:, :, :13]), np.array(whole.keys[0][:, :, :13]), atol=1e-4)

@@ -35,7 +35,7 @@ from typing import Generator, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DecodeError
-from . import commit, plan, verify
+from . import commit, plan, prefill, verify
 from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
@@ -53,7 +53,7 @@ class RefusionDecoder:
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
-                 prefill_step: int = 512):
+                 prefill_step: int = prefill.PREFILL_STEP):
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
@@ -167,13 +167,10 @@ class RefusionDecoder:
         state.finish()
 
     def _prefill_head(self):
-        """Prompt chunks before the first plan; returns the tail it carries."""
-        cache, done = self.state.cache, 0
-        for tokens, positions in plan.prefill_chunks(self.prompt, self.first_position, self.prefill_step):
-            yield Pass("prefill", mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
-                       cache.extend(len(tokens)))
-            cache.commit(tokens, positions)
-            done += len(tokens)
+        """Prompt chunks before the first plan (all but the last
+        ``prefill_step`` tokens); returns the tail that plan carries."""
+        done = yield from prefill.passes(self.state.cache, self.prompt, self.first_position,
+                                         self.prefill_step, leave=self.prefill_step)
         return self.prompt[done:]
 
     def _step(self, tail: List[int]):

@@ -18,17 +18,6 @@ from .probs import Drafting, gumbel_noise
 from .state import DecodeState
 
 
-def prefill_chunks(prompt: List[int], first_position: int, step: int):
-    """(tokens, positions) of the prompt chunks fed before the first plan:
-    all but the last ``step`` tokens, ``step`` at a time. Chunks bound the
-    attention scores a long prompt materialises (a 2048-token prompt on the
-    0.6B shape: 3.04 GB peak in chunks of 512, 3.41 GB in one pass)."""
-    done = 0
-    while len(prompt) - done > step:
-        yield prompt[done:done + step], list(range(first_position + done, first_position + done + step))
-        done += step
-
-
 def plan_pass(state: DecodeState, tail: List[int]) -> Pass:
     """The planning pass of the block's open slots; ``tail``: prompt tokens
     still to prefill (only on the first pass), fed first at their own positions."""

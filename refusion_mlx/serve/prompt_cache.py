@@ -17,21 +17,13 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 from ..decode.prefix import ordered, prefix_length
 
-PREFILL_STEP = 512  # tokens per prefill pass, as the decoder's own prefill
-
 
 def prefill(model, cache, ids: Sequence[int]) -> None:
-    """Append ``ids`` (positions after the cache's) to ``cache`` as committed rows."""
-    import mlx.core as mx
+    """Append ``ids`` (positions after the cache's) to ``cache`` as committed
+    rows: ``decode.prefill.prefill``, imported on first use (as mlx is)."""
+    from ..decode.prefill import prefill as run
 
-    from ..decode.forward import Pass, run_passes
-
-    for i in range(0, len(ids), PREFILL_STEP):
-        chunk = list(ids[i:i + PREFILL_STEP])
-        positions = list(range(len(cache), len(cache) + len(chunk)))
-        run_passes(model, [Pass("prefill", mx.array(chunk, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
-                                cache.extend(len(chunk)))])
-        cache.commit(chunk, positions)
+    run(model, cache, ids)
 
 
 class PromptCache:
