@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_ints, run
+from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int, positive_ints, run
 from ..decode.params import PARAM_NAMES
 from ..errors import DecodeError
 from . import modes
@@ -25,7 +25,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--suite", default="default",
                         help="'default' (the bundled suite) or a suite JSON file")
     add_decoding_args(parser)
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs per prompt and side (median shown)")
+    parser.add_argument("--repeat", type=positive_int, default=1, help="timed runs per prompt and side (median shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
     parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
     parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
@@ -34,12 +34,12 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--concurrency", type=positive_ints, metavar="N,N,...",
                         help="instead of the AR comparison: aggregate tokens/s and latency per request for "
                              "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=positive_int, default=2,
                         help="with --concurrency: how many times the workload goes through the suite (default 2)")
     parser.add_argument("--http", action="store_true",
                         help="with --concurrency: through the OpenAI-compatible server on loopback, "
                              "streaming, instead of in-process")
-    parser.add_argument("--conversation", type=int, metavar="TURNS",
+    parser.add_argument("--conversation", type=positive_int, metavar="TURNS",
                         help="instead of the AR comparison: a conversation of TURNS questions from the suite "
                              "sent to the server the way chat apps send it (whole history each turn); the "
                              "tokens it prefilled per turn with and without its prompt cache")
@@ -50,8 +50,6 @@ def build_parser() -> OneLineParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
@@ -67,16 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
         if args.http and not args.concurrency:
             parser.error("--http goes with --concurrency")
-        if args.conversation is not None and args.conversation < 1:
-            parser.error(f"--conversation must be at least 1, got {args.conversation}")
         if args.layouts:
             result = modes.measure_layouts(args, suite, overrides, log)
             print(result.pop("report"))
             write_json(args.json, result)
             return 0
         if args.concurrency or args.conversation:
-            if args.rounds < 1:
-                parser.error(f"--rounds must be at least 1, got {args.rounds}")
             measure = (modes.run_conversation if args.conversation else modes.run_http if args.http
                        else modes.run_concurrency)
             result = measure(args, suite, overrides, log)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..decode.stream import chat_prompt, stream_generate
 from ..decode.params import RefusionParams, default_block_length, reference_block_count
-from ..cli import positive_ints
+from ..cli import positive_int, positive_ints
 from ..train.accuracy import read_rows
 from .report import format_table
 from .suite import BenchError
@@ -58,7 +58,7 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
                         help="with --layouts: slot sizes (default 4,8)")
     parser.add_argument("--data", help="with --layouts: chat JSONL whose last message is the reference answer "
                                        "(exact-match accuracy); default: the suite's prompts, no accuracy")
-    parser.add_argument("--limit", type=int, default=60, help="with --layouts --data: rows used (default 60)")
+    parser.add_argument("--limit", type=positive_int, default=60, help="with --layouts --data: rows used (default 60)")
 
 
 def layout_params(base: RefusionParams, layout: str, budget: int, slot_size: int) -> RefusionParams:
@@ -141,8 +141,6 @@ def format_layouts(results: Sequence[Setting]) -> str:
 def run_layouts(args, model, tokenizer, suite, base: RefusionParams, log) -> dict:
     """The --layouts report: the table, and every setting as a dict."""
     if args.data:
-        if args.limit < 1:
-            raise BenchError(f"--limit must be at least 1, got {args.limit}")
         rows = read_rows(args.data, args.limit)
         conversations = [r["messages"][:-1] for r in rows]
         answers = [r["messages"][-1]["content"] for r in rows]

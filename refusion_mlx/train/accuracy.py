@@ -189,14 +189,14 @@ def format_table(result: dict, before: Optional[dict] = None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import OneLineParser, add_decoding_args, add_model_args
+    from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int
 
     parser = OneLineParser(prog="python -m refusion_mlx.train.accuracy",
                            description="Exact-match accuracy of a model's answers to the last user turn of "
                                        "each row of a chat JSONL file, per task family.")
     add_model_args(parser)  # --model, --adapter-path, --dtype
     parser.add_argument("--data", required=True, help="chat JSONL file (rows ending with the reference answer)")
-    parser.add_argument("--limit", type=int, help="evaluate the first N rows only")
+    parser.add_argument("--limit", type=positive_int, help="evaluate the first N rows only")
     parser.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
     parser.add_argument("--show-failures", type=int, default=0, metavar="N",
                         help="print up to N wrong answers per family")
@@ -210,8 +210,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit must be at least 1")
     from ..decode.params import PARAM_NAMES, make_params
     from ..decode.presets import preset
 
