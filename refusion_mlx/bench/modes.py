@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..decode.params import RefusionParams, make_params
+from ..decode.params import FIELDS, RefusionParams, make_params
 from ..decode.stream import chat_prompt
 from .compare import load_models, resolve_all
 from .report import environment, format_table, header_lines
@@ -39,13 +39,12 @@ def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
 
 
 def _request_fields(p: RefusionParams) -> dict:
-    """A suite case's settings as the server's request fields."""
-    fields = {"max_tokens": p.gen_length, "slot_size": p.slot_size, "slot_threshold": p.slot_threshold,
-              "token_threshold": p.token_threshold, "temperature": p.temperature}
+    """A suite case's settings as the server's request fields (``FIELDS``'
+    request names), those set; one layout, block_length over serial_num_blocks."""
+    fields = {f.request: getattr(p, f.name) for f in FIELDS
+              if f.request is not None and getattr(p, f.name) is not None}
     if p.block_length is not None:
-        fields["block_length"] = p.block_length
-    elif p.serial_num_blocks is not None:
-        fields["serial_num_blocks"] = p.serial_num_blocks
+        fields.pop("serial_num_blocks", None)
     return fields
 
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Callable, List, Optional
 
-from ..decode.params import PARAM_NAMES, RefusionParams, make_params
+from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
 from ..errors import RefusionError
 
@@ -47,18 +47,18 @@ def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    """The ReFusion decoding flags, shared by generate, chat, server and bench."""
-    parser.add_argument("--max-tokens", "--gen-length", dest="gen_length", type=int,
-                        help="response budget in tokens, rounded up to whole slots (default 512)")
-    parser.add_argument("--slot-size", type=int, help="tokens per slot (default 4)")
-    blocks = parser.add_mutually_exclusive_group()
-    blocks.add_argument("--serial-num-blocks", type=int,
-                        help="number of blocks decoded one after another (reference semantics)")
-    blocks.add_argument("--block-length", type=int, help="block size in tokens (a multiple of the slot size)")
-    parser.add_argument("--slot-threshold", type=float, help="slot confidence to draft in parallel (default 0.6)")
-    parser.add_argument("--token-threshold", type=float, help="verified probability to keep a token (default 0.3)")
-    parser.add_argument("--temp", dest="temperature", type=float, help="planning temperature (default 0: argmax)")
-    parser.add_argument("--seed", type=int, help="random seed for temperature > 0")
+    """The ReFusion decoding flags, shared by generate, chat, server and bench:
+    one per setting of ``decode.params.FIELDS`` that has flags, then --preset."""
+    groups: dict = {}
+    for field in FIELDS:
+        if not field.flags:
+            continue
+        target = parser
+        if field.exclusive:
+            if field.exclusive not in groups:
+                groups[field.exclusive] = parser.add_mutually_exclusive_group()
+            target = groups[field.exclusive]
+        target.add_argument(*field.flags, dest=field.name, type=field.type, help=field.flag_help())
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="the paper's per-benchmark settings (explicit flags override)")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import DecodeError
 
@@ -14,9 +14,6 @@ from ..errors import DecodeError
 # slots) is this very layout. Chosen by `python -m refusion_mlx.bench --layouts`
 # (docs/benchmarks.md, "Block layout").
 DEFAULT_BLOCK_TOKENS = 16
-
-PARAM_NAMES = ("gen_length", "slot_size", "serial_num_blocks", "block_length",
-               "slot_threshold", "token_threshold", "temperature", "seed", "top_p", "top_k", "min_p")
 
 
 @dataclass
@@ -116,17 +113,96 @@ class BlockLayout:
         return {"block_length": first, "blocks": len(self.block_lengths),
                 "slots_per_block": -(-first // self.slot_size)}
 
+# --------------------------------------------------------------------------
+# The one table of decoding settings: every interface's names derive from it.
+
+
+@dataclass(frozen=True)
+class Field:
+    """One decoding setting as every interface names it.
+
+    ``name`` is the :class:`RefusionParams` attribute, and the key in a
+    prompts file and a bench suite; ``aliases`` are other names
+    :func:`make_params` and the prompts file take for it. ``flags`` are its
+    command-line flags (none: not on the command line), ``exclusive`` a group
+    of flags of which at most one may be given. ``request`` is its field in
+    the server's request body (None: not a request field), ``openai`` whether
+    that field is OpenAI's own (else a ReFusion extension), ``ge``/``gt``/``le``
+    the bounds the request schema checks. ``help`` says what it means (the
+    flag's help, the request field's description), ``default`` how the flag's
+    help shows its default."""
+
+    name: str
+    type: type
+    help: str
+    flags: Tuple[str, ...] = ()
+    aliases: Tuple[str, ...] = ()
+    default: str = ""
+    exclusive: str = ""
+    request: Optional[str] = None
+    openai: bool = False
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+
+    def flag_help(self) -> str:
+        """The command-line flag's help text."""
+        return f"{self.help} ({self.default})" if self.default else self.help
+
+    def request_description(self) -> str:
+        """The request field's description in the server's schema."""
+        text = self.help if self.openai else f"ReFusion: {self.help}"
+        return f"{text} (default: the server's {self.flags[0]})" if self.flags else text
+
+    def bounds(self) -> Dict[str, float]:
+        """The request field's bounds, as pydantic's ``Field`` takes them."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None}
+
+
+_DEFAULTS = RefusionParams()
+
+FIELDS: Tuple[Field, ...] = (
+    Field("gen_length", int, "response budget in tokens, rounded up to whole slots",
+          flags=("--max-tokens", "--gen-length"), aliases=("max_tokens",), default=f"default {_DEFAULTS.gen_length}",
+          request="max_tokens", openai=True, ge=1),
+    Field("slot_size", int, "tokens per slot", flags=("--slot-size",), default=f"default {_DEFAULTS.slot_size}",
+          request="slot_size", ge=1),
+    Field("serial_num_blocks", int, "number of blocks decoded one after another (reference semantics)",
+          flags=("--serial-num-blocks",), exclusive="blocks", request="serial_num_blocks", ge=1),
+    Field("block_length", int, "block size in tokens (a multiple of the slot size)", flags=("--block-length",),
+          default=f"default: blocks of {DEFAULT_BLOCK_TOKENS} tokens, rounded up to whole slots",
+          exclusive="blocks", request="block_length", ge=1),
+    Field("slot_threshold", float, "slot confidence to draft in parallel, tau_s", flags=("--slot-threshold",),
+          default=f"default {_DEFAULTS.slot_threshold}", request="slot_threshold", ge=0, le=1),
+    Field("token_threshold", float, "verified probability to keep a token, tau_t", flags=("--token-threshold",),
+          default=f"default {_DEFAULTS.token_threshold}", request="token_threshold", ge=0, le=1),
+    Field("temperature", float, "temperature of the planning drafts; 0: argmax", flags=("--temp",),
+          aliases=("temp",), default=f"default {_DEFAULTS.temperature:g}", request="temperature", openai=True,
+          ge=0, le=2),
+    Field("seed", int, "random seed for temperature > 0", flags=("--seed",), request="seed", openai=True,
+          ge=0, le=2 ** 64 - 1),
+    Field("top_p", float, "nucleus filter of the planning drafts (1: off)", request="top_p", openai=True,
+          gt=0, le=1),
+    Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", openai=True, ge=0),
+    Field("min_p", float, "min-p filter of the planning drafts (0: off)", request="min_p", openai=True,
+          ge=0, le=1),
+)
+
+PARAM_NAMES = tuple(f.name for f in FIELDS)
+# other names of a setting -> its name (make_params, the prompts file)
+ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
+
+
 def make_params(**kwargs) -> RefusionParams:
-    """RefusionParams from keyword arguments; ``max_tokens``/``temp`` are aliases."""
-    if "max_tokens" in kwargs:
-        value = kwargs.pop("max_tokens")
-        if "gen_length" in kwargs and kwargs["gen_length"] != value:
-            raise DecodeError("give max_tokens or gen_length, not both")
-        kwargs["gen_length"] = value
-    if "temp" in kwargs:
-        kwargs["temperature"] = kwargs.pop("temp")
+    """RefusionParams from keyword arguments; the aliases of ``ALIASES``
+    (``max_tokens``, ``temp``) stand for their settings."""
+    for alias, name in ALIASES.items():
+        if alias in kwargs:
+            value = kwargs.pop(alias)
+            if name in kwargs and kwargs[name] != value:
+                raise DecodeError(f"give {alias} or {name}, not both")
+            kwargs[name] = value
     unknown = sorted(set(kwargs) - set(PARAM_NAMES))
     if unknown:
         raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}")
     return RefusionParams(**{k: v for k, v in kwargs.items() if v is not None})
-

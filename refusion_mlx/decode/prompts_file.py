@@ -3,8 +3,8 @@
 Plain text: one prompt per non-empty line. JSONL (the first non-empty line
 starts with ``{``): one object per line with ``prompt`` (a string, or chat
 ``messages``) and optional per-prompt decoding settings under the names of
-:class:`RefusionParams` (``max_tokens`` and ``temp`` are aliases), layered
-over the command line's settings.
+``params.FIELDS`` (:class:`RefusionParams`' names, and their aliases such as
+``max_tokens`` and ``temp``), layered over the command line's settings.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Union
 
 from ..errors import DecodeError, RefusionError
-from .params import PARAM_NAMES, RefusionParams
+from .params import ALIASES, PARAM_NAMES, RefusionParams
 
-ALIASES = {"max_tokens": "gen_length", "temp": "temperature"}
+__all__ = ["ALIASES", "PromptItem", "parse_prompts"]
 
 
 @dataclass

@@ -10,11 +10,12 @@ cannot be honoured are refused, never ignored; other unknown fields are.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..decode.params import FIELDS
 from ..errors import RefusionError
 
 MAX_STOP = 16
@@ -66,23 +67,14 @@ class StreamOptions(BaseModel):
     include_usage: Optional[bool] = None
 
 
-class _Request(BaseModel):
+class _RequestBase(BaseModel):
+    """A request's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
+
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
-    max_tokens: Optional[int] = Field(None, ge=1, description="answer budget (default --max-tokens)")
-    temperature: Optional[float] = Field(None, ge=0, le=2, description="planning drafts' temperature; 0: argmax")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="nucleus filter of the planning drafts")
-    top_k: Optional[int] = Field(None, ge=0, description="top-k filter of the planning drafts (0: off)")
-    min_p: Optional[float] = Field(None, ge=0, le=1, description="min-p filter of the planning drafts")
-    seed: Optional[int] = Field(None, ge=0, le=2 ** 64 - 1)
     stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} strings")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    slot_size: Optional[int] = Field(None, ge=1, description="ReFusion: tokens per slot")
-    block_length: Optional[int] = Field(None, ge=1, description="ReFusion: block size in tokens")
-    serial_num_blocks: Optional[int] = Field(None, ge=1, description="ReFusion: number of blocks")
-    slot_threshold: Optional[float] = Field(None, ge=0, le=1, description="ReFusion: τs")
-    token_threshold: Optional[float] = Field(None, ge=0, le=1, description="ReFusion: τt")
 
     _refuse = model_validator(mode="before")(refuse_unsupported)
 
@@ -97,6 +89,18 @@ class _Request(BaseModel):
         if len(items) > MAX_STOP or not all(items):
             raise _invalid(f"takes 1 to {MAX_STOP} non-empty strings")
         return items
+
+
+def _decoding_fields() -> Dict[str, Any]:
+    """The request's decoding fields, one per setting of ``FIELDS`` with a
+    request name: optional (null: the server's default), typed, bounded and
+    described as the table says."""
+    return {f.request: (Optional[f.type], Field(None, description=f.request_description(), **f.bounds()))
+            for f in FIELDS if f.request is not None}
+
+
+# The fields common to both endpoints: _RequestBase's and the decoding settings.
+_Request = create_model("_Request", __base__=_RequestBase, __module__=__name__, **_decoding_fields())
 
 
 class TextPart(BaseModel):
@@ -158,8 +162,9 @@ class Request:
     include_usage: bool
 
 
-DECODING_FIELDS = ("slot_size", "block_length", "serial_num_blocks", "slot_threshold", "token_threshold",
-                   "temperature", "seed", "top_p", "top_k", "min_p")
+# The request fields that are RefusionParams' settings under the same name
+# (max_tokens, gen_length's request name, is checked against the context in prepare).
+DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
 
 
 def prepare(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, defaults,

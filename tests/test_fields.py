@@ -1,0 +1,95 @@
+"""decode.params.FIELDS is the one table of decoding settings: the CLI flags,
+the server's request schema, the prompts file, make_params and the bench's
+request bodies all take exactly its names and aliases."""
+
+import argparse
+import dataclasses
+import json
+import typing
+
+import pytest
+
+from refusion_mlx.bench.modes import _request_fields
+from refusion_mlx.cli import add_decoding_args
+from refusion_mlx.decode.params import ALIASES, FIELDS, PARAM_NAMES, RefusionParams, make_params
+from refusion_mlx.decode.prompts_file import parse_prompts
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.serve.schemas import DECODING_FIELDS, ChatCompletionRequest, CompletionRequest
+
+SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
+NOT_DECODING = {"model", "stop", "stream", "stream_options"}
+
+
+def test_the_table_names_every_setting_once():
+    assert PARAM_NAMES == tuple(f.name for f in dataclasses.fields(RefusionParams))
+    names = [f.name for f in FIELDS] + list(ALIASES)
+    assert len(names) == len(set(names))
+    assert ALIASES == {"max_tokens": "gen_length", "temp": "temperature"}
+    hints = typing.get_type_hints(RefusionParams)
+    assert all(hints[f.name] in (f.type, typing.Optional[f.type]) for f in FIELDS)
+
+
+def _parser():
+    parser = argparse.ArgumentParser()
+    add_decoding_args(parser)
+    return parser
+
+
+def test_the_cli_takes_exactly_the_tables_flags():
+    parser = _parser()
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "preset")}
+    assert set(actions) == {f.name for f in FIELDS if f.flags}
+    for f in FIELDS:
+        if f.flags:
+            assert tuple(actions[f.name].option_strings) == f.flags
+            assert actions[f.name].help == f.flag_help()
+            for flag in f.flags:
+                assert getattr(parser.parse_args([flag, str(SAMPLE[f.type])]), f.name) == SAMPLE[f.type]
+    assert set(actions) == {"gen_length", "slot_size", "serial_num_blocks", "block_length", "slot_threshold",
+                            "token_threshold", "temperature", "seed"}
+    flags = {flag for f in FIELDS for flag in f.flags}
+    assert flags == {"--max-tokens", "--gen-length", "--slot-size", "--serial-num-blocks", "--block-length",
+                     "--slot-threshold", "--token-threshold", "--temp", "--seed"}
+    with pytest.raises(SystemExit):  # one layout
+        parser.parse_args(["--serial-num-blocks", "2", "--block-length", "8"])
+    assert "blocks of 16 tokens" in " ".join(parser.format_help().split())
+
+
+def test_the_server_schema_takes_exactly_the_tables_request_fields():
+    requests = {f.request: f for f in FIELDS if f.request is not None}
+    assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"}),
+                         (CompletionRequest, {"prompt"})):
+        assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
+        for name, f in requests.items():
+            assert model.model_fields[name].description == f.request_description()
+    assert set(DECODING_FIELDS) == set(requests) - {"max_tokens"}
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    body.update({name: (1 if f.type is int else 0.5) for name, f in requests.items()})
+    request = ChatCompletionRequest.model_validate(body)
+    assert all(getattr(request, name) == body[name] for name in requests)
+
+
+def test_the_prompts_file_takes_exactly_the_tables_names_and_aliases():
+    defaults = RefusionParams()
+    for name in list(PARAM_NAMES) + list(ALIASES):
+        f = next(f for f in FIELDS if name in (f.name,) + f.aliases)
+        value = {"gen_length": 64, "slot_size": 4, "serial_num_blocks": 4, "block_length": 16, "seed": 3,
+                 "top_k": 5}.get(f.name, SAMPLE[f.type] if f.type is float else 1)
+        [item] = parse_prompts(json.dumps({"prompt": "hi", name: value}), "p.jsonl", defaults)
+        assert getattr(item.params, f.name) == value
+        assert getattr(make_params(**{name: value}), f.name) == value
+    with pytest.raises(RefusionError, match="unknown field"):
+        parse_prompts(json.dumps({"prompt": "hi", "repetition_penalty": 1.1}), "p.jsonl", defaults)
+    with pytest.raises(TypeError, match="unknown decoding parameter"):
+        make_params(repetition_penalty=1.1)
+
+
+def test_the_bench_sends_the_tables_request_names():
+    fields = _request_fields(make_params(max_tokens=64, block_length=16, seed=3))
+    assert fields == {"max_tokens": 64, "slot_size": 4, "block_length": 16, "slot_threshold": 0.6,
+                      "token_threshold": 0.3, "temperature": 0.0, "seed": 3, "top_p": 1.0, "top_k": 0,
+                      "min_p": 0.0}
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    fields = _request_fields(make_params(max_tokens=64, serial_num_blocks=4))
+    assert fields["serial_num_blocks"] == 4 and "block_length" not in fields and "seed" not in fields
