@@ -204,6 +204,26 @@ def test_adapters_saved_in_mlx_lm_layout(lora_run):
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+def test_adapter_folder_is_written_by_models_adapters(tmp_path):
+    """models.adapters is the one home of an adapter folder: the weights (and
+    a numbered copy), adapter_config.json (its folder made as needed), and
+    what a folder that cannot be made gives."""
+    from refusion_mlx.models import adapters
+
+    folder = tmp_path / "a" / "b"
+    config = {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": adapters.lora_parameters()}
+    assert adapters.write_adapter_config(config, folder) == folder / "adapter_config.json"
+    weights = {"model.layers.0.self_attn.q_proj.lora_a": mx.ones((4, 2))}
+    assert adapters.save_adapters(weights, folder, iteration=7) == folder / "adapters.safetensors"
+    assert adapters.numbered_adapter_file(7) == "0000007_adapters.safetensors"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "0000007_adapters.safetensors", "adapter_config.json", "adapters.safetensors"]
+    assert adapters.read_adapter_config(folder)["lora_parameters"]["rank"] == 8
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RefusionError, match="cannot create the adapter folder"):
+        adapters.make_adapter_folder(tmp_path / "file" / "x")
+
+
 def test_load_with_adapters_gives_the_trained_logits(lora_run, tok):
     model, _, _, folder, _ = lora_run
     loaded, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))

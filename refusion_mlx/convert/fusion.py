@@ -7,7 +7,8 @@ folder (``python -m refusion_mlx.fuse`` is its command line).
 The folder has Hugging Face parameter names, ``config.json`` with
 ``mask_token_id`` (and the ``quantization`` block while the weights stay
 quantized), the tokenizer files: ``refusion_mlx.load`` and ``mlx_lm.load``
-both read it. LoRA/DoRA deltas are added in float32, then cast to the
+both read it. ``models.adapters.fuse_adapter_folder`` applies the adapters
+and folds them in: LoRA/DoRA deltas are added in float32, then cast to the
 checkpoint's dtype; a quantized base is quantized again with its own
 settings unless ``--dequantize``. The folder is built as a hidden sibling and
 renamed into place when complete (as the converter does).
@@ -25,9 +26,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .converter import COPIED_FILES, output_config
+from .shards import shard_names
 from .staging import check_destination, staging_folder
 from ..errors import RefusionError
-from ..models.adapters import fuse_adapters, has_adapters, load_adapters, read_adapter_config
+from ..models.adapters import fuse_adapter_folder, read_adapter_config
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
                              resolve_model_path)
 
@@ -42,8 +44,7 @@ def stored_dtype(config: dict, model_path: Path) -> str:
     for f in sorted(model_path.glob("model*.safetensors"))[:1]:
         for value in mx.load(str(f)).values():
             if mx.issubdtype(value.dtype, mx.floating):
-                return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(value.dtype,
-                                                                                                 "float32")
+                return {v: k for k, v in DTYPES.items()}.get(value.dtype, "float32")
     return "float32"
 
 
@@ -61,10 +62,8 @@ def write_weights(folder: Path, weights: dict) -> None:
     from mlx_lm.utils import make_shards
 
     shards = make_shards(weights, MAX_SHARD_GB)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map = {}
-    for name, shard in zip(names, shards):
+    for name, shard in zip(shard_names(len(shards)), shards):
         mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
@@ -94,10 +93,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     model_obj, config = load_model(src, dtype=dtype)
     tokenizer = load_tokenizer(src)
     mask_id = resolve_mask_id(config, tokenizer)
-    load_adapters(model_obj, adapter_path)
-    fused = fuse_adapters(model_obj, dequantize=dequantize_weights)
-    if has_adapters(model_obj):
-        raise RefusionError("some adapter layers could not be fused")
+    fused = fuse_adapter_folder(model_obj, adapter_path, dequantize=dequantize_weights)
     config = dict(config)
     quant = config.get("quantization")
     if dequantize_weights:

@@ -1,4 +1,6 @@
-"""Fine-tuned adapters in mlx-lm's layout: apply, save, fuse.
+"""Fine-tuned adapters in mlx-lm's layout, their whole life: add (training),
+save (weights atomically, numbered copies; adapter_config.json), read and
+apply (loading), fuse (``convert.fusion`` writes the fused folder).
 
 An adapter folder holds ``adapter_config.json`` (``fine_tune_type`` lora,
 dora or full; ``num_layers``; ``lora_parameters`` with rank, scale, dropout
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -221,34 +224,68 @@ def trainable_weights(model) -> Dict[str, mx.array]:
     return dict(tree_flatten(model.trainable_parameters()))
 
 
-def save_weights_atomic(weights: Dict[str, mx.array], path: Union[str, Path]) -> Path:
-    """Write a safetensors file via a temporary sibling renamed into place
-    (a reader never sees a half-written file; a crash leaves the old one)."""
-    path = Path(path)
-    tmp = path.parent / f".{path.stem}.tmp-{os.getpid()}.safetensors"
+@contextmanager
+def _replaced_atomically(path: Path, tmp: Path) -> Iterator[Path]:
+    """``tmp`` to write, renamed onto ``path`` when the body completes (a
+    reader never sees a half-written file; a crash leaves the old one);
+    removed if anything fails."""
     try:
-        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+        yield tmp
         os.replace(tmp, path)
-    except (RuntimeError, OSError) as e:
-        raise RefusionError(f"cannot write {path}: {' '.join(str(e).split())}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def save_weights_atomic(weights: Dict[str, mx.array], path: Union[str, Path]) -> Path:
+    """Write a safetensors file via a temporary sibling renamed into place."""
+    path = Path(path)
+    try:
+        with _replaced_atomically(path, path.parent / f".{path.stem}.tmp-{os.getpid()}.safetensors") as tmp:
+            mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    except (RuntimeError, OSError) as e:
+        raise RefusionError(f"cannot write {path}: {' '.join(str(e).split())}") from None
     return path
 
 
 def write_json_atomic(data: dict, path: Union[str, Path]) -> Path:
+    """Write a JSON file (indented, as mlx-lm's) via a temporary sibling renamed into place."""
     path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        tmp.write_text(json.dumps(data, indent=4) + "\n")
-        os.replace(tmp, path)
+        with _replaced_atomically(path, path.parent / f".{path.name}.tmp-{os.getpid()}") as tmp:
+            tmp.write_text(json.dumps(data, indent=4) + "\n")
     except OSError as e:
         raise RefusionError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return path
+
+
+def numbered_adapter_file(iteration: int) -> str:
+    """The name of the numbered copy saved at ``iteration`` (``0000100_adapters.safetensors``)."""
+    return f"{iteration:07d}_{ADAPTER_FILE}"
+
+
+def save_adapters(weights: Dict[str, mx.array], folder: Union[str, Path], iteration: Optional[int] = None) -> Path:
+    """adapters.safetensors (atomically) and, with ``iteration``, its numbered copy."""
+    folder = Path(folder)
+    path = save_weights_atomic(weights, folder / ADAPTER_FILE)
+    if iteration is not None:
+        save_weights_atomic(weights, folder / numbered_adapter_file(iteration))
+    return path
+
+
+def make_adapter_folder(folder: Union[str, Path]) -> Path:
+    """Create the adapter folder (and its parents) unless it exists."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RefusionError(f"cannot create the adapter folder {folder}: {e.strerror or e}") from None
+    return folder
+
+
+def write_adapter_config(config: dict, folder: Union[str, Path]) -> Path:
+    """``adapter_config.json`` of ``folder`` (created if need be), atomically."""
+    return write_json_atomic(config, make_adapter_folder(folder) / ADAPTER_CONFIG)
 
 
 def fuse_adapters(model, dequantize: bool = False) -> int:
@@ -276,3 +313,13 @@ def fuse_adapters(model, dequantize: bool = False) -> int:
     if fused:
         model.update_modules(tree_unflatten(fused))
     return len(fused)
+
+
+def fuse_adapter_folder(model, adapter_path: Union[str, Path], dequantize: bool = False) -> int:
+    """Apply the adapters of a folder to an unfused model and fold them in
+    (``load_adapters``, then ``fuse_adapters``); returns how many layers were fused."""
+    load_adapters(model, adapter_path)
+    fused = fuse_adapters(model, dequantize=dequantize)
+    if has_adapters(model):
+        raise RefusionError("some adapter layers could not be fused")
+    return fused

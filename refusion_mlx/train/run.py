@@ -13,13 +13,13 @@ from mlx.utils import tree_flatten
 
 from .._blas import reference_warning
 from ..errors import RefusionError
-from ..models.adapters import add_adapters
+from ..models.adapters import add_adapters, write_adapter_config
 from ..models.loading import load
 from .batches import fit_length
 from .config import DEFAULT_NUM_LAYERS, merge
 from .dataset import load_datasets, replay_records, with_replay
 from .examples import EPSILON
-from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train, write_adapter_config
+from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train
 
 
 def resolve_num_layers(requested: Optional[int], total: int) -> int:

@@ -7,9 +7,10 @@ and applies the optimizer, inside one ``mx.compile``d function (not with
 gradient checkpointing: compiled, the step keeps what checkpointing frees).
 Batch lengths are padded to multiples of 32, so the step is traced once per
 distinct length (a handful), not once per batch. Adapters are written
-atomically: ``adapters.safetensors`` every ``save_every`` steps (with a
-numbered copy, ``0000100_adapters.safetensors``), at the end, and on Ctrl-C
-(the weights of the last completed step).
+atomically (``models.adapters.save_adapters``): ``adapters.safetensors``
+every ``save_every`` steps (with a numbered copy,
+``0000100_adapters.safetensors``), at the end, and on Ctrl-C (the weights
+of the last completed step).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import RefusionError
-from ..models.adapters import (ADAPTER_CONFIG, ADAPTER_FILE, save_weights_atomic, trainable_weights,
-                               write_json_atomic)
+from ..models.adapters import (ADAPTER_FILE, make_adapter_folder, numbered_adapter_file, save_adapters,
+                               trainable_weights)
 from .batches import Record, batch_tokens, iterate_batches
 from .examples import SLOT_SIZES
 from .objective import refusion_loss
@@ -200,22 +201,6 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
     return total / max(count, 1)
 
 
-def save_adapters(weights: Dict[str, mx.array], folder: Path, iteration: Optional[int] = None) -> Path:
-    """adapters.safetensors (atomically) and, with ``iteration``, its numbered copy."""
-    path = save_weights_atomic(weights, folder / ADAPTER_FILE)
-    if iteration is not None:
-        save_weights_atomic(weights, folder / f"{iteration:07d}_{ADAPTER_FILE}")
-    return path
-
-
-def write_adapter_config(config: dict, folder: Path) -> Path:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RefusionError(f"cannot create the adapter folder {folder}: {e.strerror or e}") from None
-    return write_json_atomic(config, folder / ADAPTER_CONFIG)
-
-
 def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Sequence[Record]],
           args: TrainArgs, adapter_dir: Path, mask_id: int, pad_id: int = 0,
           report: Callable[[str], None] = print, progress: bool = True) -> TrainResult:
@@ -226,11 +211,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     """
     from tqdm import tqdm
 
-    adapter_dir = Path(adapter_dir)
-    try:
-        adapter_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RefusionError(f"cannot create the adapter folder {adapter_dir}: {e.strerror or e}") from None
+    adapter_dir = make_adapter_folder(adapter_dir)
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
                               slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction,
@@ -319,7 +300,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
             if it % args.save_every == 0:
                 save_adapters(last_good, adapter_dir, it)
                 say(f"Iter {it}: Saved adapter weights to {adapter_dir / ADAPTER_FILE} and "
-                    f"{adapter_dir / f'{it:07d}_{ADAPTER_FILE}'}.")
+                    f"{adapter_dir / numbered_adapter_file(it)}.")
     except KeyboardInterrupt as interrupt:
         bar.close()
         result.interrupted = True
