@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion_mlx.decode.answer import AnswerText, StreamingText
+from refusion_mlx.decode.answer import AnswerText, StreamingText, decodes_locally
 from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.models.loading import load_tokenizer
 
@@ -115,17 +115,17 @@ def test_incomplete_character_is_held_until_it_completes_or_ends(tokenizer):
 
 
 class Counting:
-    """The demo tokenizer, counting the ids passed to decode."""
+    """The demo tokenizer (mlx-lm's wrapper), counting the ids passed to decode."""
 
     def __init__(self, tokenizer):
-        self.inner, self.ids = tokenizer, 0
+        self._tokenizer, self.ids = tokenizer._tokenizer, 0  # the Hugging Face one, as the wrapper
 
     def __len__(self):
-        return len(self.inner)
+        return len(self._tokenizer)
 
     def decode(self, ids, **kwargs):
         self.ids += len(ids)
-        return self.inner.decode(ids, **kwargs)
+        return self._tokenizer.decode(ids, **kwargs)
 
 
 @pytest.mark.parametrize("step", [1, 4])
@@ -140,7 +140,7 @@ def test_decode_work_is_linear_in_the_answer(tokenizer, step):
     out.append(answer.finish())
     assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True)
     assert counting.ids <= 12 * len(ids)  # the whole decode at every step: ~n^2/2 / step ids
-    assert answer.stream.decoded == counting.ids
+    assert answer.stream.decoded == counting.ids and not answer.stream.whole
 
 
 def test_non_local_decode_falls_back_to_the_whole_decode():
@@ -157,7 +157,7 @@ def test_non_local_decode_falls_back_to_the_whole_decode():
     rng = random.Random(3)
     for _ in range(50):
         ids = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
-        stream, whole = StreamingText(Tok()), WholeDecode(Tok())
+        stream, whole = StreamingText(Tok(), window=True), WholeDecode(Tok())
         for part in slices(rng, ids):
             assert stream.add(part) == whole.add(part)
         assert stream.add([], final=True) == whole.add([], final=True)
@@ -178,7 +178,64 @@ def test_clean_up_spaces_decodes_whole():
             return "".join(" ,"[i % 2] for i in ids).replace(" ,", ",")
 
     stream, whole = StreamingText(Tok()), WholeDecode(Tok())
-    assert stream.whole
+    assert stream.whole and not decodes_locally(Tok())
     for part, final in [([0], False), ([1], False), ([0, 0], True)]:
         assert stream.add(part, final) == whole.add(part, final)
     assert stream.text == whole.text
+
+
+def test_which_tokenizers_decode_a_window(tokenizer):
+    from mlx_lm.tokenizer_utils import NewlineTokenizer
+
+    assert decodes_locally(tokenizer) and decodes_locally(tokenizer._tokenizer)
+    assert not StreamingText(tokenizer).whole and StreamingText(tokenizer, window=False).whole
+
+    class Stub:
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    newline = NewlineTokenizer(tokenizer_object=tokenizer._tokenizer.backend_tokenizer,
+                               clean_up_tokenization_spaces=False)
+    assert not decodes_locally(Stub()) and not decodes_locally(newline)  # its own decode: "<n>" spans ids
+
+
+def spm_tokenizer():
+    """A Llama-style tokenizer: "\u2581" for spaces, byte fallback, the first space stripped."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update((f"<0x{b:02X}>", 3 + b) for b in range(256))
+    for piece in ["\u2581", "\u2581\u2581", "\u2581Hello", "\u2581world", "Hello", "a", "\u2581a", ",", "\u2581,",
+                  ".", "\n", "\u2581the", "ab"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_spm_leading_space_and_byte_fallback_equal_the_whole_decode():
+    """The first space of a decode is stripped and byte tokens group into
+    characters: the window's context carries both, so the pieces still match."""
+    spm = spm_tokenizer()
+    assert decodes_locally(spm)
+    n = len(spm)
+    utf8 = [3 + b for ch in "é中🦀" for b in ch.encode()]
+    rng = random.Random(4)
+    fallbacks = 0
+    for case in range(400):
+        ids = []
+        while len(ids) < rng.randrange(1, 60):
+            kind = rng.random()
+            ids += ([rng.randrange(259, n)] if kind < 0.5 else [rng.choice([1, 2])] if kind < 0.6
+                    else utf8[(i := rng.randrange(len(utf8))):i + rng.randrange(1, 5)] if kind < 0.8
+                    else [rng.randrange(3, 259)])
+        stream, whole = StreamingText(spm), WholeDecode(spm)
+        for part in slices(rng, ids):
+            assert stream.add(part) == whole.add(part), (case, ids)
+        assert stream.add([], final=True) == whole.add([], final=True), (case, ids)
+        assert stream.text == whole.text
+        fallbacks += stream.whole
+    assert fallbacks < 100  # a byte run that turns invalid rewrites released text: decoded whole then

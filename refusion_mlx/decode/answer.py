@@ -12,11 +12,47 @@ decoding the whole answer at every step: it decodes a window of recent ids
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+import json
+import sys
+from typing import Dict, List, Optional, Sequence
 
 from .stats import SlotCommit
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, for now
+# tokenizers' decoders whose text of ids is the texts of runs of ids joined:
+# per-token maps, byte runs, one leading space stripped off the whole text
+LOCAL_DECODERS = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
+
+
+def _local_decoder(state: dict) -> bool:
+    if state.get("type") == "Sequence":
+        return all(_local_decoder(d) for d in state.get("decoders", []))
+    return state.get("type") in LOCAL_DECODERS
+
+
+def decodes_locally(tokenizer) -> bool:
+    """Whether a window of ids decodes to the text those ids have in the whole
+    decode: a Hugging Face fast tokenizer with transformers' own ``decode``,
+    no ``clean_up_tokenization_spaces``, and a decoder of ``LOCAL_DECODERS``.
+    Anything else (a subclass's own decode, mlx-lm's NewlineTokenizer, a stub)
+    is decoded whole."""
+    base = getattr(sys.modules.get("transformers"), "PreTrainedTokenizerBase", None)
+    if base is None:  # not loaded: no Hugging Face tokenizer here
+        return False
+    hf = tokenizer if isinstance(tokenizer, base) else getattr(tokenizer, "__dict__", {}).get("_tokenizer")
+    if not isinstance(hf, base):  # (mlx-lm's TokenizerWrapper holds the Hugging Face one)
+        return False
+    if getattr(hf, "clean_up_tokenization_spaces", True) is not False:
+        return False
+    for name in ("decode", "_decode"):
+        method = getattr(type(hf), name, None)
+        if not getattr(method, "__module__", "").startswith("transformers.tokenization_utils"):
+            return False
+    try:
+        decoder = hf.backend_tokenizer.decoder
+        return decoder is not None and _local_decoder(json.loads(decoder.__getstate__()))
+    except Exception:
+        return False
 
 
 class StreamingText:
@@ -32,12 +68,12 @@ class StreamingText:
     from the left: a byte sequence, a leading space) and its text,
     ``context``, is cut off the window's. Once the window's new text is
     complete the window moves on: the new ids become the next context. A
-    tokenizer whose decode is not a concatenation at token boundaries
-    (``clean_up_tokenization_spaces``, or a window that disagrees with its
-    context) is decoded whole, as before.
+    tokenizer whose decode is not known to be a concatenation at token
+    boundaries (``decodes_locally``), or a window that disagrees with its
+    context, is decoded whole, as before.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, window: Optional[bool] = None):
         self.tokenizer = tokenizer
         self.ids: List[int] = []
         self.start = 0  # window start: ids[start:read] are context only
@@ -45,7 +81,7 @@ class StreamingText:
         self.context = ""  # decode(ids[start:read])
         self.held = ""  # the window's new text already released (its tail is still held)
         self.pieces: List[str] = []
-        self.whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False) is True)
+        self.whole = not (decodes_locally(tokenizer) if window is None else window)
         self.decoded = 0  # ids passed to decode, all told (the work done)
 
     @property
