@@ -209,6 +209,7 @@ def test_adapter_folder_is_written_by_models_adapters(tmp_path):
     a numbered copy), adapter_config.json (its folder made as needed), and
     what a folder that cannot be made gives."""
     from refusion_mlx.models import adapters
+    from tests.helpers import random_config, random_model
 
     folder = tmp_path / "a" / "b"
     config = {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": adapters.lora_parameters()}
@@ -222,6 +223,13 @@ def test_adapter_folder_is_written_by_models_adapters(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(RefusionError, match="cannot create the adapter folder"):
         adapters.make_adapter_folder(tmp_path / "file" / "x")
+    (folder / "adapters.safetensors").write_text("not safetensors")
+    with pytest.raises(adapters.LoadError, match="adapters.safetensors is not a readable safetensors file"):
+        adapters.load_adapters(random_model(random_config()), folder)
+    from refusion_mlx.train.run import load_resume
+
+    with pytest.raises(RefusionError, match="--resume-adapter-file .* is not a readable safetensors file"):
+        load_resume(None, str(folder / "adapters.safetensors"))
 
 
 def test_load_with_adapters_gives_the_trained_logits(lora_run, tok):

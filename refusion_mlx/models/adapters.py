@@ -150,6 +150,16 @@ def read_adapter_config(folder: Union[str, Path]) -> dict:
     return config
 
 
+def read_weights(path: Union[str, Path], label: Optional[str] = None,
+                 error: type = LoadError) -> Dict[str, mx.array]:
+    """The tensors of a safetensors file; ``error`` (naming ``label``, else the
+    path) when it cannot be read."""
+    try:
+        return mx.load(str(path))
+    except Exception as e:
+        raise error(f"{label or path} is not a readable safetensors file: {e}") from None
+
+
 def load_adapters(model, adapter_path: Union[str, Path]):
     """Apply the adapters of a folder to an unfused model (in place) and return it.
 
@@ -168,10 +178,7 @@ def load_adapters(model, adapter_path: Union[str, Path]):
     if config.get("fine_tune_type") == "full" and any(
             isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
         raise LoadError(f"{folder} holds fully fine-tuned weights; they cannot go into a quantized model")
-    try:
-        weights = mx.load(str(folder / ADAPTER_FILE))
-    except Exception as e:
-        raise LoadError(f"{folder / ADAPTER_FILE} is not a readable safetensors file: {e}") from None
+    weights = read_weights(folder / ADAPTER_FILE)
     kind = config.get("fine_tune_type", "lora")
     if kind != "full":
         from mlx_lm.tuner.utils import linear_to_lora_layers

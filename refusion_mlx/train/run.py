@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from .._blas import reference_warning
 from ..errors import RefusionError
-from ..models.adapters import add_adapters, write_adapter_config
+from ..models.adapters import add_adapters, read_weights, write_adapter_config
 from ..models.loading import load
 from .batches import fit_length
 from .config import DEFAULT_NUM_LAYERS, merge
@@ -35,10 +35,7 @@ def load_resume(model, path: str) -> None:
     file = Path(path).expanduser()
     if not file.is_file():
         raise RefusionError(f"--resume-adapter-file {path}: no such file")
-    try:
-        weights = mx.load(str(file))
-    except Exception as e:
-        raise RefusionError(f"--resume-adapter-file {path} is not a readable safetensors file: {e}") from None
+    weights = read_weights(file, f"--resume-adapter-file {path}", RefusionError)
     trainable = dict(tree_flatten(model.trainable_parameters()))
     for name, value in weights.items():
         if name not in trainable:
