@@ -1,6 +1,6 @@
 """``python -m refusion_mlx.bench``: ReFusion against mlx-lm's autoregressive
 decoding of the same weights (``compare``), or one of the other measurements
-(``modes``: --concurrency, --http, --conversation, --layouts)."""
+(``modes``: --concurrency, --http, --conversation, --layouts, --shape)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..errors import DecodeError
 from . import modes
 from .compare import format_report, resolve_all, run_benchmark, write_json
 from .layouts import add_layout_args
+from .shapes import HIDDEN_SHAPES, SHAPES, shape_names
 from .suite import BenchError, load_suite
 
 
@@ -44,6 +45,15 @@ def build_parser() -> OneLineParser:
                              "sent to the server the way chat apps send it (whole history each turn); the "
                              "tokens it prefilled per turn with and without its prompt cache")
     add_layout_args(parser)
+    parser.add_argument("--shape", metavar="NAME",
+                        help="instead of the AR comparison: record the demo model's forwards on the suite's "
+                             f"first --prompts prompts, replay them on a model of a real shape ({', '.join(shape_names())}; "
+                             "random weights) and time mlx-lm on the same weights; with a forecast for Apple chips")
+    parser.add_argument("--q-bits", type=int, choices=(4, 8),
+                        help="with --shape: quantize the shape's weights to 4 or 8 bits (group size 64)")
+    parser.add_argument("--prompts", type=positive_int, default=4,
+                        help="with --shape: how many of the suite's prompts to record (default 4; "
+                             "--max-tokens defaults to 64 there)")
     return parser
 
 
@@ -52,6 +62,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
+        parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
+    if args.q_bits and args.shape is None:
+        parser.error("--q-bits goes with --shape")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:
@@ -65,6 +79,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
         if args.http and not args.concurrency:
             parser.error("--http goes with --concurrency")
+        if args.shape:
+            result = modes.measure_shape(args, suite, overrides, log)
+            print(result.pop("report"))
+            write_json(args.json, result)
+            return 0
         if args.layouts:
             result = modes.measure_layouts(args, suite, overrides, log)
             print(result.pop("report"))

@@ -164,13 +164,21 @@ def prepare(model, shapes: List[ForwardShape], seed: int = 0) -> Replay:
     return Replay(shapes, inputs, cache)
 
 
-def replay(model, prepared: Replay) -> List[float]:
-    """Run every recorded forward bare; return each one's seconds."""
+def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[float]:
+    """Run every recorded forward bare; return each one's seconds.
+
+    ``head_chunk``: run the LM head over at most that many rows at a time,
+    as the decoder does (``decode.forward.head_outputs``); None: one call."""
     times = []
     for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
         t0 = time.perf_counter()
         h = model.hidden(tokens, positions, write)[0]
-        out = model.head(h[-s.head_rows:]).astype(mx.float32) if s.head_rows else h
+        if s.head_rows:
+            rows = h[-s.head_rows:]
+            step = head_chunk or s.head_rows
+            out = [model.head(rows[i:i + step]).astype(mx.float32) for i in range(0, s.head_rows, step)]
+        else:
+            out = h
         mx.eval(out)
         times.append(time.perf_counter() - t0)
     return times

@@ -2,7 +2,8 @@
 the parsed flags returning its report dict: aggregate throughput of N
 concurrent requests in process (``run_concurrency``) or through the server's
 streams (``run_http``), a conversation's prefill with and without the prompt
-cache (``run_conversation``), the block-layout sweep (``measure_layouts``)."""
+cache (``run_conversation``), the block-layout sweep (``measure_layouts``),
+the recorded forwards replayed at a real model's shape (``measure_shape``)."""
 
 from __future__ import annotations
 
@@ -115,4 +116,16 @@ def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     result = run_layouts(args, model, tokenizer, suite, base, log)
     result["environment"] = env
     result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])
+    return result
+
+
+def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
+    """--shape NAME: the demo model's forwards replayed on a model of that shape
+    (random weights), against mlx-lm on the same arrays (``shapes``)."""
+    from .shapes import format_shape_report, run_shape
+
+    cases = Suite(suite.name, suite.cases[:args.prompts], suite.defaults, suite.source)
+    params = resolve_all(cases, args.preset, {"gen_length": 64, **overrides})
+    result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log)
+    result["report"] = format_shape_report(result)
     return result
