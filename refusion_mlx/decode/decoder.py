@@ -122,7 +122,7 @@ class RefusionDecoder:
         pass's phase.
         """
         p = self._pass
-        self.state.count_pass(p.phase, seconds, bool(result.host))
+        self.state.count_pass(p.phase, seconds, result.synced)
         try:
             self._pass = self._loop.send(result)
         except StopIteration:

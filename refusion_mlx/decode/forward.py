@@ -7,8 +7,10 @@ requests into one sequence, so every weight is read once per step, while
 attention stays per request (:class:`PackedWrite`): each request's queries
 see its own committed rows and its own pass, exactly as if it ran alone
 (REFUSION.md §3-§4). The LM head runs once over the rows every request needs,
-in chunks that bound the vocabulary-sized working set, and one evaluation
-then serves the whole batch: one host synchronisation per step.
+in chunks that bound the vocabulary-sized working set (on the GPU paths one
+chunk, reading the head weight once, while the logits fit a budget from the
+device's memory: ``backend.logits_budget``), and one evaluation then serves
+the whole batch: one host synchronisation per step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
+from ..models import backend
 from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
@@ -65,10 +68,13 @@ class Pass:
 
 @dataclass
 class PassResult:
-    """A pass's derived values: numpy arrays for the host, mx arrays kept."""
+    """A pass's derived values: numpy arrays for the host, mx arrays kept.
+    ``synced``: the pass ended in a blocking evaluation (a host
+    synchronisation), whether or not it brought values to the host."""
 
     host: Dict[str, np.ndarray] = field(default_factory=dict)
     device: Dict[str, mx.array] = field(default_factory=dict)
+    synced: bool = False
 
     def __getitem__(self, name: str):
         return self.host[name] if name in self.host else self.device[name]
@@ -124,6 +130,16 @@ def forward(model, passes: Sequence[Pass]) -> mx.array:
     return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write)[0]
 
 
+def head_chunk_rows(vocab: int) -> int:
+    """Head rows per LM-head matmul. CPU paths: ``LOGITS_BUDGET_BYTES`` of
+    float32 logits (~55 rows of a 151,671-token vocabulary), which keeps the
+    working set in cache. GPU paths: every chunk re-reads the whole head
+    weight, so as many rows as ``backend.logits_budget()`` (1/16 of the
+    device's memory) holds -- in practice all of a step's head rows at once."""
+    budget = backend.logits_budget() if backend.gpu_paths() else LOGITS_BUDGET_BYTES
+    return max(1, budget // (4 * vocab))
+
+
 def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Optional[HeadOutput]]:
     """The LM head over every pass's head rows, in chunks; split back per pass."""
     spans, start = [], 0
@@ -146,8 +162,7 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
     if want_follow:
         follow = mx.concatenate([p.follow if p.follow is not None else mx.zeros((p.head_rows,), mx.int32)
                                  for p, _ in wanted]) if len(wanted) > 1 else wanted[0][0].follow
-    vocab = model.args.vocab_size
-    per_chunk = max(1, LOGITS_BUDGET_BYTES // (4 * vocab))
+    per_chunk = head_chunk_rows(model.args.vocab_size)
     total = head_hidden.shape[0]
     parts = []
     for i in range(0, total, per_chunk):
@@ -179,7 +194,8 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     one host synchronisation of the step), device values stay on the device
     (evaluated, so what they were computed from can be freed).
     """
-    _blas.fit_rows(sum(len(p) for p in passes))
+    if backend.cpu_paths():
+        _blas.fit_rows(sum(len(p) for p in passes))
     hidden = forward(model, passes)
     heads = head_outputs(model, hidden, passes)
     derived = []
@@ -189,5 +205,6 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     for p in passes:
         if p.derive is None:  # a prefill chunk: materialise its cache's new rows now
             to_eval += p.write.cache.state()
-    mx.eval(*to_eval)
-    return [PassResult({k: np.array(v) for k, v in host.items()}, device) for host, device in derived]
+    mx.eval(*to_eval)  # blocks: the step's one host synchronisation, prefill chunks' included
+    synced = bool(to_eval)
+    return [PassResult({k: np.array(v) for k, v in host.items()}, device, synced) for host, device in derived]

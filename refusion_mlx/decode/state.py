@@ -99,7 +99,8 @@ class DecodeState:
             self.cache.keep(rows)
 
     def count_pass(self, phase: str, seconds: float, host_sync: bool) -> None:
-        """Book one forward this request took part in (its phase's wall time)."""
+        """Book one forward this request took part in (its phase's wall time);
+        ``host_sync``: it ended in a blocking evaluation (``PassResult.synced``)."""
         self.stats.forwards += 1
         self.stats.host_syncs += bool(host_sync)
         self.stats.seconds[phase] += seconds

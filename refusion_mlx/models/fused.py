@@ -11,6 +11,8 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .backend import gpu_paths
+
 
 class Derived:
     """An array made from parameters and remade whenever one is replaced
@@ -31,14 +33,17 @@ class Derived:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` multiplying by a transposed view of its weight made once
-    (no copy), instead of a transpose op in every call."""
+    """``nn.Linear``; on the CPU paths (``backend``) it multiplies by a
+    transposed view of its weight made once (no copy), instead of a transpose
+    op dispatched in every call."""
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool = True):
         super().__init__(input_dims, output_dims, bias=bias)
         self._weight_t = Derived()
 
     def __call__(self, x: mx.array) -> mx.array:
+        if gpu_paths():
+            return super().__call__(x)
         weight_t = self._weight_t.get((self["weight"],), lambda w: w.T)
         if "bias" in self:
             return mx.addmm(self["bias"], x, weight_t)

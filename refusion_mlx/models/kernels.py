@@ -1,9 +1,9 @@
-"""Elementwise numerics, per device.
+"""Elementwise numerics, per device (``backend``: GPU or CPU paths).
 
-On the GPU these are MLX's own kernels. MLX's CPU backend computes ``exp``
+On the GPU paths these are MLX's own kernels. MLX's CPU backend computes ``exp``
 one element at a time (~14 ns each here, ~30x numpy's), and a ReFusion
 forward is full of exponentials: the SwiGLU of every layer, the attention
-softmax, the LM head's log-sum-exp over the vocabulary. On the CPU, in
+softmax, the LM head's log-sum-exp over the vocabulary. On the CPU paths, in
 float32, they use :func:`exp` below instead: one fused, vectorised kernel,
 3-4x faster, within 2e-6 relative error (logits move by ~1e-6; the golden
 cases stay token-exact).
@@ -14,9 +14,11 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
+from .backend import cpu_paths
+
 
 def _cpu_float32(x: mx.array) -> bool:
-    return mx.default_device() != mx.gpu and x.dtype == mx.float32
+    return x.dtype == mx.float32 and cpu_paths()
 
 
 @mx.compile

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
+from . import backend
 from .qwen3 import Model, ModelArgs
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
@@ -126,9 +127,10 @@ def _quantize(model: Model, config: Dict[str, Any], weights: Dict[str, mx.array]
 
 
 def default_dtype(stored: mx.Dtype) -> mx.Dtype:
-    """float32 on the CPU (half-precision matmuls are slower there, and exact
-    parity with the reference is a float32 property); the stored dtype on a GPU."""
-    if mx.default_device() == mx.cpu:
+    """float32 on the CPU paths (half-precision matmuls are slower there, and
+    exact parity with the reference is a float32 property); the stored dtype
+    on the GPU paths (``backend``)."""
+    if backend.cpu_paths():
         return mx.float32
     return stored
 
@@ -193,6 +195,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
     stays quantized); only the projection groups they leave plain are fused.
     """
+    backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
     model_path = resolve_model_path(path_or_repo)
     model, config = load_model(model_path, dtype=dtype, lazy=lazy)
     if adapter_path is not None:
@@ -212,6 +215,6 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
     model.args.mask_token_id = mask_id
     model.model_path = model_path
-    if mx.default_device() == mx.cpu:
+    if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)
     return model, tokenizer

@@ -1,0 +1,156 @@
+"""The one switch between the GPU paths and the CPU paths.
+
+MLX runs the same graph on a Metal (or CUDA) GPU and on the CPU, but what is
+fast differs. Every device-specific choice of the runtime asks this module,
+and nothing else, which side it is on:
+
+========================  ==================================  =====================================
+choice                    GPU paths                           CPU paths
+========================  ==================================  =====================================
+RMSNorm, attention        ``mx.fast`` fused kernels           compiled / regrouped ops (cpu_paths)
+exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
+LM-head log-sum-exp                                           kernels.exp)
+Linear layers             ``nn.Linear`` (``x @ w.T``)         a transposed weight view made once
+layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
+LM head                   all head rows in one matmul while   chunks of ``probs.LOGITS_BUDGET_BYTES``
+                          the logits fit 1/16 of the device's (32 MB of float32 logits)
+                          memory (:func:`logits_budget`)
+BLAS threads              untouched                           fitted to the model and the pass
+                                                              (``_blas.fit_threads`` / ``fit_rows``)
+default dtype             the checkpoint's                    float32
+wired memory              :func:`wired_limit` on Metal        nothing
+========================  ==================================  =====================================
+
+The mode is ``auto`` (the default: the GPU paths when ``mx.default_device()``
+is the GPU, else the CPU paths), ``gpu`` or ``cpu``, from the environment
+variable ``REFUSION_MLX_PATHS``. Forcing ``gpu`` on a CPU runs the GPU paths
+on MLX's CPU kernels -- slower, but how the tests check on a machine without
+a GPU that both sides decode the golden cases token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Iterator, Optional
+
+import mlx.core as mx
+
+from ..errors import RefusionError
+
+ENV = "REFUSION_MLX_PATHS"
+MODES = ("auto", "gpu", "cpu")
+
+# Without a memory size from the device: the logits budget of the GPU paths.
+FALLBACK_LOGITS_BUDGET_BYTES = 1 << 30
+# The share of the device's memory the LM head's float32 logits may take.
+LOGITS_MEMORY_FRACTION = 16
+
+
+class PathsError(RefusionError):
+    """REFUSION_MLX_PATHS names no mode."""
+
+
+def mode() -> str:
+    """The mode asked for: ``auto``, ``gpu`` or ``cpu`` (unset or empty: ``auto``).
+
+    Raises :class:`PathsError` (one line) for any other value."""
+    raw = os.environ.get(ENV)
+    if not raw:
+        return "auto"
+    value = raw.strip().lower()
+    if value not in MODES:
+        raise PathsError(f"{ENV}={raw!r} is not a mode: use one of {', '.join(MODES)}")
+    return value
+
+
+def gpu_paths() -> bool:
+    """True: take the GPU paths; False: the CPU paths."""
+    m = mode()
+    if m == "auto":
+        return mx.default_device() == mx.gpu
+    return m == "gpu"
+
+
+def cpu_paths() -> bool:
+    """True: take the CPU paths (see the table above)."""
+    return not gpu_paths()
+
+
+def paths() -> str:
+    """``"gpu"`` or ``"cpu"``: the paths in force (checks the mode)."""
+    return "gpu" if gpu_paths() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_size(device: str) -> Optional[int]:
+    try:
+        info = mx.device_info()
+    except Exception:
+        return None
+    for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def memory_size() -> Optional[int]:
+    """The default device's memory in bytes, when it reports one (Metal, CUDA)."""
+    return _memory_size(str(mx.default_device()))
+
+
+def logits_budget() -> int:
+    """Bytes of float32 logits the GPU paths' LM head may hold at once:
+    1/16 of the device's memory, or 1 GiB when it reports none."""
+    size = memory_size()
+    if size is None:
+        return FALLBACK_LOGITS_BUDGET_BYTES
+    return max(1, size // LOGITS_MEMORY_FRACTION)
+
+
+def _is_metal() -> bool:
+    try:
+        return mx.default_device() == mx.gpu and mx.metal.is_available()
+    except Exception:
+        return False
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+
+
+@contextlib.contextmanager
+def wired_limit(model=None) -> Iterator[None]:
+    """Keep the model's memory wired (resident) on Metal while the block runs.
+
+    Sets ``mx.set_wired_limit`` to the device's recommended working-set size
+    and restores the previous limit after synchronising (the limit must not
+    change under a running evaluation). Nothing on the CPU or CUDA, or when
+    the device recommends no size. ``model`` (optional): warn on stderr when
+    its weights come near that size (they cannot all stay resident).
+    """
+    if not _is_metal():
+        yield
+        return
+    size = mx.device_info().get("max_recommended_working_set_size")
+    if not isinstance(size, int) or size <= 0:
+        yield
+        return
+    if model is not None:
+        need = model_bytes(model)
+        if need > 0.9 * size:
+            import sys
+
+            print(f"warning: the model takes {need >> 20} MB, close to the {size >> 20} MB "
+                  "the GPU keeps resident: decoding may be slow", file=sys.stderr)
+    old = mx.set_wired_limit(size)
+    try:
+        yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)

@@ -1,0 +1,122 @@
+"""The one switch between GPU and CPU paths (models/backend.py): both decode
+every golden case token for token, alone and in one batch."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from refusion_mlx.decode import forward as forward_module
+from refusion_mlx.decode.batch import batch_generate
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import RefusionParams
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.models import backend
+
+from tests.helpers import FIXTURE_MODEL
+
+
+def params_of(case):
+    return RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
+                          serial_num_blocks=case["serial_num_blocks"],
+                          slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, monkeypatch, mode):
+    """Float32, T=0: each case alone, then all 32 in one batch."""
+    monkeypatch.setenv(backend.ENV, mode)
+    assert backend.paths() == mode
+    model, tokenizer = demo
+    wrong = []
+    for i, case in enumerate(golden_cases):
+        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+        for _ in decoder.steps():
+            pass
+        if decoder.response() != case["output_ids"]:
+            wrong.append(i)
+        # every pass ends in one blocking evaluation, prefill chunks included
+        assert decoder.stats.host_syncs == decoder.stats.forwards
+    assert not wrong
+    results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in golden_cases],
+                             [params_of(c) for c in golden_cases], max_batch=len(golden_cases))
+    assert [i for i, (r, c) in enumerate(zip(results, golden_cases)) if r.output_ids != c["output_ids"]] == []
+
+
+def test_gpu_paths_head_reads_the_weight_once_per_step(monkeypatch):
+    """CPU paths: chunks of LOGITS_BUDGET_BYTES; GPU paths: the device's budget."""
+    vocab = 151_671
+    monkeypatch.setenv(backend.ENV, "cpu")
+    assert forward_module.head_chunk_rows(vocab) == forward_module.LOGITS_BUDGET_BYTES // (4 * vocab)
+    monkeypatch.setenv(backend.ENV, "gpu")
+    monkeypatch.setattr(backend, "memory_size", lambda: 64 << 30)
+    assert forward_module.head_chunk_rows(vocab) == (4 << 30) // (4 * vocab)  # 1/16 of 64 GB
+    monkeypatch.setattr(backend, "memory_size", lambda: None)
+    assert forward_module.head_chunk_rows(vocab) == backend.FALLBACK_LOGITS_BUDGET_BYTES // (4 * vocab)
+
+
+@pytest.mark.parametrize("i", [8, 24])
+def test_gpu_paths_chunked_head_changes_nothing(demo, golden_cases, monkeypatch, i):
+    """A GPU budget of one slot of logits per chunk: still token-exact."""
+    monkeypatch.setenv(backend.ENV, "gpu")
+    model, tokenizer = demo
+    case = golden_cases[i]
+    monkeypatch.setattr(backend, "logits_budget", lambda: 4 * model.args.vocab_size * case["slot_size"])
+    decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                              mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+    for _ in decoder.steps():
+        pass
+    assert decoder.response() == case["output_ids"]
+
+
+def test_auto_follows_the_default_device(monkeypatch):
+    monkeypatch.delenv(backend.ENV, raising=False)
+    assert backend.mode() == "auto"
+    assert backend.gpu_paths() == (mx.default_device() == mx.gpu)
+    monkeypatch.setenv(backend.ENV, " CPU ")
+    assert backend.mode() == "cpu" and backend.cpu_paths()
+
+
+def test_unknown_mode_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "metal")
+    with pytest.raises(backend.PathsError) as e:
+        backend.paths()
+    assert isinstance(e.value, RefusionError)
+    assert "REFUSION_MLX_PATHS='metal'" in str(e.value) and "auto, gpu, cpu" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_mode_fails_a_command_in_one_line():
+    env = {**__import__("os").environ, backend.ENV: "fast"}
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL),
+                           "--prompt", "hi", "--max-tokens", "8"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: REFUSION_MLX_PATHS='fast'"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_wired_limit_is_a_no_op_off_metal(monkeypatch):
+    def refuse(*_):
+        raise AssertionError("set_wired_limit called off Metal")
+
+    monkeypatch.setattr(backend, "_is_metal", lambda: False)
+    monkeypatch.setattr(mx, "set_wired_limit", refuse)
+    with backend.wired_limit():
+        pass
+
+
+def test_wired_limit_sets_and_restores_on_metal(monkeypatch):
+    calls = []
+    monkeypatch.setattr(backend, "_is_metal", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1 << 30})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: calls.append(n) or 7)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    with pytest.raises(KeyError):
+        with backend.wired_limit():
+            assert calls == [1 << 30]
+            raise KeyError("inside")
+    assert calls == [1 << 30, 7]  # restored, also after an error
