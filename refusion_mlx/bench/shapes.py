@@ -74,8 +74,9 @@ class Chip:
 # M3 Ultra 819 GB/s. Apple publishes no TFLOP/s: the commonly cited GPU FP32
 # figures (cores x 128 ALUs x 2 FLOPs x clock; en.wikipedia.org "Apple M3" and
 # "Apple M4" GPU tables): M3 Pro 18-core ~7.4, M4 Pro 20-core ~9.2, M4 Max
-# 40-core ~18.4, M3 Ultra 80-core ~28.2, here taken x2 for fp16 matrix work
-# (an assumption, optimistic: it only matters where a forward is compute bound).
+# 40-core ~18.4, M3 Ultra 80-core ~28.2 (sources differ by up to ~20% on the
+# clock assumed), here taken x2 for fp16 matrix work (an assumption, and an
+# optimistic one: it only matters where a forward is compute bound).
 CHIPS = (
     Chip("M3 Pro (18-core GPU)", 150.0, 2 * 7.4),
     Chip("M4 Pro (20-core GPU)", 273.0, 2 * 9.2),
