@@ -16,6 +16,7 @@ from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
 from .errors import RefusionError
+from .models.backend import wired_limit
 from .models.loading import load
 
 __all__ = ["ChatSession", "build_parser", "main"]
@@ -70,7 +71,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
               + (" · no cache reuse" if args.no_reuse else ""))
     term.note(HELP)
-    return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
+    with wired_limit(model):  # Metal: the weights stay resident between turns
+        return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
 from .decode.stream import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
 from .decode.params import PARAM_NAMES, make_params
+from .models.backend import wired_limit
 from .models.loading import load
 
 # the names this module offered before the package was split by concern
@@ -74,7 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"BLAS: {blas_description()}", file=sys.stderr)
         return 0
 
-    return run(body)
+    with wired_limit():  # Metal: the weights stay resident while the command decodes
+        return run(body)
 
 
 def run_prompts_file(args, params) -> int:

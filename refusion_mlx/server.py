@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
 from .errors import RefusionError
+from .models.backend import wired_limit
 from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES
 from .serve.http_server import DEFAULT_MAX_BODY, RefusionServer
 
@@ -89,33 +90,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
-    server = None
-    try:
-        params = params_from_args(args)
-        origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
+        server = None
         try:
-            server = RefusionServer(args.model, host=args.host, port=args.port, dtype=args.dtype, params=params,
-                                    default_max_tokens=params.gen_length, model_id=args.model_id,
-                                    max_batch=args.max_batch, max_queue=args.max_queue,
-                                    max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                                    prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path)
-        except OSError as e:
-            raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-        if server.host not in ("127.0.0.1", "::1", "localhost"):
-            log.warning("listening on %s: other machines can reach this server", server.host)
-        log.info("loading %s ...", server.model_id)
-        server.load()
-        log.info("serving %s at %s (Ctrl-C to stop; API docs at %s/docs)", server.model_id, server.url,
-                 server.url[:-3])
-        server.serve_forever()
-    except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server is not None:
-            server.close()
+            params = params_from_args(args)
+            origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+            try:
+                server = RefusionServer(args.model, host=args.host, port=args.port, dtype=args.dtype, params=params,
+                                        default_max_tokens=params.gen_length, model_id=args.model_id,
+                                        max_batch=args.max_batch, max_queue=args.max_queue,
+                                        max_body_bytes=args.max_body_bytes, allowed_origins=origins,
+                                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path)
+            except OSError as e:
+                raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+            if server.host not in ("127.0.0.1", "::1", "localhost"):
+                log.warning("listening on %s: other machines can reach this server", server.host)
+            log.info("loading %s ...", server.model_id)
+            server.load()
+            log.info("serving %s at %s (Ctrl-C to stop; API docs at %s/docs)", server.model_id, server.url,
+                     server.url[:-3])
+            server.serve_forever()
+        except RefusionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if server is not None:
+                server.close()
     log.info("stopped")
     return 0
 

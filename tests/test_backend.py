@@ -17,6 +17,19 @@ from refusion_mlx.models import backend
 from tests.helpers import FIXTURE_MODEL
 
 
+@pytest.fixture
+def set_paths(monkeypatch):
+    """Set REFUSION_MLX_PATHS and have the runtime read it (a model load
+    would); the environment and the mode as read are restored after."""
+    def set_to(value):
+        monkeypatch.setenv(backend.ENV, value)
+        return backend.mode()
+
+    yield set_to
+    monkeypatch.undo()
+    backend.mode()
+
+
 def params_of(case):
     return RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
                           serial_num_blocks=case["serial_num_blocks"],
@@ -24,9 +37,9 @@ def params_of(case):
 
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, monkeypatch, mode):
+def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_paths, mode):
     """Float32, T=0: each case alone, then all 32 in one batch."""
-    monkeypatch.setenv(backend.ENV, mode)
+    set_paths(mode)
     assert backend.paths() == mode
     model, tokenizer = demo
     wrong = []
@@ -45,12 +58,12 @@ def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, monk
     assert [i for i, (r, c) in enumerate(zip(results, golden_cases)) if r.output_ids != c["output_ids"]] == []
 
 
-def test_gpu_paths_head_reads_the_weight_once_per_step(monkeypatch):
+def test_gpu_paths_head_reads_the_weight_once_per_step(monkeypatch, set_paths):
     """CPU paths: chunks of LOGITS_BUDGET_BYTES; GPU paths: the device's budget."""
     vocab = 151_671
-    monkeypatch.setenv(backend.ENV, "cpu")
+    set_paths("cpu")
     assert forward_module.head_chunk_rows(vocab) == forward_module.LOGITS_BUDGET_BYTES // (4 * vocab)
-    monkeypatch.setenv(backend.ENV, "gpu")
+    set_paths("gpu")
     monkeypatch.setattr(backend, "memory_size", lambda: 64 << 30)
     assert forward_module.head_chunk_rows(vocab) == (4 << 30) // (4 * vocab)  # 1/16 of 64 GB
     monkeypatch.setattr(backend, "memory_size", lambda: None)
@@ -58,9 +71,9 @@ def test_gpu_paths_head_reads_the_weight_once_per_step(monkeypatch):
 
 
 @pytest.mark.parametrize("i", [8, 24])
-def test_gpu_paths_chunked_head_changes_nothing(demo, golden_cases, monkeypatch, i):
+def test_gpu_paths_chunked_head_changes_nothing(demo, golden_cases, monkeypatch, set_paths, i):
     """A GPU budget of one slot of logits per chunk: still token-exact."""
-    monkeypatch.setenv(backend.ENV, "gpu")
+    set_paths("gpu")
     model, tokenizer = demo
     case = golden_cases[i]
     monkeypatch.setattr(backend, "logits_budget", lambda: 4 * model.args.vocab_size * case["slot_size"])
@@ -71,18 +84,16 @@ def test_gpu_paths_chunked_head_changes_nothing(demo, golden_cases, monkeypatch,
     assert decoder.response() == case["output_ids"]
 
 
-def test_auto_follows_the_default_device(monkeypatch):
-    monkeypatch.delenv(backend.ENV, raising=False)
-    assert backend.mode() == "auto"
+def test_auto_follows_the_default_device(set_paths):
+    assert set_paths("") == "auto"
     assert backend.gpu_paths() == (mx.default_device() == mx.gpu)
-    monkeypatch.setenv(backend.ENV, " CPU ")
-    assert backend.mode() == "cpu" and backend.cpu_paths()
+    assert set_paths(" CPU ") == "cpu" and backend.cpu_paths()
+    assert set_paths("gpu") == "gpu" and backend.paths() == "gpu"
 
 
-def test_unknown_mode_is_a_one_line_error(monkeypatch):
-    monkeypatch.setenv(backend.ENV, "metal")
+def test_unknown_mode_is_a_one_line_error(set_paths):
     with pytest.raises(backend.PathsError) as e:
-        backend.paths()
+        set_paths("metal")
     assert isinstance(e.value, RefusionError)
     assert "REFUSION_MLX_PATHS='metal'" in str(e.value) and "auto, gpu, cpu" in str(e.value)
     assert "\n" not in str(e.value)
@@ -120,3 +131,20 @@ def test_wired_limit_sets_and_restores_on_metal(monkeypatch):
             assert calls == [1 << 30]
             raise KeyError("inside")
     assert calls == [1 << 30, 7]  # restored, also after an error
+
+
+def test_engine_clears_the_allocator_cache_when_the_batch_empties(monkeypatch):
+    from types import SimpleNamespace
+
+    from refusion_mlx.serve.engine import Engine
+
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
+    engine = Engine()
+    engine.gen = SimpleNamespace(remove=lambda uid: True)
+    jobs = [SimpleNamespace(uid=uid, cache=None, post=lambda *a: None) for uid in (1, 2)]
+    engine.running = {job.uid: job for job in jobs}
+    engine._close(jobs[0], "completed")
+    assert not cleared  # one request still decodes: its buffers are reused
+    engine._close(jobs[1], "cancelled")
+    assert cleared == [1]

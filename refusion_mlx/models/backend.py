@@ -23,7 +23,8 @@ wired memory              :func:`wired_limit` on Metal        nothing
 
 The mode is ``auto`` (the default: the GPU paths when ``mx.default_device()``
 is the GPU, else the CPU paths), ``gpu`` or ``cpu``, from the environment
-variable ``REFUSION_MLX_PATHS``. Forcing ``gpu`` on a CPU runs the GPU paths
+variable ``REFUSION_MLX_PATHS``, read on first use and again whenever a model
+loads (:func:`mode`). Forcing ``gpu`` on a CPU runs the GPU paths
 on MLX's CPU kernels -- slower, but how the tests check on a machine without
 a GPU that both sides decode the golden cases token for token.
 """
@@ -52,25 +53,36 @@ class PathsError(RefusionError):
     """REFUSION_MLX_PATHS names no mode."""
 
 
+_UNREAD = object()
+# the mode as last read: None (auto), True (gpu), False (cpu); _UNREAD: read it
+_forced = _UNREAD
+
+
 def mode() -> str:
     """The mode asked for: ``auto``, ``gpu`` or ``cpu`` (unset or empty: ``auto``).
 
-    Raises :class:`PathsError` (one line) for any other value."""
+    Reads the environment again (loading a model does), and the hot paths
+    follow what it read. Raises :class:`PathsError` (one line) for any
+    other value."""
+    global _forced
     raw = os.environ.get(ENV)
-    if not raw:
-        return "auto"
-    value = raw.strip().lower()
+    value = (raw or "auto").strip().lower()
     if value not in MODES:
         raise PathsError(f"{ENV}={raw!r} is not a mode: use one of {', '.join(MODES)}")
+    _forced = None if value == "auto" else value == "gpu"
     return value
 
 
 def gpu_paths() -> bool:
-    """True: take the GPU paths; False: the CPU paths."""
-    m = mode()
-    if m == "auto":
+    """True: take the GPU paths; False: the CPU paths. Cheap (the model asks
+    it in every layer): the mode as last read by :func:`mode`."""
+    forced = _forced
+    if forced is _UNREAD:
+        mode()
+        forced = _forced
+    if forced is None:
         return mx.default_device() == mx.gpu
-    return m == "gpu"
+    return forced
 
 
 def cpu_paths() -> bool:

@@ -246,6 +246,10 @@ class Engine:
         _free(job.cache)
         job.cache = None
         self.counts[outcome] += 1
+        if not self.running:  # the batch is empty: hand the allocator's cached buffers back
+            import mlx.core as mx
+
+            mx.clear_cache()
 
     def _end_all(self, error: APIError) -> None:
         for job in list(self.running.values()):

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from .._blas import reference_warning
 from ..errors import RefusionError
 from ..models.adapters import add_adapters, read_weights, write_adapter_config
+from ..models.backend import wired_limit
 from ..models.loading import load
 from .batches import fit_length
 from .config import DEFAULT_NUM_LAYERS, merge
@@ -139,8 +140,9 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
                          draft_run=o["draft_run"], by_length=o["batch_order"] == "length")
         report("Training")
-        result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
-                       report=report, progress=progress)
+        with wired_limit(model):  # Metal: keep the weights resident while training
+            result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,
+                           report=report, progress=progress)
         report(f"Trained {result.iterations} iterations: {result.tokens_per_second:.1f} tokens/s, "
                f"{result.iterations_per_second:.3f} it/s, peak memory {result.peak_memory_gb:.3f} GB")
     if o["test"]:
@@ -148,10 +150,11 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         batches = len(test_set) // bs
         if o["test_batches"] != -1:
             batches = min(batches, o["test_batches"])
-        loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
-                        quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
-                        draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
-                        draft_run=o["draft_run"])
+        with wired_limit(model):
+            loss = evaluate(model, test_set, bs, batches, mask_id, o["max_seq_length"], o["seed"], pad_id,
+                            quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
+                            draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
+                            draft_run=o["draft_run"])
         report(f"Test loss {loss:.3f}.")
     model.eval()
     return model, tokenizer, result
