@@ -18,7 +18,8 @@ checkpoint. This mode
    measurement.
 
 The replay times the model alone (no drafting, scoring or host bookkeeping:
-``bench.overhead`` measures that part, ~1.1x on the 0.6B shape).
+``bench.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
+not apply: each side runs once after a short warm-up.
 """
 
 from __future__ import annotations
