@@ -11,6 +11,7 @@ from typing import List, Optional
 from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int, positive_ints, run
 from ..decode.params import PARAM_NAMES
 from ..errors import DecodeError
+from ..models.backend import wired_limit
 from . import modes
 from .compare import format_report, resolve_all, run_benchmark, write_json
 from .layouts import add_layout_args
@@ -103,7 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_json(args.json, result)
         return 0
 
-    return run(body)
+    with wired_limit():  # Metal: the weights stay resident while measuring
+        return run(body)
 
 
 if __name__ == "__main__":
