@@ -22,7 +22,7 @@ def tiny_report(tmp_path_factory):
 def test_shape_report_keys_and_replay(tiny_report):
     r = tiny_report
     assert KEYS <= set(r)
-    assert r["shape"] == "tiny" and r["paths"] and r["device"]
+    assert r["shape"] == "tiny" and r["paths"] and r["device"] and r["recorded_with"] == "bundled demo model"
     assert r["prompts"] == 2 and r["forwards"] == r["replayed_forwards"] > 0
     assert r["forwards"] == sum(r["forwards_per_phase"].values())
     assert r["refusion_tok_s"] > 0 and r["ar_tok_s"] > 0 and r["ratio"] > 0

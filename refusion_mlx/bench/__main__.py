@@ -47,9 +47,10 @@ def build_parser() -> OneLineParser:
                              "tokens it prefilled per turn with and without its prompt cache")
     add_layout_args(parser)
     parser.add_argument("--shape", metavar="NAME",
-                        help="instead of the AR comparison: record the demo model's forwards on the suite's "
-                             f"first --prompts prompts, replay them on a model of a real shape ({', '.join(shape_names())}; "
-                             "random weights) and time mlx-lm on the same weights; with a forecast for Apple chips")
+                        help="instead of the AR comparison: record the demo model's (or --model's) forwards "
+                             "on the suite's first --prompts prompts, replay them on a model of a real shape "
+                             f"({', '.join(shape_names())}; random weights) and time mlx-lm on the same "
+                             "weights; with a forecast for Apple chips")
     parser.add_argument("--q-bits", type=int, choices=(4, 8),
                         help="with --shape: quantize the shape's weights to 4 or 8 bits (group size 64)")
     parser.add_argument("--prompts", type=positive_int, default=4,

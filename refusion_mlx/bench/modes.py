@@ -126,6 +126,7 @@ def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
     cases = Suite(suite.name, suite.cases[:args.prompts], suite.defaults, suite.source)
     params = resolve_all(cases, args.preset, {"gen_length": 64, **overrides})
-    result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log)
+    result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log,
+                       record_model=args.model)
     result["report"] = format_shape_report(result)
     return result

@@ -119,13 +119,13 @@ class Recorded:
         return [s for f in self.forwards for s in f]
 
 
-def record(suite: Suite, params, log=None) -> Recorded:
-    """Decode each case with the demo model, recording its forwards."""
+def record(suite: Suite, params, log=None, model_path: Optional[str] = None) -> Recorded:
+    """Decode each case with the demo model (or ``model_path``'s), recording its forwards."""
     from ..decode.decoder import RefusionDecoder
     from ..decode.stream import chat_prompt
     from ..models.loading import load
 
-    model, tokenizer = load(None)
+    model, tokenizer = load(model_path)
     out = Recorded([], [], [])
     for case, p in zip(suite.cases, params):
         ids = chat_prompt(tokenizer, case.prompt, system=case.system)
@@ -284,9 +284,9 @@ def time_ar(ar_model, rec: Recorded, seed: int = 0) -> List[float]:
 
 
 def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: Optional[int] = None,
-              ar: bool = True, log=None) -> dict:
+              ar: bool = True, log=None, record_model: Optional[str] = None) -> dict:
     say = log or (lambda _m: None)
-    rec = record(suite, params, log)
+    rec = record(suite, params, log, record_model)
     say(f"building {name} ({dtype}{f', {q_bits}-bit' if q_bits else ''}) with random weights")
     model, ar_model = build_models(name, dtype, q_bits, ar)
     costs = Costs.of(model)
@@ -310,7 +310,8 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
                      "refusion_tok_s": round(r, 1), "ar_tok_s": round(a, 1), "ratio": round(r / a, 3)})
     n_params = costs.body_params + costs.head_params * (1 if model.args.tie_word_embeddings else 2)
     return {
-        "shape": name, "config": shape_config(name), "parameters": n_params, "dtype": dtype, "q_bits": q_bits,
+        "shape": name, "recorded_with": record_model or "bundled demo model", "config": shape_config(name),
+        "parameters": n_params, "dtype": dtype, "q_bits": q_bits,
         "device": device_description(), "paths": os.environ.get("REFUSION_MLX_PATHS", "auto"),
         "prompts": len(rec.generated), "prompt_tokens": rec.prompt_tokens, "generated_tokens": rec.generated,
         "forwards": len(shapes), "replayed_forwards": len(seconds),
@@ -339,7 +340,7 @@ def format_shape_report(r: dict) -> str:
              f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}; "
              f"{r['parameters'] / 1e6:.0f}M parameters, random weights, {r['dtype']}{quant}",
              f"device: {r['device']}; paths: {r['paths']}",
-             f"forwards recorded on the demo model: {r['prompts']} prompts, {sum(r['generated_tokens'])} "
+             f"forwards recorded with the {r['recorded_with']}: {r['prompts']} prompts, {sum(r['generated_tokens'])} "
              f"tokens in {r['forwards']} forwards (replayed: {r['replayed_forwards']}); LM head "
              f"{r['head_rows_per_chunk']} rows per chunk, {r['head_reads_per_step']} reads per step "
              f"(max {r['head_reads_per_step_max']})", ""]
