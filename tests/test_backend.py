@@ -46,12 +46,13 @@ def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_
     for i, case in enumerate(golden_cases):
         decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
                                   mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
-        for _ in decoder.steps():
-            pass
+        phases = {s.phase for s in decoder.steps()}
         if decoder.response() != case["output_ids"]:
             wrong.append(i)
-        # every pass ends in one blocking evaluation, prefill chunks included
-        assert decoder.stats.host_syncs == decoder.stats.forwards
+        # every pass ends in one blocking evaluation, prefill chunks included,
+        # but an infill draft (device values only: mx.async_eval)
+        stats = decoder.stats
+        assert stats.host_syncs < stats.forwards if "infill" in phases else stats.host_syncs == stats.forwards
     assert not wrong
     results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in golden_cases],
                              [params_of(c) for c in golden_cases], max_batch=len(golden_cases))

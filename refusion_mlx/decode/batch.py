@@ -136,7 +136,11 @@ class BatchGenerator:
         return False
 
     def step(self) -> List[GenerationResponse]:
-        """One forward over every active request; their responses of this step."""
+        """One forward over every active request; their responses of this step.
+
+        The forward blocks (one host synchronisation) unless every request's
+        pass in it keeps its values on the device (``run_passes``): one
+        request planning while another drafts an infill makes it blocking."""
         if not self.active and self.waiting:
             mx.reset_peak_memory()  # the peak of this busy period
         while self.waiting and len(self.active) < self.max_batch:

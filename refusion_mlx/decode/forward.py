@@ -10,7 +10,9 @@ see its own committed rows and its own pass, exactly as if it ran alone
 in chunks that bound the vocabulary-sized working set (on the GPU paths one
 chunk, reading the head weight once, while the logits fit a budget from the
 device's memory: ``backend.logits_budget``), and one evaluation then serves
-the whole batch: one host synchronisation per step.
+the whole batch: one host synchronisation per step -- none for a step whose
+passes all keep their values on the device (infill drafts), which is
+evaluated asynchronously (:func:`run_passes`).
 """
 
 from __future__ import annotations
@@ -187,24 +189,69 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
     return out
 
 
+# The arrays of the last device-only step, evaluated asynchronously (the
+# step's row count with them): nothing of the host waits on them, but a BLAS
+# thread change must not happen while they may still be computing.
+_in_flight: Optional[Tuple[int, List[mx.array]]] = None
+
+
+def _fit_threads(rows: int) -> bool:
+    """CPU paths: the BLAS thread count for a forward of ``rows`` tokens.
+    When it would change while a device-only step may still be computing,
+    wait for that step first (a blocking evaluation: True), so no matmul
+    runs with a thread count other than its own forward's."""
+    global _in_flight
+    waited = False
+    if _in_flight is not None:
+        before, arrays = _in_flight
+        if (before >= _blas.WIDE_ROWS) != (rows >= _blas.WIDE_ROWS):
+            mx.eval(*arrays)
+            waited = True
+        _in_flight = None
+    _blas.fit_rows(rows)
+    return waited
+
+
+def device_only(derived: Sequence[Tuple[Dict[str, mx.array], Dict[str, mx.array]]],
+                passes: Sequence[Pass]) -> bool:
+    """Whether no host decision waits on this step: every pass derives
+    values (no prefill chunk) and none of them is for the host. In a batch,
+    one pass that needs the host makes the whole forward blocking."""
+    return all(p.derive is not None and not host for p, (host, _) in zip(passes, derived))
+
+
 def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     """One forward over all passes, the head, and one evaluation for all.
 
     Returns each pass's derived values; host values are numpy arrays (the
-    one host synchronisation of the step), device values stay on the device
-    (evaluated, so what they were computed from can be freed).
+    one host synchronisation of the step), device values stay on the device.
+
+    A step that needs no host value (every pass's ``derive`` returns an empty
+    host dict, e.g. a batch of infill draft passes) ends in ``mx.async_eval``
+    instead: the host goes on building the next pass while the device works,
+    and ``PassResult.synced`` is False. Its device values are still being
+    materialised, in order, before anything that reads them runs (the next
+    pass takes them as inputs), so at most one step runs ahead of the host
+    and what it was computed from is freed once it is done. Otherwise the step
+    blocks on one ``mx.eval`` (prefill chunks included): ``synced`` is True.
     """
-    if backend.cpu_paths():
-        _blas.fit_rows(sum(len(p) for p in passes))
+    global _in_flight
+    rows = sum(len(p) for p in passes)
+    waited = _fit_threads(rows) if backend.cpu_paths() else False
     hidden = forward(model, passes)
     heads = head_outputs(model, hidden, passes)
     derived = []
     for p, h in zip(passes, heads):
         derived.append(p.derive(h) if p.derive is not None else ({}, {}))
     to_eval = [a for host, device in derived for a in (*host.values(), *device.values())]
+    if to_eval and device_only(derived, passes):
+        mx.async_eval(*to_eval)  # no host synchronisation: the host builds the next pass meanwhile
+        if backend.cpu_paths():
+            _in_flight = (rows, to_eval)
+        return [PassResult({}, device, waited) for _, device in derived]
     for p in passes:
         if p.derive is None:  # a prefill chunk: materialise its cache's new rows now
             to_eval += p.write.cache.state()
     mx.eval(*to_eval)  # blocks: the step's one host synchronisation, prefill chunks' included
-    synced = bool(to_eval)
+    synced = bool(to_eval) or waited
     return [PassResult({k: np.array(v) for k, v in host.items()}, device, synced) for host, device in derived]

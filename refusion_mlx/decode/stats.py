@@ -14,6 +14,12 @@ class DecodeStats:
     generated_tokens: int = 0  # the answer: response ids up to the first EOS
     committed_tokens: int = 0  # all committed, slots later dropped after EOS included
     forwards: int = 0
+    # forwards that ended in a blocking evaluation (the host waited for the
+    # device): prefill chunks, plan, verify, infill verify. A forward whose
+    # passes keep every value on the device (infill drafts; in a batch, only
+    # when every request's pass in it does) is evaluated asynchronously and
+    # not counted, so host_syncs <= forwards. Its device time then shows in
+    # the next blocking forward's phase seconds, not its own.
     host_syncs: int = 0
     steps: int = 0
     seconds: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
