@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError
+from . import backend
 
 
 def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
@@ -48,16 +49,52 @@ class PositionalRoPE:
         return mx.cos(theta), mx.sin(theta)
 
 
-@mx.compile
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
     """Rotate (B, H, T, D) by per-token angles (halves layout, as HF Qwen3),
     then multiply each head by ``head_scale`` (H, 1, 1).
 
-    Compiled (per shape, not shapeless: the split depends on head_dim) so the
-    rotation and the scaling are two fused kernels instead of ten passes.
+    GPU paths: :func:`rotate_shapeless`, one trace for every pass length.
+    CPU paths: :func:`rotate_halves`, traced per shape (measured a little
+    faster there). Both do the same arithmetic in the same order, so they
+    agree bit for bit.
+    """
+    if backend.gpu_paths():
+        return rotate_shapeless(x, cos, sin, head_scale)
+    return rotate_halves(x, cos, sin, head_scale)
+
+
+@mx.compile
+def rotate_halves(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
+    """:func:`apply_rope` of the CPU paths.
+
+    Compiled per shape (the slices cannot be shapeless), so each new pass
+    length traces it again; the rotation and the scaling are two fused
+    kernels instead of ten passes.
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     head_scale = head_scale.astype(x.dtype)
     return mx.concatenate([(x1 * cos - x2 * sin) * head_scale, (x2 * cos + x1 * sin) * head_scale], axis=-1)
+
+
+def _rotate(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array,
+            head_scale: mx.array) -> Tuple[mx.array, mx.array]:
+    """The two rotated halves, times ``head_scale``: rotate_halves' arithmetic."""
+    cos, sin = cos.astype(x1.dtype), sin.astype(x1.dtype)
+    head_scale = head_scale.astype(x1.dtype)
+    return (x1 * cos - x2 * sin) * head_scale, (x2 * cos + x1 * sin) * head_scale
+
+
+# Only element-wise ops, so shapeless compiling is valid: one trace serves
+# every pass length and batch size (a new one only for another rank or dtype).
+# Slice and Concatenate cannot infer their shapes in a shapeless trace, so they
+# stay outside it -- they were never fused in rotate_halves either.
+_rotate_shapeless = mx.compile(_rotate, shapeless=True)
+
+
+def rotate_shapeless(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
+    """:func:`apply_rope` of the GPU paths: split the halves, rotate them in
+    the shapeless compiled kernel, join them."""
+    half = x.shape[-1] // 2
+    return mx.concatenate(_rotate_shapeless(x[..., :half], x[..., half:], cos, sin, head_scale), axis=-1)
