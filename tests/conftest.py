@@ -43,3 +43,18 @@ def golden_cases():
 @pytest.fixture(scope="session")
 def golden_logits():
     return dict(np.load(FIXTURES / "golden_logits.npz"))
+
+
+@pytest.fixture
+def set_paths(monkeypatch):
+    """Set REFUSION_MLX_PATHS and have the runtime read it (a model load
+    would); the environment and the mode as read are restored after."""
+    from refusion_mlx.models import backend
+
+    def set_to(value):
+        monkeypatch.setenv(backend.ENV, value)
+        return backend.mode()
+
+    yield set_to
+    monkeypatch.undo()
+    backend.mode()

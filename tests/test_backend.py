@@ -17,19 +17,6 @@ from refusion_mlx.models import backend
 from tests.helpers import FIXTURE_MODEL
 
 
-@pytest.fixture
-def set_paths(monkeypatch):
-    """Set REFUSION_MLX_PATHS and have the runtime read it (a model load
-    would); the environment and the mode as read are restored after."""
-    def set_to(value):
-        monkeypatch.setenv(backend.ENV, value)
-        return backend.mode()
-
-    yield set_to
-    monkeypatch.undo()
-    backend.mode()
-
-
 def params_of(case):
     return RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
                           serial_num_blocks=case["serial_num_blocks"],

@@ -9,17 +9,6 @@ from refusion_mlx.models import backend, rope
 from refusion_mlx.models.rope import PositionalRoPE, apply_rope, rotate_halves, rotate_shapeless
 
 
-@pytest.fixture
-def set_paths(monkeypatch):
-    def set_to(value):
-        monkeypatch.setenv(backend.ENV, value)
-        return backend.mode()
-
-    yield set_to
-    monkeypatch.undo()
-    backend.mode()
-
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("batch", [None, 3])
 def test_shapeless_rotation_equals_the_per_shape_one(dtype, batch):
