@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from refusion_mlx.models import backend, rope
+from refusion_mlx.models import rope
 from refusion_mlx.models.rope import PositionalRoPE, apply_rope, rotate_halves, rotate_shapeless
 
 
