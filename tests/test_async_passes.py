@@ -5,7 +5,6 @@ import mlx.core as mx
 from refusion_mlx.decode import batch, forward
 from refusion_mlx.decode.batch import BatchGenerator
 from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.decode.params import RefusionParams
 
 from tests.test_golden import params_of
 

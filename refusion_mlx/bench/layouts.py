@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..decode.stream import chat_prompt, stream_generate
 from ..decode.params import RefusionParams, default_block_length, reference_block_count
