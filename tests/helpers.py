@@ -91,3 +91,18 @@ def demo_example_module(name: str):
     finally:
         sys.path.remove(str(DEMO_EXAMPLE))
     return module
+
+
+def committed_cache(rows: int = 4096):
+    """A one-layer CommittedCache with room for ``rows`` rows: the holder of
+    committed tokens that text views (AnswerText, SlotView) read."""
+    from refusion_mlx.decode.cache import CommittedCache
+
+    cache = CommittedCache(1, 1, 1, step=rows)
+    cache.reserve(rows)
+    return cache
+
+
+def commit(cache, positions, tokens):
+    """Commit ``tokens`` at ``positions`` as a step of the decoder does."""
+    cache.commit(list(tokens), list(positions))

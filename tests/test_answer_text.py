@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from refusion_mlx.decode.answer import AnswerText, StreamingText, decodes_locally
-from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.models.loading import load_tokenizer
+
+from tests.helpers import commit, committed_cache
 
 DEMO = Path(__file__).resolve().parent.parent / "refusion_mlx" / "demo" / "tiny-refusion"
 EOS = 801  # <|im_end|>
@@ -92,9 +93,11 @@ def test_answer_text_out_of_order_commits_equal_the_whole_decode(tokenizer):
         start = 37
         slots = [list(range(i, min(i + 4, len(ids)))) for i in range(0, len(ids), 4)]
         rng.shuffle(slots)
-        answer, out = AnswerText(tokenizer, start, EOS), []
+        cache = committed_cache()
+        answer, out = AnswerText(tokenizer, cache, start, EOS), []
         for slot in slots:
-            _, text = answer.add([SlotCommit([start + i for i in slot], [ids[i] for i in slot])])
+            commit(cache, [start + i for i in slot], [ids[i] for i in slot])
+            _, text = answer.update()
             out.append(text)
         out.append(answer.finish())
         kept = ids[:ids.index(EOS) + 1] if EOS in ids else ids
@@ -133,10 +136,12 @@ def test_decode_work_is_linear_in_the_answer(tokenizer, step):
     rng = random.Random(2)
     ids = random_answer(tokenizer, rng, 2000)
     counting = Counting(tokenizer)
-    answer = AnswerText(counting, 0, EOS)
+    cache = committed_cache()
+    answer = AnswerText(counting, cache, 0, EOS)
     out = []
     for i in range(0, len(ids), step):
-        out.append(answer.add([SlotCommit(list(range(i, min(i + step, len(ids)))), ids[i:i + step])])[1])
+        commit(cache, range(i, min(i + step, len(ids))), ids[i:i + step])
+        out.append(answer.update()[1])
     out.append(answer.finish())
     assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True)
     assert counting.ids <= 12 * len(ids)  # the whole decode at every step: ~n^2/2 / step ids

@@ -18,7 +18,7 @@ from refusion_mlx.decode.prefix import common_prefix
 from refusion_mlx.decode.stats import SlotCommit
 from refusion_mlx.errors import RefusionError
 
-from tests.helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL, commit, committed_cache
 from refusion_mlx.generate import GenerationResponse, make_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,12 +149,10 @@ def test_context_overflow_is_a_clean_error(loaded):
 
 
 def test_common_prefix_stops_at_a_gap():
-    class C:
-        tokens = [5, 6, 8]
-        positions = [0, 1, 3]
-
-    assert common_prefix(C, [5, 6, 7, 8])[0] == 2
-    assert common_prefix(C, [5, 9])[0] == 1
+    cache = committed_cache()
+    commit(cache, [3, 0, 1], [8, 5, 6])  # rows in commit order, positions 0, 1 and 3
+    assert common_prefix(cache, [5, 6, 7, 8]) == (2, [1, 2])
+    assert common_prefix(cache, [5, 9]) == (1, [1])
 
 
 def run_repl(loaded, lines, **kw):
@@ -197,9 +195,13 @@ def test_slot_view_draws_out_of_order_fill():
         def decode(self, ids):
             return "".join(chr(ord("a") + i) for i in ids)
 
-    out = io.StringIO()
-    view = SlotView(Tok(), out, response_start=10, block_lengths=[8, 8], eos_id=0, width=40, color=True)
-    step = lambda n, pos, toks: GenerationResponse("", [], [SlotCommit(pos, toks)], "verify", n, 1, 0)
+    out, cache = io.StringIO(), committed_cache()
+    view = SlotView(Tok(), out, cache, response_start=10, block_lengths=[8, 8], eos_id=0, width=40, color=True)
+
+    def step(n, pos, toks):
+        commit(cache, pos, toks)
+        return GenerationResponse("", [], [SlotCommit(pos, toks)], "verify", n, 1, 0)
+
     view.update(step(0, [14, 15, 16, 17], [5, 6, 7, 8]))  # the second slot first
     view.update(step(1, [10, 11, 12, 13], [1, 2, 3, 4]))
     frames = out.getvalue()

@@ -12,7 +12,7 @@ from refusion_mlx.errors import DecodeError, LoadError
 from refusion_mlx.generate import AnswerText, generate, main, make_params, stream_generate
 from refusion_mlx.models.loading import DEMO_MODEL, load
 
-from tests.helpers import random_config, random_model, write_checkpoint
+from tests.helpers import commit, committed_cache, random_config, random_model, write_checkpoint
 
 
 # -- streaming ----------------------------------------------------------------
@@ -39,7 +39,6 @@ def test_stream_releases_text_in_answer_order(demo):
 
 def test_answer_text_waits_for_the_gap():
     """Slots after a gap are held back; text is released once the gap closes."""
-    from refusion_mlx.decode.stats import SlotCommit
 
     class Tok:
         def __len__(self):
@@ -48,11 +47,35 @@ def test_answer_text_waits_for_the_gap():
         def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(97 + i % 26) for i in ids)
 
-    answer = AnswerText(Tok(), response_start=10, eos_id=99)
-    assert answer.add([SlotCommit([12, 13], [2, 3])]) == ([], "")
-    assert answer.add([SlotCommit([10, 11], [0, 1])]) == ([0, 1, 2, 3], "abcd")
-    assert answer.add([SlotCommit([14, 15], [99, 4])]) == ([99], "")
-    assert answer.done
+    cache = committed_cache()
+    answer = AnswerText(Tok(), cache, response_start=10, eos_id=99)
+    commit(cache, [12, 13], [2, 3])
+    assert answer.update() == ([], "")
+    commit(cache, [10, 11], [0, 1])
+    assert answer.update() == ([0, 1, 2, 3], "abcd")
+    commit(cache, [14, 15], [99, 4])
+    assert answer.update() == ([99], "")
+    assert answer.done and answer.tokens == [0, 1, 2, 3, 99] and answer.length == 5
+
+
+def test_answer_text_cuts_at_max_tokens():
+    """The server's max_tokens: the answer ends after that many ids besides EOS."""
+    class Tok:
+        def __len__(self):
+            return 100
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    cache = committed_cache()
+    answer = AnswerText(Tok(), cache, response_start=0, eos_id=99, max_tokens=3)
+    commit(cache, [0, 1], [0, 1])
+    assert answer.update() == ([0, 1], "ab") and not answer.cut
+    commit(cache, [2, 3], [2, 3])
+    assert answer.update() == ([2], "c") and answer.cut and not answer.done
+    assert answer.update() == ([], "") and answer.tokens == [0, 1, 2]
+    exact = AnswerText(Tok(), cache, response_start=0, eos_id=99, max_tokens=4)
+    assert exact.update() == ([0, 1, 2, 3], "abcd") and not exact.cut  # a budget met exactly is no cut
 
 
 def test_generate_returns_text_and_stats(demo):

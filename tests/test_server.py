@@ -337,11 +337,14 @@ def test_eight_streams_share_forwards(server):
 def test_lru_eviction_under_a_tiny_budget():
     from refusion_mlx.serve.prompt_cache import PromptCache
 
-    class Fake:  # what PromptCache uses of a CommittedCache: rows, positions, fork, nbytes
+    class Fake:  # what PromptCache uses of a CommittedCache: rows by position, fork, nbytes
         def __init__(self, tokens):
-            self.tokens, self.positions = list(tokens), list(range(len(tokens)))
+            self.tokens = list(tokens)
 
         nbytes = property(lambda self: 100 * len(self.tokens))
+
+        def in_position_order(self):
+            return [(r, r, t) for r, t in enumerate(self.tokens)]
 
         def fork(self, rows):
             return Fake([self.tokens[r] for r in rows])
@@ -568,20 +571,15 @@ def test_openai_client_example(server):
 
 
 def test_text_shaper_holds_back_partial_stop():
-    shaper = TextShaper(lambda ids: "", max_tokens=100, stop=["END"], eos_id=0)
+    shaper = TextShaper(stop=["END"], eos_id=0)
     assert shaper.feed("abc E", [1, 2], False) == ("abc ", None)
     assert shaper.feed("N", [3], False) == ("", None)
     assert shaper.feed("Dx", [4], False) == ("", "stop")
-    shaper = TextShaper(lambda ids: "", max_tokens=100, stop=["END"], eos_id=0)
+    assert shaper.completion_tokens == 4
+    shaper = TextShaper(stop=["END"], eos_id=0)
     assert shaper.feed("abc EN", [1, 2], False) == ("abc ", None)
     assert shaper.feed("O", [5, 0], True) == ("ENO", None)
-
-
-def test_text_shaper_cuts_at_max_tokens():
-    pieces = {1: "a", 2: "b", 3: "c"}
-    shaper = TextShaper(lambda ids: "".join(pieces[i] for i in ids), max_tokens=2, stop=[], eos_id=0)
-    assert shaper.feed("abc", [1, 2, 3], False) == ("ab", "length")
-    assert shaper.tokens == [1, 2]
+    assert shaper.completion_tokens == 3  # EOS is not a completion token
 
 
 # --------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
         for r in stream:
             if visualize:
                 if view is None:
-                    view = SlotView(session.tokenizer, term.out, session.response_start,
+                    view = SlotView(session.tokenizer, term.out, session.cache, session.response_start,
                                     session.params.layout().block_lengths, session.tokenizer.eos_token_id,
                                     frame_time=frame_time)
                 view.update(r)

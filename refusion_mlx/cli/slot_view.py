@@ -21,9 +21,13 @@ class SlotView:
     Masked positions show as ``░``; committed tokens as their text, the ones
     committed at this step highlighted. Only the blocks reached so far are
     drawn. Like llama.cpp's ``--diffusion-visual``; ANSI cursor movement.
+
+    A view over the turn's committed cache (``cache.token_at``): it keeps no
+    tokens of its own, only how far the commits reach and each token id's
+    text, decoded once.
     """
 
-    def __init__(self, tokenizer, out: TextIO, response_start: int, block_lengths: Sequence[int],
+    def __init__(self, tokenizer, out: TextIO, cache, response_start: int, block_lengths: Sequence[int],
                  eos_id: int, width: Optional[int] = None, height: Optional[int] = None,
                  color: bool = True, frame_time: float = 0.0):
         import shutil
@@ -31,14 +35,17 @@ class SlotView:
         size = shutil.get_terminal_size((100, 30))
         self.tokenizer = tokenizer
         self.out = out
+        self.cache = cache
         self.start = response_start
         self.block_ends = [sum(block_lengths[: i + 1]) for i in range(len(block_lengths))]
         self.eos_id = eos_id
         self.width = max(20, width or size.columns)
         self.height = max(4, height or size.lines)
         self.color = color
-        self.filled: Dict[int, str] = {}
+        self.committed = 0  # answer positions committed so far
+        self.reach = 0  # the furthest committed answer offset
         self.eos_at: Optional[int] = None
+        self._pieces: Dict[int, str] = {}  # token id -> its cell text
         self.lines = 0
         self.frames = 0
         self.frame_time = frame_time  # minimum seconds a frame stays (fast models would just flash)
@@ -47,25 +54,26 @@ class SlotView:
     def piece(self, token: int) -> str:
         if token == self.eos_id:
             return EOS_MARK
-        text = self.tokenizer.decode([token])
-        return text.replace("\n", "↵").replace("\t", "→").replace("\x1b", "") or "·"
+        if token not in self._pieces:
+            text = self.tokenizer.decode([token])
+            self._pieces[token] = text.replace("\n", "↵").replace("\t", "→").replace("\x1b", "") or "·"
+        return self._pieces[token]
 
     def update(self, response) -> None:
-        """Take a step's commits and redraw."""
-        fresh = set()
+        """Take a step's commits (already in the cache) and redraw."""
+        fresh = {p - self.start for commit in response.commits for p in commit.positions}
+        self.committed += len(fresh)
+        self.reach = max([self.reach, *fresh])
         for commit in response.commits:
             for p, t in zip(commit.positions, commit.tokens):
-                offset = p - self.start
-                self.filled[offset] = self.piece(t)
-                fresh.add(offset)
-                if t == self.eos_id and (self.eos_at is None or offset < self.eos_at):
-                    self.eos_at = offset
+                if t == self.eos_id and (self.eos_at is None or p - self.start < self.eos_at):
+                    self.eos_at = p - self.start
         header = (f"step {response.step + 1} · {response.phase} · "
-                  f"{len(self.filled)} committed ({len(fresh)} now)")
+                  f"{self.committed} committed ({len(fresh)} now)")
         self._draw(header, self._cells(fresh))
 
     def _visible_end(self) -> int:
-        reach = max(self.filled, default=0)
+        reach = self.reach
         end = next((e for e in self.block_ends if e > reach), self.block_ends[-1])
         if self.eos_at is not None:
             end = min(end, self.eos_at + 1)
@@ -74,11 +82,11 @@ class SlotView:
     def _cells(self, fresh: set) -> List[tuple]:
         cells = []
         for offset in range(self._visible_end()):
-            text = self.filled.get(offset)
-            if text is None:
+            token = self.cache.token_at(self.start + offset)
+            if token is None:
                 cells.append((MASK, "2"))  # dim
             else:
-                cells.append((text, "1;32" if offset in fresh else ""))
+                cells.append((self.piece(token), "1;32" if offset in fresh else ""))
         return cells
 
     def _draw(self, header: str, cells: List[tuple]) -> None:

@@ -1,8 +1,9 @@
 """The answer's text, released in answer order as soon as it is final.
 
 Slots commit out of order; a position's text is final once every position
-before it is committed. This turns each step's commits into the newly final
-ids and text (REFUSION.md §4: the answer in position order, cut after EOS).
+before it is committed. ``AnswerText`` reads the committed cache after each
+step and gives the newly final ids and text (REFUSION.md §4: the answer in
+position order, cut after EOS).
 
 The text is ``tokenizer.decode(ids, skip_special_tokens=True)`` of the final
 ids, released piece by piece. ``StreamingText`` gets the same pieces without
@@ -14,9 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-from .stats import SlotCommit
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, for now
 # tokenizers' decoders whose text of ids is the texts of runs of ids joined:
@@ -132,36 +132,62 @@ class StreamingText:
 
 
 class AnswerText:
-    """Releases the answer's text in order, only once it can no longer change."""
+    """The answer's final ids and text: a view over the committed cache.
 
-    def __init__(self, tokenizer, response_start: int, eos_id: int):
+    The committed tokens are held once, by the request's
+    :class:`~refusion_mlx.decode.cache.CommittedCache`; this view keeps only
+    a cursor (the first position not yet final) and the streaming
+    detokenizer's window. ``update`` reads what the last step made final.
+    ``max_tokens``: cut the answer after that many ids other than EOS (the
+    server's ``max_tokens``; the decoder's budget is whole slots, so it can
+    run past it), and ``cut`` says it was.
+    """
+
+    def __init__(self, tokenizer, cache, response_start: int, eos_id: int,
+                 max_tokens: Optional[int] = None):
         self.tokenizer = tokenizer
         self.vocab = len(tokenizer)
-        self.next = response_start
+        self.cache = cache
+        self.start = self.next = response_start
         self.eos_id = eos_id
-        self.pending: Dict[int, int] = {}
-        self.tokens: List[int] = []
+        self.max_tokens = max_tokens
+        self.content = 0  # final ids other than EOS
         self.stream = StreamingText(tokenizer)
-        self.done = False
+        self.done = False  # EOS is final
+        self.cut = False  # cut at max_tokens
 
     @property
     def text(self) -> str:
         return self.stream.text
 
-    def add(self, commits: Sequence[SlotCommit]) -> tuple:
-        """Take a step's commits; return (newly final ids, newly final text)."""
-        for c in commits:
-            self.pending.update(zip(c.positions, c.tokens))
+    @property
+    def length(self) -> int:
+        """Final ids, EOS included."""
+        return self.next - self.start
+
+    @property
+    def tokens(self) -> List[int]:
+        """The final ids in answer order, read from the cache."""
+        return [self.cache.token_at(p) for p in range(self.start, self.next)]
+
+    def update(self) -> tuple:
+        """Read the cache after a step's commits; return (newly final ids, newly final text)."""
         new = []
-        while not self.done and self.next in self.pending:
-            tok = self.pending.pop(self.next)
+        while not (self.done or self.cut):
+            tok = self.cache.token_at(self.next)
+            if tok is None:
+                break
+            if tok != self.eos_id:
+                if self.max_tokens is not None and self.content >= self.max_tokens:
+                    self.cut = True
+                    break
+                self.content += 1
             new.append(tok)
             self.next += 1
             self.done = tok == self.eos_id
         if not new:
             return new, ""  # nothing became final: no decode this step
-        self.tokens += new
-        return new, self._release(new, final=self.done)
+        return new, self._release(new, final=self.done or self.cut)
 
     def _release(self, new: Sequence[int], final: bool) -> str:
         ids = [t for t in new if t < self.vocab and t != self.eos_id]

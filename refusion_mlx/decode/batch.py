@@ -67,21 +67,24 @@ class _Request:
     steps: int = 0
 
     def response(self, step=None, final: bool = False) -> GenerationResponse:
-        tokens, text = self.answer.add(step.commits) if step is not None else ([], "")
+        tokens, text = self.answer.update() if step is not None else ([], "")
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
-                               self.steps, len(self.decoder.prompt), len(self.answer.tokens), uid=self.uid)
+                               self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
         self.steps += step is not None
+        if self.answer.cut and not final:  # max_tokens reached: the request ends here
+            self.decoder.close()
+            final = True
         if final:
             r.text += self.answer.finish()
             r.finish_reason = "stop" if self.answer.done else "length"
             r.stats = self.decoder.stats
-            r.generation_tokens = len(self.answer.tokens)
+            r.generation_tokens = self.answer.length
             r.cache = self.decoder.cache
         return r
 
     def failure(self, message: str) -> GenerationResponse:
         return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
-                                  len(self.answer.tokens), finish_reason="error",
+                                  self.answer.length, finish_reason="error",
                                   stats=self.decoder.stats, uid=self.uid, error=message)
 
 
@@ -110,19 +113,21 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None) -> int:
+               cache: Optional[CommittedCache] = None, max_tokens: Optional[int] = None) -> int:
         """Queue a request; returns its uid. Bad settings or a prompt over the
         context raise ``DecodeError`` here, before anything is queued.
 
         ``prompt``: text (tokenized as is) or ids; with ``cache`` (a
         conversation so far, which the request then owns), only the new ids.
+        ``max_tokens``: end the answer (finish "length") once it holds that
+        many ids besides EOS, though the last slot decoded holds more.
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
-        self.waiting.append(_Request(uid, decoder, AnswerText(self.tokenizer, decoder.response_start,
-                                                              self.eos_id)))
+        answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id, max_tokens)
+        self.waiting.append(_Request(uid, decoder, answer))
         return uid
 
     def remove(self, uid: int) -> bool:

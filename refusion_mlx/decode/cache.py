@@ -15,11 +15,16 @@ and values into the rows just after the committed ones (the *scratch* rows):
   are reused, not recomputed.
 
 Buffers are preallocated and grow in steps, so no pass concatenates.
+
+This object is the one holder of the committed tokens: the answer's text
+(:class:`~refusion_mlx.decode.answer.AnswerText`), the terminal's slot view
+and the prompt-cache lookups read them through ``token_at`` and
+``in_position_order`` rather than keeping copies.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -38,6 +43,7 @@ class CommittedCache:
         self.step = step
         self.tokens: List[int] = []
         self.positions: List[int] = []
+        self._row_of: Dict[int, int] = {}  # position -> row, for reading in position order
         self.keys: List[Optional[mx.array]] = [None] * num_layers
         self.values: List[Optional[mx.array]] = [None] * num_layers
         self.capacity = 0
@@ -106,8 +112,10 @@ class CommittedCache:
             raise ValueError("commit needs one position per token")
         if len(self) + len(tokens) > self.capacity:
             raise ValueError("commit of rows that no pass has written")
+        row = len(self)
         self.tokens.extend(int(t) for t in tokens)
         self.positions.extend(int(p) for p in positions)
+        self._row_of.update((p, r) for r, p in enumerate(self.positions[row:], row))
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only the given committed rows (in the given order); drop the rest.
@@ -116,6 +124,8 @@ class CommittedCache:
         """
         rows = list(rows)
         if rows == list(range(len(rows))):
+            for p in self.positions[len(rows):]:
+                self._row_of.pop(p, None)
             del self.tokens[len(rows):], self.positions[len(rows):]
             return
         index = mx.array(rows, dtype=mx.int32)
@@ -124,8 +134,11 @@ class CommittedCache:
             kept_v = mx.take(self.values[i], index, axis=2)
             self.keys[i][:, :, : len(rows), :] = kept_k
             self.values[i][:, :, : len(rows), :] = kept_v
-        self.tokens = [self.tokens[r] for r in rows]
-        self.positions = [self.positions[r] for r in rows]
+        self._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
+
+    def _adopt(self, tokens: List[int], positions: List[int]) -> None:
+        self.tokens, self.positions = tokens, positions
+        self._row_of = {p: r for r, p in enumerate(positions)}
 
     def fork(self, rows: Sequence[int]) -> "CommittedCache":
         """A new cache holding copies of the given committed rows, in that order.
@@ -143,13 +156,32 @@ class CommittedCache:
                 new.keys[i][:, :, : len(rows), :] = mx.take(self.keys[i], index, axis=2)
                 new.values[i][:, :, : len(rows), :] = mx.take(self.values[i], index, axis=2)
             mx.eval(new.state())
-        new.tokens = [self.tokens[r] for r in rows]
-        new.positions = [self.positions[r] for r in rows]
+        new._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
         return new
 
     def truncate(self, length: int) -> None:
         """Forget every committed row from ``length`` on."""
         self.keep(range(min(length, len(self))))
+
+    def free(self) -> None:
+        """Drop every row and the buffers with them (a request that left: its
+        memory goes now, whoever still holds the object)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self._adopt([], [])
+        self.capacity = 0
+
+    # -- reading the committed tokens -----------------------------------------
+
+    def token_at(self, position: int) -> Optional[int]:
+        """The token committed at ``position``, or None if none is (yet)."""
+        row = self._row_of.get(position)
+        return None if row is None else self.tokens[row]
+
+    def in_position_order(self, start_row: int = 0) -> List[Tuple[int, int, int]]:
+        """``(position, row, token)`` of the rows from ``start_row`` on, by position."""
+        return sorted((p, r, t) for r, (p, t) in enumerate(zip(self.positions, self.tokens))
+                      if r >= start_row)
 
     def state(self) -> List[mx.array]:
         """Arrays to evaluate so the committed rows are materialised."""

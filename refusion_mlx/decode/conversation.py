@@ -94,9 +94,7 @@ class ChatSession:
         try:
             if len(c.tokens) != len(c.positions):
                 raise ValueError("inconsistent cache")
-            rows = sorted((r for r in range(len(c.tokens)) if c.positions[r] < keep),
-                          key=lambda r: c.positions[r])
-            c.keep(rows)
+            c.keep([r for p, r, _ in c.in_position_order() if p < keep])
         except Exception:  # interrupted mid-update: start the cache afresh
             self.cache = self._new_cache()
 

@@ -9,9 +9,9 @@ from typing import List, Sequence, Tuple
 
 def ordered(cache) -> Tuple[List[int], List[int]]:
     """(tokens, rows): the cache's rows for positions 0, 1, 2, ... up to the first gap."""
-    rows = sorted(range(len(cache.tokens)), key=lambda r: cache.positions[r])
-    n = next((i for i, r in enumerate(rows) if cache.positions[r] != i), len(rows))
-    return [cache.tokens[r] for r in rows[:n]], rows[:n]
+    ordered_rows = cache.in_position_order()
+    n = next((i for i, (p, _, _) in enumerate(ordered_rows) if p != i), len(ordered_rows))
+    return [t for _, _, t in ordered_rows[:n]], [r for _, r, _ in ordered_rows[:n]]
 
 
 def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

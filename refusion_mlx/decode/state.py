@@ -94,7 +94,8 @@ class DecodeState:
         if not answer or answer[-1] != self.eos_id:
             return
         last = self.response_start + len(answer) - 1
-        rows = [r for r, p in enumerate(self.cache.positions) if r < self.start or p <= last]
+        rows = [r for p, r, _ in self.cache.in_position_order() if r < self.start or p <= last]
+        rows.sort()  # commit order kept
         if len(rows) < len(self.cache):
             self.cache.keep(rows)
 
@@ -118,11 +119,10 @@ class DecodeState:
 
     def response(self) -> List[int]:
         """Committed response ids in position order, up to and including the first EOS."""
-        cache = self.cache
-        pairs = sorted((p, t) for p, t in zip(cache.positions[self.start:], cache.tokens[self.start:])
-                       if p >= self.response_start)
         out = []
-        for _, t in pairs:
+        for p, _, t in self.cache.in_position_order(self.start):
+            if p < self.response_start:
+                continue
             out.append(t)
             if t == self.eos_id:
                 break

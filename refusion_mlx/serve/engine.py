@@ -200,16 +200,13 @@ class Engine:
             n = shared
         job.cache = cache or CommittedCache.for_model(self.model)
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache,
+                                      max_tokens=job.request.max_tokens)
         except RefusionError as e:
             return self._close(job, "failed", APIError(400, str(e), code="invalid_request"))
         self.counts["prefill_tokens"] += len(ids) - n
         self.counts["cached_tokens"] += job.cached
-        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
-        vocab = len(tok)
-        job.shaper = TextShaper(lambda t: tok.decode([i for i in t if i < vocab and i != eos],
-                                                     skip_special_tokens=True),
-                                job.request.max_tokens, job.request.stop, eos)
+        job.shaper = TextShaper(job.request.stop, self.tokenizer.eos_token_id)
         self.running[job.uid] = job
         job.post("start")
 
@@ -225,7 +222,7 @@ class Engine:
         reason = reason or r.finish_reason
         if reason is None:
             return
-        prompt, completion = len(job.request.prompt_ids), len(job.shaper.tokens)
+        prompt, completion = len(job.request.prompt_ids), job.shaper.completion_tokens
         self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
         self._close(job, "completed")
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -279,6 +276,4 @@ def _free(cache) -> None:
     in a reference cycle that only the garbage collector would break; the
     cache, nearly all of its memory, goes now."""
     if cache is not None:
-        cache.keys = [None] * cache.num_layers
-        cache.values = [None] * cache.num_layers
-        cache.tokens, cache.positions, cache.capacity = [], [], 0
+        cache.free()

@@ -1,49 +1,38 @@
-"""The answer's text as the client sees it: cut at ``max_tokens`` and before
-the first stop string, released in order as it becomes final."""
+"""The answer's text as the client sees it: cut before the first stop string,
+released in order as it becomes final. (The cut at ``max_tokens`` is the
+answer's own: :class:`refusion_mlx.decode.answer.AnswerText`.)"""
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 class TextShaper:
-    """Applies ``max_tokens`` and stop strings to the in-order answer.
+    """Applies stop strings to the in-order answer text.
 
-    The decoder's budget is whole slots, so the answer can run past
-    ``max_tokens``: it is cut there (finish "length"). Text that could be the
-    start of a stop string is held back until it is known not to be one.
+    Text that could be the start of a stop string is held back until it is
+    known not to be one. ``completion_tokens`` counts the answer's ids other
+    than EOS (the usage's figure); the ids themselves live in the request's
+    committed cache.
     """
 
-    def __init__(self, decode: Callable[[List[int]], str], max_tokens: int, stop: Sequence[str],
-                 eos_id: int):
-        self.decode = decode
-        self.max_tokens = max_tokens
-        self.stop = list(stop)
+    def __init__(self, stop: Sequence[str], eos_id: int):
+        self.stop: List[str] = list(stop)
         self.eos_id = eos_id
-        self.tokens: List[int] = []
-        self.text = ""  # all final text received (after the max_tokens cut)
+        self.completion_tokens = 0
+        self.text = ""  # all final text received
         self.sent = 0  # characters of self.text already released
 
     def feed(self, text: str, tokens: Sequence[int], final: bool) -> Tuple[str, Optional[str]]:
-        """Take a response's new text and ids; return (text to send, finish reason or None)."""
-        reason = None
-        content = [t for t in tokens if t != self.eos_id]
-        room = self.max_tokens - len(self.tokens)
-        if len(content) > room:
-            self.tokens += content[:room]
-            full = self.decode(self.tokens)
-            text = full[len(self.text):] if full.startswith(self.text) else ""
-            reason = "length"
-        else:
-            self.tokens += content
+        """Take a response's new text and ids; return (text to send, "stop" or None)."""
+        self.completion_tokens += sum(1 for t in tokens if t != self.eos_id)
         self.text += text
         hit = self._first_stop()
         if hit is not None:
             return self._release(hit), "stop"
-        if reason or final:
-            return self._release(len(self.text)), reason
+        if final:
+            return self._release(len(self.text)), None
         return self._release(len(self.text) - self._held()), None
-
     def _first_stop(self) -> Optional[int]:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
