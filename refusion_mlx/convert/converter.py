@@ -14,9 +14,7 @@ The folder loads with ``refusion_mlx.load`` and with ``mlx_lm.load``.
 from __future__ import annotations
 
 import copy
-import json
 import re
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +29,7 @@ from ..errors import LoadError, RefusionError
 from ..models.qwen3 import Model, ModelArgs
 from .quant_plan import DTYPES, Plan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
-from .staging import check_destination, check_overlap, staging_folder
+from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
                     resolve_model_path)
 
@@ -132,16 +130,19 @@ def check_tokenizer(src: Path, config: dict, args: ModelArgs) -> int:
     return mask_id
 
 
+def declared_dtype(config: dict) -> Optional[str]:
+    """The config's ``torch_dtype`` (or ``dtype``) when it names one of ``DTYPES``."""
+    declared = config.get("torch_dtype") or config.get("dtype")
+    return declared if declared in DTYPES else None
+
+
 def output_dtype(dtype: Optional[str], config: dict, ckpt: Checkpoint) -> str:
     """--dtype, else the config's torch_dtype, else the embedding's stored dtype."""
     if dtype is not None:
         if dtype not in DTYPES:
             raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         return dtype
-    declared = config.get("torch_dtype") or config.get("dtype")
-    if declared in DTYPES:
-        return declared
-    return TAG_DTYPES[ckpt.tensors["model.embed_tokens.weight"].dtype]
+    return declared_dtype(config) or TAG_DTYPES[ckpt.tensors["model.embed_tokens.weight"].dtype]
 
 
 # --------------------------------------------------------------------------
@@ -241,12 +242,8 @@ def write_metadata(folder: Path, src: Path, config: dict, weight_map: Dict[str, 
     """Index, tokenizer and generation files, model card; config.json last (it makes the folder loadable)."""
     from mlx_lm.utils import save_config
 
-    index = {"metadata": {"total_size": summary.bytes_after, "total_parameters": summary.parameters},
-             "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    for name in COPIED_FILES + [p.name for p in src.glob("*.jinja")]:
-        if (src / name).is_file():
-            shutil.copy(src / name, folder / name)
+    write_index(folder, weight_map, {"total_size": summary.bytes_after, "total_parameters": summary.parameters})
+    copy_side_files(src, folder, COPIED_FILES)
     (folder / "README.md").write_text(model_card(src_name, summary))
     save_config(config, folder / "config.json")
 
@@ -267,7 +264,7 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     dst = Path(mlx_path).expanduser()
     check_destination(dst, force)
     src = resolve_source(hf_path)
-    check_overlap(src, dst)
+    check_overlap(src, dst, "--mlx-path {dst} would replace the source checkpoint {src}")
     config = read_config(src)
     args = check_architecture(config)
     ckpt = open_checkpoint(src)

@@ -16,8 +16,6 @@ renamed into place when complete (as the converter does).
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Union
@@ -25,9 +23,9 @@ from typing import Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .converter import COPIED_FILES, output_config
+from .converter import COPIED_FILES, declared_dtype, output_config
 from .shards import shard_names
-from .staging import check_destination, staging_folder
+from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..errors import RefusionError
 from ..models.adapters import fuse_adapter_folder, read_adapter_config
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
@@ -38,8 +36,8 @@ MAX_SHARD_GB = 5
 
 def stored_dtype(config: dict, model_path: Path) -> str:
     """The dtype the checkpoint's floating tensors are stored in."""
-    declared = config.get("torch_dtype") or config.get("dtype")
-    if declared in DTYPES:
+    declared = declared_dtype(config)
+    if declared:
         return declared
     for f in sorted(model_path.glob("model*.safetensors"))[:1]:
         for value in mx.load(str(f)).values():
@@ -66,9 +64,7 @@ def write_weights(folder: Path, weights: dict) -> None:
     for name, shard in zip(shard_names(len(shards)), shards):
         mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
         weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    write_index(folder, weight_map, {"total_size": sum(v.nbytes for v in weights.values())})
 
 
 def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_path: Union[str, Path],
@@ -86,9 +82,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     read_adapter_config(adapter_path)
     check_destination(dst, force)
     for other, flag in ((src, "--model"), (Path(adapter_path).expanduser(), "--adapter-path")):
-        o, d = other.resolve(), dst.resolve()
-        if d == o or d in o.parents or o in d.parents:
-            raise RefusionError(f"--save-path {dst} overlaps {flag} {other}")
+        check_overlap(other, dst, "--save-path {dst} overlaps " + flag + " {src}", nested=True)
     dtype = dtype or stored_dtype(read_config(src), src)
     model_obj, config = load_model(src, dtype=dtype)
     tokenizer = load_tokenizer(src)
@@ -107,9 +101,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     mx.eval(list(weights.values()))
     with staging_folder(dst, force) as tmp:
         write_weights(tmp, weights)
-        for name in COPIED_FILES + [p.name for p in src.glob("*.jinja")]:
-            if (src / name).is_file():
-                shutil.copy(src / name, tmp / name)
+        copy_side_files(src, tmp, COPIED_FILES)
         (tmp / "README.md").write_text(
             f"# {dst.name}\n\n`{src.name}` with the adapters of `{Path(adapter_path).name}` fused in "
             f"(`python -m refusion_mlx.fuse`, {fused} layers"

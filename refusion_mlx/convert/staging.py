@@ -1,8 +1,11 @@
-"""Where a conversion is written: a hidden sibling of the destination, renamed
-into place only when complete, so no failure leaves a half-written model."""
+"""Where a conversion (or a fuse) is written: a hidden sibling of the
+destination, renamed into place only when complete, so no failure leaves a
+half-written model; and the files every written model folder shares (the
+shard index, the tokenizer's files)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -24,10 +27,27 @@ def check_destination(dst: Path, force: bool) -> None:
         raise RefusionError(f"refusing to write the model into {dst}")
 
 
-def check_overlap(src: Path, dst: Path) -> None:
+def check_overlap(src: Path, dst: Path, message: str, nested: bool = False) -> None:
+    """Refuse a destination that is ``src`` or holds it (publishing would
+    replace it); with ``nested``, one inside ``src`` too. ``message`` names
+    both, with ``{src}`` and ``{dst}``."""
     s, d = src.resolve(), dst.resolve()
-    if d == s or d in s.parents:
-        raise RefusionError(f"--mlx-path {dst} would replace the source checkpoint {src}")
+    if d == s or d in s.parents or (nested and s in d.parents):
+        raise RefusionError(message.format(src=src, dst=dst))
+
+
+def copy_side_files(src: Path, folder: Path, names) -> None:
+    """Copy the files ``names`` (tokenizer, generation config) and any chat
+    templates (``*.jinja``) that ``src`` has into ``folder``."""
+    for name in list(names) + [p.name for p in src.glob("*.jinja")]:
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)
+
+
+def write_index(folder: Path, weight_map: dict, metadata: dict) -> None:
+    """``model.safetensors.index.json``: which shard holds each tensor."""
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
 
 
 @contextmanager
