@@ -29,16 +29,16 @@ import sys
 import time
 from typing import List, Optional
 
-from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
-                           random_prompt, write_json)
-from ..cli import run
-
-from .report import format_table
-from ..decode.cache import CommittedCache
-from ..decode.params import RefusionParams
-
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from ..cli import run
+from ..decode.cache import CommittedCache
+from ..decode.params import RefusionParams
+from ..decode.prefill import prefill
+from .report import format_table
+from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
+                           random_prompt, write_json)
 
 SECTIONS = ("budgets", "prompts", "slots")
 FLAT_TARGET = 0.20
@@ -94,7 +94,7 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
     prompt = random_prompt(tokenizer, model, 64, args.seed)
 
     def run(b):
-        cache = prefill(model, prompt[:-1], room=0)
+        cache = prefilled(model, prompt[:-1], room=0)
         r = timed(model, tokenizer, prompt[-1:], make_params(b, args.slot_size, args.block_length, args.mode),
                   cache)
         r["prompt_tokens"] = len(prompt)
@@ -113,25 +113,21 @@ def prompts_section(model, tokenizer, args) -> List[dict]:
                     args.prompts, args.repeat, lambda n: f"prompt {n}")
 
 
-def prefill(model, prompt: List[int], room: int, chunk: int = 512) -> CommittedCache:
-    """A committed cache holding ``prompt``, with ``room`` spare rows reserved
-    so no run grows it (growth is not what this table measures)."""
+def prefilled(model, prompt: List[int], room: int) -> CommittedCache:
+    """A committed cache holding ``prompt`` (the decoder's own chunked
+    prefill), with ``room`` spare rows reserved so no run grows it (growth is
+    not what this table measures)."""
     cache = CommittedCache.for_model(model)
     cache.reserve(len(prompt) + room)
-    for i in range(0, len(prompt), chunk):
-        part = prompt[i:i + chunk]
-        positions = list(range(i, i + len(part)))
-        model.hidden(mx.array(part, dtype=mx.int32)[None], mx.array(positions, dtype=mx.int32),
-                     cache.extend(len(part)))
-        cache.commit(part, positions)
-        mx.eval(cache.state())
+    prefill(model, cache, prompt)
+    mx.eval(cache.state())
     return cache
 
 
 def slots_section(model, tokenizer, args) -> List[dict]:
     S = args.slot_size
     prompt = random_prompt(tokenizer, model, args.long_prompt, args.seed)
-    cache = prefill(model, prompt[:-1], room=max(args.slots) * S + 64)
+    cache = prefilled(model, prompt[:-1], room=max(args.slots) * S + 64)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows = []
     for k in args.slots:
