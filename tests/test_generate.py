@@ -37,18 +37,20 @@ def test_stream_releases_text_in_answer_order(demo):
     assert last.generation_tokens == len(tokens) == last.stats.generated_tokens
 
 
+class Letters:
+    """A tokenizer of 100 ids, id i decoding to a letter."""
+
+    def __len__(self):
+        return 100
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
 def test_answer_text_waits_for_the_gap():
     """Slots after a gap are held back; text is released once the gap closes."""
-
-    class Tok:
-        def __len__(self):
-            return 100
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(97 + i % 26) for i in ids)
-
     cache = committed_cache()
-    answer = AnswerText(Tok(), cache, response_start=10, eos_id=99)
+    answer = AnswerText(Letters(), cache, response_start=10, eos_id=99)
     commit(cache, [12, 13], [2, 3])
     assert answer.update() == ([], "")
     commit(cache, [10, 11], [0, 1])
@@ -60,21 +62,14 @@ def test_answer_text_waits_for_the_gap():
 
 def test_answer_text_cuts_at_max_tokens():
     """The server's max_tokens: the answer ends after that many ids besides EOS."""
-    class Tok:
-        def __len__(self):
-            return 100
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(97 + i % 26) for i in ids)
-
     cache = committed_cache()
-    answer = AnswerText(Tok(), cache, response_start=0, eos_id=99, max_tokens=3)
+    answer = AnswerText(Letters(), cache, response_start=0, eos_id=99, max_tokens=3)
     commit(cache, [0, 1], [0, 1])
     assert answer.update() == ([0, 1], "ab") and not answer.cut
     commit(cache, [2, 3], [2, 3])
     assert answer.update() == ([2], "c") and answer.cut and not answer.done
     assert answer.update() == ([], "") and answer.tokens == [0, 1, 2]
-    exact = AnswerText(Tok(), cache, response_start=0, eos_id=99, max_tokens=4)
+    exact = AnswerText(Letters(), cache, response_start=0, eos_id=99, max_tokens=4)
     assert exact.update() == ([0, 1, 2, 3], "abcd") and not exact.cut  # a budget met exactly is no cut
 
 
