@@ -95,13 +95,14 @@ function chosenSettings() {
 // -- the slot view ---------------------------------------------------------------
 
 function newTurn() {
-  return { blocks: [], cells: new Map(), step: 0, phase: "", fresh: new Set(), eos: null };
+  return { blocks: [], cells: new Map(), step: 0, phase: "", fresh: new Set(), eos: null, slotSize: 0 };
 }
 
 function applyCommits(turn, commits) {
   if (commits.blocks) turn.blocks = commits.blocks;
   turn.fresh = new Set();
   for (const slot of commits.slots) {
+    turn.slotSize = Math.max(turn.slotSize, slot.positions.length);
     slot.positions.forEach((pos, i) => {
       const piece = slot.pieces[i];
       turn.cells.set(pos, { piece, id: slot.ids[i], step: commits.step, phase: commits.phase });
@@ -140,6 +141,7 @@ function renderGrid(turn) {
       const cell = turn.cells.get(pos);
       const node = el("span", "cell");
       node.dataset.pos = pos;
+      if (turn.slotSize && pos > start && (pos - start) % turn.slotSize === 0) node.classList.add("slot-start");
       if (cell) {
         node.dataset.step = cell.step;
         node.style.background = stepColour(cell.step, turn.step);
@@ -164,8 +166,10 @@ function renderGrid(turn) {
     : `${end} positions, nothing committed yet`;
 }
 
-function show(turn) {
+function show(turn, msg) {
   state.shown = turn;
+  for (const m of document.querySelectorAll(".msg.shown")) m.classList.remove("shown");
+  if (msg) msg.classList.add("shown");
   renderGrid(turn);
 }
 
@@ -202,8 +206,8 @@ async function send(text) {
   const turn = newTurn();
   const msg = addMessage("assistant", "");
   msg.classList.add("streaming");
-  msg.addEventListener("click", () => show(turn));
-  show(turn);
+  msg.addEventListener("click", () => show(turn, msg));
+  show(turn, msg);
   const body = {
     messages: (system ? [{ role: "system", content: system }] : []).concat(state.history),
     stream: true,
