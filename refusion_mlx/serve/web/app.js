@@ -160,10 +160,41 @@ function renderGrid(turn) {
     start += length;
   }
   grid.replaceChildren(...nodes);
+  renderSteps(turn, end);
   const done = [...turn.cells.keys()].filter((p) => p < end).length;
   $("slot-caption").textContent = turn.step
     ? `step ${turn.step} · ${turn.phase} · ${done} of ${end} committed`
     : `${end} positions, nothing committed yet`;
+}
+
+// One line per step: its colour, phase, how many tokens it committed and where.
+function renderSteps(turn, end) {
+  const steps = new Map();
+  for (const [pos, cell] of turn.cells) {
+    if (pos >= end) continue;
+    if (!steps.has(cell.step)) steps.set(cell.step, { phase: cell.phase, positions: [] });
+    steps.get(cell.step).positions.push(pos);
+  }
+  const rows = [...steps.keys()].sort((a, b) => a - b).map((step) => {
+    const { phase, positions } = steps.get(step);
+    const row = el("li");
+    const swatch = el("span", "swatch");
+    swatch.style.background = stepColour(step, turn.step);
+    row.append(swatch, el("span", null, `step ${step} · ${phase} · ${positions.length} tokens at ${ranges(positions)}`));
+    return row;
+  });
+  $("steps").replaceChildren(...rows);
+}
+
+function ranges(positions) {
+  const sorted = [...positions].sort((a, b) => a - b);
+  const out = [];
+  for (const p of sorted) {
+    const last = out[out.length - 1];
+    if (last && last[1] === p - 1) last[1] = p;
+    else out.push([p, p]);
+  }
+  return out.map(([a, b]) => (a === b ? `${a}` : `${a}–${b}`)).join(", ");
 }
 
 function show(turn, msg) {
