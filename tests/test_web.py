@@ -62,6 +62,9 @@ def test_default_stream_is_plain_openai(server, client):
     text = "".join(c.choices[0].delta.content or "" for c in streamed)
     whole = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
     assert text == whole and text.startswith("17 18 19")
+    with pytest.raises(urllib.error.HTTPError) as err:  # strict, like every field
+        sse(server, chat(COUNT, stream=True, stream_options={"include_commits": "yes"}))
+    assert err.value.code == 400 and json.load(err.value)["error"]["param"] == "stream_options.include_commits"
 
 
 def test_commits_cover_the_answer_out_of_order(server, client):
@@ -146,6 +149,11 @@ def test_page_chats_in_a_browser(server, client, tmp_path):
             page.press("#input", "Enter")
             page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')")
             live = grid(page)  # step 1's frame: a later slot already there, an earlier one still masked
+            target = os.environ.get("REFUSION_WEB_SCREENSHOT")  # docs/images/web-chat.png is taken so
+            if target:
+                panel, steps = page.locator("#slots").bounding_box(), page.locator("#steps").bounding_box()
+                bottom = steps["y"] + steps["height"] + 12
+                page.screenshot(path=target.replace(".png", "-live.png"), clip={**panel, "height": bottom - panel["y"]})
             page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
             first = page.text_content(".msg.assistant .body")
             cells = grid(page)
@@ -161,7 +169,6 @@ def test_page_chats_in_a_browser(server, client, tmp_path):
             again = grid(page)
             shot = tmp_path / "web-chat.png"
             page.screenshot(path=str(shot))
-            target = os.environ.get("REFUSION_WEB_SCREENSHOT")  # docs/images/web-chat.png is taken so
             if target:
                 page.screenshot(path=target)
             # a request the server refuses: its one line shown, the text (tags and all) shown as text

@@ -232,7 +232,8 @@ async function send(text) {
     return;
   }
   const system = $("system").value.trim();
-  state.history.push({ role: "user", content: text });
+  const history = state.history; // this conversation's (New chat starts another)
+  history.push({ role: "user", content: text });
   addMessage("user", text);
   const turn = newTurn();
   const msg = addMessage("assistant", "");
@@ -240,7 +241,7 @@ async function send(text) {
   msg.addEventListener("click", () => show(turn, msg));
   show(turn, msg);
   const body = {
-    messages: (system ? [{ role: "system", content: system }] : []).concat(state.history),
+    messages: (system ? [{ role: "system", content: system }] : []).concat(history),
     stream: true,
     stream_options: { include_usage: true, include_commits: true },
     ...decoding,
@@ -309,16 +310,16 @@ async function send(text) {
       }
       msg.scrollIntoView({ block: "end" });
     }
-    state.history.push({ role: "assistant", content: answer });
+    history.push({ role: "assistant", content: answer });
     setStatus("ready", "");
   } catch (e) {
     if (e.name === "AbortError") {
-      state.history.push({ role: "assistant", content: answer });
+      history.push({ role: "assistant", content: answer });
       finish = "stopped";
       msg.querySelector(".meta").textContent = "stopped";
       setStatus("stopped", "");
     } else {
-      state.history.pop(); // the failed question leaves the conversation
+      history.pop(); // the failed question leaves the conversation
       msg.classList.add("error");
       msg.querySelector(".meta").textContent = "error: " + e.message;
       setStatus("error", "error");
