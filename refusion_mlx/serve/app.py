@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from .._version import __version__
 from .engine import Job
+from .page import add_page
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
 
 log = logging.getLogger("refusion_mlx.server")
@@ -208,12 +209,17 @@ def create_app(server) -> FastAPI:
 
         note = "client went away"
         try:
-            if kind == "chat":
+            if job.request.include_commits:  # first, the answer's blocks, nothing committed yet
+                yield data({**chunk("", role=True), "commits": {"step": 0, "phase": "", "slots": [],
+                                                                 "blocks": answer_blocks(job.request)}})
+            elif kind == "chat":
                 yield data(chunk("", role=True))
             while True:
                 what, payload = await job.events.get()
                 if what == "text":
                     yield data(chunk(payload))
+                elif what == "commits":  # a step's text (maybe none yet) and the slots it committed
+                    yield data({**chunk(payload[0] or None), "commits": payload[1]})
                 elif what == "error":
                     note = payload.message
                     yield data(payload.body())
@@ -230,7 +236,19 @@ def create_app(server) -> FastAPI:
             job.cancelled.set()
             _log("stream", t0, note)
 
+    add_page(app, server)  # the web chat at /
     return app
+
+
+def answer_blocks(request) -> List[int]:
+    """The lengths of the answer's blocks, the last cut at max_tokens."""
+    blocks, left = [], request.max_tokens
+    for length in request.params.layout().block_lengths:
+        if left <= 0:
+            break
+        blocks.append(min(length, left))
+        left -= length
+    return blocks
 
 
 def data(obj) -> str:

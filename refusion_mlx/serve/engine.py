@@ -42,7 +42,8 @@ PEERS = 64  # waiting requests compared with one being admitted
 
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
-    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError)."""
+    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError);
+    with ``include_commits``, a step's text comes as ("commits", (text, its commits))."""
 
     def __init__(self, request: Request, loop):
         self.request, self.loop = request, loop
@@ -217,7 +218,9 @@ class Engine:
         if r.finish_reason == "error":
             return self._close(job, "failed", APIError(500, f"generation failed: {r.error}"))
         text, reason = job.shaper.feed(r.text, r.tokens, final=r.finish_reason is not None)
-        if text:
+        if job.request.include_commits and r.commits:
+            job.post("commits", (text, self._commits(job, r)))
+        elif text:
             job.post("text", text)
         reason = reason or r.finish_reason
         if reason is None:
@@ -232,6 +235,22 @@ class Engine:
                          tokens_per_forward=round(r.stats.tokens_per_forward, 4))
         job.post("done", {"finish_reason": reason, "stats": r.stats.as_dict() if r.stats else None,
                           "usage": usage})
+
+    def _commits(self, job: Job, r) -> dict:
+        """A step's commits as a stream shows them (``include_commits``): per slot, its answer
+        positions (0: the answer's first token; those past max_tokens left out), token ids and
+        each token's own text (null: the end of the answer), in commit order."""
+        start, end = len(job.request.prompt_ids), job.request.max_tokens
+        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
+        vocab = len(tok)
+        slots = []
+        for commit in r.commits:
+            kept = [(p - start, t) for p, t in zip(commit.positions, commit.tokens) if p - start < end]
+            if kept:
+                slots.append({"positions": [p for p, _ in kept], "ids": [t for _, t in kept],
+                              "pieces": [None if t == eos else tok.decode([t]) if t < vocab else ""
+                                         for _, t in kept]})
+        return {"step": r.step + 1, "phase": r.phase, "slots": slots}
 
     def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
         """Take a request out of the batch and free its cache now."""

@@ -65,6 +65,9 @@ def refuse_unsupported(body):
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: Optional[bool] = None
+    include_commits: Optional[bool] = Field(
+        None, description="ReFusion: each chunk also carries the slots its decoding step committed "
+                          "(answer positions, token ids and their text), out of answer order")
 
 
 class _RequestBase(BaseModel):
@@ -160,6 +163,7 @@ class Request:
     stop: List[str]
     stream: bool
     include_usage: bool
+    include_commits: bool = False  # a stream's chunks carry each step's commits
 
 
 # The request fields that are RefusionParams' settings under the same name
@@ -213,4 +217,5 @@ def prepare(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, 
                   f"the model's context of {context}", name, "context_length_exceeded")
     options = body.stream_options
     return Request(kind, ids, params, max_tokens, body.stop or [], bool(body.stream),
-                   bool(options and options.include_usage))
+                   bool(options and options.include_usage),
+                   bool(body.stream and options and options.include_commits))

@@ -1,0 +1,371 @@
+// The refusion-mlx chat page: a multi-turn chat over /v1/chat/completions (streamed),
+// the decoding settings of /web/settings.json, and the answer's slots as the stream's
+// commits (stream_options.include_commits) fill them, out of order.
+// Model text only ever goes into the page as text (textContent, title), never as HTML.
+"use strict";
+
+const GROUPS = [
+  ["Budget and layout", ["max_tokens", "slot_size", "block_length", "serial_num_blocks"]],
+  ["Thresholds", ["slot_threshold", "token_threshold"]],
+  ["Sampling", ["temperature", "seed", "top_p", "top_k", "min_p"]],
+];
+const STORE = "refusion-mlx-settings";
+
+const $ = (id) => document.getElementById(id);
+const state = { history: [], busy: false, controller: null, shown: null };
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+function setStatus(text, kind) {
+  const s = $("status");
+  s.textContent = text;
+  s.dataset.kind = kind || "";
+}
+
+// -- settings ------------------------------------------------------------------
+
+async function loadSettings() {
+  const resp = await fetch("/web/settings.json");
+  const s = await resp.json();
+  $("model").textContent = s.model;
+  document.title = s.model + " · refusion-mlx chat";
+  const form = $("settings-form");
+  const byName = new Map(s.fields.map((f) => [f.name, f]));
+  const placed = new Set();
+  const groups = GROUPS.map(([title, names]) => {
+    names.forEach((n) => placed.add(n));
+    return [title, names.filter((n) => byName.has(n)).map((n) => byName.get(n))];
+  });
+  groups.push(["Other", s.fields.filter((f) => !placed.has(f.name))]);
+  for (const [title, fields] of groups) {
+    if (!fields.length) continue;
+    const set = el("fieldset");
+    set.append(el("legend", null, title));
+    fields.forEach((f) => set.append(fieldInput(f)));
+    form.append(set);
+  }
+  const saved = JSON.parse(localStorage.getItem(STORE) || "{}");
+  for (const input of form.querySelectorAll("input")) {
+    if (saved[input.name] != null) input.value = saved[input.name];
+  }
+  form.addEventListener("input", saveSettings);
+}
+
+function fieldInput(f) {
+  const label = el("label", "row");
+  label.title = f.help + (f.openai ? "" : " (ReFusion)");
+  label.append(el("span", null, f.name));
+  const input = el("input");
+  input.type = "number";
+  input.name = f.name;
+  input.dataset.type = f.type;
+  input.step = f.type === "int" ? "1" : "any";
+  const low = f.ge != null ? f.ge : f.gt;
+  if (low != null) input.min = low;
+  if (f.le != null) input.max = f.le;
+  input.placeholder = f.default == null ? "auto" : String(f.default);
+  label.append(input);
+  return label;
+}
+
+function saveSettings() {
+  const values = {};
+  for (const input of $("settings-form").querySelectorAll("input")) {
+    if (input.value !== "") values[input.name] = input.value;
+  }
+  localStorage.setItem(STORE, JSON.stringify(values));
+}
+
+// The request's decoding fields: the ones set (the server checks them and names a bad one).
+function chosenSettings() {
+  const out = {};
+  for (const input of $("settings-form").querySelectorAll("input")) {
+    if (input.validity.badInput) throw new Error(input.name + ": not a number");
+    if (input.value.trim() === "") continue;
+    out[input.name] = Number(input.value);
+  }
+  return out;
+}
+
+// -- the slot view ---------------------------------------------------------------
+
+function newTurn() {
+  return { blocks: [], cells: new Map(), step: 0, phase: "", fresh: new Set(), eos: null, slotSize: 0 };
+}
+
+function applyCommits(turn, commits) {
+  if (commits.blocks) turn.blocks = commits.blocks;
+  turn.fresh = new Set();
+  for (const slot of commits.slots) {
+    turn.slotSize = Math.max(turn.slotSize, slot.positions.length);
+    slot.positions.forEach((pos, i) => {
+      const piece = slot.pieces[i];
+      turn.cells.set(pos, { piece, id: slot.ids[i], step: commits.step, phase: commits.phase });
+      turn.fresh.add(pos);
+      if (piece === null && (turn.eos === null || pos < turn.eos)) turn.eos = pos;
+    });
+  }
+  if (commits.step) {
+    turn.step = commits.step;
+    turn.phase = commits.phase;
+  }
+}
+
+function pieceText(piece) {
+  if (piece === null) return "⏎";
+  let s = piece.replace(/\n/g, "↵").replace(/\t/g, "→");
+  s = s.trim() === "" ? s.replace(/ /g, "␣") : s.replace(/ /g, "\u00a0");
+  return s || "·";
+}
+
+function stepColour(step, last) {
+  const t = last > 1 ? (step - 1) / (last - 1) : 0;
+  return `hsl(${Math.round(215 - 185 * t)}, 75%, ${Math.round(86 - 6 * t)}%)`;
+}
+
+function renderGrid(turn) {
+  const grid = $("grid");
+  const total = turn.blocks.reduce((a, b) => a + b, 0);
+  const end = turn.eos === null ? total : Math.min(total, turn.eos + 1);
+  const nodes = [];
+  let start = 0;
+  for (const length of turn.blocks) {
+    if (start >= end) break;
+    const block = el("div", "block");
+    for (let pos = start; pos < Math.min(start + length, end); pos++) {
+      const cell = turn.cells.get(pos);
+      const node = el("span", "cell");
+      node.dataset.pos = pos;
+      if (turn.slotSize && pos > start && (pos - start) % turn.slotSize === 0) node.classList.add("slot-start");
+      if (cell) {
+        node.dataset.step = cell.step;
+        node.style.background = stepColour(cell.step, turn.step);
+        if (turn.fresh.has(pos)) node.classList.add("fresh");
+        if (cell.piece === null) node.classList.add("eos");
+        node.title = `position ${pos} · step ${cell.step} (${cell.phase}) · token id ${cell.id}`;
+        node.append(el("span", "t", pieceText(cell.piece)), el("span", "s", String(cell.step)));
+      } else {
+        node.classList.add("masked");
+        node.title = `position ${pos} · masked`;
+        node.append(el("span", "t", "\u00a0"), el("span", "s", "\u00a0"));
+      }
+      block.append(node);
+    }
+    nodes.push(block);
+    start += length;
+  }
+  grid.replaceChildren(...nodes);
+  renderSteps(turn, end);
+  const done = [...turn.cells.keys()].filter((p) => p < end).length;
+  $("slot-caption").textContent = turn.step
+    ? `step ${turn.step} · ${turn.phase} · ${done} of ${end} committed`
+    : `${end} positions, nothing committed yet`;
+}
+
+// One line per step: its colour, phase, how many tokens it committed and where.
+function renderSteps(turn, end) {
+  const steps = new Map();
+  for (const [pos, cell] of turn.cells) {
+    if (pos >= end) continue;
+    if (!steps.has(cell.step)) steps.set(cell.step, { phase: cell.phase, positions: [] });
+    steps.get(cell.step).positions.push(pos);
+  }
+  const rows = [...steps.keys()].sort((a, b) => a - b).map((step) => {
+    const { phase, positions } = steps.get(step);
+    const row = el("li");
+    const swatch = el("span", "swatch");
+    swatch.style.background = stepColour(step, turn.step);
+    row.append(swatch, el("span", null, `step ${step} · ${phase} · ${positions.length} tokens at ${ranges(positions)}`));
+    return row;
+  });
+  $("steps").replaceChildren(...rows);
+}
+
+function ranges(positions) {
+  const sorted = [...positions].sort((a, b) => a - b);
+  const out = [];
+  for (const p of sorted) {
+    const last = out[out.length - 1];
+    if (last && last[1] === p - 1) last[1] = p;
+    else out.push([p, p]);
+  }
+  return out.map(([a, b]) => (a === b ? `${a}` : `${a}–${b}`)).join(", ");
+}
+
+function show(turn, msg) {
+  state.shown = turn;
+  for (const m of document.querySelectorAll(".msg.shown")) m.classList.remove("shown");
+  if (msg) msg.classList.add("shown");
+  renderGrid(turn);
+}
+
+// -- the chat ----------------------------------------------------------------------
+
+function addMessage(role, text) {
+  const msg = el("div", "msg " + role);
+  msg.append(el("div", "who", role), el("div", "body", text), el("div", "meta"));
+  $("messages").append(msg);
+  msg.scrollIntoView({ block: "end" });
+  return msg;
+}
+
+function setBusy(busy) {
+  state.busy = busy;
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  $("input").disabled = busy;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function send(text) {
+  let decoding;
+  try {
+    decoding = chosenSettings();
+  } catch (e) {
+    setStatus(e.message, "error");
+    return;
+  }
+  const system = $("system").value.trim();
+  const history = state.history; // this conversation's (New chat starts another)
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const turn = newTurn();
+  const msg = addMessage("assistant", "");
+  msg.classList.add("streaming");
+  msg.addEventListener("click", () => show(turn, msg));
+  show(turn, msg);
+  const body = {
+    messages: (system ? [{ role: "system", content: system }] : []).concat(history),
+    stream: true,
+    stream_options: { include_usage: true, include_commits: true },
+    ...decoding,
+  };
+  const pace = Number($("pace").value) || 0;
+  state.controller = new AbortController();
+  setBusy(true);
+  setStatus("streaming…", "busy");
+  let answer = "";
+  let finish = null;
+  const t0 = performance.now();
+  const onChunk = async (chunk) => {
+    if (chunk.error) throw new Error(chunk.error.message);
+    const choice = chunk.choices && chunk.choices[0];
+    if (choice && choice.delta && choice.delta.content) {
+      answer += choice.delta.content;
+      msg.querySelector(".body").textContent = answer;
+    }
+    if (choice && choice.finish_reason) finish = choice.finish_reason;
+    if (chunk.commits) {
+      applyCommits(turn, chunk.commits);
+      if (state.shown === turn) renderGrid(turn);
+      if (pace && chunk.commits.step) await sleep(pace);
+    }
+    if (chunk.usage) {
+      const u = chunk.usage;
+      const secs = ((performance.now() - t0) / 1000).toFixed(2);
+      const parts = [`${u.completion_tokens} tokens`, `${turn.step} steps`];
+      if (u.tokens_per_forward != null) parts.push(`${u.tokens_per_forward} tokens/forward`);
+      if (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) {
+        parts.push(`${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens cached`);
+      }
+      parts.push(`${secs} s`, `finish: ${finish}`);
+      msg.querySelector(".meta").textContent = parts.join(" · ");
+    }
+  };
+  try {
+    const resp = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: state.controller.signal,
+    });
+    if (!resp.ok) {
+      let message = `${resp.status} ${resp.statusText}`;
+      try {
+        message = (await resp.json()).error.message;
+      } catch (e) { /* not our error body */ }
+      throw new Error(message);
+    }
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+          await onChunk(JSON.parse(line.slice(6)));
+        }
+      }
+      msg.scrollIntoView({ block: "end" });
+    }
+    history.push({ role: "assistant", content: answer });
+    setStatus("ready", "");
+  } catch (e) {
+    if (e.name === "AbortError") {
+      history.push({ role: "assistant", content: answer });
+      finish = "stopped";
+      msg.querySelector(".meta").textContent = "stopped";
+      setStatus("stopped", "");
+    } else {
+      history.pop(); // the failed question leaves the conversation
+      msg.classList.add("error");
+      msg.querySelector(".meta").textContent = "error: " + e.message;
+      setStatus("error", "error");
+    }
+  } finally {
+    msg.classList.remove("streaming");
+    msg.dataset.finish = finish || "error";
+    turn.fresh = new Set();
+    if (state.shown === turn) renderGrid(turn);
+    setBusy(false);
+    $("input").focus();
+  }
+}
+
+function newChat() {
+  if (state.controller) state.controller.abort();
+  state.history = [];
+  $("messages").replaceChildren();
+  show(newTurn());
+  setStatus("ready", "");
+}
+
+function main() {
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("input").value.trim();
+    if (!text || state.busy) return;
+    $("input").value = "";
+    send(text);
+  });
+  $("input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) {
+      e.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  $("new-chat").addEventListener("click", newChat);
+  $("reset").addEventListener("click", () => {
+    $("settings-form").reset();
+    localStorage.removeItem(STORE);
+  });
+  show(newTurn());
+  loadSettings()
+    .then(() => setStatus("ready", ""))
+    .catch((e) => setStatus("cannot read the settings: " + e.message, "error"));
+}
+
+main();

@@ -1,0 +1,212 @@
+"""The web chat page at ``/`` and the stream's commits (``stream_options.include_commits``).
+
+The page is driven in a real headless browser: Debian's ``chromium`` under
+Playwright (``.ci/run`` installs the browser; Playwright's own download is not
+used). One in-process server on the bundled demo model serves every test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from refusion_mlx.decode.params import FIELDS
+from refusion_mlx.serve.http_server import RefusionServer
+
+COUNT = "Count from 17 to 38."  # the demo model commits this answer's third slot of 4 before the second
+MAX_TOKENS = 48
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RefusionServer(None, port=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def base(server) -> str:
+    return server.url.removesuffix("/v1")
+
+
+def sse(server, body: dict) -> list:
+    """The chunks of a streamed chat completion, as raw JSON."""
+    req = urllib.request.Request(base(server) + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        lines = [line.decode().strip() for line in resp]
+    assert lines[-2:] == ["data: [DONE]", ""]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def chat(content: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, **extra}
+
+
+def test_default_stream_is_plain_openai(server, client):
+    chunks = sse(server, chat(COUNT, stream=True, stream_options={"include_usage": True}))
+    assert all("commits" not in c for c in chunks)
+    assert set(chunks[1]) == {"id", "object", "created", "model", "system_fingerprint", "choices"}
+    streamed = list(client.chat.completions.create(model="m", stream=True, **chat(COUNT)))
+    assert all(not (c.model_extra or {}) for c in streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed)
+    whole = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
+    assert text == whole and text.startswith("17 18 19")
+    with pytest.raises(urllib.error.HTTPError) as err:  # strict, like every field
+        sse(server, chat(COUNT, stream=True, stream_options={"include_commits": "yes"}))
+    assert err.value.code == 400 and json.load(err.value)["error"]["param"] == "stream_options.include_commits"
+
+
+def test_commits_cover_the_answer_out_of_order(server, client):
+    whole = client.chat.completions.create(model="m", **chat(COUNT))
+    chunks = sse(server, chat(COUNT, stream=True, stream_options={"include_commits": True}))
+    first = chunks[0]["commits"]
+    assert first == {"step": 0, "phase": "", "slots": [], "blocks": [16, 16, 16]}
+    steps, pieces, ids = {}, {}, {}
+    for c in chunks[1:]:
+        if "commits" not in c:
+            continue
+        commit = c["commits"]
+        assert commit["phase"] in ("verify", "infill") and commit["step"] == len({*steps.values()}) + 1
+        for slot in commit["slots"]:
+            assert len(slot["positions"]) == len(slot["ids"]) == len(slot["pieces"])
+            for p, t, piece in zip(slot["positions"], slot["ids"], slot["pieces"]):
+                assert p not in steps  # each position is committed once
+                steps[p], ids[p], pieces[p] = commit["step"], t, piece
+    assert sorted(steps) == list(range(MAX_TOKENS))
+    order = [steps[p] for p in range(MAX_TOKENS)]
+    assert any(order[i] > order[j] for i in range(len(order)) for j in range(i + 1, len(order))), order
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "".join(pieces[p] for p in range(MAX_TOKENS)) == whole.choices[0].message.content
+    # the openai client reads them as an extra field, and the non-stream answer is unchanged
+    extra = [c.model_extra["commits"] for c in client.chat.completions.create(
+        model="m", stream=True, stream_options={"include_commits": True}, **chat(COUNT)) if c.model_extra]
+    assert extra == [c["commits"] for c in chunks if "commits" in c]
+    same = client.chat.completions.create(model="m", stream_options={"include_commits": True}, **chat(COUNT))
+    assert same.choices[0].message.content == whole.choices[0].message.content
+    # a text completion's stream carries them too; EOS is a null piece
+    stream = client.completions.create(model="m", prompt="Who is Sven?", max_tokens=64, stream=True,
+                                       stream_options={"include_commits": True})
+    commits = [c.model_extra["commits"] for c in stream if c.model_extra]
+    assert commits[0]["blocks"] == [16, 16, 16, 16]
+    flat = [piece for c in commits for slot in c["slots"] for piece in slot["pieces"]]
+    assert flat.count(None) <= 1
+
+
+def test_page_files_and_settings(server):
+    with urllib.request.urlopen(base(server) + "/") as resp:
+        assert resp.headers["Content-Type"].startswith("text/html") and b'src="/web/app.js"' in resp.read()
+    with urllib.request.urlopen(base(server) + "/web/app.js") as resp:
+        assert resp.headers["Content-Type"].startswith("text/javascript")
+        assert b"innerHTML" not in resp.read()  # model text goes in as text only
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base(server) + "/web/secrets.txt")
+    assert err.value.code == 404 and json.load(err.value)["error"]["code"] == "not_found"
+    with urllib.request.urlopen(base(server) + "/web/settings.json") as resp:
+        settings = json.load(resp)
+    names = [f["name"] for f in settings["fields"]]
+    assert names == [f.request for f in FIELDS if f.request] and settings["model"] == server.model_id
+    by_name = {f["name"]: f for f in settings["fields"]}
+    assert by_name["slot_threshold"] == {"name": "slot_threshold", "type": "float",
+                                         "default": server.defaults.slot_threshold,
+                                         "help": next(f.help for f in FIELDS if f.name == "slot_threshold"),
+                                         "openai": False, "ge": 0, "le": 1}
+    assert by_name["max_tokens"]["default"] == server.default_max_tokens
+
+
+def browser_path() -> str:
+    found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if found is None:
+        pytest.fail("no chromium to drive: apt-get install chromium (.ci/run does)")
+    return found
+
+
+def test_page_chats_in_a_browser(server, client, tmp_path):
+    """Two turns through the page (the first watched live at 300 ms a step), then a refused request."""
+    from playwright.sync_api import sync_playwright
+
+    second, tagged = "Who is Sven?", "<b>Who</b> is <i>Zoe</i>?"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path(), headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 700})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(base(server) + "/")
+            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page.fill("#pace", "300")
+            page.fill("#input", COUNT)
+            page.press("#input", "Enter")
+            page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')")
+            live = grid(page)  # step 1's frame: a later slot already there, an earlier one still masked
+            target = os.environ.get("REFUSION_WEB_SCREENSHOT")  # docs/images/web-chat.png is taken so
+            if target:
+                panel, steps = page.locator("#slots").bounding_box(), page.locator("#steps").bounding_box()
+                bottom = steps["y"] + steps["height"] + 12
+                page.screenshot(path=target.replace(".png", "-live.png"), clip={**panel, "height": bottom - panel["y"]})
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+            first = page.text_content(".msg.assistant .body")
+            cells = grid(page)
+            page.fill("#pace", "0")
+            page.fill("#input", second)
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=15000)
+            answers = page.eval_on_selector_all(".msg.assistant .body", "els => els.map(e => e.textContent)")
+            finishes = page.eval_on_selector_all(".msg.assistant", "els => els.map(e => e.dataset.finish)")
+            sven = grid(page)
+            meta = page.text_content(".msg.assistant:nth-child(4) .meta")
+            page.click(".msg.assistant")  # the first answer's slots again
+            again = grid(page)
+            shot = tmp_path / "web-chat.png"
+            page.screenshot(path=str(shot))
+            if target:
+                page.screenshot(path=target)
+            # a request the server refuses: its one line shown, the text (tags and all) shown as text
+            page.fill("input[name=slot_size]", "3")
+            page.fill("input[name=block_length]", "16")
+            page.fill("#input", tagged)
+            page.click("#send")
+            page.wait_for_selector(".msg.assistant:nth-child(6)[data-finish]", timeout=15000)
+            refused = page.text_content(".msg.assistant:nth-child(6) .meta")
+            shown = page.text_content(".msg.user:nth-child(5) .body")
+            tags = page.eval_on_selector_all("#messages b, #messages i", "els => els.length")
+        finally:
+            browser.close()
+    assert not errors
+    want = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
+    assert first == want and answers[0] == want
+    steps = [step for _, step, _ in live]
+    assert 1 in steps and None in steps and steps.index(None) < len(steps) - steps[::-1].index(1) - 1, steps
+    assert [pos for pos, _, _ in cells] == list(range(MAX_TOKENS))
+    steps = [step for _, step, _ in cells]
+    assert None not in steps
+    assert any(steps[i] > steps[j] for i in range(len(steps)) for j in range(i + 1, len(steps))), steps
+    assert "".join(text for _, _, text in cells).replace("\u00a0", " ").replace("␣", " ") == want
+    # the second turn: the conversation so far went with it
+    history = [{"role": "user", "content": COUNT}, {"role": "assistant", "content": want},
+               {"role": "user", "content": second}]
+    reply = client.chat.completions.create(model="m", messages=history, max_tokens=MAX_TOKENS)
+    assert answers[1] == reply.choices[0].message.content and finishes == ["length", reply.choices[0].finish_reason]
+    assert "cached" in meta and "tokens/forward" in meta
+    assert sven and all(step is not None for _, step, _ in sven) and sven != cells
+    assert again == cells
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert refused == "error: block_length 16 is not a multiple of slot_size 3"
+    assert shown == tagged and tags == 0
+
+
+def grid(page) -> list:
+    """The slot view's cells in page order: (position, step or None, text)."""
+    return [tuple(c) for c in page.eval_on_selector_all(
+        "#grid .cell", "els => els.map(e => [+e.dataset.pos, e.dataset.step ? +e.dataset.step : null, "
+                       "e.querySelector('.t').textContent])")]
