@@ -65,17 +65,18 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
         recorded.append((recorder.shapes(), dec.stats))
         prepared.append(prepare(model, recorded[-1][0]))
     shapes = [s for sh, _ in recorded for s in sh]
-    walls, hosts, bares, bare_hosts, runs = [], [], [], [], []
+    walls, hosts, cpus, bares, bare_hosts, bare_cpus, runs = [], [], [], [], [], [], []
 
     def bare_all() -> None:
-        h0 = _thread_seconds()
+        h0, c0 = _thread_seconds(), time.process_time()
         bares.append([t for prep in prepared for t in replay(model, prep)])
         bare_hosts.append(_thread_seconds() - h0)
+        bare_cpus.append(time.process_time() - c0)
 
     for i in range(repeat):
         if i % 2:  # alternate which goes first, so neither always runs on a warmer machine
             bare_all()
-        h0, wall, decs = _thread_seconds(), 0.0, []
+        h0, c0, wall, decs = _thread_seconds(), time.process_time(), 0.0, []
         for (prompt, params), (sh, _) in zip(jobs, recorded):
             w, dec = decode(model, tokenizer, prompt, params)
             if dec.stats.forwards != len(sh):
@@ -84,6 +85,7 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
             wall += w
             decs.append(dec.stats)  # not the decoder: its cache would stay allocated
         hosts.append(_thread_seconds() - h0)
+        cpus.append(time.process_time() - c0)
         walls.append(wall)
         runs.append(decs)
         if not i % 2:
@@ -91,6 +93,7 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
     mid = sorted(range(repeat), key=lambda i: walls[i])[(repeat - 1) // 2]
     bare_mid = sorted(bares, key=sum)[(repeat - 1) // 2]
     host, bare_host = median(hosts), median(bare_hosts)
+    cpu, bare_cpu = median(cpus), median(bare_cpus)
     decs = runs[mid]
     total = lambda name: sum(getattr(st, name) for st in decs)  # noqa: E731
     phase_seconds = {p: sum(st.seconds[p] for st in decs) for p in PHASE_ORDER}
@@ -118,12 +121,16 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
         "outside_forwards_ms_per_step": round((walls[mid] - sum(bare_mid)) / steps * 1000, 4),
         "decoder_host_seconds": round(host, 6),
         "bare_host_seconds": round(bare_host, 6),
+        "decoder_cpu_seconds": round(cpu, 6),
+        "bare_cpu_seconds": round(bare_cpu, 6),
         "host_ms_per_step": round(host / steps * 1000, 4),
+        "compute_ms_per_step": round((cpu - host) / steps * 1000, 4),
         "extra_host_ms_per_step": round((host - bare_host) / steps * 1000, 4),
         "repeat_decoder_seconds": [round(w, 6) for w in walls],
         "repeat_bare_seconds": [round(sum(b), 6) for b in bares],
         "repeat_decoder_host_seconds": [round(h, 6) for h in hosts],
         "repeat_bare_host_seconds": [round(h, 6) for h in bare_hosts],
+        "repeat_decoder_cpu_seconds": [round(c, 6) for c in cpus],
         "forward_tokens": [s.tokens for s in shapes],
     }
 
@@ -134,14 +141,15 @@ def report(results: dict) -> str:
         rows.append([mode, r["generated_tokens"], r["forwards"], r["steps"], r["host_syncs_per_step"],
                      r["evals_per_step"], r["decoder_seconds"], sum(r["decoder_phase_seconds"].values()),
                      r["bare_seconds"], f"{r['overhead']:.3f}x"])
-        steps.append([mode, r["steps"], r["outside_forwards_ms_per_step"], r["host_ms_per_step"],
-                      r["bare_host_seconds"] / max(r["steps"], 1) * 1000, r["extra_host_ms_per_step"]])
+        steps.append([mode, r["steps"], r["outside_forwards_ms_per_step"], r["compute_ms_per_step"],
+                      r["host_ms_per_step"], r["bare_host_seconds"] / max(r["steps"], 1) * 1000,
+                      r["extra_host_ms_per_step"]])
     lines = [format_table(["mode", "tokens", "fwd", "steps", "syncs/step", "evals/step", "decoder s",
                            "phases s", "bare s", "overhead"], rows, left=[0])]
-    lines += ["", "per step: wall outside the bare forwards, and the main thread's CPU time "
-              "(decoder run, bare forwards, the decoder's extra)",
-              format_table(["mode", "steps", "outside ms/step", "host CPU ms/step", "bare host ms/step",
-                            "extra host ms/step"], steps, left=[0])]
+    lines += ["", "per step: wall outside the bare forwards; CPU time of the decoder run off the main "
+              "thread (compute) and on it (host), the bare forwards' host CPU, the decoder's extra",
+              format_table(["mode", "steps", "outside ms/step", "compute CPU ms/step", "host CPU ms/step",
+                            "bare host ms/step", "extra host ms/step"], steps, left=[0])]
     for mode, r in results.items():
         prow = []
         for p in PHASE_ORDER:
