@@ -3,9 +3,9 @@ per layer over a padded batch, with the same results as each pass alone."""
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from refusion_mlx.decode import forward as forward_module
+from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.forward import forward, run_passes
 from refusion_mlx.decode.packed import PackedWrite
@@ -17,20 +17,20 @@ from refusion_mlx.decode.params import RefusionParams
 MIX = [(3, 0), (6, 2), (1, 2), (10, 4)]
 
 
+def pending_pass(model, tokenizer, case, before: int):
+    """A fresh decoder of ``case`` (its own cache), after ``before`` passes: its next pass."""
+    params = RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
+                            serial_num_blocks=case["serial_num_blocks"],
+                            slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+    decoder = RefusionDecoder(model, case["prompt_ids"], params, mask_id=model.args.mask_token_id,
+                              eos_id=tokenizer.eos_token_id)
+    for _ in range(before):
+        decoder.take(run_passes(model, [decoder.next_pass()])[0])
+    return decoder.next_pass()
+
+
 def pending_passes(model, tokenizer, golden_cases):
-    passes = []
-    for i, before in MIX:
-        case = golden_cases[i]
-        params = RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
-                                serial_num_blocks=case["serial_num_blocks"],
-                                slot_threshold=case["slot_threshold"],
-                                token_threshold=case["token_threshold"])
-        decoder = RefusionDecoder(model, case["prompt_ids"], params, mask_id=model.args.mask_token_id,
-                                  eos_id=tokenizer.eos_token_id)
-        for _ in range(before):
-            decoder.take(run_passes(model, [decoder.next_pass()])[0])
-        passes.append(decoder.next_pass())
-    return passes
+    return [pending_pass(model, tokenizer, golden_cases[i], before) for i, before in MIX]
 
 
 def count_kernel_calls(monkeypatch):
@@ -74,12 +74,31 @@ def test_gpu_paths_attend_a_batch_in_one_kernel_call_per_layer(demo, golden_case
     np.testing.assert_allclose(np.array(each), np.array(packed), atol=2e-5)
 
 
-@pytest.mark.parametrize("mode", ["cpu"])
-def test_cpu_paths_keep_the_request_by_request_way(demo, set_paths, mode):
-    set_paths(mode)
+def test_cpu_paths_keep_the_request_by_request_way(demo, set_paths):
+    set_paths("cpu")
     model, _ = demo
-    from refusion_mlx.decode.cache import CommittedCache
-
     writes = [CommittedCache.for_model(model).extend(n) for n in (3, 5)]
     assert not PackedWrite(writes, [3, 5]).batched
     assert PackedWrite(writes, [3, 5], batched=True).batched
+
+
+def test_gpu_paths_batch_of_equal_passes_needs_no_padding(demo, golden_cases, set_paths, monkeypatch):
+    """Two requests at the same point (one infill draft each, own caches):
+    no padding rows, reshapes only; the same hidden states as alone."""
+    set_paths("gpu")
+    model, tokenizer = demo
+    i, before = MIX[2]
+    passes = [pending_pass(model, tokenizer, golden_cases[i], before) for _ in range(2)]
+    assert passes[0].write.cache is not passes[1].write.cache and len(passes[0]) == len(passes[1])
+    alone = forward(model, passes[:1])
+    mx.eval(alone)
+    packed_write = PackedWrite([p.write for p in passes], [len(p) for p in passes])
+    layout = packed_write.layout(model.args.num_attention_heads, model.args.num_key_value_heads, mx.float32)
+    assert layout.pad_index is None and layout.unpad_index is None
+    calls = count_kernel_calls(monkeypatch)
+    packed = forward(model, passes)
+    mx.eval(packed)
+    assert len(calls) == model.args.num_hidden_layers
+    n = len(passes[0])
+    np.testing.assert_allclose(np.array(packed[:n]), np.array(alone), atol=2e-5)
+    np.testing.assert_allclose(np.array(packed[n:]), np.array(alone), atol=2e-5)
