@@ -8,8 +8,14 @@ decoder's own count, and every ``mx.eval`` it makes), and the split per phase.
 
     python -m refusion_mlx.bench.overhead --model models/qwen3-0.6b-random
     python -m refusion_mlx.bench.overhead                     # the bundled demo model
+    python -m refusion_mlx.bench.overhead --suite default --serial-num-blocks 4   # the bench suite's prompts
 
-Modes fix the decoding path whatever the weights (see speed_common.MODES).
+Each step is also split by CPU time: compute (off the main thread, where
+MLX's CPU backend runs the ops) and host (the main thread), for the decoder
+and the bare forwards; their host difference is the decoder's own work.
+
+Modes fix the decoding path whatever the weights (see speed_common.MODES);
+``--suite`` takes the suite's settings instead.
 Target (issue): overhead <= 1.10x on the Qwen3-0.6B shape.
 """
 
