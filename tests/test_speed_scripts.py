@@ -52,6 +52,19 @@ def test_overhead_on_demo(tmp_path, capsys):
     assert "overhead" in capsys.readouterr().out
 
 
+def test_overhead_on_a_suite_counts_the_host_time_per_step(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--suite", "default", "--cases", "2", "--gen-length", "16", "--serial-num-blocks", "2",
+                          "--slot-threshold", "0.6", "--token-threshold", "0.3", "--repeat", "1",
+                          "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["modes"]["suite"]
+    assert r["prompts"] == 2 and r["params"]["serial_num_blocks"] == 2 and r["params"]["gen_length"] == 16
+    assert r["forwards"] == len(r["forward_tokens"]) == sum(r["forwards_per_phase"].values())
+    assert r["decoder_host_seconds"] > 0 and r["bare_host_seconds"] > 0
+    assert r["host_ms_per_step"] == pytest.approx(r["decoder_host_seconds"] / r["steps"] * 1000, abs=1e-3)
+    assert "extra host ms/step" in capsys.readouterr().out
+
+
 def test_phase_tags_follow_the_decoder_loop():
     import refusion_mlx as rm
     from refusion_mlx.decode.decoder import RefusionDecoder
@@ -90,6 +103,7 @@ def test_profile_on_demo(tmp_path):
 
 @pytest.mark.parametrize("main, argv", [
     (overhead.main, ["--modes", "fast"]), (overhead.main, ["--repeat", "0"]),
+    (overhead.main, ["--serial-num-blocks", "2"]),  # the suite's settings need --suite
     (scaling.main, ["--sections", "bogus"]), (scaling.main, ["--budgets", "0"]),
     (profile_decoder.main, ["--cases", "-1"]),
 ])

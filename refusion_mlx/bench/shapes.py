@@ -25,7 +25,6 @@ not apply: each side runs once after a short warm-up.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -35,7 +34,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..decode.probs import LOGITS_BUDGET_BYTES
+from ..decode.forward import head_chunk_rows
+from ..models import backend
 from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay
 from .report import device_description, format_table
 from .suite import BenchError, Suite
@@ -203,8 +203,9 @@ class Costs:
 
     @property
     def per_chunk(self) -> int:
-        """Head rows per chunk (decode.forward.head_outputs' rule)."""
-        return max(1, LOGITS_BUDGET_BYTES // (4 * self.vocab))
+        """Head rows per chunk: the decoder's rule on the paths in force
+        (``decode.forward.head_chunk_rows``; on the GPU paths every step's rows)."""
+        return head_chunk_rows(self.vocab)
 
     def head_reads(self, head_rows: int) -> int:
         return math.ceil(head_rows / self.per_chunk) if head_rows else 0
@@ -312,7 +313,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     return {
         "shape": name, "recorded_with": record_model or "bundled demo model", "config": shape_config(name),
         "parameters": n_params, "dtype": dtype, "q_bits": q_bits,
-        "device": device_description(), "paths": os.environ.get("REFUSION_MLX_PATHS", "auto"),
+        "device": device_description(), "paths": f"{backend.paths()} ({backend.mode()})",
         "prompts": len(rec.generated), "prompt_tokens": rec.prompt_tokens, "generated_tokens": rec.generated,
         "forwards": len(shapes), "replayed_forwards": len(seconds),
         "forwards_per_phase": count_by_phase(shapes), "ar_forwards": len(ar_fw),

@@ -209,7 +209,8 @@ class _LayerWrite:
     def __init__(self, write: KVWrite, index: int):
         self.write, self.index = write, index
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update(self, keys: mx.array, values: mx.array) -> None:
+        """Write this pass's keys and values (1, K, n, D) into their rows."""
         w, c, i = self.write, self.write.cache, self.index
         if w.rows is None:
             end = w.start + keys.shape[2]
@@ -218,4 +219,19 @@ class _LayerWrite:
         else:
             c.keys[i][:, :, w.rows, :] = keys
             c.values[i][:, :, w.rows, :] = values
-        return c.keys[i][:, :, : w.visible, :], c.values[i][:, :, : w.visible, :]
+
+    def fetch(self, length: Optional[int] = None):
+        """The first ``length`` rows of keys and values (default: the rows this
+        pass sees). Past ``visible`` they are stale scratch rows, and zeros past
+        the buffer's capacity: a padded batch (``decode.packed``) masks them."""
+        c, i = self.write.cache, self.index
+        length = self.write.visible if length is None else length
+        keys, values = c.keys[i][:, :, :length, :], c.values[i][:, :, :length, :]
+        if length > c.capacity:
+            pad = [(0, 0), (0, 0), (0, length - c.capacity), (0, 0)]
+            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        return keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.update(keys, values)
+        return self.fetch()

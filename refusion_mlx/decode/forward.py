@@ -4,8 +4,9 @@ Each request asks for a :class:`Pass`: the tokens it feeds, their positions,
 where its keys and values go in *its own* committed cache (a ``KVWrite``) and
 what it needs from the LM head. :func:`run_passes` packs the passes of many
 requests into one sequence, so every weight is read once per step, while
-attention stays per request (:class:`PackedWrite`): each request's queries
-see its own committed rows and its own pass, exactly as if it ran alone
+attention stays per request (:class:`~.packed.PackedWrite`: on the GPU paths
+one padded batch, one kernel call per layer): each request's queries see its
+own committed rows and its own pass, exactly as if it ran alone
 (REFUSION.md §3-§4). The LM head runs once over the rows every request needs,
 in chunks that bound the vocabulary-sized working set (on the GPU paths one
 chunk, reading the head weight once, while the logits fit a budget from the
@@ -25,8 +26,8 @@ import numpy as np
 
 from .. import _blas
 from ..models import backend
-from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
+from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
 
 
@@ -80,47 +81,6 @@ class PassResult:
 
     def __getitem__(self, name: str):
         return self.host[name] if name in self.host else self.device[name]
-
-
-class PackedWrite:
-    """The KV writes of several requests' passes in one forward.
-
-    Rows ``[offset, offset + n)`` of the packed sequence belong to one
-    request: they write into that request's cache and attend to it alone.
-    Masks are made once per forward, on first use, in the form the
-    attention kernel of this device takes.
-    """
-
-    def __init__(self, writes: Sequence[KVWrite], lengths: Sequence[int]):
-        offsets = np.cumsum([0, *lengths]).tolist()
-        self.segments = [(w, offsets[i], offsets[i + 1]) for i, w in enumerate(writes)]
-        self.mask = None  # Model.hidden: no shared mask, each segment has its own
-        self._masks: Optional[List] = None
-
-    def layer(self, i: int) -> "_PackedLayer":
-        return _PackedLayer(self, i)
-
-    def masks(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> List:
-        if self._masks is None:
-            self._masks = [attention_mask(w.mask, end - start, w.visible, heads, kv_heads, dtype)
-                           for w, start, end in self.segments]
-        return self._masks
-
-
-class _PackedLayer:
-    __slots__ = ("packed", "index")
-
-    def __init__(self, packed: PackedWrite, index: int):
-        self.packed, self.index = packed, index
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        """Each segment's queries over its own cache and pass only."""
-        masks = self.packed.masks(q.shape[1], k.shape[1], q.dtype)
-        outs = []
-        for (write, start, end), mask in zip(self.packed.segments, masks):
-            keys, values = write.layer(self.index).update_and_fetch(k[:, :, start:end], v[:, :, start:end])
-            outs.append(attend(q[:, :, start:end], keys, values, mask))
-        return mx.concatenate(outs, axis=2)
 
 
 def forward(model, passes: Sequence[Pass]) -> mx.array:

@@ -1,0 +1,163 @@
+"""Attention for several requests' passes packed into one forward.
+
+``run_passes`` feeds the passes of a batch as one sequence, so every weight
+is read once per step; attention must still keep each request to its own
+cache and pass (REFUSION.md §3-§4). A :class:`PackedWrite` stands in for the
+``KVWrite`` of one pass: rows ``[start, end)`` of the packed sequence belong
+to one request, write into its cache and attend to it alone. Two ways:
+
+* **GPU paths: one kernel call per layer.** The queries are laid out as a
+  padded batch (B, H, maxN, D), each request's keys and values as its first
+  maxV cache rows (B, K, maxV, D) -- maxN and maxV the batch's longest pass
+  and widest view -- and one (B, 1, maxN, maxV) mask hides the padding and
+  keeps each request's own visibility (causal, or its infill slots'
+  block-diagonal mask). One ``scaled_dot_product_attention`` then serves the
+  batch, and the outputs are unpadded into the packed order. The price is
+  a gather: each layer copies B x maxV cache rows of keys and values into
+  the padded batch, which the attention kernel then reads (see
+  :meth:`PackedWrite.gather_bytes`): at ReFusion-8B's shape (36 layers, 8 KV
+  heads of 128, bfloat16) 144 KiB per row, so a batch of 8 at 1,000 visible
+  rows copies ~1.2 GB a step against ~16 GB of weights read once. The
+  committed caches themselves are never copied, and each request keeps its
+  own buffer (a prompt cache forks it, a chat continues it).
+* **CPU paths: one call per request.** MLX's CPU backend has no fused
+  attention; there the grouped-query attention of ``models.cpu_paths.attend``
+  runs per request over exactly its visible rows: no gather, and on the
+  demo model no slower than the padded batch (docs/benchmarks.md).
+
+The layout, masks and index arrays are made once per forward, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..models import backend
+from ..models.cpu_paths import attend, attention_mask
+from .cache import KVWrite
+
+
+class PackedWrite:
+    """The KV writes of several requests' passes in one forward.
+
+    ``batched``: attend as one padded batch (one kernel call per layer; the
+    GPU paths' default) or request by request (the CPU paths').
+    """
+
+    def __init__(self, writes: Sequence[KVWrite], lengths: Sequence[int],
+                 batched: Optional[bool] = None):
+        offsets = np.cumsum([0, *lengths]).tolist()
+        self.segments = [(w, offsets[i], offsets[i + 1]) for i, w in enumerate(writes)]
+        self.mask = None  # Model.hidden: no shared mask, the packed write brings its own
+        self.batched = backend.gpu_paths() if batched is None else batched
+        self._masks: Optional[List] = None
+        self._layout: Optional["_PaddedLayout"] = None
+
+    def layer(self, i: int) -> "_PackedLayer":
+        return _PackedLayer(self, i)
+
+    def masks(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> List:
+        """One attention mask per request (the request-by-request way)."""
+        if self._masks is None:
+            self._masks = [attention_mask(w.mask, end - start, w.visible, heads, kv_heads, dtype)
+                           for w, start, end in self.segments]
+        return self._masks
+
+    def layout(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> "_PaddedLayout":
+        """The padded batch's shape, index arrays and mask (the batched way)."""
+        if self._layout is None:
+            self._layout = _PaddedLayout(self.segments, heads, kv_heads, dtype)
+        return self._layout
+
+    def gather_bytes(self, kv_heads: int, head_dim: int, itemsize: int, layers: int) -> int:
+        """Bytes of keys and values the batched way copies per forward."""
+        rows = len(self.segments) * max(w.visible for w, _, _ in self.segments)
+        return 2 * rows * kv_heads * head_dim * itemsize * layers
+
+
+class _PaddedLayout:
+    """Where each packed row sits in the padded batch, and the batch's mask."""
+
+    def __init__(self, segments, heads: int, kv_heads: int, dtype: mx.Dtype):
+        lengths = [end - start for _, start, end in segments]
+        self.batch = len(segments)
+        self.max_rows = max(lengths)
+        self.max_visible = max(w.visible for w, _, _ in segments)
+        if all(n == self.max_rows for n in lengths):
+            self.pad_index = self.unpad_index = None  # nothing to pad: reshapes do
+        else:
+            pad = np.zeros((self.batch, self.max_rows), np.int32)  # padding rows read row 0
+            unpad = []
+            for b, (_, start, end) in enumerate(segments):
+                pad[b, :end - start] = np.arange(start, end)
+                unpad.extend(range(b * self.max_rows, b * self.max_rows + end - start))
+            self.pad_index = mx.array(pad.reshape(-1))
+            self.unpad_index = mx.array(np.array(unpad, np.int32))
+        masks = [self._segment_mask(w, end - start) for w, start, end in segments]
+        self.mask = attention_mask(mx.stack(masks), self.max_rows, self.max_visible,
+                                   heads, kv_heads, dtype)
+
+    def _segment_mask(self, write: KVWrite, rows: int) -> mx.array:
+        """(maxN, maxV) bool: the request's own mask, padded. Padding keys are
+        hidden; padding query rows see key 0 only (a finite row, discarded)."""
+        n, v = self.max_rows, self.max_visible
+        if isinstance(write.mask, str):  # causal: row j sees the first visible - rows + j + 1 keys
+            j = np.arange(n)[:, None]
+            mask = (np.arange(v)[None, :] < write.visible - rows + j + 1) & (j < rows)
+            mask[rows:, 0] = True
+            return mx.array(mask)
+        mask = write.mask
+        if v > write.visible:
+            mask = mx.pad(mask, [(0, 0), (0, v - write.visible)])
+        if n > rows:
+            filler = np.zeros((n - rows, v), bool)
+            filler[:, 0] = True
+            mask = mx.concatenate([mask, mx.array(filler)])
+        return mask
+
+    def pad(self, x: mx.array) -> mx.array:
+        """(1, H, N, D) packed rows -> (B, H, maxN, D)."""
+        _, H, _, D = x.shape
+        if self.pad_index is not None:
+            x = mx.take(x, self.pad_index, axis=2)
+        return x.reshape(H, self.batch, self.max_rows, D).transpose(1, 0, 2, 3)
+
+    def unpad(self, x: mx.array) -> mx.array:
+        """(B, H, maxN, D) -> (1, H, N, D) packed rows."""
+        _, H, _, D = x.shape
+        x = x.transpose(1, 0, 2, 3).reshape(1, H, self.batch * self.max_rows, D)
+        return x if self.unpad_index is None else mx.take(x, self.unpad_index, axis=2)
+
+
+class _PackedLayer:
+    __slots__ = ("packed", "index")
+
+    def __init__(self, packed: PackedWrite, index: int):
+        self.packed, self.index = packed, index
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """(1, H, N, D) packed queries (and this pass's K/V, written to each
+        request's cache) -> (1, H, N, D): each request over its own rows."""
+        if self.packed.batched:
+            return self._attend_batched(q, k, v)
+        masks = self.packed.masks(q.shape[1], k.shape[1], q.dtype)
+        outs = []
+        for (write, start, end), mask in zip(self.packed.segments, masks):
+            keys, values = write.layer(self.index).update_and_fetch(k[:, :, start:end], v[:, :, start:end])
+            outs.append(attend(q[:, :, start:end], keys, values, mask))
+        return mx.concatenate(outs, axis=2)
+
+    def _attend_batched(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        layout = self.packed.layout(q.shape[1], k.shape[1], q.dtype)
+        keys, values = [], []
+        for write, start, end in self.packed.segments:
+            layer = write.layer(self.index)
+            layer.update(k[:, :, start:end], v[:, :, start:end])
+            kk, vv = layer.fetch(layout.max_visible)
+            keys.append(kk)
+            values.append(vv)
+        out = attend(layout.pad(q), mx.concatenate(keys), mx.concatenate(values), layout.mask)
+        return layout.unpad(out)

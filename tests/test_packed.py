@@ -1,0 +1,108 @@
+"""A batch's attention (decode/packed.py): on the GPU paths one kernel call
+per layer over a padded batch, with the same results as each pass alone."""
+
+import mlx.core as mx
+import numpy as np
+
+from refusion_mlx.decode import forward as forward_module
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.forward import forward, run_passes
+from refusion_mlx.decode.packed import PackedWrite
+from refusion_mlx.decode.params import RefusionParams
+
+# (golden case, passes run before): a prefill (51 rows, causal), a plan
+# (40 rows, causal), two infill drafts (28 and 24 rows, block-diagonal masks)
+# over 49 to 71 visible rows: every length and view differs
+MIX = [(3, 0), (6, 2), (1, 2), (10, 4)]
+
+
+def pending_pass(model, tokenizer, case, before: int):
+    """A fresh decoder of ``case`` (its own cache), after ``before`` passes: its next pass."""
+    params = RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
+                            serial_num_blocks=case["serial_num_blocks"],
+                            slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+    decoder = RefusionDecoder(model, case["prompt_ids"], params, mask_id=model.args.mask_token_id,
+                              eos_id=tokenizer.eos_token_id)
+    for _ in range(before):
+        decoder.take(run_passes(model, [decoder.next_pass()])[0])
+    return decoder.next_pass()
+
+
+def pending_passes(model, tokenizer, golden_cases):
+    return [pending_pass(model, tokenizer, golden_cases[i], before) for i, before in MIX]
+
+
+def count_kernel_calls(monkeypatch):
+    calls = []
+    kernel = mx.fast.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    return calls
+
+
+def test_gpu_paths_attend_a_batch_in_one_kernel_call_per_layer(demo, golden_cases, set_paths, monkeypatch):
+    set_paths("gpu")
+    model, tokenizer = demo
+    passes = pending_passes(model, tokenizer, golden_cases)
+    lengths = [len(p) for p in passes]
+    assert len(set(lengths)) == len(passes) and sum(p.write.rows is not None for p in passes) == 2
+    alone = [forward(model, [p]) for p in passes]  # each pass by itself (writes the same K/V rows)
+    mx.eval(alone)
+
+    calls = count_kernel_calls(monkeypatch)
+    assert PackedWrite([p.write for p in passes], lengths).batched  # the GPU paths' default
+    packed = forward(model, passes)
+    mx.eval(packed)
+    layers = model.args.num_hidden_layers
+    assert len(calls) == layers
+    assert set(calls) == {(len(passes), model.args.num_attention_heads, max(lengths), model.args.head_dim)}
+
+    np.testing.assert_allclose(np.array(packed), np.concatenate([np.array(a) for a in alone]), atol=2e-5)
+    logits = [model.head(h).argmax(-1) for h in (packed, mx.concatenate(alone))]
+    assert np.array_equal(*map(np.array, logits))
+
+    calls.clear()  # the request-by-request way: one call per request per layer, same values
+    monkeypatch.setattr(forward_module, "PackedWrite", lambda w, n: PackedWrite(w, n, batched=False))
+    each = forward(model, passes)
+    mx.eval(each)
+    assert len(calls) == layers * len(passes)
+    np.testing.assert_allclose(np.array(each), np.array(packed), atol=2e-5)
+
+
+def test_cpu_paths_keep_the_request_by_request_way(demo, set_paths):
+    set_paths("cpu")
+    model, _ = demo
+    writes = [CommittedCache.for_model(model).extend(n) for n in (3, 5)]
+    assert not PackedWrite(writes, [3, 5]).batched
+    assert PackedWrite(writes, [3, 5], batched=True).batched
+    # the batched way's gather: B x widest view rows of K and V, every layer
+    a = model.args
+    assert PackedWrite(writes, [3, 5]).gather_bytes(a.num_key_value_heads, a.head_dim, 4, a.num_hidden_layers) \
+        == 2 * 2 * 5 * a.num_key_value_heads * a.head_dim * 4 * a.num_hidden_layers
+
+
+def test_gpu_paths_batch_of_equal_passes_needs_no_padding(demo, golden_cases, set_paths, monkeypatch):
+    """Two requests at the same point (one infill draft each, own caches):
+    no padding rows, reshapes only; the same hidden states as alone."""
+    set_paths("gpu")
+    model, tokenizer = demo
+    i, before = MIX[2]
+    passes = [pending_pass(model, tokenizer, golden_cases[i], before) for _ in range(2)]
+    assert passes[0].write.cache is not passes[1].write.cache and len(passes[0]) == len(passes[1])
+    alone = forward(model, passes[:1])
+    mx.eval(alone)
+    packed_write = PackedWrite([p.write for p in passes], [len(p) for p in passes])
+    layout = packed_write.layout(model.args.num_attention_heads, model.args.num_key_value_heads, mx.float32)
+    assert layout.pad_index is None and layout.unpad_index is None
+    calls = count_kernel_calls(monkeypatch)
+    packed = forward(model, passes)
+    mx.eval(packed)
+    assert len(calls) == model.args.num_hidden_layers
+    n = len(passes[0])
+    np.testing.assert_allclose(np.array(packed[:n]), np.array(alone), atol=2e-5)
+    np.testing.assert_allclose(np.array(packed[n:]), np.array(alone), atol=2e-5)
