@@ -18,12 +18,13 @@ from typing import List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
 from .engine import Job
+from .metrics import CONTENT_TYPE, exposition
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
 
 log = logging.getLogger("refusion_mlx.server")
@@ -102,7 +103,9 @@ def create_app(server) -> FastAPI:
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
 
     async def on_error(request: Request, exc: Exception):
-        return error_response(as_api_error(request, exc))
+        error = as_api_error(request, exc)
+        engine.metrics.http_error(error.status)
+        return error_response(error)
 
     for exc in (APIError, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
@@ -125,8 +128,15 @@ def create_app(server) -> FastAPI:
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health():
-        """Queue, batch, counters and the prompt cache's size."""
-        return {"status": "ok" if engine.alive else "stopping", "model": server.model_id, **engine.snapshot()}
+        """Queue, batch, counters, KV reservations and the prompt cache's size; 503 when the
+        engine is stopping, dead, or stuck in a step past the watchdog."""
+        ok, status = engine.health()
+        return JSONResponse({"status": status, "model": server.model_id, **engine.snapshot()}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """The Prometheus text format (names prefixed ``refusion_``)."""
+        return PlainTextResponse(exposition(engine.metrics, engine.gauges()), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)

@@ -10,6 +10,13 @@ shared. Then one ``step()`` runs one batched forward over every active
 request, and each response goes, as final in-order text, to its request's
 asyncio queue. A finished request's cache (prompt + answer) joins the prompt
 cache, so the conversation's next turn continues it.
+
+Admission is memory-aware: a request reserves the KV rows its decoder can
+write (prompt + budget, :func:`kv_rows`) against ``max_kv_bytes``; one that
+could never fit is refused when submitted (400, naming the numbers), one that
+fits waits until finished requests free enough. A step that raises fails the
+requests in it (500) and the engine goes on; ``health()`` reports an engine
+that died or whose step runs past ``watchdog_seconds``.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ import collections
 import gc
 import itertools
 import logging
+import os
 import threading
-from typing import Dict, Optional
+import time
+from typing import Dict, Optional, Tuple
 
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
+from .metrics import ServerMetrics
 from .prompt_cache import PromptCache, prefill
 from .schemas import APIError, Request
 from .text import TextShaper
@@ -38,6 +48,38 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
+DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
+MEMORY_FRACTION = 0.9  # of the device's memory, the rest left to activations and the system
+CACHE_GROWTH_ROWS = 256  # CommittedCache's growth step (decode.cache.GROWTH_STEP)
+
+
+def kv_rows(prompt_tokens: int, budget: int) -> int:
+    """The KV rows a request's cache can hold: its decoder reserves prompt +
+    budget (whole slots) at once, in the cache's growth step."""
+    return -(-(prompt_tokens + budget) // CACHE_GROWTH_ROWS) * CACHE_GROWTH_ROWS
+
+
+def device_memory() -> Tuple[int, str]:
+    """(bytes, what they are): Metal's recommended working set on a GPU, else the system's physical memory."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+
+
+def default_max_kv_bytes(weights: int, prompt_cache_bytes: int) -> Tuple[int, str]:
+    """--max-kv-bytes when not given: 90% of the device's memory (:func:`device_memory`)
+    less the weights and the prompt cache's budget; with how it was derived."""
+    total, what = device_memory()
+    value = int(total * MEMORY_FRACTION) - weights - prompt_cache_bytes
+    return value, (f"{MEMORY_FRACTION:.0%} of {what} ({_gib(total)}) - weights ({_gib(weights)}) - "
+                   f"prompt cache ({_gib(prompt_cache_bytes)})")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 class Job:
@@ -51,6 +93,7 @@ class Job:
         self.uid: Optional[int] = None
         self.cache = None
         self.cached = 0
+        self.kv_bytes = 0  # reserved against the engine's max_kv_bytes while it runs
         self.shaper: Optional[TextShaper] = None
 
     def post(self, kind: str, payload=None) -> None:
@@ -65,14 +108,24 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, dtype: Optional[str] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None,
+                 max_kv_bytes: Optional[int] = None, watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS,
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None):
         self.model_path, self.dtype, self.adapter_path = model_path, dtype, adapter_path
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.prompt_cache_dir = prompt_cache_dir
+        self.prompt_cache_dir_bytes = prompt_cache_bytes if prompt_cache_dir_bytes is None else prompt_cache_dir_bytes
+        self.max_kv_bytes = max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
+        self.kv_row_bytes = 0  # the model's KV bytes per token, known once it is loaded
+        self.kv_reserved = 0  # by the requests in the batch
+        self.watchdog_seconds = watchdog_seconds
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
-        self.wake = threading.Condition()
-        self.counts = collections.Counter()
+        self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
+        self.wake = threading.Condition()  # guards waiting, running, starting, kv_reserved
+        self.metrics = ServerMetrics()
+        self.busy_since: Optional[float] = None  # when the step in progress began
         self.model = self.tokenizer = self.gen = None
         self.args = None  # the model's config, read by the HTTP side
         self.http_tokenizer = None  # the HTTP side's, behind tokenizer_lock
@@ -104,7 +157,31 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    def health(self) -> Tuple[bool, str]:
+        """(healthy, status): "ok", "stopping", "dead" (the engine thread ended) or
+        "stuck" (the step in progress has run past the watchdog)."""
+        if self._stopping.is_set():
+            return False, "stopping"
+        if not self._thread.is_alive():
+            return False, "dead"
+        since = self.busy_since
+        if since is not None and time.monotonic() - since > self.watchdog_seconds:
+            return False, "stuck"
+        return True, "ok"
+
+    def kv_need(self, request: Request) -> int:
+        """The KV bytes a request reserves while it runs (:func:`kv_rows`)."""
+        return kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * self.kv_row_bytes
+
     def submit(self, job: Job) -> None:
+        job.kv_bytes = need = self.kv_need(job.request)
+        if need > self.max_kv_bytes:
+            self.metrics.add("refused")
+            rows = need // max(1, self.kv_row_bytes)
+            raise APIError(400, f"the request needs {need} bytes of KV cache ({rows} rows of "
+                                f"{self.kv_row_bytes} bytes: prompt + max_tokens in whole slots, in steps of "
+                                f"{CACHE_GROWTH_ROWS}); the server's --max-kv-bytes is {self.max_kv_bytes}",
+                           "max_tokens", "kv_memory_exceeded")
         with self.wake:
             if self._stopping.is_set():
                 raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -115,11 +192,31 @@ class Engine:
             self.wake.notify()
 
     def snapshot(self) -> dict:
-        names = ("completed", "cancelled", "failed", "steps", "step_rows", "prefill_tokens", "cached_tokens")
-        return {"active": len(self.running), "queued": len(self.waiting), "max_batch": self.max_batch,
-                **{k: self.counts[k] for k in names}, "prompt_cache": {
-                    "entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
-                    "max_bytes": self.prompt_cache.max_bytes}}
+        names = ("completed", "cancelled", "failed", "refused", "steps", "step_rows", "prefill_tokens",
+                 "cached_tokens", "generated_tokens")
+        with self.wake:  # one consistent view: a request leaving the batch is counted as it leaves
+            state = {"active": len(self.running), "queued": len(self.waiting) + self.starting,
+                     "max_batch": self.max_batch, **self.metrics.read(names),
+                     "kv": {"reserved_bytes": self.kv_reserved, "max_bytes": self.max_kv_bytes,
+                            "bytes_per_token": self.kv_row_bytes}}
+        return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
+                                          "max_bytes": self.prompt_cache.max_bytes}}
+
+    def gauges(self) -> dict:
+        """The gauges /metrics writes (:data:`.metrics.METRICS`' names)."""
+        import mlx.core as mx
+
+        state = self.snapshot()
+        return {"refusion_requests_active": state["active"], "refusion_requests_queued": state["queued"],
+                "refusion_prompt_cache_entries": state["prompt_cache"]["entries"],
+                "refusion_prompt_cache_bytes": state["prompt_cache"]["bytes"],
+                "refusion_prompt_cache_max_bytes": state["prompt_cache"]["max_bytes"],
+                "refusion_kv_reserved_bytes": state["kv"]["reserved_bytes"],
+                "refusion_kv_max_bytes": state["kv"]["max_bytes"] or 0,
+                "refusion_memory_active_bytes": mx.get_active_memory(),
+                "refusion_memory_cache_bytes": mx.get_cache_memory(),
+                "refusion_memory_peak_bytes": mx.get_peak_memory(),
+                "refusion_engine_up": int(self.health()[0])}
 
     # -- the thread --------------------------------------------------------------
 
@@ -132,6 +229,8 @@ class Engine:
             self.args = self.model.args
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=self.max_batch)
+            self._plan_memory()
+            self._open_cache_dir()
         except BaseException as e:  # reported by start() on the caller's thread
             self._error = e if isinstance(e, RefusionError) else RefusionError(
                 f"cannot load the model: {type(e).__name__}: {e}")
@@ -149,6 +248,43 @@ class Engine:
             self._end_all(APIError(503, "the server is shutting down", code="shutting_down"))
             self._release()
 
+    def _plan_memory(self) -> None:
+        """The KV bytes per token of the loaded model, and --max-kv-bytes when not given."""
+        from mlx.utils import tree_flatten
+
+        from ..decode.cache import CommittedCache
+
+        empty = CommittedCache.for_model(self.model)
+        self.kv_row_bytes = 2 * empty.num_layers * empty.num_kv_heads * empty.head_dim * empty.dtype.size
+        if self.max_kv_bytes is None:
+            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            self.max_kv_bytes, how = default_max_kv_bytes(weights, self.prompt_cache.max_bytes)
+            if self.max_kv_bytes < CACHE_GROWTH_ROWS * self.kv_row_bytes:
+                raise RefusionError(f"no memory left for requests: {how} = {_gib(self.max_kv_bytes)}; "
+                                    "lower --prompt-cache-bytes or set --max-kv-bytes")
+            log.info("KV memory for requests: %s = %s (--max-kv-bytes)", how, _gib(self.max_kv_bytes))
+
+    def _open_cache_dir(self) -> None:
+        """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
+        if not self.prompt_cache_dir:
+            return
+        from ..decode.cache import CommittedCache
+        from .cache_files import CacheDir, model_fingerprint
+
+        fingerprint = model_fingerprint(self.model.model_path, str(CommittedCache.for_model(self.model).dtype),
+                                        self.adapter_path)
+        try:
+            store = CacheDir(self.prompt_cache_dir, self.prompt_cache_dir_bytes, fingerprint)
+        except OSError as e:
+            raise RefusionError(f"cannot use --prompt-cache-dir {self.prompt_cache_dir}: {e.strerror or e}") from None
+        n = 0
+        for tokens, cache in store.load(lambda: CommittedCache.for_model(self.model)):
+            self.prompt_cache.restore(tokens, cache)
+            n += 1
+        self.prompt_cache.store = store
+        log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, self.prompt_cache_dir,
+                 len(self.prompt_cache))
+
     def _serve(self) -> None:
         while not self._stopping.is_set():
             for job in [j for j in self.running.values() if j.cancelled.is_set()]:
@@ -159,30 +295,49 @@ class Engine:
                     if not self.waiting and not self._stopping.is_set():
                         self.wake.wait(0.25)
                 continue
-            self.counts["steps"] += 1
-            self.counts["step_rows"] += len(self.running)
-            for response in self.gen.step():
+            self.busy_since = t0 = time.monotonic()
+            rows = len(self.running)
+            try:
+                responses = self.gen.step()
+            except Exception as e:  # a bug or out of memory outside one request: the step's requests fail
+                log.exception("a step failed")
+                self.busy_since = None
+                self._fail_running(APIError(500, f"the step failed: {_brief(e)}", code="step_failed"))
+                continue
+            self.busy_since = None
+            self.metrics.step(time.monotonic() - t0, rows,
+                              sum(len(c.tokens) for r in responses for c in r.commits))
+            for response in responses:
                 self._route(response)
 
+    def _fail_running(self, error: APIError) -> None:
+        for job in list(self.running.values()):
+            self._close(job, "failed", error)
+
     def _admit(self) -> None:
-        room = self.max_batch - len(self.running)
-        if room <= 0:
-            return
+        """Queued requests in order, while a batch row and their KV reservation are free."""
         with self.wake:
             batch = []
-            while self.waiting and len(batch) < room:
-                job = self.waiting.popleft()
+            while self.waiting and len(self.running) + len(batch) < self.max_batch:
+                job = self.waiting[0]
                 if job.cancelled.is_set():  # its client left while it waited
-                    self.counts["cancelled"] += 1
-                else:
-                    batch.append(job)
+                    self.waiting.popleft()
+                    self.metrics.add("cancelled")
+                    continue
+                if self.kv_reserved + job.kv_bytes > self.max_kv_bytes:
+                    break  # first in, first served: it waits for memory, those behind it too
+                self.waiting.popleft()
+                self.kv_reserved += job.kv_bytes
+                batch.append(job)
+            self.starting = len(batch)
             peers = batch + list(itertools.islice(self.waiting, PEERS))
         for job in batch:
             try:
                 self._start(job, peers)
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
                 log.exception("cannot start a request")
-                self._close(job, "failed", APIError(500, f"cannot start the request: {type(e).__name__}: {e}"))
+                self._close(job, "failed", APIError(500, f"cannot start the request: {_brief(e)}",
+                                                    code="start_failed"))
 
     def _start(self, job: Job, peers) -> None:
         from ..decode.cache import CommittedCache
@@ -196,21 +351,23 @@ class Engine:
             cache = cache or CommittedCache.for_model(self.model)
             prefill(self.model, cache, ids[n:shared])  # once; the others find it in the prompt cache
             self.prompt_cache.insert(cache)
-            self.counts["prefill_tokens"] += shared - n
+            self.metrics.add("prefill_tokens", shared - n)
             n = shared
         job.cache = cache or CommittedCache.for_model(self.model)
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
             return self._close(job, "failed", APIError(400, str(e), code="invalid_request"))
-        self.counts["prefill_tokens"] += len(ids) - n
-        self.counts["cached_tokens"] += job.cached
+        self.metrics.add("prefill_tokens", len(ids) - n)
+        self.metrics.add("cached_tokens", job.cached)
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
         vocab = len(tok)
         job.shaper = TextShaper(lambda t: tok.decode([i for i in t if i < vocab and i != eos],
                                                      skip_special_tokens=True),
                                 job.request.max_tokens, job.request.stop, eos)
-        self.running[job.uid] = job
+        with self.wake:
+            self.running[job.uid] = job
+            self.starting -= 1
         job.post("start")
 
     def _route(self, r) -> None:
@@ -218,8 +375,11 @@ class Engine:
         if job is None:  # ended earlier in this step
             return
         if r.finish_reason == "error":
-            return self._close(job, "failed", APIError(500, f"generation failed: {r.error}"))
+            return self._close(job, "failed", APIError(500, f"generation failed: {r.error}",
+                                                       code="generation_failed"))
+        released = len(job.shaper.tokens)
         text, reason = job.shaper.feed(r.text, r.tokens, final=r.finish_reason is not None)
+        self.metrics.add("generated_tokens", len(job.shaper.tokens) - released)
         if text:
             job.post("text", text)
         reason = reason or r.finish_reason
@@ -240,20 +400,23 @@ class Engine:
         """Take a request out of the batch and free its cache now."""
         if job.uid is not None:
             self.gen.remove(job.uid)
-            self.running.pop(job.uid, None)
         if error is not None:
             job.post("error", error)
         _free(job.cache)
         job.cache = None
-        self.counts[outcome] += 1
+        with self.wake:  # leaves the batch and is counted in one view of /health
+            if job.uid is None or self.running.pop(job.uid, None) is None:
+                self.starting -= 1  # it never reached the batch
+            self.kv_reserved -= job.kv_bytes
+            job.kv_bytes = 0
+            self.metrics.add(outcome)
         if not self.running:  # the batch is empty: hand the allocator's cached buffers back
             import mlx.core as mx
 
             mx.clear_cache()
 
     def _end_all(self, error: APIError) -> None:
-        for job in list(self.running.values()):
-            self._close(job, "failed", error)
+        self._fail_running(error)
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for job in waiting:
@@ -272,6 +435,10 @@ class Engine:
             mx.clear_streams()
         except Exception:  # pragma: no cover - older MLX without clear_streams
             pass
+
+
+def _brief(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _free(cache) -> None:
