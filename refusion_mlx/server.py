@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli import OneLineParser, add_decoding_args, add_model_args, byte_size, params_from_args
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_WATCHDOG_SECONDS
@@ -36,19 +36,6 @@ _port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
 _positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
 
 
-def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2G, 0 (off)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = 1 << 10 * ("KMGT".index(t[-1]) + 1) if t[-1:] in ("K", "M", "G", "T") else 1
-    try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        value = -1
-    if not 0 <= value < 1 << 60:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512M, 2G, 0 for none)")
-    return int(value)
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -73,7 +60,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--max-active", dest="max_batch", type=_positive, help=argparse.SUPPRESS)  # the old name
     parser.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")
-    parser.add_argument("--prompt-cache-bytes", type=_size, default=DEFAULT_PROMPT_CACHE_BYTES,
+    parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES,
                         help="memory for the KV caches of recent conversations and shared prompts, reused by "
                              "requests that continue them; least recently used first out; 0 turns it off "
                              "(default 2G: ~14k tokens of ReFusion-8B in bfloat16, e.g. one 1.8k-token "
@@ -81,10 +68,10 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
                         help="keep the prompt cache's entries in DIR too (safetensors files, reloaded at start-up, "
                              "so conversations survive a restart; default: memory only)")
-    parser.add_argument("--prompt-cache-dir-bytes", type=_size,
+    parser.add_argument("--prompt-cache-dir-bytes", type=byte_size,
                         help="byte budget of --prompt-cache-dir; least recently used files go first "
                              "(default: --prompt-cache-bytes)")
-    parser.add_argument("--max-kv-bytes", type=_size,
+    parser.add_argument("--max-kv-bytes", type=byte_size,
                         help="KV memory the requests in the batch may reserve (prompt + max_tokens each); "
                              "others wait, one that can never fit gets 400 (default: 90%% of the device's "
                              "memory - Metal's recommended working set, else physical memory - less the "

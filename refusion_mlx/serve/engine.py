@@ -94,6 +94,7 @@ class Job:
         self.cache = None
         self.cached = 0
         self.kv_bytes = 0  # reserved against the engine's max_kv_bytes while it runs
+        self.waited = False  # it waited in the queue for KV memory
         self.shaper: Optional[TextShaper] = None
 
     def post(self, kind: str, payload=None) -> None:
@@ -160,10 +161,10 @@ class Engine:
     def health(self) -> Tuple[bool, str]:
         """(healthy, status): "ok", "stopping", "dead" (the engine thread ended) or
         "stuck" (the step in progress has run past the watchdog)."""
-        if self._stopping.is_set():
-            return False, "stopping"
         if not self._thread.is_alive():
             return False, "dead"
+        if self._stopping.is_set():
+            return False, "stopping"
         since = self.busy_since
         if since is not None and time.monotonic() - since > self.watchdog_seconds:
             return False, "stuck"
@@ -192,8 +193,8 @@ class Engine:
             self.wake.notify()
 
     def snapshot(self) -> dict:
-        names = ("completed", "cancelled", "failed", "refused", "steps", "step_rows", "prefill_tokens",
-                 "cached_tokens", "generated_tokens")
+        names = ("completed", "cancelled", "failed", "refused", "kv_waits", "steps", "step_rows",
+                 "prefill_tokens", "cached_tokens", "generated_tokens")
         with self.wake:  # one consistent view: a request leaving the batch is counted as it leaves
             state = {"active": len(self.running), "queued": len(self.waiting) + self.starting,
                      "max_batch": self.max_batch, **self.metrics.read(names),
@@ -325,6 +326,9 @@ class Engine:
                     self.metrics.add("cancelled")
                     continue
                 if self.kv_reserved + job.kv_bytes > self.max_kv_bytes:
+                    if not job.waited:
+                        job.waited = True
+                        self.metrics.add("kv_waits")
                     break  # first in, first served: it waits for memory, those behind it too
                 self.waiting.popleft()
                 self.kv_reserved += job.kv_bytes

@@ -46,7 +46,7 @@ class Histogram:
 class ServerMetrics:
     """What the engine counts while it runs, read by ``/health`` and ``/metrics``.
 
-    ``counts``: requests by outcome (``OUTCOMES``), ``steps``, ``step_rows``
+    ``counts``: requests by outcome (``OUTCOMES``), ``kv_waits``, ``steps``, ``step_rows``
     (requests summed over steps), ``generated_tokens``, ``prefill_tokens``,
     ``cached_tokens``; ``http_errors``: error responses by status.
     """
@@ -85,6 +85,7 @@ METRICS: Tuple[Tuple[str, str, str], ...] = (
     ("refusion_http_errors_total", "counter", "Error responses sent, by HTTP status."),
     ("refusion_requests_active", "gauge", "Requests in the batch."),
     ("refusion_requests_queued", "gauge", "Requests waiting for a batch row or KV memory."),
+    ("refusion_kv_waits_total", "counter", "Requests that waited in the queue for KV memory (--max-kv-bytes)."),
     ("refusion_steps_total", "counter", "Engine steps (batched forwards)."),
     ("refusion_generated_tokens_total", "counter", "Answer tokens released to clients."),
     ("refusion_prefilled_tokens_total", "counter", "Prompt tokens prefilled (not found in the prompt cache)."),
@@ -112,6 +113,7 @@ def exposition(metrics: ServerMetrics, gauges: Dict[str, float]) -> str:
                                         for o in OUTCOMES],
             "refusion_http_errors_total": [f'refusion_http_errors_total{{status="{s}"}} {n}'
                                            for s, n in sorted(metrics.http_errors.items())],
+            "refusion_kv_waits_total": [f"refusion_kv_waits_total {metrics.counts['kv_waits']}"],
             "refusion_steps_total": [f"refusion_steps_total {metrics.counts['steps']}"],
             "refusion_generated_tokens_total": [
                 f"refusion_generated_tokens_total {metrics.counts['generated_tokens']}"],
