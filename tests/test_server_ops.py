@@ -15,7 +15,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer
 from refusion_mlx.serve.metrics import parse

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from .._version import __version__
 from .engine import Job
-from .metrics import CONTENT_TYPE, exposition
+from .metrics import CONTENT_TYPE, exposition, gauges
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
 
 log = logging.getLogger("refusion_mlx.server")
@@ -136,7 +136,7 @@ def create_app(server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         """The Prometheus text format (names prefixed ``refusion_``)."""
-        return PlainTextResponse(exposition(engine.metrics, engine.gauges()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(exposition(engine.metrics, gauges(engine.snapshot(), engine.health()[0])), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)

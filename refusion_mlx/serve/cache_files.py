@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Sequence, Tuple
 
@@ -25,6 +26,8 @@ log = logging.getLogger("refusion_mlx.server")
 
 FORMAT = "refusion-prompt-cache/1"
 SUFFIX = ".safetensors"
+TMP = ".tmp-"  # files being written: never read, removed at start-up once stale
+STALE_SECONDS = 60
 _SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
 
 
@@ -56,6 +59,12 @@ class CacheDir:
     def __init__(self, path, max_bytes: int, fingerprint: str):
         self.path, self.max_bytes, self.fingerprint = Path(path), max_bytes, fingerprint
         self.path.mkdir(parents=True, exist_ok=True)
+        for f in self.path.glob(TMP + "*"):  # left by a process killed while writing
+            try:
+                if time.time() - f.stat().st_mtime > STALE_SECONDS:
+                    f.unlink()
+            except OSError:
+                pass
 
     def save(self, tokens: Sequence[int], cache) -> None:
         """Write one entry (a compact CommittedCache), then trim the folder to the budget."""
@@ -68,7 +77,7 @@ class CacheDir:
             arrays[f"keys.{i}"] = cache.keys[i][:, :, :n, :]
             arrays[f"values.{i}"] = cache.values[i][:, :, :n, :]
         final = self.path / entry_name(tokens)
-        tmp = self.path / f".tmp-{os.getpid()}-{final.name}"
+        tmp = self.path / f"{TMP}{os.getpid()}-{final.name}"
         try:
             mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT, "model": self.fingerprint})
             os.replace(tmp, final)
@@ -92,6 +101,8 @@ class CacheDir:
         """(mtime, size, path) of the entry files, oldest first."""
         out = []
         for f in self.path.glob("*" + SUFFIX):
+            if f.name.startswith(TMP):
+                continue
             try:
                 st = f.stat()
             except OSError:

@@ -12,7 +12,7 @@ asyncio queue. A finished request's cache (prompt + answer) joins the prompt
 cache, so the conversation's next turn continues it.
 
 Admission is memory-aware: a request reserves the KV rows its decoder can
-write (prompt + budget, :func:`kv_rows`) against ``max_kv_bytes``; one that
+write (prompt + budget, :func:`.memory.kv_rows`) against ``max_kv_bytes``; one that
 could never fit is refused when submitted (400, naming the numbers), one that
 fits waits until finished requests free enough. A step that raises fails the
 requests in it (500) and the engine goes on; ``health()`` reports an engine
@@ -26,13 +26,13 @@ import collections
 import gc
 import itertools
 import logging
-import os
 import threading
 import time
 from typing import Dict, Optional, Tuple
 
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
+from .memory import default_max_kv_bytes, growth_rows, kv_row_bytes, kv_rows
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache, prefill
 from .schemas import APIError, Request
@@ -49,38 +49,6 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
-MEMORY_FRACTION = 0.9  # of the device's memory, the rest left to activations and the system
-CACHE_GROWTH_ROWS = 256  # CommittedCache's growth step (decode.cache.GROWTH_STEP)
-
-
-def kv_rows(prompt_tokens: int, budget: int) -> int:
-    """The KV rows a request's cache can hold: its decoder reserves prompt +
-    budget (whole slots) at once, in the cache's growth step."""
-    return -(-(prompt_tokens + budget) // CACHE_GROWTH_ROWS) * CACHE_GROWTH_ROWS
-
-
-def device_memory() -> Tuple[int, str]:
-    """(bytes, what they are): Metal's recommended working set on a GPU, else the system's physical memory."""
-    import mlx.core as mx
-
-    if mx.metal.is_available():
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
-
-
-def default_max_kv_bytes(weights: int, prompt_cache_bytes: int) -> Tuple[int, str]:
-    """--max-kv-bytes when not given: 90% of the device's memory (:func:`device_memory`)
-    less the weights and the prompt cache's budget; with how it was derived."""
-    total, what = device_memory()
-    value = int(total * MEMORY_FRACTION) - weights - prompt_cache_bytes
-    return value, (f"{MEMORY_FRACTION:.0%} of {what} ({_gib(total)}) - weights ({_gib(weights)}) - "
-                   f"prompt cache ({_gib(prompt_cache_bytes)})")
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
 
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
@@ -154,10 +122,6 @@ class Engine:
         if timeout and self._thread.is_alive():
             self._thread.join(timeout)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
-
     def health(self) -> Tuple[bool, str]:
         """(healthy, status): "ok", "stopping", "dead" (the engine thread ended) or
         "stuck" (the step in progress has run past the watchdog)."""
@@ -181,7 +145,7 @@ class Engine:
             rows = need // max(1, self.kv_row_bytes)
             raise APIError(400, f"the request needs {need} bytes of KV cache ({rows} rows of "
                                 f"{self.kv_row_bytes} bytes: prompt + max_tokens in whole slots, in steps of "
-                                f"{CACHE_GROWTH_ROWS}); the server's --max-kv-bytes is {self.max_kv_bytes}",
+                                f"{growth_rows()}); the server's --max-kv-bytes is {self.max_kv_bytes}",
                            "max_tokens", "kv_memory_exceeded")
         with self.wake:
             if self._stopping.is_set():
@@ -202,22 +166,6 @@ class Engine:
                             "bytes_per_token": self.kv_row_bytes}}
         return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
                                           "max_bytes": self.prompt_cache.max_bytes}}
-
-    def gauges(self) -> dict:
-        """The gauges /metrics writes (:data:`.metrics.METRICS`' names)."""
-        import mlx.core as mx
-
-        state = self.snapshot()
-        return {"refusion_requests_active": state["active"], "refusion_requests_queued": state["queued"],
-                "refusion_prompt_cache_entries": state["prompt_cache"]["entries"],
-                "refusion_prompt_cache_bytes": state["prompt_cache"]["bytes"],
-                "refusion_prompt_cache_max_bytes": state["prompt_cache"]["max_bytes"],
-                "refusion_kv_reserved_bytes": state["kv"]["reserved_bytes"],
-                "refusion_kv_max_bytes": state["kv"]["max_bytes"] or 0,
-                "refusion_memory_active_bytes": mx.get_active_memory(),
-                "refusion_memory_cache_bytes": mx.get_cache_memory(),
-                "refusion_memory_peak_bytes": mx.get_peak_memory(),
-                "refusion_engine_up": int(self.health()[0])}
 
     # -- the thread --------------------------------------------------------------
 
@@ -251,19 +199,9 @@ class Engine:
 
     def _plan_memory(self) -> None:
         """The KV bytes per token of the loaded model, and --max-kv-bytes when not given."""
-        from mlx.utils import tree_flatten
-
-        from ..decode.cache import CommittedCache
-
-        empty = CommittedCache.for_model(self.model)
-        self.kv_row_bytes = 2 * empty.num_layers * empty.num_kv_heads * empty.head_dim * empty.dtype.size
+        self.kv_row_bytes = kv_row_bytes(self.model)
         if self.max_kv_bytes is None:
-            weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-            self.max_kv_bytes, how = default_max_kv_bytes(weights, self.prompt_cache.max_bytes)
-            if self.max_kv_bytes < CACHE_GROWTH_ROWS * self.kv_row_bytes:
-                raise RefusionError(f"no memory left for requests: {how} = {_gib(self.max_kv_bytes)}; "
-                                    "lower --prompt-cache-bytes or set --max-kv-bytes")
-            log.info("KV memory for requests: %s = %s (--max-kv-bytes)", how, _gib(self.max_kv_bytes))
+            self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_row_bytes)
 
     def _open_cache_dir(self) -> None:
         """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
@@ -279,33 +217,33 @@ class Engine:
         except OSError as e:
             raise RefusionError(f"cannot use --prompt-cache-dir {self.prompt_cache_dir}: {e.strerror or e}") from None
         n = 0
+        self.prompt_cache.store = store
         for tokens, cache in store.load(lambda: CommittedCache.for_model(self.model)):
             self.prompt_cache.restore(tokens, cache)
             n += 1
-        self.prompt_cache.store = store
         log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, self.prompt_cache_dir,
                  len(self.prompt_cache))
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
+            self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
             for job in [j for j in self.running.values() if j.cancelled.is_set()]:
                 self._close(job, "cancelled")  # its client left: it leaves the batch, its memory goes
             self._admit()
             if not self.running:
+                self.busy_since = None
                 with self.wake:
                     if not self.waiting and not self._stopping.is_set():
                         self.wake.wait(0.25)
                 continue
-            self.busy_since = t0 = time.monotonic()
+            t0 = time.monotonic()
             rows = len(self.running)
             try:
                 responses = self.gen.step()
             except Exception as e:  # a bug or out of memory outside one request: the step's requests fail
                 log.exception("a step failed")
-                self.busy_since = None
                 self._fail_running(APIError(500, f"the step failed: {_brief(e)}", code="step_failed"))
                 continue
-            self.busy_since = None
             self.metrics.step(time.monotonic() - t0, rows,
                               sum(len(c.tokens) for r in responses for c in r.commits))
             for response in responses:

@@ -2,8 +2,8 @@
 
 The engine thread records into a :class:`ServerMetrics` (counters by
 outcome, token counts, two histograms); :func:`exposition` writes them, with
-the gauges of the moment the HTTP side passes in (queue, batch, prompt cache,
-KV reservations, MLX memory), as version 0.0.4 of the exposition format.
+the gauges of the moment (:func:`gauges`: queue, batch, prompt cache, KV
+reservations, MLX memory), as version 0.0.4 of the exposition format.
 Every name starts with ``refusion_``. No client library: the format is a few
 lines of text per metric.
 """
@@ -132,6 +132,20 @@ def exposition(metrics: ServerMetrics, gauges: Dict[str, float]) -> str:
             rows = [f"{name} {_number(gauges[name])}"]
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *rows]
     return "\n".join(lines) + "\n"
+
+
+def gauges(state: dict, up: bool) -> dict:
+    """The gauges of METRICS from the engine's ``snapshot()``, MLX's memory counters and ``up``."""
+    import mlx.core as mx
+
+    cache, kv = state["prompt_cache"], state["kv"]
+    return {"refusion_requests_active": state["active"], "refusion_requests_queued": state["queued"],
+            "refusion_prompt_cache_entries": cache["entries"], "refusion_prompt_cache_bytes": cache["bytes"],
+            "refusion_prompt_cache_max_bytes": cache["max_bytes"],
+            "refusion_kv_reserved_bytes": kv["reserved_bytes"], "refusion_kv_max_bytes": kv["max_bytes"] or 0,
+            "refusion_memory_active_bytes": mx.get_active_memory(),
+            "refusion_memory_cache_bytes": mx.get_cache_memory(),
+            "refusion_memory_peak_bytes": mx.get_peak_memory(), "refusion_engine_up": int(up)}
 
 
 def parse(text: str) -> Dict[str, float]:

@@ -79,9 +79,11 @@ class PromptCache:
             self.store.touch(tokens) if known else self.store.save(tokens, entry)
 
     def restore(self, tokens: Sequence[int], entry) -> None:
-        """Take back an entry read from the store (compact, in position order)."""
+        """Take back an entry read from the store (compact, in position order); the
+        store's files of entries it extends go."""
         if self.max_bytes > 0:
-            self._add(tuple(tokens), entry)
+            for old in self._add(tuple(tokens), entry):
+                self.store is None or self.store.remove(old)
 
     def _add(self, tokens: tuple, entry) -> list:
         """Keep ``entry``; drop the entries it extends (returned), then the least recently used beyond budget."""
