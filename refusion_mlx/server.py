@@ -36,6 +36,13 @@ _port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
 _positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
 
 
+def _positive_size(text: str) -> int:
+    value = byte_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -71,7 +78,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--prompt-cache-dir-bytes", type=byte_size,
                         help="byte budget of --prompt-cache-dir; least recently used files go first "
                              "(default: --prompt-cache-bytes)")
-    parser.add_argument("--max-kv-bytes", type=byte_size,
+    parser.add_argument("--max-kv-bytes", type=_positive_size,
                         help="KV memory the requests in the batch may reserve (prompt + max_tokens each); "
                              "others wait, one that can never fit gets 400 (default: 90%% of the device's "
                              "memory - Metal's recommended working set, else physical memory - less the "

@@ -265,7 +265,10 @@ def scrape(client: Client) -> Dict[str, float]:
 
 def soak(url: str, duration: float, clients: int, max_tokens: int, seed: int) -> dict:
     client = Client(url)
-    _, health = client.get("/health")
+    try:
+        _, health = client.get("/health")
+    except OSError as e:
+        raise RefusionError(f"cannot reach the server at {url}: {e.strerror or e}") from None
     kv = json.loads(health).get("kv") or {}
     per_token, budget = kv.get("bytes_per_token") or 0, kv.get("max_bytes") or 0
     too_long = budget // per_token + 1 if per_token and budget // per_token < 1 << 20 else None
