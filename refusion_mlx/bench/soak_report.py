@@ -21,6 +21,10 @@ def summarize(tally, before: dict, after: dict, state: dict, wall: float, client
     fivexx = sum(n for s, n in tally.status.items() if s >= 500)
     exact = sum(c.get(k + "_exact", 0) for k in ("stream", "long", "conversation_first_turn"))
     checked = sum(c.get(k, 0) for k in ("stream", "long", "conversation_first_turn"))
+    drops = c.get("drops_mid_stream", 0) + c.get("drops_before_answer", 0)
+    # completions no client read: dropped requests that finished before the server saw the client leave
+    read = sum(c.get(k + "_ok", 0) for k in ("stream", "long", "conversation_first_turn"))
+    unseen = outcome["completed"] - read - c.get("conversation_later_turns", 0)
     steps = delta.get("refusion_step_seconds_count", 0)
     return {
         "clients": clients, "seconds": round(wall, 2),
@@ -29,6 +33,7 @@ def summarize(tally, before: dict, after: dict, state: dict, wall: float, client
         "conversation_later_turns": c.get("conversation_later_turns", 0),
         "conversation_cache_hits": c.get("conversation_cache_hits", 0),
         "drops_mid_stream": c.get("drops_mid_stream", 0), "drops_before_answer": c.get("drops_before_answer", 0),
+        "drops_finished_first": unseen, "drops_unaccounted": drops - outcome["cancelled"] - unseen,
         "malformed": c.get("malformed", 0), "refused_sent": c.get("refused_sent", 0),
         "status": {str(k): v for k, v in sorted(tally.status.items())}, "4xx": fourxx, "5xx": fivexx,
         "transport_errors": c.get("transport_errors", 0),
@@ -58,7 +63,8 @@ def format_report(r: dict) -> str:
         ("later conversation turns (prompt-cache hits)",
          f"{r['conversation_later_turns']} ({r['conversation_cache_hits']})"),
         ("drops mid-stream / before the answer", f"{r['drops_mid_stream']} / {r['drops_before_answer']}"),
-        ("cancellations (server)", m["requests"]["cancelled"]),
+        ("drops cancelled / finished first / unaccounted",
+         f"{m['requests']['cancelled']} / {r['drops_finished_first']} / {r['drops_unaccounted']}"),
         ("4xx (malformed sent / over --max-kv-bytes sent)",
          f"{r['4xx']} ({r['malformed']} / {r['refused_sent']})"),
         ("metrics: requests that waited for KV memory", m["kv_waits"]),
@@ -86,6 +92,8 @@ def failed(r: dict) -> Optional[str]:
         return f"{r['checked'] - r['exact']} answers were not exact"
     if r["left_active"] or r["left_queued"]:
         return "requests were left active or queued"
+    if r["drops_unaccounted"]:
+        return f"{r['drops_unaccounted']} dropped requests were neither cancelled nor completed"
     if r["transport_errors"]:
         return f"{r['transport_errors']} requests failed in transport"
     return None

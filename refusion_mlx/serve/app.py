@@ -187,8 +187,9 @@ def create_app(server) -> FastAPI:
             if job.request.stream:
                 events = sse(job, kind, head, t0)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
+                response = JobStream(job, events)
                 job = None  # the stream owns it now
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return response
             pieces, event = [], ("start", None)
             while event[0] != "done":
                 event = await next_event(job, request)
@@ -241,6 +242,23 @@ def create_app(server) -> FastAPI:
             _log("stream", t0, note)
 
     return app
+
+
+class JobStream(StreamingResponse):
+    """A job's server-sent events; however the response ends -- finished, or the
+    client gone before the first chunk (its generator never started, so only
+    the garbage collector would run its ``finally``) -- the job is cancelled
+    (a no-op once it finished)."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
 
 
 def data(obj) -> str:
