@@ -216,8 +216,10 @@ def test_health_is_503_when_a_step_is_stuck_or_the_engine_is_dead(monkeypatch):
         status, err = ask(srv)
         engine._thread.join(5)
         health = call(srv, "GET", "/health")
+        after = ask(srv)
     assert status == 500 and err["error"]["code"] == "engine_failed"
     assert health[0] == 503 and health[1]["status"] == "dead"
+    assert after[0] == 503 and after[1]["error"]["code"] == "engine_dead"
 
 
 def test_prompt_cache_survives_a_restart(tmp_path, caplog):

@@ -102,6 +102,7 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._error: Optional[BaseException] = None
+        self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
     # -- life cycle and the HTTP side's calls ----------------------------------
@@ -125,7 +126,7 @@ class Engine:
     def health(self) -> Tuple[bool, str]:
         """(healthy, status): "ok", "stopping", "dead" (the engine thread ended) or
         "stuck" (the step in progress has run past the watchdog)."""
-        if not self._thread.is_alive():
+        if self._failed or (self._thread.ident is not None and not self._thread.is_alive()):
             return False, "dead"
         if self._stopping.is_set():
             return False, "stopping"
@@ -148,6 +149,9 @@ class Engine:
                                 f"{growth_rows()}); the server's --max-kv-bytes is {self.max_kv_bytes}",
                            "max_tokens", "kv_memory_exceeded")
         with self.wake:
+            if self._failed:
+                raise APIError(503, "the model engine has stopped (see the server's log); restart the server",
+                               code="engine_dead")
             if self._stopping.is_set():
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             if len(self.waiting) >= self.max_queue:
@@ -191,6 +195,7 @@ class Engine:
             self._serve()
         except BaseException:  # a bug: requests get a 500 rather than hang
             log.exception("the engine failed")
+            self._failed = True
             self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
         finally:
             self._stopping.set()  # no request is taken from now on
