@@ -274,3 +274,15 @@ def test_short_soak():
     drops = result["drops_mid_stream"] + result["drops_before_answer"]
     assert drops > 0 and m["cancelled"] + result["drops_finished_first"] == drops and m["failed"] == 0
     assert result["metrics"]["generated_tokens"] > 0
+
+
+def test_prompt_cache_dir_that_vanishes_is_one_warning_not_a_failure(tmp_path, caplog):
+    folder = tmp_path / "cache"
+    caplog.set_level(logging.WARNING, logger="refusion_mlx.server")
+    with serve(prompt_cache_dir=str(folder)) as srv:
+        folder.rmdir()  # the disk goes away under the server
+        status, answer = ask(srv)
+        health = call(srv, "GET", "/health")
+    assert status == 200 and answer["choices"][0]["message"]["content"] and health[0] == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write" in warnings[0]

@@ -81,14 +81,14 @@ class CacheDir:
         try:
             mx.save_safetensors(str(tmp), arrays, metadata={"format": FORMAT, "model": self.fingerprint})
             os.replace(tmp, final)
-        except OSError as e:
-            log.warning("prompt cache: cannot write %s: %s", final, e.strerror or e)
-            tmp.unlink(missing_ok=True)
+        except (OSError, RuntimeError) as e:  # MLX reports a file it cannot write as RuntimeError
+            log.warning("prompt cache: cannot write %s: %s", final, getattr(e, "strerror", None) or e)
+            _unlink(tmp)
             return
         self.trim()
 
     def remove(self, tokens: Sequence[int]) -> None:
-        (self.path / entry_name(tokens)).unlink(missing_ok=True)
+        _unlink(self.path / entry_name(tokens))
 
     def touch(self, tokens: Sequence[int]) -> None:
         """Mark an entry used (its file is evicted last)."""
@@ -116,7 +116,7 @@ class CacheDir:
         for _, size, f in files:
             if total <= self.max_bytes:
                 break
-            f.unlink(missing_ok=True)
+            _unlink(f)
             total -= size
 
     def load(self, new_cache) -> Iterator[Tuple[list, object]]:
@@ -157,3 +157,11 @@ class CacheDir:
         mx.eval(cache.state())
         cache.tokens, cache.positions = [int(t) for t in tokens], [int(p) for p in positions]
         return tokens, cache
+
+
+def _unlink(f: Path) -> None:
+    """Delete a file if it is there; a folder gone read-only costs disk space, not the server."""
+    try:
+        f.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("prompt cache: cannot delete %s: %s", f, e.strerror or e)
