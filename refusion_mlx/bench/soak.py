@@ -127,7 +127,8 @@ class Client:
 
 
 def chat_body(messages, max_tokens: int, stream: bool) -> dict:
-    return {"messages": messages, "max_tokens": max_tokens, "stream": stream,
+    """Greedy (temperature 0 whatever the server's default), so that an answer can be checked."""
+    return {"messages": messages, "max_tokens": max_tokens, "stream": stream, "temperature": 0,
             **({"stream_options": {"include_usage": True}} if stream else {})}
 
 
