@@ -75,15 +75,15 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
                         help="keep the prompt cache's entries in DIR too (safetensors files, reloaded at start-up, "
                              "so conversations survive a restart; default: memory only)")
-    parser.add_argument("--prompt-cache-dir-bytes", type=byte_size,
+    parser.add_argument("--prompt-cache-dir-bytes", type=byte_size, metavar="SIZE",
                         help="byte budget of --prompt-cache-dir; least recently used files go first "
                              "(default: --prompt-cache-bytes)")
-    parser.add_argument("--max-kv-bytes", type=_positive_size,
+    parser.add_argument("--max-kv-bytes", type=_positive_size, metavar="SIZE",
                         help="KV memory the requests in the batch may reserve (prompt + max_tokens each); "
                              "others wait, one that can never fit gets 400 (default: 90%% of the device's "
                              "memory - Metal's recommended working set, else physical memory - less the "
                              "weights and --prompt-cache-bytes)")
-    parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS,
+    parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
                         help="/health answers 503 while a step has run longer than this "
                              f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
     parser.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY,
