@@ -265,7 +265,7 @@ def test_short_soak():
     from refusion_mlx.bench.soak import failed, soak
 
     with serve(max_kv_bytes=4 * ROW_STEP, max_batch=4) as srv:
-        result = soak(srv.url[:-3], duration=6.0, clients=4, max_tokens=24, seed=1)
+        result = soak(srv.url[:-3], duration=5.0, clients=4, max_tokens=24, seed=1)
     assert failed(result) is None, result["problems"]
     assert result["5xx"] == 0 and result["left_active"] == 0 and result["left_queued"] == 0
     assert result["checked"] > 10 and result["exact"] == result["checked"]
@@ -286,3 +286,37 @@ def test_prompt_cache_dir_that_vanishes_is_one_warning_not_a_failure(tmp_path, c
     assert status == 200 and answer["choices"][0]["message"]["content"] and health[0] == 200
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cannot write" in warnings[0]
+
+
+def test_cli_prompt_cache_dir_survives_kill_9(tmp_path):
+    """`python -m refusion_mlx.server --prompt-cache-dir DIR`, killed with SIGKILL and started again."""
+    from tests.test_server import start_cli, wait_ready
+
+    def chat(port):
+        deadline = time.monotonic() + 10
+        while True:  # the "serving" line comes just before uvicorn listens
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            try:
+                conn.request("POST", CHAT, json.dumps({"messages": [{"role": "user", "content": "Who is Sven?"}],
+                                                       "max_tokens": 16}), {"Content-Type": "application/json"})
+                return json.loads(conn.getresponse().read())
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+            finally:
+                conn.close()
+
+    folder = tmp_path / "cache"
+    answers = []
+    for _ in range(2):
+        proc, lines = start_cli("--prompt-cache-dir", str(folder))
+        try:
+            answers.append(chat(wait_ready(proc, lines)))
+        finally:
+            proc.kill()
+            proc.wait(10)
+    first, again = (a["usage"] for a in answers)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+    assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]
