@@ -50,6 +50,7 @@ SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill t
 PEERS = 64  # waiting requests compared with one being admitted
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
 
+
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
     asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError)."""
@@ -94,7 +95,7 @@ class Engine:
         self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
         self.wake = threading.Condition()  # guards waiting, running, starting, kv_reserved
         self.metrics = ServerMetrics()
-        self.busy_since: Optional[float] = None  # when the step in progress began
+        self.busy_since: Optional[float] = None  # when the round in progress (admission, step) began
         self.model = self.tokenizer = self.gen = None
         self.args = None  # the model's config, read by the HTTP side
         self.http_tokenizer = None  # the HTTP side's, behind tokenizer_lock
