@@ -70,8 +70,8 @@ def test_metrics_move_with_the_load():
         during = []
         with ThreadPoolExecutor(8) as pool:
             slow = pool.submit(call, srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 48})
-            while not during or during[-1]['refusion_requests_active'] == 0:
-                during.append(metrics(srv))  # scraped under load
+            while not during or (during[-1]["refusion_requests_active"] == 0 and not slow.done()):
+                during.append(metrics(srv))  # scraped under load (the slow request runs 48 steps)
             results = list(pool.map(lambda b: call(srv, "POST", CHAT, b), [b for b in bodies if not b["stream"]]))
             streams = list(pool.map(lambda b: stream_usage(srv, b), [b for b in bodies if b["stream"]]))
             bad = [call(srv, "POST", CHAT, b"{nope")[0], ask(srv, max_tokens=-1)[0]]
