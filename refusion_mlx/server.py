@@ -9,10 +9,10 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli import OneLineParser, add_decoding_args, add_model_args, byte_size, params_from_args
 from .errors import RefusionError
 from .models.backend import wired_limit
-from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES
+from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_WATCHDOG_SECONDS
 from .serve.http_server import DEFAULT_MAX_BODY, RefusionServer
 
 __all__ = ["RefusionServer", "build_parser", "main"]
@@ -36,17 +36,21 @@ _port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
 _positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
 
 
-def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2G, 0 (off)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = 1 << 10 * ("KMGT".index(t[-1]) + 1) if t[-1:] in ("K", "M", "G", "T") else 1
+def _positive_size(text: str) -> int:
+    value = byte_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
     try:
-        value = float(t[:-1] if scale > 1 else t) * scale
+        value = float(text)
     except ValueError:
-        value = -1
-    if not 0 <= value < 1 << 60:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512M, 2G, 0 for none)")
-    return int(value)
+        value = -1.0
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def build_parser() -> OneLineParser:
@@ -63,11 +67,25 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--max-active", dest="max_batch", type=_positive, help=argparse.SUPPRESS)  # the old name
     parser.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")
-    parser.add_argument("--prompt-cache-bytes", type=_size, default=DEFAULT_PROMPT_CACHE_BYTES,
+    parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES,
                         help="memory for the KV caches of recent conversations and shared prompts, reused by "
                              "requests that continue them; least recently used first out; 0 turns it off "
                              "(default 2G: ~14k tokens of ReFusion-8B in bfloat16, e.g. one 1.8k-token "
                              "conversation per batch row)")
+    parser.add_argument("--prompt-cache-dir", metavar="DIR",
+                        help="keep the prompt cache's entries in DIR too (safetensors files, reloaded at start-up, "
+                             "so conversations survive a restart; default: memory only)")
+    parser.add_argument("--prompt-cache-dir-bytes", type=byte_size, metavar="SIZE",
+                        help="byte budget of --prompt-cache-dir; least recently used files go first "
+                             "(default: --prompt-cache-bytes)")
+    parser.add_argument("--max-kv-bytes", type=_positive_size, metavar="SIZE",
+                        help="KV memory the requests in the batch may reserve (prompt + max_tokens each); "
+                             "others wait, one that can never fit gets 400 (default: 90%% of the device's "
+                             "memory - Metal's recommended working set, else physical memory - less the "
+                             "weights and --prompt-cache-bytes)")
+    parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
+                        help="/health answers 503 while a step has run longer than this "
+                             f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
     parser.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY,
                         help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_BODY})")
     parser.add_argument("--allowed-origins", default="",
@@ -100,7 +118,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         default_max_tokens=params.gen_length, model_id=args.model_id,
                                         max_batch=args.max_batch, max_queue=args.max_queue,
                                         max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path)
+                                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,
+                                        max_kv_bytes=args.max_kv_bytes, watchdog_seconds=args.watchdog_seconds,
+                                        prompt_cache_dir=args.prompt_cache_dir,
+                                        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes)
             except OSError as e:
                 raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
             if server.host not in ("127.0.0.1", "::1", "localhost"):

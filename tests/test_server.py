@@ -647,6 +647,8 @@ def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--host", "203.0.113.77"], "cannot listen on"),
     (["--max-active", "0"], "must be >= 1"),
+    (["--max-kv-bytes", "0"], "must be more than 0 bytes"),
+    (["--watchdog-seconds", "soon"], "must be a positive number of seconds"),
 ])
 def test_cli_bad_flags_one_line(flags, needle):
     r = subprocess.run([sys.executable, "-m", "refusion_mlx.server", *flags], capture_output=True,

@@ -93,6 +93,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def byte_size(text: str) -> int:
+    """argparse type: bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2G, 0."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1 << 10 * ("KMGT".index(t[-1]) + 1) if t[-1:] in ("K", "M", "G", "T") else 1
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        value = -1
+    if not 0 <= value < 1 << 60:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512M, 2G, 0 for none)")
+    return int(value)
+
+
 def positive_ints(text: str) -> List[int]:
     """argparse type: comma-separated integers >= 1 (``1,2,4,8``)."""
     try:

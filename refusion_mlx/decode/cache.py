@@ -171,6 +171,40 @@ class CommittedCache:
         self._adopt([], [])
         self.capacity = 0
 
+    # -- saving and restoring (the server's prompt-cache files) ---------------
+
+    def to_arrays(self) -> Dict[str, mx.array]:
+        """The committed rows as named arrays: ``tokens``, ``positions`` and
+        ``keys.{layer}`` / ``values.{layer}`` of shape (1, kv_heads, rows, head_dim)."""
+        n = len(self)
+        arrays = {"tokens": mx.array(self.tokens, dtype=mx.int32),
+                  "positions": mx.array(self.positions, dtype=mx.int32)}
+        for i in range(self.num_layers):
+            arrays[f"keys.{i}"] = self.keys[i][:, :, :n, :]
+            arrays[f"values.{i}"] = self.values[i][:, :, :n, :]
+        return arrays
+
+    def load_arrays(self, arrays: Dict[str, mx.array]) -> None:
+        """Fill this empty cache from ``to_arrays``' output; ValueError (and the
+        cache left empty) when they do not fit its layers, heads or dtype."""
+        if len(self):
+            raise ValueError("load_arrays needs an empty cache")
+        tokens, positions = arrays.get("tokens"), arrays.get("positions")
+        if tokens is None or positions is None or tokens.ndim != 1 or tokens.shape != positions.shape:
+            raise ValueError("no tokens and positions of one length")
+        n = tokens.shape[0]
+        shape = (1, self.num_kv_heads, n, self.head_dim)
+        keys = [arrays.get(f"keys.{i}") for i in range(self.num_layers)]
+        values = [arrays.get(f"values.{i}") for i in range(self.num_layers)]
+        if not n or any(a is None or a.shape != shape or a.dtype != self.dtype for a in keys + values):
+            raise ValueError("its arrays do not fit this cache's layers, heads or dtype")
+        self.reserve(n)
+        for i in range(self.num_layers):
+            self.keys[i][:, :, :n, :] = keys[i]
+            self.values[i][:, :, :n, :] = values[i]
+        mx.eval(self.state())
+        self._adopt([int(t) for t in tokens.tolist()], [int(p) for p in positions.tolist()])
+
     # -- reading the committed tokens -----------------------------------------
 
     def token_at(self, position: int) -> Optional[int]:

@@ -18,13 +18,15 @@ from typing import List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
 from .engine import Job
+from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
+from .slots import answer_blocks
 from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
 
 log = logging.getLogger("refusion_mlx.server")
@@ -103,7 +105,9 @@ def create_app(server) -> FastAPI:
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
 
     async def on_error(request: Request, exc: Exception):
-        return error_response(as_api_error(request, exc))
+        error = as_api_error(request, exc)
+        engine.metrics.http_error(error.status)
+        return error_response(error)
 
     for exc in (APIError, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
@@ -126,8 +130,15 @@ def create_app(server) -> FastAPI:
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health():
-        """Queue, batch, counters and the prompt cache's size."""
-        return {"status": "ok" if engine.alive else "stopping", "model": server.model_id, **engine.snapshot()}
+        """Queue, batch, counters, KV reservations and the prompt cache's size; 503 when the
+        engine is stopping, dead, or stuck in a step past the watchdog."""
+        ok, status = engine.health()
+        return JSONResponse({"status": status, "model": server.model_id, **engine.snapshot()}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """The Prometheus text format (names prefixed ``refusion_``)."""
+        return PlainTextResponse(exposition(engine.metrics, gauges(engine.snapshot(), engine.health()[0])), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
@@ -178,8 +189,9 @@ def create_app(server) -> FastAPI:
             if job.request.stream:
                 events = sse(job, kind, head, t0)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
+                response = JobStream(job, events)
                 job = None  # the stream owns it now
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return response
             pieces, event = [], ("start", None)
             while event[0] != "done":
                 event = await next_event(job, request)
@@ -240,15 +252,21 @@ def create_app(server) -> FastAPI:
     return app
 
 
-def answer_blocks(request) -> List[int]:
-    """The lengths of the answer's blocks, the last cut at max_tokens."""
-    blocks, left = [], request.max_tokens
-    for length in request.params.layout().block_lengths:
-        if left <= 0:
-            break
-        blocks.append(min(length, left))
-        left -= length
-    return blocks
+class JobStream(StreamingResponse):
+    """A job's server-sent events; however the response ends -- finished, or the
+    client gone before the first chunk (its generator never started, so only
+    the garbage collector would run its ``finally``) -- the job is cancelled
+    (a no-op once it finished)."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
 
 
 def data(obj) -> str:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import uvicorn
 
-from .engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, Engine
+from .engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_WATCHDOG_SECONDS, Engine
 from .text import TextShaper
 
 __all__ = ["DEFAULT_MAX_BODY", "RefusionServer", "TextShaper"]
@@ -40,7 +40,9 @@ class RefusionServer:
                  model_id: Optional[str] = None, max_batch: int = DEFAULT_MAX_BATCH,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY,
                  allowed_origins: Sequence[str] = (), prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
-                 max_active: Optional[int] = None, adapter_path: Optional[str] = None):
+                 max_active: Optional[int] = None, adapter_path: Optional[str] = None,
+                 max_kv_bytes: Optional[int] = None, watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS,
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None):
         from ..decode.params import RefusionParams
         from .app import create_app
 
@@ -61,7 +63,9 @@ class RefusionServer:
             raise
         self.host, self.port = self.socket.getsockname()[:2]
         self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
-                             prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path)
+                             prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path,
+                             max_kv_bytes=max_kv_bytes, watchdog_seconds=watchdog_seconds,
+                             prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=prompt_cache_dir_bytes)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(config)

@@ -8,6 +8,9 @@ longest common prefix with a new prompt and hands the request its own copy
 of those rows (``CommittedCache.fork``), so entries are never written to and
 any number of requests can start from one. Entries are evicted least
 recently used first, beyond a byte budget (``CommittedCache.nbytes``).
+With a ``store`` (:class:`.cache_files.CacheDir`), every new entry is also
+written to disk, an entry replaced by its extension is deleted there, and a
+hit marks its file used; entries evicted from memory stay on disk.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def prefill(model, cache, ids: Sequence[int]) -> None:
 class PromptCache:
     """An LRU of committed caches keyed by their tokens in position order."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, store=None):
+        self.max_bytes, self.store = max_bytes, store
         self.entries: "OrderedDict[tuple, object]" = OrderedDict()  # tokens -> compact cache, oldest use first
         self.nbytes = 0
 
@@ -57,6 +60,8 @@ class PromptCache:
         tokens, cache, rows = best
         if rows is None:  # an entry: rows in position order
             self.entries.move_to_end(tokens)
+            if self.store is not None:
+                self.store.touch(tokens)
         return n, cache.fork(range(n) if rows is None else rows[:n])
 
     def insert(self, cache) -> None:
@@ -66,9 +71,27 @@ class PromptCache:
         tokens, rows = ordered(cache)
         if self.max_bytes <= 0 or not tokens:
             return
-        for old in [t for t in self.entries if t == tuple(tokens[:len(t)])]:
+        known = tuple(tokens) in self.entries
+        entry = cache.fork(rows)
+        for old in self._add(tuple(tokens), entry):
+            self.store is None or self.store.remove(old)
+        if self.store is not None:
+            self.store.touch(tokens) if known else self.store.save(tokens, entry)
+
+    def restore(self, tokens: Sequence[int], entry) -> None:
+        """Take back an entry read from the store (compact, in position order); the
+        store's files of entries it extends go."""
+        if self.max_bytes > 0:
+            for old in self._add(tuple(tokens), entry):
+                self.store is None or self.store.remove(old)
+
+    def _add(self, tokens: tuple, entry) -> list:
+        """Keep ``entry``; drop the entries it extends (returned), then the least recently used beyond budget."""
+        extended = [t for t in self.entries if t == tokens[:len(t)] and t != tokens]
+        for old in extended + [tokens] * (tokens in self.entries):
             self.nbytes -= self.entries.pop(old).nbytes
-        self.entries[tuple(tokens)] = entry = cache.fork(rows)
+        self.entries[tokens] = entry
         self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes:
             self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+        return extended

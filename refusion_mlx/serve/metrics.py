@@ -1,0 +1,164 @@
+"""The server's numbers in the Prometheus text format (``GET /metrics``).
+
+The engine thread records into a :class:`ServerMetrics` (counters by
+outcome, token counts, two histograms); :func:`exposition` writes them, with
+the gauges of the moment (:func:`gauges`: queue, batch, prompt cache, KV
+reservations, MLX memory), as version 0.0.4 of the exposition format.
+Every name starts with ``refusion_``. No client library: the format is a few
+lines of text per metric.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import threading
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OUTCOMES = ("completed", "cancelled", "failed", "refused")
+STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKENS_PER_FORWARD = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Histogram:
+    """Cumulative buckets (upper bounds), a sum and a count."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> List[str]:
+        out, running = [], 0
+        for bound, n in zip(self.bounds + (math.inf,), self.counts):
+            running += n
+            out.append(f'{name}_bucket{{le="{_number(bound)}"}} {running}')
+        return out + [f"{name}_sum {_number(self.sum)}", f"{name}_count {self.count}"]
+
+
+class ServerMetrics:
+    """What the engine counts while it runs, read by ``/health`` and ``/metrics``.
+
+    ``counts``: requests by outcome (``OUTCOMES``), ``kv_waits``, ``steps``, ``step_rows``
+    (requests summed over steps), ``generated_tokens``, ``prefill_tokens``,
+    ``cached_tokens``; ``http_errors``: error responses by status.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts: "collections.Counter[str]" = collections.Counter()
+        self.http_errors: "collections.Counter[int]" = collections.Counter()
+        self.step_seconds = Histogram(STEP_SECONDS)
+        self.tokens_per_forward = Histogram(TOKENS_PER_FORWARD)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[name] += n
+
+    def read(self, names: Sequence[str]) -> Dict[str, int]:
+        with self.lock:
+            return {k: self.counts[k] for k in names}
+
+    def http_error(self, status: int) -> None:
+        with self.lock:
+            self.http_errors[status] += 1
+
+    def step(self, seconds: float, rows: int, tokens: int) -> None:
+        """One engine step over ``rows`` requests: its wall time and the tokens it committed (one forward)."""
+        with self.lock:
+            self.counts["steps"] += 1
+            self.counts["step_rows"] += rows
+            self.step_seconds.observe(seconds)
+            self.tokens_per_forward.observe(tokens)
+
+
+# (name, type, help) of each metric, in the order written
+METRICS: Tuple[Tuple[str, str, str], ...] = (
+    ("refusion_requests_total", "counter", "Requests that ended, by outcome (refused: over --max-kv-bytes)."),
+    ("refusion_http_errors_total", "counter", "Error responses sent, by HTTP status."),
+    ("refusion_requests_active", "gauge", "Requests in the batch."),
+    ("refusion_requests_queued", "gauge", "Requests waiting for a batch row or KV memory."),
+    ("refusion_kv_waits_total", "counter", "Requests that waited in the queue for KV memory (--max-kv-bytes)."),
+    ("refusion_steps_total", "counter", "Engine steps (batched forwards)."),
+    ("refusion_generated_tokens_total", "counter", "Answer tokens released to clients."),
+    ("refusion_prefilled_tokens_total", "counter", "Prompt tokens prefilled (not found in the prompt cache)."),
+    ("refusion_cached_prompt_tokens_total", "counter", "Prompt tokens taken from the prompt cache."),
+    ("refusion_prompt_cache_entries", "gauge", "Entries in the prompt cache."),
+    ("refusion_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache."),
+    ("refusion_prompt_cache_max_bytes", "gauge", "The prompt cache's budget (--prompt-cache-bytes)."),
+    ("refusion_kv_reserved_bytes", "gauge", "KV memory reserved by the requests in the batch."),
+    ("refusion_kv_max_bytes", "gauge", "The KV budget of admission (--max-kv-bytes)."),
+    ("refusion_memory_active_bytes", "gauge", "MLX memory in use (mx.get_active_memory)."),
+    ("refusion_memory_cache_bytes", "gauge", "MLX allocator cache (mx.get_cache_memory)."),
+    ("refusion_memory_peak_bytes", "gauge", "MLX peak memory (mx.get_peak_memory)."),
+    ("refusion_step_seconds", "histogram", "Wall time of one engine step (one batched forward)."),
+    ("refusion_tokens_per_forward", "histogram", "Tokens committed by one step over the whole batch."),
+    ("refusion_engine_up", "gauge", "1 while the engine thread serves and no step is stuck past the watchdog."),
+)
+
+
+def exposition(metrics: ServerMetrics, gauges: Dict[str, float]) -> str:
+    """The text ``/metrics`` answers: ``metrics``' counters and histograms and
+    the ``gauges`` given (by name, as in METRICS)."""
+    with metrics.lock:
+        samples: Dict[str, Iterable[str]] = {
+            "refusion_requests_total": [f'refusion_requests_total{{outcome="{o}"}} {metrics.counts[o]}'
+                                        for o in OUTCOMES],
+            "refusion_http_errors_total": [f'refusion_http_errors_total{{status="{s}"}} {n}'
+                                           for s, n in sorted(metrics.http_errors.items())],
+            "refusion_kv_waits_total": [f"refusion_kv_waits_total {metrics.counts['kv_waits']}"],
+            "refusion_steps_total": [f"refusion_steps_total {metrics.counts['steps']}"],
+            "refusion_generated_tokens_total": [
+                f"refusion_generated_tokens_total {metrics.counts['generated_tokens']}"],
+            "refusion_prefilled_tokens_total": [f"refusion_prefilled_tokens_total {metrics.counts['prefill_tokens']}"],
+            "refusion_cached_prompt_tokens_total": [
+                f"refusion_cached_prompt_tokens_total {metrics.counts['cached_tokens']}"],
+            "refusion_step_seconds": metrics.step_seconds.lines("refusion_step_seconds"),
+            "refusion_tokens_per_forward": metrics.tokens_per_forward.lines("refusion_tokens_per_forward"),
+        }
+    lines = []
+    for name, kind, text in METRICS:
+        rows = samples.get(name)
+        if rows is None:
+            if name not in gauges:
+                continue
+            rows = [f"{name} {_number(gauges[name])}"]
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *rows]
+    return "\n".join(lines) + "\n"
+
+
+def gauges(state: dict, up: bool) -> dict:
+    """The gauges of METRICS from the engine's ``snapshot()``, MLX's memory counters and ``up``."""
+    import mlx.core as mx
+
+    cache, kv = state["prompt_cache"], state["kv"]
+    return {"refusion_requests_active": state["active"], "refusion_requests_queued": state["queued"],
+            "refusion_prompt_cache_entries": cache["entries"], "refusion_prompt_cache_bytes": cache["bytes"],
+            "refusion_prompt_cache_max_bytes": cache["max_bytes"],
+            "refusion_kv_reserved_bytes": kv["reserved_bytes"], "refusion_kv_max_bytes": kv["max_bytes"] or 0,
+            "refusion_memory_active_bytes": mx.get_active_memory(),
+            "refusion_memory_cache_bytes": mx.get_cache_memory(),
+            "refusion_memory_peak_bytes": mx.get_peak_memory(), "refusion_engine_up": int(up)}
+
+
+def parse(text: str) -> Dict[str, float]:
+    """The samples of an exposition, ``name{labels}`` -> value (for tests and the soak)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def _number(x: float) -> str:
+    if x == math.inf:
+        return "+Inf"
+    return str(int(x)) if float(x).is_integer() else repr(float(x))

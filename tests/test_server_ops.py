@@ -1,0 +1,322 @@
+"""The server as operators run it: /metrics, memory-aware admission, a failing
+step, the /health watchdog, the prompt cache on disk, and a short soak.
+
+Each test starts its own in-process server on the fixture model (a fraction
+of a second) with the settings it needs.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+from refusion_mlx.serve.http_server import RefusionServer
+from refusion_mlx.serve.metrics import parse
+from tests.helpers import FIXTURE_MODEL
+
+CHAT = "/v1/chat/completions"
+ROW_STEP = 256 * 4096  # the fixture's KV bytes in one 256-row growth step (4 KiB a token)
+SLOW = {"prompt": "1 2 3 4 5 6 7 8 9 10", "slot_threshold": 1.0, "token_threshold": 1.0}  # one token a step
+
+
+def serve(**kw) -> RefusionServer:
+    return RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, **kw)  # started by `with`
+
+
+def call(srv, method, path, body=None):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, (payload.decode() if path == "/metrics" else json.loads(payload))
+
+
+def ask(srv, content="Who is Sven?", **fields):
+    return call(srv, "POST", CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 32, **fields})
+
+
+def metrics(srv) -> dict:
+    status, text = call(srv, "GET", "/metrics")
+    assert status == 200
+    for line in text.splitlines():  # every sample line is `name{labels} value`, every name refusion_
+        assert line.startswith("# ") or re.fullmatch(r'refusion_[a-z_]+(\{[a-z_]+="[^"]*"\})? [0-9.e+-]+|'
+                                                     r'refusion_[a-z_]+_bucket\{le="[^"]+"\} \d+', line), line
+    return parse(text)
+
+
+def wait_idle(srv, seconds=20.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _, state = call(srv, "GET", "/health")
+        if state["active"] == 0 and state["queued"] == 0:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"still busy: {state}")
+
+
+def test_metrics_move_with_the_load():
+    with serve() as srv:
+        before = metrics(srv)
+        bodies = [{"messages": [{"role": "user", "content": p}], "max_tokens": 48, "stream": s}
+                  for p in ("Who is Sven?", "Count from 17 to 38.", "Tell me about Zoe.") for s in (False, True)]
+        during = []
+        with ThreadPoolExecutor(8) as pool:
+            slow = pool.submit(call, srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 48})
+            while not during or (during[-1]["refusion_requests_active"] == 0 and not slow.done()):
+                during.append(metrics(srv))  # scraped under load (the slow request runs 48 steps)
+            results = list(pool.map(lambda b: call(srv, "POST", CHAT, b), [b for b in bodies if not b["stream"]]))
+            streams = list(pool.map(lambda b: stream_usage(srv, b), [b for b in bodies if b["stream"]]))
+            bad = [call(srv, "POST", CHAT, b"{nope")[0], ask(srv, max_tokens=-1)[0]]
+            results.append(slow.result())
+        wait_idle(srv)
+        after = metrics(srv)
+    usages = [r[1]["usage"] for r in results] + streams
+    assert all(r[0] == 200 for r in results) and bad == [400, 400]
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d['refusion_requests_total{outcome="completed"}'] == 7
+    assert d['refusion_requests_total{outcome="failed"}'] == 0
+    assert d['refusion_http_errors_total{status="400"}'] == 2
+    assert d["refusion_generated_tokens_total"] == sum(u["completion_tokens"] for u in usages)
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert d["refusion_cached_prompt_tokens_total"] == cached
+    assert d["refusion_prefilled_tokens_total"] + cached == prompt
+    steps = d["refusion_steps_total"]
+    assert steps > 0 and d["refusion_step_seconds_count"] == steps == d["refusion_tokens_per_forward_count"]
+    assert d["refusion_tokens_per_forward_sum"] >= d["refusion_generated_tokens_total"]
+    assert d['refusion_step_seconds_bucket{le="+Inf"}'] == steps
+    buckets = [v for k, v in after.items() if k.startswith("refusion_step_seconds_bucket")]
+    assert buckets == sorted(buckets)  # cumulative
+    assert max(m["refusion_requests_active"] for m in during) >= 1
+    assert after["refusion_requests_active"] == after["refusion_requests_queued"] == 0
+    assert after["refusion_prompt_cache_entries"] >= 1 and after["refusion_prompt_cache_bytes"] > 0
+    assert after["refusion_memory_active_bytes"] > 0 and after["refusion_engine_up"] == 1
+
+
+def stream_usage(srv, body) -> dict:
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    conn.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    usage = None
+    for raw in resp:
+        if raw.startswith(b"data: {"):
+            usage = json.loads(raw[6:]).get("usage") or usage
+    conn.close()
+    return usage
+
+
+def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
+    """Two 256-row reservations fit in 2 MiB: of five slow requests, two run at a time and the
+    others wait; a request needing more than the whole budget is refused at once, naming the numbers."""
+    with serve(max_kv_bytes=2 * ROW_STEP) as srv:
+        _, alone = call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24})
+        seen = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                seen.append(call(srv, "GET", "/health")[1])
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(5) as pool:
+            out = list(pool.map(lambda _: call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24}),
+                                range(5)))
+        stop.set()
+        watcher.join()
+        t0 = time.monotonic()
+        status, err = ask(srv, max_tokens=600)  # 12 + 600 tokens: 768 rows, 3 MiB
+        refused_in = time.monotonic() - t0
+        state = wait_idle(srv)
+    assert [s for s, _ in out] == [200] * 5
+    assert all(r["choices"][0]["text"] == alone["choices"][0]["text"] for _, r in out)
+    assert max(h["active"] for h in seen) == 2 and max(h["queued"] for h in seen) >= 1
+    assert all(h["kv"]["reserved_bytes"] <= h["kv"]["max_bytes"] == 2 * ROW_STEP for h in seen)
+    assert state["kv_waits"] >= 1 and state["kv"]["reserved_bytes"] == 0
+    assert status == 400 and err["error"]["code"] == "kv_memory_exceeded" and refused_in < 5
+    assert str(3 * ROW_STEP) in err["error"]["message"] and str(2 * ROW_STEP) in err["error"]["message"]
+    assert state["refused"] == 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    with serve() as srv:
+        gen = srv.engine.gen
+        real = gen.step
+        calls = []
+
+        def broken():
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("[metal::malloc] Attempting to allocate 99999999999 bytes")
+            return real()
+
+        monkeypatch.setattr(gen, "step", broken)
+        status, err = ask(srv)
+        assert status == 500 and err["error"]["code"] == "step_failed"
+        assert "RuntimeError" in err["error"]["message"] and "allocate" in err["error"]["message"]
+        assert ask(srv)[0] == 200  # the next request is served
+        # a failure inside the batched forward (BatchGenerator catches it): its requests fail alone
+        import refusion_mlx.decode.batch as batch
+
+        real_passes, failed = batch.run_passes, []
+
+        def failing_passes(model, passes):
+            if not failed:
+                failed.append(1)
+                raise MemoryError("out of memory")
+            return real_passes(model, passes)
+
+        monkeypatch.setattr(batch, "run_passes", failing_passes)
+        status, err = ask(srv)
+        assert status == 500 and err["error"]["code"] == "generation_failed" and "MemoryError" in err["error"]["message"]
+        status, ok = ask(srv)
+        state = wait_idle(srv)
+        health_status = call(srv, "GET", "/health")[0]
+    assert status == 200 and ok["choices"][0]["message"]["content"]
+    assert state["failed"] == 2 and state["kv"]["reserved_bytes"] == 0 and health_status == 200
+
+
+def test_health_is_503_when_a_step_is_stuck_or_the_engine_is_dead(monkeypatch):
+    with serve(watchdog_seconds=0.3) as srv:
+        gen, engine = srv.engine.gen, srv.engine
+        real = gen.step
+
+        def slow():
+            time.sleep(1.2)
+            return real()
+
+        monkeypatch.setattr(gen, "step", slow)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(ask, srv)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                status, body = call(srv, "GET", "/health")
+                if status == 503:
+                    break
+                time.sleep(0.05)
+            assert (status, body["status"]) == (503, "stuck")
+            up = metrics(srv)["refusion_engine_up"]
+            monkeypatch.setattr(gen, "step", real)
+            assert answer.result()[0] == 200
+        assert up == 0 and call(srv, "GET", "/health")[0] == 200
+
+        def bug():  # outside any step: the engine thread fails
+            raise ValueError("a bug")
+
+        monkeypatch.setattr(engine, "_admit", bug)
+        status, err = ask(srv)
+        engine._thread.join(5)
+        health = call(srv, "GET", "/health")
+        after = ask(srv)
+    assert status == 500 and err["error"]["code"] == "engine_failed"
+    assert health[0] == 503 and health[1]["status"] == "dead"
+    assert after[0] == 503 and after[1]["error"]["code"] == "engine_dead"
+
+
+def test_prompt_cache_survives_a_restart(tmp_path, caplog):
+    folder = tmp_path / "cache"
+    with serve(prompt_cache_dir=str(folder)) as srv:
+        _, first = ask(srv)
+        _, other = ask(srv, "Count from 17 to 38.")
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 2 and not list(folder.glob(".tmp-*"))
+    # a corrupt file and one written for another model are skipped, one warning line each
+    (folder / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    import mlx.core as mx
+
+    arrays, meta = mx.load(str(files[0]), return_metadata=True)
+    mx.save_safetensors(str(folder / "foreign.safetensors"), arrays, metadata={**meta, "model": "another"})
+    caplog.set_level(logging.WARNING, logger="refusion_mlx.server")
+    with serve(prompt_cache_dir=str(folder)) as srv:
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        loaded = call(srv, "GET", "/health")[1]["prompt_cache"]["entries"]
+        _, again = ask(srv)
+    assert loaded == 2
+    assert len(warnings) == 2 and all(w.count("\n") == 0 for w in warnings)
+    assert any("corrupt.safetensors" in w for w in warnings)
+    assert any("foreign.safetensors" in w and "another model" in w for w in warnings)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_prompt_cache_dir_keeps_to_its_byte_budget(tmp_path):
+    """Entries of 20-25 rows (80-100 KB) in a 120 KB budget: each new file evicts the older one."""
+    folder = tmp_path / "cache"
+    with serve(prompt_cache_dir=str(folder), prompt_cache_dir_bytes=120_000) as srv:
+        for p in ("Who is Sven?", "Tell me about Zoe.", "Count from 17 to 38."):
+            ask(srv, p, max_tokens=8)
+            sizes = [f.stat().st_size for f in folder.glob("*.safetensors")]
+            assert len(sizes) == 1 and sum(sizes) <= 120_000
+    with serve(prompt_cache_dir=str(folder)) as srv:  # the newest entry is the one kept
+        _, last = ask(srv, "Count from 17 to 38.", max_tokens=8)
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == last["usage"]["prompt_tokens"] - 1
+
+
+def test_short_soak():
+    from refusion_mlx.bench.soak import failed, soak
+
+    with serve(max_kv_bytes=4 * ROW_STEP, max_batch=4) as srv:
+        result = soak(srv.url[:-3], duration=5.0, clients=4, max_tokens=24, seed=1)
+    assert failed(result) is None, result["problems"]
+    assert result["5xx"] == 0 and result["left_active"] == 0 and result["left_queued"] == 0
+    assert result["checked"] > 10 and result["exact"] == result["checked"]
+    assert result["4xx"] >= result["malformed"] > 0
+    m = result["metrics"]["requests"]
+    drops = result["drops_mid_stream"] + result["drops_before_answer"]
+    assert drops > 0 and m["cancelled"] + result["drops_finished_first"] == drops and m["failed"] == 0
+    assert result["metrics"]["generated_tokens"] > 0
+
+
+def test_prompt_cache_dir_that_vanishes_is_one_warning_not_a_failure(tmp_path, caplog):
+    folder = tmp_path / "cache"
+    caplog.set_level(logging.WARNING, logger="refusion_mlx.server")
+    with serve(prompt_cache_dir=str(folder)) as srv:
+        folder.rmdir()  # the disk goes away under the server
+        status, answer = ask(srv)
+        health = call(srv, "GET", "/health")
+    assert status == 200 and answer["choices"][0]["message"]["content"] and health[0] == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write" in warnings[0]
+
+
+def test_cli_prompt_cache_dir_survives_kill_9(tmp_path):
+    """`python -m refusion_mlx.server --prompt-cache-dir DIR`, killed with SIGKILL and started again."""
+    from tests.test_server import start_cli, wait_ready
+
+    def chat(port):
+        deadline = time.monotonic() + 10
+        while True:  # the "serving" line comes just before uvicorn listens
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            try:
+                conn.request("POST", CHAT, json.dumps({"messages": [{"role": "user", "content": "Who is Sven?"}],
+                                                       "max_tokens": 16}), {"Content-Type": "application/json"})
+                return json.loads(conn.getresponse().read())
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+            finally:
+                conn.close()
+
+    folder = tmp_path / "cache"
+    answers = []
+    for _ in range(2):
+        proc, lines = start_cli("--prompt-cache-dir", str(folder))
+        try:
+            answers.append(chat(wait_ready(proc, lines)))
+        finally:
+            proc.kill()
+            proc.wait(10)
+    first, again = (a["usage"] for a in answers)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+    assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]
