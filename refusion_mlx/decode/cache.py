@@ -46,7 +46,7 @@ class CommittedCache:
     def for_model(cls, model, step: int = GROWTH_STEP) -> "CommittedCache":
         args = model.args
         dtype = model.model.norm.weight.dtype
-        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, step)
+        return cls(args.num_hidden_layers, model.kv_heads, args.head_dim, dtype, step)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -135,8 +135,14 @@ def default_dtype(stored: mx.Dtype) -> mx.Dtype:
     return stored
 
 
-def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False) -> Tuple[Model, Dict[str, Any]]:
-    """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``)."""
+def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False,
+               dist=None) -> Tuple[Model, Dict[str, Any]]:
+    """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``).
+
+    ``dist`` (a ``distributed.group.Distributed`` of two or more ranks): the
+    model is split over its group (tensor or pipeline, its ``mode``) while
+    the weights are still lazy, before the cast, and evaluated a layer at a
+    time: this rank materialises only its share of the weights."""
     config = read_config(model_path)
     args = model_args(config)
     model = Model(args)
@@ -152,11 +158,38 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     if dtype is not None and dtype not in DTYPES:
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target = DTYPES[dtype] if dtype else default_dtype(stored)
+    if dist is not None:
+        _split(model, dist, target)
     model.set_dtype(target)  # floating parameters only; packed weights keep their dtype
     model.eval()
+    if dist is not None and not lazy:
+        for layer in model.layers:  # one layer's whole weights in memory at a time, at most
+            mx.eval(layer.parameters())
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _cast_bytes(model: Model, target: mx.Dtype) -> int:
+    """Bytes of the model's parameters once floating ones are cast to ``target``."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.size * target.size if mx.issubdtype(v.dtype, mx.floating) else v.nbytes
+               for _, v in tree_flatten(model.parameters()))
+
+
+def _split(model: Model, dist, target: mx.Dtype) -> None:
+    """Shard (or pipeline) a lazily loaded model over ``dist``'s group and
+    record the whole model's and this rank's weight bytes."""
+    whole = _cast_bytes(model, target)
+    try:
+        if dist.mode == "pipeline":
+            model.pipeline(dist.group)
+        else:
+            model.shard(dist.group)
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+    dist.record_weights(whole, _cast_bytes(model, target))
 
 
 def load_tokenizer(model_path: Path):
@@ -183,7 +216,8 @@ def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
-         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None):
+         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None,
+         dist=None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
     ``path_or_repo`` is a local folder (Hugging Face layout or converted by
@@ -194,10 +228,16 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
     stays quantized); only the projection groups they leave plain are fused.
+    ``dist``: a ``distributed.group.Distributed`` of two or more ranks (from
+    ``distributed.group.init``): this rank loads its share only
+    (``models/sharding.py``); the projections are fused after sharding.
     """
     backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
     model_path = resolve_model_path(path_or_repo)
-    model, config = load_model(model_path, dtype=dtype, lazy=lazy)
+    if dist is not None and adapter_path is not None:
+        raise LoadError("adapters cannot be split over ranks: fold them into the weights first "
+                        "(python -m refusion_mlx.fuse)")
+    model, config = load_model(model_path, dtype=dtype, lazy=lazy, dist=dist)
     if adapter_path is not None:
         from .adapters import load_adapters
 

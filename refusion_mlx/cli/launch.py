@@ -1,0 +1,43 @@
+"""Commands under ``mlx.launch``: join the group, silence the other ranks,
+start the collectives' watchdog. Alone (no launcher) all of it is a no-op."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from ..distributed import group as dgroup
+from ..distributed import watchdog
+from ..distributed.broadcast import barrier
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """--pipeline: how the model is split when mlx.launch starts several ranks."""
+    parser.add_argument("--pipeline", action="store_true",
+                        help="under mlx.launch: give each rank a contiguous range of layers (pipeline "
+                             "parallel) instead of a share of every layer's heads (tensor parallel, the default)")
+
+
+def join(args) -> Optional[dgroup.Distributed]:
+    """The group this command runs in (None alone). Ranks other than 0 print
+    nothing to standard output from here on; a collective that stops making
+    progress ends the process (``distributed.watchdog``)."""
+    dist = dgroup.init(pipeline=getattr(args, "pipeline", False))
+    if dist is None:
+        return None
+    dgroup.quiet_followers(dist)
+    watchdog.install(dist.rank)
+    return dist
+
+
+def ready(dist: Optional[dgroup.Distributed]) -> None:
+    """Every rank has loaded its share (a barrier under the watchdog)."""
+    if dist is not None:
+        barrier(dist)
+
+
+def with_distributed(stats: Optional[dict], dist: Optional[dgroup.Distributed]) -> Optional[dict]:
+    """A statistics dict with ``distributed`` added when running on several ranks."""
+    if stats is not None and dist is not None:
+        stats["distributed"] = dist.as_dict()
+    return stats

@@ -1,0 +1,117 @@
+"""The distributed group a command runs in, if ``mlx.launch`` started it.
+
+``mlx.launch`` starts every rank with environment variables that name its
+backend (``MLX_HOSTFILE`` for the ring, ``MLX_IBV_DEVICES`` or
+``MLX_JACCL_COORDINATOR`` for JACCL, MPI's own); without any of them a
+command runs alone, as before, and never touches ``mx.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from ..errors import RefusionError
+
+MODES = ("tensor", "pipeline")
+
+
+class DistributedError(RefusionError):
+    """The group cannot be formed or cannot go on (a rank died, a link broke)."""
+
+
+# MLX's messages when a peer is gone (raised from an evaluation)
+_LINK_MARKS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+
+
+def is_link_failure(error: BaseException) -> bool:
+    """Whether an exception is a lost peer or link: the run cannot go on."""
+    if isinstance(error, DistributedError):
+        return True
+    return isinstance(error, RuntimeError) and str(error).lstrip().startswith(_LINK_MARKS)
+
+
+def launched_backend() -> Optional[str]:
+    """The backend ``mlx.launch`` (or mpirun) started this process for, or None."""
+    env = os.environ
+    if "MLX_RANK" not in env and "OMPI_COMM_WORLD_SIZE" not in env and "PMI_SIZE" not in env:
+        return None
+    if env.get("MLX_IBV_DEVICES") or env.get("MLX_JACCL_COORDINATOR"):
+        return "jaccl"
+    if env.get("NCCL_HOST_IP"):
+        return "nccl"
+    if "MLX_HOSTFILE" in env:
+        return "ring"
+    return "mpi"
+
+
+@dataclass
+class Distributed:
+    """One rank's view of the run: the group, its backend and the sharding mode."""
+
+    group: "mx.distributed.Group"
+    backend: str
+    mode: str = "tensor"
+    weight_bytes: int = 0  # the whole model's (recorded by the loader)
+    weight_bytes_per_rank: int = 0  # this rank's share
+
+    def record_weights(self, whole: int, this_rank: int) -> None:
+        self.weight_bytes, self.weight_bytes_per_rank = int(whole), int(this_rank)
+
+    def as_dict(self) -> dict:
+        """``stats["distributed"]``."""
+        return {"backend": self.backend, "size": self.size, "mode": self.mode,
+                "weight_bytes": self.weight_bytes, "weight_bytes_per_rank": self.weight_bytes_per_rank}
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the rank that writes output and serves HTTP."""
+        return self.rank == 0
+
+
+_current: Optional[Distributed] = None
+
+
+def init(pipeline: bool = False) -> Optional[Distributed]:
+    """Join the group ``mlx.launch`` started (once per process), or None when
+    running alone (no launcher, or a group of one)."""
+    global _current
+    if _current is not None:
+        _current.mode = "pipeline" if pipeline else "tensor"
+        return _current
+    backend = launched_backend()
+    if backend is None:
+        return None
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:
+        raise DistributedError(f"cannot join the {backend} group: {' '.join(str(e).split())}") from None
+    if group.size() < 2:
+        return None
+    _current = Distributed(group, backend, "pipeline" if pipeline else "tensor")
+    return _current
+
+
+def current() -> Optional[Distributed]:
+    """The group this process joined with :func:`init`, or None."""
+    return _current
+
+
+def quiet_followers(dist: Optional[Distributed]) -> None:
+    """Ranks other than 0 write nothing: their standard output goes nowhere.
+    (Their standard error stays, for errors only this rank meets.)"""
+    if dist is not None and not dist.leader:
+        sys.stdout.flush()
+        sys.stdout = open(os.devnull, "w")

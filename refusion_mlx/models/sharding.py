@@ -1,0 +1,150 @@
+"""Splitting a model over the ranks of an ``mx.distributed`` group.
+
+**Tensor parallel** (:func:`shard`, as mlx-lm's ``Model.shard``): every
+layer is split by heads and MLP columns. q/k/v and gate/up keep a slice of
+their output rows ("all-to-sharded": no communication, each rank computes
+its own heads and columns); o_proj and down_proj keep the matching slice of
+their input columns and sum their partial outputs over the group
+("sharded-to-all": one all-reduce each, two per layer per forward). The
+embedding, the norms and the LM head stay whole, so every rank computes the
+same logits from the same all-reduced hidden states and the decoder's host
+decisions agree on every rank without further messages.
+
+The sharded q/k/v and gate/up stay the model's own ``Linear`` (or
+``QuantizedLinear``) with fewer rows, so ``Model.fuse_projections`` fuses
+them after sharding exactly as alone, and the CPU paths keep their
+transposed weight views; only o_proj/down_proj become MLX's sharded-to-all
+layers (plus a watchdog pet).
+
+**Pipeline parallel** (:func:`pipeline`): rank r keeps a contiguous range of
+layers; the hidden states travel rank 0 -> 1 -> ... by send/recv, and the
+last rank's result is summed back to every rank (the others add zeros) so
+the LM head and the decisions are again the same everywhere. One transfer
+of T x hidden per rank boundary per forward instead of two all-reduces per
+layer: see docs/distributed.md for when that wins.
+
+Both run before the weights are evaluated: ``mx.load`` maps safetensors
+lazily, so a rank materialises only its slice of each sharded weight (and
+only its own layers in pipeline mode).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import (QuantizedShardedToAllLinear, ShardedToAllLinear,
+                                       shard_inplace)
+
+from ..distributed import watchdog
+from ..errors import ConfigError
+
+
+class _SumLinear(ShardedToAllLinear):
+    """o_proj / down_proj under tensor parallelism: a partial product summed over the group."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        watchdog.pet()
+        return super().__call__(x)
+
+
+class _SumQuantizedLinear(QuantizedShardedToAllLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        watchdog.pet()
+        return super().__call__(x)
+
+
+def check_tensor_parallel(args, size: int) -> None:
+    """mlx-lm's checks, one line each: heads, KV heads and MLP columns divide evenly."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(args, name)
+        if value % size:
+            raise ConfigError(f"tensor parallel over {size} ranks needs {name} ({value}) divisible by {size}; "
+                              "use another number of ranks or --pipeline")
+
+
+def _sum_layer(layer: nn.Module, group) -> nn.Module:
+    if isinstance(layer, nn.QuantizedLinear):
+        return _SumQuantizedLinear.from_quantized_linear(layer, group=group)
+    if isinstance(layer, nn.Linear):
+        return _SumLinear.from_linear(layer, group=group)
+    raise ConfigError(f"cannot shard a {type(layer).__name__} (fuse adapters into the weights first)")
+
+
+def shard(model, group) -> None:
+    """Tensor parallel: split every layer's heads and MLP columns over ``group``.
+    Call on a model loaded lazily and not yet fused."""
+    N = group.size()
+    check_tensor_parallel(model.args, N)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if "qkv_proj" in attn or "gate_up_proj" in mlp:
+            raise ConfigError("shard the model before fusing its projections")
+        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                if not isinstance(parent[name], (nn.Linear, nn.QuantizedLinear)):
+                    raise ConfigError(f"cannot shard a {type(parent[name]).__name__} "
+                                      "(fuse adapters into the weights first)")
+                shard_inplace(parent[name], "all-to-sharded", group=group)
+        attn.o_proj = _sum_layer(attn.o_proj, group)
+        mlp.down_proj = _sum_layer(mlp.down_proj, group)
+        attn.n_heads //= N
+        attn.n_kv_heads //= N
+    model.heads //= N
+    model.kv_heads //= N
+
+
+class _Absent(nn.Module):
+    """A layer another pipeline rank holds: the hidden states pass through."""
+
+    def __call__(self, x, rope, mask, kv=None):
+        return x
+
+
+class _Stage(nn.Module):
+    """A rank's layer at a pipeline boundary: receive the hidden states from
+    the previous rank before it, send them to the next after it, and at the
+    model's last layer sum the last rank's result back to every rank."""
+
+    def __init__(self, layer: Optional[nn.Module], group, receive: bool, send: bool, gather: bool):
+        super().__init__()
+        self.layer = layer
+        self._group, self._receive, self._send, self._gather = group, receive, send, gather
+
+    def __call__(self, x, rope, mask, kv=None):
+        watchdog.pet()
+        g, r, n = self._group, self._group.rank(), self._group.size()
+        if self._receive:
+            x = mx.distributed.recv_like(x, r - 1, group=g)
+        if self.layer is not None:
+            x = self.layer(x, rope, mask, kv)
+        if self._send:
+            x = mx.distributed.send(x, r + 1, group=g)
+        if self._gather:
+            x = mx.distributed.all_sum(mx.where(mx.array(r == n - 1), x, mx.zeros_like(x)), group=g)
+        return x
+
+
+def layer_range(layers: int, rank: int, size: int):
+    """The contiguous layers ``[start, end)`` rank ``rank`` holds (earlier ranks get the extra ones)."""
+    base, extra = divmod(layers, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def pipeline(model, group) -> None:
+    """Pipeline parallel: keep this rank's contiguous layers, drop the others'."""
+    L, N, r = len(model.layers), group.size(), group.rank()
+    if L < N:
+        raise ConfigError(f"pipeline over {N} ranks needs at least {N} layers, the model has {L}")
+    start, end = layer_range(L, r, N)
+    layers = model.model.layers
+    for i in range(L):
+        own = start <= i < end
+        receive, send, gather = r > 0 and i == start, r < N - 1 and i == end - 1, i == L - 1
+        if receive or send or gather:
+            layers[i] = _Stage(layers[i] if own else None, group, receive, send, gather)
+        elif not own:
+            layers[i] = _Absent()
+    model.layer_range = (start, end)
