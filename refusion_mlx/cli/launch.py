@@ -4,11 +4,14 @@ start the collectives' watchdog. Alone (no launcher) all of it is a no-op."""
 from __future__ import annotations
 
 import argparse
+import secrets
 from typing import Optional
+
+import mlx.core as mx
 
 from ..distributed import group as dgroup
 from ..distributed import watchdog
-from ..distributed.broadcast import barrier
+from ..distributed.broadcast import barrier, broadcast
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +24,17 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 def join(args) -> Optional[dgroup.Distributed]:
     """The group this command runs in (None alone). Ranks other than 0 print
     nothing to standard output from here on; a collective that stops making
-    progress ends the process (``distributed.watchdog``)."""
+    progress ends the process (``distributed.watchdog``); MLX's global random
+    generator gets the same seed on every rank."""
     dist = dgroup.init(pipeline=getattr(args, "pipeline", False))
     if dist is None:
         return None
     dgroup.quiet_followers(dist)
+    dgroup.filter_backend_noise()
     watchdog.install(dist.rank)
+    # unseeded sampling draws from MLX's global generator: one seed for every
+    # rank, or their drafts (and then their batches) would part
+    mx.random.seed(broadcast(dist, secrets.randbits(63)))
     return dist
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,3 +116,36 @@ def quiet_followers(dist: Optional[Distributed]) -> None:
     if dist is not None and not dist.leader:
         sys.stdout.flush()
         sys.stdout = open(os.devnull, "w")
+
+
+def _noise(line: bytes) -> bool:
+    """The backend's per-socket complaints once a peer is gone (dozens of
+    lines before the one error that says it)."""
+    text = line.lstrip().lower()
+    return text.startswith((b"[ring]", b"[jaccl]")) and (b"socket" in text or b"too many" in text)
+
+
+def filter_backend_noise() -> None:
+    """Drop the backend's per-socket lines from standard error (C++ writes
+    them to file descriptor 2); Python's own ``sys.stderr`` writes straight
+    to the terminal, so nothing of ours waits on the filter.
+    ``MLX_RING_VERBOSE`` keeps everything."""
+    if os.environ.get("MLX_RING_VERBOSE"):
+        return
+    try:
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+    except OSError:
+        return
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+    def forward():
+        with os.fdopen(read, "rb") as source, os.fdopen(os.dup(terminal), "wb", buffering=0) as sink:
+            for line in source:
+                if not _noise(line):
+                    sink.write(line)
+
+    threading.Thread(target=forward, name="refusion-stderr", daemon=True).start()

@@ -71,10 +71,10 @@ class Watchdog:
             time.sleep(min(1.0, self.timeout / 4))
             if self._armed and time.monotonic() - self._last > self.timeout:
                 try:
-                    sys.__stderr__.write(
+                    sys.stderr.write(
                         f"error: rank {self.rank}: no progress from the other ranks for {self.timeout:g} s "
                         f"(a rank died or the link is down); stopping ({ENV} sets the limit)\n")
-                    sys.__stderr__.flush()
+                    sys.stderr.flush()
                 finally:
                     os._exit(1)
 
