@@ -1,0 +1,140 @@
+"""Two ranks over the ring backend on loopback (``mlx.launch --backend ring
+-n 2``): answers equal one process's token for token (float32), only rank
+0 prints, and a rank that dies or goes silent ends the run with one line."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from refusion_mlx.errors import ConfigError
+from refusion_mlx.generate import main as generate_main
+from refusion_mlx.models.loading import model_args, read_config
+from refusion_mlx.models.sharding import check_tensor_parallel, layer_range
+
+from tests.helpers import FIXTURE_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    {"prompt": "Write the multiplication table of 3 up to 4."},
+    {"prompt": "Count from 1 to 9.", "max_tokens": 24},
+    {"prompt": "Write the multiplication table of 7 up to 5.", "temperature": 0.7, "seed": 3},
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher():
+    script = Path(sys.executable).parent / "mlx.launch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mlx._distributed_utils.launch"]
+
+
+def _launch(args, timeout=90, **kwargs):
+    """``mlx.launch --backend ring -n 2 python -m refusion_mlx.<args>`` from the repository root."""
+    port = _free_port()
+    cmd = [*_launcher(), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+           sys.executable, "-m", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _one_process(argv, capsys):
+    assert generate_main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_two_ranks_answer_like_one(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    argv = ["--model", str(FIXTURE_MODEL), "--prompts-file", str(prompts), "--json", "--dtype", "float32"]
+    alone = [json.loads(line) for line in _one_process(argv, capsys).splitlines()]
+    two = _launch(["refusion_mlx.generate", *argv])
+    assert two.returncode == 0, two.stderr
+    lines = two.stdout.splitlines()
+    assert len(lines) == len(PROMPTS), two.stdout  # rank 1 printed nothing
+    for a, b in zip(alone, map(json.loads, lines)):
+        assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"] and a["output_ids"]
+        dist = b["stats"]["distributed"]
+        assert dist["backend"] == "ring" and dist["size"] == 2 and dist["mode"] == "tensor"
+        # every layer weight is split; the embedding, norms and LM head stay whole
+        assert dist["weight_bytes"] / 2 < dist["weight_bytes_per_rank"] < dist["weight_bytes"]
+        assert "distributed" not in a["stats"]
+
+
+def test_pipeline_answers_like_one(capsys):
+    argv = ["--model", str(FIXTURE_MODEL), "--json", "--max-tokens", "48"]
+    alone = json.loads(_one_process(argv, capsys))
+    two = _launch(["refusion_mlx.generate", *argv, "--pipeline"])
+    assert two.returncode == 0, two.stderr
+    (line,) = two.stdout.splitlines()
+    out = json.loads(line)
+    assert out["output_ids"] == alone["output_ids"] and alone["output_ids"]
+    assert out["stats"]["distributed"]["mode"] == "pipeline"
+    assert out["stats"]["distributed"]["weight_bytes_per_rank"] < out["stats"]["distributed"]["weight_bytes"]
+
+
+def _start_ranks(tmp_path, argv, timeout_s="4"):
+    """Two ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
+    so the test sees rank 0's own exit status."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
+                   REFUSION_MLX_COLLECTIVE_TIMEOUT=timeout_s)
+        procs.append(subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", *argv], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def test_a_killed_rank_ends_the_run_with_one_line(tmp_path):
+    argv = ["--model", str(FIXTURE_MODEL), "--prompt", "Count to 1000.", "--max-tokens", "2000",
+            "--block-length", "4"]
+    procs = _start_ranks(tmp_path, argv)
+    try:
+        assert procs[0].stdout.read(1)  # decoding has started on both ranks
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=30)
+        assert time.monotonic() - t0 < 20
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    err = err.decode()
+    assert procs[0].returncode == 1
+    lines = err.strip().splitlines()  # the backend's per-socket complaints are filtered out
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost the other ranks"), err
+
+
+def test_a_silent_collective_times_out_with_one_line():
+    """A link that goes quiet (a peer stopped, a cable pulled) raises nothing:
+    the watchdog ends the rank. (Shown here without a second rank; under
+    mlx.launch a SIGSTOPped rank 1 gives rank 0 this line.)"""
+    code = ("import time\nfrom refusion_mlx.distributed import watchdog\n"
+            "watchdog.install(0, timeout=0.5)\n"
+            "with watchdog.armed():\n    time.sleep(0.2)\n    watchdog.pet()\n    time.sleep(30)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and time.monotonic() - t0 < 15
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: no progress from the other ranks for 0.5 s")
+
+
+def test_tensor_parallel_checks_are_one_line():
+    args = model_args(read_config(FIXTURE_MODEL))  # 4 heads, 2 KV heads
+    check_tensor_parallel(args, 2)
+    with pytest.raises(ConfigError, match="num_key_value_heads \\(2\\) divisible by 4"):
+        check_tensor_parallel(args, 4)
+    with pytest.raises(ConfigError, match="num_attention_heads \\(4\\) divisible by 3"):
+        check_tensor_parallel(args, 3)
+    assert [layer_range(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
