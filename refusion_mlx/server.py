@@ -10,9 +10,10 @@ import sys
 from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli.launch import add_distributed_args, join
 from .errors import RefusionError
 from .models.backend import wired_limit
-from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES
+from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, Engine
 from .serve.http_server import DEFAULT_MAX_BODY, RefusionServer
 
 __all__ = ["RefusionServer", "build_parser", "main"]
@@ -53,6 +54,7 @@ def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.server",
                            description="OpenAI-compatible HTTP server for a ReFusion model.")
     add_model_args(parser)  # --model, --adapter-path, --dtype
+    add_distributed_args(parser)  # --pipeline (under mlx.launch)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -94,13 +96,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         server = None
         try:
             params = params_from_args(args)
+            dist = join(args)  # under mlx.launch: rank 0 serves HTTP, the others follow its steps
+            if dist is not None and not dist.leader:
+                logging.getLogger().setLevel(logging.WARNING)
+                Engine(args.model, dtype=args.dtype, max_batch=args.max_batch, max_queue=args.max_queue,
+                       prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,
+                       dist=dist).follow()
+                return 0
             origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
             try:
                 server = RefusionServer(args.model, host=args.host, port=args.port, dtype=args.dtype, params=params,
                                         default_max_tokens=params.gen_length, model_id=args.model_id,
                                         max_batch=args.max_batch, max_queue=args.max_queue,
                                         max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path)
+                                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,
+                                        dist=dist)
             except OSError as e:
                 raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
             if server.host not in ("127.0.0.1", "::1", "localhost"):

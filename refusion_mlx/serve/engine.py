@@ -10,6 +10,15 @@ shared. Then one ``step()`` runs one batched forward over every active
 request, and each response goes, as final in-order text, to its request's
 asyncio queue. A finished request's cache (prompt + answer) joins the prompt
 cache, so the conversation's next turn continues it.
+
+Under ``mlx.launch`` every rank runs an engine; rank 0's also takes the HTTP
+requests. Each turn of the loop rank 0 decides a :class:`StepPlan` (which
+requests were cancelled, which are admitted with which peers, whether to
+stop) and broadcasts it; every rank then applies the same plan to its own
+batch, prompt cache and sharded model, so all ranks run the same forwards.
+With nothing to do, rank 0 still broadcasts an empty plan every
+``IDLE_WAIT`` seconds: the other ranks' collectives never wait long, and the
+watchdog (``distributed.watchdog``) can tell a quiet server from a dead link.
 """
 
 from __future__ import annotations
@@ -19,9 +28,15 @@ import collections
 import gc
 import itertools
 import logging
+import os
+import sys
 import threading
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
+from ..distributed import watchdog
+from ..distributed.broadcast import barrier, broadcast
+from ..distributed.group import is_link_failure
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
 from .prompt_cache import PromptCache, prefill
@@ -38,6 +53,7 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
+IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
 
 class Job:
@@ -54,19 +70,47 @@ class Job:
         self.shaper: Optional[TextShaper] = None
 
     def post(self, kind: str, payload=None) -> None:
+        if self.loop is None:  # a rank other than 0: nobody listens
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 
 
+@dataclass
+class StepPlan:
+    """What one turn of the engine's loop does, decided by rank 0: close the
+    ``cancelled`` running requests (by uid), start the ``admitted`` ones
+    (``peers``: the prompts they are compared with for a shared prefix, the
+    admitted first, in order), then step the batch; or ``stop``."""
+
+    cancelled: List[int] = field(default_factory=list)
+    admitted: List[Job] = field(default_factory=list)
+    peers: List[List[int]] = field(default_factory=list)
+    stop: bool = False
+
+    def wire(self) -> tuple:
+        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> "StepPlan":
+        cancelled, requests, peers, stop = wire
+        return cls(cancelled, [Job(r, None) for r in requests], peers, stop)
+
+
 class Engine:
-    """Loads the model and runs every generation, batched, on one thread."""
+    """Loads the model and runs every generation, batched, on one thread.
+
+    ``dist``: the group under ``mlx.launch`` (``distributed.group.init``);
+    rank 0's engine decides each step and the others follow (``StepPlan``)."""
 
     def __init__(self, model_path: Optional[str] = None, dtype: Optional[str] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None,
+                 dist=None):
         self.model_path, self.dtype, self.adapter_path = model_path, dtype, adapter_path
+        self.dist = dist
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.waiting: "collections.deque[Job]" = collections.deque()
@@ -100,6 +144,11 @@ class Engine:
         if timeout and self._thread.is_alive():
             self._thread.join(timeout)
 
+    def follow(self) -> None:
+        """A rank other than 0: load, then run rank 0's plans until it stops."""
+        self.start()
+        self._thread.join()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
@@ -128,7 +177,10 @@ class Engine:
             from ..decode.batch import BatchGenerator
             from ..models.loading import load, load_tokenizer
 
-            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path)
+            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path,
+                                              dist=self.dist)
+            if self.dist is not None:
+                barrier(self.dist)
             self.args = self.model.args
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=self.max_batch)
@@ -141,7 +193,13 @@ class Engine:
         self._ready.set()
         try:
             self._serve()
-        except BaseException:  # a bug: requests get a 500 rather than hang
+        except BaseException as e:  # a bug: requests get a 500 rather than hang
+            if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
+                rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
+                sys.stderr.write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
+                                 "a rank died or the link broke\n")
+                sys.stderr.flush()
+                os._exit(1)
             log.exception("the engine failed")
             self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
         finally:
@@ -150,48 +208,71 @@ class Engine:
             self._release()
 
     def _serve(self) -> None:
-        while not self._stopping.is_set():
-            for job in [j for j in self.running.values() if j.cancelled.is_set()]:
-                self._close(job, "cancelled")  # its client left: it leaves the batch, its memory goes
-            self._admit()
-            if not self.running:
-                with self.wake:
-                    if not self.waiting and not self._stopping.is_set():
-                        self.wake.wait(0.25)
-                continue
-            self.counts["steps"] += 1
-            self.counts["step_rows"] += len(self.running)
-            for response in self.gen.step():
-                self._route(response)
+        leader = self.dist is None or self.dist.leader
+        with watchdog.armed():
+            while True:
+                plan = self._plan() if leader else None
+                if self.dist is not None:
+                    wire = broadcast(self.dist, plan.wire() if leader else None)
+                    plan = plan if leader else StepPlan.from_wire(wire)
+                if plan.stop:
+                    return
+                self._apply(plan)
 
-    def _admit(self) -> None:
-        room = self.max_batch - len(self.running)
+    def _plan(self) -> StepPlan:
+        """Rank 0: this turn's plan, from the queue and the clients (waits up
+        to ``IDLE_WAIT`` s for a request when nothing runs)."""
+        if not self.running:
+            with self.wake:
+                if not self.waiting and not self._stopping.is_set():
+                    self.wake.wait(IDLE_WAIT)
+        if self._stopping.is_set():
+            return StepPlan(stop=True)
+        # a client that left: its request leaves the batch, its memory goes
+        plan = StepPlan(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
+        room = self.max_batch - len(self.running) + len(plan.cancelled)
         if room <= 0:
-            return
+            return plan
         with self.wake:
-            batch = []
-            while self.waiting and len(batch) < room:
+            while self.waiting and len(plan.admitted) < room:
                 job = self.waiting.popleft()
                 if job.cancelled.is_set():  # its client left while it waited
                     self.counts["cancelled"] += 1
                 else:
-                    batch.append(job)
-            peers = batch + list(itertools.islice(self.waiting, PEERS))
-        for job in batch:
+                    plan.admitted.append(job)
+            peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
+        plan.peers = [j.request.prompt_ids for j in peers]
+        return plan
+
+    def _apply(self, plan: StepPlan) -> None:
+        """One turn, the same on every rank: cancel, admit, step."""
+        for uid in plan.cancelled:
+            if uid in self.running:
+                self._close(self.running[uid], "cancelled")
+        for i, job in enumerate(plan.admitted):
             try:
-                self._start(job, peers)
+                self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
+                if is_link_failure(e):
+                    raise
                 log.exception("cannot start a request")
                 self._close(job, "failed", APIError(500, f"cannot start the request: {type(e).__name__}: {e}"))
+        if not self.running:
+            return
+        self.counts["steps"] += 1
+        self.counts["step_rows"] += len(self.running)
+        for response in self.gen.step():
+            self._route(response)
 
-    def _start(self, job: Job, peers) -> None:
+    def _start(self, job: Job, peers: List[List[int]]) -> None:
+        """Start a request; ``peers``: the prompt ids of the others admitted
+        or waiting (a prefix they share is prefilled once)."""
         from ..decode.cache import CommittedCache
 
         ids = job.request.prompt_ids
         n, cache = self.prompt_cache.lookup(ids, [j.cache for j in self.running.values()])
         job.cached = n
-        shared = min(len(ids) - 1, max((prefix_length(ids, p.request.prompt_ids) for p in peers if p is not job),
-                                       default=0))
+        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in peers), default=0))
         if shared - n >= SHARED_PREFIX and self.prompt_cache.max_bytes > 0:
             cache = cache or CommittedCache.for_model(self.model)
             prefill(self.model, cache, ids[n:shared])  # once; the others find it in the prompt cache
@@ -233,8 +314,10 @@ class Engine:
         if r.stats is not None:  # ReFusion's own: the block layout used and the forwards it took
             usage.update(layout=dict(r.stats.layout), forwards=r.stats.forwards,
                          tokens_per_forward=round(r.stats.tokens_per_forward, 4))
-        job.post("done", {"finish_reason": reason, "stats": r.stats.as_dict() if r.stats else None,
-                          "usage": usage})
+        stats = r.stats.as_dict() if r.stats else None
+        if stats is not None and self.dist is not None:
+            stats["distributed"] = self.dist.as_dict()
+        job.post("done", {"finish_reason": reason, "stats": stats, "usage": usage})
 
     def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
         """Take a request out of the batch and free its cache now."""

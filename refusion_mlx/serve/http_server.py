@@ -33,6 +33,8 @@ class RefusionServer:
     Binds at construction (so a taken port fails before the model loads);
     ``start()`` loads the model and serves on a background thread (tests,
     embedding), ``serve_forever()`` serves on the calling thread (the CLI).
+    ``dist``: under ``mlx.launch``, rank 0's group; the other ranks run an
+    :class:`Engine` that follows it (``Engine.follow``), without HTTP.
     """
 
     def __init__(self, model: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
@@ -40,7 +42,7 @@ class RefusionServer:
                  model_id: Optional[str] = None, max_batch: int = DEFAULT_MAX_BATCH,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY,
                  allowed_origins: Sequence[str] = (), prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
-                 max_active: Optional[int] = None, adapter_path: Optional[str] = None):
+                 max_active: Optional[int] = None, adapter_path: Optional[str] = None, dist=None):
         from ..decode.params import RefusionParams
         from .app import create_app
 
@@ -61,7 +63,7 @@ class RefusionServer:
             raise
         self.host, self.port = self.socket.getsockname()[:2]
         self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
-                             prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path)
+                             prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path, dist=dist)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(config)
