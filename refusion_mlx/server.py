@@ -98,6 +98,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             params = params_from_args(args)
             dist = join(args)  # under mlx.launch: rank 0 serves HTTP, the others follow its steps
             if dist is not None and not dist.leader:
+                # Ctrl-C reaches every rank: the others stop when rank 0's last plan says so
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 logging.getLogger().setLevel(logging.WARNING)
                 Engine(args.model, dtype=args.dtype, max_batch=args.max_batch, max_queue=args.max_queue,
                        prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,

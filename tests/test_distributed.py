@@ -1,6 +1,9 @@
 """Two ranks over the ring backend on loopback (``mlx.launch --backend ring
--n 2``): answers equal one process's token for token (float32), only rank
-0 prints, and a rank that dies or goes silent ends the run with one line."""
+-n 2``): answers equal one process's token for token (float32), tensor
+parallel (generate) and pipeline (the server, under the openai client);
+only rank 0 prints; a rank that dies or goes silent ends the run with one
+line. Each launch costs two interpreters' start (mlx-lm, transformers):
+three launches in all."""
 
 import json
 import os
@@ -9,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,16 +74,48 @@ def test_two_ranks_answer_like_one(tmp_path, capsys):
         assert "distributed" not in a["stats"]
 
 
-def test_pipeline_answers_like_one(capsys):
-    argv = ["--model", str(FIXTURE_MODEL), "--json", "--max-tokens", "48"]
-    alone = json.loads(_one_process(argv, capsys))
-    two = _launch(["refusion_mlx.generate", *argv, "--pipeline"])
-    assert two.returncode == 0, two.stderr
-    (line,) = two.stdout.splitlines()
-    out = json.loads(line)
-    assert out["output_ids"] == alone["output_ids"] and alone["output_ids"]
-    assert out["stats"]["distributed"]["mode"] == "pipeline"
-    assert out["stats"]["distributed"]["weight_bytes_per_rank"] < out["stats"]["distributed"]["weight_bytes"]
+def test_pipeline_server_under_two_ranks_answers_the_openai_client():
+    """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
+    concurrent requests (streamed and not) answer as one process does. The
+    model is split by layers here (--pipeline; the test above splits heads),
+    so one launch checks the server and the pipeline both."""
+    import openai
+
+    from refusion_mlx.decode.stream import chat_prompt, stream_generate
+    from refusion_mlx.models.loading import load
+
+    prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
+    model, tok = load(FIXTURE_MODEL)
+    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32))
+                for p in prompts]
+    port = _free_port()
+    cmd = [*_launcher(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), sys.executable,
+           "-m", "refusion_mlx.server", "--model", str(FIXTURE_MODEL), "--port", str(port), "--pipeline"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+
+        def ask(i):
+            messages = [{"role": "user", "content": prompts[i]}]
+            if i % 2:
+                stream = client.chat.completions.create(model="m", messages=messages, max_tokens=32, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            return client.chat.completions.create(model="m", messages=messages, max_tokens=32).choices[0].message.content
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(ask, range(len(prompts)))) == expected
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # mlx.launch itself does not stop cleanly on a signal
+        proc.wait()
 
 
 def _start_ranks(tmp_path, argv, timeout_s="4"):
