@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
@@ -27,6 +28,7 @@ def build_parser() -> OneLineParser:
                            description="Chat with a ReFusion model in the terminal (multi-turn, KV cache kept "
                                        "across turns).")
     add_model_args(parser)
+    add_distributed_args(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     add_decoding_args(parser)
     parser.add_argument("--no-reuse", action="store_true",
@@ -47,13 +49,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not 0 <= args.frame_time <= 10:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         params = params_from_args(args)
+        dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
         trace = None
-        if args.trace:
+        if args.trace and (dist is None or dist.leader):
             try:
                 trace = Trace(args.trace, None)
             except OSError as e:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
-        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        ready(dist)
+        if dist is not None:
+            term = Terminal(read=shared_input(dist, term.read), out=sys.stdout,
+                            err=sys.stderr if dist.leader else sys.stdout, interactive=term.interactive)
         if trace is not None:
             trace.tokenizer = tokenizer
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse)

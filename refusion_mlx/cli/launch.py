@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import secrets
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -49,3 +50,46 @@ def with_distributed(stats: Optional[dict], dist: Optional[dgroup.Distributed]) 
     if stats is not None and dist is not None:
         stats["distributed"] = dist.as_dict()
     return stats
+
+
+def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callable[[str], str]:
+    """``read`` on rank 0, its lines on every rank: the chat's turns are the
+    same everywhere. While rank 0 waits for the user it broadcasts a
+    heartbeat each second, so no rank's collective waits long enough for
+    the watchdog. End of input (or Ctrl-C at the prompt) is EOFError on
+    every rank."""
+    if not dist.leader:
+        def follow(prompt: str) -> str:
+            while True:
+                kind, line = broadcast(dist)
+                if kind == "line":
+                    return line
+                if kind == "eof":
+                    raise EOFError
+        return follow
+
+    def lead(prompt: str) -> str:
+        box: dict = {}
+        done = threading.Event()
+
+        def worker():
+            try:
+                box["line"] = read(prompt)
+            except (EOFError, KeyboardInterrupt):
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=worker, name="refusion-input", daemon=True).start()
+        try:
+            while not done.wait(1.0):
+                broadcast(dist, ("wait", None))
+        except KeyboardInterrupt:
+            pass
+        line = box.get("line")
+        broadcast(dist, ("eof", None) if line is None else ("line", line))
+        if line is None:
+            raise EOFError
+        return line
+
+    return lead
