@@ -154,6 +154,7 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     except ValueError as e:
         message = " ".join(str(e).split())
         raise LoadError(f"{model_path}: weights do not match config.json: {message}") from None
+    del weights  # the model holds them now: a sharded rank's whole tensors go once its slices are evaluated
     stored = model.model.norm.weight.dtype
     if dtype is not None and dtype not in DTYPES:
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
