@@ -129,13 +129,13 @@ def run(body: Callable[[], int]) -> int:
     try:
         return body()
     except RefusionError as e:
-        print(f"error: {_rank_prefix()}{e}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}{e}", file=distributed_group.errors())
         return 1
     except RuntimeError as e:
         if not is_link_failure(e):
             raise
         print(f"error: {_rank_prefix()}lost the other ranks ({' '.join(str(e).split())}): "
-              "a rank died or the link broke", file=sys.stderr)
+              "a rank died or the link broke", file=distributed_group.errors())
         return 1
     except OSError as e:
         print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)

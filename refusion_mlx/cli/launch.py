@@ -30,8 +30,8 @@ def join(args) -> Optional[dgroup.Distributed]:
     dist = dgroup.init(pipeline=getattr(args, "pipeline", False))
     if dist is None:
         return None
-    dgroup.quiet_followers(dist)
     dgroup.filter_backend_noise()
+    dgroup.quiet_followers(dist)
     watchdog.install(dist.rank)
     # unseeded sampling draws from MLX's global generator: one seed for every
     # rank, or their drafts (and then their batches) would part

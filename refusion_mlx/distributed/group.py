@@ -110,12 +110,23 @@ def current() -> Optional[Distributed]:
     return _current
 
 
+_errors = None  # a follower's real standard error, for its error lines only
+
+
 def quiet_followers(dist: Optional[Distributed]) -> None:
-    """Ranks other than 0 write nothing: their standard output goes nowhere.
-    (Their standard error stays, for errors only this rank meets.)"""
+    """Ranks other than 0 write nothing: their standard output and error go
+    nowhere, except error lines (:func:`errors`), which may be theirs alone."""
+    global _errors
     if dist is not None and not dist.leader:
         sys.stdout.flush()
-        sys.stdout = open(os.devnull, "w")
+        sys.stderr.flush()
+        _errors = sys.stderr
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def errors():
+    """Where this rank writes its one-line errors: standard error, also on a quiet rank."""
+    return _errors if _errors is not None else sys.stderr
 
 
 def _noise(line: bytes) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from typing import Iterator, Optional
@@ -70,11 +69,13 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             if self._armed and time.monotonic() - self._last > self.timeout:
+                from .group import errors
+
                 try:
-                    sys.stderr.write(
+                    errors().write(
                         f"error: rank {self.rank}: no progress from the other ranks for {self.timeout:g} s "
                         f"(a rank died or the link is down); stopping ({ENV} sets the limit)\n")
-                    sys.stderr.flush()
+                    errors().flush()
                 finally:
                     os._exit(1)
 

@@ -29,14 +29,13 @@ import gc
 import itertools
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
-from ..distributed.group import is_link_failure
+from ..distributed.group import errors, is_link_failure
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
 from .prompt_cache import PromptCache, prefill
@@ -196,9 +195,9 @@ class Engine:
         except BaseException as e:  # a bug: requests get a 500 rather than hang
             if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
                 rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
-                sys.stderr.write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
-                                 "a rank died or the link broke\n")
-                sys.stderr.flush()
+                errors().write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
+                               "a rank died or the link broke\n")
+                errors().flush()
                 os._exit(1)
             log.exception("the engine failed")
             self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
