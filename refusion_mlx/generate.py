@@ -16,6 +16,7 @@ from ._callable import make_callable
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, positive_int, read_text, run
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .distributed import watchdog
+from .errors import RefusionError
 from .decode.batch import batch_generate
 from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
@@ -58,9 +59,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         params = params_from_args(args)
         dist = join(args)  # under mlx.launch: this rank's group; only rank 0 prints
+        if dist is not None and "-" in (args.prompt, args.prompts_file):
+            raise RefusionError("under mlx.launch standard input never ends (the launcher does not pass "
+                                "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
             return run_prompts_file(args, params, dist)
-        # under mlx.launch every rank gets standard input: each reads its own copy
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         ready(dist)

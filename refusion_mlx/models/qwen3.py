@@ -208,6 +208,8 @@ class Model(nn.Module):
         # the query and KV heads this process computes: all of them, or its
         # share under tensor parallelism (``shard``)
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
+        # the layers [start, end) this process computes: all, or a pipeline rank's (``pipeline``)
+        self.layer_range = (0, args.num_hidden_layers)
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
                visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
