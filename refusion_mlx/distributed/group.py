@@ -85,6 +85,14 @@ class Distributed:
 _current: Optional[Distributed] = None
 
 
+def _hostfile_names_peers(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return bool(f.read().strip())
+    except OSError:
+        return True  # let the backend say what is wrong with it
+
+
 def init(pipeline: bool = False) -> Optional[Distributed]:
     """Join the group ``mlx.launch`` started (once per process), or None when
     running alone (no launcher, or a group of one)."""
@@ -95,6 +103,8 @@ def init(pipeline: bool = False) -> Optional[Distributed]:
     backend = launched_backend()
     if backend is None:
         return None
+    if backend == "ring" and not _hostfile_names_peers(os.environ["MLX_HOSTFILE"]):
+        return None  # mlx.launch -n 1 writes an empty hostfile: alone
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:
