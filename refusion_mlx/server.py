@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
 from .cli.launch import add_distributed_args, join
+from .distributed.group import errors
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, Engine
@@ -93,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
     with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
-        server = None
+        server = dist = None
         try:
             params = params_from_args(args)
             dist = join(args)  # under mlx.launch: rank 0 serves HTTP, the others follow its steps
@@ -124,7 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      server.url[:-3])
             server.serve_forever()
         except RefusionError as e:
-            print(f"error: {e}", file=sys.stderr)
+            rank = "" if dist is None else f"rank {dist.rank}: "
+            print(f"error: {rank}{e}", file=errors())
             return 1
         except KeyboardInterrupt:
             pass
