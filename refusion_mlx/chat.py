@@ -16,6 +16,7 @@ from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
+from .distributed import watchdog
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -78,7 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
               + (" · no cache reuse" if args.no_reuse else ""))
     term.note(HELP)
-    with wired_limit(model):  # Metal: the weights stay resident between turns
+    # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
+    with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
         return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
 
 

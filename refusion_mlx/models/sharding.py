@@ -66,6 +66,10 @@ def check_tensor_parallel(args, size: int) -> None:
 
 def _sum_layer(layer: nn.Module, group) -> nn.Module:
     if isinstance(layer, nn.QuantizedLinear):
+        groups, N = layer["scales"].shape[-1], group.size()
+        if groups % N:
+            raise ConfigError(f"tensor parallel over {N} ranks needs the quantization groups of each row "
+                              f"({groups} of {layer.group_size}) divisible by {N}; use --pipeline")
         return _SumQuantizedLinear.from_quantized_linear(layer, group=group)
     if isinstance(layer, nn.Linear):
         return _SumLinear.from_linear(layer, group=group)
