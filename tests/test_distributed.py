@@ -174,3 +174,20 @@ def test_tensor_parallel_checks_are_one_line():
     with pytest.raises(ConfigError, match="num_attention_heads \\(4\\) divisible by 3"):
         check_tensor_parallel(args, 3)
     assert [layer_range(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+
+
+def test_step_plan_crosses_to_the_other_ranks():
+    """What rank 0 broadcasts each turn: requests, not its HTTP-side jobs."""
+    import pickle
+
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.serve.engine import Job, StepPlan
+    from refusion_mlx.serve.schemas import Request
+
+    request = Request("chat", [5, 6, 7], RefusionParams(max_tokens=8), 8, ["\n"], False, False)
+    plan = StepPlan(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
+    copy = StepPlan.from_wire(pickle.loads(pickle.dumps(plan.wire())))
+    assert copy.cancelled == [3] and copy.peers == plan.peers and not copy.stop
+    assert [j.request for j in copy.admitted] == [request] and copy.admitted[0].uid is None
+    copy.admitted[0].post("text", "x")  # nobody listens on the other ranks: a no-op
+    assert StepPlan.from_wire(StepPlan(stop=True).wire()).stop
