@@ -184,7 +184,7 @@ def test_step_plan_crosses_to_the_other_ranks():
     from refusion_mlx.serve.engine import Job, StepPlan
     from refusion_mlx.serve.schemas import Request
 
-    request = Request("chat", [5, 6, 7], RefusionParams(max_tokens=8), 8, ["\n"], False, False)
+    request = Request("chat", [5, 6, 7], RefusionParams(gen_length=8), 8, ["\n"], False, False)
     plan = StepPlan(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
     copy = StepPlan.from_wire(pickle.loads(pickle.dumps(plan.wire())))
     assert copy.cancelled == [3] and copy.peers == plan.peers and not copy.stop
