@@ -264,11 +264,8 @@ class Model(nn.Module):
         (CPU), where dispatch dominates. Returns how many groups were fused.
         """
         count = 0
-        for layer in self.model.layers:
-            if not isinstance(layer, TransformerBlock):  # another pipeline rank's, or a boundary
-                layer = getattr(layer, "layer", None)
-                if layer is None:
-                    continue
+        # the blocks this process holds (under ``pipeline`` some are gone, some wrapped)
+        for layer in [m for m in self.model.modules() if isinstance(m, TransformerBlock)]:
             for parent in (layer.self_attn, layer.mlp):
                 for fused_name, parts in FUSED.items():
                     if not all(p in parent for p in parts):
