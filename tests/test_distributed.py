@@ -149,7 +149,11 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path):
     err = err.decode()
     assert procs[0].returncode == 1
     lines = err.strip().splitlines()  # the backend's per-socket complaints are filtered out
-    assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost the other ranks"), err
+    # the ring's error when MLX raises it; when the peer dies while an evaluation is in flight MLX
+    # can wait for ever instead, and the watchdog (4 s here) ends the rank
+    assert len(lines) == 1, err
+    assert lines[0].startswith(("error: rank 0: lost the other ranks",
+                                "error: rank 0: no progress from the other ranks for 4 s")), err
 
 
 def test_a_silent_collective_times_out_with_one_line():

@@ -140,12 +140,13 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``).
 
     ``dist`` (a ``distributed.group.Distributed`` of two or more ranks): the
-    model is split over its group (tensor or pipeline, its ``mode``) while
-    the weights are still lazy, before the cast, and evaluated a layer at a
-    time: this rank materialises only its share of the weights."""
+    model is split over its group (tensor or pipeline, its ``mode``) before
+    any weight is read, then only this rank's share is read (``_load_split``)."""
     config = read_config(model_path)
     args = model_args(config)
     model = Model(args)
+    if dist is not None:
+        return _load_split(model, model_path, config, dtype, lazy, dist), config
     weights = model.sanitize(load_weights(weight_files(model_path)))
     if "quantization" in config:
         _quantize(model, config, weights)
@@ -154,21 +155,49 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     except ValueError as e:
         message = " ".join(str(e).split())
         raise LoadError(f"{model_path}: weights do not match config.json: {message}") from None
-    del weights  # the model holds them now: a sharded rank's whole tensors go once its slices are evaluated
     stored = model.model.norm.weight.dtype
     if dtype is not None and dtype not in DTYPES:
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target = DTYPES[dtype] if dtype else default_dtype(stored)
-    if dist is not None:
-        _split(model, dist, target)
     model.set_dtype(target)  # floating parameters only; packed weights keep their dtype
     model.eval()
-    if dist is not None and not lazy:
-        for layer in model.layers:  # one layer's whole weights in memory at a time, at most
-            mx.eval(layer.parameters())
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _load_split(model: Model, model_path: Path, config: Dict[str, Any], dtype: Optional[str], lazy: bool,
+                dist) -> Model:
+    """A rank's share of the model: split first (its layers still hold lazy,
+    never evaluated initial values), then only the bytes of its share read
+    from the safetensors files (``slices``), cast, evaluated a layer at a time."""
+    from mlx.utils import tree_flatten
+
+    from . import slices
+
+    stored = model.sanitize(slices.index(weight_files(model_path)))
+    if "quantization" in config:
+        _quantize(model, config, stored)
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    if expected != set(stored):
+        missing, extra = sorted(expected - set(stored)), sorted(set(stored) - expected)
+        detail = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise LoadError(f"{model_path}: weights do not match config.json: {detail}")
+    if dtype is not None and dtype not in DTYPES:
+        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = DTYPES[dtype] if dtype else default_dtype(stored["model.norm.weight"].mx_dtype)
+    _split(model, dist, target)
+    weights = [(name, slices.read(stored[name], value.shape, dist.rank, name))
+               for name, value in tree_flatten(model.parameters())]
+    model.load_weights(weights, strict=True)
+    del weights
+    model.set_dtype(target)
+    model.eval()
+    if not lazy:
+        for layer in model.layers:  # cast one layer at a time: never two copies of the whole share
+            mx.eval(layer.parameters())
+        mx.eval(model.parameters())
+    return model
 
 
 def _cast_bytes(model: Model, target: mx.Dtype) -> int:

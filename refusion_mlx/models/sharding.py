@@ -39,6 +39,7 @@ from mlx.nn.layers.distributed import (QuantizedShardedToAllLinear, ShardedToAll
 
 from ..distributed import watchdog
 from ..errors import ConfigError
+from .qwen3 import TransformerBlock
 
 
 class _SumLinear(ShardedToAllLinear):
@@ -106,28 +107,53 @@ class _Absent(nn.Module):
         return x
 
 
-class _Stage(nn.Module):
-    """A rank's layer at a pipeline boundary: receive the hidden states from
-    the previous rank before it, send them to the next after it, and at the
-    model's last layer sum the last rank's result back to every rank."""
+class _Hops:
+    """What a pipeline rank does around one layer: receive the hidden states
+    from the previous rank before it, send them to the next after it, and at
+    the model's last layer sum the last rank's result back to every rank."""
 
-    def __init__(self, layer: Optional[nn.Module], group, receive: bool, send: bool, gather: bool):
-        super().__init__()
-        self.layer = layer
-        self._group, self._receive, self._send, self._gather = group, receive, send, gather
+    def __init__(self, group, receive: bool, send: bool, gather: bool):
+        self.group, self.receive, self.send, self.gather = group, receive, send, gather
+
+    def before(self, x: mx.array) -> mx.array:
+        watchdog.pet()
+        if self.receive:
+            x = mx.distributed.recv_like(x, self.group.rank() - 1, group=self.group)
+        return x
+
+    def after(self, x: mx.array) -> mx.array:
+        g = self.group
+        if self.send:
+            x = mx.distributed.send(x, g.rank() + 1, group=g)
+        if self.gather:
+            last = mx.array(g.rank() == g.size() - 1)
+            x = mx.distributed.all_sum(mx.where(last, x, mx.zeros_like(x)), group=g)
+        return x
+
+
+class _Boundary(TransformerBlock):
+    """A rank's own layer at a pipeline boundary: the block (same parameter
+    names, so the weights load and fuse as they do alone) and its hops."""
+
+    def __init__(self, block: TransformerBlock, hops: _Hops):
+        nn.Module.__init__(self)
+        for name, child in block.children().items():
+            self[name] = child
+        self._hops = hops
 
     def __call__(self, x, rope, mask, kv=None):
-        watchdog.pet()
-        g, r, n = self._group, self._group.rank(), self._group.size()
-        if self._receive:
-            x = mx.distributed.recv_like(x, r - 1, group=g)
-        if self.layer is not None:
-            x = self.layer(x, rope, mask, kv)
-        if self._send:
-            x = mx.distributed.send(x, r + 1, group=g)
-        if self._gather:
-            x = mx.distributed.all_sum(mx.where(mx.array(r == n - 1), x, mx.zeros_like(x)), group=g)
-        return x
+        return self._hops.after(super().__call__(self._hops.before(x), rope, mask, kv))
+
+
+class _Relay(nn.Module):
+    """Another rank's layer at a pipeline boundary: the hops only."""
+
+    def __init__(self, hops: _Hops):
+        super().__init__()
+        self._hops = hops
+
+    def __call__(self, x, rope, mask, kv=None):
+        return self._hops.after(self._hops.before(x))
 
 
 def layer_range(layers: int, rank: int, size: int):
@@ -148,7 +174,8 @@ def pipeline(model, group) -> None:
         own = start <= i < end
         receive, send, gather = r > 0 and i == start, r < N - 1 and i == end - 1, i == L - 1
         if receive or send or gather:
-            layers[i] = _Stage(layers[i] if own else None, group, receive, send, gather)
+            hops = _Hops(group, receive, send, gather)
+            layers[i] = _Boundary(layers[i], hops) if own else _Relay(hops)
         elif not own:
             layers[i] = _Absent()
     model.layer_range = (start, end)
