@@ -195,3 +195,25 @@ def test_step_plan_crosses_to_the_other_ranks():
     assert [j.request for j in copy.admitted] == [request] and copy.admitted[0].uid is None
     copy.admitted[0].post("text", "x")  # nobody listens on the other ranks: a no-op
     assert StepPlan.from_wire(StepPlan(stop=True).wire()).stop
+
+
+def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):
+    import mlx.core as mx
+
+    from refusion_mlx.errors import LoadError
+    from refusion_mlx.models import slices
+
+    full = {"w": mx.arange(48, dtype=mx.float32).reshape(6, 8).astype(mx.bfloat16),
+            "q": mx.arange(24, dtype=mx.uint32).reshape(4, 6), "b": mx.arange(6, dtype=mx.float32)}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), full)
+    stored = slices.index([tmp_path / "model.safetensors"])
+    assert stored["w"].shape == (6, 8) and stored["w"].mx_dtype == mx.bfloat16
+    for rank in (0, 1):
+        rows = slices.read(stored["w"], (3, 8), rank)
+        cols = slices.read(stored["w"], (6, 4), rank)
+        assert rows.dtype == mx.bfloat16 and mx.array_equal(rows, full["w"][3 * rank:3 * rank + 3])
+        assert mx.array_equal(cols, full["w"][:, 4 * rank:4 * rank + 4])
+        assert mx.array_equal(slices.read(stored["q"], (2, 6), rank), full["q"][2 * rank:2 * rank + 2])
+    assert mx.array_equal(slices.read(stored["b"], (6,), 1), full["b"])  # whole
+    with pytest.raises(LoadError, match="stored with shape"):
+        slices.read(stored["w"], (3, 4), 0)  # two axes cannot both be split
