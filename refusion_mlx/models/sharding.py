@@ -23,9 +23,9 @@ the LM head and the decisions are again the same everywhere. One transfer
 of T x hidden per rank boundary per forward instead of two all-reduces per
 layer: see docs/distributed.md for when that wins.
 
-Both run before the weights are evaluated: ``mx.load`` maps safetensors
-lazily, so a rank materialises only its slice of each sharded weight (and
-only its own layers in pipeline mode).
+Both run before any weight is read (``loading._load_split``): the layers
+hold lazy initial values, never evaluated, and the loader then reads from
+the files only the parameters this rank has, in its shapes (``slices``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def _sum_layer(layer: nn.Module, group) -> nn.Module:
 
 def shard(model, group) -> None:
     """Tensor parallel: split every layer's heads and MLP columns over ``group``.
-    Call on a model loaded lazily and not yet fused."""
+    Call before the projections are fused (and, to read only this rank's
+    share, before the weights are read: ``loading._load_split``)."""
     N = group.size()
     check_tensor_parallel(model.args, N)
     for layer in model.layers:
