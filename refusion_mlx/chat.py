@@ -12,9 +12,11 @@ import sys
 from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
+from .distributed import watchdog
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -27,6 +29,7 @@ def build_parser() -> OneLineParser:
                            description="Chat with a ReFusion model in the terminal (multi-turn, KV cache kept "
                                        "across turns).")
     add_model_args(parser)
+    add_distributed_args(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     add_decoding_args(parser)
     parser.add_argument("--no-reuse", action="store_true",
@@ -47,13 +50,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not 0 <= args.frame_time <= 10:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         params = params_from_args(args)
+        dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
         trace = None
-        if args.trace:
+        if args.trace and (dist is None or dist.leader):
             try:
                 trace = Trace(args.trace, None)
             except OSError as e:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
-        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        ready(dist)
+        if dist is not None:
+            term = Terminal(read=shared_input(dist, term.read), out=sys.stdout,
+                            err=sys.stderr if dist.leader else sys.stdout, interactive=term.interactive)
         if trace is not None:
             trace.tokenizer = tokenizer
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse)
@@ -71,7 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
               + (" · no cache reuse" if args.no_reuse else ""))
     term.note(HELP)
-    with wired_limit(model):  # Metal: the weights stay resident between turns
+    # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
+    with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
         return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
 
 

@@ -14,6 +14,9 @@ from typing import List, Optional
 from ._blas import describe as blas_description
 from ._callable import make_callable
 from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, positive_int, read_text, run
+from .cli.launch import add_distributed_args, join, ready, with_distributed
+from .distributed import watchdog
+from .errors import RefusionError
 from .decode.batch import batch_generate
 from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m refusion_mlx.generate",
                            description="Generate text with a ReFusion model (slot-level plan-and-infill decoding).")
     add_model_args(parser)
+    add_distributed_args(parser)
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt; '-' reads standard input")
     prompts.add_argument("--prompts-file", metavar="FILE",
@@ -54,20 +58,27 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         params = params_from_args(args)
+        dist = join(args)  # under mlx.launch: this rank's group; only rank 0 prints
+        if dist is not None and "-" in (args.prompt, args.prompts_file):
+            raise RefusionError("under mlx.launch standard input never ends (the launcher does not pass "
+                                "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
-            return run_prompts_file(args, params)
+            return run_prompts_file(args, params, dist)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
         text, tokens, last = "", [], None
-        for last in stream_generate(model, tokenizer, ids, params=params):
-            text += last.text
-            tokens += last.tokens
-            if not args.json:
-                print(last.text, end="", flush=True)
+        with watchdog.armed():
+            for last in stream_generate(model, tokenizer, ids, params=params):
+                text += last.text
+                tokens += last.tokens
+                if not args.json:
+                    print(last.text, end="", flush=True)
         if args.json:
             print(json.dumps({"text": text, "output_ids": tokens, "prompt_ids": ids,
-                              "finish_reason": last.finish_reason, "stats": last.stats.as_dict()}))
+                              "finish_reason": last.finish_reason,
+                              "stats": with_distributed(last.stats.as_dict(), dist)}))
         else:
             print()
         if args.verbose:
@@ -79,21 +90,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(body)
 
 
-def run_prompts_file(args, params) -> int:
+def run_prompts_file(args, params, dist=None) -> int:
     """Decode every prompt of ``--prompts-file`` in batches; print each
     answer (or one JSON object per line with ``--json``) in file order.
     Exit status 1 if any prompt failed alone (the others are still printed)."""
     text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
     items = parse_prompts(text, args.prompts_file, params)
-    model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+    model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+    ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
-    results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size)
+    with watchdog.armed():
+        results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size)
     for i, r in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,
                               "finish_reason": r.finish_reason, "error": r.error,
-                              "stats": r.stats.as_dict() if r.stats else None}))
+                              "stats": with_distributed(r.stats.as_dict() if r.stats else None, dist)}))
         elif r.error is not None:
             print(f"[{i}] error: {r.error}")
         else:

@@ -10,9 +10,12 @@ import sys
 from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args, byte_size, params_from_args
+from .cli.launch import add_distributed_args, join
+from .distributed.group import errors
 from .errors import RefusionError
 from .models.backend import wired_limit
-from .serve.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_WATCHDOG_SECONDS
+from .serve.engine import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PROMPT_CACHE_BYTES,
+                           DEFAULT_WATCHDOG_SECONDS, Engine)
 from .serve.http_server import DEFAULT_MAX_BODY, RefusionServer
 
 __all__ = ["RefusionServer", "build_parser", "main"]
@@ -57,6 +60,7 @@ def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.server",
                            description="OpenAI-compatible HTTP server for a ReFusion model.")
     add_model_args(parser)  # --model, --adapter-path, --dtype
+    add_distributed_args(parser)  # --pipeline (under mlx.launch)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -109,9 +113,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
     with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
-        server = None
+        server = dist = None
         try:
             params = params_from_args(args)
+            dist = join(args)  # under mlx.launch: rank 0 serves HTTP, the others follow its steps
+            if dist is not None and args.prompt_cache_dir:
+                raise RefusionError("--prompt-cache-dir is not supported under mlx.launch yet: each rank "
+                                    "holds its own share of every cached entry")
+            if dist is not None and not dist.leader:
+                # Ctrl-C reaches every rank: the others stop when rank 0's last plan says so
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                logging.getLogger().setLevel(logging.WARNING)
+                Engine(args.model, dtype=args.dtype, max_batch=args.max_batch, max_queue=args.max_queue,
+                       prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,
+                       max_kv_bytes=args.max_kv_bytes, dist=dist).follow()
+                return 0
             origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
             try:
                 server = RefusionServer(args.model, host=args.host, port=args.port, dtype=args.dtype, params=params,
@@ -121,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         prompt_cache_bytes=args.prompt_cache_bytes, adapter_path=args.adapter_path,
                                         max_kv_bytes=args.max_kv_bytes, watchdog_seconds=args.watchdog_seconds,
                                         prompt_cache_dir=args.prompt_cache_dir,
-                                        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes)
+                                        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes, dist=dist)
             except OSError as e:
                 raise RefusionError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
             if server.host not in ("127.0.0.1", "::1", "localhost"):
@@ -132,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      server.url[:-3])
             server.serve_forever()
         except RefusionError as e:
-            print(f"error: {e}", file=sys.stderr)
+            rank = "" if dist is None else f"rank {dist.rank}: "
+            print(f"error: {rank}{e}", file=errors())
             return 1
         except KeyboardInterrupt:
             pass

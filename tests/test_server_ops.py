@@ -212,7 +212,7 @@ def test_health_is_503_when_a_step_is_stuck_or_the_engine_is_dead(monkeypatch):
         def bug():  # outside any step: the engine thread fails
             raise ValueError("a bug")
 
-        monkeypatch.setattr(engine, "_admit", bug)
+        monkeypatch.setattr(engine, "_plan", bug)
         status, err = ask(srv)
         engine._thread.join(5)
         health = call(srv, "GET", "/health")

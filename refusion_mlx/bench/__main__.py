@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int, positive_ints, run
+from ..cli.launch import add_distributed_args, join
+from ..distributed import watchdog
 from ..decode.params import PARAM_NAMES
 from ..errors import DecodeError
 from ..models.backend import wired_limit
@@ -25,6 +27,7 @@ def build_parser() -> OneLineParser:
         prog="python -m refusion_mlx.bench",
         description="Benchmark ReFusion decoding against mlx-lm's autoregressive decoding of the same weights.")
     add_model_args(parser, dtype_default="float32", dtype_help="compute dtype of both sides (default float32)")
+    add_distributed_args(parser)
     parser.add_argument("--suite", default="default",
                         help="'default' (the bundled suite) or a suite JSON file")
     add_decoding_args(parser)
@@ -77,6 +80,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:
+        dist = join(args)  # under mlx.launch: the comparison on every rank, rank 0 reports
+        if dist is not None and (args.shape or args.layouts or args.concurrency or args.conversation):
+            raise BenchError("under mlx.launch bench runs the comparison with mlx-lm only "
+                             "(not --concurrency, --conversation, --layouts or --shape)")
         suite = load_suite(args.suite)
         try:
             resolve_all(suite, args.preset, overrides)
@@ -104,11 +111,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(result.pop("report"))
             write_json(args.json, result)
             return 0
-        result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
-                               args.warmup, not args.no_ar, not args.no_chat_template, log,
-                               adapter_path=args.adapter_path)
+        with watchdog.armed():
+            result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
+                                   args.warmup, not args.no_ar, not args.no_chat_template, log,
+                                   adapter_path=args.adapter_path, dist=dist)
         print(format_report(result))
-        write_json(args.json, result)
+        if dist is None or dist.leader:  # one file, from rank 0
+            write_json(args.json, result)
         return 0
 
     with wired_limit():  # Metal: the weights stay resident while measuring

@@ -39,23 +39,37 @@ LABELS = {"refusion": "ReFusion", "ar": "AR"}
 
 
 def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = True,
-                adapter_path: Optional[str] = None):
+                adapter_path: Optional[str] = None, dist=None):
     """The ReFusion model and tokenizer, and mlx-lm's model sharing its weights.
 
     With ``adapter_path`` both sides get the same adapter layers (mlx-lm's
     LoRA/DoRA modules, built from the same folder) over the same arrays: the
     AR side decodes exactly the fine-tuned model ReFusion decodes, and pays
     the same adapter cost per token, so the comparison stays like for like.
+
+    ``dist`` (under ``mlx.launch``): both sides split over the group, the AR
+    side by mlx-lm's own ``Model.shard`` (its own copy of this rank's share:
+    our fused, sharded arrays do not map back onto mlx-lm's layers); tensor
+    parallel only, as mlx-lm's Qwen3 has no pipeline mode.
     """
     from ..models.loading import load
 
-    model, tokenizer = load(model_path, dtype=dtype, adapter_path=adapter_path)
+    if dist is not None and ar and dist.mode == "pipeline":
+        raise BenchError("mlx-lm's Qwen3 cannot run as a pipeline: add --no-ar to bench with --pipeline")
+    model, tokenizer = load(model_path, dtype=dtype, adapter_path=adapter_path, dist=dist)
     if not ar:
         return model, tokenizer, None
     try:
         from mlx_lm.utils import load_model as ar_load_model
 
         ar_model, _ = ar_load_model(Path(model.model_path), lazy=True)
+        if dist is not None:
+            import mlx.core as mx
+
+            ar_model.shard(dist.group)
+            ar_model.set_dtype(model.model.norm.weight.dtype)
+            mx.eval(ar_model.parameters())
+            return model, tokenizer, ar_model
         if adapter_path is not None:
             from mlx_lm.tuner.utils import load_adapters as ar_load_adapters
 
@@ -113,7 +127,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
                   preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None,
                   dtype: str = "float32", repeat: int = 1, warmup: int = 1, ar: bool = True,
                   chat_template: bool = True, log: Optional[Callable[[str], None]] = None,
-                  adapter_path: Optional[str] = None) -> dict:
+                  adapter_path: Optional[str] = None, dist=None) -> dict:
     """Run the suite on both sides and return the report as a JSON-able dict.
 
     ``overrides``: decoding parameters that win over the suite and preset
@@ -122,6 +136,8 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     ``repeat`` timed runs per prompt and side (the median is reported);
     ``warmup`` untimed runs per side first, cycling through the prompts.
     ``adapter_path``: fine-tuned adapters, applied to both sides alike.
+    ``dist``: under ``mlx.launch``, this rank's group (``load_models``);
+    the report's ``meta`` gains ``distributed``.
     """
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be a positive integer, got {repeat!r}")
@@ -130,7 +146,12 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     params = resolve_all(suite, preset, overrides)
     say = log or (lambda _msg: None)
-    rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar, adapter_path)
+    rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar, adapter_path,
+                                              dist)
+    if dist is not None:
+        from ..distributed.broadcast import barrier
+
+        barrier(dist)
     label = str(model) if model is not None else "bundled demo model (refusion_mlx/demo/tiny-refusion)"
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=chat_template)
                for c in suite.cases]
@@ -160,7 +181,8 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     return summarize(suite, prompts, params, runs, sides, environment(rmodel, label),
                      dict(preset=preset, overrides={k: v for k, v in (overrides or {}).items() if v is not None},
                           repeat=repeat, warmup=warmup, chat_template=chat_template,
-                          adapter_path=None if adapter_path is None else str(adapter_path)))
+                          adapter_path=None if adapter_path is None else str(adapter_path),
+                          **({} if dist is None else {"distributed": dist.as_dict()})))
 
 
 def resolve_all(suite: Suite, preset: Optional[str], overrides: Optional[Dict[str, Any]]) -> List[RefusionParams]:
@@ -243,6 +265,10 @@ def format_report(result: dict) -> str:
         decoding = "per prompt (see --json)"
     lines.append(f"suite: {meta['suite']} ({meta['prompts']} prompts) | preset: {meta['preset'] or 'none'} | "
                  f"decoding: {decoding}")
+    if "distributed" in meta:
+        d = meta["distributed"]
+        lines.append(f"distributed: {d['size']} ranks over {d['backend']}, {d['mode']} parallel; weights "
+                     f"{d['weight_bytes_per_rank'] / 2**20:.1f} MiB per rank of {d['weight_bytes'] / 2**20:.1f} MiB")
     lines.append(f"timing: {meta['warmup']} warm-up run(s) per side, then {meta['repeat']} timed run(s) per "
                  f"prompt and side, interleaved; the median run is shown")
     rows: List[list] = []

@@ -15,6 +15,8 @@ from typing import Callable, List, Optional
 
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
+from ..distributed import group as distributed_group
+from ..distributed.group import is_link_failure
 from ..errors import RefusionError
 
 
@@ -128,6 +130,11 @@ def read_text(path: str) -> str:
         raise RefusionError(f"{path} is not UTF-8 text") from None
 
 
+def _rank_prefix() -> str:
+    dist = distributed_group.current()
+    return "" if dist is None else f"rank {dist.rank}: "
+
+
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError or a file-system error is one
     line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 -- never
@@ -135,7 +142,13 @@ def run(body: Callable[[], int]) -> int:
     try:
         return body()
     except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}{e}", file=distributed_group.errors())
+        return 1
+    except RuntimeError as e:
+        if not is_link_failure(e):
+            raise
+        print(f"error: {_rank_prefix()}lost the other ranks ({' '.join(str(e).split())}): "
+              "a rank died or the link broke", file=distributed_group.errors())
         return 1
     except OSError as e:
         print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)

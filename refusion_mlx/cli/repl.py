@@ -9,6 +9,7 @@ import sys
 from typing import Callable, Optional, TextIO
 
 from ..decode.conversation import ChatSession, TurnRecord
+from ..distributed import group as distributed_group
 from ..errors import RefusionError
 from .slot_view import SlotView
 from .trace import Trace
@@ -88,7 +89,9 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
 def stats_text(session: ChatSession) -> str:
     if not session.turns:
         return "no turn yet"
-    return json.dumps({**session.turns[-1].as_dict(), "conversation": session.totals()}, indent=2)
+    dist = distributed_group.current()  # under mlx.launch: how the model is split
+    extra = {} if dist is None else {"distributed": dist.as_dict()}
+    return json.dumps({**session.turns[-1].as_dict(), "conversation": session.totals(), **extra}, indent=2)
 
 
 def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None,

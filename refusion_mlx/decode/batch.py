@@ -22,6 +22,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..distributed.group import is_link_failure
 from ..errors import DecodeError, RefusionError
 from .answer import AnswerText
 from .cache import CommittedCache
@@ -159,11 +160,13 @@ class BatchGenerator:
                 passes.append(r.decoder.next_pass())
                 running.append(r)
             except Exception as e:  # a failure of this request's own loop: it fails alone
+                _fatal(e)
                 out.append(r.failure(_message(e)))
         t0 = time.perf_counter()
         try:
             results = run_passes(self.model, passes) if passes else []
         except Exception as e:  # the shared forward failed (e.g. out of memory): all of it fails
+            _fatal(e)
             out += [r.failure(_message(e)) for r in running]
             self.active = []
             return out
@@ -172,6 +175,7 @@ class BatchGenerator:
             try:
                 out += self._advance(r, result, seconds)
             except Exception as e:
+                _fatal(e)
                 out.append(r.failure(_message(e)))
         done = {o.uid for o in out if o.finish_reason is not None}
         self.active = [r for r in self.active if r.uid not in done]
@@ -186,6 +190,13 @@ class BatchGenerator:
         elif steps:
             out.append(r.response(steps[-1]))
         return out
+
+
+def _fatal(e: Exception) -> None:
+    """A lost rank or link (``mlx.launch`` runs): no request can go on, so
+    the error ends the step instead of failing requests one by one."""
+    if is_link_failure(e):
+        raise e
 
 
 def _message(e: Exception) -> str:

@@ -32,11 +32,15 @@ GROWTH_STEP = 256
 
 
 class CommittedCache:
-    """Committed tokens with their positions and per-layer K/V, in commit order."""
+    """Committed tokens with their positions and per-layer K/V, in commit order.
+
+    ``held``: the layers whose K/V this process computes (a pipeline rank's
+    range, ``Model.layer_range``); the others' stay None and cost nothing."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: mx.Dtype = mx.float32, step: int = GROWTH_STEP):
+                 dtype: mx.Dtype = mx.float32, step: int = GROWTH_STEP, held: Optional[range] = None):
         self.num_layers = num_layers
+        self.held = range(num_layers) if held is None else held
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -52,7 +56,7 @@ class CommittedCache:
     def for_model(cls, model, step: int = GROWTH_STEP) -> "CommittedCache":
         args = model.args
         dtype = model.model.norm.weight.dtype
-        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, step)
+        return cls(args.num_hidden_layers, model.kv_heads, args.head_dim, dtype, step, range(*model.layer_range))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -73,7 +77,7 @@ class CommittedCache:
         new_capacity = -(-need // self.step) * self.step
         grow = new_capacity - self.capacity
         shape = (1, self.num_kv_heads, grow, self.head_dim)
-        for i in range(self.num_layers):
+        for i in self.held:
             pad = mx.zeros(shape, self.dtype)
             if self.keys[i] is None:
                 self.keys[i], self.values[i] = pad, mx.zeros(shape, self.dtype)
@@ -129,7 +133,7 @@ class CommittedCache:
             del self.tokens[len(rows):], self.positions[len(rows):]
             return
         index = mx.array(rows, dtype=mx.int32)
-        for i in range(self.num_layers):
+        for i in self.held:
             kept_k = mx.take(self.keys[i], index, axis=2)
             kept_v = mx.take(self.values[i], index, axis=2)
             self.keys[i][:, :, : len(rows), :] = kept_k
@@ -148,11 +152,11 @@ class CommittedCache:
         made when it is admitted, never per slot or per step.
         """
         rows = list(rows)
-        new = CommittedCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.step)
+        new = CommittedCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.step, self.held)
         if rows:
             new.reserve(len(rows))
             index = mx.array(rows, dtype=mx.int32)
-            for i in range(self.num_layers):
+            for i in self.held:
                 new.keys[i][:, :, : len(rows), :] = mx.take(self.keys[i], index, axis=2)
                 new.values[i][:, :, : len(rows), :] = mx.take(self.values[i], index, axis=2)
             mx.eval(new.state())

@@ -135,11 +135,18 @@ def default_dtype(stored: mx.Dtype) -> mx.Dtype:
     return stored
 
 
-def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False) -> Tuple[Model, Dict[str, Any]]:
-    """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``)."""
+def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False,
+               dist=None) -> Tuple[Model, Dict[str, Any]]:
+    """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``).
+
+    ``dist`` (a ``distributed.group.Distributed`` of two or more ranks): the
+    model is split over its group (tensor or pipeline, its ``mode``) before
+    any weight is read, then only this rank's share is read (``_load_split``)."""
     config = read_config(model_path)
     args = model_args(config)
     model = Model(args)
+    if dist is not None:
+        return _load_split(model, model_path, config, dtype, lazy, dist), config
     weights = model.sanitize(load_weights(weight_files(model_path)))
     if "quantization" in config:
         _quantize(model, config, weights)
@@ -157,6 +164,62 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+def _load_split(model: Model, model_path: Path, config: Dict[str, Any], dtype: Optional[str], lazy: bool,
+                dist) -> Model:
+    """A rank's share of the model: split first (its layers still hold lazy,
+    never evaluated initial values), then only the bytes of its share read
+    from the safetensors files (``slices``), cast, evaluated a layer at a time."""
+    from mlx.utils import tree_flatten
+
+    from . import slices
+
+    stored = model.sanitize(slices.index(weight_files(model_path)))
+    if "quantization" in config:
+        _quantize(model, config, stored)
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    if expected != set(stored):
+        missing, extra = sorted(expected - set(stored)), sorted(set(stored) - expected)
+        detail = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise LoadError(f"{model_path}: weights do not match config.json: {detail}")
+    if dtype is not None and dtype not in DTYPES:
+        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = DTYPES[dtype] if dtype else default_dtype(stored["model.norm.weight"].mx_dtype)
+    _split(model, dist, target)
+    weights = [(name, slices.read(stored[name], value.shape, dist.rank, name))
+               for name, value in tree_flatten(model.parameters())]
+    model.load_weights(weights, strict=True)
+    del weights
+    model.set_dtype(target)
+    model.eval()
+    if not lazy:
+        for layer in model.layers:  # cast one layer at a time: never two copies of the whole share
+            mx.eval(layer.parameters())
+        mx.eval(model.parameters())
+    return model
+
+
+def _cast_bytes(model: Model, target: mx.Dtype) -> int:
+    """Bytes of the model's parameters once floating ones are cast to ``target``."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.size * target.size if mx.issubdtype(v.dtype, mx.floating) else v.nbytes
+               for _, v in tree_flatten(model.parameters()))
+
+
+def _split(model: Model, dist, target: mx.Dtype) -> None:
+    """Shard (or pipeline) a lazily loaded model over ``dist``'s group and
+    record the whole model's and this rank's weight bytes."""
+    whole = _cast_bytes(model, target)
+    try:
+        if dist.mode == "pipeline":
+            model.pipeline(dist.group)
+        else:
+            model.shard(dist.group)
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
+    dist.record_weights(whole, _cast_bytes(model, target))
 
 
 def load_tokenizer(model_path: Path):
@@ -183,7 +246,8 @@ def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
-         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None):
+         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None,
+         dist=None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
     ``path_or_repo`` is a local folder (Hugging Face layout or converted by
@@ -194,10 +258,16 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
     stays quantized); only the projection groups they leave plain are fused.
+    ``dist``: a ``distributed.group.Distributed`` of two or more ranks (from
+    ``distributed.group.init``): this rank loads its share only
+    (``models/sharding.py``); the projections are fused after sharding.
     """
     backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
     model_path = resolve_model_path(path_or_repo)
-    model, config = load_model(model_path, dtype=dtype, lazy=lazy)
+    if dist is not None and adapter_path is not None:
+        raise LoadError("adapters cannot be split over ranks: fold them into the weights first "
+                        "(python -m refusion_mlx.fuse)")
+    model, config = load_model(model_path, dtype=dtype, lazy=lazy, dist=dist)
     if adapter_path is not None:
         from .adapters import load_adapters
 

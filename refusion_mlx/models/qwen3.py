@@ -205,6 +205,11 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = PositionalRoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        # the query and KV heads this process computes: all of them, or its
+        # share under tensor parallelism (``shard``)
+        self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
+        # the layers [start, end) this process computes: all, or a pipeline rank's (``pipeline``)
+        self.layer_range = (0, args.num_hidden_layers)
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
                visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
@@ -224,7 +229,7 @@ class Model(nn.Module):
         mask = "causal" if cache is None else cache.mask
         if mask is not None:  # None: a packed batch, whose requests bring their own masks
             mask = attention_mask(mask, T, T if cache is None else cache.visible,
-                                  self.args.num_attention_heads, self.args.num_key_value_heads, h.dtype)
+                                  self.heads, self.kv_heads, h.dtype)
         layers = self.model.layers
         for i, layer in enumerate(layers):
             h = layer(h, rope, mask, None if cache is None else cache.layer(i))
@@ -238,8 +243,7 @@ class Model(nn.Module):
         h = self.model.embed_tokens(tokens)
         rope = self.rope.angles(mx.broadcast_to(positions, (B, T)))
         mask = attention_mask("causal" if visible is None else visible_mask(visible, run_start), T, T,
-                              self.args.num_attention_heads,
-                              self.args.num_key_value_heads, h.dtype)
+                              self.heads, self.kv_heads, h.dtype)
         for layer in self.model.layers:
             h = layer(h, rope, mask)
         return self.model.norm(h)
@@ -260,7 +264,8 @@ class Model(nn.Module):
         (CPU), where dispatch dominates. Returns how many groups were fused.
         """
         count = 0
-        for layer in self.model.layers:
+        # the blocks this process holds (under ``pipeline`` some are gone, some wrapped)
+        for layer in [m for m in self.model.modules() if isinstance(m, TransformerBlock)]:
             for parent in (layer.self_attn, layer.mlp):
                 for fused_name, parts in FUSED.items():
                     if not all(p in parent for p in parts):
@@ -274,6 +279,20 @@ class Model(nn.Module):
                     mx.eval(fused.parameters())  # frees the separate weights now
                     count += 1
         return count
+
+    def shard(self, group) -> None:
+        """Tensor parallel over ``group``: this rank keeps its share of every
+        layer's heads and MLP columns (``sharding.shard``)."""
+        from .sharding import shard
+
+        shard(self, group)
+
+    def pipeline(self, group) -> None:
+        """Pipeline parallel over ``group``: this rank keeps a contiguous
+        range of layers (``sharding.pipeline``)."""
+        from .sharding import pipeline
+
+        pipeline(self, group)
 
     def hf_parameters(self) -> Dict[str, mx.array]:
         """Parameters under Hugging Face's names (fused ones as row slices, no copies)."""

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
-from .engine import Job
+from .job import Job
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
 from .slots import answer_blocks

@@ -144,6 +144,25 @@ class CacheDir:
         return list(cache.tokens), cache
 
 
+def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None) -> None:
+    """Back ``prompt_cache`` with the folder ``path`` (this model's files,
+    ``max_bytes`` in all) and reload the entries it holds."""
+    from ..decode.cache import CommittedCache
+    from ..errors import RefusionError
+
+    fingerprint = model_fingerprint(model.model_path, str(CommittedCache.for_model(model).dtype), adapter_path)
+    try:
+        store = CacheDir(path, max_bytes, fingerprint)
+    except OSError as e:
+        raise RefusionError(f"cannot use --prompt-cache-dir {path}: {e.strerror or e}") from None
+    n = 0
+    prompt_cache.store = store
+    for tokens, cache in store.load(lambda: CommittedCache.for_model(model)):
+        prompt_cache.restore(tokens, cache)
+        n += 1
+    log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, path, len(prompt_cache))
+
+
 def _unlink(f: Path) -> None:
     """Delete a file if it is there; a folder gone read-only costs disk space, not the server."""
     try:

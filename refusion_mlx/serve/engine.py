@@ -1,41 +1,47 @@
 """The engine: the one thread that uses MLX.
 
-It loads the model and drives one :class:`BatchGenerator`. Between two
-steps it drops requests whose client has gone, then admits waiting requests
-up to ``max_batch``: each starts from the longest prefix of its prompt that
-the prompt cache holds (a copy of those rows, its own), and a prefix that
-several admitted or waiting requests share but no entry holds yet (a system
-prompt arriving with a burst of requests) is prefilled once, cached and
-shared. Then one ``step()`` runs one batched forward over every active
-request, and each response goes, as final in-order text, to its request's
-asyncio queue. A finished request's cache (prompt + answer) joins the prompt
-cache, so the conversation's next turn continues it.
+It loads the model and drives one :class:`BatchGenerator`. Each turn of its
+loop drops requests whose client has gone, admits waiting requests up to
+``max_batch`` -- each from the longest prefix of its prompt the prompt cache
+holds (its own copy); a prefix several admitted or waiting requests share is
+prefilled once and cached -- then one ``step()`` runs one batched forward,
+and each response goes, as final in-order text, to its request's asyncio
+queue. A finished request's cache joins the prompt cache for its next turn.
 
 Admission is memory-aware: a request reserves the KV rows its decoder can
-write (prompt + budget, :func:`.memory.kv_rows`) against ``max_kv_bytes``; one that
-could never fit is refused when submitted (400, naming the numbers), one that
-fits waits until finished requests free enough. A step that raises fails the
-requests in it (500) and the engine goes on; ``health()`` reports an engine
-that died or whose step runs past ``watchdog_seconds``.
+write (:mod:`.memory`) against ``max_kv_bytes``; one that could never fit is
+refused at once (400), one that fits waits for memory. A step that raises
+fails its requests (500) and the engine goes on; ``health()`` reports an
+engine that died or whose turn runs past ``watchdog_seconds``.
+
+Under ``mlx.launch`` every rank runs an engine; rank 0's takes the HTTP
+requests, decides each turn's :class:`StepPlan` and broadcasts it, and every
+rank applies it, so all ranks run the same forwards. Idle, rank 0 still
+broadcasts an empty plan every ``IDLE_WAIT`` s, so the collectives'
+watchdog (``distributed.watchdog``) can tell a quiet server from a dead link.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from ..distributed import watchdog
+from ..distributed.broadcast import barrier, broadcast
+from ..distributed.group import errors, is_link_failure
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
-from .memory import default_max_kv_bytes, growth_rows, kv_row_bytes, kv_rows
+from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache, prefill
-from .schemas import APIError, Request
+from .schemas import APIError
+from .job import Job, StepPlan
 from .slots import step_commits
 from .text import TextShaper
 
@@ -50,40 +56,23 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
-
-
-class Job:
-    """A request in flight: the engine thread posts events to the HTTP side's
-    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError);
-    with ``include_commits``, a step's text comes as ("commits", (text, its commits))."""
-
-    def __init__(self, request: Request, loop):
-        self.request, self.loop = request, loop
-        self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.uid: Optional[int] = None
-        self.cache = None
-        self.cached = 0
-        self.kv_bytes = 0  # reserved against the engine's max_kv_bytes while it runs
-        self.waited = False  # it waited in the queue for KV memory
-        self.shaper: Optional[TextShaper] = None
-
-    def post(self, kind: str, payload=None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
+IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
 
 class Engine:
-    """Loads the model and runs every generation, batched, on one thread."""
+    """Loads the model and runs every generation, batched, on one thread.
+
+    ``dist``: the group under ``mlx.launch`` (``distributed.group.init``);
+    rank 0's engine decides each step and the others follow (``StepPlan``)."""
 
     def __init__(self, model_path: Optional[str] = None, dtype: Optional[str] = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None,
                  max_kv_bytes: Optional[int] = None, watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS,
-                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None):
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None,
+                 dist=None):
         self.model_path, self.dtype, self.adapter_path = model_path, dtype, adapter_path
+        self.dist = dist
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.prompt_cache_dir = prompt_cache_dir
@@ -138,19 +127,20 @@ class Engine:
             return False, "stuck"
         return True, "ok"
 
-    def kv_need(self, request: Request) -> int:
-        """The KV bytes a request reserves while it runs (:func:`kv_rows`)."""
-        return kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * self.kv_row_bytes
+    def follow(self) -> None:
+        """A rank other than 0: load, then run rank 0's plans until it stops."""
+        self.start()
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
 
     def submit(self, job: Job) -> None:
-        job.kv_bytes = need = self.kv_need(job.request)
-        if need > self.max_kv_bytes:
+        job.kv_bytes = kv_need(job.request, self.kv_row_bytes)
+        if job.kv_bytes > self.max_kv_bytes:
             self.metrics.add("refused")
-            rows = need // max(1, self.kv_row_bytes)
-            raise APIError(400, f"the request needs {need} bytes of KV cache ({rows} rows of "
-                                f"{self.kv_row_bytes} bytes: prompt + max_tokens in whole slots, in steps of "
-                                f"{growth_rows()}); the server's --max-kv-bytes is {self.max_kv_bytes}",
-                           "max_tokens", "kv_memory_exceeded")
+            raise kv_refusal(job.kv_bytes, self.kv_row_bytes, self.max_kv_bytes)
         with self.wake:
             if self._failed:
                 raise APIError(503, "the model engine has stopped (see the server's log); restart the server",
@@ -181,7 +171,10 @@ class Engine:
             from ..decode.batch import BatchGenerator
             from ..models.loading import load, load_tokenizer
 
-            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path)
+            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path,
+                                              dist=self.dist)
+            if self.dist is not None:
+                barrier(self.dist)
             self.args = self.model.args
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=self.max_batch)
@@ -196,7 +189,13 @@ class Engine:
         self._ready.set()
         try:
             self._serve()
-        except BaseException:  # a bug: requests get a 500 rather than hang
+        except BaseException as e:  # a bug: requests get a 500 rather than hang
+            if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
+                rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
+                errors().write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
+                               "a rank died or the link broke\n")
+                errors().flush()
+                os._exit(1)
             log.exception("the engine failed")
             self._failed = True
             self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
@@ -213,90 +212,105 @@ class Engine:
 
     def _open_cache_dir(self) -> None:
         """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
-        if not self.prompt_cache_dir:
-            return
-        from ..decode.cache import CommittedCache
-        from .cache_files import CacheDir, model_fingerprint
+        if self.prompt_cache_dir:
+            from .cache_files import attach
 
-        fingerprint = model_fingerprint(self.model.model_path, str(CommittedCache.for_model(self.model).dtype),
-                                        self.adapter_path)
-        try:
-            store = CacheDir(self.prompt_cache_dir, self.prompt_cache_dir_bytes, fingerprint)
-        except OSError as e:
-            raise RefusionError(f"cannot use --prompt-cache-dir {self.prompt_cache_dir}: {e.strerror or e}") from None
-        n = 0
-        self.prompt_cache.store = store
-        for tokens, cache in store.load(lambda: CommittedCache.for_model(self.model)):
-            self.prompt_cache.restore(tokens, cache)
-            n += 1
-        log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, self.prompt_cache_dir,
-                 len(self.prompt_cache))
+            attach(self.prompt_cache, self.model, self.prompt_cache_dir, self.prompt_cache_dir_bytes,
+                   self.adapter_path)
 
     def _serve(self) -> None:
-        while not self._stopping.is_set():
-            self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
-            for job in [j for j in self.running.values() if j.cancelled.is_set()]:
-                self._close(job, "cancelled")  # its client left: it leaves the batch, its memory goes
-            self._admit()
-            if not self.running:
-                self.busy_since = None
-                with self.wake:
-                    if not self.waiting and not self._stopping.is_set():
-                        self.wake.wait(0.25)
-                continue
-            t0 = time.monotonic()
-            rows = len(self.running)
-            try:
-                responses = self.gen.step()
-            except Exception as e:  # a bug or out of memory outside one request: the step's requests fail
-                log.exception("a step failed")
-                self._fail_running(APIError(500, f"the step failed: {_brief(e)}", code="step_failed"))
-                continue
-            self.metrics.step(time.monotonic() - t0, rows,
-                              sum(len(c.tokens) for r in responses for c in r.commits))
-            for response in responses:
-                self._route(response)
+        leader = self.dist is None or self.dist.leader
+        with watchdog.armed():
+            while True:
+                plan = self._plan() if leader else None
+                if self.dist is not None:
+                    wire = broadcast(self.dist, plan.wire() if leader else None)
+                    plan = plan if leader else StepPlan.from_wire(wire)
+                if plan.stop:
+                    return
+                self._apply(plan)
 
-    def _fail_running(self, error: APIError) -> None:
-        for job in list(self.running.values()):
-            self._close(job, "failed", error)
-
-    def _admit(self) -> None:
-        """Queued requests in order, while a batch row and their KV reservation are free."""
+    def _plan(self) -> StepPlan:
+        """Rank 0: this turn's plan, from the queue and the clients (waits up
+        to ``IDLE_WAIT`` s for a request when nothing runs). Queued requests
+        are admitted in order while a batch row and their KV reservation are
+        free; the first that does not fit waits for memory, those behind it too."""
+        if not self.running:
+            self.busy_since = None
+            with self.wake:
+                if not self.waiting and not self._stopping.is_set():
+                    self.wake.wait(IDLE_WAIT)
+        if self._stopping.is_set():
+            return StepPlan(stop=True)
+        self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
+        # a client that left: its request leaves the batch, its memory goes
+        plan = StepPlan(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
+        room = self.max_batch - len(self.running) + len(plan.cancelled)
+        freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
-            batch = []
-            while self.waiting and len(self.running) + len(batch) < self.max_batch:
+            while self.waiting and len(plan.admitted) < room:
                 job = self.waiting[0]
                 if job.cancelled.is_set():  # its client left while it waited
                     self.waiting.popleft()
                     self.metrics.add("cancelled")
                     continue
-                if self.kv_reserved + job.kv_bytes > self.max_kv_bytes:
+                if self.kv_reserved - freed + job.kv_bytes > self.max_kv_bytes:
                     if not job.waited:
                         job.waited = True
                         self.metrics.add("kv_waits")
-                    break  # first in, first served: it waits for memory, those behind it too
+                    break
                 self.waiting.popleft()
                 self.kv_reserved += job.kv_bytes
-                batch.append(job)
-            self.starting = len(batch)
-            peers = batch + list(itertools.islice(self.waiting, PEERS))
-        for job in batch:
+                plan.admitted.append(job)
+            self.starting = len(plan.admitted)
+            peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
+        plan.peers = [j.request.prompt_ids for j in peers]
+        return plan
+
+    def _apply(self, plan: StepPlan) -> None:
+        """One turn, the same on every rank: cancel, admit, step. A step that
+        raises fails the requests in it; the engine goes on (a lost rank ends it)."""
+        for uid in plan.cancelled:
+            if uid in self.running:
+                self._close(self.running[uid], "cancelled")
+        for i, job in enumerate(plan.admitted):
             try:
-                self._start(job, peers)
+                self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
+                if is_link_failure(e):
+                    raise
                 log.exception("cannot start a request")
                 self._close(job, "failed", APIError(500, f"cannot start the request: {_brief(e)}",
                                                     code="start_failed"))
+        if not self.running:
+            return
+        t0 = time.monotonic()
+        rows = len(self.running)
+        try:
+            responses = self.gen.step()
+        except Exception as e:  # a bug or out of memory outside one request: the step's requests fail
+            if is_link_failure(e):
+                raise
+            log.exception("a step failed")
+            self._fail_running(APIError(500, f"the step failed: {_brief(e)}", code="step_failed"))
+            return
+        self.metrics.step(time.monotonic() - t0, rows, sum(len(c.tokens) for r in responses for c in r.commits))
+        for response in responses:
+            self._route(response)
 
-    def _start(self, job: Job, peers) -> None:
+    def _fail_running(self, error: APIError) -> None:
+        for job in list(self.running.values()):
+            self._close(job, "failed", error)
+
+    def _start(self, job: Job, peers: List[List[int]]) -> None:
+        """Start a request; ``peers``: the prompt ids of the others admitted
+        or waiting (a prefix they share is prefilled once)."""
         from ..decode.cache import CommittedCache
 
         ids = job.request.prompt_ids
         n, cache = self.prompt_cache.lookup(ids, [j.cache for j in self.running.values()])
         job.cached = n
-        shared = min(len(ids) - 1, max((prefix_length(ids, p.request.prompt_ids) for p in peers if p is not job),
-                                       default=0))
+        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in peers), default=0))
         if shared - n >= SHARED_PREFIX and self.prompt_cache.max_bytes > 0:
             cache = cache or CommittedCache.for_model(self.model)
             prefill(self.model, cache, ids[n:shared])  # once; the others find it in the prompt cache
@@ -334,16 +348,9 @@ class Engine:
         reason = reason or r.finish_reason
         if reason is None:
             return
-        prompt, completion = len(job.request.prompt_ids), job.shaper.completion_tokens
         self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
         self._close(job, "completed")
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                 "prompt_tokens_details": {"cached_tokens": job.cached}}
-        if r.stats is not None:  # ReFusion's own: the block layout used and the forwards it took
-            usage.update(layout=dict(r.stats.layout), forwards=r.stats.forwards,
-                         tokens_per_forward=round(r.stats.tokens_per_forward, 4))
-        job.post("done", {"finish_reason": reason, "stats": r.stats.as_dict() if r.stats else None,
-                          "usage": usage})
+        job.post("done", job.outcome(reason, r.stats, self.dist))
 
     def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
         """Take a request out of the batch and free its cache now."""
@@ -351,7 +358,8 @@ class Engine:
             self.gen.remove(job.uid)
         if error is not None:
             job.post("error", error)
-        _free(job.cache)
+        if job.cache is not None:  # a removed request's decoder loop is held in a reference cycle
+            job.cache.free()  # only the garbage collector would break: its cache's memory goes now
         job.cache = None
         with self.wake:  # leaves the batch and is counted in one view of /health
             if job.uid is None or self.running.pop(job.uid, None) is None:
@@ -388,11 +396,3 @@ class Engine:
 
 def _brief(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
-def _free(cache) -> None:
-    """Drop a cache's buffers. A removed request's decoder loop is suspended
-    in a reference cycle that only the garbage collector would break; the
-    cache, nearly all of its memory, goes now."""
-    if cache is not None:
-        cache.free()

@@ -33,6 +33,8 @@ class RefusionServer:
     Binds at construction (so a taken port fails before the model loads);
     ``start()`` loads the model and serves on a background thread (tests,
     embedding), ``serve_forever()`` serves on the calling thread (the CLI).
+    ``dist``: under ``mlx.launch``, rank 0's group; the other ranks run an
+    :class:`Engine` that follows it (``Engine.follow``), without HTTP.
     """
 
     def __init__(self, model: Optional[str] = None, *, host: str = "127.0.0.1", port: int = 8080,
@@ -42,7 +44,8 @@ class RefusionServer:
                  allowed_origins: Sequence[str] = (), prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
                  max_active: Optional[int] = None, adapter_path: Optional[str] = None,
                  max_kv_bytes: Optional[int] = None, watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS,
-                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None):
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None,
+                 dist=None):
         from ..decode.params import RefusionParams
         from .app import create_app
 
@@ -65,7 +68,8 @@ class RefusionServer:
         self.engine = Engine(model, dtype=dtype, max_batch=max_active or max_batch, max_queue=max_queue,
                              prompt_cache_bytes=prompt_cache_bytes, adapter_path=adapter_path,
                              max_kv_bytes=max_kv_bytes, watchdog_seconds=watchdog_seconds,
-                             prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=prompt_cache_dir_bytes)
+                             prompt_cache_dir=prompt_cache_dir, prompt_cache_dir_bytes=prompt_cache_dir_bytes,
+                             dist=dist)
         config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                 backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(config)

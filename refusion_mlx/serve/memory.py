@@ -72,3 +72,18 @@ def default_max_kv_bytes(model, prompt_cache_bytes: int, row_bytes: int) -> int:
 
 def gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
+
+
+def kv_need(request, row_bytes: int) -> int:
+    """The KV bytes a request reserves while it runs (:func:`kv_rows`)."""
+    return kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * row_bytes
+
+
+def kv_refusal(need: int, row_bytes: int, max_bytes: int):
+    """The 400 of a request that can never fit, naming the numbers."""
+    from .schemas import APIError
+
+    rows = need // max(1, row_bytes)
+    return APIError(400, f"the request needs {need} bytes of KV cache ({rows} rows of {row_bytes} bytes: "
+                         f"prompt + max_tokens in whole slots, in steps of {growth_rows()}); the server's "
+                         f"--max-kv-bytes is {max_bytes}", "max_tokens", "kv_memory_exceeded")

@@ -1,0 +1,95 @@
+"""Commands under ``mlx.launch``: join the group, silence the other ranks,
+start the collectives' watchdog. Alone (no launcher) all of it is a no-op."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import threading
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..distributed import group as dgroup
+from ..distributed import watchdog
+from ..distributed.broadcast import barrier, broadcast
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """--pipeline: how the model is split when mlx.launch starts several ranks."""
+    parser.add_argument("--pipeline", action="store_true",
+                        help="under mlx.launch: give each rank a contiguous range of layers (pipeline "
+                             "parallel) instead of a share of every layer's heads (tensor parallel, the default)")
+
+
+def join(args) -> Optional[dgroup.Distributed]:
+    """The group this command runs in (None alone). Ranks other than 0 print
+    nothing to standard output from here on; a collective that stops making
+    progress ends the process (``distributed.watchdog``); MLX's global random
+    generator gets the same seed on every rank."""
+    dist = dgroup.init(pipeline=getattr(args, "pipeline", False))
+    if dist is None:
+        return None
+    dgroup.filter_backend_noise()
+    dgroup.quiet_followers(dist)
+    watchdog.install(dist.rank)
+    # unseeded sampling draws from MLX's global generator: one seed for every
+    # rank, or their drafts (and then their batches) would part
+    mx.random.seed(broadcast(dist, secrets.randbits(63)))
+    return dist
+
+
+def ready(dist: Optional[dgroup.Distributed]) -> None:
+    """Every rank has loaded its share (a barrier under the watchdog)."""
+    if dist is not None:
+        barrier(dist)
+
+
+def with_distributed(stats: Optional[dict], dist: Optional[dgroup.Distributed]) -> Optional[dict]:
+    """A statistics dict with ``distributed`` added when running on several ranks."""
+    if stats is not None and dist is not None:
+        stats["distributed"] = dist.as_dict()
+    return stats
+
+
+def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callable[[str], str]:
+    """``read`` on rank 0, its lines on every rank: the chat's turns are the
+    same everywhere. While rank 0 waits for the user it broadcasts a
+    heartbeat each second, so no rank's collective waits long enough for
+    the watchdog. End of input (or Ctrl-C at the prompt) is EOFError on
+    every rank."""
+    if not dist.leader:
+        def follow(prompt: str) -> str:
+            while True:
+                kind, line = broadcast(dist)
+                if kind == "line":
+                    return line
+                if kind == "eof":
+                    raise EOFError
+        return follow
+
+    def lead(prompt: str) -> str:
+        box: dict = {}
+        done = threading.Event()
+
+        def worker():
+            try:
+                box["line"] = read(prompt)
+            except (EOFError, KeyboardInterrupt):
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=worker, name="refusion-input", daemon=True).start()
+        try:
+            while not done.wait(1.0):
+                broadcast(dist, ("wait", None))
+        except KeyboardInterrupt:
+            pass
+        line = box.get("line")
+        broadcast(dist, ("eof", None) if line is None else ("line", line))
+        if line is None:
+            raise EOFError
+        return line
+
+    return lead

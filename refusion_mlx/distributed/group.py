@@ -1,0 +1,172 @@
+"""The distributed group a command runs in, if ``mlx.launch`` started it.
+
+``mlx.launch`` starts every rank with environment variables that name its
+backend (``MLX_HOSTFILE`` for the ring, ``MLX_IBV_DEVICES`` or
+``MLX_JACCL_COORDINATOR`` for JACCL, MPI's own); without any of them a
+command runs alone, as before, and never touches ``mx.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from ..errors import RefusionError
+
+MODES = ("tensor", "pipeline")
+
+
+class DistributedError(RefusionError):
+    """The group cannot be formed or cannot go on (a rank died, a link broke)."""
+
+
+# MLX's messages when a peer is gone (raised from an evaluation)
+_LINK_MARKS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")
+
+
+def is_link_failure(error: BaseException) -> bool:
+    """Whether an exception is a lost peer or link: the run cannot go on."""
+    if isinstance(error, DistributedError):
+        return True
+    return isinstance(error, RuntimeError) and str(error).lstrip().startswith(_LINK_MARKS)
+
+
+def launched_backend() -> Optional[str]:
+    """The backend ``mlx.launch`` (or mpirun) started this process for, or None."""
+    env = os.environ
+    if "MLX_RANK" not in env and "OMPI_COMM_WORLD_SIZE" not in env and "PMI_SIZE" not in env:
+        return None
+    if env.get("MLX_IBV_DEVICES") or env.get("MLX_JACCL_COORDINATOR"):
+        return "jaccl"
+    if env.get("NCCL_HOST_IP"):
+        return "nccl"
+    if "MLX_HOSTFILE" in env:
+        return "ring"
+    return "mpi"
+
+
+@dataclass
+class Distributed:
+    """One rank's view of the run: the group, its backend and the sharding mode."""
+
+    group: "mx.distributed.Group"
+    backend: str
+    mode: str = "tensor"
+    weight_bytes: int = 0  # the whole model's (recorded by the loader)
+    weight_bytes_per_rank: int = 0  # this rank's share
+
+    def record_weights(self, whole: int, this_rank: int) -> None:
+        self.weight_bytes, self.weight_bytes_per_rank = int(whole), int(this_rank)
+
+    def as_dict(self) -> dict:
+        """``stats["distributed"]``."""
+        return {"backend": self.backend, "size": self.size, "mode": self.mode,
+                "weight_bytes": self.weight_bytes, "weight_bytes_per_rank": self.weight_bytes_per_rank}
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the rank that writes output and serves HTTP."""
+        return self.rank == 0
+
+
+_current: Optional[Distributed] = None
+
+
+def _hostfile_names_peers(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return bool(f.read().strip())
+    except OSError:
+        return True  # let the backend say what is wrong with it
+
+
+def init(pipeline: bool = False) -> Optional[Distributed]:
+    """Join the group ``mlx.launch`` started (once per process), or None when
+    running alone (no launcher, or a group of one)."""
+    global _current
+    if _current is not None:
+        _current.mode = "pipeline" if pipeline else "tensor"
+        return _current
+    backend = launched_backend()
+    if backend is None:
+        return None
+    if backend == "ring" and not _hostfile_names_peers(os.environ["MLX_HOSTFILE"]):
+        return None  # mlx.launch -n 1 writes an empty hostfile: alone
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:
+        raise DistributedError(f"cannot join the {backend} group: {' '.join(str(e).split())}") from None
+    if group.size() < 2:
+        return None
+    _current = Distributed(group, backend, "pipeline" if pipeline else "tensor")
+    return _current
+
+
+def current() -> Optional[Distributed]:
+    """The group this process joined with :func:`init`, or None."""
+    return _current
+
+
+_errors = None  # a follower's real standard error, for its error lines only
+
+
+def quiet_followers(dist: Optional[Distributed]) -> None:
+    """Ranks other than 0 write nothing: their standard output and error go
+    nowhere, except error lines (:func:`errors`), which may be theirs alone."""
+    global _errors
+    if dist is not None and not dist.leader:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _errors = sys.stderr
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def errors():
+    """Where this rank writes its one-line errors: standard error, also on a quiet rank."""
+    return _errors if _errors is not None else sys.stderr
+
+
+def _noise(line: bytes) -> bool:
+    """The backend's per-socket complaints once a peer is gone (dozens of
+    lines before the one error that says it)."""
+    text = line.lstrip().lower()
+    return text.startswith((b"[ring]", b"[jaccl]")) and (b"socket" in text or b"too many" in text)
+
+
+def filter_backend_noise() -> None:
+    """Drop the backend's per-socket lines from standard error (C++ writes
+    them to file descriptor 2); Python's own ``sys.stderr`` writes straight
+    to the terminal, so nothing of ours waits on the filter.
+    ``MLX_RING_VERBOSE`` keeps everything."""
+    if os.environ.get("MLX_RING_VERBOSE"):
+        return
+    try:
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+    except OSError:
+        return
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+    def forward():
+        with os.fdopen(read, "rb") as source, os.fdopen(os.dup(terminal), "wb", buffering=0) as sink:
+            for line in source:
+                if not _noise(line):
+                    sink.write(line)
+
+    threading.Thread(target=forward, name="refusion-stderr", daemon=True).start()

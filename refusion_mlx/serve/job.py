@@ -1,0 +1,72 @@
+"""A request in flight (:class:`Job`) and what one turn of the engine's loop
+does (:class:`StepPlan`, decided by rank 0 and broadcast under ``mlx.launch``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .schemas import Request
+from .text import TextShaper
+
+
+class Job:
+    """A request in flight: the engine thread posts events to the HTTP side's
+    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError);
+    with ``include_commits``, a step's text comes as ("commits", (text, its commits))."""
+
+    def __init__(self, request: Request, loop):
+        self.request, self.loop = request, loop
+        self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.uid: Optional[int] = None
+        self.cache = None
+        self.cached = 0
+        self.kv_bytes = 0  # reserved against the engine's max_kv_bytes while it runs
+        self.waited = False  # it waited in the queue for KV memory
+        self.shaper: Optional[TextShaper] = None
+
+    def outcome(self, reason: str, stats, dist=None) -> dict:
+        """The "done" event: finish reason, the decoder's stats (with the group's
+        under ``mlx.launch``) and the OpenAI usage, with ReFusion's own figures."""
+        prompt, completion = len(self.request.prompt_ids), self.shaper.completion_tokens
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if stats is not None:  # the block layout used and the forwards it took
+            usage.update(layout=dict(stats.layout), forwards=stats.forwards,
+                         tokens_per_forward=round(stats.tokens_per_forward, 4))
+        info = stats.as_dict() if stats is not None else None
+        if info is not None and dist is not None:
+            info["distributed"] = dist.as_dict()
+        return {"finish_reason": reason, "stats": info, "usage": usage}
+
+    def post(self, kind: str, payload=None) -> None:
+        if self.loop is None:  # a rank other than 0: nobody listens
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+
+@dataclass
+class StepPlan:
+    """What one turn of the engine's loop does, decided by rank 0: close the
+    ``cancelled`` running requests (by uid), start the ``admitted`` ones
+    (``peers``: the prompts they are compared with for a shared prefix, the
+    admitted first, in order), then step the batch; or ``stop``."""
+
+    cancelled: List[int] = field(default_factory=list)
+    admitted: List[Job] = field(default_factory=list)
+    peers: List[List[int]] = field(default_factory=list)
+    stop: bool = False
+
+    def wire(self) -> tuple:
+        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> "StepPlan":
+        cancelled, requests, peers, stop = wire
+        return cls(cancelled, [Job(r, None) for r in requests], peers, stop)
