@@ -146,6 +146,7 @@ def test_decode_work_is_linear_in_the_answer(tokenizer, step):
     assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True)
     assert counting.ids <= 12 * len(ids)  # the whole decode at every step: ~n^2/2 / step ids
     assert answer.stream.decoded == counting.ids and not answer.stream.whole
+    assert len(answer.stream.ids) <= 4 * step + 8  # only the window: the ids themselves live in the cache
 
 
 def test_non_local_decode_falls_back_to_the_whole_decode():
@@ -162,11 +163,15 @@ def test_non_local_decode_falls_back_to_the_whole_decode():
     rng = random.Random(3)
     for _ in range(50):
         ids = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        added = []  # what a holder of the ids would give back (AnswerText: the cache)
         stream, whole = StreamingText(Tok(), window=True), WholeDecode(Tok())
+        held = StreamingText(Tok(), window=True, history=lambda: list(added))
         for part in slices(rng, ids):
-            assert stream.add(part) == whole.add(part)
-        assert stream.add([], final=True) == whole.add([], final=True)
-        assert stream.text == whole.text
+            added += part
+            piece = whole.add(part)
+            assert stream.add(part) == piece and held.add(part) == piece
+        assert stream.add([], final=True) == whole.add([], final=True) == held.add([], final=True)
+        assert stream.text == whole.text == held.text
 
 
 def test_clean_up_spaces_decodes_whole():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, for now
@@ -71,11 +71,19 @@ class StreamingText:
     tokenizer whose decode is not known to be a concatenation at token
     boundaries (``decodes_locally``), or a window that disagrees with its
     context, is decoded whole, as before.
+
+    ``history``: where all the ids added so far can be read again (the
+    answer's holder, :class:`AnswerText`). With it the detokenizer keeps only
+    its window -- ids before ``start`` are dropped as the window moves -- and
+    reads the whole list from ``history`` when it must decode whole; without
+    it, it keeps every id.
     """
 
-    def __init__(self, tokenizer, window: Optional[bool] = None):
+    def __init__(self, tokenizer, window: Optional[bool] = None,
+                 history: Optional[Callable[[], List[int]]] = None):
         self.tokenizer = tokenizer
-        self.ids: List[int] = []
+        self.history = history
+        self.ids: List[int] = []  # the window (from ``start``), or every id without ``history``
         self.start = 0  # window start: ids[start:read] are context only
         self.read = 0  # the text of ids[:read] is all released
         self.context = ""  # decode(ids[start:read])
@@ -94,13 +102,13 @@ class StreamingText:
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Take more ids; return the text that became final (all of it if ``final``)."""
-        self.ids.extend(ids)
         if self.whole:
-            return self._release_whole(final)
+            return self._release_whole(ids, final)
+        self.ids.extend(ids)
         window = self._decode(self.ids[self.start:])
         if not window.startswith(self.context):
             self.whole = True  # decode is not local for this tokenizer: decode all from now on
-            return self._release_whole(final)
+            return self._release_whole([], final)
         new = window[len(self.context):]
         text = new if final else new.rstrip(REPLACEMENT)
         if not text.startswith(self.held):
@@ -116,10 +124,19 @@ class StreamingText:
             else:  # ids without text (skipped special tokens) are no context: keep the old one
                 self.context = window
             self.read, self.held = end, ""
+            if self.history is not None and self.start:  # the ids before the window: the holder has them
+                del self.ids[:self.start]
+                self.read -= self.start
+                self.start = 0
         return piece
 
-    def _release_whole(self, final: bool) -> str:
-        full = self._decode(self.ids)
+    def _release_whole(self, ids: Sequence[int], final: bool) -> str:
+        if self.history is not None:
+            all_ids = self.history()  # the holder already has ``ids``
+        else:
+            self.ids.extend(ids)
+            all_ids = self.ids
+        full = self._decode(all_ids)
         if not final:
             full = full.rstrip(REPLACEMENT)
         text = self.text
@@ -152,7 +169,7 @@ class AnswerText:
         self.eos_id = eos_id
         self.max_tokens = max_tokens
         self.content = 0  # final ids other than EOS
-        self.stream = StreamingText(tokenizer)
+        self.stream = StreamingText(tokenizer, history=self._text_ids)
         self.done = False  # EOS is final
         self.cut = False  # cut at max_tokens
 
@@ -169,6 +186,10 @@ class AnswerText:
     def tokens(self) -> List[int]:
         """The final ids in answer order, read from the cache."""
         return [self.cache.token_at(p) for p in range(self.start, self.next)]
+
+    def _text_ids(self) -> List[int]:
+        """The final ids that have text (the detokenizer's history)."""
+        return [t for t in self.tokens if t < self.vocab and t != self.eos_id]
 
     def update(self) -> tuple:
         """Read the cache after a step's commits; return (newly final ids, newly final text)."""
