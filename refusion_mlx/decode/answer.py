@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 
@@ -169,7 +170,8 @@ class AnswerText:
         self.eos_id = eos_id
         self.max_tokens = max_tokens
         self.content = 0  # final ids other than EOS
-        self.stream = StreamingText(tokenizer, history=self._text_ids)
+        text_ids = weakref.WeakMethod(self._text_ids)  # no cycle: a removed request's cache goes at once
+        self.stream = StreamingText(tokenizer, history=lambda: text_ids()())
         self.done = False  # EOS is final
         self.cut = False  # cut at max_tokens
 
