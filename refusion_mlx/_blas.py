@@ -194,13 +194,20 @@ def fit_threads(hidden_size: int) -> Optional[int]:
     return _set_threads(1)
 
 
-def fit_rows(rows: int) -> Optional[int]:
+def small_model() -> bool:
+    """Whether the loaded model runs with one BLAS thread (``fit_threads``)."""
+    return _small_model
+
+
+def fit_rows(rows: int, split: bool = False) -> Optional[int]:
     """For a small model (see ``fit_threads``): every core for a forward of
     ``WIDE_ROWS`` tokens or more, one thread below. Returns the count in
-    force, or None when the thread count is not ours to set."""
+    force, or None when the thread count is not ours to set. ``split``: the
+    pass runs as row groups on their own streams (``cpu_paths.row_groups``),
+    each with one thread."""
     if not _small_model:
         return None
-    return _set_threads((os.cpu_count() or 1) if rows >= WIDE_ROWS else 1)
+    return _set_threads((os.cpu_count() or 1) if rows >= WIDE_ROWS and not split else 1)
 
 
 def _set_threads(n: int) -> int:

@@ -240,6 +240,16 @@ class KVWrite:
     def layer(self, i: int) -> "_LayerWrite":
         return _LayerWrite(self, i)
 
+    def split(self, at: int) -> Optional[Tuple["KVWrite", "KVWrite"]]:
+        """A causal pass of n tokens as two: its first ``at`` tokens, then
+        the rest, which see the first's rows as committed ones. None for an
+        infill write (its mask is not causal)."""
+        if self.rows is not None or self.mask != "causal":
+            return None
+        cut = self.start + at
+        return (KVWrite(self.cache, self.start, None, cut, "causal"),
+                KVWrite(self.cache, cut, None, self.visible, "causal"))
+
 
 class _LayerWrite:
     __slots__ = ("write", "index")

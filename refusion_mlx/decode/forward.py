@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import _blas
 from ..models import backend
+from ..models.cpu_paths import row_groups
 from .cache import KVWrite
 from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
@@ -155,7 +156,7 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
 _in_flight: Optional[Tuple[int, List[mx.array]]] = None
 
 
-def _fit_threads(rows: int) -> bool:
+def _fit_threads(rows: int, split: bool) -> bool:
     """CPU paths: the BLAS thread count for a forward of ``rows`` tokens.
     When it would change while a device-only step may still be computing,
     wait for that step first (a blocking evaluation: True), so no matmul
@@ -168,7 +169,7 @@ def _fit_threads(rows: int) -> bool:
             mx.eval(*arrays)
             waited = True
         _in_flight = None
-    _blas.fit_rows(rows)
+    _blas.fit_rows(rows, split)
     return waited
 
 
@@ -197,7 +198,11 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     """
     global _in_flight
     rows = sum(len(p) for p in passes)
-    waited = _fit_threads(rows) if backend.cpu_paths() else False
+    if backend.cpu_paths():
+        split = len(passes) == 1 and not model.distributed and len(row_groups(passes[0].write, rows)) > 1
+        waited = _fit_threads(rows, split)
+    else:
+        waited = False
     hidden = forward(model, passes)
     heads = head_outputs(model, hidden, passes)
     derived = []

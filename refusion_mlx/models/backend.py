@@ -12,6 +12,8 @@ exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, co
 LM-head log-sum-exp                                           kernels.exp)
 Linear layers             ``nn.Linear`` (``x @ w.T``)         a transposed weight view made once
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
+wide decode passes        one group of rows                   two row groups on two CPU streams
+                                                              (small models; cpu_paths.row_groups)
 LM head                   all head rows in one matmul while   chunks of ``probs.LOGITS_BUDGET_BYTES``
                           the logits fit 1/16 of the device's (32 MB of float32 logits)
                           memory (:func:`logits_budget`)

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
-from .cpu_paths import RMSNorm, attend, attention_mask, grouped_mask, overlap, rms_norm  # noqa: F401  (importable here)
+from .cpu_paths import RMSNorm, attend, attention_mask, grouped_mask, on, overlap, rms_norm, row_groups  # noqa: F401  (importable here)
 from .fused import FUSED, Linear, Derived, fuse_linears, fused_rows
 from .kernels import silu_gate
 from .rope import PositionalRoPE, apply_rope, rope_scale
@@ -210,6 +210,9 @@ class Model(nn.Module):
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
         # the layers [start, end) this process computes: all, or a pipeline rank's (``pipeline``)
         self.layer_range = (0, args.num_hidden_layers)
+        # split over several processes (``shard``, ``pipeline``): then every
+        # rank must run the same ops in the same order, so no row groups
+        self.distributed = False
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
                visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
@@ -225,16 +228,32 @@ class Model(nn.Module):
         # plain matmul, without the reshapes a batch axis costs on each call
         h = self.model.embed_tokens(tokens.reshape(-1))
         T = h.shape[0]
-        rope = self.rope.angles(positions.reshape(-1))
-        mask = "causal" if cache is None else cache.mask
-        if mask is not None:  # None: a packed batch, whose requests bring their own masks
-            mask = attention_mask(mask, T, T if cache is None else cache.visible,
-                                  self.heads, self.kv_heads, h.dtype)
+        positions = positions.reshape(-1)
+        if cache is None:
+            mask = attention_mask("causal", T, T, self.heads, self.kv_heads, h.dtype)
+            rope = self.rope.angles(positions)
+            for layer in self.model.layers:
+                h = layer(h, rope, mask)
+            return self.model.norm(h)[None]
+        # a decode pass: one group of rows, or (CPU paths, wide passes) two on
+        # their own streams, each writing its rows and attending as a pass of its own
+        groups = []
+        for lo, hi, write, stream in [(0, T, cache, None)] if self.distributed else row_groups(cache, T):
+            with on(stream):
+                mask = write.mask
+                if mask is not None:  # None: a packed batch, whose requests bring their own masks
+                    mask = attention_mask(mask, hi - lo, write.visible, self.heads, self.kv_heads, h.dtype)
+                whole = hi - lo == T
+                groups.append([h if whole else h[lo:hi],
+                               self.rope.angles(positions if whole else positions[lo:hi]), mask, write, stream])
         layers = self.model.layers
         for i, layer in enumerate(layers):
-            h = layer(h, rope, mask, None if cache is None else cache.layer(i))
-            if cache is not None:  # decoding only: training compiles
-                overlap(h, i, len(layers))
+            for group in groups:
+                x, rope, mask, write, stream = group
+                with on(stream):
+                    group[0] = layer(x, rope, mask, write.layer(i))
+            overlap([g[0] for g in groups], i, len(layers))
+        h = groups[0][0] if len(groups) == 1 else mx.concatenate([g[0] for g in groups])
         return self.model.norm(h)[None]
 
     def _batch_hidden(self, tokens: mx.array, positions: mx.array, visible: Optional[mx.array] = None,
@@ -286,6 +305,7 @@ class Model(nn.Module):
         from .sharding import shard
 
         shard(self, group)
+        self.distributed = True
 
     def pipeline(self, group) -> None:
         """Pipeline parallel over ``group``: this rank keeps a contiguous
@@ -293,6 +313,7 @@ class Model(nn.Module):
         from .sharding import pipeline
 
         pipeline(self, group)
+        self.distributed = True
 
     def hf_parameters(self) -> Dict[str, mx.array]:
         """Parameters under Hugging Face's names (fused ones as row slices, no copies)."""

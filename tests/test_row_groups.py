@@ -1,0 +1,121 @@
+"""CPU paths: a wide decode pass of a small model runs as two row groups on
+two CPU streams (models/cpu_paths.row_groups), with the same results."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from refusion_mlx import _blas
+from refusion_mlx.decode import forward as forward_module
+from refusion_mlx.decode.batch import batch_generate
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.models import cpu_paths, qwen3
+
+from tests.test_backend import params_of
+
+
+@pytest.fixture
+def two_cores(monkeypatch, set_paths):
+    """CPU paths, a small model's one BLAS thread, two cores."""
+    set_paths("cpu")
+    monkeypatch.setattr(_blas, "_small_model", True)
+    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 2)
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Count the passes that ran as more than one row group."""
+    seen = []
+    real = cpu_paths.row_groups
+
+    def counting(write, rows):
+        groups = real(write, rows)
+        seen.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(qwen3, "row_groups", counting)
+    return seen
+
+
+def committed(model, n=24):
+    cache = CommittedCache.for_model(model)
+    cache.reserve(256)
+    write = cache.extend(n)
+    mx.eval(model.hidden(mx.arange(3, 3 + n)[None], mx.arange(n), write))
+    cache.commit(list(range(3, 3 + n)), list(range(n)))
+    return cache
+
+
+def test_wide_causal_passes_split_in_two(demo, two_cores):
+    cache = committed(demo[0])
+    groups = cpu_paths.row_groups(cache.extend(100), 100)
+    assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 55), (55, 100)]
+    first, second = groups[0][2], groups[1][2]
+    assert (first.start, first.visible) == (24, 24 + 55)  # sees the committed rows and itself
+    assert (second.start, second.visible) == (24 + 55, 124)  # and the first group's rows
+    assert groups[0][3] != groups[1][3]  # two streams
+    assert len(cpu_paths.row_groups(cache.extend(cpu_paths.SPLIT_ROWS - 1), cpu_paths.SPLIT_ROWS - 1)) == 1
+    assert len(cpu_paths.row_groups(cache.infill(25, 4, 0), 100)) == 1  # block-diagonal: not causal
+
+
+def test_no_split_on_the_gpu_paths_a_big_model_or_one_core(demo, two_cores, set_paths, monkeypatch):
+    cache = committed(demo[0])
+    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 1)
+    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
+    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(_blas, "_small_model", False)
+    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
+    monkeypatch.setattr(_blas, "_small_model", True)
+    set_paths("gpu")
+    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
+
+
+def test_a_split_pass_computes_what_one_group_does(demo, two_cores, monkeypatch, splits):
+    """Hidden states and the K/V rows written: the same to float32 rounding."""
+    model = demo[0]
+    outputs = []
+    for split_rows in (cpu_paths.SPLIT_ROWS, 10**9):
+        monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", split_rows)
+        cache = committed(model)
+        tokens = mx.array([[805] * 90 + [17] * 6])
+        hidden = model.hidden(tokens, mx.arange(24, 120), cache.extend(96))
+        mx.eval(hidden, cache.state())
+        outputs.append((np.array(hidden), np.array(cache.keys[2][:, :, :120]), np.array(cache.values[3][:, :, :120])))
+    assert splits == [1, 2, 1, 1]  # (the committed rows, then the pass) twice
+    for split, whole in zip(*outputs):
+        np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
+    """Every pass from 8 tokens on split: each case alone and all in one batch
+    (a batch packs its requests: those passes do not split)."""
+    monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", 8)
+    model, tokenizer = demo
+    wrong = []
+    for i, case in enumerate(golden_cases):
+        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+        for _ in decoder.steps():
+            pass
+        if decoder.response() != case["output_ids"]:
+            wrong.append(i)
+    assert not wrong
+    assert splits.count(2) > len(golden_cases)
+    results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in golden_cases],
+                             [params_of(c) for c in golden_cases], max_batch=len(golden_cases))
+    assert [i for i, (r, c) in enumerate(zip(results, golden_cases)) if r.output_ids != c["output_ids"]] == []
+
+
+def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
+    """Each group's stream has a core: the BLAS keeps one thread for a split
+    pass, and takes every core for a wide pass that cannot split."""
+    calls = []
+    monkeypatch.setattr(_blas, "_set_threads", lambda n: calls.append(n) or n)
+    model = demo[0]
+    cache = committed(model)
+    p = forward_module.Pass("plan", mx.full((80,), 805), mx.arange(24, 104), cache.extend(80))
+    forward_module.run_passes(model, [p])
+    p = forward_module.Pass("infill_draft", mx.full((80,), 805), mx.arange(24, 104), cache.infill(20, 4, 0))
+    forward_module.run_passes(model, [p])
+    assert calls == [1, 2]
