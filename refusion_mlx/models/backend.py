@@ -10,7 +10,9 @@ choice                    GPU paths                           CPU paths
 RMSNorm, attention        ``mx.fast`` fused kernels           compiled / regrouped ops (cpu_paths)
 exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
 LM-head log-sum-exp                                           kernels.exp)
-Linear layers             ``nn.Linear`` (``x @ w.T``)         a transposed weight view made once
+Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in, out) row-major at
+                                                              load (cpu_paths.relayout), multiplied
+                                                              through a transposed view made once
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
 wide decode passes        one group of rows                   two row groups on two CPU streams
                                                               (small models; cpu_paths.row_groups)

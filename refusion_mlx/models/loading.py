@@ -12,7 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend
+from . import backend, cpu_paths
 from .qwen3 import Model, ModelArgs
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
@@ -287,4 +287,6 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     model.model_path = model_path
     if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)
+        if not lazy:
+            cpu_paths.relayout(model)
     return model, tokenizer

@@ -1,5 +1,6 @@
-"""CPU paths: a wide decode pass of a small model runs as two row groups on
-two CPU streams (models/cpu_paths.row_groups), with the same results."""
+"""CPU paths (models/cpu_paths.py): a wide decode pass of a small model runs as
+two row groups on two CPU streams (row_groups), with the same results; linear
+weights are laid out (in, out) for the BLAS (relayout)."""
 
 import mlx.core as mx
 import numpy as np
@@ -119,3 +120,56 @@ def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     p = forward_module.Pass("infill_draft", mx.full((80,), 805), mx.arange(24, 104), cache.infill(20, 4, 0))
     forward_module.run_passes(model, [p])
     assert calls == [1, 2]
+
+
+def test_each_thread_splits_on_its_own_streams(demo, two_cores):
+    """MLX's streams belong to the thread that made them: a pass split on one
+    thread (a server's decoding thread) and then on another still runs."""
+    import threading
+
+    model = demo[0]
+    results = []
+
+    def run():
+        cache = committed(model)
+        hidden = model.hidden(mx.full((1, 64), 805), mx.arange(24, 88), cache.extend(64))
+        results.append(np.array(hidden))
+
+    run()
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert len(results) == 2
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
+    """``cpu_paths.relayout`` (at load, CPU paths): each plain linear weight is
+    the transposed view of a row-major (in, out) buffer, so ``x @ weight.T``
+    reads it row by row; the values are unchanged, and mlx-lm's side of the
+    bench gets row-major copies of the column slices it could not read in place."""
+    from mlx.utils import tree_flatten
+
+    from refusion_mlx.bench.runs import share_weights
+    from refusion_mlx.models.fused import Linear
+
+    model, _ = demo
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears
+    for layer in linears:
+        out_dim, in_dim = layer.weight.shape
+        assert memoryview(layer.weight).strides == (4, 4 * out_dim)  # float32, column-major
+    before = {k: np.array(v) for k, v in model.hf_parameters().items()}
+    assert cpu_paths.relayout(model) == len(linears)  # again: the same values
+    for k, v in model.hf_parameters().items():
+        np.testing.assert_array_equal(np.array(v), before[k])
+
+    from mlx_lm.utils import load_model as ar_load_model
+
+    ar_model, _ = ar_load_model(model.model_path, lazy=True)
+    share_weights(ar_model, model)
+    q = dict(tree_flatten(ar_model.parameters()))["model.layers.0.self_attn.q_proj.weight"]
+    assert memoryview(q).strides == (4 * q.shape[1], 4)  # row-major, as mlx_lm.load gives it
+    tokens = mx.array([[10, 11, 12, 13]])
+    ours = model(tokens, mx.arange(4))
+    np.testing.assert_allclose(np.array(ar_model(tokens)), np.array(ours), atol=1e-4)
