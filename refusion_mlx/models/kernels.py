@@ -21,16 +21,23 @@ def _cpu_float32(x: mx.array) -> bool:
     return x.dtype == mx.float32 and cpu_paths()
 
 
+# Adding and then subtracting 1.5 * 2**23 rounds a float32 of magnitude
+# below 2**22 to the nearest integer with two additions, which vectorise;
+# ``floor`` is a library call per element in MLX's generated CPU kernels and
+# keeps the whole fused loop scalar (the exp below: 2x faster without it).
+_ROUND = 12582912.0
+
+
 @mx.compile
 def exp(x: mx.array) -> mx.array:
-    """exp(x) = 2**n * exp(r), r = x - n ln2 with |r| <= ln2 / 2 (ln2 split
-    in two so n ln2 is exact), exp(r) by a degree-7 polynomial and 2**n
-    built in the exponent bits. Inputs below -87 give ~1e-38, not 0. It is
-    differentiable (training on the CPU): d/dx = p'(r) * 2**n.
-    Compiled per shape (a bit-cast cannot be shapeless); retracing a new
-    shape costs ~0.2 ms, the kernel is reused."""
+    """exp(x) = 2**n * exp(r), n = x / ln2 rounded to the nearest integer,
+    r = x - n ln2 with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact),
+    exp(r) by a degree-7 polynomial and 2**n built in the exponent bits.
+    Inputs below -87 give ~1e-38, not 0. It is differentiable (training on
+    the CPU): d/dx = p'(r) * 2**n. Compiled per shape (a bit-cast cannot be
+    shapeless); retracing a new shape costs ~0.2 ms, the kernel is reused."""
     x = mx.clip(x, -87.0, 88.0)
-    n = mx.floor(x * 1.4426950408889634 + 0.5)
+    n = mx.stop_gradient((x * 1.4426950408889634 + _ROUND) - _ROUND)
     r = x - n * 0.693359375 + n * 2.12194440e-4
     p = 1.0 + r * (1.0 + r * (0.5 + r * (1 / 6 + r * (1 / 24 + r * (1 / 120 + r * (1 / 720 + r / 5040))))))
     # 2**n has no gradient (n is a floor); its bits are built out of the graph
