@@ -12,12 +12,16 @@ per forward -- the cost of the model alone.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
+
+from .. import _blas
+from ..models.cpu_paths import row_groups
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 
@@ -122,6 +126,15 @@ class BareWrite:
     def layer(self, i: int) -> "BareWrite._Layer":
         return BareWrite._Layer(self, i)
 
+    def split(self, at: int) -> Optional[Tuple["BareWrite", "BareWrite"]]:
+        """As ``KVWrite.split``: a causal pass as its first ``at`` rows, then
+        the rest (so a bare forward runs as the decoder's row groups do)."""
+        if self.rows is not None or self.mask != "causal":
+            return None
+        first, second = copy.copy(self), copy.copy(self)
+        first.visible = second.start = self.start + at
+        return first, second
+
     class _Layer:
         __slots__ = ("w", "i")
 
@@ -172,6 +185,7 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
     times = []
     for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
         t0 = time.perf_counter()
+        _blas.fit_rows(s.tokens, len(row_groups(write, s.tokens)) > 1)  # the decoder's BLAS threads
         h = model.hidden(tokens, positions, write)[0]
         if s.head_rows:
             rows = h[-s.head_rows:]
