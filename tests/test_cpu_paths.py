@@ -57,7 +57,24 @@ def test_wide_causal_passes_split_in_two(demo, two_cores):
     assert (second.start, second.visible) == (24 + 55, 124)  # and the first group's rows
     assert groups[0][3] != groups[1][3]  # two streams
     assert len(cpu_paths.row_groups(cache.extend(cpu_paths.SPLIT_ROWS - 1), cpu_paths.SPLIT_ROWS - 1)) == 1
-    assert len(cpu_paths.row_groups(cache.infill(25, 4, 0), 100)) == 1  # block-diagonal: not causal
+
+
+def test_wide_infill_passes_split_between_slots(demo, two_cores):
+    """25 slots, windows of 3 (cursor 1): the first group takes whole slots
+    (55% of 75 rows is 41, rounded to 14 slots = 42 rows) and sees only the
+    committed rows and their own; the second the rest."""
+    cache = committed(demo[0])
+    whole = cache.infill(25, 4, 1)
+    groups = cpu_paths.row_groups(whole, 75)
+    assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 42), (42, 75)]
+    first, second = groups[0][2], groups[1][2]
+    assert (first.slots, second.slots) == ((14, 4, 3), (11, 4, 3))
+    assert first.visible == 24 + 14 * 4 and second.visible == whole.visible
+    np.testing.assert_array_equal(np.array(first.rows), np.array(whole.rows[:42]))
+    np.testing.assert_array_equal(np.array(first.mask), np.array(whole.mask[:42, :first.visible]))
+    np.testing.assert_array_equal(np.array(second.mask), np.array(whole.mask[42:]))
+    assert not np.array(second.mask)[:, 24:first.visible].any()  # never the first group's slots
+    assert cache.infill(1, 4, 0).split(2) is None  # one slot: nothing to cut
 
 
 def test_no_split_on_the_gpu_paths_a_big_model_or_one_core(demo, two_cores, set_paths, monkeypatch):
@@ -88,6 +105,22 @@ def test_a_split_pass_computes_what_one_group_does(demo, two_cores, monkeypatch,
         np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_split_infill_pass_computes_what_one_group_does(demo, two_cores, monkeypatch, splits):
+    model = demo[0]
+    outputs = []
+    for split_rows in (cpu_paths.SPLIT_ROWS, 10**9):
+        monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", split_rows)
+        cache = committed(model)
+        write = cache.infill(16, 4, 0)
+        positions = mx.arange(24, 24 + 64)
+        hidden = model.hidden(mx.array([[805, 17, 18, 805] * 16]), positions, write)
+        mx.eval(hidden, cache.state())
+        outputs.append((np.array(hidden), np.array(cache.keys[1][:, :, :88]), np.array(cache.values[0][:, :, :88])))
+    assert splits == [1, 2, 1, 1]
+    for split, whole in zip(*outputs):
+        np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
     """Every pass from 8 tokens on split: each case alone and all in one batch
     (a batch packs its requests: those passes do not split)."""
@@ -110,16 +143,19 @@ def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores,
 
 def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     """Each group's stream has a core: the BLAS keeps one thread for a split
-    pass, and takes every core for a wide pass that cannot split."""
+    pass, and takes every core for a wide pass that cannot split (a batch's
+    packed passes)."""
     calls = []
     monkeypatch.setattr(_blas, "_set_threads", lambda n: calls.append(n) or n)
     model = demo[0]
-    cache = committed(model)
+    cache, other = committed(model), committed(model)
     p = forward_module.Pass("plan", mx.full((80,), 805), mx.arange(24, 104), cache.extend(80))
     forward_module.run_passes(model, [p])
     p = forward_module.Pass("infill_draft", mx.full((80,), 805), mx.arange(24, 104), cache.infill(20, 4, 0))
     forward_module.run_passes(model, [p])
-    assert calls == [1, 2]
+    q = forward_module.Pass("plan", mx.full((40,), 805), mx.arange(24, 64), other.extend(40))
+    forward_module.run_passes(model, [p, q])
+    assert calls == [1, 1, 2]
 
 
 def test_each_thread_splits_on_its_own_streams(demo, two_cores):

@@ -126,6 +126,10 @@ class BareWrite:
     def layer(self, i: int) -> "BareWrite._Layer":
         return BareWrite._Layer(self, i)
 
+    @property
+    def tokens(self) -> int:
+        return self.visible - self.start if self.rows is None else int(self.rows.shape[0])
+
     def split(self, at: int) -> Optional[Tuple["BareWrite", "BareWrite"]]:
         """As ``KVWrite.split``: a causal pass as its first ``at`` rows, then
         the rest (so a bare forward runs as the decoder's row groups do)."""

@@ -108,7 +108,8 @@ class CommittedCache:
         keys = mx.arange(L + num_slots * S)[None, :]
         own_start = (L + slot * S)[:, None]
         mask = (keys < L) | ((keys >= own_start) & (keys <= rows[:, None]))
-        return KVWrite(self, start=L, rows=rows, visible=L + num_slots * S, mask=mask)
+        return KVWrite(self, start=L, rows=rows, visible=L + num_slots * S, mask=mask,
+                       slots=(num_slots, S, window))
 
     def commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         """Adopt the first len(tokens) scratch rows as committed."""
@@ -230,20 +231,42 @@ class KVWrite:
     """Where one forward pass writes its K/V and what its queries may see."""
 
     def __init__(self, cache: CommittedCache, start: int, rows: Optional[mx.array],
-                 visible: int, mask):
+                 visible: int, mask, slots: Optional[Tuple[int, int, int]] = None):
         self.cache = cache
         self.start = start
         self.rows = rows
         self.visible = visible
         self.mask = mask
+        self.slots = slots  # an infill pass: (slots, slot size, window per slot)
 
     def layer(self, i: int) -> "_LayerWrite":
         return _LayerWrite(self, i)
 
+    @property
+    def tokens(self) -> int:
+        """How many tokens the pass writes."""
+        return self.visible - self.start if self.rows is None else int(self.rows.shape[0])
+
     def split(self, at: int) -> Optional[Tuple["KVWrite", "KVWrite"]]:
-        """A causal pass of n tokens as two: its first ``at`` tokens, then
-        the rest, which see the first's rows as committed ones. None for an
-        infill write (its mask is not causal)."""
+        """This pass as two, the first about ``at`` tokens long, each
+        attending exactly as its tokens did in the whole pass; None when it
+        cannot be cut there.
+
+        A causal pass: its first ``at`` tokens, then the rest, which see the
+        first's rows as committed ones. An infill pass: its first slots (``at``
+        rounded to whole windows), whose rows and keys all lie before the
+        other slots' (each slot sees only the committed rows and its own),
+        then the other slots."""
+        if self.slots is not None:
+            count, size, window = self.slots
+            first = round(at / window)
+            if not 0 < first < count:
+                return None
+            cut, seen = first * window, self.start + first * size
+            return (KVWrite(self.cache, self.start, self.rows[:cut], seen, self.mask[:cut, :seen],
+                            (first, size, window)),
+                    KVWrite(self.cache, self.start, self.rows[cut:], self.visible, self.mask[cut:],
+                            (count - first, size, window)))
         if self.rows is not None or self.mask != "causal":
             return None
         cut = self.start + at
