@@ -89,36 +89,31 @@ def test_no_split_on_the_gpu_paths_a_big_model_or_one_core(demo, two_cores, set_
     assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
 
 
-def test_a_split_pass_computes_what_one_group_does(demo, two_cores, monkeypatch, splits):
-    """Hidden states and the K/V rows written: the same to float32 rounding."""
-    model = demo[0]
+def split_and_whole(model, monkeypatch, splits, tokens, make_write):
+    """A pass run split, then in one group, each over a fresh cache: the
+    outputs (hidden states, a layer's keys, another's values) must agree to
+    float32 rounding."""
     outputs = []
     for split_rows in (cpu_paths.SPLIT_ROWS, 10**9):
         monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", split_rows)
         cache = committed(model)
-        tokens = mx.array([[805] * 90 + [17] * 6])
-        hidden = model.hidden(tokens, mx.arange(24, 120), cache.extend(96))
+        n = tokens.shape[1]
+        hidden = model.hidden(tokens, mx.arange(24, 24 + n), make_write(cache))
         mx.eval(hidden, cache.state())
-        outputs.append((np.array(hidden), np.array(cache.keys[2][:, :, :120]), np.array(cache.values[3][:, :, :120])))
+        rows = cache.capacity
+        outputs.append((np.array(hidden), np.array(cache.keys[2][:, :, :rows]), np.array(cache.values[3][:, :, :rows])))
     assert splits == [1, 2, 1, 1]  # (the committed rows, then the pass) twice
     for split, whole in zip(*outputs):
         np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_split_pass_computes_what_one_group_does(demo, two_cores, monkeypatch, splits):
+    split_and_whole(demo[0], monkeypatch, splits, mx.array([[805] * 90 + [17] * 6]), lambda c: c.extend(96))
+
+
 def test_a_split_infill_pass_computes_what_one_group_does(demo, two_cores, monkeypatch, splits):
-    model = demo[0]
-    outputs = []
-    for split_rows in (cpu_paths.SPLIT_ROWS, 10**9):
-        monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", split_rows)
-        cache = committed(model)
-        write = cache.infill(16, 4, 0)
-        positions = mx.arange(24, 24 + 64)
-        hidden = model.hidden(mx.array([[805, 17, 18, 805] * 16]), positions, write)
-        mx.eval(hidden, cache.state())
-        outputs.append((np.array(hidden), np.array(cache.keys[1][:, :, :88]), np.array(cache.values[0][:, :, :88])))
-    assert splits == [1, 2, 1, 1]
-    for split, whole in zip(*outputs):
-        np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)
+    split_and_whole(demo[0], monkeypatch, splits, mx.array([[805, 17, 18, 805] * 16]),
+                    lambda c: c.infill(16, 4, 0))
 
 
 def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
