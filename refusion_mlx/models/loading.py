@@ -12,7 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend, cpu_paths
+from . import backend, cpu_paths, sharding
 from .qwen3 import Model, ModelArgs
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
@@ -213,10 +213,7 @@ def _split(model: Model, dist, target: mx.Dtype) -> None:
     record the whole model's and this rank's weight bytes."""
     whole = _cast_bytes(model, target)
     try:
-        if dist.mode == "pipeline":
-            model.pipeline(dist.group)
-        else:
-            model.shard(dist.group)
+        (sharding.pipeline if dist.mode == "pipeline" else sharding.shard)(model, dist.group)
     except ConfigError as e:
         raise LoadError(str(e)) from None
     dist.record_weights(whole, _cast_bytes(model, target))

@@ -210,8 +210,8 @@ class Model(nn.Module):
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
         # the layers [start, end) this process computes: all, or a pipeline rank's (``pipeline``)
         self.layer_range = (0, args.num_hidden_layers)
-        # split over several processes (``shard``, ``pipeline``): then every
-        # rank must run the same ops in the same order, so no row groups
+        # split over several processes (``sharding.shard`` or ``pipeline``):
+        # then every rank must run the same ops in the same order, so no row groups
         self.distributed = False
 
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
@@ -298,22 +298,6 @@ class Model(nn.Module):
                     mx.eval(fused.parameters())  # frees the separate weights now
                     count += 1
         return count
-
-    def shard(self, group) -> None:
-        """Tensor parallel over ``group``: this rank keeps its share of every
-        layer's heads and MLP columns (``sharding.shard``)."""
-        from .sharding import shard
-
-        shard(self, group)
-        self.distributed = True
-
-    def pipeline(self, group) -> None:
-        """Pipeline parallel over ``group``: this rank keeps a contiguous
-        range of layers (``sharding.pipeline``)."""
-        from .sharding import pipeline
-
-        pipeline(self, group)
-        self.distributed = True
 
     def hf_parameters(self) -> Dict[str, mx.array]:
         """Parameters under Hugging Face's names (fused ones as row slices, no copies)."""

@@ -83,6 +83,7 @@ def shard(model, group) -> None:
     share, before the weights are read: ``loading._load_split``)."""
     N = group.size()
     check_tensor_parallel(model.args, N)
+    model.distributed = True
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if "qkv_proj" in attn or "gate_up_proj" in mlp:
@@ -170,6 +171,7 @@ def pipeline(model, group) -> None:
     if L < N:
         raise ConfigError(f"pipeline over {N} ranks needs at least {N} layers, the model has {L}")
     start, end = layer_range(L, r, N)
+    model.distributed = True
     layers = model.model.layers
     for i in range(L):
         own = start <= i < end
