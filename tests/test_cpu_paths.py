@@ -118,7 +118,7 @@ def test_a_split_infill_pass_computes_what_one_group_does(demo, two_cores, monke
 
 def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
     """Every pass from 8 tokens on split: each case alone and all in one batch
-    (a batch packs its requests: those passes do not split)."""
+    (a batch's packed passes split between requests)."""
     monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", 8)
     model, tokenizer = demo
     wrong = []
@@ -131,15 +131,32 @@ def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores,
             wrong.append(i)
     assert not wrong
     assert splits.count(2) > len(golden_cases)
+    alone = len(splits)
     results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in golden_cases],
                              [params_of(c) for c in golden_cases], max_batch=len(golden_cases))
     assert [i for i, (r, c) in enumerate(zip(results, golden_cases)) if r.output_ids != c["output_ids"]] == []
+    assert splits[alone:].count(2) > 10  # the batch's steps ran split too
+
+
+def test_a_batch_splits_between_requests(demo, two_cores):
+    """A packed batch is cut at the request boundary nearest 55% of its rows;
+    each half keeps its requests' own writes."""
+    from refusion_mlx.decode.packed import PackedWrite
+
+    caches = [committed(demo[0]) for _ in range(3)]
+    writes = [caches[0].extend(30), caches[1].infill(5, 4, 0), caches[2].extend(40)]
+    packed = PackedWrite(writes, [30, 20, 40])
+    groups = cpu_paths.row_groups(packed, 90)
+    assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 50), (50, 90)]
+    assert [w for w, _, _ in groups[0][2].segments] == writes[:2]
+    assert [(w, a, b) for w, a, b in groups[1][2].segments] == [(writes[2], 0, 40)]
+    assert PackedWrite(writes[:1], [30]).split(15) is None  # one request: its own write splits, if any
 
 
 def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     """Each group's stream has a core: the BLAS keeps one thread for a split
-    pass, and takes every core for a wide pass that cannot split (a batch's
-    packed passes)."""
+    pass (a plan, an infill, a batch's packed passes), and takes every core
+    for a wide pass that cannot split (one 64-token slot)."""
     calls = []
     monkeypatch.setattr(_blas, "_set_threads", lambda n: calls.append(n) or n)
     model = demo[0]
@@ -150,7 +167,9 @@ def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     forward_module.run_passes(model, [p])
     q = forward_module.Pass("plan", mx.full((40,), 805), mx.arange(24, 64), other.extend(40))
     forward_module.run_passes(model, [p, q])
-    assert calls == [1, 1, 2]
+    p = forward_module.Pass("infill_draft", mx.full((64,), 805), mx.arange(24, 88), cache.infill(1, 64, 0))
+    forward_module.run_passes(model, [p])
+    assert calls == [1, 1, 1, 2]
 
 
 def test_each_thread_splits_on_its_own_streams(demo, two_cores):

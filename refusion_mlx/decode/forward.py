@@ -84,12 +84,18 @@ class PassResult:
         return self.host[name] if name in self.host else self.device[name]
 
 
-def forward(model, passes: Sequence[Pass]) -> mx.array:
-    """Hidden states (N, dim) of all passes, packed in order."""
+def step_write(passes: Sequence[Pass]):
+    """Where a step's passes write: the one pass's own write, or all of them packed."""
+    return passes[0].write if len(passes) == 1 else PackedWrite([p.write for p in passes],
+                                                                [len(p) for p in passes])
+
+
+def forward(model, passes: Sequence[Pass], write=None) -> mx.array:
+    """Hidden states (N, dim) of all passes, packed in order (``write``:
+    their ``step_write``, if already made)."""
     tokens = passes[0].tokens if len(passes) == 1 else mx.concatenate([p.tokens for p in passes])
     positions = passes[0].positions if len(passes) == 1 else mx.concatenate([p.positions for p in passes])
-    write = passes[0].write if len(passes) == 1 else PackedWrite([p.write for p in passes],
-                                                               [len(p) for p in passes])
+    write = step_write(passes) if write is None else write
     return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write)[0]
 
 
@@ -198,12 +204,13 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     """
     global _in_flight
     rows = sum(len(p) for p in passes)
+    write = step_write(passes)
     if backend.cpu_paths():
-        split = len(passes) == 1 and not model.distributed and len(row_groups(passes[0].write, rows)) > 1
+        split = not model.distributed and len(row_groups(write, rows)) > 1
         waited = _fit_threads(rows, split)
     else:
         waited = False
-    hidden = forward(model, passes)
+    hidden = forward(model, passes, write)
     heads = head_outputs(model, hidden, passes)
     derived = []
     for p, h in zip(passes, heads):

@@ -59,6 +59,23 @@ class PackedWrite:
     def layer(self, i: int) -> "_PackedLayer":
         return _PackedLayer(self, i)
 
+    @property
+    def tokens(self) -> int:
+        """How many tokens the packed passes write, all requests together."""
+        return self.segments[-1][2]
+
+    def split(self, at: int) -> Optional["tuple"]:
+        """The batch as two, cut between the requests nearest ``at`` rows:
+        each request attends to its own cache alone, so the two halves never
+        see each other (``cpu_paths.row_groups``)."""
+        cuts = [start for _, start, _ in self.segments[1:]]
+        if not cuts:
+            return None
+        j = 1 + min(range(len(cuts)), key=lambda i: abs(cuts[i] - at))
+        halves = [self.segments[:j], self.segments[j:]]
+        return tuple(PackedWrite([w for w, _, _ in part], [end - start for _, start, end in part], self.batched)
+                     for part in halves)
+
     def masks(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> List:
         """One attention mask per request (the request-by-request way)."""
         if self._masks is None:

@@ -117,7 +117,8 @@ def overlap(h: List[mx.array], layer: int, layers: int) -> None:
 # busy. The split is exact: in a causal pass the first group's queries
 # never see the second's rows, the second's see the first's through the
 # cache, as if the two ran one after the other; in an infill pass each slot
-# sees only the committed rows and its own, so whole slots go to each group. The first group takes 55%
+# sees only the committed rows and its own, so whole slots go to each group;
+# a batch's packed passes are cut between requests, which never see each other. The first group takes 55%
 # of the rows: the second's queries see more keys and wait, layer by layer,
 # for the first's keys and values. Measured on the demo model (this 2-core
 # CPU, MKL): a 146-token pass 14-15 ms against 18-21 ms in one group with two
@@ -135,8 +136,8 @@ def row_groups(write, rows: int) -> List[Tuple[int, int, object, Optional[mx.Str
     ``(first row, end row, write, stream)`` per group, in sequence order.
     One group on the default stream, unless this is a wide pass of a small
     model on the CPU paths with a second core, whose write can be cut
-    (``write.split``: a causal pass after the committed rows, or an infill
-    pass between two slots)."""
+    (``write.split``: a causal pass after the committed rows, an infill
+    pass between two slots, a batch's packed passes between two requests)."""
     whole = [(0, rows, write, None)]
     if gpu_paths() or rows < SPLIT_ROWS or not _blas.small_model() or (os.cpu_count() or 1) < 2:
         return whole
