@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
-from ..models.cpu_paths import row_groups
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 
@@ -67,9 +66,9 @@ class RecordingModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def hidden(self, tokens, positions, cache=None):
+    def hidden(self, tokens, positions, cache=None, groups=None):
         self._pending.append(_Pending(int(tokens.shape[-1]), cache))
-        return self._model.hidden(tokens, positions, cache)
+        return self._model.hidden(tokens, positions, cache, groups=groups)
 
     def head(self, h):
         if self._pending:
@@ -189,8 +188,9 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
     times = []
     for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
         t0 = time.perf_counter()
-        _blas.fit_rows(s.tokens, len(row_groups(write, s.tokens)) > 1)  # the decoder's BLAS threads
-        h = model.hidden(tokens, positions, write)[0]
+        groups = model.row_groups(write, s.tokens)
+        _blas.fit_rows(s.tokens, len(groups) > 1)  # the decoder's BLAS threads
+        h = model.hidden(tokens, positions, write, groups=groups)[0]
         if s.head_rows:
             rows = h[-s.head_rows:]
             step = head_chunk or s.head_rows

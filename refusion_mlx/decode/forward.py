@@ -26,7 +26,6 @@ import numpy as np
 
 from .. import _blas
 from ..models import backend
-from ..models.cpu_paths import row_groups
 from .cache import KVWrite
 from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
@@ -90,13 +89,14 @@ def step_write(passes: Sequence[Pass]):
                                                                 [len(p) for p in passes])
 
 
-def forward(model, passes: Sequence[Pass], write=None) -> mx.array:
+def forward(model, passes: Sequence[Pass], write=None, groups=None) -> mx.array:
     """Hidden states (N, dim) of all passes, packed in order (``write``:
-    their ``step_write``, if already made)."""
+    their ``step_write``, and ``groups``: its ``model.row_groups``, if
+    already made)."""
     tokens = passes[0].tokens if len(passes) == 1 else mx.concatenate([p.tokens for p in passes])
     positions = passes[0].positions if len(passes) == 1 else mx.concatenate([p.positions for p in passes])
     write = step_write(passes) if write is None else write
-    return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write)[0]
+    return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write, groups=groups)[0]
 
 
 def head_chunk_rows(vocab: int) -> int:
@@ -205,12 +205,9 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     global _in_flight
     rows = sum(len(p) for p in passes)
     write = step_write(passes)
-    if backend.cpu_paths():
-        split = not model.distributed and len(row_groups(write, rows)) > 1
-        waited = _fit_threads(rows, split)
-    else:
-        waited = False
-    hidden = forward(model, passes, write)
+    groups = model.row_groups(write, rows)  # made once: the BLAS threads and the model follow them
+    waited = _fit_threads(rows, len(groups) > 1) if backend.cpu_paths() else False
+    hidden = forward(model, passes, write, groups)
     heads = head_outputs(model, hidden, passes)
     derived = []
     for p, h in zip(passes, heads):

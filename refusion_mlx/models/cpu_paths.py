@@ -118,9 +118,9 @@ def overlap(h: List[mx.array], layer: int, layers: int) -> None:
 # never see the second's rows, the second's see the first's through the
 # cache, as if the two ran one after the other; in an infill pass each slot
 # sees only the committed rows and its own, so whole slots go to each group;
-# a batch's packed passes are cut between requests, which never see each other. The first group takes 55%
-# of the rows: the second's queries see more keys and wait, layer by layer,
-# for the first's keys and values. Measured on the demo model (this 2-core
+# a batch's packed passes are cut between requests, which never see each
+# other. The first group takes 55% of the rows: the second's queries see
+# more keys and wait, layer by layer, for the first's keys and values. Measured on the demo model (this 2-core
 # CPU, MKL): a 146-token pass 14-15 ms against 18-21 ms in one group with two
 # BLAS threads; from 40 tokens on it is no slower (docs/benchmarks.md).
 SPLIT_ROWS = 40

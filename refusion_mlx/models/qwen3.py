@@ -214,12 +214,20 @@ class Model(nn.Module):
         # then every rank must run the same ops in the same order, so no row groups
         self.distributed = False
 
+    def row_groups(self, write, rows: int):
+        """How a decode pass of ``rows`` tokens through ``write`` runs: the CPU
+        paths' row groups (``cpu_paths.row_groups``), or one group when the
+        model is split over processes (every rank must run the same ops)."""
+        return [(0, rows, write, None)] if self.distributed else row_groups(write, rows)
+
     def hidden(self, tokens: mx.array, positions: mx.array, cache=None,
-               visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None) -> mx.array:
+               visible: Optional[mx.array] = None, run_start: Optional[mx.array] = None,
+               groups=None) -> mx.array:
         """Final-norm hidden states (B, T, dim) for tokens (B, T) at positions
         (T,) or (B, T). With a ``cache``, one sequence (B = 1); without one, a
         plain causal pass over each row (training: right-padded rows), or with
-        ``visible`` (and ``run_start``) (B, T) ints the pass :func:`visible_mask` describes."""
+        ``visible`` (and ``run_start``) (B, T) ints the pass :func:`visible_mask` describes.
+        ``groups``: the pass's :meth:`row_groups`, when the caller made them already."""
         if tokens.ndim != 2 or (cache is not None and (tokens.shape[0] != 1 or visible is not None)):
             raise ValueError(f"hidden() takes tokens (B, T), one row with a cache; got {tokens.shape}")
         if tokens.shape[0] > 1 or visible is not None:
@@ -238,7 +246,7 @@ class Model(nn.Module):
         # a decode pass: one group of rows, or (CPU paths, wide passes) two on
         # their own streams, each writing its rows and attending as a pass of its own
         groups = []
-        for lo, hi, write, stream in [(0, T, cache, None)] if self.distributed else row_groups(cache, T):
+        for lo, hi, write, stream in groups or self.row_groups(cache, T):
             with on(stream):
                 mask = write.mask
                 if mask is not None:  # None: a packed batch, whose requests bring their own masks
