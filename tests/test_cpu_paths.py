@@ -153,6 +153,16 @@ def test_a_batch_splits_between_requests(demo, two_cores):
     assert PackedWrite(writes[:1], [30]).split(15) is None  # one request: its own write splits, if any
 
 
+def test_a_step_cuts_its_rows_once(demo, two_cores, splits):
+    """run_passes makes the row groups and the model runs those: no second cut."""
+    model = demo[0]
+    cache = committed(model)
+    splits.clear()
+    p = forward_module.Pass("plan", mx.full((80,), 805), mx.arange(24, 104), cache.extend(80))
+    forward_module.run_passes(model, [p])
+    assert splits == [2]
+
+
 def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     """Each group's stream has a core: the BLAS keeps one thread for a split
     pass (a plan, an infill, a batch's packed passes), and takes every core

@@ -245,23 +245,23 @@ class Model(nn.Module):
             return self.model.norm(h)[None]
         # a decode pass: one group of rows, or (CPU paths, wide passes) two on
         # their own streams, each writing its rows and attending as a pass of its own
-        groups = []
+        runs = []  # per group: its rows' hidden states, rope, mask, write, stream
         for lo, hi, write, stream in groups or self.row_groups(cache, T):
             with on(stream):
                 mask = write.mask
                 if mask is not None:  # None: a packed batch, whose requests bring their own masks
                     mask = attention_mask(mask, hi - lo, write.visible, self.heads, self.kv_heads, h.dtype)
                 whole = hi - lo == T
-                groups.append([h if whole else h[lo:hi],
-                               self.rope.angles(positions if whole else positions[lo:hi]), mask, write, stream])
+                runs.append([h if whole else h[lo:hi],
+                             self.rope.angles(positions if whole else positions[lo:hi]), mask, write, stream])
         layers = self.model.layers
         for i, layer in enumerate(layers):
-            for group in groups:
-                x, rope, mask, write, stream = group
+            for run in runs:
+                x, rope, mask, write, stream = run
                 with on(stream):
-                    group[0] = layer(x, rope, mask, write.layer(i))
-            overlap([g[0] for g in groups], i, len(layers))
-        h = groups[0][0] if len(groups) == 1 else mx.concatenate([g[0] for g in groups])
+                    run[0] = layer(x, rope, mask, write.layer(i))
+            overlap([r[0] for r in runs], i, len(layers))
+        h = runs[0][0] if len(runs) == 1 else mx.concatenate([r[0] for r in runs])
         return self.model.norm(h)[None]
 
     def _batch_hidden(self, tokens: mx.array, positions: mx.array, visible: Optional[mx.array] = None,
