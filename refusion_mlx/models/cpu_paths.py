@@ -24,10 +24,14 @@ from .kernels import softmax
 
 
 @partial(mx.compile, shapeless=True)
-def _rms_norm(x: mx.array, weight: mx.array, eps: float, inv_dim: float) -> mx.array:
+def _inverse_rms(x: mx.array, eps: float, inv_dim: float) -> mx.array:
     xf = x.astype(mx.float32)
-    normed = xf * mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) * inv_dim + eps)
-    return weight * normed.astype(x.dtype)
+    return mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) * inv_dim + eps)
+
+
+@partial(mx.compile, shapeless=True)
+def _scale_rows(x: mx.array, weight: mx.array, inverse_rms: mx.array) -> mx.array:
+    return weight * (x.astype(mx.float32) * inverse_rms).astype(x.dtype)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -35,8 +39,8 @@ class RMSNorm(nn.RMSNorm):
 
     On the GPU ``mx.fast.rms_norm`` is one fused kernel. The CPU backend has no
     such kernel and decomposes it into a chain of small ops, each dispatched on
-    its own; there a compiled version (one reduction plus one fused
-    elementwise pass) makes a forward 5-10% faster on the demo model.
+    its own; there a compiled version (a reduction, the inverse RMS per row,
+    one fused elementwise pass) makes a forward 5-10% faster on the demo model.
     """
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -49,7 +53,11 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
         if weight.ndim == 1:
             return mx.fast.rms_norm(x, weight, eps)
         return weight * mx.fast.rms_norm(x, None, eps)
-    return _rms_norm(x, weight, eps, 1.0 / x.shape[-1])
+    # two compiled kernels, not one: fused into the elementwise pass, the
+    # rsqrt would run once per element (after the row's sum is broadcast),
+    # in a loop MLX cannot vectorise (its inputs broadcast); computed per row
+    # first, a wide pass's norms take ~35% less (bit for bit the same)
+    return _scale_rows(x, weight, _inverse_rms(x, eps, 1.0 / x.shape[-1]))
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
