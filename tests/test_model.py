@@ -182,6 +182,19 @@ def test_rms_norm_matches_mlx(dtype):
                        atol=1e-5 if dtype == mx.float32 else 3e-2)
 
 
+def test_rms_norm_gradient_matches_mlx():
+    """The CPU paths' norm (inverse RMS per row, then the scaling) trains as
+    MLX's fused one does: same gradients for the input and the weight."""
+    from refusion_mlx.models.qwen3 import rms_norm
+
+    x, w = mx.random.normal((6, 32)) * 2, mx.random.normal((32,))
+    cotangent = mx.random.normal((6, 32))
+    ours = mx.grad(lambda x, w: mx.sum(rms_norm(x, w, 1e-6) * cotangent), argnums=(0, 1))(x, w)
+    fused = mx.grad(lambda x, w: mx.sum(mx.fast.rms_norm(x, w, 1e-6) * cotangent), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, fused):
+        assert np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
 def test_weights_replaced_after_a_forward_are_used():
     """Arrays made once from the weights (transposed views, the q/k norm rows)
     follow load_weights: nothing stale survives a weight update."""
