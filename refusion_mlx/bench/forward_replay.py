@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
+from ..models.cpu_paths import attend
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 
@@ -153,6 +154,10 @@ class BareWrite:
                 c.keys[i][:, :, w.rows, :] = keys
                 c.values[i][:, :, w.rows, :] = values
             return c.keys[i][:, :, : w.visible, :], c.values[i][:, :, : w.visible, :]
+
+        def attend(self, q, k, v, mask):
+            keys, values = self.update_and_fetch(k, v)
+            return attend(q, keys, values, mask)
 
 
 @dataclass

@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..models.cpu_paths import attend
+
 GROWTH_STEP = 256
 
 
@@ -54,9 +56,8 @@ class CommittedCache:
 
     @classmethod
     def for_model(cls, model, step: int = GROWTH_STEP) -> "CommittedCache":
-        args = model.args
-        dtype = model.model.norm.weight.dtype
-        return cls(args.num_hidden_layers, model.kv_heads, args.head_dim, dtype, step, range(*model.layer_range))
+        spec = model.cache_spec()
+        return cls(spec.layers, spec.kv_heads, spec.head_dim, spec.dtype, step, spec.held)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -306,3 +307,9 @@ class _LayerWrite:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.update(keys, values)
         return self.fetch()
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        """Write this pass's keys and values, then attend over the rows it sees
+        (``mask``: the pass's mask in the form ``cpu_paths.attend`` takes)."""
+        keys, values = self.update_and_fetch(k, v)
+        return attend(q, keys, values, mask)

@@ -155,9 +155,10 @@ class _PackedLayer:
     def __init__(self, packed: PackedWrite, index: int):
         self.packed, self.index = packed, index
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask=None) -> mx.array:
         """(1, H, N, D) packed queries (and this pass's K/V, written to each
-        request's cache) -> (1, H, N, D): each request over its own rows."""
+        request's cache) -> (1, H, N, D): each request over its own rows
+        (with its own mask: the packed pass has no shared ``mask``)."""
         if self.packed.batched:
             return self._attend_batched(q, k, v)
         masks = self.packed.masks(q.shape[1], k.shape[1], q.dtype)

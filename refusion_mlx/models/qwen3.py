@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
+from .base import CacheSpec
 from .cpu_paths import RMSNorm, attend, attention_mask, grouped_mask, on, overlap, rms_norm, row_groups  # noqa: F401  (importable here)
 from .fused import FUSED, Linear, Derived, fuse_linears, fused_rows
 from .kernels import silu_gate
@@ -131,12 +132,9 @@ class Attention(nn.Module):
         qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
-        if kv is not None and hasattr(kv, "attend"):  # a packed batch: each request attends alone
-            out = kv.attend(q, k, v)
-        else:
-            if kv is not None:
-                k, v = kv.update_and_fetch(k, v)
-            out = attend(q, k, v, mask)
+        # with a cache, the layer's write keeps this pass's keys and values and
+        # attends over what its queries may see (a packed batch: each request alone)
+        out = attend(q, k, v, mask) if kv is None else kv.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
     def head_scale(self) -> mx.array:
@@ -327,6 +325,12 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         return weights
+
+    def cache_spec(self) -> CacheSpec:
+        """What one sequence's KV cache holds for this model in this process."""
+        return CacheSpec(layers=self.args.num_hidden_layers, kv_heads=self.kv_heads,
+                         head_dim=self.args.head_dim, dtype=self.model.norm.weight.dtype,
+                         held=range(*self.layer_range))
 
     @property
     def layers(self):
