@@ -1,6 +1,6 @@
 """python -m refusion_mlx.bench: end to end on the demo model, the report's
 keys, parameter layering, and one-line errors. No timing assertions: speed
-targets live in docs/benchmarks.md (refusion_mlx.bench.overhead, .scaling)."""
+targets live in docs/benchmarks.md (benchmarks.overhead, .scaling)."""
 
 import json
 import subprocess
@@ -228,6 +228,13 @@ def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
         assert row["cached_tokens"] >= prev["prompt_tokens"] + prev["answer_tokens"] - 2
         assert row["prefilled_tokens"] < row["prompt_tokens"] // 2
     assert sum(r["prefilled_tokens"] for r in reuse) < sum(r["prefilled_tokens"] for r in fresh)
+
+
+def test_count_layout_is_the_references_rule():
+    """--layouts count: the old count rule made a 128-token budget 32 blocks of one slot each."""
+    from refusion_mlx.bench.layouts import reference_block_count
+
+    assert reference_block_count(128, 4) == 32 and reference_block_count(512, 4) == 32
 
 
 def test_layouts_sweep(tmp_path, capsys):

@@ -7,8 +7,7 @@ import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.decode.params import (DEFAULT_BLOCK_TOKENS, RefusionParams, default_block_length, make_params,
-                                        reference_block_count)
+from refusion_mlx.decode.params import DEFAULT_BLOCK_TOKENS, RefusionParams, default_block_length, make_params
 from refusion_mlx.errors import DecodeError
 
 from tests.helpers import random_config, random_model
@@ -63,8 +62,6 @@ def test_default_layout_is_parallel_at_every_budget(budget, slot_size):
 def test_default_layout_keeps_the_references_at_its_own_defaults():
     """512 tokens in 4-token slots: the reference's 32 blocks, exactly."""
     assert RefusionParams().layout() == RefusionParams(serial_num_blocks=32).layout()
-    # the old count rule made a 128-token budget 32 blocks of one slot each
-    assert reference_block_count(128, 4) == 32 and reference_block_count(512, 4) == 32
     assert RefusionParams(gen_length=128).layout().block_lengths == [16] * 8
 
 

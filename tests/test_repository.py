@@ -1,10 +1,12 @@
 """The repository's shape: only the demo model and test fixtures are binary,
 imports run one way between the package's layers, and the package never
-imports the tooling beside it (convert/, tests/)."""
+imports the tooling beside it (convert/, benchmarks/, tests/) nor ships it."""
 
 import ast
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the demo model, the test fixtures, and the web page's screenshots that
@@ -81,9 +83,9 @@ def test_imports_run_one_way():
 
 
 def test_the_package_never_imports_the_repository_tooling():
-    """convert/ (PyTorch-side tooling), tests/ and examples/ are not installed: a module of
-    the package that imported them would work here and fail for every user."""
-    outside = {"convert", "tests", "examples"}
+    """convert/ (PyTorch-side tooling), benchmarks/ (speed tools), tests/ and examples/ are not
+    installed: a module of the package that imported them would work here and fail for every user."""
+    outside = {"convert", "benchmarks", "tests", "examples"}
     wrong = []
     for path in (ROOT / "refusion_mlx").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -95,6 +97,18 @@ def test_the_package_never_imports_the_repository_tooling():
                 continue
             wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in outside]
     assert not wrong, wrong
+
+
+def test_the_tooling_is_not_packaged():
+    """pyproject.toml installs refusion_mlx alone: the tooling folders run from a checkout."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    include = config["packages"]["find"]["include"]
+    for folder in ("convert", "benchmarks", "tests", "examples"):
+        assert (ROOT / folder).is_dir() and not any(fnmatch.fnmatch(folder, p) for p in include), folder
+    assert set(config["package-data"]) == {"refusion_mlx"}
 
 
 def test_no_public_name_is_shadowed_by_a_submodule():
@@ -127,7 +141,8 @@ def test_the_trainers_evaluate_survives_every_import():
 
 
 def _modules():
-    return [p for p in (ROOT / "refusion_mlx").rglob("*.py")]
+    """The package's modules and the speed tools beside it (one name, one home across both)."""
+    return [p for folder in ("refusion_mlx", "benchmarks") for p in (ROOT / folder).rglob("*.py")]
 
 
 def test_no_two_modules_share_a_name():

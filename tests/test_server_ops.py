@@ -262,7 +262,7 @@ def test_prompt_cache_dir_keeps_to_its_byte_budget(tmp_path):
 
 
 def test_short_soak():
-    from refusion_mlx.bench.soak import failed, soak
+    from benchmarks.soak import failed, soak
 
     with serve(max_kv_bytes=4 * ROW_STEP, max_batch=4) as srv:
         result = soak(srv.url[:-3], duration=5.0, clients=4, max_tokens=24, seed=1)

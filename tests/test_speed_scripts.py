@@ -1,12 +1,16 @@
-"""The decoder's speed scripts (refusion_mlx.bench.overhead, .scaling,
+"""The decoder's speed tools (benchmarks.overhead, .scaling,
 .profile_decoder) run small on the demo model (no timing assertions), and
 the real-shape checkpoints they measure (convert.make_checkpoint)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from refusion_mlx.bench import forward_replay, overhead, profile_decoder, scaling
+from benchmarks import overhead, profile_decoder, scaling, soak, speed_common
+from refusion_mlx.bench import forward_replay
 
 
 def test_speed_model_shapes_have_the_published_sizes():
@@ -118,3 +122,48 @@ def test_script_missing_model_exit_1(tmp_path, capsys):
     assert overhead.main(["--model", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error:")
+
+
+def test_scaling_truncate_forgets_the_rows_after_the_prompt(demo):
+    """The slots table cuts the shared cache back to the prompt after each run."""
+    from refusion_mlx.decode.cache import CommittedCache
+    from refusion_mlx.decode.prefill import prefill
+
+    model, _ = demo
+    cache = CommittedCache.for_model(model)
+    prefill(model, cache, [1, 2, 3, 4, 5])
+    before = cache.to_arrays()["keys.1"]
+    scaling.truncate(cache, 9)  # past the end: nothing to forget
+    assert cache.tokens == [1, 2, 3, 4, 5]
+    scaling.truncate(cache, 2)
+    assert cache.tokens == [1, 2] and cache.positions == [0, 1]
+    assert (cache.to_arrays()["keys.1"] == before[:, :, :2]).all().item()
+
+
+def test_gather_bytes_counts_every_view_padded_to_the_widest(demo):
+    """The batched attention's gather: B x widest view rows of K and V, every layer."""
+    from refusion_mlx.decode.cache import CommittedCache
+    from refusion_mlx.decode.packed import PackedWrite
+
+    model, _ = demo
+    writes = [CommittedCache.for_model(model).extend(n) for n in (3, 5)]
+    a = model.args
+    assert speed_common.gather_bytes(PackedWrite(writes, [3, 5]), a.num_key_value_heads, a.head_dim, 4,
+                                     a.num_hidden_layers) \
+        == 2 * 2 * 5 * a.num_key_value_heads * a.head_dim * 4 * a.num_hidden_layers
+
+
+@pytest.mark.parametrize("tool", [overhead, scaling, profile_decoder, soak])
+def test_every_tool_names_its_command(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--help"])
+    name = tool.__name__.split(".")[-1]
+    assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{name} ")
+
+
+def test_tools_run_from_the_repository_root():
+    """``python -m benchmarks.NAME`` from a checkout, as docs/benchmarks.md writes it."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--help"], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m benchmarks.soak "), proc.stderr

@@ -2,13 +2,14 @@
 decoding of the same weights, in one process.
 
 The prompt suite (``suite``, ``suite.json``), one timed run per side
-(``runs``), the comparison and its report (``compare``, ``report``).
+(``runs``), the comparison and its report (``compare``, ``report``); the
+other measurements (``modes``): ``concurrency``, ``serving`` (``--http``,
+``--conversation``), ``layouts`` and ``shapes`` (``--shape``, which replays
+recorded forwards with ``forward_replay``).
 
-The decoder's speed scripts, each ``python -m refusion_mlx.bench.NAME``:
-``overhead`` (decoder time over the same forwards run bare, recorded and
-replayed by ``forward_replay``), ``scaling`` (budget, prompt length, slots)
-and ``profile_decoder`` (cProfile buckets); ``speed_common`` is what they
-share, ``shape-8.json`` the suite for real-shape random checkpoints.
+The decoder's and the server's speed tools for developers (overhead,
+scaling, profiler, soak) are not installed: they live in the repository's
+``benchmarks/``, each ``python -m benchmarks.NAME`` from a checkout.
 """
 
 from .compare import format_report, run_benchmark

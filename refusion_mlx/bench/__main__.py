@@ -1,7 +1,6 @@
 """``python -m refusion_mlx.bench``: ReFusion against mlx-lm's autoregressive
 decoding of the same weights (``compare``), or one of the other measurements
-(``modes``: --concurrency, --http, --conversation, --layouts, --shape);
-``python -m refusion_mlx.bench soak ...`` is the server's soak test (``soak``)."""
+(``modes``: --concurrency, --http, --conversation, --layouts, --shape)."""
 
 from __future__ import annotations
 
@@ -64,11 +63,6 @@ def build_parser() -> OneLineParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["soak"]:
-        from .soak import main as soak
-
-        return soak(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.warmup < 0:

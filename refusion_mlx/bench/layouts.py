@@ -26,7 +26,7 @@ import dataclasses
 from typing import Callable, List, Optional, Sequence
 
 from ..decode.stream import chat_prompt, stream_generate
-from ..decode.params import RefusionParams, default_block_length, reference_block_count
+from ..decode.params import RefusionParams, default_block_length
 from ..cli import positive_int, positive_ints
 from ..train.accuracy import read_rows
 from .report import format_table
@@ -59,6 +59,14 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="with --layouts: chat JSONL whose last message is the reference answer "
                                        "(exact-match accuracy); default: the suite's prompts, no accuracy")
     parser.add_argument("--limit", type=positive_int, default=60, help="with --layouts --data: rows used (default 60)")
+
+
+def reference_block_count(gen_length: int, slot_size: int, most: int = 32) -> int:
+    """The ``count`` layout: the reference's count rule (this project's default
+    before blocks had a fixed length), 32 blocks when they cut the budget into
+    whole slots, else the largest count below that does."""
+    gen = -(-gen_length // slot_size) * slot_size
+    return next(c for c in range(most, 0, -1) if gen % c == 0 and (gen // c) % slot_size == 0)
 
 
 def layout_params(base: RefusionParams, layout: str, budget: int, slot_size: int) -> RefusionParams:

@@ -165,10 +165,6 @@ class CommittedCache:
         new._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
         return new
 
-    def truncate(self, length: int) -> None:
-        """Forget every committed row from ``length`` on."""
-        self.keep(range(min(length, len(self))))
-
     def free(self) -> None:
         """Drop every row and the buffers with them (a request that left: its
         memory goes now, whoever still holds the object)."""

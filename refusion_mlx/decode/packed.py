@@ -15,7 +15,7 @@ to one request, write into its cache and attend to it alone. Two ways:
   batch, and the outputs are unpadded into the packed order. The price is
   a gather: each layer copies B x maxV cache rows of keys and values into
   the padded batch, which the attention kernel then reads (see
-  :meth:`PackedWrite.gather_bytes`): at ReFusion-8B's shape (36 layers, 8 KV
+  docs/benchmarks.md): at ReFusion-8B's shape (36 layers, 8 KV
   heads of 128, bfloat16) 144 KiB per row, so a batch of 8 at 1,000 visible
   rows copies ~1.2 GB a step against ~16 GB of weights read once. The
   committed caches themselves are never copied, and each request keeps its
@@ -88,11 +88,6 @@ class PackedWrite:
         if self._layout is None:
             self._layout = _PaddedLayout(self.segments, heads, kv_heads, dtype)
         return self._layout
-
-    def gather_bytes(self, kv_heads: int, head_dim: int, itemsize: int, layers: int) -> int:
-        """Bytes of keys and values the batched way copies per forward."""
-        rows = len(self.segments) * max(w.visible for w, _, _ in self.segments)
-        return 2 * rows * kv_heads * head_dim * itemsize * layers
 
 
 class _PaddedLayout:

@@ -87,14 +87,6 @@ def default_block_length(slot_size: int, tokens: int = DEFAULT_BLOCK_TOKENS) -> 
     return -(-tokens // slot_size) * slot_size
 
 
-def reference_block_count(gen_length: int, slot_size: int, most: int = 32) -> int:
-    """The reference's count rule (this project's default before blocks had a
-    fixed length): 32 blocks when they cut the budget into whole slots, else
-    the largest count below that does. Kept for the layout benchmark."""
-    gen = -(-gen_length // slot_size) * slot_size
-    return next(c for c in range(most, 0, -1) if gen % c == 0 and (gen // c) % slot_size == 0)
-
-
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise DecodeError(f"{name} must be a positive integer, got {value!r}")

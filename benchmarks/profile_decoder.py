@@ -1,8 +1,8 @@
 """Where a ReFusion run spends its time: waiting for MLX to compute (inside
 ``mx.eval``) or in Python (building the lazy graph, decoder bookkeeping).
 
-    python -m refusion_mlx.bench.profile_decoder                       # demo model, default suite prompts
-    python -m refusion_mlx.bench.profile_decoder --model models/qwen3-0.6b-random --cases 2 --gen-length 32
+    python -m benchmarks.profile_decoder                       # demo model, default suite prompts
+    python -m benchmarks.profile_decoder --model models/qwen3-0.6b-random --cases 2 --gen-length 32
 
 MLX is lazy: a Python call such as ``model.hidden`` only records operations;
 the work happens when something is evaluated. So under cProfile the time
@@ -22,14 +22,14 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
-from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, write_json)
-from ..cli import run
-
-from .report import format_table
-from .suite import load_suite, resolve_params
-from ..decode.stream import chat_prompt
-
 import mlx.core as mx
+
+from refusion_mlx.bench.report import format_table
+from refusion_mlx.bench.suite import load_suite, resolve_params
+from refusion_mlx.cli import run
+from refusion_mlx.decode.stream import chat_prompt
+
+from .speed_common import MODES, base_parser, check_json_path, decode, load_model, write_json
 
 # Buckets by where a function lives / what it is. MLX's functions are not
 # Python builtins to cProfile: an op call's time counts as its caller's own
@@ -105,7 +105,7 @@ def compile_check(model, sizes=(4, 16, 64)) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m refusion_mlx.bench.profile_decoder", "Profile ReFusion decoder runs.")
+    parser = base_parser("python -m benchmarks.profile_decoder", "Profile ReFusion decoder runs.")
     parser.add_argument("--suite", default="default", help="prompts to decode ('default' or a suite file)")
     parser.add_argument("--cases", type=int, default=0, help="only the first N prompts (default all)")
     parser.add_argument("--gen-length", type=int, help="override the suite's budget")

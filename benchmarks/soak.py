@@ -1,4 +1,4 @@
-"""``python -m refusion_mlx.bench soak``: the server under mixed traffic for a while.
+"""``python -m benchmarks.soak``: the server under mixed traffic for a while.
 
 N client threads, each looping until the time is up, pick at random (seeded)
 among: a streamed chat (its text must equal the answer the same request got
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from ..cli import OneLineParser, add_model_args, byte_size, positive_int, run
-from ..errors import RefusionError
+from refusion_mlx.cli import OneLineParser, add_model_args, byte_size, positive_int, run
+from refusion_mlx.errors import RefusionError
 from .soak_report import failed, format_report, summarize
 
 PROMPTS = ["Who is Sven?", "Count from 17 to 38.", "Reverse the words: sugar forest orange",
@@ -260,7 +260,7 @@ def settle(client: Client, seconds: float = 60.0) -> dict:
 
 
 def scrape(client: Client) -> Dict[str, float]:
-    from ..serve.metrics import parse
+    from refusion_mlx.serve.metrics import parse
 
     status, text = client.get("/metrics")
     if status != 200:
@@ -296,7 +296,7 @@ def soak(url: str, duration: float, clients: int, max_tokens: int, seed: int) ->
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog="python -m refusion_mlx.bench soak",
+    parser = OneLineParser(prog="python -m benchmarks.soak",
                            description="The server under mixed traffic: streams, re-sent conversations, drops, "
                                        "malformed and long requests; a table of what happened.")
     add_model_args(parser)
@@ -325,7 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         server = None
         url = args.url
         if url is None:
-            from ..serve.http_server import RefusionServer
+            from refusion_mlx.serve.http_server import RefusionServer
 
             server = RefusionServer(args.model, port=0, dtype=args.dtype, adapter_path=args.adapter_path,
                                     max_batch=args.max_batch, max_kv_bytes=args.max_kv_bytes).start()

@@ -2,8 +2,8 @@
 budget and the prompt length, peak memory against the number of slots
 decoded in parallel.
 
-    python -m refusion_mlx.bench.scaling --model models/qwen3-0.6b-random --json scaling.json
-    python -m refusion_mlx.bench.scaling --model M --sections slots --long-prompt 4096
+    python -m benchmarks.scaling --model models/qwen3-0.6b-random --json scaling.json
+    python -m benchmarks.scaling --model M --sections slots --long-prompt 4096
 
 Three tables:
 
@@ -32,11 +32,12 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..cli import run
-from ..decode.cache import CommittedCache
-from ..decode.params import RefusionParams
-from ..decode.prefill import prefill
-from .report import format_table
+from refusion_mlx.bench.report import format_table
+from refusion_mlx.cli import run
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.params import RefusionParams
+from refusion_mlx.decode.prefill import prefill
+
 from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
                            random_prompt, write_json)
 
@@ -124,6 +125,11 @@ def prefilled(model, prompt: List[int], room: int) -> CommittedCache:
     return cache
 
 
+def truncate(cache: CommittedCache, length: int) -> None:
+    """Forget every committed row from ``length`` on (the prompt stays, the run's rows go)."""
+    cache.keep(range(min(length, len(cache))))
+
+
 def slots_section(model, tokenizer, args) -> List[dict]:
     S = args.slot_size
     prompt = random_prompt(tokenizer, model, args.long_prompt, args.seed)
@@ -133,7 +139,7 @@ def slots_section(model, tokenizer, args) -> List[dict]:
     for k in args.slots:
         params = RefusionParams(gen_length=k * S, slot_size=S, block_length=k * S, **MODES["infill"])
         r = timed(model, tokenizer, prompt[-1:], params, cache)
-        cache.truncate(len(prompt) - 1)
+        truncate(cache, len(prompt) - 1)
         r.update(slots=k, prompt_tokens=len(prompt), weights_gb=round(weights / GB, 4),
                  cache_gb=round(cache.nbytes / GB, 4),
                  above_weights_gb=round(r["peak_memory_gb"] - weights / GB, 4),
@@ -194,7 +200,7 @@ def int_list(text: str) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m refusion_mlx.bench.scaling", "Decoder scaling: budget, prompt length, slots.")
+    parser = base_parser("python -m benchmarks.scaling", "Decoder scaling: budget, prompt length, slots.")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--mode", choices=sorted(MODES), default="parallel",
                         help="decoding path for the budget and prompt tables (default parallel)")

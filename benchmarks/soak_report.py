@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from .report import format_table
+from refusion_mlx.bench.report import format_table
 
 
 def summarize(tally, before: dict, after: dict, state: dict, wall: float, clients: int) -> dict:

@@ -6,9 +6,9 @@ plain KV buffer, one evaluation per forward) then alternate, and the medians
 are compared. Also reported: host synchronisations per decoding step (the
 decoder's own count, and every ``mx.eval`` it makes), and the split per phase.
 
-    python -m refusion_mlx.bench.overhead --model models/qwen3-0.6b-random
-    python -m refusion_mlx.bench.overhead                     # the bundled demo model
-    python -m refusion_mlx.bench.overhead --suite default --serial-num-blocks 4   # the bench suite's prompts
+    python -m benchmarks.overhead --model models/qwen3-0.6b-random
+    python -m benchmarks.overhead                     # the bundled demo model
+    python -m benchmarks.overhead --suite default --serial-num-blocks 4   # the bench suite's prompts
 
 Each step is also split by CPU time: compute (off the main thread, where
 MLX's CPU backend runs the ops) and host (the main thread), for the decoder
@@ -25,16 +25,16 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from .forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
+from refusion_mlx.bench.forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
+from refusion_mlx.bench.report import format_table
+from refusion_mlx.bench.suite import load_suite, resolve_params
+from refusion_mlx.cli import run
+from refusion_mlx.decode.params import RefusionParams
+from refusion_mlx.decode.stream import chat_prompt
+from refusion_mlx.errors import RefusionError
+
 from .speed_common import (MODES, base_parser, check_json_path, counting_evals, decode, load_model,
                            make_params, median, random_prompt, write_json)
-from ..cli import run
-from ..decode.params import RefusionParams
-from ..decode.stream import chat_prompt
-from .suite import load_suite, resolve_params
-
-from .report import format_table
-from ..errors import RefusionError
 
 TARGET = 1.10
 
@@ -182,7 +182,7 @@ def suite_jobs(args, tokenizer) -> List[Tuple[List[int], RefusionParams]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m refusion_mlx.bench.overhead", "Decoder overhead over bare forwards.")
+    parser = base_parser("python -m benchmarks.overhead", "Decoder overhead over bare forwards.")
     parser.set_defaults(slot_size=None)
     parser.add_argument("--modes", default="reference,parallel,infill",
                         help=f"comma-separated, of {', '.join(MODES)}")

@@ -1,7 +1,7 @@
 """What the speed scripts share: decoding modes, random prompts, timed
 decoder runs, host-sync counting, the model header and JSON output.
 
-The scripts: ``python -m refusion_mlx.bench.overhead``, ``.scaling`` and
+The scripts: ``python -m benchmarks.overhead``, ``.scaling`` and
 ``.profile_decoder`` (docs/benchmarks.md), on the bundled demo model or any
 converted folder (``--model``).
 """
@@ -14,15 +14,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .report import environment, header_lines
-from ..cli import OneLineParser
-from ..decode.cache import CommittedCache
-from ..decode.decoder import RefusionDecoder
-from ..decode.params import RefusionParams
-from ..errors import RefusionError
-
 import mlx.core as mx
 import numpy as np
+
+from refusion_mlx.bench.report import environment, header_lines
+from refusion_mlx.cli import OneLineParser
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import RefusionParams
+from refusion_mlx.errors import RefusionError
 
 # Threshold settings that fix the decoder's path whatever the weights say
 # (a random model is never confident, so the reference thresholds always take
@@ -47,7 +47,7 @@ def base_parser(prog: str, description: str) -> OneLineParser:
 
 def load_model(path: Optional[str], dtype: str):
     """Load a model and print the environment header."""
-    from ..models.loading import load
+    from refusion_mlx.models.loading import load
 
     model, tokenizer = load(path, dtype=dtype)
     env = environment(model, path or "bundled demo model")
@@ -101,6 +101,14 @@ def counting_evals():
         yield counter
     finally:
         mx.eval = real
+
+
+def gather_bytes(write, kv_heads: int, head_dim: int, itemsize: int, layers: int) -> int:
+    """Bytes of keys and values a batched forward's attention copies (a
+    ``decode.packed.PackedWrite`` the batched way: every request's view
+    padded to the widest, per layer; docs/benchmarks.md, attention for a batch)."""
+    rows = len(write.segments) * max(w.visible for w, _, _ in write.segments)
+    return 2 * rows * kv_heads * head_dim * itemsize * layers
 
 
 def median(values: Sequence[float]) -> float:
