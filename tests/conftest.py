@@ -10,6 +10,7 @@ import pytest
 from refusion_mlx.models.loading import load
 
 FIXTURES = Path(__file__).parent / "fixtures"
+pytest_plugins = ["tests.browser"]  # the web page's browser: the chromium fixture, the line when it is missing
 
 
 def blas_lines():

@@ -1,15 +1,18 @@
 """The web chat page at ``/`` and the stream's commits (``stream_options.include_commits``).
 
 The page is driven in a real headless browser: Debian's ``chromium`` under
-Playwright (``.ci/run`` installs the browser; Playwright's own download is not
-used). One in-process server on the bundled demo model serves every test.
+Playwright (the ``chromium`` fixture of tests/browser.py: ``.ci/run`` installs
+the browser; Playwright's own download is not used). Without a browser that
+test is skipped with one line at the end of the run, unless ``CI=true``, where
+it fails. One in-process server on the bundled demo model serves every test.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -21,7 +24,6 @@ from refusion_mlx.serve.http_server import RefusionServer
 
 COUNT = "Count from 17 to 38."  # the demo model commits this answer's third slot of 4 before the second
 MAX_TOKENS = 48
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 
 @pytest.fixture(scope="module")
@@ -124,20 +126,13 @@ def test_page_files_and_settings(server):
     assert by_name["max_tokens"]["default"] == server.default_max_tokens
 
 
-def browser_path() -> str:
-    found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-    if found is None:
-        pytest.fail("no chromium to drive: apt-get install chromium (.ci/run does)")
-    return found
-
-
-def test_page_chats_in_a_browser(server, client, tmp_path):
+def test_page_chats_in_a_browser(chromium, server, client, tmp_path):
     """Two turns through the page (the first watched live at 300 ms a step), then a refused request."""
     from playwright.sync_api import sync_playwright
 
     second, tagged = "Who is Sven?", "<b>Who</b> is <i>Zoe</i>?"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=browser_path(), headless=True)
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 700})
             errors = []
@@ -210,3 +205,32 @@ def grid(page) -> list:
     return [tuple(c) for c in page.eval_on_selector_all(
         "#grid .cell", "els => els.map(e => [+e.dataset.pos, e.dataset.step ? +e.dataset.step : null, "
                        "e.querySelector('.t').textContent])")]
+
+
+
+def test_without_a_browser_the_page_test_says_so_in_one_line_or_fails_under_ci(tmp_path):
+    """The README's test command on a machine without chromium: the browser test
+    is skipped and the run ends with one line saying how to get it; under CI
+    (``CI=true``) the same run fails. Two small pytest runs of the plugin
+    (tests/browser.py) with no browser on the PATH."""
+    import inspect
+
+    from tests.browser import BROWSERS, NO_BROWSER
+
+    assert "chromium" in inspect.signature(test_page_chats_in_a_browser).parameters
+    (tmp_path / "test_page.py").write_text("def test_page(chromium):\n    pass\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and not any(os.path.exists(os.path.join(d, b)) for b in BROWSERS))
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    runs = {ci: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "-p", "tests.browser", "--rootdir", str(tmp_path), str(tmp_path)],
+                                 cwd=root, env={**env, "PATH": path, **({"CI": ci} if ci else {})},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for ci in ("", "true")}
+    out = {ci: proc.communicate(timeout=120)[0] for ci, proc in runs.items()}
+    assert runs[""].returncode == 0, out[""]
+    assert out[""].splitlines().count(NO_BROWSER) == 1 and "1 skipped" in out[""], out[""]
+    assert runs["true"].returncode == 1, out["true"]
+    assert "no chromium to drive under CI" in out["true"] and "1 failed" in out["true"], out["true"]
+    assert NO_BROWSER not in out["true"]
