@@ -39,6 +39,7 @@ def clean_state(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(blas, "_threads", None)
     monkeypatch.setattr(blas, "_small_model", False)
+    monkeypatch.setattr(blas, "mlx_first", False)
 
 
 def test_small_models_get_one_blas_thread(monkeypatch):
@@ -288,18 +289,32 @@ def test_the_hook_does_nothing_on_macos_when_opted_out_or_too_late(monkeypatch):
     assert not hook.install() and not hook.installed()
 
 
+def _installed_pth():
+    import site
+
+    from _refusion_mlx_blas import PTH_NAME
+
+    return any(os.path.exists(os.path.join(d, PTH_NAME)) for d in site.getsitepackages())
+
+
 @pytest.mark.skipif(not _optimized_here(), reason="no optimized BLAS to bind here")
-def test_mlx_core_imported_first_still_runs_on_the_optimized_blas(tmp_path):
-    """What site.py does at start-up with the installed .pth file, then a
-    program that imports mlx.core before refusion_mlx: the dynamic linker
-    binds libmlx's cblas_sgemm to the library the hook preloaded."""
+@pytest.mark.parametrize("pth", ["read here", "installed"])
+def test_mlx_core_imported_first_still_runs_on_the_optimized_blas(tmp_path, pth):
+    """A program that imports mlx.core before refusion_mlx, with the .pth file
+    read as site.py reads it at start-up ("read here"), or as pip installed it
+    in this environment: the dynamic linker binds libmlx's cblas_sgemm to the
+    library the hook preloaded, and no warning."""
     import _refusion_mlx_blas as hook
 
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     (site_dir / hook.PTH_NAME).write_text(hook.PTH_LINE)
-    code = (f"import site; site.addsitedir({str(site_dir)!r}); "
-            "import mlx.core as mx; import refusion_mlx._blas as b; mx.set_default_device(mx.cpu); "
+    start = f"import site; site.addsitedir({str(site_dir)!r}); "
+    if pth == "installed":
+        if not _installed_pth():
+            pytest.skip("refusion-mlx is not pip-installed with its start-up hook here")
+        start = ""
+    code = (start + "import mlx.core as mx; import refusion_mlx._blas as b; mx.set_default_device(mx.cpu); "
             "a = mx.ones((64, 64)); print(float((a @ a)[0, 0])); print(b.preloaded); print(b.describe()); "
             "print(b.warn_once())")
     (value, preloaded, describe, warning), err, bound = _traced(["-c", code], tmp_path)
