@@ -13,6 +13,13 @@ The first that loads, in this order:
 3. MKL from the Python environment (``libmkl_rt``, which the ``mkl`` wheel,
    a dependency on Linux x86_64, installs into ``<prefix>/lib``).
 
+Python opens ``mlx.core`` with ``RTLD_NOW``: once it is imported, MLX's calls
+are bound for good. ``import refusion_mlx`` preloads first thing; where a
+program imports ``mlx.core`` (or ``mlx_lm``) first, the start-up hook pip
+installs with the package (``_refusion_mlx_blas.py``, run from a ``.pth`` file)
+imports ``refusion_mlx`` just before. Without either (``python -S``), the
+first model load says so in one line (``warn_once``).
+
 Nothing happens on macOS (Accelerate, Metal).
 """
 
@@ -50,6 +57,7 @@ USER_THREAD_VARS = {
 
 preloaded: Optional[str] = None
 _library: Optional[ctypes.CDLL] = None
+mlx_first = False  # preload came after mlx.core: too late to bind MLX's calls
 mkl_layer: Optional[str] = None  # the threading layer we chose for MKL, if we did
 
 # Below this hidden size the matmuls are so small that waking (and spinning)
@@ -62,7 +70,9 @@ SMALL_HIDDEN = 512
 
 def library_roots() -> List[str]:
     """The ``lib`` folders a pip-installed MKL lands in: this environment's,
-    the base interpreter's (a venv over it), the user scheme's (``--user``)."""
+    the base interpreter's (a venv over it), the user scheme's (``--user``),
+    and the prefix of each ``site-packages`` on ``sys.path`` (a venv's, under
+    ``python -S``, which leaves ``sys.prefix`` at the base interpreter)."""
     roots = [sys.prefix, sys.base_prefix]
     try:
         import site
@@ -70,6 +80,8 @@ def library_roots() -> List[str]:
         roots.append(site.getuserbase())
     except Exception:  # site may be disabled (python -S)
         pass
+    roots += [os.path.dirname(os.path.dirname(os.path.dirname(p))) for p in sys.path
+              if os.path.basename(p) in ("site-packages", "dist-packages")]  # <prefix>/lib/pythonX.Y/...
     seen, out = set(), []
     for root in roots:
         lib = os.path.join(root, "lib")
@@ -94,9 +106,12 @@ def candidates() -> List[str]:
 
 def preload() -> Optional[str]:
     """Load an optimized BLAS ahead of mlx.core; return its path, or None."""
-    global preloaded, _library, mkl_layer
+    global preloaded, _library, mkl_layer, mlx_first
     choice = os.environ.get(ENV, "auto").strip()
-    if sys.platform != "linux" or choice.lower() in OPT_OUT or "mlx.core" in sys.modules:
+    if sys.platform != "linux" or choice.lower() in OPT_OUT:
+        return None
+    if "mlx.core" in sys.modules:  # its symbols are bound (Python opens it RTLD_NOW)
+        mlx_first = mlx_first or preloaded is None
         return None
     paths = candidates() if choice.lower() in ("", "auto", "1") else [choice]
     for path in paths:
@@ -349,4 +364,24 @@ def reference_warning() -> Optional[str]:
     fix = "apt-get install libopenblas0-pthread"
     if os.uname().machine == "x86_64":  # the mkl wheel exists for x86_64 only
         fix = f"pip install mkl (or {fix})"
+    if mlx_first and any(os.path.exists(p) for p in candidates()):
+        fix = ("mlx.core was imported before refusion_mlx and the start-up hook that pip installs with "
+               "refusion-mlx did not run (python -S?): import refusion_mlx first")
     return f"slow reference BLAS in use (~30x slower matmuls): {fix}"
+
+
+_warned = False
+
+
+def warn_once() -> Optional[str]:
+    """Called where a model loads: the first time, one line on stderr while
+    MLX's CPU work runs on the reference BLAS (Linux) and the user did not
+    choose it (``REFUSION_MLX_BLAS``). Returns the line written, if any."""
+    global _warned
+    if _warned or os.environ.get(ENV, "").strip().lower() in OPT_OUT:
+        return None
+    _warned = True
+    line = reference_warning()
+    if line:
+        print(f"WARNING: {line}", file=sys.stderr, flush=True)
+    return line

@@ -1,8 +1,12 @@
 """The optimized-BLAS arrangement on Linux: preload and thread policy."""
 
+import base64
+import hashlib
 import os
+import re
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -35,6 +39,7 @@ def clean_state(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(blas, "_threads", None)
     monkeypatch.setattr(blas, "_small_model", False)
+    monkeypatch.setattr(blas, "mlx_first", False)
 
 
 def test_small_models_get_one_blas_thread(monkeypatch):
@@ -227,3 +232,136 @@ def test_the_test_run_names_its_blas_even_when_quiet():
         assert lines[0].startswith("BLAS: "), out
         if expect:
             assert lines[1].startswith(expect) and "reference BLAS" in lines[0]
+
+
+# The start-up hook (_refusion_mlx_blas.py, run by refusion_mlx_blas.pth): MLX's
+# matmuls on the optimized BLAS whatever the import order.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SGEMM = re.compile(r"binding file (.+?) \[\d+\] to (.+?) \[\d+\]: normal symbol `cblas_sgemm'")
+
+
+def _optimized_here():
+    return sys.platform == "linux" and any(os.path.exists(p) for p in blas.candidates())
+
+
+def _traced(args, tmp_path, **env):
+    """Run Python from the repository's root with the dynamic linker logging its
+    symbol bindings; return (stdout lines, stderr, the file libmlx's
+    cblas_sgemm was bound to)."""
+    log = tmp_path / "ld"
+    env = {"PATH": "/usr/bin:/bin", "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(log), **env}
+    out = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    bound = [m.group(2) for f in tmp_path.glob("ld.*") for m in SGEMM.finditer(f.read_text(errors="replace"))
+             if os.path.basename(m.group(1)) == "libmlx.so"]
+    assert len(bound) == 1, bound
+    return out.stdout.splitlines(), out.stderr, os.path.realpath(bound[0])
+
+
+def test_the_pth_line_runs_the_hook_and_never_raises(tmp_path):
+    hook = pytest.importorskip("_refusion_mlx_blas")
+    assert hook.OPT_OUT == blas.OPT_OUT and hook.ENV == blas.ENV
+    assert hook.PTH_LINE.startswith("import ") and hook.PTH_LINE.count("\n") == 1  # one line site.py runs
+    (tmp_path / hook.PTH_NAME).write_text(hook.PTH_LINE)
+    for cwd, expect in ((ROOT, "True"), (str(tmp_path), "False")):  # the module there, or gone
+        out = subprocess.run([sys.executable, "-S", "-c", f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
+                              "print(any(type(f).__name__ == 'BeforeMLX' for f in sys.meta_path))"],
+                             cwd=cwd, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stderr == "" and out.stdout.split() == [
+            expect if sys.platform == "linux" else "False"], out.stderr
+
+
+def test_the_hook_does_nothing_on_macos_when_opted_out_or_too_late(monkeypatch):
+    hook = pytest.importorskip("_refusion_mlx_blas")
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    hook.uninstall()
+    assert not hook.install()  # mlx.core is imported here: nothing left to bind
+    monkeypatch.delitem(sys.modules, "mlx.core")
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv(hook.ENV, "bundled")
+    assert not hook.install() and not hook.installed()
+    monkeypatch.setenv(hook.ENV, "auto")
+    assert hook.install() and hook.install() and sum(isinstance(f, hook.BeforeMLX) for f in sys.meta_path) == 1
+    assert isinstance(sys.meta_path[0], hook.BeforeMLX)
+    hook.uninstall()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert not hook.install() and not hook.installed()
+
+
+def _installed_pth():
+    import site
+
+    from _refusion_mlx_blas import PTH_NAME
+
+    return any(os.path.exists(os.path.join(d, PTH_NAME)) for d in site.getsitepackages())
+
+
+@pytest.mark.skipif(not _optimized_here(), reason="no optimized BLAS to bind here")
+@pytest.mark.parametrize("pth", ["read here", "installed"])
+def test_mlx_core_imported_first_still_runs_on_the_optimized_blas(tmp_path, pth):
+    """A program that imports mlx.core before refusion_mlx, with the .pth file
+    read as site.py reads it at start-up ("read here"), or as pip installed it
+    in this environment: the dynamic linker binds libmlx's cblas_sgemm to the
+    library the hook preloaded, and no warning."""
+    import _refusion_mlx_blas as hook
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / hook.PTH_NAME).write_text(hook.PTH_LINE)
+    start = f"import site; site.addsitedir({str(site_dir)!r}); "
+    if pth == "installed":
+        if not _installed_pth():
+            pytest.skip("refusion-mlx is not pip-installed with its start-up hook here")
+        start = ""
+    code = (start + "import mlx.core as mx; import refusion_mlx._blas as b; mx.set_default_device(mx.cpu); "
+            "a = mx.ones((64, 64)); print(float((a @ a)[0, 0])); print(b.preloaded); print(b.describe()); "
+            "print(b.warn_once())")
+    (value, preloaded, describe, warning), err, bound = _traced(["-c", code], tmp_path)
+    assert value == "64.0" and bound == os.path.realpath(preloaded) and "libblas" not in bound
+    assert not describe.startswith("reference") and warning == "None" and "WARNING" not in err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is Linux's")
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_without_the_hook_the_first_load_says_so_once(tmp_path, opt_out):
+    """``python -S`` reads no .pth file: mlx.core imported first stays on the
+    reference BLAS, and the first model load says so in one line with the fix
+    (none when REFUSION_MLX_BLAS chose the reference BLAS)."""
+    import site
+
+    code = ("import mlx.core as mx; from refusion_mlx.models.loading import load; "
+            "import refusion_mlx._blas as b; mx.set_default_device(mx.cpu); load(); load(); print(b.describe())")
+    env = {"PYTHONPATH": os.pathsep.join(site.getsitepackages()), **({blas.ENV: "bundled"} if opt_out else {})}
+    (describe,), err, bound = _traced(["-S", "-c", code], tmp_path, **env)
+    assert describe.startswith("reference BLAS") and "libblas" in os.path.basename(bound)
+    warnings = [line for line in err.splitlines() if "reference BLAS" in line]
+    if opt_out:
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: slow reference BLAS in use"), err
+    fix = "import refusion_mlx first" if _optimized_here() else "libopenblas0-pthread"
+    assert fix in warnings[0]
+
+
+def test_the_backend_lists_the_pth_file_in_the_wheels_record(tmp_path):
+    pytest.importorskip("setuptools")
+    sys.path.insert(0, ROOT)
+    try:
+        import build_backend
+        from _refusion_mlx_blas import PTH_LINE, PTH_NAME
+    finally:
+        sys.path.remove(ROOT)
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as whl:
+        whl.writestr("x/__init__.py", "")
+        whl.writestr("x-1.0.dist-info/RECORD", "x/__init__.py,sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU,0\n"
+                                                "x-1.0.dist-info/RECORD,,\n")
+    build_backend.add_file(str(wheel), PTH_NAME, PTH_LINE.encode())
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+        record = whl.read("x-1.0.dist-info/RECORD").decode().splitlines()
+        assert whl.read(PTH_NAME).decode() == PTH_LINE
+    assert names == ["x/__init__.py", PTH_NAME, "x-1.0.dist-info/RECORD"]
+    digest = base64.urlsafe_b64encode(hashlib.sha256(PTH_LINE.encode()).digest()).rstrip(b"=").decode()
+    assert record[-1] == f"{PTH_NAME},sha256={digest},{len(PTH_LINE.encode())}" and len(record) == 3

@@ -260,6 +260,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     (``models/sharding.py``); the projections are fused after sharding.
     """
     backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
+    _blas.warn_once()  # MLX on the reference BLAS (Linux): one line, with the fix, at the first load
     model_path = resolve_model_path(path_or_repo)
     if dist is not None and adapter_path is not None:
         raise LoadError("adapters cannot be split over ranks: fold them into the weights first "
