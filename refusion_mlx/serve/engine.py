@@ -319,8 +319,7 @@ class Engine:
             n = shared
         job.cache = cache or CommittedCache.for_model(self.model)
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache,
-                                      max_tokens=job.request.max_tokens)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
             return self._close(job, "failed", APIError(400, str(e), code="invalid_request"))
         self.metrics.add("prefill_tokens", len(ids) - n)
