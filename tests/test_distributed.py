@@ -185,10 +185,10 @@ def test_step_plan_crosses_to_the_other_ranks():
     import pickle
 
     from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.serve.engine_request import EngineRequest
     from refusion_mlx.serve.job import Job, StepPlan
-    from refusion_mlx.serve.schemas import Request
 
-    request = Request("chat", [5, 6, 7], RefusionParams(gen_length=8), 8, ["\n"], False, False)
+    request = EngineRequest([5, 6, 7], RefusionParams(gen_length=8), ("\n",))
     plan = StepPlan(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
     copy = StepPlan.from_wire(pickle.loads(pickle.dumps(plan.wire())))
     assert copy.cancelled == [3] and copy.peers == plan.peers and not copy.stop
