@@ -5,6 +5,8 @@ FastAPI on uvicorn (routes in :mod:`.app`, request models in :mod:`.schemas`,
 the schema at ``/docs``) over one engine thread that owns MLX and decodes up
 to ``--max-batch`` requests per forward (:mod:`.engine`), continuing
 conversations and shared prompts from a prompt cache (:mod:`.prompt_cache`).
+One :class:`ServerConfig` (:mod:`.server_config`), made once, holds every
+setting; the server, its app and its engine read it.
 """
 
 from __future__ import annotations
