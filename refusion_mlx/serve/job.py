@@ -76,7 +76,7 @@ class StepPlan:
         return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
 
     @classmethod
-    def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job] = lambda r: Job(r, None)) -> "StepPlan":
+    def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "StepPlan":
         """The plan rank 0 broadcast; ``job`` makes each admitted request's Job (``Engine.job``)."""
         cancelled, requests, peers, stop = wire
         return cls(cancelled, [job(r) for r in requests], peers, stop)
