@@ -35,7 +35,7 @@ class Reason(enum.Enum):
 
     @property
     def kind(self) -> str:
-        """"request" (the client's to fix), "server" (retry later) or "failure" (the server's fault)."""
+        """The reason's kind: "request" (the client's to fix), "server" (retry later) or "failure" (a fault)."""
         if self in _SERVER:
             return "server"
         if self in _FAILURE:
