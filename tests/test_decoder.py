@@ -155,13 +155,15 @@ def test_invariants_over_random_settings(m):
                 streamed += list(zip(c.positions, c.tokens))
         answer = dec.response()
         start = len(prompt)
-        # the budget holds, nothing follows EOS, and there is no hole before the end
+        # the budget holds, nothing follows EOS, and there is no hole before the end; the answer
+        # is cut at gen_length exactly (the budget is whole slots: the last slot may hold more)
         assert 1 <= len(answer) <= layout.gen_length
         assert eos_id not in answer[:-1]
+        assert len([t for t in answer if t != eos_id]) <= params.gen_length
         if answer[-1] == eos_id:
             eos_seen += 1
         else:
-            assert len(answer) == layout.gen_length
+            assert len(answer) == params.gen_length
         # the cache holds exactly prompt + answer, with the answer's positions
         cache = dec.cache
         assert len(cache) == len(cache.tokens) == len(cache.positions) == start + len(answer)

@@ -533,7 +533,7 @@ def test_clients_that_leave_while_queued_are_cancelled(server):
     srv = server
     before = health(srv)
     socks = []
-    batch = srv.engine.max_batch
+    batch = srv.config.max_batch
     for _ in range(batch + 2):  # a batch runs, 2 wait
         s = socket.create_connection((srv.host, srv.port), timeout=30)
         body = json.dumps({**LONG, "stream": False}).encode()

@@ -117,13 +117,13 @@ def test_page_files_and_settings(server):
     with urllib.request.urlopen(base(server) + "/web/settings.json") as resp:
         settings = json.load(resp)
     names = [f["name"] for f in settings["fields"]]
-    assert names == [f.request for f in FIELDS if f.request] and settings["model"] == server.model_id
+    assert names == [f.request for f in FIELDS if f.request] and settings["model"] == server.config.model_id
     by_name = {f["name"]: f for f in settings["fields"]}
     assert by_name["slot_threshold"] == {"name": "slot_threshold", "type": "float",
-                                         "default": server.defaults.slot_threshold,
+                                         "default": server.config.decoding.slot_threshold,
                                          "help": next(f.help for f in FIELDS if f.name == "slot_threshold"),
                                          "openai": False, "ge": 0, "le": 1}
-    assert by_name["max_tokens"]["default"] == server.default_max_tokens
+    assert by_name["max_tokens"]["default"] == server.config.decoding.gen_length
 
 
 def test_page_chats_in_a_browser(chromium, server, client, tmp_path):

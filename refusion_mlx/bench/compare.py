@@ -116,7 +116,7 @@ def _side_dict(run: RunResult, repeats: Sequence[RunResult], keep_output: bool =
 
 def params_dict(p: RefusionParams) -> dict:
     layout = p.layout()
-    return {"gen_length": layout.gen_length, "slot_size": p.slot_size,
+    return {"gen_length": p.gen_length, "slot_size": p.slot_size,
             "block_lengths": sorted(set(layout.block_lengths)), "blocks": len(layout.block_lengths),
             "serial_num_blocks": p.serial_num_blocks, "block_length": p.block_length,
             "slot_threshold": p.slot_threshold, "token_threshold": p.token_threshold,
@@ -161,7 +161,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
         def once(side: str, i: int) -> RunResult:
             if side == "refusion":
                 return run_refusion(rmodel, tokenizer, prompts[i], params[i])
-            return run_ar(ar_model, tokenizer, prompts[i], params[i].layout().gen_length)
+            return run_ar(ar_model, tokenizer, prompts[i], params[i].gen_length)  # max_tokens, both sides
 
         sides = SIDES if ar else SIDES[:1]
         for w in range(warmup):

@@ -74,11 +74,11 @@ def layout_params(base: RefusionParams, layout: str, budget: int, slot_size: int
     p = dataclasses.replace(base, gen_length=budget, slot_size=slot_size, block_length=None,
                             serial_num_blocks=None)
     if layout == "count":
-        p.serial_num_blocks = reference_block_count(budget, slot_size)
+        p = dataclasses.replace(p, serial_num_blocks=reference_block_count(budget, slot_size))
     elif layout.endswith("s"):
-        p.block_length = int(layout[:-1]) * slot_size
+        p = dataclasses.replace(p, block_length=int(layout[:-1]) * slot_size)
     elif layout != "default":
-        p.block_length = default_block_length(slot_size, int(layout))
+        p = dataclasses.replace(p, block_length=default_block_length(slot_size, int(layout)))
     return p
 
 

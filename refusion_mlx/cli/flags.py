@@ -79,9 +79,7 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
     for name in PARAM_NAMES:
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
-    params = make_params(**values)
-    params.layout()  # report bad combinations before loading the model
-    return params
+    return make_params(**values)  # a bad value or combination: DecodeError, before the model loads
 
 
 def positive_int(text: str) -> int:

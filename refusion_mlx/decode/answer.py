@@ -157,8 +157,8 @@ class AnswerText:
     a cursor (the first position not yet final) and the streaming
     detokenizer's window. ``update`` reads what the last step made final.
     ``max_tokens``: cut the answer after that many ids other than EOS (the
-    server's ``max_tokens``; the decoder's budget is whole slots, so it can
-    run past it), and ``cut`` says it was.
+    request's ``gen_length``; the decoder's budget is whole slots, so its
+    cache can hold more until it settles), and ``cut`` says it was.
     """
 
     def __init__(self, tokenizer, cache, response_start: int, eos_id: int,

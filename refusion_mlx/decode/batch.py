@@ -72,9 +72,6 @@ class _Request:
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
                                self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
         self.steps += step is not None
-        if self.answer.cut and not final:  # max_tokens reached: the request ends here
-            self.decoder.close()
-            final = True
         if final:
             r.text += self.answer.finish()
             r.finish_reason = "stop" if self.answer.done else "length"
@@ -114,20 +111,22 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None, max_tokens: Optional[int] = None) -> int:
-        """Queue a request; returns its uid. Bad settings or a prompt over the
-        context raise ``DecodeError`` here, before anything is queued.
+               cache: Optional[CommittedCache] = None) -> int:
+        """Queue a request; returns its uid. A prompt over the context raises
+        ``DecodeError`` here, before anything is queued.
 
         ``prompt``: text (tokenized as is) or ids; with ``cache`` (a
         conversation so far, which the request then owns), only the new ids.
-        ``max_tokens``: end the answer (finish "length") once it holds that
-        many ids besides EOS, though the last slot decoded holds more.
+        The answer holds at most ``params.gen_length`` ids besides EOS
+        (finish "length" when cut there), though the last slot decoded may
+        hold more.
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
-        answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id, max_tokens)
+        answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
+                            decoder.params.gen_length)
         self.waiting.append(_Request(uid, decoder, answer))
         return uid
 

@@ -52,7 +52,7 @@ class ChatSession:
         self.model = model
         self.tokenizer = tokenizer
         self.params = params or RefusionParams()
-        self.params.layout()
+        self.params.layout()  # bad settings fail here, not at the first turn; every turn reads this layout
         self.system = system
         self.reuse = reuse
         self.messages: List[Dict[str, str]] = []

@@ -16,15 +16,27 @@ from ..errors import DecodeError
 DEFAULT_BLOCK_TOKENS = 16
 
 
-@dataclass
+@dataclass(frozen=True)
 class RefusionParams:
     """Decoding parameters, named as in the reference ``generate_refusion``.
+
+    ``gen_length`` is the answer's most tokens (``max_tokens``): the answer
+    is cut there exactly. The decoder's budget is ``gen_length`` rounded up
+    to whole slots (the reference's, so a budget of whole slots decodes as
+    it does); the rounding stays inside the decoder.
 
     ``serial_num_blocks`` and ``block_length`` are two ways to cut the response
     into blocks; give at most one. With neither, blocks of
     ``default_block_length(slot_size)`` tokens (``DEFAULT_BLOCK_TOKENS``
     rounded up to whole slots), the last one shorter when the budget is not a
     whole number of blocks.
+
+    :meth:`layout` checks the settings and resolves the budget into its
+    :class:`BlockLayout` once, where the settings are made (``make_params``,
+    the CLI's flags, a prompts file's line, a server request: a bad value or
+    combination is one ``DecodeError`` there); the object then carries it,
+    and later calls read it. Frozen, so the layout kept cannot go stale: a
+    changed setting is a new object (``dataclasses.replace``).
     """
 
     gen_length: int = 512
@@ -41,7 +53,15 @@ class RefusionParams:
     min_p: float = 0.0
 
     def layout(self) -> "BlockLayout":
-        """Validate and resolve the budget into blocks of whole slots."""
+        """The budget in blocks of whole slots: resolved (or ``DecodeError``) on
+        the first call, kept for the next."""
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            layout = self._resolve()
+            object.__setattr__(self, "_layout", layout)
+        return layout
+
+    def _resolve(self) -> "BlockLayout":
         S = self.slot_size
         _positive_int("slot_size", S)
         _positive_int("gen_length", self.gen_length)
@@ -59,7 +79,7 @@ class RefusionParams:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise DecodeError(f"seed must be an integer, got {self.seed!r}")
-        gen = -(-self.gen_length // S) * S  # rounded up to whole slots
+        gen = budget(self.gen_length, S)
         if self.serial_num_blocks is not None and self.block_length is not None:
             raise DecodeError("give serial_num_blocks or block_length, not both")
         if self.block_length is not None or self.serial_num_blocks is None:
@@ -82,6 +102,11 @@ class RefusionParams:
         return BlockLayout(gen, [gen // n] * n, S)
 
 
+def budget(max_tokens: int, slot_size: int) -> int:
+    """The decoder's budget for an answer of at most ``max_tokens``: whole slots."""
+    return -(-max_tokens // slot_size) * slot_size
+
+
 def default_block_length(slot_size: int, tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
     """The default block: ``tokens`` rounded up to whole slots."""
     return -(-tokens // slot_size) * slot_size
@@ -94,6 +119,9 @@ def _positive_int(name: str, value) -> None:
 
 @dataclass
 class BlockLayout:
+    """The decoder's budget (``gen_length``: the answer's most tokens rounded
+    up to whole slots) cut into blocks of whole slots."""
+
     gen_length: int
     block_lengths: List[int]
     slot_size: int = 4
@@ -154,7 +182,7 @@ class Field:
 _DEFAULTS = RefusionParams()
 
 FIELDS: Tuple[Field, ...] = (
-    Field("gen_length", int, "response budget in tokens, rounded up to whole slots",
+    Field("gen_length", int, "most tokens in the answer (decoded in whole slots, cut here)",
           flags=("--max-tokens", "--gen-length"), aliases=("max_tokens",), default=f"default {_DEFAULTS.gen_length}",
           request="max_tokens", openai=True, ge=1),
     Field("slot_size", int, "tokens per slot", flags=("--slot-size",), default=f"default {_DEFAULTS.slot_size}",
@@ -186,8 +214,8 @@ ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 
 
 def make_params(**kwargs) -> RefusionParams:
-    """RefusionParams from keyword arguments; the aliases of ``ALIASES``
-    (``max_tokens``, ``temp``) stand for their settings."""
+    """RefusionParams from keyword arguments, checked; the aliases of
+    ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings."""
     for alias, name in ALIASES.items():
         if alias in kwargs:
             value = kwargs.pop(alias)
@@ -197,4 +225,6 @@ def make_params(**kwargs) -> RefusionParams:
     unknown = sorted(set(kwargs) - set(PARAM_NAMES))
     if unknown:
         raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}")
-    return RefusionParams(**{k: v for k, v in kwargs.items() if v is not None})
+    params = RefusionParams(**{k: v for k, v in kwargs.items() if v is not None})
+    params.layout()  # checked and resolved where made: a bad setting is a DecodeError here
+    return params

@@ -61,9 +61,9 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
         settings.setdefault("block_length", None)
     elif settings.get("block_length") is not None:
         settings.setdefault("serial_num_blocks", None)
-    params = dataclasses.replace(defaults, **settings)
     try:
-        params.layout()
+        params = dataclasses.replace(defaults, **settings)
+        params.layout()  # checked and resolved here, where the line's settings are made
     except DecodeError as e:
         raise RefusionError(f"{where}: {e}") from None
     return PromptItem(prompt if prompt is not None else messages, params)

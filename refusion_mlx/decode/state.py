@@ -10,8 +10,9 @@ they never assign to it. What changes the state is one of its methods:
   committed cache, the statistics count them, the decided slots close;
 * :meth:`DecodeState.count_pass` books a forward in the statistics;
 * :meth:`DecodeState.finish` counts the answer and settles the cache
-  (:meth:`DecodeState.settle`: committed rows beyond the answer's EOS are
-  dropped); :meth:`DecodeState.record_peak` keeps the peak memory.
+  (:meth:`DecodeState.settle`: committed rows beyond the answer's end -- its
+  EOS, or the cut at ``gen_length`` -- are dropped);
+  :meth:`DecodeState.record_peak` keeps the peak memory.
 
 Ownership of the committed cache: whoever passes a cache in (a chat session,
 the server's prompt cache) owns it; without one the state makes its own.
@@ -88,11 +89,10 @@ class DecodeState:
         return Step(phase, commits, self.stats)
 
     def settle(self) -> None:
-        """Drop committed rows beyond the answer's EOS, so the cache holds
-        exactly the conversation so far and a next turn can continue it."""
+        """Drop committed rows beyond the answer's end (its EOS, or the cut at
+        ``params.gen_length``), so the cache holds exactly the conversation
+        so far and a next turn can continue it."""
         answer = self.response()
-        if not answer or answer[-1] != self.eos_id:
-            return
         last = self.response_start + len(answer) - 1
         rows = [r for p, r, _ in self.cache.in_position_order() if r < self.start or p <= last]
         rows.sort()  # commit order kept
@@ -118,11 +118,15 @@ class DecodeState:
     # -- reading it -----------------------------------------------------------
 
     def response(self) -> List[int]:
-        """Committed response ids in position order, up to and including the first EOS."""
-        out = []
+        """Committed response ids in position order, up to and including the
+        first EOS, and cut after ``params.gen_length`` ids besides EOS (the
+        budget is whole slots; the answer is at most ``gen_length``)."""
+        out, most = [], self.params.gen_length
         for p, _, t in self.cache.in_position_order(self.start):
             if p < self.response_start:
                 continue
+            if t != self.eos_id and len(out) == most:
+                break  # the cut: an EOS right after it still ends the answer
             out.append(t)
             if t == self.eos_id:
                 break

@@ -1,8 +1,11 @@
 """The HTTP layer: FastAPI routes over the engine.
 
 Handlers run on uvicorn's event loop: pydantic validates the body, a worker
-thread tokenizes, the engine gets a Job and the handler awaits its events.
-Every error is OpenAI's envelope ``{"error": {message, type, param, code}}``;
+thread makes the engine's request of it (the API's adapter,
+``schemas.openai_request``, then ``engine_request.resolve``), the engine
+queues it as a Job and the handler awaits its events. Every error -- a
+refusal of the request's resolution or of the engine included -- is OpenAI's
+envelope ``{"error": {message, type, param, code}}`` (:mod:`.http_errors`);
 a stream carries only final text, in answer order, as server-sent events.
 """
 
@@ -23,46 +26,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
+from .http_errors import APIError, as_api_error, error_response, refusal_error
 from .job import Job
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
+from .refusal import Refusal
 from .slots import answer_blocks
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, prepare
+from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
 
 log = logging.getLogger("refusion_mlx.server")
 
 
 class ClientGone(Exception):
     """The client closed its connection before the answer."""
-
-
-def as_api_error(request: Request, exc: Exception) -> APIError:
-    """Any 4xx as an APIError: pydantic's first complaint names its field (``messages[0].role: ...``)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, HTTPException):
-        path, method = request.url.path, request.method
-        status = exc.status_code
-        message = {404: f"no route for {method} {path}", 405: f"{path} does not take {method}"}.get(status)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
-        return APIError(status, message or str(exc.detail), code=code)
-    err = exc.errors()[0]
-    if err["type"] == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
-                        code="invalid_json")
-    param = ""
-    for part in err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]:
-        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
-    kind = err["type"]
-    code = {"missing": "missing_required_parameter", "unsupported_parameter": kind}.get(kind) or (
-        "invalid_type" if kind.endswith("_type") else "invalid_value")
-    message = " ".join(err["msg"].removeprefix("Value error, ").split())
-    param = err.get("ctx", {}).get("field") or param  # a field refused before validation
-    return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
-
-
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), error.status, headers={"Retry-After": "1"} if error.status == 503 else None)
 
 
 class BodyLimit:
@@ -93,15 +69,15 @@ class BodyLimit:
 
 
 def create_app(server) -> FastAPI:
-    """The FastAPI app of a RefusionServer (its engine, model id, defaults and limits)."""
-    engine = server.engine
+    """The FastAPI app of a RefusionServer (its engine and its ServerConfig: model id, defaults, limits)."""
+    engine, config = server.engine, server.config
     app = FastAPI(title="refusion-mlx", version=__version__,
                   description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
-    app.add_middleware(BodyLimit, max_bytes=server.max_body_bytes)
-    if server.allowed_origins:
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
 
     async def on_error(request: Request, exc: Exception):
@@ -109,11 +85,11 @@ def create_app(server) -> FastAPI:
         engine.metrics.http_error(error.status)
         return error_response(error)
 
-    for exc in (APIError, HTTPException, RequestValidationError):
+    for exc in (APIError, Refusal, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
 
     def card() -> dict:
-        return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
+        return {"id": config.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
@@ -122,8 +98,8 @@ def create_app(server) -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != server.model_id:
-            raise APIError(404, f"model {name!r} is not served here (this server serves {server.model_id!r})",
+        if name != config.model_id:
+            raise APIError(404, f"model {name!r} is not served here (this server serves {config.model_id!r})",
                            "model", "model_not_found")
         return card()
 
@@ -133,7 +109,7 @@ def create_app(server) -> FastAPI:
         """Queue, batch, counters, KV reservations and the prompt cache's size; 503 when the
         engine is stopping, dead, or stuck in a step past the watchdog."""
         ok, status = engine.health()
-        return JSONResponse({"status": status, "model": server.model_id, **engine.snapshot()}, 200 if ok else 503)
+        return JSONResponse({"status": status, "model": config.model_id, **engine.snapshot()}, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -161,8 +137,8 @@ def create_app(server) -> FastAPI:
             return list(engine.http_tokenizer.encode(source))
 
     def to_request(body, kind):
-        return prepare(body, kind, tokenize, defaults=server.defaults, default_max_tokens=server.default_max_tokens,
-                       context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
+        return openai_request(body, kind, tokenize, defaults=config.decoding,
+                              context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
 
     async def next_event(job: Job, request: Request) -> tuple:
         """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
@@ -179,15 +155,16 @@ def create_app(server) -> FastAPI:
 
     async def complete(request: Request, body, kind: str):
         t0 = time.perf_counter()
-        job = Job(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
-        engine.submit(job)
+        job = engine.submit(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
+        stream = bool(body.stream)
         head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * job.request.stream,
-                "created": int(time.time()), "model": server.model_id, "system_fingerprint": server.fingerprint}
+                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
+                "created": int(time.time()), "model": config.model_id, "system_fingerprint": server.fingerprint}
         try:
             await next_event(job, request)  # admitted to the batch: the decoder took it
-            if job.request.stream:
-                events = sse(job, kind, head, t0)
+            if stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = sse(job, kind, head, t0, include_usage)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
                 response = JobStream(job, events)
                 job = None  # the stream owns it now
@@ -208,7 +185,7 @@ def create_app(server) -> FastAPI:
             if job is not None:
                 job.cancelled.set()  # no-op once it finished; frees the generation when the client left
 
-    async def sse(job: Job, kind: str, head: dict, t0: float):
+    async def sse(job: Job, kind: str, head: dict, t0: float, include_usage: bool):
         """One chunk per piece of final text, in order; the finish (and usage); [DONE]."""
         def chunk(text, finish=None, role: bool = False) -> dict:
             choice = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -234,11 +211,11 @@ def create_app(server) -> FastAPI:
                     yield data({**chunk(payload[0] or None), "commits": payload[1]})
                 elif what == "error":
                     note = payload.message
-                    yield data(payload.body())
+                    yield data(refusal_error(payload).body())
                     break
                 elif what == "done":
                     note, usage, last = payload, payload["usage"], chunk(None, payload["finish_reason"])
-                    if job.request.include_usage:  # OpenAI's shape: usage in a chunk of its own
+                    if include_usage:  # OpenAI's shape: usage in a chunk of its own
                         yield data(last) + data({**head, "choices": [], "usage": usage})
                     else:
                         yield data({**last, "usage": usage})

@@ -10,9 +10,13 @@ queue. A finished request's cache joins the prompt cache for its next turn.
 
 Admission is memory-aware: a request reserves the KV rows its decoder can
 write (:mod:`.memory`) against ``max_kv_bytes``; one that could never fit is
-refused at once (400), one that fits waits for memory. A step that raises
-fails its requests (500) and the engine goes on; ``health()`` reports an
-engine that died or whose turn runs past ``watchdog_seconds``.
+refused at once, one that fits waits for memory. A step that raises fails
+its requests and the engine goes on; ``health()`` reports an engine that
+died or whose turn runs past ``watchdog_seconds``. The engine knows no HTTP:
+it refuses or ends a request with a :class:`~.refusal.Refusal` (a reason and
+a message), and the HTTP edge answers it with its API's status and shape.
+
+Its settings are the server's one :class:`~.server_config.ServerConfig`.
 
 Under ``mlx.launch`` every rank runs an engine; rank 0's takes the HTTP
 requests, decides each turn's :class:`StepPlan` and broadcasts it, and every
@@ -37,25 +41,19 @@ from ..distributed.broadcast import barrier, broadcast
 from ..distributed.group import errors, is_link_failure
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
+from .engine_request import EngineRequest
+from .job import Job, StepPlan
 from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache, prefill
-from .schemas import APIError
-from .job import Job, StepPlan
+from .refusal import Reason, Refusal
+from .server_config import ServerConfig
 from .slots import step_commits
-from .text import TextShaper
 
 log = logging.getLogger("refusion_mlx.server")
 
-DEFAULT_MAX_BATCH = 8
-DEFAULT_MAX_QUEUE = 256
-# 2 GiB: about 14,500 cached tokens of ReFusion-8B in bfloat16 (144 KiB a token: 36 layers x 8 KV heads x
-# 128 x 2 x 2 bytes; half as many in float32), e.g. eight 1,800-token conversations (one per batch row)
-# and a system prompt, for an eighth more memory than the 16 GB of weights.
-DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
-DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
 IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
 
@@ -65,22 +63,14 @@ class Engine:
     ``dist``: the group under ``mlx.launch`` (``distributed.group.init``);
     rank 0's engine decides each step and the others follow (``StepPlan``)."""
 
-    def __init__(self, model_path: Optional[str] = None, dtype: Optional[str] = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_queue: int = DEFAULT_MAX_QUEUE,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, adapter_path: Optional[str] = None,
-                 max_kv_bytes: Optional[int] = None, watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS,
-                 prompt_cache_dir: Optional[str] = None, prompt_cache_dir_bytes: Optional[int] = None,
-                 dist=None):
-        self.model_path, self.dtype, self.adapter_path = model_path, dtype, adapter_path
+    def __init__(self, config: Optional[ServerConfig] = None, dist=None):
+        self.config = config = config or ServerConfig()
         self.dist = dist
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.prompt_cache = PromptCache(prompt_cache_bytes)
-        self.prompt_cache_dir = prompt_cache_dir
-        self.prompt_cache_dir_bytes = prompt_cache_bytes if prompt_cache_dir_bytes is None else prompt_cache_dir_bytes
-        self.max_kv_bytes = max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
         self.kv_row_bytes = 0  # the model's KV bytes per token, known once it is loaded
         self.kv_reserved = 0  # by the requests in the batch
-        self.watchdog_seconds = watchdog_seconds
+        self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
         self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
@@ -108,7 +98,7 @@ class Engine:
             raise self._error
 
     def stop(self, timeout: float = 0.0) -> None:
-        """End every request (503) after the step in progress; wait ``timeout`` s for the thread."""
+        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread."""
         self._stopping.set()
         with self.wake:
             self.wake.notify()
@@ -123,7 +113,7 @@ class Engine:
         if self._stopping.is_set():
             return False, "stopping"
         since = self.busy_since
-        if since is not None and time.monotonic() - since > self.watchdog_seconds:
+        if since is not None and time.monotonic() - since > self.config.watchdog_seconds:
             return False, "stuck"
         return True, "ok"
 
@@ -136,29 +126,36 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
-    def submit(self, job: Job) -> None:
-        job.kv_bytes = kv_need(job.request, self.kv_row_bytes)
+    def job(self, request: EngineRequest, loop=None) -> Job:
+        """The request's Job, as every rank makes it (``loop``: where its events go)."""
+        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id)
+
+    def submit(self, request: EngineRequest, loop) -> Job:
+        """Queue a request; its Job posts the answer's events to ``loop``. A
+        :class:`Refusal` when it can never fit in KV memory or cannot wait."""
+        job = self.job(request, loop)
         if job.kv_bytes > self.max_kv_bytes:
             self.metrics.add("refused")
             raise kv_refusal(job.kv_bytes, self.kv_row_bytes, self.max_kv_bytes)
         with self.wake:
             if self._failed:
-                raise APIError(503, "the model engine has stopped (see the server's log); restart the server",
-                               code="engine_dead")
+                raise Refusal(Reason.ENGINE_DEAD, "the model engine has stopped (see the server's log); "
+                                                  "restart the server")
             if self._stopping.is_set():
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self.waiting) >= self.max_queue:
-                raise APIError(503, f"the server is busy ({self.max_queue} requests waiting); retry later",
-                               code="server_busy")
+                raise Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
+            if len(self.waiting) >= self.config.max_queue:
+                raise Refusal(Reason.SERVER_BUSY, f"the server is busy ({self.config.max_queue} requests "
+                                                  "waiting); retry later")
             self.waiting.append(job)
             self.wake.notify()
+        return job
 
     def snapshot(self) -> dict:
         names = ("completed", "cancelled", "failed", "refused", "kv_waits", "steps", "step_rows",
                  "prefill_tokens", "cached_tokens", "generated_tokens")
         with self.wake:  # one consistent view: a request leaving the batch is counted as it leaves
             state = {"active": len(self.running), "queued": len(self.waiting) + self.starting,
-                     "max_batch": self.max_batch, **self.metrics.read(names),
+                     "max_batch": self.config.max_batch, **self.metrics.read(names),
                      "kv": {"reserved_bytes": self.kv_reserved, "max_bytes": self.max_kv_bytes,
                             "bytes_per_token": self.kv_row_bytes}}
         return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
@@ -171,13 +168,15 @@ class Engine:
             from ..decode.batch import BatchGenerator
             from ..models.loading import load, load_tokenizer
 
-            self.model, self.tokenizer = load(self.model_path, dtype=self.dtype, adapter_path=self.adapter_path,
+            config = self.config
+            self.model, self.tokenizer = load(config.model, dtype=config.dtype, adapter_path=config.adapter_path,
                                               dist=self.dist)
             if self.dist is not None:
                 barrier(self.dist)
             self.args = self.model.args
+            self.eos_id = self.tokenizer.eos_token_id
             self.http_tokenizer = load_tokenizer(self.model.model_path)
-            self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=self.max_batch)
+            self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch)
             self._plan_memory()
             self._open_cache_dir()
         except BaseException as e:  # reported by start() on the caller's thread
@@ -198,10 +197,10 @@ class Engine:
                 os._exit(1)
             log.exception("the engine failed")
             self._failed = True
-            self._end_all(APIError(500, "the model engine failed", code="engine_failed"))
+            self._end_all(Refusal(Reason.ENGINE_FAILED, "the model engine failed"))
         finally:
             self._stopping.set()  # no request is taken from now on
-            self._end_all(APIError(503, "the server is shutting down", code="shutting_down"))
+            self._end_all(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
             self._release()
 
     def _plan_memory(self) -> None:
@@ -212,11 +211,12 @@ class Engine:
 
     def _open_cache_dir(self) -> None:
         """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
-        if self.prompt_cache_dir:
+        config = self.config
+        if config.prompt_cache_dir:
             from .cache_files import attach
 
-            attach(self.prompt_cache, self.model, self.prompt_cache_dir, self.prompt_cache_dir_bytes,
-                   self.adapter_path)
+            attach(self.prompt_cache, self.model, config.prompt_cache_dir, config.prompt_cache_dir_bytes,
+                   config.adapter_path)
 
     def _serve(self) -> None:
         leader = self.dist is None or self.dist.leader
@@ -225,7 +225,7 @@ class Engine:
                 plan = self._plan() if leader else None
                 if self.dist is not None:
                     wire = broadcast(self.dist, plan.wire() if leader else None)
-                    plan = plan if leader else StepPlan.from_wire(wire)
+                    plan = plan if leader else StepPlan.from_wire(wire, self.job)
                 if plan.stop:
                     return
                 self._apply(plan)
@@ -245,7 +245,7 @@ class Engine:
         self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
         # a client that left: its request leaves the batch, its memory goes
         plan = StepPlan(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
-        room = self.max_batch - len(self.running) + len(plan.cancelled)
+        room = self.config.max_batch - len(self.running) + len(plan.cancelled)
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
             while self.waiting and len(plan.admitted) < room:
@@ -280,8 +280,7 @@ class Engine:
                 if is_link_failure(e):
                     raise
                 log.exception("cannot start a request")
-                self._close(job, "failed", APIError(500, f"cannot start the request: {_brief(e)}",
-                                                    code="start_failed"))
+                self._close(job, "failed", Refusal(Reason.START_FAILED, f"cannot start the request: {_brief(e)}"))
         if not self.running:
             return
         t0 = time.monotonic()
@@ -292,13 +291,13 @@ class Engine:
             if is_link_failure(e):
                 raise
             log.exception("a step failed")
-            self._fail_running(APIError(500, f"the step failed: {_brief(e)}", code="step_failed"))
+            self._fail_running(Refusal(Reason.STEP_FAILED, f"the step failed: {_brief(e)}"))
             return
         self.metrics.step(time.monotonic() - t0, rows, sum(len(c.tokens) for r in responses for c in r.commits))
         for response in responses:
             self._route(response)
 
-    def _fail_running(self, error: APIError) -> None:
+    def _fail_running(self, error: Refusal) -> None:
         for job in list(self.running.values()):
             self._close(job, "failed", error)
 
@@ -319,13 +318,11 @@ class Engine:
             n = shared
         job.cache = cache or CommittedCache.for_model(self.model)
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache,
-                                      max_tokens=job.request.max_tokens)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
-            return self._close(job, "failed", APIError(400, str(e), code="invalid_request"))
+            return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)
         self.metrics.add("cached_tokens", job.cached)
-        job.shaper = TextShaper(job.request.stop, self.tokenizer.eos_token_id)
         with self.wake:
             self.running[job.uid] = job
             self.starting -= 1
@@ -336,8 +333,7 @@ class Engine:
         if job is None:  # ended earlier in this step
             return
         if r.finish_reason == "error":
-            return self._close(job, "failed", APIError(500, f"generation failed: {r.error}",
-                                                       code="generation_failed"))
+            return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
         released = job.shaper.completion_tokens
         text, reason = job.shaper.feed(r.text, r.tokens, final=r.finish_reason is not None)
         self.metrics.add("generated_tokens", job.shaper.completion_tokens - released)
@@ -352,7 +348,7 @@ class Engine:
         self._close(job, "completed")
         job.post("done", job.outcome(reason, r.stats, self.dist))
 
-    def _close(self, job: Job, outcome: str, error: Optional[APIError] = None) -> None:
+    def _close(self, job: Job, outcome: str, error: Optional[Refusal] = None) -> None:
         """Take a request out of the batch and free its cache now."""
         if job.uid is not None:
             self.gen.remove(job.uid)
@@ -372,7 +368,7 @@ class Engine:
 
             mx.clear_cache()
 
-    def _end_all(self, error: APIError) -> None:
+    def _end_all(self, error: Refusal) -> None:
         self._fail_running(error)
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()

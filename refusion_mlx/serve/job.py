@@ -6,27 +6,36 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from .schemas import Request
+from .engine_request import EngineRequest
 from .text import TextShaper
 
 
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
-    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error", APIError);
-    with ``include_commits``, a step's text comes as ("commits", (text, its commits))."""
+    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error",
+    Refusal); with ``include_commits``, a step's text comes as ("commits",
+    (text, its commits)).
 
-    def __init__(self, request: Request, loop):
+    Made whole by the engine (``Engine.job``: on rank 0 when the request is
+    submitted, on the other ranks from the plan): the request, where its
+    events go (``loop``; None: nobody listens), the KV bytes it reserves
+    while it runs, and its text's stop strings (``shaper``). Only its
+    decoding's handles change after: ``uid``, ``cache`` and ``cached`` are
+    set when the engine starts it.
+    """
+
+    def __init__(self, request: EngineRequest, loop, kv_bytes: int = 0, eos_id: Optional[int] = None):
         self.request, self.loop = request, loop
         self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.uid: Optional[int] = None
-        self.cache = None
-        self.cached = 0
-        self.kv_bytes = 0  # reserved against the engine's max_kv_bytes while it runs
+        self.kv_bytes = kv_bytes  # reserved against the engine's max_kv_bytes while it runs
         self.waited = False  # it waited in the queue for KV memory
-        self.shaper: Optional[TextShaper] = None
+        self.shaper = TextShaper(request.stop, eos_id)
+        self.uid: Optional[int] = None  # in the BatchGenerator, once started
+        self.cache = None  # its CommittedCache, once started
+        self.cached = 0  # prompt tokens the prompt cache held
 
     def outcome(self, reason: str, stats, dist=None) -> dict:
         """The "done" event: finish reason, the decoder's stats (with the group's
@@ -67,6 +76,7 @@ class StepPlan:
         return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
 
     @classmethod
-    def from_wire(cls, wire: tuple) -> "StepPlan":
+    def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "StepPlan":
+        """The plan rank 0 broadcast; ``job`` makes each admitted request's Job (``Engine.job``)."""
         cancelled, requests, peers, stop = wire
-        return cls(cancelled, [Job(r, None) for r in requests], peers, stop)
+        return cls(cancelled, [job(r) for r in requests], peers, stop)

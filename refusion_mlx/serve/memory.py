@@ -80,10 +80,10 @@ def kv_need(request, row_bytes: int) -> int:
 
 
 def kv_refusal(need: int, row_bytes: int, max_bytes: int):
-    """The 400 of a request that can never fit, naming the numbers."""
-    from .schemas import APIError
+    """The refusal of a request that can never fit, naming the numbers."""
+    from .refusal import Reason, Refusal
 
     rows = need // max(1, row_bytes)
-    return APIError(400, f"the request needs {need} bytes of KV cache ({rows} rows of {row_bytes} bytes: "
-                         f"prompt + max_tokens in whole slots, in steps of {growth_rows()}); the server's "
-                         f"--max-kv-bytes is {max_bytes}", "max_tokens", "kv_memory_exceeded")
+    return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
+                   f"{row_bytes} bytes: prompt + max_tokens in whole slots, in steps of {growth_rows()}); the "
+                   f"server's --max-kv-bytes is {max_bytes}", "max_tokens")

@@ -1,6 +1,7 @@
 """The web chat page at ``/``: plain files of ``web/`` (no build step, nothing
 fetched from elsewhere) and the settings it offers, read from the decoding
-table (``decode/params.py`` FIELDS) and the server's defaults."""
+table (``decode/params.py`` FIELDS) and the server's decoding defaults
+(``ServerConfig.decoding``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
 from ..decode.params import FIELDS
-from .schemas import APIError
+from .http_errors import APIError
 
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8"}
@@ -30,10 +31,10 @@ def page_settings(server) -> dict:
     for f in FIELDS:
         if f.request is None:
             continue
-        default = server.default_max_tokens if f.name == "gen_length" else getattr(server.defaults, f.name)
+        default = getattr(server.config.decoding, f.name)  # gen_length: max_tokens' default
         fields.append({"name": f.request, "type": f.type.__name__, "default": default, "help": f.help,
                        "openai": f.openai, **f.bounds()})
-    return {"model": server.model_id, "fields": fields}
+    return {"model": server.config.model_id, "fields": fields}
 
 
 def add_page(app: FastAPI, server) -> None:

@@ -1,42 +1,26 @@
 """The OpenAI request bodies as pydantic models (they make the schema at
-``/docs``), and their translation into what the engine runs.
+``/docs``), and their adapter into the engine's request
+(:func:`openai_request`).
 
 Types are strict (``"12"`` is not a number, ``true`` not an integer) and
 ranges are checked here; what needs the tokenizer or the model's context is
-checked in :func:`prepare`. Fields that would change an answer's meaning but
-cannot be honoured are refused, never ignored; other unknown fields are.
+checked where the engine's request is made (:mod:`.engine_request`). Fields
+that would change an answer's meaning but cannot be honoured are refused,
+never ignored; other unknown fields are.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..decode.params import FIELDS
-from ..errors import RefusionError
+from ..decode.params import FIELDS, RefusionParams
+from .engine_request import EngineRequest, prompt_ids, resolve
 
 MAX_STOP = 16
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _invalid(message: str):
@@ -152,70 +136,25 @@ class CompletionRequest(_Request):
 # Into the engine's terms
 
 
-@dataclasses.dataclass
-class Request:
-    """A validated completion request, ready for the engine."""
-
-    kind: str  # "chat" or "text"
-    prompt_ids: List[int]
-    params: Any  # RefusionParams
-    max_tokens: int
-    stop: List[str]
-    stream: bool
-    include_usage: bool
-    include_commits: bool = False  # a stream's chunks carry each step's commits
-
-
 # The request fields that are RefusionParams' settings under the same name
-# (max_tokens, gen_length's request name, is checked against the context in prepare).
+# (max_tokens, gen_length's request name, is resolve's own argument).
 DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
 
 
-def prepare(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, defaults,
-            default_max_tokens: int, context: int, vocab_size: int) -> Request:
-    """Tokenize and check against the model: context, vocabulary, decoding layout."""
+def decoding_fields(body: _Request) -> Dict[str, Any]:
+    """The decoding settings a body gives (those not null), by their RefusionParams names."""
+    return {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
+
+
+def openai_request(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
+                   context: int, vocab_size: int) -> EngineRequest:
+    """A chat (``kind`` "chat") or text ("text") completion body as the engine's request."""
     param = "messages" if kind == "chat" else "prompt"
     source = ([{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
               if kind == "chat" else body.prompt)
-    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size]
-    if outside:
-        raise bad(f"prompt token id {outside[0]} is outside the vocabulary of {vocab_size}", param, "invalid_value")
-    try:
-        ids = list(tokenize(source))
-    except Exception as e:  # a chat template that refuses the conversation
-        detail = " ".join(str(e).split())[:200] or type(e).__name__
-        raise bad(f"cannot build the prompt: {detail}", param) from None
-    if not ids:
-        raise bad("the prompt is empty after tokenization", param, "invalid_value")
-    if len(ids) >= context:
-        raise bad(f"the prompt is {len(ids)} tokens; the model's context is {context}", param,
-                  "context_length_exceeded")
+    ids = prompt_ids(source, tokenize, vocab_size, param)
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-    max_tokens = getattr(body, name)
-    if max_tokens is not None and max_tokens > context:
-        raise bad(f"{name} must be at most the model's context of {context}, got {max_tokens}", name,
-                  "context_length_exceeded")
-    slot = body.slot_size or defaults.slot_size
-    if max_tokens is None:  # as OpenAI: the default shrinks to what the context leaves
-        max_tokens = min(default_max_tokens, ((context - len(ids)) // slot) * slot)
-        if max_tokens < 1:
-            raise bad(f"the prompt is {len(ids)} tokens; the model's context of {context} leaves no whole "
-                      f"slot of {slot} for an answer", param, "context_length_exceeded")
-    values = dataclasses.asdict(defaults)
-    values["gen_length"] = max_tokens
-    given = {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
-    if "block_length" in given or "serial_num_blocks" in given:  # a request's choice replaces the server's
-        values["block_length"] = values["serial_num_blocks"] = None
-    values.update(given)
-    params = type(defaults)(**values)
-    try:
-        budget = params.layout().gen_length
-    except RefusionError as e:
-        raise bad(str(e), None, "invalid_decoding_parameters") from None
-    if len(ids) + budget > context:
-        raise bad(f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, {budget} in whole slots) exceeds "
-                  f"the model's context of {context}", name, "context_length_exceeded")
     options = body.stream_options
-    return Request(kind, ids, params, max_tokens, body.stop or [], bool(body.stream),
-                   bool(options and options.include_usage),
-                   bool(body.stream and options and options.include_commits))
+    return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
+                   context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
+                   include_commits=bool(body.stream and options and options.include_commits))

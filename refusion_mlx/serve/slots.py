@@ -10,7 +10,7 @@ from typing import List
 def answer_blocks(request) -> List[int]:
     """The lengths of the answer's blocks, the last cut at max_tokens."""
     blocks, left = [], request.max_tokens
-    for length in request.params.layout().block_lengths:
+    for length in request.layout.block_lengths:
         if left <= 0:
             break
         blocks.append(min(length, left))

@@ -1,0 +1,102 @@
+"""The one request shape inside the server, and where it is made.
+
+:class:`EngineRequest` is what the engine runs, whichever API asked for it.
+Each API's adapter at the edge (OpenAI's chat and text completions:
+:func:`.schemas.openai_request`) only translates its body -- the prompt's
+source (messages for the chat template, text or ids), the most tokens and
+the name its API gives them, the decoding fields given, stop strings -- and
+hands it to :func:`prompt_ids` and :func:`resolve`, which do the rest once:
+the vocabulary and context checks, the default ``max_tokens``, the server's
+decoding settings under the request's own, and the block layout (resolved
+here and carried by the request's ``params``). A bad request is one
+:class:`~.refusal.Refusal` naming the field as that API calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..decode.params import BlockLayout, RefusionParams
+from ..errors import DecodeError
+from .refusal import Reason, Refusal
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A generation as the engine runs it: the prompt's ids, the decoding
+    settings (``params``; its ``gen_length`` is ``max_tokens``), the stop
+    strings, and whether each step's commits are wanted (the web page's slot
+    view: ``stream_options.include_commits``)."""
+
+    prompt_ids: List[int]
+    params: RefusionParams
+    stop: Tuple[str, ...] = ()
+    include_commits: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        """The answer's most tokens besides EOS: it is cut there exactly."""
+        return self.params.gen_length
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The decoder's budget (``max_tokens`` in whole slots) in blocks, resolved once by :func:`resolve`."""
+        return self.params.layout()
+
+
+def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:
+    """The prompt's ids from ``source`` (what ``tokenize`` takes: chat messages,
+    text, or ids, which are checked against the vocabulary); ``param``: the
+    field that holds the prompt in the request's API."""
+    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size]
+    if outside:
+        raise Refusal(Reason.INVALID_VALUE, f"prompt token id {outside[0]} is outside the vocabulary of "
+                                            f"{vocab_size}", param)
+    try:
+        ids = list(tokenize(source))
+    except Exception as e:  # a chat template that refuses the conversation
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise Refusal(Reason.INVALID_PROMPT, f"cannot build the prompt: {detail}", param) from None
+    if not ids:
+        raise Refusal(Reason.INVALID_VALUE, "the prompt is empty after tokenization", param)
+    return ids
+
+
+def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any], defaults: RefusionParams,
+            context: int, stop: Sequence[str] = (), include_commits: bool = False,
+            prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> EngineRequest:
+    """The request the engine runs, checked against the model's ``context``.
+
+    ``max_tokens``: the answer's most tokens (None: the server's default,
+    ``defaults.gen_length``, shrunk to the whole slots the context leaves, as
+    OpenAI shrinks its default). ``fields``: the decoding settings the request
+    gives, by their ``RefusionParams`` names, over the server's ``defaults``
+    (a request's block choice replaces the server's). ``prompt_param`` and
+    ``max_tokens_param``: those fields' names in the request's API.
+    """
+    name = max_tokens_param
+    if len(ids) >= context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
+                                                      f"is {context}", prompt_param)
+    if max_tokens is not None and max_tokens > context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"{name} must be at most the model's context of "
+                                                      f"{context}, got {max_tokens}", name)
+    slot = fields.get("slot_size") or defaults.slot_size
+    if max_tokens is None:
+        max_tokens = min(defaults.gen_length, ((context - len(ids)) // slot) * slot)
+        if max_tokens < 1:
+            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
+                          f"of {context} leaves no whole slot of {slot} for an answer", prompt_param)
+    blocks = {"block_length": None, "serial_num_blocks": None}
+    changes = {**(blocks if blocks.keys() & fields.keys() else {}), **fields, "gen_length": max_tokens}
+    try:
+        params = dataclasses.replace(defaults, **changes)
+        budget = params.layout().gen_length  # resolved here, once: the request carries it
+    except DecodeError as e:
+        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+    if len(ids) + budget > context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
+                      f"{budget} in whole slots) exceeds the model's context of {context}", name)
+    return EngineRequest(list(ids), params, tuple(stop), include_commits)

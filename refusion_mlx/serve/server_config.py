@@ -1,0 +1,168 @@
+"""The server's settings: one :class:`ServerConfig`, made once and passed
+whole to the HTTP side (:class:`~.http_server.RefusionServer`, its app) and
+the engine.
+
+From the command line, :func:`add_server_args` adds the server's own flags,
+each named as its field (``--max-batch`` is ``max_batch``), and
+:meth:`ServerConfig.from_args` makes the config of the parsed flags; the
+decoding flags (``decode.params.FIELDS`` through ``cli.add_decoding_args``)
+become its ``decoding``. From Python: ``ServerConfig(model=..., ...)``, or
+those keywords to ``RefusionServer``. A bad value is one ``RefusionError``
+when the config is made, before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..cli import byte_size, params_from_args
+from ..decode.params import RefusionParams
+from ..errors import RefusionError
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 256
+# 2 GiB: about 14,500 cached tokens of ReFusion-8B in bfloat16 (144 KiB a token: 36 layers x 8 KV heads x
+# 128 x 2 x 2 bytes; half as many in float32), e.g. eight 1,800-token conversations (one per batch row)
+# and a system prompt, for an eighth more memory than the 16 GB of weights.
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
+DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a long chat history, not an upload
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server is set up with.
+
+    ``decoding``: the settings a request starts from (its fields override
+    them); its ``gen_length`` is the default ``max_tokens``. ``model_id``
+    (None: the model's path, or "tiny-refusion" for the bundled model) and
+    ``prompt_cache_dir_bytes`` (None: ``prompt_cache_bytes``) are filled in
+    when the config is made. ``max_kv_bytes`` None: derived from the
+    device's memory when the model is loaded (``memory.default_max_kv_bytes``).
+    """
+
+    model: Optional[str] = None
+    adapter_path: Optional[str] = None
+    dtype: Optional[str] = None
+    model_id: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    decoding: RefusionParams = dataclasses.field(default_factory=RefusionParams)
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    allowed_origins: Tuple[str, ...] = ()
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_dir_bytes: Optional[int] = None
+    max_kv_bytes: Optional[int] = None
+    watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "max_body_bytes"):
+            _check(name, getattr(self, name), 1)
+        _check("port", self.port, 0, 65535)
+        _check("prompt_cache_bytes", self.prompt_cache_bytes, 0)
+        for name in ("prompt_cache_dir_bytes", "max_kv_bytes"):
+            if getattr(self, name) is not None:
+                _check(name, getattr(self, name), 0 if name == "prompt_cache_dir_bytes" else 1)
+        seconds = self.watchdog_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
+            raise RefusionError(f"watchdog_seconds must be a positive number of seconds, got {self.watchdog_seconds!r}")
+        self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
+        fill = object.__setattr__  # frozen: the derived values are set once, here
+        fill(self, "allowed_origins", tuple(self.allowed_origins))
+        if self.model_id is None:
+            fill(self, "model_id", str(self.model).rstrip("/") if self.model else "tiny-refusion")
+        if self.prompt_cache_dir_bytes is None:
+            fill(self, "prompt_cache_dir_bytes", self.prompt_cache_bytes)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        """The config of parsed flags: the model's (``cli.add_model_args``),
+        the decoding flags, and :func:`add_server_args`' (each its field's name)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "decoding"]
+        return cls(decoding=params_from_args(args), **{n: getattr(args, n) for n in names})
+
+
+def _check(name: str, value, lo: int, hi: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        within = f"within {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise RefusionError(f"{name} must be an integer {within}, got {value!r}")
+
+
+def _int_flag(lo: int, hi: int, message: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(message.format(value))
+        return value
+    return parse
+
+
+_port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
+_positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
+
+
+def _positive_size(text: str) -> int:
+    value = byte_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _origins(text: str) -> Tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, one per field of :class:`ServerConfig` (besides
+    the model's and the decoding flags), each with the field's name."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
+    parser.add_argument("--model-id", help="the model name reported by /v1/models (default: --model)")
+    parser.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH,
+                        help=f"requests decoded together, one batched forward per step (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-active", dest="max_batch", type=_positive, help=argparse.SUPPRESS)  # the old name
+    parser.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES,
+                        help="memory for the KV caches of recent conversations and shared prompts, reused by "
+                             "requests that continue them; least recently used first out; 0 turns it off "
+                             "(default 2G: ~14k tokens of ReFusion-8B in bfloat16, e.g. one 1.8k-token "
+                             "conversation per batch row)")
+    parser.add_argument("--prompt-cache-dir", metavar="DIR",
+                        help="keep the prompt cache's entries in DIR too (safetensors files, reloaded at start-up, "
+                             "so conversations survive a restart; default: memory only)")
+    parser.add_argument("--prompt-cache-dir-bytes", type=byte_size, metavar="SIZE",
+                        help="byte budget of --prompt-cache-dir; least recently used files go first "
+                             "(default: --prompt-cache-bytes)")
+    parser.add_argument("--max-kv-bytes", type=_positive_size, metavar="SIZE",
+                        help="KV memory the requests in the batch may reserve (prompt + max_tokens each); "
+                             "others wait, one that can never fit gets 400 (default: 90%% of the device's "
+                             "memory - Metal's recommended working set, else physical memory - less the "
+                             "weights and --prompt-cache-bytes)")
+    parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
+                        help="/health answers 503 while a step has run longer than this "
+                             f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
+    parser.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY,
+                        help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_BODY})")
+    parser.add_argument("--allowed-origins", type=_origins, default=(),
+                        help="comma-separated origins allowed by CORS, or '*' (default: none)")

@@ -1,0 +1,159 @@
+"""``max_tokens`` has one meaning everywhere: the answer's most tokens, cut exactly.
+
+The decoder works in whole slots (its budget is ``max_tokens`` rounded up to
+them); the Python API, the CLIs (generate, its prompts file, chat, bench) and
+the server all cut the answer there, and its text is the text of its ids.
+The cut changes nothing before it: the answer is the whole-slot budget's
+answer, cut.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refusion_mlx.decode.batch import batch_generate
+from refusion_mlx.decode.conversation import ChatSession
+from refusion_mlx.decode.params import budget, make_params
+from refusion_mlx.decode.stream import chat_prompt, stream_generate
+from refusion_mlx.generate import main as generate_main
+
+from tests.helpers import FIXTURE_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS = 801
+CASES = [26, 2, 14]  # golden prompts that count on past any budget here: each answer is cut
+CUTS = [(10, 4), (13, 8), (5, 2)]  # (max_tokens, slot_size): never a whole number of slots
+
+
+def answer(demo, ids, max_tokens, slot_size):
+    model, tokenizer = demo
+    out = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, slot_size=slot_size))
+    return [t for r in out for t in r.tokens], "".join(r.text for r in out), out[-1]
+
+
+def check_cut(tokenizer, ids, text, max_tokens, finish_reason="length"):
+    """At most max_tokens ids besides EOS (exactly that many when cut), and the text is theirs."""
+    content = [t for t in ids if t != EOS]
+    assert len(content) <= max_tokens
+    assert finish_reason != "length" or len(content) == max_tokens
+    assert text == tokenizer.decode(content, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("max_tokens, slot_size", CUTS)
+def test_python_api_cuts_at_max_tokens(demo, golden_cases, case, max_tokens, slot_size):
+    model, tokenizer = demo
+    ids = golden_cases[case]["prompt_ids"]
+    tokens, text, last = answer(demo, ids, max_tokens, slot_size)
+    assert last.finish_reason == "length" and len(tokens) == max_tokens
+    check_cut(tokenizer, tokens, text, max_tokens)
+    assert last.stats.generated_tokens == last.generation_tokens == len(tokens)
+    whole, _, _ = answer(demo, ids, budget(max_tokens, slot_size), slot_size)
+    assert len(whole) > max_tokens and tokens == whole[:max_tokens]  # the same decode, cut
+
+
+def test_batch_and_chat_session_cut_too(demo, golden_cases):
+    model, tokenizer = demo
+    prompts = [golden_cases[c]["prompt_ids"] for c in CASES]
+    results = batch_generate(model, tokenizer, prompts, max_tokens=10, slot_size=4)
+    for prompt, r in zip(prompts, results):
+        assert r.output_ids == answer(demo, prompt, 10, 4)[0] and r.finish_reason == "length"
+        check_cut(tokenizer, r.output_ids, r.text, 10)
+        assert r.stats.generated_tokens == 10
+    session = ChatSession(model, tokenizer, make_params(max_tokens=10, slot_size=4))
+    question = golden_cases[CASES[0]]["prompt"]
+    reply = session.send(question)
+    ids = chat_prompt(tokenizer, question)
+    assert reply == answer(demo, ids, 10, 4)[1] and session.turns[-1].answer_tokens == 10
+    assert len(session.cache) == len(ids) + 10  # settled at the cut: the next turn continues from there
+    session.send("And then?")
+    assert session.turns[-1].reused_tokens >= len(ids)
+
+
+def test_generate_cli_and_prompts_file_cut(demo, golden_cases, tmp_path, capsys):
+    _, tokenizer = demo
+    case = golden_cases[CASES[0]]
+    flags = ["--model", str(FIXTURE_MODEL), "--dtype", "float32", "--json"]
+    assert generate_main([*flags, "--prompt", case["prompt"], "--max-tokens", "10", "--slot-size", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["output_ids"] == answer(demo, case["prompt_ids"], 10, 4)[0] and out["finish_reason"] == "length"
+    check_cut(tokenizer, out["output_ids"], out["text"], 10)
+    assert out["stats"]["generated_tokens"] == 10
+    lines = [{"prompt": golden_cases[c]["prompt"], "max_tokens": m, "slot_size": s} for c, (m, s) in zip(CASES, CUTS)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert generate_main([*flags, "--prompts-file", str(path)]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for r, (c, (m, s)) in zip(results, zip(CASES, CUTS)):
+        assert r["output_ids"] == answer(demo, golden_cases[c]["prompt_ids"], m, s)[0]
+        check_cut(tokenizer, r["output_ids"], r["text"], m)
+
+
+def test_chat_cli_cuts(demo, golden_cases):
+    case = golden_cases[CASES[0]]
+    r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", "--model", str(FIXTURE_MODEL), "--dtype",
+                        "float32", "--max-tokens", "10", "--slot-size", "4"], input=case["prompt"] + "\n",
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert answer(demo, case["prompt_ids"], 10, 4)[1] in r.stdout
+
+
+def test_bench_cuts_both_sides(tmp_path):
+    from refusion_mlx import bench
+
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps({"name": "cut", "prompts": [{"prompt": "Count from 17 to 38."}]}))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--suite", str(suite), "--max-tokens", "10", "--slot-size", "4", "--warmup", "0",
+                       "--repeat", "1", "--json", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["params"]["gen_length"] == 10
+    for side in ("refusion", "ar"):
+        assert len([t for t in case[side]["output_ids"] if t != EOS]) <= 10
+    assert len(case["refusion"]["output_ids"]) == 10 and case["refusion"]["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    with RefusionServer(str(FIXTURE_MODEL), port=0) as srv:
+        yield srv
+
+
+def post(server, body: dict):
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read().decode()
+    conn.close()
+    return response.status, data
+
+
+@pytest.mark.parametrize("max_tokens, slot_size", CUTS)
+def test_server_cuts_at_max_tokens_as_the_python_api(demo, golden_cases, server, max_tokens, slot_size):
+    _, tokenizer = demo
+    ids = golden_cases[CASES[0]]["prompt_ids"]
+    tokens, text, _ = answer(demo, ids, max_tokens, slot_size)
+    body = {"prompt": ids, "max_tokens": max_tokens, "slot_size": slot_size}
+    status, data = post(server, body)
+    assert status == 200, data
+    reply = json.loads(data)
+    assert reply["choices"][0]["text"] == text and reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == max_tokens
+    # streamed with the slots' commits: the answer's ids (positions below max_tokens) are the Python API's
+    status, data = post(server, {**body, "stream": True, "stream_options": {"include_commits": True}})
+    chunks = [json.loads(line[6:]) for line in data.splitlines() if line.startswith("data: {")]
+    by_position = {p: t for c in chunks for s in c.get("commits", {}).get("slots", [])
+                   for p, t in zip(s["positions"], s["ids"])}
+    assert sorted(by_position) == list(range(max_tokens))
+    assert [by_position[p] for p in range(max_tokens)] == tokens
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    check_cut(tokenizer, tokens, streamed, max_tokens)
+    blocks = next(c["commits"]["blocks"] for c in chunks if "commits" in c)
+    assert sum(blocks) == max_tokens  # the answer's blocks, the last cut at max_tokens
