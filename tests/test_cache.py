@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.models.base import CacheSpec
 
 from tests.helpers import random_config, random_model
 
@@ -12,6 +13,15 @@ from tests.helpers import random_config, random_model
 @pytest.fixture(scope="module")
 def model():
     return random_model(random_config(vocab_size=120), seed=3)
+
+
+def keys(cache, layer):
+    """Every row a layer's store holds: its keys (1, kv_heads, capacity, head_dim)."""
+    return cache.stores[layer].read(cache.capacity)[0]
+
+
+def values(cache, layer):
+    return cache.stores[layer].read(cache.capacity)[1]
 
 
 def prefill(model, cache, tokens, positions):
@@ -27,7 +37,7 @@ def test_growth_is_in_steps_not_per_token(model):
         capacities.add(cache.capacity)
     assert len(cache) == 200
     assert capacities == {64, 128, 192, 256}
-    assert cache.keys[0].shape[2] == cache.capacity
+    assert cache.stores[0].keys.shape[2] == cache.stores[0].capacity == cache.capacity
 
 
 def test_uncommitted_rows_are_cropped(model):
@@ -70,7 +80,7 @@ def test_packed_infill_equals_each_slot_alone(model, cursor):
     slot_pos = [[7 + 8 + j for j in range(S)], [7 + j for j in range(S)], [7 + 4 + j for j in range(S)]]
     cache = CommittedCache.for_model(model)
     prefill(model, cache, prompt, list(range(7)))
-    committed_keys = np.array(cache.keys[0][:, :, :7])
+    committed_keys = np.array(keys(cache, 0)[:, :, :7])
     flat = lambda rows, a: mx.array([t for r in rows for t in r[a:]])  # noqa: E731
     if cursor:  # private prefixes written by an earlier round
         model.hidden(flat(slots, 0)[None], flat(slot_pos, 0), cache.infill(k, S, 0))
@@ -80,7 +90,7 @@ def test_packed_infill_equals_each_slot_alone(model, cursor):
         alone = model(mx.array(prompt + slots[i])[None], mx.array(list(range(7)) + slot_pos[i]))
         assert np.allclose(out[i], np.array(alone)[0, 7 + cursor:], atol=1e-5)
     assert len(cache) == 7
-    assert np.array_equal(np.array(cache.keys[0][:, :, :7]), committed_keys)
+    assert np.array_equal(np.array(keys(cache, 0)[:, :, :7]), committed_keys)
 
 
 def test_infill_rows_are_adopted_in_slot_order(model):
@@ -99,25 +109,25 @@ def test_infill_rows_are_adopted_in_slot_order(model):
         alone = CommittedCache.for_model(model)
         prefill(model, alone, [7, 7, 7] + toks, [0, 1, 2] + pos)
         for layer in (1,):  # layer 0's K/V do not depend on attention
-            assert np.allclose(np.array(cache.keys[layer][:, :, rows]),
-                               np.array(alone.keys[layer][:, :, 3:5]), atol=1e-5)
-            assert np.allclose(np.array(cache.values[layer][:, :, rows]),
-                               np.array(alone.values[layer][:, :, 3:5]), atol=1e-5)
+            assert np.allclose(np.array(keys(cache, layer)[:, :, rows]),
+                               np.array(keys(alone, layer)[:, :, 3:5]), atol=1e-5)
+            assert np.allclose(np.array(values(cache, layer)[:, :, rows]),
+                               np.array(values(alone, layer)[:, :, 3:5]), atol=1e-5)
 
 
 def test_keep_drops_rows_and_keeps_kv(model):
     cache = CommittedCache.for_model(model)
     prefill(model, cache, [1, 2, 3, 4, 5], [0, 1, 2, 4, 3])
-    before = np.array(cache.values[1][:, :, :5])
+    before = np.array(values(cache, 1)[:, :, :5])
     cache.keep([0, 1, 2, 4])
     assert cache.tokens == [1, 2, 3, 5] and cache.positions == [0, 1, 2, 3]
-    assert np.array_equal(np.array(cache.values[1][:, :, :4]), before[:, :, [0, 1, 2, 4]])
+    assert np.array_equal(np.array(values(cache, 1)[:, :, :4]), before[:, :, [0, 1, 2, 4]])
     cache.truncate(2)
     assert cache.tokens == [1, 2]
 
 
 def test_fork_copies_rows_and_leaves_the_source_alone():
-    cache = CommittedCache(num_layers=2, num_kv_heads=1, head_dim=4, step=8)
+    cache = CommittedCache(CacheSpec(layers=2, kv_heads=1, head_dim=4, dtype=mx.float32, held=range(2)), step=8)
     write = cache.extend(5)
     kv = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
     for i in range(2):
@@ -125,12 +135,13 @@ def test_fork_copies_rows_and_leaves_the_source_alone():
     cache.commit([10, 11, 12, 13, 14], [0, 1, 2, 4, 3])
     fork = cache.fork([0, 1, 2, 4])
     assert fork.tokens == [10, 11, 12, 14] and fork.positions == [0, 1, 2, 3]
-    assert np.array_equal(np.array(fork.keys[1][0, 0, 3]), np.array(kv[0, 0, 4] + 1))
-    assert np.array_equal(np.array(fork.values[0][0, 0, :3]), np.array(kv[0, 0, :3]))
+    assert np.array_equal(np.array(keys(fork, 1)[0, 0, 3]), np.array(kv[0, 0, 4] + 1))
+    assert np.array_equal(np.array(values(fork, 0)[0, 0, :3]), np.array(kv[0, 0, :3]))
     fork.commit([], [])
     fork.reserve(20)
-    fork.keys[0][:, :, 0, :] = 0.0
-    assert len(cache) == 5 and float(cache.keys[0][0, 0, 0, 1]) == 1.0  # the source is untouched
+    fork.stores[0].write(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)), 0)
+    assert float(keys(fork, 0)[0, 0, 0, 1]) == 0.0
+    assert len(cache) == 5 and float(keys(cache, 0)[0, 0, 0, 1]) == 1.0  # the source is untouched
     assert len(cache.fork([])) == 0
 
 
@@ -157,4 +168,4 @@ def test_prefill_chunks_and_passes_commit_each_chunk(model):
     pf.prefill(model, chunked, tokens[3:], step=4)  # positions go on after the cache's
     prefill(model, whole, tokens, list(range(13)))
     assert chunked.tokens == whole.tokens and chunked.positions == list(range(13))
-    np.testing.assert_allclose(np.array(chunked.keys[0][:, :, :13]), np.array(whole.keys[0][:, :, :13]), atol=1e-4)
+    np.testing.assert_allclose(np.array(keys(chunked, 0)[:, :, :13]), np.array(keys(whole, 0)[:, :, :13]), atol=1e-4)
