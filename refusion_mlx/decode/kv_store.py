@@ -81,9 +81,9 @@ class KVStore:
         return attend(q, keys, values, mask)
 
     def set_committed(self, count: int) -> None:
-        """Rows ``[0, count)`` are the committed ones from now on: more after
-        a commit (rows the passes wrote, adopted as they are), fewer after a
-        keep that dropped rows. The float store keeps all rows alike."""
+        """Rows ``[0, count)`` are the committed ones from now on: told after
+        every commit (rows the passes wrote, adopted as they are), keep, fork
+        and load. The float store keeps all rows alike and ignores it."""
 
     def keep(self, index: mx.array) -> None:
         """Rows ``[0, n)`` become the rows ``index`` (n of them, committed
@@ -97,6 +97,7 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the store's buffers hold (every row held, not only the committed ones)."""
         raise NotImplementedError
 
     def state(self) -> List[mx.array]:
@@ -106,7 +107,8 @@ class KVStore:
     # -- saving and restoring (the server's prompt-cache files) ---------------
 
     def to_arrays(self, rows: int) -> Dict[str, mx.array]:
-        """The first ``rows`` rows as named arrays (names without dots)."""
+        """The first ``rows`` rows as named arrays (the cache names them
+        ``{name}.{layer}`` in a file)."""
         raise NotImplementedError
 
     def load_arrays(self, arrays: Dict[str, mx.array], rows: int) -> None:
