@@ -97,8 +97,9 @@ def committed_cache(rows: int = 4096):
     """A one-layer CommittedCache with room for ``rows`` rows: the holder of
     committed tokens that text views (AnswerText, SlotView) read."""
     from refusion_mlx.decode.cache import CommittedCache
+    from refusion_mlx.models.base import CacheSpec
 
-    cache = CommittedCache(1, 1, 1, step=rows)
+    cache = CommittedCache(CacheSpec(1, 1, 1, mx.float32, range(1)), step=rows)
     cache.reserve(rows)
     return cache
 

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.kv_store import KVStore, Storage
+from refusion_mlx.models.base import CacheSpec
 
 from tests.helpers import random_config, random_model
 
@@ -12,6 +14,15 @@ from tests.helpers import random_config, random_model
 @pytest.fixture(scope="module")
 def model():
     return random_model(random_config(vocab_size=120), seed=3)
+
+
+def keys(cache, layer):
+    """Every row a layer's store holds: its keys (1, kv_heads, capacity, head_dim)."""
+    return cache.stores[layer].read(cache.capacity)[0]
+
+
+def values(cache, layer):
+    return cache.stores[layer].read(cache.capacity)[1]
 
 
 def prefill(model, cache, tokens, positions):
@@ -27,7 +38,7 @@ def test_growth_is_in_steps_not_per_token(model):
         capacities.add(cache.capacity)
     assert len(cache) == 200
     assert capacities == {64, 128, 192, 256}
-    assert cache.keys[0].shape[2] == cache.capacity
+    assert cache.stores[0].keys.shape[2] == cache.stores[0].capacity == cache.capacity
 
 
 def test_uncommitted_rows_are_cropped(model):
@@ -70,7 +81,7 @@ def test_packed_infill_equals_each_slot_alone(model, cursor):
     slot_pos = [[7 + 8 + j for j in range(S)], [7 + j for j in range(S)], [7 + 4 + j for j in range(S)]]
     cache = CommittedCache.for_model(model)
     prefill(model, cache, prompt, list(range(7)))
-    committed_keys = np.array(cache.keys[0][:, :, :7])
+    committed_keys = np.array(keys(cache, 0)[:, :, :7])
     flat = lambda rows, a: mx.array([t for r in rows for t in r[a:]])  # noqa: E731
     if cursor:  # private prefixes written by an earlier round
         model.hidden(flat(slots, 0)[None], flat(slot_pos, 0), cache.infill(k, S, 0))
@@ -80,7 +91,7 @@ def test_packed_infill_equals_each_slot_alone(model, cursor):
         alone = model(mx.array(prompt + slots[i])[None], mx.array(list(range(7)) + slot_pos[i]))
         assert np.allclose(out[i], np.array(alone)[0, 7 + cursor:], atol=1e-5)
     assert len(cache) == 7
-    assert np.array_equal(np.array(cache.keys[0][:, :, :7]), committed_keys)
+    assert np.array_equal(np.array(keys(cache, 0)[:, :, :7]), committed_keys)
 
 
 def test_infill_rows_are_adopted_in_slot_order(model):
@@ -99,23 +110,23 @@ def test_infill_rows_are_adopted_in_slot_order(model):
         alone = CommittedCache.for_model(model)
         prefill(model, alone, [7, 7, 7] + toks, [0, 1, 2] + pos)
         for layer in (1,):  # layer 0's K/V do not depend on attention
-            assert np.allclose(np.array(cache.keys[layer][:, :, rows]),
-                               np.array(alone.keys[layer][:, :, 3:5]), atol=1e-5)
-            assert np.allclose(np.array(cache.values[layer][:, :, rows]),
-                               np.array(alone.values[layer][:, :, 3:5]), atol=1e-5)
+            assert np.allclose(np.array(keys(cache, layer)[:, :, rows]),
+                               np.array(keys(alone, layer)[:, :, 3:5]), atol=1e-5)
+            assert np.allclose(np.array(values(cache, layer)[:, :, rows]),
+                               np.array(values(alone, layer)[:, :, 3:5]), atol=1e-5)
 
 
 def test_keep_drops_rows_and_keeps_kv(model):
     cache = CommittedCache.for_model(model)
     prefill(model, cache, [1, 2, 3, 4, 5], [0, 1, 2, 4, 3])
-    before = np.array(cache.values[1][:, :, :5])
+    before = np.array(values(cache, 1)[:, :, :5])
     cache.keep([0, 1, 2, 4])
     assert cache.tokens == [1, 2, 3, 5] and cache.positions == [0, 1, 2, 3]
-    assert np.array_equal(np.array(cache.values[1][:, :, :4]), before[:, :, [0, 1, 2, 4]])
+    assert np.array_equal(np.array(values(cache, 1)[:, :, :4]), before[:, :, [0, 1, 2, 4]])
 
 
 def test_fork_copies_rows_and_leaves_the_source_alone():
-    cache = CommittedCache(num_layers=2, num_kv_heads=1, head_dim=4, step=8)
+    cache = CommittedCache(CacheSpec(layers=2, kv_heads=1, head_dim=4, dtype=mx.float32, held=range(2)), step=8)
     write = cache.extend(5)
     kv = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
     for i in range(2):
@@ -123,12 +134,13 @@ def test_fork_copies_rows_and_leaves_the_source_alone():
     cache.commit([10, 11, 12, 13, 14], [0, 1, 2, 4, 3])
     fork = cache.fork([0, 1, 2, 4])
     assert fork.tokens == [10, 11, 12, 14] and fork.positions == [0, 1, 2, 3]
-    assert np.array_equal(np.array(fork.keys[1][0, 0, 3]), np.array(kv[0, 0, 4] + 1))
-    assert np.array_equal(np.array(fork.values[0][0, 0, :3]), np.array(kv[0, 0, :3]))
+    assert np.array_equal(np.array(keys(fork, 1)[0, 0, 3]), np.array(kv[0, 0, 4] + 1))
+    assert np.array_equal(np.array(values(fork, 0)[0, 0, :3]), np.array(kv[0, 0, :3]))
     fork.commit([], [])
     fork.reserve(20)
-    fork.keys[0][:, :, 0, :] = 0.0
-    assert len(cache) == 5 and float(cache.keys[0][0, 0, 0, 1]) == 1.0  # the source is untouched
+    fork.stores[0].write(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)), 0)
+    assert float(keys(fork, 0)[0, 0, 0, 1]) == 0.0
+    assert len(cache) == 5 and float(keys(cache, 0)[0, 0, 0, 1]) == 1.0  # the source is untouched
     assert len(cache.fork([])) == 0
 
 
@@ -155,4 +167,228 @@ def test_prefill_chunks_and_passes_commit_each_chunk(model):
     pf.prefill(model, chunked, tokens[3:], step=4)  # positions go on after the cache's
     prefill(model, whole, tokens, list(range(13)))
     assert chunked.tokens == whole.tokens and chunked.positions == list(range(13))
-    np.testing.assert_allclose(np.array(chunked.keys[0][:, :, :13]), np.array(whole.keys[0][:, :, :13]), atol=1e-4)
+    np.testing.assert_allclose(np.array(keys(chunked, 0)[:, :, :13]), np.array(keys(whole, 0)[:, :, :13]), atol=1e-4)
+
+
+# -- the storage interface: its contract on the float store and on a sibling --
+
+
+class StackedStore(KVStore):
+    """Keys and values in one (2, kv_heads, capacity, head_dim) array, stored
+    in ``dtype`` (the model's unless given): a sibling of FloatStore written
+    here, so that plugging one in is proved to need no change elsewhere. It
+    checks what it is told: no pass writes a committed row."""
+
+    def __init__(self, spec, dtype=None):
+        super().__init__(spec)
+        self.dtype = dtype or spec.dtype
+        self.kv = None
+        self.committed = 0
+
+    @classmethod
+    def row_bytes(cls, spec, dtype=None):
+        return 2 * spec.kv_heads * spec.head_dim * (dtype or spec.dtype).size
+
+    @classmethod
+    def describe(cls, spec, dtype=None):
+        return f"stacked {dtype or spec.dtype}"
+
+    def grow(self, capacity):
+        pad = mx.zeros((2, self.spec.kv_heads, capacity - self.capacity, self.spec.head_dim), self.dtype)
+        self.kv = pad if self.kv is None else mx.concatenate([self.kv, pad], axis=2)
+        self.capacity = capacity
+
+    def write(self, keys, values, start):
+        assert start >= self.committed, "a pass wrote a committed row"
+        self.kv[:, :, start:start + keys.shape[2]] = mx.concatenate([keys, values]).astype(self.dtype)
+
+    def write_rows(self, keys, values, rows):
+        self.kv[:, :, rows] = mx.concatenate([keys, values]).astype(self.dtype)
+
+    def read(self, length):
+        kv = self.kv[:, :, :length].astype(self.spec.dtype)
+        return kv[:1], kv[1:]
+
+    def set_committed(self, count):
+        self.committed = count
+
+    def keep(self, index):
+        self.kv[:, :, :index.shape[0]] = mx.take(self.kv, index, axis=2)
+
+    def fork(self, index, capacity):
+        new = StackedStore(self.spec, self.dtype)
+        new.grow(capacity)
+        new.kv[:, :, :index.shape[0]] = mx.take(self.kv, index, axis=2)
+        return new
+
+    @property
+    def nbytes(self):
+        return 0 if self.kv is None else self.kv.nbytes
+
+    def state(self):
+        return [] if self.kv is None else [self.kv]
+
+    def to_arrays(self, rows):
+        return {"kv": self.kv[:, :, :rows]}
+
+    def load_arrays(self, arrays, rows):
+        kv = arrays.get("kv")
+        if kv is None or kv.shape != (2, self.spec.kv_heads, rows, self.spec.head_dim) or kv.dtype != self.dtype:
+            raise ValueError("not this store's arrays")
+        self.kv[:, :, :rows] = kv
+
+
+STORAGES = {"float": Storage(), "stacked": Storage(StackedStore), "stacked-f16": Storage(StackedStore, dtype=mx.float16)}
+SPEC = CacheSpec(layers=1, kv_heads=2, head_dim=4, dtype=mx.float32, held=range(1))
+
+
+def rows_of(first, n):
+    """(1, 2, n, 4) keys and values, small integers (exact in float16)."""
+    k = mx.arange(first * 8, (first + n) * 8, dtype=mx.float32).reshape(1, n, 2, 4).transpose(0, 2, 1, 3) % 512
+    return k, -k
+
+
+@pytest.mark.parametrize("name", STORAGES)
+def test_a_store_keeps_the_interfaces_contract(name):
+    """Write (a range, given rows), read, grow, attend, keep, fork, bytes and
+    the named arrays: what CommittedCache relies on of any store."""
+    from refusion_mlx.models.cpu_paths import attend, attention_mask
+
+    storage = STORAGES[name]
+    store = storage.new(SPEC)
+    assert store.capacity == 0 and store.nbytes == 0
+    store.grow(4)
+    store.write(*rows_of(0, 4), start=0)
+    store.grow(8)  # growth keeps every row
+    assert store.capacity == 8 and store.nbytes == 8 * storage.row_bytes(SPEC)
+    store.write_rows(*rows_of(10, 2), rows=mx.array([6, 4]))
+    keys, values = store.read(8)
+    assert keys.shape == values.shape == (1, 2, 8, 4) and keys.dtype == SPEC.dtype
+    expect = np.zeros((1, 2, 8, 4), np.float32)
+    expect[:, :, :4] = np.array(rows_of(0, 4)[0])
+    expect[:, :, [6, 4]] = np.array(rows_of(10, 2)[0])
+    assert np.array_equal(np.array(keys), expect) and np.array_equal(np.array(values), -expect)
+    assert np.array_equal(np.array(store.read(3)[0]), expect[:, :, :3])
+
+    q = mx.random.normal((1, 4, 2, 4), key=mx.random.key(0))
+    mask = attention_mask("causal", 2, 5, 4, 2, mx.float32)
+    assert np.allclose(np.array(store.attend(q, mask, 5)), np.array(attend(q, *store.read(5), mask)))
+
+    fork = store.fork(mx.array([4, 0, 1], dtype=mx.int32), 4)
+    assert type(fork) is type(store) and fork.capacity == 4
+    assert np.array_equal(np.array(fork.read(3)[0]), expect[:, :, [4, 0, 1]])
+    fork.write(*rows_of(20, 1), start=0)
+    assert np.array_equal(np.array(store.read(8)[0]), expect)  # the source is untouched
+
+    store.keep(mx.array([2, 0], dtype=mx.int32))
+    assert np.array_equal(np.array(store.read(2)[1]), -expect[:, :, [2, 0]])
+
+    arrays = fork.to_arrays(3)
+    assert arrays
+    loaded = storage.new(SPEC)
+    loaded.grow(3)
+    loaded.load_arrays(arrays, 3)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(loaded.read(3), fork.read(3)))
+    for wrong in ({}, fork.to_arrays(2)):
+        with pytest.raises(ValueError):
+            storage.new(SPEC).load_arrays(wrong, 3)
+
+
+def test_each_kind_of_store_names_its_form_and_row_cost():
+    """What memory admission and the prompt-cache fingerprint ask, with no buffer made."""
+    assert STORAGES["float"].describe(SPEC) == str(mx.float32)  # the float store's files keep their fingerprint
+    assert len({s.describe(SPEC) for s in STORAGES.values()}) == 3
+    assert STORAGES["float"].row_bytes(SPEC) == STORAGES["stacked"].row_bytes(SPEC) == 2 * 2 * 4 * 4
+    assert STORAGES["stacked-f16"].row_bytes(SPEC) == 2 * 2 * 4 * 2
+
+
+def golden_params(case):
+    from refusion_mlx.decode.params import RefusionParams
+
+    return RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
+                          serial_num_blocks=case["serial_num_blocks"],
+                          slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_a_sibling_store_plugs_into_the_cache(demo, golden_cases, set_paths, paths):
+    """A cache of StackedStores decodes golden cases token-exact, alone and
+    batched (both ways a batch attends); then fork, keep and the named
+    arrays round-trip, and a file of another stored form is refused."""
+    from refusion_mlx.decode.batch import BatchGenerator
+    from refusion_mlx.decode.decoder import RefusionDecoder
+
+    set_paths(paths)
+    model, tokenizer = demo
+    storage = Storage(StackedStore)
+    cases = [golden_cases[i] for i in (0, 9, 17, 26)]
+    alone = CommittedCache.for_model(model, storage=storage)
+    decoder = RefusionDecoder(model, cases[0]["prompt_ids"], golden_params(cases[0]),
+                              mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id, cache=alone)
+    for _ in decoder.steps():
+        pass
+    assert decoder.response() == cases[0]["output_ids"]
+
+    gen = BatchGenerator(model, tokenizer, max_batch=len(cases))
+    caches = [CommittedCache.for_model(model, storage=storage) for _ in cases]
+    uids = [gen.insert(c["prompt_ids"], golden_params(c), cache=cache) for c, cache in zip(cases, caches)]
+    out = {uid: [] for uid in uids}
+    while gen.has_work:
+        for r in gen.step():
+            out[r.uid] += r.tokens
+    assert [out[uid] for uid in uids] == [c["output_ids"] for c in cases]
+
+    cache = caches[1]
+    held = [s for s in cache.stores if s is not None]
+    assert all(type(s) is StackedStore and s.committed == len(cache) for s in held)
+    assert cache.nbytes == len(held) * cache.capacity * storage.row_bytes(cache.spec)
+    rows = [r for _, r, _ in cache.in_position_order()]
+    fork = cache.fork(rows)
+    assert fork.tokens == [cache.tokens[r] for r in rows] and fork.storage is storage
+    assert all(s.committed == len(fork) for s in fork.stores if s is not None)
+    arrays = fork.to_arrays()
+    assert {"tokens", "positions", "kv.0"} <= set(arrays) and "keys.0" not in arrays
+    loaded = CommittedCache.for_model(model, storage=storage)
+    loaded.load_arrays(arrays)
+    assert loaded.tokens == fork.tokens and loaded.positions == fork.positions
+    for a, b in zip(loaded.stores, fork.stores):
+        assert np.array_equal(np.array(a.read(len(fork))[0]), np.array(b.read(len(fork))[0]))
+    fork.keep(list(range(len(fork) - 1, -1, -1)))  # every row, reversed
+    assert fork.tokens == loaded.tokens[::-1]
+    assert np.array_equal(np.array(fork.stores[1].read(len(fork))[1]),
+                          np.array(loaded.stores[1].read(len(loaded))[1])[:, :, ::-1])
+
+    from refusion_mlx.serve.memory import kv_row_bytes
+
+    spec = model.cache_spec()  # admission counts every layer at the storage's row cost
+    assert kv_row_bytes(model) == spec.layers * 2 * spec.kv_heads * spec.head_dim * 4
+    assert kv_row_bytes(model, Storage(StackedStore, dtype=mx.float16)) * 2 == kv_row_bytes(model)
+    half = CommittedCache.for_model(model, storage=Storage(StackedStore, dtype=mx.float16))
+    with pytest.raises(ValueError):  # float32 rows are not a float16 store's
+        half.load_arrays(arrays)
+    assert len(half) == 0 and half.capacity == 0 and half.nbytes == 0
+    with pytest.raises(ValueError):  # nor a float store's
+        CommittedCache.for_model(model).load_arrays(arrays)
+
+
+def test_prompt_cache_files_come_back_only_in_the_form_they_were_stored(demo, tmp_path):
+    """The files' fingerprint names the stored form: entries written by
+    StackedStores reload as such, and a float-store server skips them."""
+    from refusion_mlx.decode.prefill import prefill as run_prefill
+    from refusion_mlx.serve.cache_files import attach
+    from refusion_mlx.serve.prompt_cache import PromptCache
+
+    model, _ = demo
+    storage = Storage(StackedStore)
+    writer = PromptCache(1 << 30)
+    attach(writer, model, tmp_path, 1 << 30, storage=storage)
+    cache = CommittedCache.for_model(model, storage=storage)
+    run_prefill(model, cache, [5, 6, 7, 8, 9])
+    writer.insert(cache)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    same, plain = PromptCache(1 << 30), PromptCache(1 << 30)
+    attach(same, model, tmp_path, 1 << 30, storage=storage)
+    attach(plain, model, tmp_path, 1 << 30)
+    assert len(same) == 1 and len(plain) == 0
+    (entry,) = same.entries.values()
+    assert entry.tokens == [5, 6, 7, 8, 9] and all(type(s) is StackedStore for s in entry.stores if s is not None)

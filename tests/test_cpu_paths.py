@@ -101,7 +101,7 @@ def split_and_whole(model, monkeypatch, splits, tokens, make_write):
         hidden = model.hidden(tokens, mx.arange(24, 24 + n), make_write(cache))
         mx.eval(hidden, cache.state())
         rows = cache.capacity
-        outputs.append((np.array(hidden), np.array(cache.keys[2][:, :, :rows]), np.array(cache.values[3][:, :, :rows])))
+        outputs.append((np.array(hidden), np.array(cache.stores[2].read(rows)[0]), np.array(cache.stores[3].read(rows)[1])))
     assert splits == [1, 2, 1, 1]  # (the committed rows, then the pass) twice
     for split, whole in zip(*outputs):
         np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-5)

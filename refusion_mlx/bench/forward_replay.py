@@ -6,8 +6,8 @@ Python bookkeeping. To measure it, :class:`RecordingModel` wraps a model (the
 decoder only calls ``hidden`` and ``head``) and notes each forward's shape:
 tokens in, where its K/V go, how many cached rows its queries see, the mask,
 and on how many rows the LM head ran. :func:`replay` then runs forwards of
-exactly those shapes with a plain preallocated KV buffer and one evaluation
-per forward -- the cost of the model alone.
+exactly those shapes with plain preallocated KV stores (the decoder's own,
+grown once) and one evaluation per forward -- the cost of the model alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
-from ..models.cpu_paths import attend
+from ..decode.kv_store import Storage
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 
@@ -103,15 +103,17 @@ def tag_phases(shapes: Sequence[ForwardShape]) -> None:
 
 
 class BareCache:
-    """Per-layer K/V buffers written in place, like any preallocated KV cache."""
+    """The decoder's per-layer K/V stores (``decode.kv_store``), grown once
+    to ``capacity`` rows and written in place, like any preallocated KV cache."""
 
-    def __init__(self, model, capacity: int):
-        a = model.args
-        dtype = model.model.norm.weight.dtype
-        shape = (1, a.num_key_value_heads, capacity, a.head_dim)
-        self.keys = [mx.zeros(shape, dtype) for _ in range(a.num_hidden_layers)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(a.num_hidden_layers)]
-        mx.eval(self.keys, self.values)
+    def __init__(self, model, capacity: int, storage: Optional[Storage] = None):
+        spec = model.cache_spec()
+        storage = storage or Storage()
+        self.stores = [storage.new(spec) if i in spec.held else None for i in range(spec.layers)]
+        for store in self.stores:
+            if store is not None:
+                store.grow(capacity)
+        mx.eval([a for store in self.stores if store is not None for a in store.state()])
 
 
 class BareWrite:
@@ -140,24 +142,19 @@ class BareWrite:
         return first, second
 
     class _Layer:
-        __slots__ = ("w", "i")
+        __slots__ = ("w", "store")
 
         def __init__(self, w: "BareWrite", i: int):
-            self.w, self.i = w, i
-
-        def update_and_fetch(self, keys, values):
-            w, c, i = self.w, self.w.cache, self.i
-            if w.rows is None:
-                c.keys[i][:, :, w.start:w.start + keys.shape[2], :] = keys
-                c.values[i][:, :, w.start:w.start + keys.shape[2], :] = values
-            else:
-                c.keys[i][:, :, w.rows, :] = keys
-                c.values[i][:, :, w.rows, :] = values
-            return c.keys[i][:, :, : w.visible, :], c.values[i][:, :, : w.visible, :]
+            self.w, self.store = w, w.cache.stores[i]
 
         def attend(self, q, k, v, mask):
-            keys, values = self.update_and_fetch(k, v)
-            return attend(q, keys, values, mask)
+            """Write the pass's rows to the layer's store, then attend over the rows it sees."""
+            w = self.w
+            if w.rows is None:
+                self.store.write(k, v, w.start)
+            else:
+                self.store.write_rows(k, v, w.rows)
+            return self.store.attend(q, mask, w.visible)
 
 
 @dataclass

@@ -14,7 +14,11 @@ and values into the rows just after the committed ones (the *scratch* rows):
   right after the committed rows, and ``commit`` adopts them: the infill K/V
   are reused, not recomputed.
 
-Buffers are preallocated and grow in steps, so no pass concatenates.
+Each layer's keys and values live in a :class:`~.kv_store.KVStore` (the
+float store unless a :class:`~.kv_store.Storage` says otherwise), made from
+the model's ``cache_spec()``; this object decides which rows exist and tells
+the stores. Stores are preallocated and grow in steps, so no pass
+concatenates.
 
 This object is the one holder of the committed tokens: the answer's text
 (:class:`~refusion_mlx.decode.answer.AnswerText`), the terminal's slot view
@@ -28,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..models.cpu_paths import attend
+from ..models.base import CacheSpec
+from .kv_store import KVStore, Storage
 
 GROWTH_STEP = 256
 
@@ -36,55 +41,50 @@ GROWTH_STEP = 256
 class CommittedCache:
     """Committed tokens with their positions and per-layer K/V, in commit order.
 
-    ``held``: the layers whose K/V this process computes (a pipeline rank's
-    range, ``Model.layer_range``); the others' stay None and cost nothing."""
+    ``spec``: the model's ``cache_spec()``; only the layers it holds (a
+    pipeline rank's range) have a store, the others' stay None and cost
+    nothing. ``storage``: how each layer's keys and values are kept."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: mx.Dtype = mx.float32, step: int = GROWTH_STEP, held: Optional[range] = None):
-        self.num_layers = num_layers
-        self.held = range(num_layers) if held is None else held
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+    def __init__(self, spec: CacheSpec, step: int = GROWTH_STEP, storage: Optional[Storage] = None):
+        self.spec = spec
+        self.storage = Storage() if storage is None else storage
         self.step = step
         self.tokens: List[int] = []
         self.positions: List[int] = []
         self._row_of: Dict[int, int] = {}  # position -> row, for reading in position order
-        self.keys: List[Optional[mx.array]] = [None] * num_layers
-        self.values: List[Optional[mx.array]] = [None] * num_layers
+        self.stores: List[Optional[KVStore]] = self._empty_stores()
         self.capacity = 0
 
     @classmethod
-    def for_model(cls, model, step: int = GROWTH_STEP) -> "CommittedCache":
-        spec = model.cache_spec()
-        return cls(spec.layers, spec.kv_heads, spec.head_dim, spec.dtype, step, spec.held)
+    def for_model(cls, model, step: int = GROWTH_STEP, storage: Optional[Storage] = None) -> "CommittedCache":
+        return cls(model.cache_spec(), step, storage)
+
+    def _empty_stores(self) -> List[Optional[KVStore]]:
+        held = self.spec.held
+        return [self.storage.new(self.spec) if i in held else None for i in range(self.spec.layers)]
+
+    def _held(self) -> List[KVStore]:
+        return [s for s in self.stores if s is not None]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values) if k is not None)
+        return sum(s.nbytes for s in self._held())
 
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` scratch rows after the committed ones.
 
-        Growth happens in multiples of ``step`` and copies the buffer once per
+        Growth happens in multiples of ``step`` and copies the stores once per
         growth, never once per token.
         """
         need = len(self) + rows
         if need <= self.capacity:
             return
         new_capacity = -(-need // self.step) * self.step
-        grow = new_capacity - self.capacity
-        shape = (1, self.num_kv_heads, grow, self.head_dim)
-        for i in self.held:
-            pad = mx.zeros(shape, self.dtype)
-            if self.keys[i] is None:
-                self.keys[i], self.values[i] = pad, mx.zeros(shape, self.dtype)
-            else:
-                self.keys[i] = mx.concatenate([self.keys[i], pad], axis=2)
-                self.values[i] = mx.concatenate([self.values[i], pad], axis=2)
+        for store in self._held():
+            store.grow(new_capacity)
         self.capacity = new_capacity
 
     def extend(self, n: int) -> "KVWrite":
@@ -122,6 +122,7 @@ class CommittedCache:
         self.tokens.extend(int(t) for t in tokens)
         self.positions.extend(int(p) for p in positions)
         self._row_of.update((p, r) for r, p in enumerate(self.positions[row:], row))
+        self._tell_stores()
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only the given committed rows (in the given order); drop the rest.
@@ -133,18 +134,21 @@ class CommittedCache:
             for p in self.positions[len(rows):]:
                 self._row_of.pop(p, None)
             del self.tokens[len(rows):], self.positions[len(rows):]
+            self._tell_stores()
             return
         index = mx.array(rows, dtype=mx.int32)
-        for i in self.held:
-            kept_k = mx.take(self.keys[i], index, axis=2)
-            kept_v = mx.take(self.values[i], index, axis=2)
-            self.keys[i][:, :, : len(rows), :] = kept_k
-            self.values[i][:, :, : len(rows), :] = kept_v
+        for store in self._held():
+            store.keep(index)
         self._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
 
     def _adopt(self, tokens: List[int], positions: List[int]) -> None:
         self.tokens, self.positions = tokens, positions
         self._row_of = {p: r for r, p in enumerate(positions)}
+        self._tell_stores()
+
+    def _tell_stores(self) -> None:
+        for store in self._held():
+            store.set_committed(len(self.tokens))
 
     def fork(self, rows: Sequence[int]) -> "CommittedCache":
         """A new cache holding copies of the given committed rows, in that order.
@@ -154,22 +158,19 @@ class CommittedCache:
         made when it is admitted, never per slot or per step.
         """
         rows = list(rows)
-        new = CommittedCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.step, self.held)
+        new = CommittedCache(self.spec, self.step, self.storage)
         if rows:
-            new.reserve(len(rows))
+            new.capacity = -(-len(rows) // new.step) * new.step
             index = mx.array(rows, dtype=mx.int32)
-            for i in self.held:
-                new.keys[i][:, :, : len(rows), :] = mx.take(self.keys[i], index, axis=2)
-                new.values[i][:, :, : len(rows), :] = mx.take(self.values[i], index, axis=2)
+            new.stores = [None if s is None else s.fork(index, new.capacity) for s in self.stores]
             mx.eval(new.state())
         new._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
         return new
 
     def free(self) -> None:
-        """Drop every row and the buffers with them (a request that left: its
-        memory goes now, whoever still holds the object)."""
-        self.keys = [None] * self.num_layers
-        self.values = [None] * self.num_layers
+        """Drop every row and the stores' buffers with them (a request that
+        left: its memory goes now, whoever still holds the object)."""
+        self.stores = self._empty_stores()
         self._adopt([], [])
         self.capacity = 0
 
@@ -177,33 +178,39 @@ class CommittedCache:
 
     def to_arrays(self) -> Dict[str, mx.array]:
         """The committed rows as named arrays: ``tokens``, ``positions`` and
-        ``keys.{layer}`` / ``values.{layer}`` of shape (1, kv_heads, rows, head_dim)."""
+        each held layer's store's arrays, named ``{name}.{layer}`` (the float
+        store's: ``keys.{layer}`` / ``values.{layer}``, (1, kv_heads, rows, head_dim))."""
         n = len(self)
         arrays = {"tokens": mx.array(self.tokens, dtype=mx.int32),
                   "positions": mx.array(self.positions, dtype=mx.int32)}
-        for i in range(self.num_layers):
-            arrays[f"keys.{i}"] = self.keys[i][:, :, :n, :]
-            arrays[f"values.{i}"] = self.values[i][:, :, :n, :]
+        for i, store in enumerate(self.stores):
+            if store is not None:
+                arrays.update((f"{name}.{i}", a) for name, a in store.to_arrays(n).items())
         return arrays
 
     def load_arrays(self, arrays: Dict[str, mx.array]) -> None:
         """Fill this empty cache from ``to_arrays``' output; ValueError (and the
-        cache left empty) when they do not fit its layers, heads or dtype."""
+        cache left empty) when they do not fit its stores' layers, shape or form."""
         if len(self):
             raise ValueError("load_arrays needs an empty cache")
         tokens, positions = arrays.get("tokens"), arrays.get("positions")
         if tokens is None or positions is None or tokens.ndim != 1 or tokens.shape != positions.shape:
             raise ValueError("no tokens and positions of one length")
         n = tokens.shape[0]
-        shape = (1, self.num_kv_heads, n, self.head_dim)
-        keys = [arrays.get(f"keys.{i}") for i in range(self.num_layers)]
-        values = [arrays.get(f"values.{i}") for i in range(self.num_layers)]
-        if not n or any(a is None or a.shape != shape or a.dtype != self.dtype for a in keys + values):
-            raise ValueError("its arrays do not fit this cache's layers, heads or dtype")
+        if not n:
+            raise ValueError("no rows")
+        by_layer: Dict[str, Dict[str, mx.array]] = {}
+        for key, a in arrays.items():
+            name, _, layer = key.rpartition(".")
+            by_layer.setdefault(layer, {})[name] = a
         self.reserve(n)
-        for i in range(self.num_layers):
-            self.keys[i][:, :, :n, :] = keys[i]
-            self.values[i][:, :, :n, :] = values[i]
+        try:
+            for i, store in enumerate(self.stores):
+                if store is not None:
+                    store.load_arrays(by_layer.get(str(i), {}), n)
+        except ValueError:
+            self.free()
+            raise
         mx.eval(self.state())
         self._adopt([int(t) for t in tokens.tolist()], [int(p) for p in positions.tolist()])
 
@@ -221,7 +228,7 @@ class CommittedCache:
 
     def state(self) -> List[mx.array]:
         """Arrays to evaluate so the committed rows are materialised."""
-        return [a for a in self.keys + self.values if a is not None]
+        return [a for s in self._held() for a in s.state()]
 
 
 class KVWrite:
@@ -272,31 +279,30 @@ class KVWrite:
 
 
 class _LayerWrite:
-    __slots__ = ("write", "index")
+    """One layer's share of a pass: its rows written to that layer's store."""
+
+    __slots__ = ("write", "store")
 
     def __init__(self, write: KVWrite, index: int):
-        self.write, self.index = write, index
+        self.write, self.store = write, write.cache.stores[index]
 
     def update(self, keys: mx.array, values: mx.array) -> None:
         """Write this pass's keys and values (1, K, n, D) into their rows."""
-        w, c, i = self.write, self.write.cache, self.index
+        w = self.write
         if w.rows is None:
-            end = w.start + keys.shape[2]
-            c.keys[i][:, :, w.start:end, :] = keys
-            c.values[i][:, :, w.start:end, :] = values
+            self.store.write(keys, values, w.start)
         else:
-            c.keys[i][:, :, w.rows, :] = keys
-            c.values[i][:, :, w.rows, :] = values
+            self.store.write_rows(keys, values, w.rows)
 
     def fetch(self, length: Optional[int] = None):
         """The first ``length`` rows of keys and values (default: the rows this
         pass sees). Past ``visible`` they are stale scratch rows, and zeros past
-        the buffer's capacity: a padded batch (``decode.packed``) masks them."""
-        c, i = self.write.cache, self.index
+        the cache's capacity: a padded batch (``decode.packed``) masks them."""
+        capacity = self.write.cache.capacity
         length = self.write.visible if length is None else length
-        keys, values = c.keys[i][:, :, :length, :], c.values[i][:, :, :length, :]
-        if length > c.capacity:
-            pad = [(0, 0), (0, 0), (0, length - c.capacity), (0, 0)]
+        keys, values = self.store.read(min(length, capacity))
+        if length > capacity:
+            pad = [(0, 0), (0, 0), (0, length - capacity), (0, 0)]
             keys, values = mx.pad(keys, pad), mx.pad(values, pad)
         return keys, values
 
@@ -307,5 +313,5 @@ class _LayerWrite:
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         """Write this pass's keys and values, then attend over the rows it sees
         (``mask``: the pass's mask in the form ``cpu_paths.attend`` takes)."""
-        keys, values = self.update_and_fetch(k, v)
-        return attend(q, keys, values, mask)
+        self.update(k, v)
+        return self.store.attend(q, mask, self.write.visible)

@@ -1,11 +1,14 @@
 """The prompt cache on disk (``--prompt-cache-dir``): one safetensors file per
 entry, so that conversations and system prompts survive a restart.
 
-A file holds an entry's committed rows (``keys.{layer}``, ``values.{layer}``,
-shape ``(1, kv_heads, rows, head_dim)``), its ``tokens`` and ``positions``
-(int32), and in its metadata the format and the model's fingerprint (a hash
-of the model's config, dtype, and the size, head and tail of its weight and
-adapter files): a file of another model, or of another format, is skipped.
+A file holds an entry's committed rows (``CommittedCache.to_arrays``: each
+layer's arrays as its store names them, for the float store ``keys.{layer}``
+and ``values.{layer}`` of shape ``(1, kv_heads, rows, head_dim)``), its
+``tokens`` and ``positions`` (int32), and in its metadata the format and the
+model's fingerprint (a hash of the model's config, the form its keys and
+values are stored in (``Storage.describe``: the float store's dtype), and
+the size, head and tail of its weight and adapter files): a file of another
+model, another stored form, or another format, is skipped.
 Files are written atomically (a temporary file, then ``os.replace``) and are
 bounded by a byte budget: the least recently used (oldest modification time;
 a cache hit touches its file) go first. At start-up the engine reloads them,
@@ -31,9 +34,11 @@ STALE_SECONDS = 60
 _SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
 
 
-def model_fingerprint(model_path, dtype: str, adapter_path=None) -> str:
-    """A short hash that changes with the model's config, dtype, weights or adapters."""
-    h = hashlib.sha256(f"{FORMAT}|{dtype}".encode())
+def model_fingerprint(model_path, stored_as: str, adapter_path=None) -> str:
+    """A short hash that changes with the model's config, weights or adapters,
+    or the form its keys and values are stored in (``stored_as``:
+    ``Storage.describe``, the dtype for the float store)."""
+    h = hashlib.sha256(f"{FORMAT}|{stored_as}".encode())
     for folder in (model_path, adapter_path):
         if folder is None:
             continue
@@ -115,8 +120,9 @@ class CacheDir:
             total -= size
 
     def load(self, new_cache) -> Iterator[Tuple[list, object]]:
-        """(tokens, cache) of each valid file, oldest first; ``new_cache()`` makes an
-        empty CommittedCache of the model, whose shape and dtype a file must match."""
+        """(tokens, cache) of each valid file, oldest first; ``new_cache()`` makes the
+        empty CommittedCache a file is read into, whose layers, shape and stored
+        form the file's arrays must match."""
         for _, _, f in self.files():
             try:
                 entry = self._read(f, new_cache())
@@ -144,20 +150,24 @@ class CacheDir:
         return list(cache.tokens), cache
 
 
-def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None) -> None:
+def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None, storage=None) -> None:
     """Back ``prompt_cache`` with the folder ``path`` (this model's files,
-    ``max_bytes`` in all) and reload the entries it holds."""
+    ``max_bytes`` in all) and reload the entries it holds. ``storage``: how
+    the caches keep keys and values (a ``decode.kv_store.Storage``; the float
+    store by default), whose stored form is part of the fingerprint."""
     from ..decode.cache import CommittedCache
+    from ..decode.kv_store import Storage
     from ..errors import RefusionError
 
-    fingerprint = model_fingerprint(model.model_path, str(CommittedCache.for_model(model).dtype), adapter_path)
+    storage = storage or Storage()
+    fingerprint = model_fingerprint(model.model_path, storage.describe(model.cache_spec()), adapter_path)
     try:
         store = CacheDir(path, max_bytes, fingerprint)
     except OSError as e:
         raise RefusionError(f"cannot use --prompt-cache-dir {path}: {e.strerror or e}") from None
     n = 0
     prompt_cache.store = store
-    for tokens, cache in store.load(lambda: CommittedCache.for_model(model)):
+    for tokens, cache in store.load(lambda: CommittedCache.for_model(model, storage=storage)):
         prompt_cache.restore(tokens, cache)
         n += 1
     log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, path, len(prompt_cache))

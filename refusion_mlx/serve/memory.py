@@ -36,12 +36,14 @@ def kv_rows(prompt_tokens: int, budget: int) -> int:
     return -(-(prompt_tokens + budget) // step) * step
 
 
-def kv_row_bytes(model) -> int:
-    """Bytes of one cached token: keys and values of every layer, in the cache's dtype."""
-    from ..decode.cache import CommittedCache
+def kv_row_bytes(model, storage=None) -> int:
+    """Bytes of one cached token: keys and values of every layer of the model
+    (a pipeline's ranks count the same), as ``storage`` (a
+    ``decode.kv_store.Storage``; the float store by default) keeps them."""
+    from ..decode.kv_store import Storage
 
-    empty = CommittedCache.for_model(model)
-    return 2 * empty.num_layers * empty.num_kv_heads * empty.head_dim * empty.dtype.size
+    spec = model.cache_spec()
+    return spec.layers * (storage or Storage()).row_bytes(spec)
 
 
 def device_memory() -> Tuple[int, str]:

@@ -1,0 +1,217 @@
+"""How one layer's keys and values are kept: the storage behind a CommittedCache.
+
+:class:`~refusion_mlx.decode.cache.CommittedCache` decides which rows exist
+(the committed tokens in commit order, then the scratch rows a pass writes)
+and keeps tokens and positions; each layer it holds keeps its keys and values
+in a :class:`KVStore`, made from the model's ``cache_spec()``. A store only
+holds rows: it writes a pass's rows (a contiguous range, or given row
+indices), reads the first n for attention, keeps or copies rows in a given
+order, grows, and turns its committed rows into named arrays and back (the
+prompt-cache files). It is told how many leading rows are committed
+(:meth:`KVStore.set_committed`), so a store may keep committed rows in
+another form than the rows passes write; the float store keeps all alike.
+
+:class:`FloatStore` keeps keys and values as two arrays (1, kv_heads,
+capacity, head_dim) in the model's dtype: a pass's write is a slice
+assignment, attention reads a slice, and nothing is copied per pass or per
+slot. Another way of keeping them (quantized keys and values, say) is one
+more subclass, chosen by a :class:`Storage`, which also answers what a row
+costs and how the stored form is named without any buffer being made
+(memory admission, the prompt-cache files' fingerprint).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple, Type
+
+import mlx.core as mx
+
+from ..models.base import CacheSpec
+from ..models.cpu_paths import attend
+
+
+class KVStore:
+    """One layer's keys and values for one sequence, row by row.
+
+    Rows ``[0, committed)`` hold committed tokens; rows after them are
+    scratch, written by passes and either committed or overwritten later.
+    A subclass is made as ``Kind(spec, **settings)`` and answers the
+    classmethods with the same settings."""
+
+    def __init__(self, spec: CacheSpec):
+        self.spec = spec
+        self.capacity = 0  # rows held, committed and scratch
+
+    # -- what a kind of store costs, known without a buffer -------------------
+
+    @classmethod
+    def row_bytes(cls, spec: CacheSpec) -> int:
+        """Bytes of keys and values one row costs in one layer."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, spec: CacheSpec) -> str:
+        """The stored form's name (its dtype, and any settings): files
+        written in another form must not be read back as this one."""
+        raise NotImplementedError
+
+    # -- rows -----------------------------------------------------------------
+
+    def grow(self, capacity: int) -> None:
+        """Hold ``capacity`` rows (more than now), keeping every row held."""
+        raise NotImplementedError
+
+    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
+        """Write (1, kv_heads, n, head_dim) keys and values into rows ``start .. start + n``."""
+        raise NotImplementedError
+
+    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array) -> None:
+        """Write (1, kv_heads, n, head_dim) keys and values into the given n rows."""
+        raise NotImplementedError
+
+    def read(self, length: int) -> Tuple[mx.array, mx.array]:
+        """Keys and values of the first ``length`` rows (at most the capacity),
+        each (1, kv_heads, length, head_dim) in the model's dtype."""
+        raise NotImplementedError
+
+    def attend(self, q: mx.array, mask, length: int) -> mx.array:
+        """Attention of queries ``q`` (scaled) over the first ``length`` rows
+        (``mask`` in the form ``cpu_paths.attend`` takes)."""
+        keys, values = self.read(length)
+        return attend(q, keys, values, mask)
+
+    def set_committed(self, count: int) -> None:
+        """Rows ``[0, count)`` are the committed ones from now on: told after
+        every commit (rows the passes wrote, adopted as they are), keep, fork
+        and load. The float store keeps all rows alike and ignores it."""
+
+    def keep(self, index: mx.array) -> None:
+        """Rows ``[0, n)`` become the rows ``index`` (n of them, committed
+        ones) in that order, in place."""
+        raise NotImplementedError
+
+    def fork(self, index: mx.array, capacity: int) -> "KVStore":
+        """A new store of this kind with ``capacity`` rows, its first ones
+        copies of the rows ``index`` in that order."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store's buffers hold (every row held, not only the committed ones)."""
+        raise NotImplementedError
+
+    def state(self) -> List[mx.array]:
+        """Arrays to evaluate so the written rows are materialised."""
+        raise NotImplementedError
+
+    # -- saving and restoring (the server's prompt-cache files) ---------------
+
+    def to_arrays(self, rows: int) -> Dict[str, mx.array]:
+        """The first ``rows`` rows as named arrays (the cache names them
+        ``{name}.{layer}`` in a file)."""
+        raise NotImplementedError
+
+    def load_arrays(self, arrays: Dict[str, mx.array], rows: int) -> None:
+        """Fill the first ``rows`` rows (held already) from ``to_arrays``'
+        output; ValueError when the arrays are not this store's form and shape."""
+        raise NotImplementedError
+
+
+class FloatStore(KVStore):
+    """Keys and values as two (1, kv_heads, capacity, head_dim) arrays in the
+    model's dtype; growth concatenates zero rows, once per growth step."""
+
+    def __init__(self, spec: CacheSpec):
+        super().__init__(spec)
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+
+    @classmethod
+    def row_bytes(cls, spec: CacheSpec) -> int:
+        return 2 * spec.kv_heads * spec.head_dim * spec.dtype.size
+
+    @classmethod
+    def describe(cls, spec: CacheSpec) -> str:
+        return str(spec.dtype)
+
+    def grow(self, capacity: int) -> None:
+        shape = (1, self.spec.kv_heads, capacity - self.capacity, self.spec.head_dim)
+        pad = mx.zeros(shape, self.spec.dtype)
+        if self.keys is None:
+            self.keys, self.values = pad, mx.zeros(shape, self.spec.dtype)
+        else:
+            self.keys = mx.concatenate([self.keys, pad], axis=2)
+            self.values = mx.concatenate([self.values, pad], axis=2)
+        self.capacity = capacity
+
+    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
+        end = start + keys.shape[2]
+        self.keys[:, :, start:end, :] = keys
+        self.values[:, :, start:end, :] = values
+
+    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array) -> None:
+        self.keys[:, :, rows, :] = keys
+        self.values[:, :, rows, :] = values
+
+    def read(self, length: int) -> Tuple[mx.array, mx.array]:
+        return self.keys[:, :, :length, :], self.values[:, :, :length, :]
+
+    def keep(self, index: mx.array) -> None:
+        n = index.shape[0]
+        kept_k = mx.take(self.keys, index, axis=2)
+        kept_v = mx.take(self.values, index, axis=2)
+        self.keys[:, :, :n, :] = kept_k
+        self.values[:, :, :n, :] = kept_v
+
+    def fork(self, index: mx.array, capacity: int) -> "FloatStore":
+        new = type(self)(self.spec)
+        new.grow(capacity)
+        n = index.shape[0]
+        new.keys[:, :, :n, :] = mx.take(self.keys, index, axis=2)
+        new.values[:, :, :n, :] = mx.take(self.values, index, axis=2)
+        return new
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def state(self) -> List[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def to_arrays(self, rows: int) -> Dict[str, mx.array]:
+        """``keys`` and ``values``, (1, kv_heads, rows, head_dim) each."""
+        return {"keys": self.keys[:, :, :rows, :], "values": self.values[:, :, :rows, :]}
+
+    def load_arrays(self, arrays: Dict[str, mx.array], rows: int) -> None:
+        shape = (1, self.spec.kv_heads, rows, self.spec.head_dim)
+        keys, values = arrays.get("keys"), arrays.get("values")
+        if any(a is None or a.shape != shape or a.dtype != self.spec.dtype for a in (keys, values)):
+            raise ValueError("its arrays do not fit this cache's layers, heads or dtype")
+        self.keys[:, :, :rows, :] = keys
+        self.values[:, :, :rows, :] = values
+
+
+class Storage:
+    """How a cache keeps each layer's keys and values: ``kind``, a KVStore
+    subclass (FloatStore by default), made with ``settings`` (keyword
+    arguments of its constructor and classmethods; none for FloatStore)."""
+
+    def __init__(self, kind: Optional[Type[KVStore]] = None, **settings):
+        self.kind = FloatStore if kind is None else kind
+        self.settings = settings
+
+    def new(self, spec: CacheSpec) -> KVStore:
+        """An empty store for one layer of ``spec``."""
+        return self.kind(spec, **self.settings)
+
+    def row_bytes(self, spec: CacheSpec) -> int:
+        """Bytes of keys and values one row costs in one layer."""
+        return self.kind.row_bytes(spec, **self.settings)
+
+    def describe(self, spec: CacheSpec) -> str:
+        """The stored form's name, as the prompt-cache files' fingerprint takes it."""
+        return self.kind.describe(spec, **self.settings)
+
+    def __repr__(self) -> str:
+        settings = "".join(f", {k}={v!r}" for k, v in self.settings.items())
+        return f"Storage({self.kind.__name__}{settings})"
