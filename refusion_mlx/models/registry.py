@@ -16,6 +16,7 @@ from ..errors import ConfigError
 
 FAMILIES = {
     "qwen3": "qwen3",
+    "llama": "llama",
 }
 
 
