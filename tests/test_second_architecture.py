@@ -6,6 +6,8 @@ shuffled position ids, decode passes through the committed cache equal to
 plain passes, decoded alone, batched and on both device paths with the same
 tokens, split by the sharding code, and fine-tuned."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,7 +22,8 @@ from refusion_mlx.models import llama, registry, sharding
 from refusion_mlx.models.loading import load
 
 from tests.helpers import FIXTURE_MODEL, decode_hidden, random_model, write_checkpoint
-from tests.test_train import DATA
+
+DATA = Path(__file__).parent / "fixtures" / "train-data"
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
