@@ -8,7 +8,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from refusion_mlx.models.qwen3 import Model, ModelArgs
+from refusion_mlx.decode.runner import Runner
+from refusion_mlx.models import registry
 from refusion_mlx.models.loading import DEMO_MODEL
 
 # The model the golden outputs and logits were made with: the demo model as it
@@ -37,10 +38,10 @@ def random_config(vocab_size=806, hidden=64, layers=2, heads=4, kv_heads=2, head
     return config
 
 
-def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: float = 0.08) -> Model:
-    """A float32 model with peaky outputs (so decisions are not coin flips)."""
+def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: float = 0.08):
+    """A float32 model of the config's family with peaky outputs (so decisions are not coin flips)."""
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
+    model = registry.build(registry.model_args(config))
     params = []
     for name, p in tree_flatten(model.parameters()):
         if name.endswith("norm.weight"):
@@ -55,7 +56,7 @@ def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: flo
     return model
 
 
-def write_checkpoint(model: Model, folder: Path, config: dict, tokenizer_from: Path = DEMO_MODEL,
+def write_checkpoint(model, folder: Path, config: dict, tokenizer_from: Path = DEMO_MODEL,
                      dtype=mx.float32) -> Path:
     """An HF-layout folder: config.json, model.safetensors, the demo tokenizer."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,6 +67,13 @@ def write_checkpoint(model: Model, folder: Path, config: dict, tokenizer_from: P
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+def decode_hidden(model, tokens, positions, write):
+    """Final-norm hidden states (1, T, dim) of one decode pass of tokens (T,)
+    or (1, T) through ``write``, run as the decoder runs it (``decode.runner``)."""
+    hidden = Runner.of(model).hidden(mx.array(tokens).reshape(-1), mx.array(positions).reshape(-1), write)
+    return hidden[None]
 
 
 def rows_of(cache, start=0):

@@ -12,7 +12,7 @@ from refusion_mlx.decode.batch import BatchGenerator, batch_generate, stream_bat
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.errors import DecodeError
 
-from tests.helpers import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL, decode_hidden
 
 
 def params_of(case):
@@ -185,7 +185,7 @@ def test_packed_forward_equals_separate_forwards(demo):
         positions = mx.array(rng.permutation(np.arange(n_prompt, n_prompt + n)))
         for packed in (False, True):
             c = CommittedCache.for_model(model)
-            model.hidden(mx.array([ids[:n_prompt]]), mx.arange(n_prompt), c.extend(n_prompt))
+            decode_hidden(model, mx.array([ids[:n_prompt]]), mx.arange(n_prompt), c.extend(n_prompt))
             c.commit(ids[:n_prompt], list(range(n_prompt)))
             p = Pass("plan", mx.array(ids[n_prompt:]), positions, c.extend(n))
             (passes if packed else alone).append(p)

@@ -8,7 +8,7 @@ from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.kv_store import KVStore, Storage
 from refusion_mlx.models.base import CacheSpec
 
-from tests.helpers import random_config, random_model
+from tests.helpers import decode_hidden, random_config, random_model
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def values(cache, layer):
 
 
 def prefill(model, cache, tokens, positions):
-    model.hidden(mx.array(tokens)[None], mx.array(positions), cache.extend(len(tokens)))
+    decode_hidden(model, mx.array(tokens)[None], mx.array(positions), cache.extend(len(tokens)))
     cache.commit(tokens, positions)
 
 
@@ -45,7 +45,7 @@ def test_uncommitted_rows_are_cropped(model):
     """A pass writes scratch rows; only commit() makes them part of the cache."""
     cache = CommittedCache.for_model(model)
     prefill(model, cache, [1, 2, 3], [0, 1, 2])
-    model.hidden(mx.array([[9, 9, 9, 9]]), mx.arange(3, 7), cache.extend(4))
+    decode_hidden(model, mx.array([[9, 9, 9, 9]]), mx.arange(3, 7), cache.extend(4))
     assert len(cache) == 3 and cache.tokens == [1, 2, 3]
     cache.commit([9, 9], [3, 4])
     assert cache.positions == [0, 1, 2, 3, 4]
@@ -63,7 +63,7 @@ def test_cached_pass_equals_a_plain_forward(model):
     tokens, positions = [5, 8, 13, 21, 34, 55], [0, 1, 2, 5, 3, 4]
     cache = CommittedCache.for_model(model)
     prefill(model, cache, tokens[:4], positions[:4])
-    cached = model(mx.array(tokens[4:])[None], mx.array(positions[4:]), cache.extend(2))
+    cached = model.head(decode_hidden(model, mx.array(tokens[4:])[None], mx.array(positions[4:]), cache.extend(2)))
     plain = model(mx.array(tokens)[None], mx.array(positions))
     assert np.allclose(np.array(cached)[0], np.array(plain)[0, 4:], atol=1e-5)
 
@@ -84,8 +84,8 @@ def test_packed_infill_equals_each_slot_alone(model, cursor):
     committed_keys = np.array(keys(cache, 0)[:, :, :7])
     flat = lambda rows, a: mx.array([t for r in rows for t in r[a:]])  # noqa: E731
     if cursor:  # private prefixes written by an earlier round
-        model.hidden(flat(slots, 0)[None], flat(slot_pos, 0), cache.infill(k, S, 0))
-    out = model(flat(slots, cursor)[None], flat(slot_pos, cursor), cache.infill(k, S, cursor))
+        decode_hidden(model, flat(slots, 0)[None], flat(slot_pos, 0), cache.infill(k, S, 0))
+    out = model.head(decode_hidden(model, flat(slots, cursor)[None], flat(slot_pos, cursor), cache.infill(k, S, cursor)))
     out = np.array(out)[0].reshape(k, S - cursor, -1)
     for i in range(k):
         alone = model(mx.array(prompt + slots[i])[None], mx.array(list(range(7)) + slot_pos[i]))
@@ -103,7 +103,7 @@ def test_infill_rows_are_adopted_in_slot_order(model):
     S = 2
     cache = CommittedCache.for_model(model)
     prefill(model, cache, [7, 7, 7], [0, 1, 2])
-    model.hidden(mx.array([[40, 41, 50, 51]]), mx.array([5, 6, 3, 4]), cache.infill(2, S, 0))
+    decode_hidden(model, mx.array([[40, 41, 50, 51]]), mx.array([5, 6, 3, 4]), cache.infill(2, S, 0))
     cache.commit([40, 41, 50, 51], [5, 6, 3, 4])
     assert cache.positions == [0, 1, 2, 5, 6, 3, 4]
     for slot, rows, toks, pos in ((0, slice(3, 5), [40, 41], [5, 6]), (1, slice(5, 7), [50, 51], [3, 4])):

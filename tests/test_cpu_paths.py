@@ -1,6 +1,6 @@
-"""CPU paths (models/cpu_paths.py): a wide decode pass of a small model runs as
-two row groups on two CPU streams (row_groups), with the same results; linear
-weights are laid out (in, out) for the BLAS (relayout)."""
+"""CPU paths: a wide decode pass of a small model runs as two row groups on
+two CPU streams (decode/runner.py: row_groups), with the same results; linear
+weights are laid out (in, out) for the BLAS (models/cpu_paths.py: relayout)."""
 
 import mlx.core as mx
 import numpy as np
@@ -11,8 +11,11 @@ from refusion_mlx.decode import forward as forward_module
 from refusion_mlx.decode.batch import batch_generate
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.models import cpu_paths, qwen3
+from refusion_mlx.decode import runner
+from refusion_mlx.models import cpu_paths
+from refusion_mlx.models.fused import hf_parameters
 
+from tests.helpers import decode_hidden
 from tests.test_backend import params_of
 
 
@@ -21,21 +24,21 @@ def two_cores(monkeypatch, set_paths):
     """CPU paths, a small model's one BLAS thread, two cores."""
     set_paths("cpu")
     monkeypatch.setattr(_blas, "_small_model", True)
-    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
 
 
 @pytest.fixture
 def splits(monkeypatch):
     """Count the passes that ran as more than one row group."""
     seen = []
-    real = cpu_paths.row_groups
+    real = runner.row_groups
 
     def counting(write, rows):
         groups = real(write, rows)
         seen.append(len(groups))
         return groups
 
-    monkeypatch.setattr(qwen3, "row_groups", counting)
+    monkeypatch.setattr(runner, "row_groups", counting)
     return seen
 
 
@@ -43,20 +46,20 @@ def committed(model, n=24):
     cache = CommittedCache.for_model(model)
     cache.reserve(256)
     write = cache.extend(n)
-    mx.eval(model.hidden(mx.arange(3, 3 + n)[None], mx.arange(n), write))
+    mx.eval(decode_hidden(model, mx.arange(3, 3 + n)[None], mx.arange(n), write))
     cache.commit(list(range(3, 3 + n)), list(range(n)))
     return cache
 
 
 def test_wide_causal_passes_split_in_two(demo, two_cores):
     cache = committed(demo[0])
-    groups = cpu_paths.row_groups(cache.extend(100), 100)
+    groups = runner.row_groups(cache.extend(100), 100)
     assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 55), (55, 100)]
     first, second = groups[0][2], groups[1][2]
     assert (first.start, first.visible) == (24, 24 + 55)  # sees the committed rows and itself
     assert (second.start, second.visible) == (24 + 55, 124)  # and the first group's rows
     assert groups[0][3] != groups[1][3]  # two streams
-    assert len(cpu_paths.row_groups(cache.extend(cpu_paths.SPLIT_ROWS - 1), cpu_paths.SPLIT_ROWS - 1)) == 1
+    assert len(runner.row_groups(cache.extend(runner.SPLIT_ROWS - 1), runner.SPLIT_ROWS - 1)) == 1
 
 
 def test_wide_infill_passes_split_between_slots(demo, two_cores):
@@ -65,7 +68,7 @@ def test_wide_infill_passes_split_between_slots(demo, two_cores):
     committed rows and their own; the second the rest."""
     cache = committed(demo[0])
     whole = cache.infill(25, 4, 1)
-    groups = cpu_paths.row_groups(whole, 75)
+    groups = runner.row_groups(whole, 75)
     assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 42), (42, 75)]
     first, second = groups[0][2], groups[1][2]
     assert (first.slots, second.slots) == ((14, 4, 3), (11, 4, 3))
@@ -79,14 +82,14 @@ def test_wide_infill_passes_split_between_slots(demo, two_cores):
 
 def test_no_split_on_the_gpu_paths_a_big_model_or_one_core(demo, two_cores, set_paths, monkeypatch):
     cache = committed(demo[0])
-    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 1)
-    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
-    monkeypatch.setattr(cpu_paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 1)
+    assert len(runner.row_groups(cache.extend(100), 100)) == 1
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(_blas, "_small_model", False)
-    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
+    assert len(runner.row_groups(cache.extend(100), 100)) == 1
     monkeypatch.setattr(_blas, "_small_model", True)
     set_paths("gpu")
-    assert len(cpu_paths.row_groups(cache.extend(100), 100)) == 1
+    assert len(runner.row_groups(cache.extend(100), 100)) == 1
 
 
 def split_and_whole(model, monkeypatch, splits, tokens, make_write):
@@ -94,11 +97,11 @@ def split_and_whole(model, monkeypatch, splits, tokens, make_write):
     outputs (hidden states, a layer's keys, another's values) must agree to
     float32 rounding."""
     outputs = []
-    for split_rows in (cpu_paths.SPLIT_ROWS, 10**9):
-        monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", split_rows)
+    for split_rows in (runner.SPLIT_ROWS, 10**9):
+        monkeypatch.setattr(runner, "SPLIT_ROWS", split_rows)
         cache = committed(model)
         n = tokens.shape[1]
-        hidden = model.hidden(tokens, mx.arange(24, 24 + n), make_write(cache))
+        hidden = decode_hidden(model, tokens, mx.arange(24, 24 + n), make_write(cache))
         mx.eval(hidden, cache.state())
         rows = cache.capacity
         outputs.append((np.array(hidden), np.array(cache.stores[2].read(rows)[0]), np.array(cache.stores[3].read(rows)[1])))
@@ -119,7 +122,7 @@ def test_a_split_infill_pass_computes_what_one_group_does(demo, two_cores, monke
 def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
     """Every pass from 8 tokens on split: each case alone and all in one batch
     (a batch's packed passes split between requests)."""
-    monkeypatch.setattr(cpu_paths, "SPLIT_ROWS", 8)
+    monkeypatch.setattr(runner, "SPLIT_ROWS", 8)
     model, tokenizer = demo
     wrong = []
     for i, case in enumerate(golden_cases):
@@ -146,7 +149,7 @@ def test_a_batch_splits_between_requests(demo, two_cores):
     caches = [committed(demo[0]) for _ in range(3)]
     writes = [caches[0].extend(30), caches[1].infill(5, 4, 0), caches[2].extend(40)]
     packed = PackedWrite(writes, [30, 20, 40])
-    groups = cpu_paths.row_groups(packed, 90)
+    groups = runner.row_groups(packed, 90)
     assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 50), (50, 90)]
     assert [w for w, _, _ in groups[0][2].segments] == writes[:2]
     assert [(w, a, b) for w, a, b in groups[1][2].segments] == [(writes[2], 0, 40)]
@@ -154,7 +157,7 @@ def test_a_batch_splits_between_requests(demo, two_cores):
 
 
 def test_a_step_cuts_its_rows_once(demo, two_cores, splits):
-    """run_passes makes the row groups and the model runs those: no second cut."""
+    """run_passes makes the row groups and the runner runs those: no second cut."""
     model = demo[0]
     cache = committed(model)
     splits.clear()
@@ -192,7 +195,7 @@ def test_each_thread_splits_on_its_own_streams(demo, two_cores):
 
     def run():
         cache = committed(model)
-        hidden = model.hidden(mx.full((1, 64), 805), mx.arange(24, 88), cache.extend(64))
+        hidden = decode_hidden(model, mx.full((1, 64), 805), mx.arange(24, 88), cache.extend(64))
         results.append(np.array(hidden))
 
     run()
@@ -219,9 +222,9 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
     for layer in linears:
         out_dim, in_dim = layer.weight.shape
         assert memoryview(layer.weight).strides == (4, 4 * out_dim)  # float32, column-major
-    before = {k: np.array(v) for k, v in model.hf_parameters().items()}
+    before = {k: np.array(v) for k, v in hf_parameters(model).items()}
     assert cpu_paths.relayout(model) == len(linears)  # again: the same values
-    for k, v in model.hf_parameters().items():
+    for k, v in hf_parameters(model).items():
         np.testing.assert_array_equal(np.array(v), before[k])
 
     from mlx_lm.utils import load_model as ar_load_model

@@ -255,8 +255,8 @@ def test_config_missing_keys(demo_copy):
 
 
 def test_wrong_architecture(demo_copy):
-    edit_config(demo_copy, model_type="llama")
-    with pytest.raises(LoadError, match="model_type is 'llama'"):
+    edit_config(demo_copy, model_type="gpt2")
+    with pytest.raises(LoadError, match="model_type is 'gpt2'"):
         load(demo_copy)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from refusion_mlx.errors import ConfigError
+from refusion_mlx.models.fused import fuse_projections, hf_parameters
 from refusion_mlx.models.qwen3 import ModelArgs
 from refusion_mlx.models.loading import load
 
@@ -120,7 +121,7 @@ def test_fused_projections_compute_the_same(kind):
     make = (lambda: random_model(config, seed=9)) if kind == "float" else \
         (lambda: _quantized(config, 9, group_size=32, bits=4))
     plain, fused = make(), make()
-    assert fused.fuse_projections() == 2 * config["num_hidden_layers"]
+    assert fuse_projections(fused) == 2 * config["num_hidden_layers"]
     assert "qkv_proj" in fused.model.layers[0].self_attn and "q_proj" not in fused.model.layers[0].self_attn
     ids, pos = mx.array([[5, 9, 13, 2, 7, 1]]), mx.array([0, 3, 1, 4, 2, 5])
     # a wider matmul may sum in another order (OpenBLAS picks kernels by shape):
@@ -129,7 +130,7 @@ def test_fused_projections_compute_the_same(kind):
     assert np.allclose(a, b, atol=1e-4) and (a.argmax(-1) == b.argmax(-1)).all()
     from mlx.utils import tree_flatten
 
-    named = fused.hf_parameters()
+    named = hf_parameters(fused)
     for name, value in tree_flatten(plain.parameters()):
         assert np.array_equal(np.array(named[name]), np.array(value)), name
     assert set(named) == {n for n, _ in tree_flatten(plain.parameters())}
@@ -144,7 +145,7 @@ def test_projections_with_different_quantization_stay_apart():
     nn.quantize(model, class_predicate=lambda path, m: (
         {"group_size": 32, "bits": 8} if path.endswith("v_proj") else
         {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
-    assert model.fuse_projections() == config["num_hidden_layers"]  # only gate/up fused
+    assert fuse_projections(model) == config["num_hidden_layers"]  # only gate/up fused
     assert "q_proj" in model.model.layers[0].self_attn and "gate_up_proj" in model.model.layers[0].mlp
 
 
@@ -152,7 +153,7 @@ def test_projections_with_different_quantization_stay_apart():
 @pytest.mark.parametrize("queries", [1, 5, 16])
 def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
     """The grouped CPU attention (queries pre-scaled) computes what mx.fast's attention computes."""
-    from refusion_mlx.models.qwen3 import attend, grouped_mask
+    from refusion_mlx.models.cpu_paths import attend, grouped_mask
 
     keys, D = 23, 16
     mx.random.seed(queries)
@@ -169,7 +170,7 @@ def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_rms_norm_matches_mlx(dtype):
-    from refusion_mlx.models.qwen3 import rms_norm
+    from refusion_mlx.models.cpu_paths import rms_norm
 
     x = (mx.random.normal((3, 5, 4, 16)) * 3).astype(dtype)
     w = mx.random.normal((16,)).astype(dtype)
@@ -185,7 +186,7 @@ def test_rms_norm_matches_mlx(dtype):
 def test_rms_norm_gradient_matches_mlx():
     """The CPU paths' norm (inverse RMS per row, then the scaling) trains as
     MLX's fused one does: same gradients for the input and the weight."""
-    from refusion_mlx.models.qwen3 import rms_norm
+    from refusion_mlx.models.cpu_paths import rms_norm
 
     x, w = mx.random.normal((6, 32)) * 2, mx.random.normal((32,))
     cotangent = mx.random.normal((6, 32))

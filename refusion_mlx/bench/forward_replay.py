@@ -2,8 +2,9 @@
 
 The decoder's overhead is everything it does besides the model: building
 masks and positions, drafting and scoring on the logits, host round trips,
-Python bookkeeping. To measure it, :class:`RecordingModel` wraps a model (the
-decoder only calls ``hidden`` and ``head``) and notes each forward's shape:
+Python bookkeeping. To measure it, :class:`RecordingModel` stands in for a
+model (a ``decode.runner.Runner`` whose passes it notes; the decoder calls
+its ``hidden`` and ``head``) and notes each forward's shape:
 tokens in, where its K/V go, how many cached rows its queries see, the mask,
 and on how many rows the LM head ran. :func:`replay` then runs forwards of
 exactly those shapes with plain preallocated KV stores (the decoder's own,
@@ -22,6 +23,7 @@ import numpy as np
 
 from .. import _blas
 from ..decode.kv_store import Storage
+from ..decode.runner import Runner
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
 
@@ -57,24 +59,25 @@ class _Pending:
         return ForwardShape(self.tokens, w.start, w.visible, rows, mask, self.head_rows)
 
 
-class RecordingModel:
+class RecordingModel(Runner):
     """A model stand-in that records forward shapes and passes everything on."""
 
     def __init__(self, model):
-        self._model = model
+        self._wrapped = model  # held here: the runner itself keeps only a weak reference
+        super().__init__(model)
         self._pending: List[_Pending] = []
 
     def __getattr__(self, name):
-        return getattr(self._model, name)
+        return getattr(self._wrapped, name)
 
-    def hidden(self, tokens, positions, cache=None, groups=None):
-        self._pending.append(_Pending(int(tokens.shape[-1]), cache))
-        return self._model.hidden(tokens, positions, cache, groups=groups)
+    def hidden(self, tokens, positions, write, groups=None):
+        self._pending.append(_Pending(int(tokens.shape[-1]), write))
+        return super().hidden(tokens, positions, write, groups)
 
     def head(self, h):
         if self._pending:
             self._pending[-1].head_rows += int(np.prod(h.shape[:-1]))
-        return self._model.head(h)
+        return self._wrapped.head(h)
 
     def shapes(self) -> List[ForwardShape]:
         out = [p.shape() for p in self._pending]
@@ -173,7 +176,7 @@ def prepare(model, shapes: List[ForwardShape], seed: int = 0) -> Replay:
     vocab = model.args.vocab_size
     inputs = []
     for s in shapes:
-        tokens = mx.array(rng.integers(0, vocab, (1, s.tokens)), dtype=mx.int32)
+        tokens = mx.array(rng.integers(0, vocab, (s.tokens,)), dtype=mx.int32)
         positions = mx.arange(s.start, s.start + s.tokens, dtype=mx.int32)
         write = BareWrite(cache, s)
         inputs.append((tokens, positions, write))
@@ -188,11 +191,12 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
     ``head_chunk``: run the LM head over at most that many rows at a time,
     as the decoder does (``decode.forward.head_outputs``); None: one call."""
     times = []
+    runner = Runner.of(model)
     for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
         t0 = time.perf_counter()
-        groups = model.row_groups(write, s.tokens)
+        groups = runner.row_groups(write, s.tokens)
         _blas.fit_rows(s.tokens, len(groups) > 1)  # the decoder's BLAS threads
-        h = model.hidden(tokens, positions, write, groups=groups)[0]
+        h = runner.hidden(tokens, positions, write, groups)
         if s.head_rows:
             rows = h[-s.head_rows:]
             step = head_chunk or s.head_rows

@@ -173,7 +173,9 @@ def share_weights(ar_model, model) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    ours = {k: mx.contiguous(v, allow_col_major=True) for k, v in model.hf_parameters().items()}
+    from ..models.fused import hf_parameters
+
+    ours = {k: mx.contiguous(v, allow_col_major=True) for k, v in hf_parameters(model).items()}
     theirs = {k for k, _ in tree_flatten(ar_model.parameters())}
     if set(ours) != theirs:
         missing = sorted(theirs ^ set(ours))[:3]

@@ -150,25 +150,28 @@ def record(suite: Suite, params, log=None, model_path: Optional[str] = None) -> 
 
 
 def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None, ar: bool = True):
-    """(our model, mlx-lm's model sharing its arrays or None), random weights."""
-    from mlx_lm.models import qwen3 as ar_qwen3
+    """(our model, mlx-lm's model sharing its arrays or None), random weights;
+    both chosen by the shape's ``model_type`` (``models.registry``, mlx-lm's module of that name)."""
+    import importlib
 
-    from ..models.qwen3 import Model, ModelArgs
+    from ..models import registry
+    from ..models.fused import fuse_projections
     from .runs import share_weights
 
     config = shape_config(name)
     mx.random.seed(0)
-    model = Model(ModelArgs(**config))
+    model = registry.build(registry.model_args(config))
     model.set_dtype(getattr(mx, dtype))
     model.eval()
     mx.eval(model.parameters())
     if q_bits:
         nn.quantize(model, group_size=QUANT_GROUP, bits=q_bits)
         mx.eval(model.parameters())
-    model.fuse_projections()
+    fuse_projections(model)
     if not ar:
         return model, None
-    ar_model = ar_qwen3.Model(ar_qwen3.ModelArgs.from_dict(config))
+    ar_family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    ar_model = ar_family.Model(ar_family.ModelArgs.from_dict(config))
     if q_bits:
         nn.quantize(ar_model, group_size=QUANT_GROUP, bits=q_bits)
     share_weights(ar_model, model)  # mlx-lm's own random arrays are never evaluated

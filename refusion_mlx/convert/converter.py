@@ -2,7 +2,8 @@
 
     python -m refusion_mlx.convert --hf-path GSAI-ML/ReFusion --mlx-path refusion-4bit -q
 
-Everything is checked before anything is written: architecture, mask id,
+Everything is checked before anything is written: architecture (the
+family ``config.json``'s ``model_type`` names in ``models.registry``), mask id,
 tokenizer, and every tensor's presence, shape and dtype. Then one module at a
 time is read, cast, quantized with MLX's quantizer and streamed into its
 shard, so memory stays near the size of the largest tensor. The output is
@@ -25,8 +26,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
-from ..errors import LoadError, RefusionError
-from ..models.qwen3 import Model, ModelArgs
+from ..errors import ConfigError, LoadError, RefusionError
+from ..models import registry
 from .quant_plan import DTYPES, Plan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
@@ -38,8 +39,8 @@ BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 COPIED_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                 "chat_template.json", "generation_config.json"]
-# Qwen3's dense decoder, or a ReFusion class name over it; not Qwen3-MoE, not other families
-ARCHITECTURE = re.compile(r"^(Qwen3(ForCausalLM|Model)|\w*(ReFusion|Refusion)\w*)$")
+# besides the family's own class names (its ``Model.ARCHITECTURES``): a ReFusion class over it
+REFUSION_CLASS = re.compile(r"^\w*(ReFusion|Refusion)\w*$")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some exports carry
 MAX_SHARD_GB = 5
 
@@ -74,11 +75,17 @@ def resolve_source(hf_path: Union[str, Path]) -> Path:
 # Validation
 
 
-def check_architecture(config: dict) -> ModelArgs:
-    """Qwen3 decoder, not already quantized: ModelArgs from the config."""
+def check_architecture(config: dict):
+    """A family's architecture (``models.registry``: not its MoE or other
+    variants), not already quantized: the family's ModelArgs from the config."""
+    try:
+        known = registry.family(config.get("model_type")).Model.ARCHITECTURES
+    except ConfigError as e:
+        raise LoadError(str(e)) from None
     archs = config.get("architectures") or []
-    if not isinstance(archs, list) or not all(ARCHITECTURE.match(str(a)) for a in archs):
-        raise LoadError(f"config.json architectures is {archs!r}; ReFusion checkpoints are Qwen3ForCausalLM")
+    if not isinstance(archs, list) or not all(str(a) in known or REFUSION_CLASS.match(str(a)) for a in archs):
+        raise LoadError(f"config.json architectures is {archs!r}; {config['model_type']} checkpoints are "
+                        f"{' or '.join(known)}")
     if "quantization_config" in config or "quantization" in config:
         raise LoadError("config.json says this checkpoint is already quantized; "
                         "convert the bf16/fp16/fp32 checkpoint")
@@ -116,7 +123,7 @@ def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]],
     return notes
 
 
-def check_tokenizer(src: Path, config: dict, args: ModelArgs) -> int:
+def check_tokenizer(src: Path, config: dict, args) -> int:
     """The mask id (config or tokenizer), an EOS token, and no token without an embedding row."""
     tokenizer = load_tokenizer(src)
     mask_id = resolve_mask_id(config, tokenizer)
@@ -203,14 +210,14 @@ def write_weights(folder: Path, ckpt: Checkpoint, plan: Plan, dtype: str,
     return {t: where[t] for t in sorted(where)}
 
 
-def output_config(config: dict, args: ModelArgs, mask_id: int, dtype: str,
+def output_config(config: dict, args, mask_id: int, dtype: str,
                   config_quant: Optional[dict]) -> dict:
     """The source config plus what both runtimes need spelled out."""
     out = dict(config)
     out["mask_token_id"] = mask_id
     for key in ("head_dim", "num_key_value_heads", "rope_theta", "rms_norm_eps",
                 "max_position_embeddings", "tie_word_embeddings"):
-        if out.get(key) is None:  # mlx-lm's Qwen3 has no defaults for these
+        if out.get(key) is None:  # mlx-lm's model classes may have no defaults for these
             out[key] = getattr(args, key)
     for key in ("torch_dtype", "dtype"):
         if key in out or key == "torch_dtype":
@@ -220,7 +227,7 @@ def output_config(config: dict, args: ModelArgs, mask_id: int, dtype: str,
     return out
 
 
-def model_card(src_name: str, summary: Summary) -> str:
+def model_card(src_name: str, summary: Summary, model_type: str) -> str:
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(library_name="mlx", pipeline_tag="text-generation",
@@ -229,7 +236,7 @@ def model_card(src_name: str, summary: Summary) -> str:
     q = summary.quantization
     precision = (f"{q['bits']}-bit {q['mode']} (group size {q['group_size']})" if q else "not quantized")
     return (f"---\n{data.to_yaml()}\n---\n\n# {Path(summary.path).name}\n\n"
-            f"ReFusion (masked diffusion LLM, Qwen3 architecture) converted from `{src_name}` to MLX "
+            f"ReFusion (masked diffusion LLM, {model_type} architecture) converted from `{src_name}` to MLX "
             f"with `python -m refusion_mlx.convert`: {precision}, other tensors {summary.dtype}, "
             f"{summary.bits_per_weight:.2f} bits per weight.\n\n"
             "```bash\npip install refusion-mlx\n"
@@ -244,7 +251,7 @@ def write_metadata(folder: Path, src: Path, config: dict, weight_map: Dict[str, 
 
     write_index(folder, weight_map, {"total_size": summary.bytes_after, "total_parameters": summary.parameters})
     copy_side_files(src, folder, COPIED_FILES)
-    (folder / "README.md").write_text(model_card(src_name, summary))
+    (folder / "README.md").write_text(model_card(src_name, summary, config["model_type"]))
     save_config(config, folder / "config.json")
 
 
@@ -268,7 +275,7 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     config = read_config(src)
     args = check_architecture(config)
     ckpt = open_checkpoint(src)
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(Model(args).parameters())}
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(registry.build(args).parameters())}
     notes = check_tensors(ckpt, expected, args.tie_word_embeddings)
     mask_id = check_tokenizer(src, config, args)
     out_dtype = output_dtype(dtype, config, ckpt)

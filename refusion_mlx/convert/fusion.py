@@ -28,6 +28,7 @@ from .shards import shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..errors import RefusionError
 from ..models.adapters import fuse_adapter_folder, read_adapter_config
+from ..models.fused import hf_parameters
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
                              resolve_model_path)
 
@@ -97,7 +98,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
         quant = None
         print(f"[INFO] dequantized {count} layers", file=sys.stderr)
     out = output_config(config, model_obj.args, mask_id, dtype, quant)
-    weights = model_obj.hf_parameters()
+    weights = hf_parameters(model_obj)
     mx.eval(list(weights.values()))
     with staging_folder(dst, force) as tmp:
         write_weights(tmp, weights)

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import RefusionError
-from ..models.qwen3 import Model, ModelArgs
+from ..models import registry
 from .shards import Spec
 
 Q_BITS = [2, 3, 4, 6, 8]
@@ -102,7 +102,7 @@ class Plan:
     notes: List[str]
 
 
-def make_plan(args: ModelArgs, dtype: str, qs: Optional[QuantSettings]) -> Plan:
+def make_plan(args, dtype: str, qs: Optional[QuantSettings]) -> Plan:
     """Quantize a lazy, never-evaluated copy of the model to learn the output layout.
 
     mlx-lm's ``quantize_model`` decides per layer exactly as it would for
@@ -111,10 +111,10 @@ def make_plan(args: ModelArgs, dtype: str, qs: Optional[QuantSettings]) -> Plan:
     """
     from mlx_lm.utils import get_total_parameters, quantize_model
 
-    plain = Model(args)
+    plain = registry.build(args)
     plain.set_dtype(DTYPES[dtype])
     leaves = tree_flatten(plain.leaf_modules(), is_leaf=nn.Module.is_module)
-    shaped = Model(args)
+    shaped = registry.build(args)
     shaped.set_dtype(DTYPES[dtype])
     config_quant, notes = None, []
     if qs is not None:

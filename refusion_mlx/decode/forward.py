@@ -1,4 +1,4 @@
-"""One forward pass over the next pass of every active request.
+"""One step: a forward pass over the next pass of every active request.
 
 Each request asks for a :class:`Pass`: the tokens it feeds, their positions,
 where its keys and values go in *its own* committed cache (a ``KVWrite``) and
@@ -13,7 +13,9 @@ chunk, reading the head weight once, while the logits fit a budget from the
 device's memory: ``backend.logits_budget``), and one evaluation then serves
 the whole batch: one host synchronisation per step -- none for a step whose
 passes all keep their values on the device (infill drafts), which is
-evaluated asynchronously (:func:`run_passes`).
+evaluated asynchronously (:func:`run_passes`). How the forward itself runs
+(row groups, CPU streams, BLAS threads) is the model's
+:class:`~.runner.Runner`'s.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import _blas
 from ..models import backend
 from .cache import KVWrite
 from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
+from .runner import Runner
 
 
 @dataclass
@@ -91,12 +93,12 @@ def step_write(passes: Sequence[Pass]):
 
 def forward(model, passes: Sequence[Pass], write=None, groups=None) -> mx.array:
     """Hidden states (N, dim) of all passes, packed in order (``write``:
-    their ``step_write``, and ``groups``: its ``model.row_groups``, if
+    their ``step_write``, and ``groups``: its ``Runner.row_groups``, if
     already made)."""
     tokens = passes[0].tokens if len(passes) == 1 else mx.concatenate([p.tokens for p in passes])
     positions = passes[0].positions if len(passes) == 1 else mx.concatenate([p.positions for p in passes])
     write = step_write(passes) if write is None else write
-    return model.hidden(tokens.astype(mx.int32)[None], positions.astype(mx.int32), write, groups=groups)[0]
+    return Runner.of(model).hidden(tokens.astype(mx.int32), positions.astype(mx.int32), write, groups)
 
 
 def head_chunk_rows(vocab: int) -> int:
@@ -156,29 +158,6 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
     return out
 
 
-# The arrays of the last device-only step, evaluated asynchronously (the
-# step's row count with them): nothing of the host waits on them, but a BLAS
-# thread change must not happen while they may still be computing.
-_in_flight: Optional[Tuple[int, List[mx.array]]] = None
-
-
-def _fit_threads(rows: int, split: bool) -> bool:
-    """CPU paths: the BLAS thread count for a forward of ``rows`` tokens.
-    When it would change while a device-only step may still be computing,
-    wait for that step first (a blocking evaluation: True), so no matmul
-    runs with a thread count other than its own forward's."""
-    global _in_flight
-    waited = False
-    if _in_flight is not None:
-        before, arrays = _in_flight
-        if (before >= _blas.WIDE_ROWS) != (rows >= _blas.WIDE_ROWS):
-            mx.eval(*arrays)
-            waited = True
-        _in_flight = None
-    _blas.fit_rows(rows, split)
-    return waited
-
-
 def device_only(derived: Sequence[Tuple[Dict[str, mx.array], Dict[str, mx.array]]],
                 passes: Sequence[Pass]) -> bool:
     """Whether no host decision waits on this step: every pass derives
@@ -202,12 +181,12 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     and what it was computed from is freed once it is done. Otherwise the step
     blocks on one ``mx.eval`` (prefill chunks included): ``synced`` is True.
     """
-    global _in_flight
+    runner = Runner.of(model)
     rows = sum(len(p) for p in passes)
     write = step_write(passes)
-    groups = model.row_groups(write, rows)  # made once: the BLAS threads and the model follow them
-    waited = _fit_threads(rows, len(groups) > 1) if backend.cpu_paths() else False
-    hidden = forward(model, passes, write, groups)
+    groups = runner.row_groups(write, rows)  # made once: the BLAS threads and the forward follow them
+    waited = runner.fit_threads(rows, groups)
+    hidden = forward(runner, passes, write, groups)
     heads = head_outputs(model, hidden, passes)
     derived = []
     for p, h in zip(passes, heads):
@@ -215,8 +194,7 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     to_eval = [a for host, device in derived for a in (*host.values(), *device.values())]
     if to_eval and device_only(derived, passes):
         mx.async_eval(*to_eval)  # no host synchronisation: the host builds the next pass meanwhile
-        if backend.cpu_paths():
-            _in_flight = (rows, to_eval)
+        runner.left_running(rows, to_eval)
         return [PassResult({}, device, waited) for _, device in derived]
     for p in passes:
         if p.derive is None:  # a prefill chunk: materialise its cache's new rows now

@@ -51,7 +51,7 @@ class PackedWrite:
                  batched: Optional[bool] = None):
         offsets = np.cumsum([0, *lengths]).tolist()
         self.segments = [(w, offsets[i], offsets[i + 1]) for i, w in enumerate(writes)]
-        self.mask = None  # Model.hidden: no shared mask, the packed write brings its own
+        self.mask = None  # Runner.hidden: no shared mask, the packed write brings its own
         self.batched = backend.gpu_paths() if batched is None else batched
         self._masks: Optional[List] = None
         self._layout: Optional["_PaddedLayout"] = None
@@ -67,7 +67,7 @@ class PackedWrite:
     def split(self, at: int) -> Optional["tuple"]:
         """The batch as two, cut between the requests nearest ``at`` rows:
         each request attends to its own cache alone, so the two halves never
-        see each other (``cpu_paths.row_groups``)."""
+        see each other (``runner.row_groups``)."""
         cuts = [start for _, start, _ in self.segments[1:]]
         if not cuts:
             return None

@@ -1,5 +1,8 @@
-"""The network and how it is loaded: Qwen3 with a position id per token
-(``qwen3``; its RoPE in ``rope``, its device-dependent operations in
-``cpu_paths``, its fused linear layers and their Hugging Face names in
-``fused``), adapters (``adapters``) and checkpoint loading from a folder or
-the hub (``loading``)."""
+"""The network and how it is loaded: the model contract (``base``), the
+families by ``model_type`` (``registry``: ``qwen3``, ``llama``) on the
+decoder-only LM they share (``causal_lm``), per-token RoPE (``rope``), the
+device-dependent operations (``cpu_paths``, ``kernels``, chosen by
+``backend``), projections fused after loading (``fused``), adapters
+(``adapters``), tensor and pipeline splits (``sharding``) and checkpoint
+loading from a folder or the hub (``loading``). How a decode pass runs
+through a model is ``decode/runner.py``'s."""

@@ -15,7 +15,7 @@ a LoRA folder; fuse it, and both load the result).
 
 Adapters need the separate projections (q_proj, k_proj, v_proj, gate_proj,
 up_proj): load the model with ``fuse=False``, apply, and only then fuse the
-projection groups that were left plain (``Model.fuse_projections`` skips
+projection groups that were left plain (``fused.fuse_projections`` skips
 adapted ones).
 """
 
@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._json import read_json_object
 from ..errors import LoadError, RefusionError
-from .fused import FUSED, Linear
+from .fused import Linear, joined
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapters.safetensors"
@@ -66,11 +66,9 @@ def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
 
 
 def _check_unfused(model) -> None:
-    for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            if any(name in parent for name in FUSED):
-                raise RefusionError("adapters need the separate q/k/v and gate/up projections: "
-                                    "load the model with fuse=False")
+    if joined(model):
+        raise RefusionError("adapters need the separate q/k/v and gate/up projections: "
+                            "load the model with fuse=False")
 
 
 def check_num_layers(model, num_layers: int) -> None:

@@ -14,13 +14,15 @@ Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in
                                                               load (cpu_paths.relayout), multiplied
                                                               through a transposed view made once
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
+                                                              (decode/runner.py: overlap)
 wide decode passes        one group of rows                   two row groups on two CPU streams
-                                                              (small models; cpu_paths.row_groups)
+                                                              (small models; runner.row_groups)
 LM head                   all head rows in one matmul while   chunks of ``probs.LOGITS_BUDGET_BYTES``
                           the logits fit 1/16 of the device's (32 MB of float32 logits)
                           memory (:func:`logits_budget`)
 BLAS threads              untouched                           fitted to the model and the pass
-                                                              (``_blas.fit_threads`` / ``fit_rows``)
+                                                              (``_blas.fit_threads``; per step:
+                                                              ``Runner.fit_threads``)
 default dtype             the checkpoint's                    float32
 wired memory              :func:`wired_limit` on Metal        nothing
 ========================  ==================================  =====================================

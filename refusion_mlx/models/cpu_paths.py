@@ -2,23 +2,18 @@
 on the GPU paths MLX's fused kernels (``mx.fast.rms_norm``,
 ``scaled_dot_product_attention``); on the CPU paths (the CPU has no fused
 kernels) compiled or regrouped equivalents with the same arithmetic and
-fewer dispatched ops (RMSNorm, grouped-query attention and its mask),
-evaluation started every few layers of a decode pass (:func:`overlap`), and
-a small model's wide decode passes cut into two row groups that run on two
-CPU streams (:func:`row_groups`)."""
+fewer dispatched ops (RMSNorm, grouped-query attention and its mask), and
+linear weights laid out for the BLAS at load (:func:`relayout`). How a
+decode pass runs on the CPU (row groups on two streams, evaluation started
+every few layers, BLAS threads) is ``decode/runner.py``'s."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 from functools import partial
-from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import _blas
 from .backend import gpu_paths
 from .kernels import softmax
 
@@ -103,66 +98,6 @@ def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dty
     if gpu_paths():
         return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
-
-
-def overlap(h: List[mx.array], layer: int, layers: int) -> None:
-    """Called after each layer of a decode pass with every row group's
-    output. On the CPU paths, start computing them (in one call: separate
-    calls serialise the groups' streams) every ``layers / 8`` layers while
-    Python builds the next ones:
-    ReFusion syncs at each decision, so this is where graph building can
-    overlap with compute (+6% tokens/s on the demo model, CPU). On the GPU
-    paths the pass stays one graph, evaluated once."""
-    if (layer + 1) % max(1, layers // 8) == 0 and not gpu_paths():
-        mx.async_eval(*h)
-
-
-# A decode pass of a small model (one BLAS thread, ``_blas.fit_threads``) at
-# least this wide is computed as two row groups, each on its own CPU stream
-# (its own worker thread) with one BLAS thread. MLX's CPU backend runs every
-# op but a matmul on one thread, so one stream leaves a core idle through a
-# wide pass's norms, rotations, softmaxes and SwiGLUs; two groups keep both
-# busy. The split is exact: in a causal pass the first group's queries
-# never see the second's rows, the second's see the first's through the
-# cache, as if the two ran one after the other; in an infill pass each slot
-# sees only the committed rows and its own, so whole slots go to each group;
-# a batch's packed passes are cut between requests, which never see each
-# other. The first group takes 55% of the rows: the second's queries see
-# more keys and wait, layer by layer, for the first's keys and values. Measured on the demo model (this 2-core
-# CPU, MKL): a 146-token pass 14-15 ms against 18-21 ms in one group with two
-# BLAS threads; from 40 tokens on it is no slower (docs/benchmarks.md).
-SPLIT_ROWS = 40
-SPLIT_SHARE = 0.55
-
-# MLX's streams belong to the thread that made them (a server decodes on its
-# own thread): each thread gets its pair on first use.
-_local = threading.local()
-
-
-def row_groups(write, rows: int) -> List[Tuple[int, int, object, Optional[mx.Stream]]]:
-    """How a decode pass of ``rows`` tokens writing through ``write`` runs:
-    ``(first row, end row, write, stream)`` per group, in sequence order.
-    One group on the default stream, unless this is a wide pass of a small
-    model on the CPU paths with a second core, whose write can be cut
-    (``write.split``: a causal pass after the committed rows, an infill
-    pass between two slots, a batch's packed passes between two requests)."""
-    whole = [(0, rows, write, None)]
-    if gpu_paths() or rows < SPLIT_ROWS or not _blas.small_model() or (os.cpu_count() or 1) < 2:
-        return whole
-    split = getattr(write, "split", None)
-    halves = split(int(rows * SPLIT_SHARE)) if split is not None else None
-    if halves is None:
-        return whole
-    cut = halves[0].tokens  # where the write could cut (an infill pass: at a slot's end)
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = (mx.default_stream(mx.cpu), mx.new_stream(mx.cpu))
-    return [(0, cut, halves[0], streams[0]), (cut, rows, halves[1], streams[1])]
-
-
-def on(stream: Optional[mx.Stream]):
-    """The ops built inside run on ``stream`` (None: the default one)."""
-    return contextlib.nullcontext() if stream is None else mx.stream(stream)
 
 
 def relayout(model) -> int:

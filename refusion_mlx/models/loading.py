@@ -12,8 +12,8 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend, cpu_paths, sharding
-from .qwen3 import Model, ModelArgs
+from . import backend, cpu_paths, registry, sharding
+from .fused import fuse_projections
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
@@ -64,19 +64,18 @@ def read_config(model_path: Path) -> Dict[str, Any]:
     return read_json_object(config_file)
 
 
-def model_args(config: Dict[str, Any]) -> ModelArgs:
-    """ModelArgs from a config dict, with missing keys reported in one line."""
+def model_args(config: Dict[str, Any]):
+    """The ``ModelArgs`` of the config's family (``registry``), with missing
+    keys and an unknown ``model_type`` reported in one line."""
     missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers",
                            "intermediate_size", "num_attention_heads", "vocab_size")
                if k not in config]
     if missing:
         raise LoadError(f"config.json lacks {', '.join(missing)}")
     try:
-        return ModelArgs.from_dict(config)
+        return registry.model_args(config)
     except ConfigError as e:
         raise LoadError(str(e)) from None
-    except TypeError as e:
-        raise LoadError(f"config.json: {e}") from None
 
 
 def weight_files(model_path: Path) -> List[Path]:
@@ -112,7 +111,7 @@ def load_weights(files: List[Path]) -> Dict[str, mx.array]:
     return weights
 
 
-def _quantize(model: Model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> None:
+def _quantize(model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> None:
     """Swap in quantized layers where the checkpoint has scales (mlx-lm's layout)."""
     quant = config["quantization"]
     overrides = {k: v for k, v in quant.items() if isinstance(v, (dict, bool))}
@@ -136,15 +135,14 @@ def default_dtype(stored: mx.Dtype) -> mx.Dtype:
 
 
 def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False,
-               dist=None) -> Tuple[Model, Dict[str, Any]]:
+               dist=None) -> Tuple[Any, Dict[str, Any]]:
     """The MLX model of a folder, cast to ``dtype`` (None: see ``default_dtype``).
 
     ``dist`` (a ``distributed.group.Distributed`` of two or more ranks): the
     model is split over its group (tensor or pipeline, its ``mode``) before
     any weight is read, then only this rank's share is read (``_load_split``)."""
     config = read_config(model_path)
-    args = model_args(config)
-    model = Model(args)
+    model = registry.build(model_args(config))
     if dist is not None:
         return _load_split(model, model_path, config, dtype, lazy, dist), config
     weights = model.sanitize(load_weights(weight_files(model_path)))
@@ -166,8 +164,8 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     return model, config
 
 
-def _load_split(model: Model, model_path: Path, config: Dict[str, Any], dtype: Optional[str], lazy: bool,
-                dist) -> Model:
+def _load_split(model, model_path: Path, config: Dict[str, Any], dtype: Optional[str], lazy: bool,
+                dist):
     """A rank's share of the model: split first (its layers still hold lazy,
     never evaluated initial values), then only the bytes of its share read
     from the safetensors files (``slices``), cast, evaluated a layer at a time."""
@@ -200,7 +198,7 @@ def _load_split(model: Model, model_path: Path, config: Dict[str, Any], dtype: O
     return model
 
 
-def _cast_bytes(model: Model, target: mx.Dtype) -> int:
+def _cast_bytes(model, target: mx.Dtype) -> int:
     """Bytes of the model's parameters once floating ones are cast to ``target``."""
     from mlx.utils import tree_flatten
 
@@ -208,7 +206,7 @@ def _cast_bytes(model: Model, target: mx.Dtype) -> int:
                for _, v in tree_flatten(model.parameters()))
 
 
-def _split(model: Model, dist, target: mx.Dtype) -> None:
+def _split(model, dist, target: mx.Dtype) -> None:
     """Shard (or pipeline) a lazily loaded model over ``dist``'s group and
     record the whole model's and this rank's weight bytes."""
     whole = _cast_bytes(model, target)
@@ -250,8 +248,9 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     ``path_or_repo`` is a local folder (Hugging Face layout or converted by
     ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
     The mask id ends up in ``model.args.mask_token_id``. ``fuse`` joins the
-    q/k/v and gate/up projections into one matmul each (``model.hf_parameters()``
-    still gives the weights under Hugging Face's names). ``adapter_path``: a
+    projections each module declares (q/k/v, gate/up) into one matmul each
+    (``fused.hf_parameters(model)`` still gives the weights under Hugging
+    Face's names). ``adapter_path``: a
     local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
     stays quantized); only the projection groups they leave plain are fused.
@@ -274,7 +273,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         if not lazy:
             mx.eval(model.parameters())
     if fuse and not lazy:
-        model.fuse_projections()
+        fuse_projections(model)
     tokenizer = load_tokenizer(model_path)
     mask_id = resolve_mask_id(config, tokenizer)
     if not 0 <= mask_id < model.args.vocab_size:

@@ -1,17 +1,18 @@
 """Splitting a model over the ranks of an ``mx.distributed`` group.
 
 **Tensor parallel** (:func:`shard`, as mlx-lm's ``Model.shard``): every
-layer is split by heads and MLP columns. q/k/v and gate/up keep a slice of
-their output rows ("all-to-sharded": no communication, each rank computes
-its own heads and columns); o_proj and down_proj keep the matching slice of
-their input columns and sum their partial outputs over the group
-("sharded-to-all": one all-reduce each, two per layer per forward). The
-embedding, the norms and the LM head stay whole, so every rank computes the
-same logits from the same all-reduced hidden states and the decoder's host
-decisions agree on every rank without further messages.
+layer is split by heads and MLP columns, as the family's
+``Model.tensor_parallel`` (``base.TensorParallel``) says. q/k/v and gate/up
+keep a slice of their output rows ("all-to-sharded": no communication, each
+rank computes its own heads and columns); o_proj and down_proj keep the
+matching slice of their input columns and sum their partial outputs over
+the group ("sharded-to-all": one all-reduce each, two per layer per
+forward). The embedding, the norms and the LM head stay whole, so every
+rank computes the same logits from the same all-reduced hidden states and
+the decoder's host decisions agree on every rank without further messages.
 
 The sharded q/k/v and gate/up stay the model's own ``Linear`` (or
-``QuantizedLinear``) with fewer rows, so ``Model.fuse_projections`` fuses
+``QuantizedLinear``) with fewer rows, so ``fused.fuse_projections`` joins
 them after sharding exactly as alone, and the CPU paths keep their
 transposed weight views; only o_proj/down_proj become MLX's sharded-to-all
 layers (plus a watchdog pet).
@@ -30,7 +31,8 @@ the files only the parameters this rank has, in its shapes (``slices``).
 
 from __future__ import annotations
 
-
+import functools
+from typing import Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +41,8 @@ from mlx.nn.layers.distributed import (QuantizedShardedToAllLinear, ShardedToAll
 
 from ..distributed import watchdog
 from ..errors import ConfigError
-from .qwen3 import TransformerBlock
+from . import registry
+from .fused import joined
 
 
 class _SumLinear(ShardedToAllLinear):
@@ -57,8 +60,9 @@ class _SumQuantizedLinear(QuantizedShardedToAllLinear):
 
 
 def check_tensor_parallel(args, size: int) -> None:
-    """mlx-lm's checks, one line each: heads, KV heads and MLP columns divide evenly."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    """mlx-lm's checks, one line each: the sizes the family splits (heads, KV
+    heads, MLP columns) divide evenly."""
+    for name in registry.family(args.model_type).Model.tensor_parallel.sizes:
         value = getattr(args, name)
         if value % size:
             raise ConfigError(f"tensor parallel over {size} ranks needs {name} ({value}) divisible by {size}; "
@@ -77,27 +81,36 @@ def _sum_layer(layer: nn.Module, group) -> nn.Module:
     raise ConfigError(f"cannot shard a {type(layer).__name__} (fuse adapters into the weights first)")
 
 
+def _at(block: nn.Module, path: str) -> Tuple[object, str]:
+    """(the object holding it, its name) of a block-relative path."""
+    parent, _, name = path.rpartition(".")
+    for part in parent.split(".") if parent else ():
+        block = block[part]
+    return block, name
+
+
 def shard(model, group) -> None:
     """Tensor parallel: split every layer's heads and MLP columns over ``group``.
     Call before the projections are fused (and, to read only this rank's
     share, before the weights are read: ``loading._load_split``)."""
     N = group.size()
     check_tensor_parallel(model.args, N)
-    model.distributed = True
+    if joined(model):
+        raise ConfigError("shard the model before fusing its projections")
+    plan = model.tensor_parallel
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if "qkv_proj" in attn or "gate_up_proj" in mlp:
-            raise ConfigError("shard the model before fusing its projections")
-        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            for name in names:
-                if not isinstance(parent[name], (nn.Linear, nn.QuantizedLinear)):
-                    raise ConfigError(f"cannot shard a {type(parent[name]).__name__} "
-                                      "(fuse adapters into the weights first)")
-                shard_inplace(parent[name], "all-to-sharded", group=group)
-        attn.o_proj = _sum_layer(attn.o_proj, group)
-        mlp.down_proj = _sum_layer(mlp.down_proj, group)
-        attn.n_heads //= N
-        attn.n_kv_heads //= N
+        for path in plan.split:
+            parent, name = _at(layer, path)
+            if not isinstance(parent[name], (nn.Linear, nn.QuantizedLinear)):
+                raise ConfigError(f"cannot shard a {type(parent[name]).__name__} "
+                                  "(fuse adapters into the weights first)")
+            shard_inplace(parent[name], "all-to-sharded", group=group)
+        for path in plan.summed:
+            parent, name = _at(layer, path)
+            parent[name] = _sum_layer(parent[name], group)
+        for path in plan.counts:
+            owner, name = _at(layer, path)
+            setattr(owner, name, getattr(owner, name) // N)
     model.heads //= N
     model.kv_heads //= N
 
@@ -105,7 +118,7 @@ def shard(model, group) -> None:
 class _Absent(nn.Module):
     """A layer another pipeline rank holds: the hidden states pass through."""
 
-    def __call__(self, x, rope, mask, kv=None):
+    def __call__(self, x, *args, **kwargs):
         return x
 
 
@@ -133,18 +146,24 @@ class _Hops:
         return x
 
 
-class _Boundary(TransformerBlock):
-    """A rank's own layer at a pipeline boundary: the block (same parameter
-    names, so the weights load and fuse as they do alone) and its hops."""
+class _Boundary:
+    """A rank's own layer at a pipeline boundary: the block itself (same
+    class behind this one, same parameter names, so the weights load and
+    fuse as they do alone) between its hops."""
 
-    def __init__(self, block: TransformerBlock, hops: _Hops):
-        nn.Module.__init__(self)
-        for name, child in block.children().items():
-            self[name] = child
-        self._hops = hops
+    def __call__(self, x, *args, **kwargs):
+        return self._hops.after(super().__call__(self._hops.before(x), *args, **kwargs))
 
-    def __call__(self, x, rope, mask, kv=None):
-        return self._hops.after(super().__call__(self._hops.before(x), rope, mask, kv))
+
+@functools.lru_cache(maxsize=None)
+def _boundary_class(block_class: type) -> type:
+    return type(f"Boundary{block_class.__name__}", (_Boundary, block_class), {})
+
+
+def _boundary(block: nn.Module, hops: _Hops) -> nn.Module:
+    block.__class__ = _boundary_class(type(block))
+    block._hops = hops
+    return block
 
 
 class _Relay(nn.Module):
@@ -154,7 +173,7 @@ class _Relay(nn.Module):
         super().__init__()
         self._hops = hops
 
-    def __call__(self, x, rope, mask, kv=None):
+    def __call__(self, x, *args, **kwargs):
         return self._hops.after(self._hops.before(x))
 
 
@@ -171,14 +190,13 @@ def pipeline(model, group) -> None:
     if L < N:
         raise ConfigError(f"pipeline over {N} ranks needs at least {N} layers, the model has {L}")
     start, end = layer_range(L, r, N)
-    model.distributed = True
-    layers = model.model.layers
+    layers = model.layers
     for i in range(L):
         own = start <= i < end
         receive, send, gather = r > 0 and i == start, r < N - 1 and i == end - 1, i == L - 1
         if receive or send or gather:
             hops = _Hops(group, receive, send, gather)
-            layers[i] = _Boundary(layers[i], hops) if own else _Relay(hops)
+            layers[i] = _boundary(layers[i], hops) if own else _Relay(hops)
         elif not own:
             layers[i] = _Absent()
     model.layer_range = (start, end)

@@ -58,7 +58,7 @@ def refusion_loss(model, batch: Dict[str, mx.array], ar_weight: float = 1.0) -> 
     is NaN). ``ar_weight`` (1 = the paper, ``--ar-weight``) multiplies the AR
     mean.
     Optional (B, T) ints ``visible`` and ``run_start`` (drafting examples) set
-    which tokens each token attends to (``models.qwen3.visible_mask``);
+    which tokens each token attends to (``models.causal_lm.visible_mask``);
     without them the pass is causal.
     """
     batch = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in batch.items()}  # numpy too
