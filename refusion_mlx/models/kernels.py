@@ -33,8 +33,11 @@ def exp(x: mx.array) -> mx.array:
     """exp(x) = 2**n * exp(r), n = x / ln2 rounded to the nearest integer,
     r = x - n ln2 with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact),
     exp(r) by a degree-7 polynomial and 2**n built in the exponent bits.
-    Inputs below -87 give ~1e-38, not 0. It is differentiable (training on
-    the CPU): d/dx = p'(r) * 2**n. Compiled per shape (a bit-cast cannot be
+    Inputs below -87 give exactly 0 (a masked score's -inf too): the
+    polynomial's ~1e-38 there would make subnormal probabilities, and
+    subnormal arithmetic is many times slower on some CPUs (Intel: a
+    training step 8x slower, docs/benchmarks.md). It is differentiable
+    (training on the CPU): d/dx = p'(r) * 2**n. Compiled per shape (a bit-cast cannot be
     shapeless); retracing a new shape costs ~0.2 ms, the kernel is reused."""
     x = mx.clip(x, -87.0, 88.0)
     n = mx.stop_gradient((x * 1.4426950408889634 + _ROUND) - _ROUND)
@@ -42,7 +45,7 @@ def exp(x: mx.array) -> mx.array:
     p = 1.0 + r * (1.0 + r * (0.5 + r * (1 / 6 + r * (1 / 24 + r * (1 / 120 + r * (1 / 720 + r / 5040))))))
     # 2**n has no gradient (n is a floor); its bits are built out of the graph
     scale = mx.stop_gradient(((n.astype(mx.int32) + 127) << 23).view(mx.float32))
-    return p * scale
+    return mx.where(x > -87.0, p * scale, 0.0)
 
 
 @mx.compile
