@@ -10,12 +10,12 @@ family reads, with the checks that make a bad one a one-line error.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import ConfigError
 from .base import CacheSpec, TensorParallel
@@ -25,7 +25,7 @@ from .rope import PositionalRoPE, rope_scale
 
 
 @dataclass
-class DecoderArgs(BaseModelArgs):
+class DecoderArgs:
     """config.json as a decoder-only family reads it (a family's ``ModelArgs``
     subclasses it and checks its own ``model_type`` and extras first)."""
 
@@ -50,6 +50,15 @@ class DecoderArgs(BaseModelArgs):
 
     # the family's RoPE base when config.json gives none
     DEFAULT_ROPE_THETA = 1_000_000.0
+
+    @classmethod
+    def from_dict(cls, config: Dict[str, Any]) -> "DecoderArgs":
+        """The fields this class declares, read from ``config``; other keys are
+        ignored (config.json carries many a runtime has no use for). Not
+        mlx-lm's base class: importing mlx_lm imports transformers (~4 s), which
+        a command that fails on its flags should not wait for."""
+        fields = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in config.items() if k in fields})
 
     def __post_init__(self):
         if self.num_key_value_heads is None:

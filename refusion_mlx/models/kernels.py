@@ -11,8 +11,10 @@ cases stay token-exact).
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
-from mlx_lm.models.activations import swiglu
+import mlx.nn as nn
 
 from .backend import cpu_paths
 
@@ -53,11 +55,16 @@ def _swiglu_cpu(gate: mx.array, up: mx.array) -> mx.array:
     return gate / (1.0 + exp(-gate)) * up
 
 
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
 def silu_gate(gate: mx.array, up: mx.array) -> mx.array:
     """SwiGLU's ``silu(gate) * up``."""
     if _cpu_float32(gate):
         return _swiglu_cpu(gate, up)
-    return swiglu(gate, up)
+    return _swiglu(gate, up)
 
 
 def softmax(x: mx.array) -> mx.array:
