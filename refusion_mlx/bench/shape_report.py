@@ -85,7 +85,10 @@ def format_measured(r: dict) -> str:
 
 def before_timing(r: dict) -> str:
     """What the CPU run prints before it times: the head and the forecast."""
-    return "\n".join([format_head(r), "", format_forecast(r)])
+    gb = (r["weight_bytes"]["body"] + r["weight_bytes"]["head"]) / 1e9
+    return "\n".join([format_head(r), "", format_forecast(r), "",
+                      f"timing next on this CPU: {r['forwards']} ReFusion and {r['ar_forwards']} AR forwards of "
+                      f"{gb:.2f} GB of weights each, which takes long for a large shape (--forecast-only skips it)"])
 
 
 def format_shape_report(r: dict, shown: bool = False) -> str:
@@ -93,8 +96,8 @@ def format_shape_report(r: dict, shown: bool = False) -> str:
     already (``before_timing``), so only the measurement is left."""
     if r["measured_on"] is None:  # --forecast-only
         return "\n".join([format_head(r), "", format_forecast(r), "", "not measured (--forecast-only)"])
-    if r["measured_on"] == "gpu":
-        return "\n".join([format_head(r), "", format_measured(r), "", format_forecast(r)])
     if shown:
         return "\n" + format_measured(r)
-    return "\n".join([before_timing(r), "", format_measured(r)])
+    if r["measured_on"] == "gpu":
+        return "\n".join([format_head(r), "", format_measured(r), "", format_forecast(r)])
+    return "\n".join([format_head(r), "", format_forecast(r), "", format_measured(r)])
