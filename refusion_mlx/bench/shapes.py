@@ -143,12 +143,9 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
     both chosen by the shape's ``model_type`` (``models.registry``, mlx-lm's module of that name).
     Quantized before its weights are computed, so an 8B shape never holds
     its float32 weights at once. ``materialize=False``: the weights stay
-    lazy (never computed: their sizes are all ``Costs`` reads) and no mlx-lm model."""
-    import importlib
-
+    lazy (never computed: their sizes are all ``Costs`` reads; :func:`compute`
+    computes them later) and no mlx-lm model."""
     from ..models import registry
-    from ..models.fused import fuse_projections
-    from .runs import share_weights
 
     config = shape_config(name)
     mx.random.seed(0)
@@ -159,12 +156,24 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
         nn.quantize(model, group_size=QUANT_GROUP, bits=q_bits)
     if not materialize:
         return model, None
+    return compute(model, name, q_bits, ar)
+
+
+def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
+    """Compute a lazy model's weights (its projections fused), and mlx-lm's
+    twin on the same arrays when ``ar``: ``(model, ar_model or None)``."""
+    import importlib
+
+    from ..models.fused import fuse_projections
+    from .runs import share_weights
+
     fuse_projections(model)  # computes each fused group's weights
     flat = [v for _, v in tree_flatten(model.parameters())]
     for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
         mx.eval(flat[i:i + 8])
     if not ar:
         return model, None
+    config = shape_config(name)
     ar_family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     ar_model = ar_family.Model(ar_family.ModelArgs.from_dict(config))
     if q_bits:
@@ -307,7 +316,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     tokens = sum(rec.generated)
     recorded = Profile("recorded", "recorded", rec.shapes, tokens)
     say(f"building {name} ({dtype}{f', {q_bits}-bit' if q_bits else ''}) with random weights")
-    model, ar_model = build_models(name, dtype, q_bits, ar and measure, materialize=measure)
+    model, _ = build_models(name, dtype, q_bits, materialize=False)  # its weights' sizes, none computed yet
     costs = Costs.of(model)
     ar_fw = ar_forwards(rec)
     profiles = []
@@ -349,6 +358,8 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         return result
     if show is not None and not on_gpu():
         show(result)
+    say("computing the weights")
+    model, ar_model = compute(model, name, q_bits, ar)
     if measure_profiles is None:
         measure_profiles = on_gpu()
     ar_walls = time_ar(ar_model, rec) if ar else []
