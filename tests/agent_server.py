@@ -72,7 +72,8 @@ class ScriptedCalls(batch.BatchGenerator):
         uid = super().insert(prompt, params, cache=cache)
         held = [t for _, _, t in cache.in_position_order()] if cache is not None else []
         text = self.tokenizer.decode(held + [int(t) for t in prompt])
-        last_turn = text.rsplit("<|im_start|>", 2)[-2]  # the turn before the assistant's generation prompt
+        turns = text.rsplit("<|im_start|>", 2)
+        last_turn = turns[-2] if len(turns) == 3 else ""  # the turn before the assistant's generation prompt
         for key, pieces in SCRIPTS.items():
             if key in last_turn:
                 self.scripted[uid] = list(pieces)

@@ -18,7 +18,7 @@ import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, create_model, field_validator
 
 from .answering import Answering
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
@@ -27,6 +27,7 @@ from .refusal import Reason, Refusal
 from .response_store import ResponseStore
 from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
+from .schemas import _invalid as _not_input
 from .tool_calls import check_results, function_tool, template_tools
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -51,6 +52,13 @@ class _ResponsesBase(BaseModel):
     text: Optional[Dict[str, Any]] = Field(None, description='only {"format": {"type": "text"}}')
     background: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value):
+        if isinstance(value, str) or isinstance(value, list) and all(isinstance(i, dict) for i in value):
+            return value
+        raise _not_input("must be a string or a list of items (objects)")
 
 
 # The decoding fields of chat, but max_tokens: the Responses API's is max_output_tokens.
