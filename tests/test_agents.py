@@ -436,3 +436,17 @@ def test_langchain(server):
     responses = langchain.ChatOpenAI(model="tiny-refusion", base_url=server.url, api_key="local", max_retries=0,
                                      use_responses_api=True)
     assert responses.invoke(SVEN).text == text
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agent_loop_example(server, api):  # TODO(retrained demo): against the demo model itself
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent_loop.py"
+    out = subprocess.run([sys.executable, str(example), CALC, "--base-url", server.url, "--api", api],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == '  calculator({"expression": "6*7"}) -> 42' and lines[1].startswith("tiny-refusion> ")

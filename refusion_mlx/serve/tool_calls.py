@@ -222,11 +222,9 @@ def _check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
         raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON Schema of an object "
                                             '({"type": "object", "properties": {...}})', param)
-    try:
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
-    except ImportError:  # pragma: no cover - jsonschema is a dependency
-        return
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
