@@ -297,18 +297,22 @@ BAD = [
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_object"}}}, "text.format"),
     ("/v1/responses", {"input": 5}, "input"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": [{"name": "f", "input_schema": {
-        "type": "object", "required": 3}}]}, None),
+        "type": "object", "required": 3}}]}, "tools[0].input_schema"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": ANTHROPIC_TOOLS,
-                      "tool_choice": {"type": "tool", "name": "nope"}}, None),
+                      "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}]}]}, None),
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, None),
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, None),
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}]}]}, "messages[0].content[0]"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages[0].content[0].type"),
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "assistant", "content": [
-        {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": "6*7"}]}]}, None),
-    ("/v1/messages", {"messages": user(SVEN)}, None),  # max_tokens is required
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, None),
-    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
+        {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": "6*7"}]}]},
+     "messages[0].content[0].input"),
+    ("/v1/messages", {"messages": user(SVEN)}, "max_tokens"),  # required
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     "messages[0].content[0].type"),
 ]
 
 
@@ -321,6 +325,7 @@ def test_bad_input_is_one_4xx_in_the_api_shape(server, path, body, param):
         if path.startswith("/v1/messages"):
             assert err["type"] == "error" and set(err["error"]) == {"type", "message"}
             assert err["error"]["type"] == "invalid_request_error" and "\n" not in err["error"]["message"]
+            assert err["error"]["message"].startswith(param + ": "), err  # Anthropic's shape has no param
         else:
             assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
             assert err["error"]["message"].startswith(param + ": ") and "\n" not in err["error"]["message"]
@@ -439,14 +444,18 @@ def test_langchain(server):
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-def test_agent_loop_example(server, api):  # TODO(retrained demo): against the demo model itself
-    import subprocess
-    import sys
+def test_agent_loop_example(server, api, monkeypatch, capsys):  # TODO(retrained demo): against the demo model
+    """examples/agent_loop.py, run as its command line would (in this process: no second interpreter)."""
+    import importlib.util
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "agent_loop.py"
-    out = subprocess.run([sys.executable, str(example), CALC, "--base-url", server.url, "--api", api],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    path = Path(__file__).resolve().parents[1] / "examples" / "agent_loop.py"
+    spec = importlib.util.spec_from_file_location("agent_loop_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr("sys.argv", ["agent_loop.py", CALC, "--base-url", server.url, "--api", api])
+    assert example.main() == 0
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0] == '  calculator({"expression": "6*7"}) -> 42' and lines[1].startswith("tiny-refusion> ")
+    assert example.calculate("(2 + 3) * 4 / 8") == "2.5" and example.calculate("__import__('os')").startswith(
+        "error")

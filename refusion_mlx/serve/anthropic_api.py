@@ -157,10 +157,10 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
         if tool.get("type") not in (None, "custom"):
             raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only custom (client) tools are supported, got "
                                               f"{tool.get('type')!r}", f"tools[{i}].type")
-        tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
-                                    "parameters": tool.get("input_schema")}, f"tools[{i}]"))
         if "input_schema" not in tool:
             raise _invalid_block(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
+        tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
+                                    "parameters": tool["input_schema"]}, f"tools[{i}]", "input_schema"))
     choice = body.tool_choice or {"type": "auto"}
     kind = choice.get("type")
     if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):

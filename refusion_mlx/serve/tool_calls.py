@@ -197,10 +197,10 @@ def _partial_tail(text: str, marker: str) -> int:
 # Tools as the chat template takes them
 
 
-def function_tool(spec: Any, param: str) -> dict:
+def function_tool(spec: Any, param: str, schema_field: str = "parameters") -> dict:
     """A function tool (``name``, ``description``, ``parameters``: a JSON
     Schema object) in the chat template's form; a :class:`Refusal` naming
-    ``param`` when it is malformed."""
+    ``param`` when it is malformed (the schema as the API calls it: ``schema_field``)."""
     if not isinstance(spec, dict):
         raise Refusal(Reason.INVALID_VALUE, f"{param}: must be an object", param)
     name = spec.get("name")
@@ -212,7 +212,7 @@ def function_tool(spec: Any, param: str) -> dict:
         raise Refusal(Reason.INVALID_VALUE, f"{param}.description: must be a string", f"{param}.description")
     parameters = spec.get("parameters")
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters
-    _check_schema(parameters, f"{param}.parameters")
+    _check_schema(parameters, f"{param}.{schema_field}")
     function = {"name": name, **({"description": description} if description else {}), "parameters": parameters}
     return {"type": "function", "function": function}
 
