@@ -24,7 +24,8 @@ log = logging.getLogger("refusion_mlx.server")
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.server",
-                           description="OpenAI-compatible HTTP server for a ReFusion model.")
+                           description="OpenAI- and Anthropic-compatible HTTP server for a ReFusion model "
+                                       "(chat and text completions, Responses, Messages, tool calls).")
     add_model_args(parser)  # --model, --adapter-path, --dtype
     add_distributed_args(parser)  # --pipeline (under mlx.launch)
     add_decoding_args(parser)  # server-wide defaults; requests override them

@@ -43,12 +43,15 @@ def ask(srv, content="Who is Sven?", **fields):
     return call(srv, "POST", CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 32, **fields})
 
 
+LABELS = r'refusion_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})?'  # a name, and labels if any
+
+
 def metrics(srv) -> dict:
     status, text = call(srv, "GET", "/metrics")
     assert status == 200
     for line in text.splitlines():  # every sample line is `name{labels} value`, every name refusion_
-        assert line.startswith("# ") or re.fullmatch(r'refusion_[a-z_]+(\{[a-z_]+="[^"]*"\})? [0-9.e+-]+|'
-                                                     r'refusion_[a-z_]+_bucket\{le="[^"]+"\} \d+', line), line
+        assert line.startswith("# ") or re.fullmatch(LABELS + r' [0-9.e+-]+|refusion_[a-z_]+_bucket\{le="[^"]+"\} \d+',
+                                                     line), line
     return parse(text)
 
 

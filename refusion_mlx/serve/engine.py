@@ -49,6 +49,7 @@ from .prompt_cache import PromptCache, prefill
 from .refusal import Reason, Refusal
 from .server_config import ServerConfig
 from .slots import step_commits
+from .tool_calls import ToolFormat
 
 log = logging.getLogger("refusion_mlx.server")
 
@@ -71,6 +72,7 @@ class Engine:
         self.kv_row_bytes = 0  # the model's KV bytes per token, known once it is loaded
         self.kv_reserved = 0  # by the requests in the batch
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
+        self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
         self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
@@ -128,14 +130,14 @@ class Engine:
 
     def job(self, request: EngineRequest, loop=None) -> Job:
         """The request's Job, as every rank makes it (``loop``: where its events go)."""
-        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id)
+        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id, self.tool_format)
 
     def submit(self, request: EngineRequest, loop) -> Job:
         """Queue a request; its Job posts the answer's events to ``loop``. A
         :class:`Refusal` when it can never fit in KV memory or cannot wait."""
         job = self.job(request, loop)
         if job.kv_bytes > self.max_kv_bytes:
-            self.metrics.add("refused")
+            self.metrics.outcome(request.api, "refused")
             raise kv_refusal(job.kv_bytes, self.kv_row_bytes, self.max_kv_bytes)
         with self.wake:
             if self._failed:
@@ -175,6 +177,7 @@ class Engine:
                 barrier(self.dist)
             self.args = self.model.args
             self.eos_id = self.tokenizer.eos_token_id
+            self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch)
             self._plan_memory()
@@ -252,7 +255,7 @@ class Engine:
                 job = self.waiting[0]
                 if job.cancelled.is_set():  # its client left while it waited
                     self.waiting.popleft()
-                    self.metrics.add("cancelled")
+                    self.metrics.outcome(job.request.api, "cancelled")
                     continue
                 if self.kv_reserved - freed + job.kv_bytes > self.max_kv_bytes:
                     if not job.waited:
@@ -335,15 +338,18 @@ class Engine:
         if r.finish_reason == "error":
             return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
         released = job.shaper.completion_tokens
-        text, reason = job.shaper.feed(r.text, r.tokens, final=r.finish_reason is not None)
+        items, reason = job.take(r.text, r.tokens, finished=r.finish_reason is not None)
         self.metrics.add("generated_tokens", job.shaper.completion_tokens - released)
         if job.request.include_commits and r.commits:
-            job.post("commits", (text, step_commits(self.tokenizer, job.request, r)))
-        elif text:
-            job.post("text", text)
+            first = items.pop(0) if items and isinstance(items[0], str) else ""
+            job.post("commits", (first, step_commits(self.tokenizer, job.request, r)))
+        for item in items:
+            job.post("text" if isinstance(item, str) else "tool_call", item)
         reason = reason or r.finish_reason
         if reason is None:
             return
+        if job.calls is not None:
+            self.metrics.tool_calls(job.calls.calls, job.calls.failed)
         self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
         self._close(job, "completed")
         job.post("done", job.outcome(reason, r.stats, self.dist))
@@ -362,7 +368,7 @@ class Engine:
                 self.starting -= 1  # it never reached the batch
             self.kv_reserved -= job.kv_bytes
             job.kv_bytes = 0
-            self.metrics.add(outcome)
+            self.metrics.outcome(job.request.api, outcome)
         if not self.running:  # the batch is empty: hand the allocator's cached buffers back
             import mlx.core as mx
 

@@ -1,7 +1,8 @@
-"""OpenAI-compatible HTTP server for ReFusion (``python -m refusion_mlx.server``
-is its command line).
+"""The HTTP server for ReFusion (``python -m refusion_mlx.server`` is its
+command line): OpenAI's chat and text completions and Responses API,
+Anthropic's Messages API, tool calls on all three.
 
-FastAPI on uvicorn (routes in :mod:`.app`, request models in :mod:`.schemas`,
+FastAPI on uvicorn (routes in :mod:`.app` and each API's module, request models in :mod:`.schemas`,
 the schema at ``/docs``) over one engine thread that owns MLX and decodes up
 to ``--max-batch`` requests per forward (:mod:`.engine`), continuing
 conversations and shared prompts from a prompt cache (:mod:`.prompt_cache`).
@@ -30,7 +31,7 @@ log = logging.getLogger("refusion_mlx.server")
 
 
 class RefusionServer:
-    """An OpenAI-compatible server for one ReFusion model.
+    """An OpenAI- and Anthropic-compatible server for one ReFusion model.
 
     ``config``: its :class:`ServerConfig`; or, without one, ``model`` and the
     config's fields as keywords (``RefusionServer(model, port=0,
