@@ -13,7 +13,7 @@ from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode import runner
 from refusion_mlx.models import cpu_paths
-from refusion_mlx.models.fused import hf_parameters
+from refusion_mlx.models.projections import hf_parameters
 
 from tests.helpers import decode_hidden
 from tests.test_backend import params_of
@@ -214,7 +214,7 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
     from mlx.utils import tree_flatten
 
     from refusion_mlx.bench.runs import share_weights
-    from refusion_mlx.models.fused import Linear
+    from refusion_mlx.models.projections import Linear
 
     model, _ = demo
     linears = [m for m in model.modules() if isinstance(m, Linear)]

@@ -155,7 +155,7 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
     import importlib
 
     from ..models import registry
-    from ..models.fused import fuse_projections
+    from ..models.projections import join_projections
     from .runs import share_weights
 
     config = shape_config(name)
@@ -167,7 +167,7 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
     if q_bits:
         nn.quantize(model, group_size=QUANT_GROUP, bits=q_bits)
         mx.eval(model.parameters())
-    fuse_projections(model)
+    join_projections(model)
     if not ar:
         return model, None
     ar_family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")

@@ -28,7 +28,7 @@ from .shards import shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..errors import RefusionError
 from ..models.adapters import fuse_adapter_folder, read_adapter_config
-from ..models.fused import hf_parameters
+from ..models.projections import hf_parameters
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
                              resolve_model_path)
 

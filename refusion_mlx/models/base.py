@@ -52,9 +52,9 @@ none of them names a family. The module defines:
 * ``tensor_parallel``: how tensor parallelism splits a block
   (:class:`TensorParallel`; ``sharding.shard`` does it).
 * **Projections that read one input** (q/k/v, gate/up) are declared as
-  ``fused.Projections`` class attributes of the modules that own them and
-  called through them (``qk, v = self.qkv(self, x)``): ``fused.fuse_projections``
-  joins each group into one matmul after loading and ``fused.hf_parameters``
+  ``projections.Projections`` class attributes of the modules that own them and
+  called through them (``qk, v = self.qkv(self, x)``): ``projections.join_projections``
+  joins each group into one matmul after loading and ``projections.hf_parameters``
   gives back the parameters under Hugging Face's names.
 
 ``causal_lm.CausalLM`` is all of this but the blocks: a family subclasses it

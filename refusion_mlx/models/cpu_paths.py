@@ -108,7 +108,7 @@ def relayout(model) -> int:
     passes of the demo model are 10-15% faster, wide ones unchanged
     (docs/benchmarks.md). No memory is added: each old buffer goes once its
     copy is made. Returns how many layers were laid out."""
-    from .fused import Linear
+    from .projections import Linear
 
     count = 0
     for module in model.modules():
