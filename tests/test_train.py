@@ -1,4 +1,4 @@
-"""Fine-tuning: data, the training run, adapters (mlx-lm's layout), QLoRA,
+"""Fine-tuning: data, the training run, adapters (mlx-lm's format), QLoRA,
 fuse, and the command line's errors and Ctrl-C."""
 
 import json

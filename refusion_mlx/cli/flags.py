@@ -43,7 +43,7 @@ def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype
 
 
 def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
-    """--adapter-path: fine-tuned adapters (mlx-lm's layout, python -m refusion_mlx.train) on the model."""
+    """--adapter-path: fine-tuned adapters (mlx-lm's format, python -m refusion_mlx.train) on the model."""
     parser.add_argument("--adapter-path",
                         help="folder of fine-tuned adapters to apply (adapter_config.json + adapters.safetensors)")
 

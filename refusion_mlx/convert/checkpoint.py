@@ -1,4 +1,4 @@
-"""Reading Hugging Face PyTorch-layout checkpoints one tensor at a time.
+"""Reading Hugging Face PyTorch-format checkpoints one tensor at a time.
 
 Formats: ``model.safetensors``, sharded safetensors with their index,
 ``pytorch_model.bin`` and sharded ``.bin`` with their index. Every file is

@@ -57,7 +57,7 @@ def dequantize(model) -> int:
 
 
 def write_weights(folder: Path, weights: dict) -> None:
-    """Shards of at most 5 GB and their index, mlx-lm's names and layout."""
+    """Shards of at most 5 GB and their index, mlx-lm's names and sharding."""
     from mlx_lm.utils import make_shards
 
     shards = make_shards(weights, MAX_SHARD_GB)

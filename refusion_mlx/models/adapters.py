@@ -1,4 +1,4 @@
-"""Fine-tuned adapters in mlx-lm's layout, their whole life: add (training),
+"""Fine-tuned adapters in mlx-lm's format, their whole life: add (training),
 save (weights atomically, numbered copies; adapter_config.json), read and
 apply (loading), fuse (``convert.fusion`` writes the fused folder).
 

@@ -111,7 +111,7 @@ def load_weights(files: List[Path]) -> Dict[str, mx.array]:
 
 
 def _quantize(model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> None:
-    """Swap in quantized layers where the checkpoint has scales (mlx-lm's layout)."""
+    """Swap in quantized layers where the checkpoint has scales (mlx-lm's format)."""
     quant = config["quantization"]
     overrides = {k: v for k, v in quant.items() if isinstance(v, (dict, bool))}
 
@@ -244,13 +244,13 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
          dist=None, fuse: Optional[bool] = None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
-    ``path_or_repo`` is a local folder (Hugging Face layout or converted by
+    ``path_or_repo`` is a local folder (Hugging Face format or converted by
     ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
     The mask id ends up in ``model.args.mask_token_id``. ``join_projections`` joins the
     projections each module declares (q/k/v, gate/up) into one matmul each
     (``projections.hf_parameters(model)`` still gives the weights under Hugging
     Face's names). ``adapter_path``: a
-    local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
+    local folder of fine-tuned adapters in mlx-lm's format (``refusion_mlx.train``
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
     stays quantized); only the projection groups they leave plain are joined.
     ``dist``: a ``distributed.group.Distributed`` of two or more ranks (from
@@ -288,5 +288,5 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)
         if not lazy:
-            cpu_paths.relayout(model)
+            cpu_paths.store_weights_transposed(model)
     return model, tokenizer
