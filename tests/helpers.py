@@ -107,7 +107,7 @@ def committed_cache(rows: int = 4096):
     from refusion_mlx.decode.cache import CommittedCache
     from refusion_mlx.models.base import CacheSpec
 
-    cache = CommittedCache(CacheSpec(1, 1, 1, mx.float32, range(1)), step=rows)
+    cache = CommittedCache(CacheSpec(1, 1, 1, mx.float32, range(1)), growth=rows)
     cache.reserve(rows)
     return cache
 
