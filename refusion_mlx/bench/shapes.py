@@ -18,7 +18,7 @@ checkpoint. This mode
    measurement.
 
 The replay times the model alone (no drafting, scoring or host bookkeeping:
-``bench.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
+``benchmarks.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
 not apply: each side runs once after a short warm-up.
 """
 
