@@ -74,17 +74,14 @@ import mlx.core as mx
 class CacheSpec:
     """One sequence's KV cache for a model in this process: ``layers`` in all,
     of which ``held`` are computed here (a pipeline rank's range), each with
-    ``kv_heads`` heads of ``head_dim`` in ``dtype``."""
+    ``kv_heads`` heads of ``head_dim`` in ``dtype``. What a row costs depends
+    on how it is stored: ``decode/kv_store.py``'s ``row_bytes`` says."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: mx.Dtype
     held: range
-
-    def row_bytes(self) -> int:
-        """Bytes of keys and values one committed token costs, over the held layers."""
-        return 2 * len(self.held) * self.kv_heads * self.head_dim * self.dtype.size
 
 
 @dataclass(frozen=True)
