@@ -7,6 +7,11 @@ queues it as a Job and the handler awaits its events. Every error -- a
 refusal of the request's resolution or of the engine included -- is OpenAI's
 envelope ``{"error": {message, type, param, code}}`` (:mod:`.http_errors`);
 a stream carries only final text, in answer order, as server-sent events.
+
+On a stop the engine ends every request after the step in progress; a
+handler whose request it has not ended ``STOP_WAIT`` s later (a step that
+cannot end: a rank died mid-collective) answers "shutting down" itself,
+before uvicorn's graceful shutdown (``GRACEFUL_SHUTDOWN`` s) would cancel it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import time
 import uuid
 import weakref
-from typing import List
+from typing import List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +35,14 @@ from .http_errors import APIError, as_api_error, error_response, refusal_error
 from .job import Job
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
-from .refusal import Refusal
+from .refusal import Reason, Refusal
 from .slots import answer_blocks
 from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
 
 log = logging.getLogger("refusion_mlx.server")
+
+GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then cancels them
+STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
 
 
 class ClientGone(Exception):
@@ -140,18 +148,25 @@ def create_app(server) -> FastAPI:
         return openai_request(body, kind, tokenize, defaults=config.decoding,
                               context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
 
-    async def next_event(job: Job, request: Request) -> tuple:
-        """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
+    async def job_event(job: Job, request: Optional[Request] = None) -> tuple:
+        """The job's next event; a client that leaves meanwhile (``request``)
+        cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it."""
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), 0.25)
+                return await asyncio.wait_for(job.events.get(), 0.25)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                if request is not None and await request.is_disconnected():
                     raise ClientGone() from None
-                continue
-            if event[0] == "error":
-                raise event[1]
-            return event
+                since = engine.stopping_since
+                if since is not None and time.monotonic() - since > STOP_WAIT:
+                    return "error", Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
+
+    async def next_event(job: Job, request: Request) -> tuple:
+        """The job's next event (an error raised)."""
+        event = await job_event(job, request)
+        if event[0] == "error":
+            raise event[1]
+        return event
 
     async def complete(request: Request, body, kind: str):
         t0 = time.perf_counter()
@@ -204,7 +219,7 @@ def create_app(server) -> FastAPI:
             elif kind == "chat":
                 yield data(chunk("", role=True))
             while True:
-                what, payload = await job.events.get()
+                what, payload = await job_event(job)
                 if what == "text":
                     yield data(chunk(payload))
                 elif what == "commits":  # a step's text (maybe none yet) and the slots it committed

@@ -83,6 +83,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
@@ -98,7 +99,11 @@ class Engine:
             raise self._error
 
     def stop(self, timeout: float = 0.0) -> None:
-        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread."""
+        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread.
+        Under mlx.launch a step that cannot end (a rank died mid-collective) ends the process, in one line."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            watchdog.hurry()
         self._stopping.set()
         with self.wake:
             self.wake.notify()
