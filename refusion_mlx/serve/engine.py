@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
-from ..distributed.group import errors, is_link_failure
+from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
 from .engine_request import EngineRequest
@@ -195,10 +195,7 @@ class Engine:
             self._serve()
         except BaseException as e:  # a bug: requests get a 500 rather than hang
             if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
-                rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
-                errors().write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
-                               "a rank died or the link broke\n")
-                errors().flush()
+                say_error(lost_ranks(e))
                 os._exit(1)
             log.exception("the engine failed")
             self._failed = True
