@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args
 from .cli.launch import add_distributed_args, join
-from .distributed.group import errors
+from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .serve.engine import Engine
@@ -75,8 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      server.url[:-3])
             server.serve_forever()
         except RefusionError as e:
-            rank = "" if dist is None else f"rank {dist.rank}: "
-            print(f"error: {rank}{e}", file=errors())
+            say_error(str(e))
             return 1
         except KeyboardInterrupt:
             pass

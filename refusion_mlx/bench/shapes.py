@@ -27,7 +27,7 @@ forwards say little about a real checkpoint's. This mode
    first and the forecast beside it, with the gap between them.
 
 The replay times the model alone (no drafting, scoring or host bookkeeping:
-``bench.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
+``benchmarks.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
 not apply: each side runs once after a short warm-up.
 """
 
@@ -160,14 +160,14 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
 
 
 def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
-    """Compute a lazy model's weights (its projections fused), and mlx-lm's
+    """Compute a lazy model's weights (its projections joined), and mlx-lm's
     twin on the same arrays when ``ar``: ``(model, ar_model or None)``."""
     import importlib
 
-    from ..models.fused import fuse_projections
+    from ..models.projections import join_projections
     from .runs import share_weights
 
-    fuse_projections(model)  # computes each fused group's weights
+    join_projections(model)  # computes each joined group's weights
     flat = [v for _, v in tree_flatten(model.parameters())]
     for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
         mx.eval(flat[i:i + 8])

@@ -8,6 +8,11 @@ either collects the whole answer or streams it. The engine's events (final
 text in answer order, tool calls, a step's commits, the end or an error)
 reach the client through the API's :class:`Writer`, which only shapes them.
 A client that leaves cancels its request.
+
+On a stop the engine ends every request after the step in progress; a
+handler whose request it has not ended ``STOP_WAIT`` s later (a step that
+cannot end: a rank died mid-collective) answers "shutting down" itself,
+before uvicorn's graceful shutdown (``GRACEFUL_SHUTDOWN`` s) would cancel it.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ from starlette.concurrency import run_in_threadpool
 
 from .engine_request import ChatPrompt, EngineRequest
 from .job import Job
-from .refusal import Refusal
+from .refusal import Reason, Refusal
 from .tool_calls import ToolCall
 
 log = logging.getLogger("refusion_mlx.server")
+
+GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then cancels them
+STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
 
 
 class ClientGone(Exception):
@@ -129,16 +137,16 @@ class Answering:
         writer.request = await run_in_threadpool(make)
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
-            await next_event(job, request)  # admitted to the batch: the decoder took it
+            await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
             if stream:
-                events = sse(job, writer, t0)
+                events = sse(job, self.engine, writer, t0)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
                 response = JobStream(job, events)
                 job = None  # the stream owns it now
                 return response
             answer = Answer()
             while not answer.done:
-                what, payload = await next_event(job, request)
+                what, payload = await next_event(job, self.engine, request)
                 if what in ("text", "commits"):
                     answer.text += payload if what == "text" else payload[0]
                 elif what == "tool_call":
@@ -155,21 +163,29 @@ class Answering:
                 job.cancelled.set()  # no-op once it finished; frees the generation when the client left
 
 
-async def next_event(job: Job, request: Request) -> tuple:
-    """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
+async def job_event(job: Job, engine, request: Optional[Request] = None) -> tuple:
+    """The job's next event; a client that leaves meanwhile (``request``)
+    cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it."""
     while True:
         try:
-            item = await asyncio.wait_for(job.events.get(), 0.25)
+            return await asyncio.wait_for(job.events.get(), 0.25)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
+            if request is not None and await request.is_disconnected():
                 raise ClientGone() from None
-            continue
-        if item[0] == "error":
-            raise item[1]
-        return item
+            since = engine.stopping_since
+            if since is not None and time.monotonic() - since > STOP_WAIT:
+                return "error", Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
 
 
-async def sse(job: Job, writer: Writer, t0: float):
+async def next_event(job: Job, engine, request: Request) -> tuple:
+    """The job's next event (an error raised)."""
+    item = await job_event(job, engine, request)
+    if item[0] == "error":
+        raise item[1]
+    return item
+
+
+async def sse(job: Job, engine, writer: Writer, t0: float):
     """The job's events as the writer shapes them, until the end or an error."""
     note: Any = "client went away"
     try:
@@ -177,7 +193,7 @@ async def sse(job: Job, writer: Writer, t0: float):
         if first:
             yield first
         while True:
-            what, payload = await job.events.get()
+            what, payload = await job_event(job, engine)
             if what == "error":
                 note = payload.message
                 out = writer.error(payload)

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
-from ..distributed.group import errors, is_link_failure
+from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from ..decode.prefix import prefix_length
 from .engine_request import EngineRequest
@@ -85,6 +85,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
@@ -100,7 +101,11 @@ class Engine:
             raise self._error
 
     def stop(self, timeout: float = 0.0) -> None:
-        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread."""
+        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread.
+        Under mlx.launch a step that cannot end (a rank died mid-collective) ends the process, in one line."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            watchdog.hurry()
         self._stopping.set()
         with self.wake:
             self.wake.notify()
@@ -193,10 +198,7 @@ class Engine:
             self._serve()
         except BaseException as e:  # a bug: requests get a 500 rather than hang
             if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
-                rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
-                errors().write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
-                               "a rank died or the link broke\n")
-                errors().flush()
+                say_error(lost_ranks(e))
                 os._exit(1)
             log.exception("the engine failed")
             self._failed = True

@@ -45,6 +45,7 @@ class RefusionServer:
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[ServerConfig] = None, dist=None,
                  **settings):
+        from .answering import GRACEFUL_SHUTDOWN
         from .app import create_app
 
         if config is None:
@@ -65,7 +66,8 @@ class RefusionServer:
         self.host, self.port = self.socket.getsockname()[:2]
         self.engine = Engine(config, dist=dist)
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
-                                        backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                                        backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+                                        timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(uvicorn_config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None

@@ -1,6 +1,8 @@
 """The OpenAI request bodies as pydantic models (they make the schema at
-``/docs``), and their adapter into the engine's request
-(:func:`openai_request`).
+``/docs``; ``ChatCompletionRequest`` and ``CompletionRequest`` as OpenAI names
+them, on the shared ``_Body``), and their adapter into the engine's request,
+the one request shape inside (:func:`openai_request` makes an
+:class:`~.engine_request.EngineRequest`).
 
 Types are strict (``"12"`` is not a number, ``true`` not an integer) and
 ranges are checked here; what needs the tokenizer or the model's context is
@@ -57,8 +59,8 @@ class StreamOptions(BaseModel):
                           "(answer positions, token ids and their text), out of answer order")
 
 
-class _RequestBase(BaseModel):
-    """A request's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
+class _BodyBase(BaseModel):
+    """A request body's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
 
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
@@ -89,8 +91,8 @@ def _decoding_fields() -> Dict[str, Any]:
             for f in FIELDS if f.request is not None}
 
 
-# The fields common to both endpoints: _RequestBase's and the decoding settings.
-_Request = create_model("_Request", __base__=_RequestBase, __module__=__name__, **_decoding_fields())
+# The body fields common to both endpoints: _BodyBase's and the decoding settings.
+_Body = create_model("_Body", __base__=_BodyBase, __module__=__name__, **_decoding_fields())
 
 
 class TextPart(BaseModel):
@@ -132,7 +134,7 @@ class Message(BaseModel):
         raise _invalid('must be a string or a list of text parts ({"type": "text", "text": ...})')
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Body):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="as max_tokens (and over it)")
     tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", '
@@ -152,7 +154,7 @@ def refuse_tools(body):
     return body
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_Body):
     prompt: Union[str, List[int]] = Field(description="a string (used as is) or a list of token ids")
 
     _no_tools = model_validator(mode="before")(refuse_tools)
@@ -178,7 +180,7 @@ class CompletionRequest(_Request):
 DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
 
 
-def decoding_fields(body: _Request) -> Dict[str, Any]:
+def decoding_fields(body: _Body) -> Dict[str, Any]:
     """The decoding settings a body gives (those not null), by their RefusionParams names."""
     return {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
 
@@ -235,7 +237,7 @@ def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
     return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
 
 
-def openai_request(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
+def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
                    context: int, vocab_size: int, takes_tools: bool = False) -> EngineRequest:
     """A chat (``kind`` "chat") or text ("text") completion body as the
     engine's request; ``takes_tools``: the model has a tool-call format."""
