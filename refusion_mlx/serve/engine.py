@@ -40,12 +40,11 @@ from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
 from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
-from ..decode.prefix import prefix_length
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
 from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
-from .prompt_cache import PromptCache, prefill
+from .prompt_cache import PromptCache
 from .refusal import Reason, Refusal
 from .server_config import ServerConfig
 from .slots import step_commits
@@ -53,7 +52,6 @@ from .tool_calls import ToolFormat
 
 log = logging.getLogger("refusion_mlx.server")
 
-SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
 IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
@@ -312,16 +310,9 @@ class Engine:
         from ..decode.cache import CommittedCache
 
         ids = job.request.prompt_ids
-        n, cache = self.prompt_cache.lookup(ids, [j.cache for j in self.running.values()])
-        job.cached = n
-        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in peers), default=0))
-        if shared - n >= SHARED_PREFIX and self.prompt_cache.max_bytes > 0:
-            cache = cache or CommittedCache.for_model(self.model)
-            prefill(self.model, cache, ids[n:shared])  # once; the others find it in the prompt cache
-            self.prompt_cache.insert(cache)
-            self.metrics.add("prefill_tokens", shared - n)
-            n = shared
-        job.cache = cache or CommittedCache.for_model(self.model)
+        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, [j.cache for j in self.running.values()],
+                                                           peers, lambda: CommittedCache.for_model(self.model))
+        self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
