@@ -42,6 +42,7 @@ from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
+from .loglikelihood import run_scoring
 from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
@@ -276,9 +277,13 @@ class Engine:
         for uid in plan.cancelled:
             if uid in self.running:
                 self._close(self.running[uid], "cancelled")
+        scoring = [j for j in plan.admitted if j.request.scoring is not None]  # echo + logprobs: no decoder
+        if scoring:
+            run_scoring(self, scoring)
         for i, job in enumerate(plan.admitted):
             try:
-                self._start(job, plan.peers[:i] + plan.peers[i + 1:])
+                if job.request.scoring is None:
+                    self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
                 if is_link_failure(e):
                     raise

@@ -42,6 +42,7 @@ class EngineRequest:
     tools: Tuple[dict, ...] = ()
     parallel_tool_calls: bool = True
     api: str = "chat.completions"
+    scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
 
     @property
     def max_tokens(self) -> int:
