@@ -61,11 +61,15 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
     tools = {"tools", "tool_choice", "parallel_tool_calls"}
-    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | tools),
-                         (CompletionRequest, {"prompt"})):
+    scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/loglikelihood.py
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens", "n"} | tools),
+                         (CompletionRequest, {"prompt", "n"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():
-            assert model.model_fields[name].description == f.request_description()
+            if (model, name) != (CompletionRequest, "max_tokens"):  # its own: 0 is valid with echo
+                assert model.model_fields[name].description == f.request_description()
+    assert CompletionRequest.model_fields["max_tokens"].description.startswith(
+        requests["max_tokens"].request_description())
     # the Responses and Messages APIs take the same decoding fields as extras; their budget is their own
     for model in (ResponsesRequest, MessagesRequest):
         assert set(requests) - {"max_tokens"} <= set(model.model_fields)

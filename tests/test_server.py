@@ -419,7 +419,7 @@ BAD = [
     (CHAT, user(stop=5), 400, "stop"),
     (CHAT, user(stop=[""]), 400, "stop"),
     (CHAT, user(seed=-1), 400, "seed"),
-    (CHAT, user(n=2), 400, "n"),
+    (CHAT, user(n=17), 400, "n"),
     (CHAT, user(model=7), 400, "model"),
     (CHAT, user(slot_size=0), 400, "slot_size"),
     (CHAT, user(slot_size=True), 400, "slot_size"),
@@ -433,8 +433,8 @@ BAD = [
     ("/v1/completions", {"prompt": 123}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 5}, 400, "echo"),
 ]
 
 

@@ -177,7 +177,8 @@ MAX_PROMPTS = 128  # prompts (times n) in one text completion request
 class CompletionRequest(_Body):
     prompt: List[Union[str, List[int]]] = Field(description="a string (used as is), a list of token ids, or a "
                                                 f"list of up to {MAX_PROMPTS} of those (one choice each)")
-    max_tokens: Optional[int] = Field(None, ge=0, description="most tokens in the answer (0: with echo only)")
+    max_tokens: Optional[int] = Field(None, ge=0, description=next(
+        f.request_description() for f in FIELDS if f.request == "max_tokens") + "; 0 only with echo")
     n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers per prompt, decoded "
                              "together (with a seed, answer k uses seed + k)")
     echo: Optional[bool] = Field(None, description="the prompt back before the answer; with max_tokens 0 or 1 "

@@ -1,0 +1,163 @@
+"""Evaluation through the server, with lm-evaluation-harness's request shapes
+(``local-completions``: ``loglikelihood`` as echo + logprobs, token-id lists
+in batches; ``generate_until`` as prompt lists), ``n`` > 1 and prompt lists."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
+
+import numpy as np
+import pytest
+
+from refusion_mlx.serve.http_server import RefusionServer
+from tests.helpers import FIXTURE_MODEL
+from tests.test_scoring import demo_questions
+from tests.test_server import raw
+
+COMPLETIONS = "/v1/completions"
+
+
+def lm_eval_loglikelihood(requests):
+    """lm-eval's local-completions payload for a batch of loglikelihood requests (token ids)."""
+    return {"model": "tiny-refusion", "prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+
+
+def lm_eval_parse_logprobs(out, ctxlens):
+    """lm-eval's LocalCompletionsAPI.parse_logprobs, as it reads the answer."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        res.append((sum(token_logprobs), all(t == max(d.values()) for t, d in zip(token_logprobs, top))))
+    return res
+
+
+@pytest.fixture(scope="module")
+def cases(demo):
+    """The demo questions as lm-eval tokenizes them (context, then each choice's continuation),
+    with the AR estimator's scores computed directly before the server starts."""
+    from refusion_mlx.decode.scoring import score_ar
+    from refusion_mlx.decode.stream import chat_prompt
+
+    model, tok = demo
+    out = []
+    for r in demo_questions()[::5]:
+        context = chat_prompt(tok, r["question"]) + tok.encode(r["stem"])
+        seqs = [context + tok.encode(r["stem"] + c)[len(tok.encode(r["stem"])):] for c in r["choices"]]
+        direct = [sum(s.logprobs[len(context):]) for s in score_ar(model, seqs)]
+        out.append((len(context), seqs, direct, r["answer"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(cases):
+    srv = RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0).start()
+    yield srv
+    srv.close()
+
+
+def post(server, body):
+    status, payload = raw(server, "POST", COMPLETIONS, body)
+    assert status == 200, payload
+    return json.loads(payload)
+
+
+def test_loglikelihood_batches_as_lm_eval_sends_them(server, cases):
+    right = 0
+    for ctxlen, seqs, direct, answer in cases:  # one question's four choices: lm-eval's --batch_size 4
+        out = post(server, lm_eval_loglikelihood(seqs))
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+        for choice, ids in zip(out["choices"], seqs):
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(ids) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert all(len(d) == 1 for d in lp["top_logprobs"][1:])
+        scores = lm_eval_parse_logprobs(out, [ctxlen] * 4)
+        np.testing.assert_allclose([s for s, _ in scores], direct, atol=1e-3)
+        right += int(np.argmax([s for s, _ in scores])) == answer
+        assert scores[answer][1] == (max(scores)[0] == scores[answer][0]) or not scores[answer][1]
+        assert out["usage"]["prompt_tokens"] == sum(len(s) for s in seqs) and out["usage"]["completion_tokens"] == 4
+    assert right >= 0.8 * len(cases)
+
+
+def test_the_same_scores_alone_and_concurrent(server, cases):
+    bodies = [lm_eval_loglikelihood([s]) for _, seqs, _, _ in cases for s in seqs]
+    alone = [post(server, b)["choices"][0]["logprobs"]["token_logprobs"] for b in bodies[:6]]
+    with ThreadPoolExecutor(4) as pool:  # lm-eval's num_concurrent 4
+        together = list(pool.map(lambda b: post(server, b)["choices"][0]["logprobs"]["token_logprobs"], bodies))
+    np.testing.assert_allclose(np.array(together[:6], dtype=float), np.array(alone, dtype=float), atol=1e-4)
+
+
+def test_the_mc_estimator_and_echo_text(server, cases):
+    ctxlen, seqs, _, answer = cases[0]
+    body = {"prompt": seqs, "echo": True, "logprobs": 1, "max_tokens": 0, "logprob_estimator": "mc",
+            "mc_num": 16, "context_tokens": ctxlen}
+    out = post(server, body)
+    scores = [sum(c["logprobs"]["token_logprobs"][ctxlen:]) for c in out["choices"]]
+    assert int(np.argmax(scores)) == answer and all(s < 0 for s in scores)
+    assert out["choices"][0]["logprobs"]["token_logprobs"][:ctxlen] == [None] * ctxlen
+    assert post(server, body)["choices"][1]["logprobs"] == out["choices"][1]["logprobs"]  # seeded: the same
+    text = post(server, {"prompt": "Who is Sven?", "echo": True, "max_tokens": 0})["choices"][0]
+    assert text["text"] == "Who is Sven?" and text["logprobs"] is None
+
+
+def test_generate_until_prompt_lists_and_n(server):
+    prompts = ["<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nSpell the word coffee.<|im_end|>\n<|im_start|>assistant\n"]
+    alone = [post(server, {"prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts]
+    out = post(server, {"model": "m", "prompt": prompts, "max_tokens": 16, "temperature": 0, "stop": ["\n\n"],
+                        "seed": 1234})  # lm-eval's generate_until batch
+    assert [c["text"] for c in sorted(out["choices"], key=itemgetter("index"))] == \
+        [a["choices"][0]["text"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(a["usage"][key] for a in alone)
+    sampled = post(server, {"prompt": "Who is Sven?", "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 3})
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    assert len({c["text"] for c in sampled["choices"]}) > 1  # independent samples (seed, seed + 1, ...)
+    seeded = [post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "temperature": 1.0, "seed": 3 + k})
+              for k in range(2)]
+    assert [c["text"] for c in sampled["choices"]] == [s["choices"][0]["text"] for s in seeded]
+    assert sampled["usage"]["prompt_tokens"] == seeded[0]["usage"]["prompt_tokens"]  # the prompt counted once
+    assert sampled["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in seeded)
+    status, payload = raw(server, "POST", COMPLETIONS, {"prompt": prompts, "n": 2, "max_tokens": 8, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in payload.decode().splitlines()
+              if line.startswith("data: {")]
+    texts = {}
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert set(texts) == {0, 1, 2, 3} and texts[0] == texts[1]  # temperature 0: the samples agree
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and payload.decode().endswith("data: [DONE]\n\n")
+
+
+def test_chat_n(server):
+    body = {"messages": [{"role": "user", "content": "Who is Sven?"}], "n": 2, "max_tokens": 8}
+    status, payload = raw(server, "POST", "/v1/chat/completions", body)
+    out = json.loads(payload)
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["choices"][0]["message"] == out["choices"][1]["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "echo": True, "max_tokens": 2}, "echo"),
+    ({"prompt": "x y", "echo": True, "logprob_estimator": "mc"}, "context_tokens"),
+    ({"prompt": "x y", "echo": True, "logprob_estimator": "mc", "context_tokens": 9}, "context_tokens"),
+    ({"prompt": "x y", "echo": True, "mc_num": 4}, "mc_num"),
+    ({"prompt": "x", "mc_num": 4}, "mc_num"),
+    ({"prompt": "x", "logprob_estimator": "best"}, "logprob_estimator"),
+    ({"prompt": ["a", "b"], "echo": True, "logprob_estimator": "mc", "context_tokens": [1]}, "context_tokens"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": ["a"] * 64, "n": 3}, "n"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": "x", "n": 17}, "n"),
+])
+def test_bad_scoring_requests_are_one_line_400s(server, body, param):
+    status, payload = raw(server, "POST", COMPLETIONS, body)
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == param and "\n" not in err["message"], payload
