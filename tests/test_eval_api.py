@@ -13,10 +13,11 @@ import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer
 from tests.helpers import FIXTURE_MODEL
-from tests.test_scoring import demo_questions
+from tests.test_scoring import TASK, demo_questions
 from tests.test_server import raw
 
 COMPLETIONS = "/v1/completions"
+TASK_YAML = TASK.with_suffix(".yaml")
 
 
 def lm_eval_loglikelihood(requests):
@@ -35,20 +36,33 @@ def lm_eval_parse_logprobs(out, ctxlens):
     return res
 
 
+def lm_eval_requests(tok, row):
+    """A multiple-choice document as lm-eval makes its loglikelihood requests from the
+    recipe's task file: the context from ``doc_to_text``, each choice after
+    ``target_delimiter``, encoded as its ``_encode_pair`` does (the whole, less the context's ids)."""
+    import jinja2
+    import yaml
+
+    task = yaml.safe_load(TASK_YAML.read_text())
+    context = jinja2.Template(task["doc_to_text"]).render(**row)
+    context_ids = tok.encode(context)
+    seqs = [tok.encode(context + task["target_delimiter"] + c) for c in row["choices"]]
+    assert all(s[:len(context_ids)] == context_ids for s in seqs)
+    return len(context_ids), seqs
+
+
 @pytest.fixture(scope="module")
 def cases(demo):
-    """The demo questions as lm-eval tokenizes them (context, then each choice's continuation),
-    with the AR estimator's scores computed directly before the server starts."""
+    """The demo questions as lm-eval sends them, with the AR estimator's
+    scores computed directly before the server starts."""
     from refusion_mlx.decode.scoring import score_ar
-    from refusion_mlx.decode.stream import chat_prompt
 
     model, tok = demo
     out = []
     for r in demo_questions()[::5]:
-        context = chat_prompt(tok, r["question"]) + tok.encode(r["stem"])
-        seqs = [context + tok.encode(r["stem"] + c)[len(tok.encode(r["stem"])):] for c in r["choices"]]
-        direct = [sum(s.logprobs[len(context):]) for s in score_ar(model, seqs)]
-        out.append((len(context), seqs, direct, r["answer"]))
+        ctxlen, seqs = lm_eval_requests(tok, r)
+        direct = [sum(s.logprobs[ctxlen:]) for s in score_ar(model, seqs)]
+        out.append((ctxlen, seqs, direct, r["answer"]))
     return out
 
 
