@@ -56,6 +56,7 @@ class GenerationResponse:
     uid: int = 0
     cache: Optional[CommittedCache] = None
     error: Optional[str] = None
+    logprobs: Optional[List[tuple]] = None  # per token of ``tokens``: (logprob, top pairs) (``insert(logprobs=)``)
 
 
 @dataclass
@@ -68,9 +69,12 @@ class _Member:
     steps: int = 0
 
     def response(self, step=None, final: bool = False) -> GenerationResponse:
+        first = self.answer.next
         tokens, text = self.answer.update() if step is not None else ([], "")
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
                                self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
+        if self.decoder.state.logprobs is not None:  # each final token's score, by its position
+            r.logprobs = [self.decoder.state.scores[first + i] for i in range(len(tokens))]
         self.steps += step is not None
         if final:
             r.text += self.answer.finish()
@@ -111,7 +115,7 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None) -> int:
+               cache: Optional[CommittedCache] = None, logprobs: Optional[int] = None) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
 
@@ -119,11 +123,12 @@ class BatchGenerator:
         conversation so far, which the request then owns), only the new ids.
         The answer holds at most ``params.gen_length`` ids besides EOS
         (finish "length" when cut there), though the last slot decoded may
-        hold more.
+        hold more. ``logprobs``: each response also carries its tokens' log-probabilities
+        (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
-                                  eos_id=self.eos_id, cache=cache)
+                                  eos_id=self.eos_id, cache=cache, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length)

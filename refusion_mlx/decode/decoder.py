@@ -42,6 +42,7 @@ from .infill import infill
 from .params import RefusionParams
 from .state import DecodeState
 from .stats import DecodeStats, Step
+from .token_scores import SlotScores
 
 
 class RefusionDecoder:
@@ -50,12 +51,14 @@ class RefusionDecoder:
     ``cache``: a CommittedCache to continue (a conversation so far); the
     prompt is then only the new tokens after it. ``prefill_chunk``: the most
     prompt tokens one prefill pass feeds (``prefill_step``, its old name,
-    still works).
+    still works). ``logprobs``: keep the probability each answer token was
+    accepted under, with this many top tokens (``token_scores``; None: not kept).
     """
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
-                 prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None):
+                 prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None,
+                 logprobs: Optional[int] = None):
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
@@ -81,7 +84,7 @@ class RefusionDecoder:
             params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
             start=len(cache), response_start=response_start,
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
-            key=mx.random.key(params.seed) if params.seed is not None else None)
+            key=mx.random.key(params.seed) if params.seed is not None else None, logprobs=logprobs)
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
@@ -188,10 +191,13 @@ class RefusionDecoder:
         checked = yield checking
         tokens = checked["tokens"]
         accepted = verify.accepted(checked["probs"], state.params.token_threshold)
+        scores = SlotScores.after_verify(planned, checked, selected) if state.logprobs is not None else None
         decision = commit.after_verify(state, tokens, accepted, positions, selected)
         if decision is None:
-            final, eos_found = yield from infill(state, tokens, accepted, positions)
+            final, eos_found = yield from infill(state, tokens, accepted, positions, scores)
             decision = commit.after_infill(state, final, eos_found, positions, selected)
+        if scores is not None:
+            state.record_scores(decision.positions[:decision.end], scores.entries(decision.end))
         return state.commit(decision.phase, decision.tokens, decision.end, decision.positions, decision.closed)
 
     # -- the answer ----------------------------------------------------------

@@ -26,7 +26,7 @@ to keep, reuse or drop; the state keeps no reference a caller must free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +54,13 @@ class DecodeState:
     key: Optional[mx.array] = None
     open_slots: List[int] = field(default_factory=list)  # slot offsets in the response, in position order
     eos_committed: bool = False
+    logprobs: Optional[int] = None  # the answer's logprobs are kept, with this many top tokens (None: not kept)
+    scores: Dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top pairs) of committed tokens
+
+    @property
+    def top(self) -> int:
+        """Top tokens the passes give per head row (0: none)."""
+        return self.logprobs or 0
 
     @property
     def slot_size(self) -> int:
@@ -87,6 +94,10 @@ class DecodeState:
         self.open_slots = [o for i, o in enumerate(self.open_slots) if i not in closed]
         self.stats.steps += 1
         return Step(phase, commits, self.stats)
+
+    def record_scores(self, positions: List[int], entries: List[tuple]) -> None:
+        """Keep the committed tokens' scores (``token_scores``), by position."""
+        self.scores.update(zip(positions, entries))
 
     def settle(self) -> None:
         """Drop committed rows beyond the answer's end (its EOS, or the cut at
