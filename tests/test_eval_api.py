@@ -154,10 +154,36 @@ def test_chat_n(server):
     out = json.loads(payload)
     assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
     assert out["choices"][0]["message"] == out["choices"][1]["message"]
+    status, payload = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 2})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "top_logprobs"
+
+
+def test_answer_logprobs_chat_and_text_whole_and_streamed(server):
+    chat = {"messages": [{"role": "user", "content": "Who is Sven?"}], "max_tokens": 12, "logprobs": True,
+            "top_logprobs": 2}
+    status, payload = raw(server, "POST", "/v1/chat/completions", chat)
+    whole = json.loads(payload)["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == whole["message"]["content"]
+    for e in content:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"]
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    status, payload = raw(server, "POST", "/v1/chat/completions", {**chat, "stream": True})
+    chunks = [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: {")]
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == content  # in answer order, with their text
+    assert "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"]) == \
+        whole["message"]["content"]
+    text = post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "logprobs": 1})["choices"][0]
+    lp = text["logprobs"]
+    assert "".join(lp["tokens"]) == text["text"] and len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    plain = post(server, {"prompt": "Who is Sven?", "max_tokens": 8})["choices"][0]
+    assert plain["text"] == text["text"] and plain["logprobs"] is None  # asking changes no token
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "echo": True, "max_tokens": 2}, "echo"),
     ({"prompt": "x y", "echo": True, "logprob_estimator": "mc"}, "context_tokens"),

@@ -62,8 +62,9 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
     tools = {"tools", "tool_choice", "parallel_tool_calls"}
     scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/loglikelihood.py
-    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens", "n"} | tools),
-                         (CompletionRequest, {"prompt", "n"} | scoring)):
+    answers = {"n", "logprobs", "top_logprobs"}  # serve/choices.py, serve/logprobs.py
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools),
+                         (CompletionRequest, {"prompt", "n", "logprobs"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():
             if (model, name) != (CompletionRequest, "max_tokens"):  # its own: 0 is valid with echo

@@ -92,8 +92,9 @@ async def _collect(job, engine, request: Request) -> Answer:
     answer = Answer()
     while not answer.done:
         what, payload = await next_event(job, engine, request)
-        if what in ("text", "commits"):
+        if what in ("text", "commits", "logprobs"):
             answer.text += payload if what == "text" else payload[0]
+            answer.logprobs += payload[1] if what == "logprobs" else []
         elif what == "tool_call":
             answer.calls.append(payload)
         elif what == "done":
@@ -145,8 +146,10 @@ async def _stream(jobs, writers, engine, n: int, t0: float):
                 yield w.scored(payload) + data(w.chunk(None, payload["finish_reason"]))
             elif what == "text":
                 yield w.text(payload)
-            elif what == "commits":
-                yield w.text(payload[0]) if payload[0] else ""
+            elif what == "commits" and payload[0]:
+                yield w.text(payload[0])
+            elif what == "logprobs":
+                yield w.logprobs(*payload)
             elif what == "tool_call":
                 yield w.tool_call(payload)
         usage = usage_of(outcomes, n)

@@ -43,6 +43,7 @@ from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
 from .loglikelihood import run_scoring
+from .logprobs import step_events
 from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
@@ -319,7 +320,7 @@ class Engine:
                                                            peers, lambda: CommittedCache.for_model(self.model))
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, logprobs=job.request.logprobs)
         except RefusionError as e:
             return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)
@@ -341,8 +342,8 @@ class Engine:
         if job.request.include_commits and r.commits:
             first = items.pop(0) if items and isinstance(items[0], str) else ""
             job.post("commits", (first, step_commits(self.tokenizer, job.request, r)))
-        for item in items:
-            job.post("text" if isinstance(item, str) else "tool_call", item)
+        for kind, payload in step_events(self.tokenizer, job, items, r):  # text (with its logprobs), calls
+            job.post(kind, payload)
         reason = reason or r.finish_reason
         if reason is None:
             return

@@ -43,6 +43,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     api: str = "chat.completions"
     scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
+    logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (serve/logprobs.py)
 
     @property
     def max_tokens(self) -> int:

@@ -64,10 +64,7 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[
     for name in ("logprob_estimator", "mc_num", "context_tokens"):
         if getattr(body, name) is not None and not echo:
             raise Refusal(Reason.UNSUPPORTED, f"{name}: only with echo (scoring the prompt)", name)
-    if not echo:
-        if body.logprobs is not None:
-            raise Refusal(Reason.UNSUPPORTED, "logprobs: supported with echo (scoring the prompt); the "
-                                              "generated tokens' log-probabilities are not reported yet", "logprobs")
+    if not echo:  # a generation (its logprobs: the generated tokens', serve/logprobs.py)
         if body.max_tokens == 0:
             raise Refusal(Reason.INVALID_VALUE, "max_tokens: 0 only with echo", "max_tokens")
         return None

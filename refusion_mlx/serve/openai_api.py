@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from .answering import Answer, Answering, Writer, data
 from .choices import answer_choices, nth_sample
 from .http_errors import refusal_error
+from .logprobs import chat_logprobs, completion_logprobs
 from .refusal import Refusal
 from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
 from .slots import answer_blocks
@@ -43,6 +44,7 @@ class CompletionWriter(Writer):
                              "system_fingerprint": server.fingerprint}
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.calls = 0
+        self.offset = 0  # text_offset of the next token (text completions' logprobs)
 
     def chunk(self, text: Optional[str], finish=None, role: bool = False, calls=None) -> dict:
         choice = {"index": self.index, "finish_reason": finish, "logprobs": None}
@@ -65,6 +67,14 @@ class CompletionWriter(Writer):
 
     def commits(self, text: str, commits: dict) -> str:
         return data({**self.chunk(text or None), "commits": commits})
+
+    def logprobs(self, text: str, entries: list) -> str:
+        """A chunk of text with its tokens' log-probabilities (``logprobs`` asked)."""
+        out = self.chunk(text)
+        out["choices"][0]["logprobs"] = (chat_logprobs(entries) if self.kind == "chat"
+                                         else completion_logprobs(entries, self.offset))
+        self.offset += sum(len(e["token"]) for e in entries)
+        return data(out)
 
     def tool_call(self, call: ToolCall) -> str:
         self.calls += 1
@@ -91,6 +101,8 @@ class CompletionWriter(Writer):
     def answer(self, answer: Answer) -> dict:
         choice = {"index": self.index, "finish_reason": answer.done["finish_reason"],
                   "logprobs": answer.done.get("logprobs")}
+        if self.request is not None and self.request.logprobs is not None:
+            choice["logprobs"] = (chat_logprobs if self.kind == "chat" else completion_logprobs)(answer.logprobs)
         if self.kind == "chat":
             message = {"role": "assistant", "content": answer.text if answer.text or not answer.calls else None}
             if answer.calls:

@@ -158,8 +158,12 @@ class ChatCompletionRequest(_Body):
     parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
     n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers, decoded together "
                              "(with a seed, answer k uses seed + k)")
+    logprobs: Optional[bool] = Field(None, description="each answer token's log-probability: the probability "
+                                     "the decoder accepted it under (docs/serving.md)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens "
+                                        "of the row that scored each token")
 
-    _refuse = model_validator(mode="before")(refusing("n"))
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs"))
 
 
 def refuse_tools(body):
@@ -183,8 +187,8 @@ class CompletionRequest(_Body):
                              "together (with a seed, answer k uses seed + k)")
     echo: Optional[bool] = Field(None, description="the prompt back before the answer; with max_tokens 0 or 1 "
                                  "and logprobs, each prompt token's log-probability (scoring, docs/serving.md)")
-    logprobs: Optional[int] = Field(None, ge=0, le=20, description="with echo: the log-probabilities of the "
-                                    "prompt's tokens and this many most likely alternatives per token")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="the answer tokens' log-probabilities and this "
+                                    "many most likely tokens per token; with echo: the prompt's")
     logprob_estimator: Optional[Literal["ar", "mc"]] = Field(
         None, description='with echo: "ar" (default) the prompt read autoregressively, one forward; "mc" the '
                           "authors' masked-diffusion Monte Carlo estimator of the tokens after context_tokens")
@@ -293,8 +297,19 @@ def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]],
                           f"({scoring.extra}) exceeds the model's context of {context}", param)
         settings = resolve(ids[:1], max_tokens=1, fields=decoding_fields(body), defaults=defaults, context=context)
         return dataclasses.replace(settings, prompt_ids=list(ids), api="completions", scoring=scoring)
-    return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
+    made = resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
                    include_commits=bool(body.stream and options and options.include_commits), tools=tools,
                    parallel_tool_calls=getattr(body, "parallel_tool_calls", None) is not False,
                    api="chat.completions" if kind == "chat" else "completions")
+    logprobs = answer_logprobs(body, kind)
+    return made if logprobs is None else dataclasses.replace(made, logprobs=logprobs)
+
+
+def answer_logprobs(body, kind: str):
+    """The top tokens per answer token a body asks for (None: no logprobs)."""
+    if kind == "text":
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise Refusal(Reason.INVALID_VALUE, "top_logprobs: needs logprobs true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
