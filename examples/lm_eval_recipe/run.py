@@ -11,7 +11,8 @@ authors' tasks are generation tasks run through the chat template
 (``local-chat-completions``, ``--apply_chat_template``, zero-shot, as their
 eval.sh); ``demo_facts`` is a local multiple-choice task
 (``demo_facts.yaml``) scored through ``/v1/completions`` with echo +
-logprobs (``local-completions``, batches of 4, 4 clients).
+logprobs, ``demo_facts_gen`` the same questions answered by decoding
+(``local-completions``, batches of 4, 4 clients, both).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ AUTHORS_TASKS = {
     "arc-c": ("arc_challenge_chat", "arc-c"),
     "mmlu-pro": ("mmlu_pro", "mmlu-pro"),
 }
+LOCAL_TASKS = {"demo_facts": "demo_facts", "demo_facts_gen": "demo_facts_gen"}  # task -> its YAML here
 CODE_TASKS = {"mbpp", "humaneval"}  # lm-eval runs the model's code: --confirm_run_unsafe_code
 
 
@@ -59,18 +61,24 @@ def start_server(model, port: int, preset=None) -> subprocess.Popen:
     raise SystemExit("error: the server did not start in 10 minutes")
 
 
+def local_tasks(into: Path) -> Path:
+    """The local tasks' YAML files and data, with the data's absolute path, in a folder for --include_path."""
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copy(HERE / "demo_facts.jsonl", into)
+    for name in LOCAL_TASKS.values():
+        text = (HERE / f"{name}.yaml").read_text()
+        (into / f"{name}.yaml").write_text(text.replace("test: demo_facts.jsonl",
+                                                        f"test: {into / 'demo_facts.jsonl'}"))
+    return into
+
+
 def lm_eval_args(task: str, port: int, model, out: Path, limit) -> list:
     base = f"http://127.0.0.1:{port}/v1"
-    if task == "demo_facts":
+    if task in LOCAL_TASKS:
         tokenizer = model or str(Path(__import__("refusion_mlx").__file__).parent / "demo" / "tiny-refusion")
-        include = Path(tempfile.mkdtemp()) / "demo_facts"
-        include.mkdir()
-        shutil.copy(HERE / "demo_facts.jsonl", include)
-        text = (HERE / "demo_facts.yaml").read_text()
-        (include / "demo_facts.yaml").write_text(text.replace("test: demo_facts.jsonl",
-                                                              f"test: {include / 'demo_facts.jsonl'}"))
-        args = ["--model", "local-completions", "--tasks", "refusion_demo_facts", "--include_path", str(include),
-                "--batch_size", "4", "--model_args",
+        include = local_tasks(Path(tempfile.mkdtemp()) / "tasks")
+        args = ["--model", "local-completions", "--tasks", f"refusion_{LOCAL_TASKS[task]}", "--include_path",
+                str(include), "--batch_size", "4", "--model_args",
                 f"model=refusion,base_url={base}/completions,num_concurrent=4,max_retries=1,"
                 f"tokenizer_backend=huggingface,tokenizer={tokenizer}"]
     else:
@@ -88,7 +96,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
     parser.add_argument("--tasks", nargs="+", default=["demo_facts"],
-                        choices=["demo_facts", *AUTHORS_TASKS])
+                        choices=[*LOCAL_TASKS, *AUTHORS_TASKS])
     parser.add_argument("--port", type=int, default=8089)
     parser.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's --limit)")
     parser.add_argument("--output", type=Path, default=Path("lm_eval_results"))
