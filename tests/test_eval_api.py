@@ -201,3 +201,18 @@ def test_bad_scoring_requests_are_one_line_400s(server, body, param):
     status, payload = raw(server, "POST", COMPLETIONS, body)
     err = json.loads(payload)["error"]
     assert status == 400 and err["param"] == param and "\n" not in err["message"], payload
+
+
+def test_n_samples_share_the_prefilled_prompt(server, demo):
+    from refusion_mlx.decode.stream import chat_prompt
+
+    _, tok = demo
+    question = "Please count from 3 up to 9, then tell me who Sven is and where he lives."
+    ids = chat_prompt(tok, question)
+    assert len(ids) > 17  # long enough to share (serve/prompt_cache.py SHARED_PREFIX)
+    before = json.loads(raw(server, "GET", "/health")[1])["prefill_tokens"]
+    body = {"messages": [{"role": "user", "content": question}], "n": 4, "max_tokens": 8}
+    out = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])
+    after = json.loads(raw(server, "GET", "/health")[1])["prefill_tokens"]
+    assert len(out["choices"]) == 4 and out["usage"]["prompt_tokens"] == len(ids)
+    assert after - before == len(ids) + 3  # the prompt once; each other sample feeds only its last token
