@@ -148,6 +148,18 @@ def test_generate_until_prompt_lists_and_n(server):
     assert chunks[-1]["usage"]["completion_tokens"] > 0 and payload.decode().endswith("data: [DONE]\n\n")
 
 
+def test_the_tokenizer_endpoints_lm_eval_probes(server, demo):
+    _, tok = demo
+    info = json.loads(raw(server, "GET", "/tokenizer_info")[1])
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] and info["model_max_length"] == 2048
+    status, payload = raw(server, "POST", "/tokenize", {"prompt": "Who is Sven?", "add_special_tokens": False})
+    assert status == 200 and json.loads(payload)["tokens"] == tok.encode("Who is Sven?")
+    status, payload = raw(server, "POST", "/detokenize", {"tokens": tok.encode("Who is Sven?")})
+    assert json.loads(payload)["prompt"] == "Who is Sven?"
+    status, payload = raw(server, "POST", "/detokenize", {"tokens": [10 ** 7]})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "tokens"
+
+
 def test_chat_n(server):
     body = {"messages": [{"role": "user", "content": "Who is Sven?"}], "n": 2, "max_tokens": 8}
     status, payload = raw(server, "POST", "/v1/chat/completions", body)

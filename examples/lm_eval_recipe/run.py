@@ -75,12 +75,11 @@ def local_tasks(into: Path) -> Path:
 def lm_eval_args(task: str, port: int, model, out: Path, limit) -> list:
     base = f"http://127.0.0.1:{port}/v1"
     if task in LOCAL_TASKS:
-        tokenizer = model or str(Path(__import__("refusion_mlx").__file__).parent / "demo" / "tiny-refusion")
         include = local_tasks(Path(tempfile.mkdtemp()) / "tasks")
         args = ["--model", "local-completions", "--tasks", f"refusion_{LOCAL_TASKS[task]}", "--include_path",
                 str(include), "--batch_size", "4", "--model_args",
-                f"model=refusion,base_url={base}/completions,num_concurrent=4,max_retries=1,"
-                f"tokenizer_backend=huggingface,tokenizer={tokenizer}"]
+                f"model=refusion,base_url={base}/completions,num_concurrent=4,max_retries=1"]
+        # no tokenizer named: lm-eval uses the server's (/tokenize, /tokenizer_info)
     else:
         name, _ = AUTHORS_TASKS[task]
         args = ["--model", "local-chat-completions", "--tasks", name, "--apply_chat_template", "--num_fewshot", "0",
