@@ -18,6 +18,7 @@ logprobs, ``demo_facts_gen`` the same questions answered by decoding
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -72,13 +73,17 @@ def local_tasks(into: Path) -> Path:
     return into
 
 
-def lm_eval_args(task: str, port: int, model, out: Path, limit) -> list:
+def lm_eval_args(task: str, port: int, out: Path, limit, mc_num=None) -> list:
+    """lm_eval's arguments for ``task``; ``mc_num``: score with the Monte Carlo estimator
+    (the ``refusion-completions`` model of refusion_lm.py)."""
     base = f"http://127.0.0.1:{port}/v1"
     if task in LOCAL_TASKS:
         include = local_tasks(Path(tempfile.mkdtemp()) / "tasks")
-        args = ["--model", "local-completions", "--tasks", f"refusion_{LOCAL_TASKS[task]}", "--include_path",
+        model = "local-completions" if mc_num is None else "refusion-completions"
+        mc = "" if mc_num is None else f",estimator=mc,mc_num={mc_num}"
+        args = ["--model", model, "--tasks", f"refusion_{LOCAL_TASKS[task]}", "--include_path",
                 str(include), "--batch_size", "4", "--model_args",
-                f"model=refusion,base_url={base}/completions,num_concurrent=4,max_retries=1"]
+                f"model=refusion,base_url={base}/completions,num_concurrent=4,max_retries=1{mc}"]
         # no tokenizer named: lm-eval uses the server's (/tokenize, /tokenizer_info)
     else:
         name, _ = AUTHORS_TASKS[task]
@@ -99,16 +104,21 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8089)
     parser.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's --limit)")
     parser.add_argument("--output", type=Path, default=Path("lm_eval_results"))
+    parser.add_argument("--mc-num", type=int, default=None,
+                        help="score multiple-choice tasks with the Monte Carlo estimator, this many samples "
+                             "(default: the AR estimator)")
     args = parser.parse_args()
-    if shutil.which("lm_eval") is None:
-        print('error: lm_eval is not installed; pip install "lm_eval[api]"', file=sys.stderr)
+    if shutil.which("lm_eval") is None or (args.mc_num is not None and importlib.util.find_spec("lm_eval") is None):
+        print('error: lm_eval is not installed (in this Python, for --mc-num); pip install "lm_eval[api]"',
+              file=sys.stderr)
         return 1
     status = 0
     for task in args.tasks:
         preset = AUTHORS_TASKS[task][1] if task in AUTHORS_TASKS else None
         server = start_server(args.model, args.port, preset)
         try:
-            cmd = ["lm_eval", *lm_eval_args(task, args.port, args.model, args.output, args.limit)]
+            lm_eval = ["lm_eval"] if args.mc_num is None else [sys.executable, str(HERE / "refusion_lm.py")]
+            cmd = [*lm_eval, *lm_eval_args(task, args.port, args.output, args.limit, args.mc_num)]
             print("$", " ".join(cmd), flush=True)
             status |= subprocess.call(cmd)
         finally:
