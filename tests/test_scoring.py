@@ -34,6 +34,7 @@ def test_ar_estimator_is_the_causal_pass_read_one_token_ahead(demo):
         np.testing.assert_allclose(scored.logprobs[1:], direct_logprobs(model, ids), atol=2e-4)
         for value, top in zip(scored.logprobs[1:], scored.top[1:]):  # the best first, the token's own among them
             assert [v for _, v in top] == sorted((v for _, v in top), reverse=True) and value <= top[0][1] + 1e-6
+    assert score_ar(model, [long[:1]])[0].logprobs == [None]  # one token: nothing to score
     alone = score_ar(model, [short])[0]  # padding in a batch changes nothing
     np.testing.assert_allclose(alone.logprobs[1:], both[1].logprobs[1:], atol=1e-5)
     # the token drafted after the prompt is the decoder's first greedy token

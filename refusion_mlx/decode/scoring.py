@@ -106,7 +106,7 @@ def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Opti
     evaluate = [a for a in stats if a is not None]
     if evaluate:
         mx.eval(*evaluate)  # the one host synchronisation
-    lp, ids, vals = (None if a is None else np.array(a) for a in stats)
+    lp, ids, vals = (np.zeros((0, max(top, 1))) if a is None else np.array(a) for a in stats)  # none: 1-token rows
     out, at = [], 0
     for r in rows:
         n = len(r) - 1
