@@ -73,7 +73,7 @@ def test_the_demo_ranks_the_right_answer_of_its_own_questions_first(demo):
     demo's fictional people, four choices each. Both estimators, as lm-eval
     scores a choice: the continuation's tokens after the context's."""
     model, tok = demo
-    rows = demo_questions()[::3]  # 17 of the 51: the test stays fast
+    rows = demo_questions()[::6]  # 9 of the 51: the test stays fast
     right = {"ar": 0, "mc": 0}
     for r in rows:
         context = chat_prompt(tok, r["question"]) + tok.encode(r["stem"])
