@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from refusion_mlx.bench.report import format_table
-from refusion_mlx.cli import run
+from refusion_mlx.cli import run, storage_from_args
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.decode.prefill import prefill
@@ -47,13 +47,13 @@ SLOT_TARGET = 1.05
 GB = 1e9
 
 
-def timed(model, tokenizer, prompt, params: RefusionParams, cache=None) -> dict:
+def timed(model, tokenizer, prompt, params: RefusionParams, cache=None, storage=None) -> dict:
     """One run's time per token, forwards and peak memory."""
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     cpu0 = time.process_time()
-    wall, dec = decode(model, tokenizer, prompt, params, cache)
+    wall, dec = decode(model, tokenizer, prompt, params, cache, storage)
     cpu = time.process_time() - cpu0
     s = dec.stats
     decode_s = wall - s.seconds["prefill"]
@@ -95,7 +95,7 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
     prompt = random_prompt(tokenizer, model, 64, args.seed)
 
     def run(b):
-        cache = prefilled(model, prompt[:-1], room=0)
+        cache = prefilled(model, prompt[:-1], room=0, storage=args.storage)
         r = timed(model, tokenizer, prompt[-1:], make_params(b, args.slot_size, args.block_length, args.mode),
                   cache)
         r["prompt_tokens"] = len(prompt)
@@ -110,15 +110,16 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
 
 def prompts_section(model, tokenizer, args) -> List[dict]:
     params = make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode)
-    return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params),
+    return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params,
+                                    storage=args.storage),
                     args.prompts, args.repeat, lambda n: f"prompt {n}")
 
 
-def prefilled(model, prompt: List[int], room: int) -> CommittedCache:
+def prefilled(model, prompt: List[int], room: int, storage=None) -> CommittedCache:
     """A committed cache holding ``prompt`` (the decoder's own chunked
     prefill), with ``room`` spare rows reserved so no run grows it (growth is
-    not what this table measures)."""
-    cache = CommittedCache.for_model(model)
+    not what this table measures); ``storage``: --kv-bits' form."""
+    cache = CommittedCache.for_model(model, storage=storage)
     cache.reserve(len(prompt) + room)
     prefill(model, cache, prompt)
     mx.eval(cache.state())
@@ -133,7 +134,7 @@ def truncate(cache: CommittedCache, length: int) -> None:
 def slots_section(model, tokenizer, args) -> List[dict]:
     S = args.slot_size
     prompt = random_prompt(tokenizer, model, args.long_prompt, args.seed)
-    cache = prefilled(model, prompt[:-1], room=max(args.slots) * S + 64)
+    cache = prefilled(model, prompt[:-1], room=max(args.slots) * S + 64, storage=args.storage)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows = []
     for k in args.slots:
@@ -226,11 +227,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_json_path(args.json)
         for b in args.budgets + [args.prompt_budget]:
             make_params(b, args.slot_size, args.block_length, args.mode).layout()
+        storage_from_args(args)  # a bad pair fails before the model loads
         model, tokenizer, env = load_model(args.model, args.dtype)
+        args.storage = storage_from_args(args, model)
         print(f"scaling: slot {args.slot_size}, block {args.block_length}, mode {args.mode} "
-              f"({MODES[args.mode]}); median of {args.repeat} run(s) per row")
+              f"({MODES[args.mode]}); median of {args.repeat} run(s) per row; "
+              f"KV cache: {args.storage.describe(model.cache_spec())}")
         warm = random_prompt(tokenizer, model, 64, args.seed)
-        decode(model, tokenizer, warm, make_params(args.block_length, args.slot_size, args.block_length, args.mode))
+        decode(model, tokenizer, warm, make_params(args.block_length, args.slot_size, args.block_length, args.mode),
+               storage=args.storage)
         results = {}
         for name, fn in (("budgets", budgets_section), ("prompts", prompts_section), ("slots", slots_section)):
             if name in sections:
@@ -239,7 +244,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summ = summary(results)
         if summ:
             print("\nsummary:", ", ".join(f"{k} {v}" for k, v in summ.items()))
-        write_json(args.json, {"meta": env, "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "storage")}
+        write_json(args.json, {"meta": env, "settings": settings,
                                "targets": {"budget_deviation": FLAT_TARGET, "slots_ratio": SLOT_TARGET},
                                **results, "summary": summ})
         return 0

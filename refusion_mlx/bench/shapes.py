@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from ..decode.forward import head_chunk_rows
 from ..models import backend
 from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay
+from .kv_memory import format_kv_memory, kv_memory
 from .report import device_description, format_table
 from .suite import BenchError, Suite
 
@@ -251,8 +252,8 @@ def forecast(per_forward: Sequence[tuple], tokens: int, chip: Chip) -> float:
 # Timing
 
 
-def time_refusion(model, rec: Recorded, head_chunk: int) -> List[float]:
-    prepared = prepare(model, rec.shapes)
+def time_refusion(model, rec: Recorded, head_chunk: int, storage=None) -> List[float]:
+    prepared = prepare(model, rec.shapes, storage=storage)
     warm = type(prepared)(prepared.shapes[:2], prepared.inputs[:2], prepared.cache)
     replay(model, warm, head_chunk=head_chunk)
     return replay(model, prepared, head_chunk=head_chunk)
@@ -288,14 +289,16 @@ def time_ar(ar_model, rec: Recorded, seed: int = 0) -> List[float]:
 
 
 def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: Optional[int] = None,
-              ar: bool = True, log=None, record_model: Optional[str] = None) -> dict:
+              ar: bool = True, log=None, record_model: Optional[str] = None, kv: Optional[dict] = None) -> dict:
+    from .runs import storage_of
+
     say = log or (lambda _m: None)
     rec = record(suite, params, log, record_model)
     say(f"building {name} ({dtype}{f', {q_bits}-bit' if q_bits else ''}) with random weights")
     model, ar_model = build_models(name, dtype, q_bits, ar)
     costs = Costs.of(model)
     shapes = rec.shapes
-    seconds = time_refusion(model, rec, costs.per_chunk)
+    seconds = time_refusion(model, rec, costs.per_chunk, storage_of(kv, model))
     say(f"replayed {len(seconds)} forwards in {sum(seconds):.2f} s")
     ar_walls = time_ar(ar_model, rec) if ar else []
     if ar:
@@ -330,7 +333,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         "weight_bytes": {"body": costs.body_bytes, "head": costs.head_bytes},
         "weight_bytes_per_token": {"refusion": round(rf_bytes / tokens), "ar": round(ar_bytes / tokens)},
         "flops_per_token": {"refusion": round(rf_flops / tokens), "ar": round(ar_flops / tokens)},
-        "forecast": rows,
+        "forecast": rows, "kv_memory": kv_memory(shape_config(name), dtype, **(kv or {})),
         "forecast_note": "a roofline model, not a measurement: each forward costs max(weight bytes / "
                          "bandwidth, FLOPs / fp16 throughput); KV reads, kernel launches and the decoder's "
                          "host work are left out",
@@ -364,4 +367,4 @@ def format_shape_report(r: dict) -> str:
               format_table(["chip", "GB/s", "fp16 TFLOP/s", "ReFusion tok/s", "AR tok/s", "ratio"],
                            [[f["chip"], f["bandwidth_gb_s"], f["fp16_tflops"], f["refusion_tok_s"],
                              f["ar_tok_s"], f"{f['ratio']:.2f}x"] for f in r["forecast"]])]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", format_kv_memory(r["kv_memory"])])
