@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,7 +79,9 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client():
     """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
     concurrent requests (streamed and not) answer as one process does. The
     model is split by layers here (--pipeline; the test above splits heads),
-    so one launch checks the server and the pipeline both."""
+    and its KV caches are quantized (--kv-bits 8: each rank keeps its own
+    layers' codes), so one launch checks the server, the pipeline and a
+    quantized cache across ranks."""
     import openai
 
     from refusion_mlx.decode.stream import chat_prompt, stream_generate
@@ -86,11 +89,12 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client():
 
     prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
     model, tok = load(FIXTURE_MODEL)
-    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32))
+    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32, kv_bits=8))
                 for p in prompts]
     port = _free_port()
     cmd = [*_launcher(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), sys.executable,
-           "-m", "refusion_mlx.server", "--model", str(FIXTURE_MODEL), "--port", str(port), "--pipeline"]
+           "-m", "refusion_mlx.server", "--model", str(FIXTURE_MODEL), "--port", str(port), "--pipeline",
+           "--kv-bits", "8"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -113,6 +117,9 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client():
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(ask, range(len(prompts)))) == expected
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+            kv = json.load(resp)["kv"]
+        assert (kv["bits"], kv["bytes_per_token"]) == (8, model.cache_spec().layers * 2 * 2 * (64 + 8))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # mlx.launch itself does not stop cleanly on a signal
         proc.wait()
