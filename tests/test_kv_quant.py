@@ -51,6 +51,21 @@ def test_a_pass_rows_stay_as_computed_until_committed():
     assert (error <= step / 2 + 1e-6).all() and error.max() > 0  # quantized, within half a step
 
 
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_dequantize_is_mlx_dequantize(paths, set_paths):
+    """The CPU paths read the codes' bytes themselves: the same numbers as mx.dequantize."""
+    from refusion_mlx.decode.kv_quant import dequantize
+
+    set_paths(paths)
+    x = mx.random.normal((2, 3, 5, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    for bits in (8, 4):
+        for group in (32, 64, 128):
+            codes = mx.quantize(x, group_size=group, bits=bits)
+            got, want = dequantize(codes, bits, group), mx.dequantize(*codes, group_size=group, bits=bits)
+            assert got.dtype == want.dtype and np.array_equal(np.array(got.astype(mx.float32)),
+                                                             np.array(want.astype(mx.float32)))
+
+
 @pytest.mark.parametrize("paths, bits", [("cpu", 8), ("gpu", 8), ("gpu", 4)])
 def test_quantized_decoding_alone_and_batched(demo, golden_cases, set_paths, paths, bits):
     """Golden cases decoded with quantized caches, alone and in one batch

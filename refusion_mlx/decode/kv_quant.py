@@ -17,7 +17,8 @@ MLX's quantized matmul (``mx.quantized_matmul`` for q·k and p·v, as
 mlx-lm's quantized attention does; :func:`split_attend`), a batch of
 requests in one call per layer (:func:`batched_attend`, used by
 ``decode/packed.py``); on the CPU paths the visible committed rows are
-dequantized and the float attention runs (docs/benchmarks.md: faster there).
+dequantized (:func:`dequantize`) and the float attention runs
+(docs/benchmarks.md: faster there than the quantized matmul).
 
 What a row costs is known without a buffer (``row_bytes``, and
 ``scratch_row_bytes`` for the rows a pass holds in the model's dtype on
@@ -191,7 +192,7 @@ class QuantizedStore(KVStore):
         c = min(self.coded, length)
         if not c:
             return self._scratch(length)
-        both = mx.dequantize(*(a[:, :, :c, :] for a in self.codes), group_size=self.group_size, bits=self.bits)
+        both = dequantize(tuple(a[:, :, :c, :] for a in self.codes), self.bits, self.group_size)
         if length == c:
             return both[:1], both[1:]
         return tuple(mx.concatenate([a, b], axis=2) for a, b in zip((both[:1], both[1:]), self._scratch(length - c)))
@@ -259,6 +260,23 @@ class QuantizedStore(KVStore):
 
 
 # -- attention over committed codes and scratch rows ---------------------------
+
+
+def dequantize(codes: Codes, bits: int, group_size: int) -> mx.array:
+    """Float rows of codes (..., rows, ·). On the GPU paths ``mx.dequantize``;
+    on the CPU paths the codes' bytes read as uint8 (4-bit: two nibbles, low
+    first, as ``mx.quantize`` packs them little-endian) times the scales plus
+    the biases, the same arithmetic in ~2.7x (8-bit) and ~1.8x (4-bit) less
+    time on this CPU than MLX's CPU dequantize (docs/benchmarks.md)."""
+    packed, scales, biases = codes
+    if backend.gpu_paths():
+        return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+    *lead, rows, _ = packed.shape
+    values = packed.view(mx.uint8)
+    if bits == 4:
+        values = mx.stack([values & 15, values >> 4], axis=-1)
+    values = values.reshape(*lead, rows, scales.shape[-1], group_size).astype(scales.dtype)
+    return (values * scales[..., None] + biases[..., None]).reshape(*lead, rows, -1)
 
 
 def split_attend(q: mx.array, keys: Codes, values: Codes, scratch_keys: Optional[mx.array],
