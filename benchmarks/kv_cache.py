@@ -55,46 +55,62 @@ def label(bits: Optional[int]) -> str:
 
 
 def golden_section(paths: List[str]) -> List[dict]:
+    from refusion_mlx.models import backend
+
+    cases = json.loads((FIXTURES / "golden_outputs.json").read_text())
+    rows: List[dict] = []
+    before = os.environ.get(backend.ENV)
+    try:
+        for path in paths:
+            os.environ[backend.ENV] = path  # read by the model's load
+            backend.mode()
+            rows += golden_on_paths(path, cases)
+    finally:  # the other sections run on the paths the environment says
+        if before is None:
+            os.environ.pop(backend.ENV, None)
+        else:
+            os.environ[backend.ENV] = before
+        backend.mode()
+    return rows
+
+
+def golden_on_paths(path: str, cases: List[dict]) -> List[dict]:
+    """Every form on the device paths in force."""
     from refusion_mlx.decode.batch import BatchGenerator
     from refusion_mlx.decode.cache import CommittedCache
     from refusion_mlx.decode.decoder import RefusionDecoder
     from refusion_mlx.decode.kv_quant import kv_storage
     from refusion_mlx.decode.params import RefusionParams
-    from refusion_mlx.models import backend
     from refusion_mlx.models.loading import load
 
-    cases = json.loads((FIXTURES / "golden_outputs.json").read_text())
+    model, tokenizer = load(FIXTURES / "tiny-refusion", dtype="float32")
+    params = [RefusionParams(gen_length=c["gen_length"], slot_size=c["slot_size"],
+                             serial_num_blocks=c["serial_num_blocks"], slot_threshold=c["slot_threshold"],
+                             token_threshold=c["token_threshold"]) for c in cases]
     rows = []
-    for path in paths:
-        os.environ[backend.ENV] = path  # read by the model's load
-        backend.mode()
-        model, tokenizer = load(FIXTURES / "tiny-refusion", dtype="float32")
-        for bits in FORMS:
-            storage = kv_storage(bits, model=model)
-            params = [RefusionParams(gen_length=c["gen_length"], slot_size=c["slot_size"],
-                                     serial_num_blocks=c["serial_num_blocks"], slot_threshold=c["slot_threshold"],
-                                     token_threshold=c["token_threshold"]) for c in cases]
-            t0 = time.perf_counter()
-            alone = []
-            for c, p in zip(cases, params):
-                cache = CommittedCache.for_model(model, storage=storage)
-                d = RefusionDecoder(model, c["prompt_ids"], p, mask_id=model.args.mask_token_id,
-                                    eos_id=tokenizer.eos_token_id, cache=cache)
-                for _ in d.steps():
-                    pass
-                alone.append(d.response())
-            seconds = time.perf_counter() - t0
-            gen = BatchGenerator(model, tokenizer, max_batch=8, kv_bits=bits)
-            uids = [gen.insert(c["prompt_ids"], p) for c, p in zip(cases, params)]
-            batched = {u: [] for u in uids}
-            while gen.has_work:
-                for r in gen.step():
-                    batched[r.uid] += r.tokens
-            rows.append({"paths": path, "kv_bits": bits, "cases": len(cases),
-                         "agree_with_reference": sum(a == c["output_ids"] for a, c in zip(alone, cases)),
-                         "batched_equals_alone": sum(batched[u] == a for u, a in zip(uids, alone)),
-                         "alone_seconds": round(seconds, 3)})
-            print(f"  {path} paths, {label(bits)}: {rows[-1]}", file=sys.stderr, flush=True)
+    for bits in FORMS:
+        storage = kv_storage(bits, model=model)
+        t0 = time.perf_counter()
+        alone = []
+        for c, p in zip(cases, params):
+            cache = CommittedCache.for_model(model, storage=storage)
+            d = RefusionDecoder(model, c["prompt_ids"], p, mask_id=model.args.mask_token_id,
+                                eos_id=tokenizer.eos_token_id, cache=cache)
+            for _ in d.steps():
+                pass
+            alone.append(d.response())
+        seconds = time.perf_counter() - t0
+        gen = BatchGenerator(model, tokenizer, max_batch=8, kv_bits=bits)
+        uids = [gen.insert(c["prompt_ids"], p) for c, p in zip(cases, params)]
+        batched = {u: [] for u in uids}
+        while gen.has_work:
+            for r in gen.step():
+                batched[r.uid] += r.tokens
+        rows.append({"paths": path, "kv_bits": bits, "cases": len(cases),
+                     "agree_with_reference": sum(a == c["output_ids"] for a, c in zip(alone, cases)),
+                     "batched_equals_alone": sum(batched[u] == a for u, a in zip(uids, alone)),
+                     "alone_seconds": round(seconds, 3)})
+        print(f"  {path} paths, {label(bits)}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -127,11 +143,12 @@ def admission_section(args) -> List[dict]:
     from refusion_mlx.serve.memory import KVCost
 
     prompt = " ".join(str(i % 10) for i in range(args.prompt_tokens // 2))  # a digit and a space: 2 tokens
+    dtype = {"dtype": args.dtype} if args.dtype else {}
     body = {"prompt": prompt, "max_tokens": args.max_tokens, **SLOW}
     rows = []
     for bits in FORMS:
         server = RefusionServer(args.model, port=0, max_batch=args.requests, max_kv_bytes=args.max_kv_bytes,
-                                prompt_cache_bytes=0, kv_bits=bits)
+                                prompt_cache_bytes=0, kv_bits=bits, **dtype)
         with server:
             port = server.port
             seen, stop = [], threading.Event()
@@ -150,12 +167,14 @@ def admission_section(args) -> List[dict]:
             stop.set()
             watcher.join()
             health = _call(port, "GET", "/health")[1]
+            dtype_used = str(server.engine.model.cache_spec().dtype).replace("mlx.core.", "")
         kv = health["kv"]
         answered = [o for s, o in out if s == 200]
         prompt_tokens = answered[0]["usage"]["prompt_tokens"] if answered else 0
         request = SimpleNamespace(prompt_ids=[0] * prompt_tokens, params=make_params(max_tokens=args.max_tokens))
         need = KVCost(kv["bytes_per_token"], kv["scratch_bytes_per_token"]).need(request)  # as admission counts
-        rows.append({"kv_bits": bits, "bytes_per_token": kv["bytes_per_token"], "prompt_tokens": prompt_tokens,
+        rows.append({"kv_bits": bits, "dtype": dtype_used, "bytes_per_token": kv["bytes_per_token"],
+                     "prompt_tokens": prompt_tokens,
                      "max_tokens": args.max_tokens, "need_bytes": need, "max_kv_bytes": args.max_kv_bytes,
                      "fit": args.max_kv_bytes // need, "most_at_once": max(seen, default=0),
                      "requests": args.requests, "answered": len(answered), "waited": health["kv_waits"],
@@ -183,7 +202,7 @@ def print_tables(results: dict) -> None:
     if "admission" in results:
         r0 = results["admission"][0]
         print(f"\nadmission under --max-kv-bytes {r0['max_kv_bytes']}: {r0['requests']} requests of "
-              f"{r0['prompt_tokens']} + {r0['max_tokens']} tokens sent at once")
+              f"{r0['prompt_tokens']} + {r0['max_tokens']} tokens sent at once ({r0['dtype']})")
         print(format_table(["KV cache", "bytes/token", "bytes/request", "fit", "most at once", "vs float",
                             "waited", "answered", "same text"],
                            [[label(r["kv_bits"]), r["bytes_per_token"], r["need_bytes"], r["fit"],
@@ -200,6 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--requests", type=int, default=40, help="admission's requests sent at once (default 40)")
     parser.add_argument("--prompt-tokens", type=int, default=200, help="admission's prompt length (default 200)")
     parser.add_argument("--max-tokens", type=int, default=24, help="admission's max_tokens (default 24)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="admission's compute dtype (default: float32 on the CPU, the model's on a GPU)")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]

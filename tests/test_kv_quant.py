@@ -252,3 +252,19 @@ def test_bad_settings_are_one_line_errors(demo, capsys):
         generate(model, tokenizer, "Who is Sven?", kv_bits=4, kv_group_size=128)
     with pytest.raises(RefusionError, match="kv_bits must be 4 or 8"):
         ServerConfig(kv_bits=2)
+
+
+def test_shape_kv_memory_per_token_and_conversation():
+    """--shape's KV table, from the shape's config alone: ReFusion-8B in
+    bfloat16 keeps 144 KiB a token, 76.5 KiB at 8 bits, 40.5 KiB at 4."""
+    from refusion_mlx.bench.kv_memory import format_kv_memory, kv_memory
+    from refusion_mlx.bench.shapes import shape_config
+
+    kv = kv_memory(shape_config("refusion-8b"), "bfloat16", kv_bits=8)
+    forms = {f["kv_bits"]: f for f in kv["forms"]}
+    assert {b: f["bytes_per_token"] for b, f in forms.items()} == {None: 147456, 8: 78336, 4: 41472}
+    assert forms[8]["chosen"] and not forms[None]["chosen"]
+    assert forms[8]["conversation_bytes"]["32768"] == 32768 * 78336
+    assert forms[None]["pass_bytes"] == 0 and forms[8]["pass_bytes"] == 16 * 147456
+    table = format_kv_memory(kv)
+    assert "* bfloat16 quantized to 8 bits" in table and "1.88x" in table
