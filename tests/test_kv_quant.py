@@ -18,6 +18,7 @@ import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.kv_quant import QuantizedStore, kv_storage
+from refusion_mlx.decode.kv_store import Storage
 from refusion_mlx.errors import DecodeError, RefusionError
 from refusion_mlx.models.base import CacheSpec
 
@@ -131,7 +132,7 @@ def test_python_api_chat_and_prompt_cache(demo):
     (entry,) = entries.entries.values()
     spec = model.cache_spec()
     assert entries.nbytes == entry.nbytes == spec.layers * entry.capacity * chat.storage.row_bytes(spec)
-    assert entries.nbytes * 4 < entry.capacity * spec.row_bytes()  # under a quarter of the float rows
+    assert entries.nbytes * 4 < entry.capacity * spec.layers * Storage().row_bytes(spec)  # under a quarter of the float rows
 
 
 def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo, tmp_path):
@@ -190,10 +191,10 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
     kv_bits is a 400, more slow requests run at once under 2 MiB than the
     float server's two, nothing is lost, and its prompt cache on disk comes
     back after a restart with the same setting (and not with float)."""
-    from tests.test_server_ops import ROW_STEP, SLOW, ask, call, metrics, serve, wait_idle
+    from tests.test_server_ops import GROWTH_BYTES, SLOW, ask, call, metrics, serve, wait_idle
 
     folder = str(tmp_path / "cache")
-    with serve(kv_bits=8, max_kv_bytes=2 * ROW_STEP, prompt_cache_dir=folder) as srv:
+    with serve(kv_bits=8, max_kv_bytes=2 * GROWTH_BYTES, prompt_cache_dir=folder) as srv:
         status, health = call(srv, "GET", "/health")
         kv = health["kv"]
         assert (kv["bits"], kv["group_size"], kv["bytes_per_token"]) == (8, 64, 4 * 2 * 2 * (64 + 8))
@@ -218,7 +219,7 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
         state = wait_idle(srv)
         ask(srv, "Who is Sven?", max_tokens=8)
     assert [s for s, _ in out] == [200] * 5 and len({json.dumps(o["choices"][0]["text"]) for _, o in out}) == 1
-    assert max(seen) == min(5, 2 * ROW_STEP // need) >= 4  # float: 2 (tests/test_server_ops.py)
+    assert max(seen) == min(5, 2 * GROWTH_BYTES // need) >= 4  # float: 2 (tests/test_server_ops.py)
     assert state["kv"]["reserved_bytes"] == 0
     with serve(kv_bits=8, prompt_cache_dir=folder) as srv:
         _, again = ask(srv, "Who is Sven?", max_tokens=8)
