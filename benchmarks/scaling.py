@@ -4,7 +4,7 @@ decoded in parallel.
 
     python -m benchmarks.scaling --model models/qwen3-0.6b-random --json scaling.json
     python -m benchmarks.scaling --model M --sections slots --long-prompt 4096
-    python -m benchmarks.scaling --sections budgets --budgets 128 --budget-prompt 1900 --kv-bits 8
+    python -m benchmarks.scaling --sections budgets --budgets 128 --budget-prompt 1900 --ignore-eos --kv-bits 8
 
 Three tables:
 
@@ -48,13 +48,14 @@ SLOT_TARGET = 1.05
 GB = 1e9
 
 
-def timed(model, tokenizer, prompt, params: RefusionParams, cache=None, storage=None) -> dict:
+def timed(model, tokenizer, prompt, params: RefusionParams, cache=None, storage=None,
+          ignore_eos: bool = False) -> dict:
     """One run's time per token, forwards and peak memory."""
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     cpu0 = time.process_time()
-    wall, dec = decode(model, tokenizer, prompt, params, cache, storage)
+    wall, dec = decode(model, tokenizer, prompt, params, cache, storage, ignore_eos)
     cpu = time.process_time() - cpu0
     s = dec.stats
     decode_s = wall - s.seconds["prefill"]
@@ -98,7 +99,7 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
     def run(b):
         cache = prefilled(model, prompt[:-1], room=0, storage=args.storage)
         r = timed(model, tokenizer, prompt[-1:], make_params(b, args.slot_size, args.block_length, args.mode),
-                  cache)
+                  cache, ignore_eos=args.ignore_eos)
         r["prompt_tokens"] = len(prompt)
         return r
 
@@ -112,7 +113,7 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
 def prompts_section(model, tokenizer, args) -> List[dict]:
     params = make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode)
     return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params,
-                                    storage=args.storage),
+                                    storage=args.storage, ignore_eos=args.ignore_eos),
                     args.prompts, args.repeat, lambda n: f"prompt {n}")
 
 
@@ -140,7 +141,7 @@ def slots_section(model, tokenizer, args) -> List[dict]:
     rows = []
     for k in args.slots:
         params = RefusionParams(gen_length=k * S, slot_size=S, block_length=k * S, **MODES["infill"])
-        r = timed(model, tokenizer, prompt[-1:], params, cache)
+        r = timed(model, tokenizer, prompt[-1:], params, cache, ignore_eos=args.ignore_eos)
         truncate(cache, len(prompt) - 1)
         r.update(slots=k, prompt_tokens=len(prompt), weights_gb=round(weights / GB, 4),
                  cache_gb=round(cache.nbytes / GB, 4),
