@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from .._version import __version__
 from . import anthropic_api, openai_api, responses_api
 from .answering import Answering
+from .api_schema import schema_maker
 from .http_errors import APIError, as_api_error, error_response
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
@@ -92,4 +93,5 @@ def create_app(server) -> FastAPI:
     anthropic_api.add_routes(app, answering)  # Anthropic's Messages API
 
     add_page(app, server)  # the web chat at /
+    app.openapi = schema_maker(app, config)  # the document as the server answers: its errors, not FastAPI's 422
     return app

@@ -72,6 +72,23 @@ def default_max_kv_bytes(model, prompt_cache_bytes: int, row_bytes: int) -> int:
     return value
 
 
+def check_kv_budget(max_bytes: int, row_bytes: int, decoding) -> None:
+    """At start-up: a RefusionError when ``max_bytes`` is less than the smallest request
+    reserves (a one-token prompt and one slot: one growth step of rows), which would refuse
+    every request; a warning when it is less than a short prompt with the default budget
+    (``decoding``: the server's defaults) needs, which refuses every request not setting max_tokens."""
+    smallest = growth_rows() * row_bytes
+    if max_bytes < smallest:
+        raise RefusionError(f"--max-kv-bytes {max_bytes} is less than the smallest request reserves "
+                            f"({growth_rows()} rows of {row_bytes} bytes = {smallest}): every request would be "
+                            f"refused; give at least {smallest}")
+    default = kv_rows(1, decoding.layout().gen_length) * row_bytes
+    if max_bytes < default:
+        log.warning("--max-kv-bytes %d is less than a request with the default max_tokens (%d) reserves (%d): "
+                    "such requests will be refused; lower --max-tokens or raise --max-kv-bytes",
+                    max_bytes, decoding.gen_length, default)
+
+
 def gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 

@@ -49,6 +49,7 @@ class _ResponsesBase(BaseModel):
     stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
     store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
     metadata: Optional[Dict[str, str]] = None
+    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition")
     text: Optional[Dict[str, Any]] = Field(None, description='only {"format": {"type": "text"}}')
     background: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
@@ -204,7 +205,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
                 vocab_size=answering.vocab_size, takes_tools=answering.takes_tools)
             return engine_request
 
-        return await answering.answer(request, make, writer, bool(body.stream))
+        return await answering.answer(request, make, writer, bool(body.stream), body.user)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str):
