@@ -313,20 +313,20 @@ def models():
             load(FIXTURE_MODEL, dtype="float32")[0]]
 
 
-def attached(model, folder, budget=1 << 30):
+def attached(model, folder, budget=1 << 30, storage=None):
     from refusion_mlx.serve.cache_files import attach
     from refusion_mlx.serve.prompt_cache import PromptCache
 
     cache = PromptCache(1 << 30)
-    attach(cache, model, folder, budget)
+    attach(cache, model, folder, budget, storage=storage)
     return cache
 
 
-def entry(model, tokens):
+def entry(model, tokens, storage=None):
     from refusion_mlx.decode.cache import CommittedCache
     from refusion_mlx.decode.prefill import prefill
 
-    cache = CommittedCache.for_model(model)
+    cache = CommittedCache.for_model(model, storage=storage)
     prefill(model, cache, tokens)
     return cache
 
@@ -346,6 +346,15 @@ def test_models_and_dtypes_sharing_a_folder_keep_to_their_own_files(models, tmp_
     for m in models:
         again = attached(m, tmp_path)
         assert len(again) == 1  # each model reads back only its own entry
+    # the same weights with an 8-bit KV cache (--kv-bits 8): another stored form, its own files
+    from refusion_mlx.decode.kv_quant import kv_storage
+
+    eight = kv_storage(8, 32, models[0])
+    quantized = attached(models[0], tmp_path, storage=eight)
+    assert len(quantized) == 0
+    quantized.insert(entry(models[0], tokens, eight), "owner-a")
+    assert len({f.name[:16] for f in tmp_path.iterdir()}) == 4
+    assert len(attached(models[0], tmp_path, storage=eight)) == 1 and len(attached(models[0], tmp_path)) == 1
 
 
 def test_a_fifo_in_the_folder_is_skipped_without_opening_it(models, tmp_path, caplog):

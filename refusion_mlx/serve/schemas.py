@@ -39,8 +39,17 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "response_format": (None, {"type": "text"})}
 
 
+# Settings of the server's process, not of a request: refused in a body whatever their value.
+PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
+
+
 def refuse_unsupported(body):
-    """Before validation: the first field of HARMLESS holding another value is refused (its name in ctx)."""
+    """Before validation: a field of PROCESS_SETTINGS, or the first field of
+    HARMLESS holding another value, is refused (its name in ctx)."""
+    for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
+        if name in body:
+            raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
+                                      "not per request", {"field": name, "flag": flag})
     for name, values in HARMLESS.items() if isinstance(body, dict) else ():
         value = body.get(name)
         if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):

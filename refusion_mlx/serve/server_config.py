@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..cli import byte_size, params_from_args
+from ..cli import add_kv_args, byte_size, params_from_args
+from ..decode.kv_quant import kv_storage
+from ..decode.kv_store import Storage
 from ..decode.params import RefusionParams
 from ..errors import RefusionError
 
@@ -48,6 +50,11 @@ class ServerConfig:
     ``prompt_cache_dir_bytes`` (None: ``prompt_cache_bytes``) are filled in
     when the config is made. ``max_kv_bytes`` None: derived from the
     device's memory when the model is loaded (``memory.default_max_kv_bytes``).
+    ``kv_bits`` (4 or 8; None: the model's dtype) and ``kv_group_size``
+    (None: 64): how every cache keeps its committed keys and values
+    (``decode/kv_quant.py``). A setting of the process, not of a request:
+    the prompt cache, its files and memory admission then count one kind of
+    row, and a request's ``kv_bits`` is refused.
     """
 
     model: Optional[str] = None
@@ -67,6 +74,8 @@ class ServerConfig:
     max_kv_bytes: Optional[int] = None
     watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    kv_bits: Optional[int] = None
+    kv_group_size: Optional[int] = None
     # who may use the server, and whose prompt cache a request shares (serve/security.py, docs: Security)
     api_keys: Tuple[str, ...] = dataclasses.field(default=(), repr=False)
     allowed_hosts: Tuple[str, ...] = ()
@@ -87,6 +96,7 @@ class ServerConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
             raise RefusionError(f"watchdog_seconds must be a positive number of seconds, got {self.watchdog_seconds!r}")
         self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
+        kv_storage(self.kv_bits, self.kv_group_size)  # the head dimension is checked once the model loads
         fill = object.__setattr__  # frozen: the derived values are set once, here
         fill(self, "allowed_origins", tuple(self.allowed_origins))
         fill(self, "allowed_hosts", tuple(self.allowed_hosts))
@@ -106,6 +116,10 @@ class ServerConfig:
             fill(self, "model_id", str(self.model).rstrip("/") if self.model else "tiny-refusion")
         if self.prompt_cache_dir_bytes is None:
             fill(self, "prompt_cache_dir_bytes", self.prompt_cache_bytes)
+
+    def storage(self, model=None) -> Storage:
+        """How the caches keep keys and values (checked against ``model``'s head dimension when given)."""
+        return kv_storage(self.kv_bits, self.kv_group_size, model)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -189,6 +203,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              "others wait, one that can never fit gets 400 (default: 90%% of the device's "
                              "memory - Metal's recommended working set, else physical memory - less the "
                              "weights and --prompt-cache-bytes)")
+    add_kv_args(parser)  # --kv-bits, --kv-group-size: shared with generate, chat and bench
     parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
                         help="/health answers 503 while a step has run longer than this "
                              f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
