@@ -237,12 +237,13 @@ def test_adapter_files_that_do_not_match_their_config(lora_folder, tmp_path):
         assert "\n" not in str(e.value), name
 
 
-@pytest.mark.parametrize("command", ["generate", "fuse"])
-def test_a_truncated_adapter_file_is_one_line_on_the_commands(command, lora_folder, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["generate", "chat", "server", "fuse"])
+def test_a_truncated_adapter_file_is_one_line_on_the_commands(command, lora_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", open("/dev/null"))
     folder, weights = lora_folder
     variant = adapter_variant(folder, tmp_path / "cut", weights=dict(list(sorted(weights.items()))[:10]))
     main, argv = commands(DEMO_MODEL, tmp_path, variant)[command]
-    if command == "generate":
+    if command != "fuse":
         argv = argv + ["--adapter-path", str(variant)]
     code, err = run_main(main, argv, capsys)
     assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
