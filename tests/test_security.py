@@ -9,7 +9,6 @@ prompt-cache folder, one allowed origin) serves the HTTP tests.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import http.client
 import json
@@ -421,8 +420,8 @@ CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "sl
 
 def capped(schema, cap=None):
     if isinstance(schema, dict):
-        out = {k: capped(v, CAPS.get(p) if k == "properties" else cap) if k != "properties" else
-               {p: capped(s, CAPS.get(p)) for p, s in v.items()} for k, v in schema.items()}
+        out = {k: {name: capped(s, CAPS.get(name)) for name, s in v.items()} if k == "properties" else capped(v, cap)
+               for k, v in schema.items()}
         if cap is not None and out.get("type") == "integer":
             out["maximum"] = min(out.get("maximum", cap), cap)
         return out
