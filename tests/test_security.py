@@ -280,6 +280,21 @@ def test_cached_tokens_are_told_only_to_the_owner_of_the_prefix(server, cache_di
     assert not any(KEYS[0].encode() in f.read_bytes() or b"alice" in f.read_bytes() for f in files)
 
 
+def test_a_stored_response_belongs_to_its_key(server):
+    status, _, payload = call(server, "POST", "/v1/responses", {"input": "Who is Sven?", "max_output_tokens": 8})
+    made = json.loads(payload)
+    assert status == 200 and made["status"] in ("completed", "incomplete")
+    path = f"/v1/responses/{made['id']}"
+    status, _, payload = call(server, "GET", path, key=KEYS[1])  # another key: not there for it
+    assert status == 404 and openai_error(payload, "not_found")
+    follow = {"input": "And Zoe?", "max_output_tokens": 8, "previous_response_id": made["id"]}
+    status, _, payload = call(server, "POST", "/v1/responses", follow, key=KEYS[1])
+    assert status == 400 and openai_error(payload)["param"] == "previous_response_id"
+    assert call(server, "DELETE", path, key=KEYS[1])[0] == 404
+    assert json.loads(call(server, "GET", path)[2])["output"] == made["output"]  # its own key: still there
+    assert call(server, "POST", "/v1/responses", follow)[0] == 200
+
+
 def test_cache_owner_by_scope():
     from refusion_mlx.serve.answering import Answering
     from refusion_mlx.serve.security import KEY_SCOPE
