@@ -244,6 +244,30 @@ def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):
             signal.signal(s, h)
     err = capsys.readouterr().err
     assert code == 1 and err.count("error: ") == 1 and "--max-kv-bytes 524288 is less than" in err
+    # with --kv-bits the smallest request also holds one slot's rows in float until they are committed
+    from refusion_mlx.serve.memory import KVCost, check_kv_budget
+
+    with pytest.raises(RefusionError, match=r"\(256 rows of 1152 bytes \+ 4 rows of 4096 bytes a pass holds in "
+                                            r"float = 311296\)"):
+        check_kv_budget(300_000, KVCost(1152, 4096, 8, 64), make_params(slot_size=4))
+    check_kv_budget(311_296, KVCost(1152, 4096, 8, 64), make_params(slot_size=4))
+
+
+def test_the_open_server_warning_is_said_whatever_the_log_level(capsys):
+    from refusion_mlx.server import main
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # as --log-level ERROR leaves it (pytest's handlers keep basicConfig from it)
+    try:  # bound to every address without a key, then stopped by the budget
+        code = main(["--host", "0.0.0.0", "--port", "0", "--max-kv-bytes", "1K", "--log-level", "ERROR"])
+    finally:
+        root.setLevel(level)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert code == 1 and "WARNING: listening on every address of this machine" in err
 
 
 # --------------------------------------------------------------------------

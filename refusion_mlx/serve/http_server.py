@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -66,8 +67,8 @@ class RefusionServer:
             raise
         self.host, self.port = self.socket.getsockname()[:2]
         warning = exposure_warning(host, self.port, config.api_keys)
-        if warning:  # other machines can reach it, and nothing asks them for a key
-            log.warning("%s", warning)
+        if warning:  # other machines can reach it, and nothing asks them for a key: said whatever --log-level
+            log.warning("%s", warning) if log.isEnabledFor(logging.WARNING) else print(warning, file=sys.stderr)
         self.engine = Engine(config, dist=dist)
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                         backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
