@@ -17,6 +17,7 @@ from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
 from .distributed import watchdog
+from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -69,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse,
                               kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_error(str(e))  # one line per problem
         return 1
     except KeyboardInterrupt:
         return 130

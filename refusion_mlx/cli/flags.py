@@ -19,7 +19,7 @@ from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
-from ..errors import RefusionError
+from ..errors import RefusionError, Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -153,8 +153,9 @@ def read_text(path: str) -> str:
 
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError or a file-system error is one
-    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 -- never
-    a traceback."""
+    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
+    :class:`~refusion_mlx.errors.Terminated`, SIGTERM, "terminated" and 143)
+    -- never a traceback."""
     try:
         return body()
     except RefusionError as e:
@@ -168,6 +169,6 @@ def run(body: Callable[[], int]) -> int:
     except OSError as e:
         print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130

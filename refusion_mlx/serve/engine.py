@@ -42,7 +42,7 @@ from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
-from .memory import KVCost, default_max_kv_bytes
+from .memory import KVCost, check_kv_budget, default_max_kv_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
 from .refusal import Reason, Refusal
@@ -214,6 +214,7 @@ class Engine:
         self.kv_cost = KVCost.of(self.model, self.storage)
         if self.max_kv_bytes is None:
             self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_cost.row_bytes)
+        check_kv_budget(self.max_kv_bytes, self.kv_cost, self.config.decoding)  # refuses what refuses all
 
     def _open_cache_dir(self) -> None:
         """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
@@ -270,7 +271,7 @@ class Engine:
                 plan.admitted.append(job)
             self.starting = len(plan.admitted)
             peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
-        plan.peers = [j.request.prompt_ids for j in peers]
+        plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
         return plan
 
     def _apply(self, plan: StepPlan) -> None:
@@ -307,15 +308,15 @@ class Engine:
         for job in list(self.running.values()):
             self._close(job, "failed", error)
 
-    def _start(self, job: Job, peers: List[List[int]]) -> None:
-        """Start a request; ``peers``: the prompt ids of the others admitted
-        or waiting (a prefix they share is prefilled once)."""
+    def _start(self, job: Job, peers: List[tuple]) -> None:
+        """Start a request; ``peers``: (cache owner, prompt ids) of the others admitted
+        or waiting (a prefix they share with one of its owner is prefilled once)."""
         from ..decode.cache import CommittedCache
 
-        ids = job.request.prompt_ids
+        ids, owner = job.request.prompt_ids, job.request.cache_owner
+        running = [(j.request.cache_owner, j.cache) for j in self.running.values()]
         new_cache = lambda: CommittedCache.for_model(self.model, storage=self.storage)  # noqa: E731
-        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, [j.cache for j in self.running.values()],
-                                                           peers, new_cache)
+        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
@@ -347,7 +348,7 @@ class Engine:
             return
         if job.calls is not None:
             self.metrics.tool_calls(job.calls.calls, job.calls.failed)
-        self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
+        self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far, for its next turn
         self._close(job, "completed")
         job.post("done", job.outcome(reason, r.stats, self.dist))
 

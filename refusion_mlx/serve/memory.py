@@ -148,3 +148,27 @@ class KVCost:
         return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
                        f"{self.row_bytes} bytes: prompt + max_tokens in whole slots, in multiples of "
                        f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", "max_tokens")
+
+
+def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
+    """At start-up: a RefusionError when ``max_bytes`` is less than the smallest
+    request reserves (a one-token prompt and one slot: one growth step of rows,
+    and with --kv-bits one slot's rows in float), which would refuse every
+    request; a warning when it is less than a one-token prompt with the
+    server's default budget (``decoding``) reserves, which refuses every
+    request that does not set a smaller max_tokens."""
+    from types import SimpleNamespace
+
+    rows = growth_rows() * cost.row_bytes
+    smallest = rows + decoding.slot_size * cost.scratch_row_bytes
+    if max_bytes < smallest:
+        scratch = (f" + {decoding.slot_size} rows of {cost.scratch_row_bytes} bytes a pass holds in float"
+                   if cost.scratch_row_bytes else "")
+        raise RefusionError(f"--max-kv-bytes {max_bytes} is less than the smallest request reserves "
+                            f"({growth_rows()} rows of {cost.row_bytes} bytes{scratch} = {smallest}): every "
+                            f"request would be refused; give at least {smallest}")
+    default = cost.need(SimpleNamespace(prompt_ids=[0], params=decoding))
+    if max_bytes < default:
+        log.warning("--max-kv-bytes %d is less than a request with the default max_tokens (%d) reserves (%d): "
+                    "such requests will be refused; lower --max-tokens or raise --max-kv-bytes",
+                    max_bytes, decoding.gen_length, default)
