@@ -57,6 +57,8 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
         raise Refusal(Reason.INVALID_VALUE, f"n: {prompts} prompts x n {n} is over {MAX_PROMPTS} choices", "n")
     t0 = time.perf_counter()
     requests = await run_in_threadpool(lambda: [make(p, k) for p in range(prompts) for k in range(n)])
+    owner = answering.cache_owner(request, body.user)  # whose prompt-cache entries they may use (as one request)
+    requests = [dataclasses.replace(r, cache_owner=owner) for r in requests]
     engine, loop = answering.engine, asyncio.get_running_loop()
     jobs = []
     try:

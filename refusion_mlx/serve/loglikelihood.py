@@ -116,9 +116,17 @@ def logprobs_object(tokenizer, ids: List[int], scored, top: int, extra: int) -> 
     return text, {"tokens": pieces, "token_logprobs": values, "top_logprobs": top_json, "text_offset": offsets}
 
 
-def run_scoring(engine, jobs: list) -> None:
-    """Score the admitted scoring ``jobs`` and answer each (on every rank;
-    rank 0's jobs post their events). A failure fails the jobs it touches."""
+def run_scoring(engine, admitted: list) -> list:
+    """Score the scoring requests among the ``admitted`` jobs and answer each
+    (on every rank; rank 0's jobs post their events; a failure fails the jobs
+    it touches); returns the others, ``(index, job)``, for the decoder."""
+    jobs = [j for j in admitted if j.request.scoring is not None]
+    if jobs:
+        _score(engine, jobs)
+    return [(i, j) for i, j in enumerate(admitted) if j.request.scoring is None]
+
+
+def _score(engine, jobs: list) -> None:
     from ..decode.scoring import score_ar, score_mc
 
     mask_id = int(engine.model.args.mask_token_id)

@@ -136,5 +136,6 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
 
         prompts, n = len(body.prompt) if kind == "text" else 1, body.n or 1
         if prompts * n == 1:
-            return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream))
+            return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream),
+                                          body.user)
         return await answer_choices(answering, request, body, kind, make, prompts, n, CompletionWriter)
