@@ -9,7 +9,8 @@ host synchronisation for the whole request list):
   task; the verification's reading of §4b): the sequence is fed once,
   causal, every token at its true position, and token i is scored by the
   softmax of the logits at token i-1 (a real token's logits predict the next
-  token). One forward for all the rows. Optionally one mask token after the
+  token). One forward per row (its numbers never depend on the rows beside
+  it), all evaluated together. Optionally one mask token after the
   sequence at the next position gives the greedy draft of the answer's first
   token, as the plan pass would draw it at temperature 0 (§4a).
 * :func:`score_mc` -- the masked-diffusion Monte Carlo estimator of the
@@ -77,47 +78,43 @@ def _head_stats(model, hidden: mx.array, tokens: mx.array, top: int):
 
 
 def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Optional[int] = None) -> List[Scored]:
-    """The AR estimator over ``rows`` (token-id lists) in one forward: token
-    i of a row scored under the logits at i-1. ``top``: also the ``top``
-    most likely tokens at every scored position. ``next_mask``: the mask id,
-    to draft the token after each row (a mask at the next position, which
-    sees the whole row: the plan's greedy first draft)."""
+    """The AR estimator over ``rows`` (token-id lists): token i of a row
+    scored under the logits at i-1. ``top``: also the ``top`` most likely
+    tokens at every scored position. ``next_mask``: the mask id, to draft the
+    token after each row (a mask at the next position, which sees the whole
+    row: the plan's greedy first draft).
+
+    Each row is its own forward -- the same shapes whatever rows come with
+    it, so a row's numbers do not depend on its neighbours (lm-eval's scores
+    are the same alone and concurrent, on every device) -- all built lazily
+    and evaluated together: one host synchronisation for the list."""
     extra = next_mask is not None
-    width = max(len(r) for r in rows) + extra
-    tokens = np.zeros((len(rows), width), np.int32)
-    for b, r in enumerate(rows):
-        tokens[b, :len(r)] = r
-        if extra:
-            tokens[b, len(r)] = next_mask
-    positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
-    hidden = model.hidden(mx.array(tokens), mx.array(positions))  # causal: padding only trails
-    # head rows: each row's tokens 0..n-2 (predicting 1..n-1), then its mask row
-    want, follow = [], []
-    for b, r in enumerate(rows):
-        want += [b * width + i for i in range(len(r) - 1)]
-        follow += list(r[1:])
-        if extra:
-            want.append(b * width + len(r))
-            follow.append(0)  # placeholder: the draft is the argmax
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    sel = flat[mx.array(want, dtype=mx.int32)] if want else flat[:0]
-    stats = _head_stats(model, sel, mx.array(follow, dtype=mx.int32), max(top, 1 if extra else 0)) \
-        if want else (None, None, None)
-    evaluate = [a for a in stats if a is not None]
-    if evaluate:
-        mx.eval(*evaluate)  # the one host synchronisation
-    lp, ids, vals = (np.zeros((0, max(top, 1))) if a is None else np.array(a) for a in stats)  # none: 1-token rows
-    out, at = [], 0
+    k = max(top, 1 if extra else 0)
+    parts = []
     for r in rows:
+        ids = list(r) + ([next_mask] if extra else [])
+        if len(ids) < 2:  # one token, nothing drafted: nothing to score
+            parts.append(None)
+            continue
+        hidden = model.hidden(mx.array([ids], dtype=mx.int32), mx.arange(len(ids), dtype=mx.int32))[0]
+        # head rows: tokens 0..n-2 (predicting 1..n-1), then the mask's (the draft: its argmax)
+        follow = mx.array(list(r[1:]) + ([0] if extra else []), dtype=mx.int32)
+        rows_wanted = hidden[:len(r) - 1] if not extra else mx.concatenate([hidden[:len(r) - 1], hidden[-1:]])
+        parts.append(_head_stats(model, rows_wanted, follow, k))
+    mx.eval(*[a for part in parts if part is not None for a in part if a is not None])  # the one host sync
+    out = []
+    for r, part in zip(rows, parts):
         n = len(r) - 1
-        s = Scored([None] + [float(x) for x in lp[at:at + n]])
+        if part is None:
+            out.append(Scored([None] * len(r)))
+            continue
+        lp, ids, vals = (None if a is None else np.array(a) for a in part)
+        s = Scored([None] + [float(x) for x in lp[:n]])
         if top > 0:
-            s.top = [[]] + [_pairs(ids[k], vals[k], top) for k in range(at, at + n)]
-        at += n
+            s.top = [[]] + [_pairs(ids[i], vals[i], top) for i in range(n)]
         if extra:
-            s.next_token, s.next_logprob = int(ids[at][0]), float(vals[at][0])
-            s.next_top = _pairs(ids[at], vals[at], top)
-            at += 1
+            s.next_token, s.next_logprob = int(ids[n][0]), float(vals[n][0])
+            s.next_top = _pairs(ids[n], vals[n], top)
         out.append(s)
     return out
 

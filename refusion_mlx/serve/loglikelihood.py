@@ -10,7 +10,7 @@ back with their log-probabilities in OpenAI's legacy ``logprobs`` object
 A scoring request runs no decoder: the engine runs every scoring request
 it admits in a turn (:func:`run_scoring`) with :mod:`refusion_mlx.decode.scoring`
 -- the AR estimator (``logprob_estimator: "ar"``, the default) for all of
-them in one forward and one host synchronisation, the Monte Carlo
+them with one host synchronisation, the Monte Carlo
 estimator (``"mc"``, ``mc_num`` samples, the continuation after
 ``context_tokens``) one request at a time -- then answers each at once.
 """
