@@ -62,6 +62,11 @@ def test_mc_estimator_sums_its_shares_and_is_deterministic(demo):
     assert a.logprobs == b.logprobs and all(v <= 0 for v in a.logprobs[len(context):])
     with pytest.raises(ValueError):
         score_mc(model, ids, len(ids), model.args.mask_token_id)
+    # the token drafted after the prompt (max_tokens 1) is the AR scorer's, in the same evaluation
+    drafted = score_mc(model, ids, len(context), model.args.mask_token_id, mc_num=4, draft_top=2)
+    ar = score_ar(model, [ids], top=2, next_mask=model.args.mask_token_id)[0]
+    assert drafted.next_token == ar.next_token and [t for t, _ in drafted.next_top] == [t for t, _ in ar.next_top]
+    assert [v for _, v in drafted.next_top] == pytest.approx([v for _, v in ar.next_top], abs=1e-4)
 
 
 def demo_questions():

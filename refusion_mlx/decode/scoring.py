@@ -138,11 +138,13 @@ def mc_masks(target_len: int, mc_num: int, rng: np.random.Generator) -> np.ndarr
 
 
 def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
-             seed: int = 0) -> Scored:
+             seed: int = 0, draft_top: Optional[int] = None) -> Scored:
     """The Monte Carlo estimator of ``ids[context:]`` given ``ids[:context]``.
     Per continuation token, its share of the estimate (the mean over the
     samples of its weighted cross-entropy where masked, negated); they sum to
-    the estimate. Context tokens are not scored (None)."""
+    the estimate. Context tokens are not scored (None). ``draft_top``: also
+    draft the token after ``ids`` (a mask at the next position, as
+    :func:`score_ar`), with this many top tokens, in the same evaluation."""
     ids = [int(t) for t in ids]
     n, target = len(ids), len(ids) - context
     if not 0 < context < n:
@@ -175,6 +177,14 @@ def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int 
     for s in shares[1:]:
         total = total + s
     total = total / mc_num
-    mx.eval(total)  # the one host synchronisation
-    per = np.array(total)
-    return Scored([None] * context + [float(x) for x in per])
+    draft = None
+    if draft_top is not None:
+        h = model.hidden(mx.array([ids + [mask_id]], dtype=mx.int32), mx.arange(n + 1, dtype=mx.int32))[0, -1:]
+        draft = _head_stats(model, h, mx.zeros((1,), mx.int32), max(draft_top, 1))[1:]
+    mx.eval(total, *(draft or ()))  # the one host synchronisation
+    out = Scored([None] * context + [float(x) for x in np.array(total)])
+    if draft is not None:
+        top_ids, top_values = np.array(draft[0])[0], np.array(draft[1])[0]
+        out.next_token, out.next_logprob = int(top_ids[0]), float(top_values[0])
+        out.next_top = _pairs(top_ids, top_values, draft_top)
+    return out

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ..distributed.group import is_link_failure
 from .refusal import Reason, Refusal
 
 log = logging.getLogger("refusion_mlx.server")
@@ -138,6 +139,8 @@ def _score(engine, jobs: list) -> None:
             for job, s in zip(ar, score_ar(engine.model, [j.request.prompt_ids for j in ar], top, mask_id)):
                 results[id(job)] = s
     except Exception as e:  # a bug or out of memory: these requests fail, the server stays up
+        if is_link_failure(e):
+            raise
         log.exception("scoring failed")
         for job in ar:
             engine._close(job, "failed", Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}"))
@@ -146,14 +149,13 @@ def _score(engine, jobs: list) -> None:
         spec = job.request.scoring
         try:
             scored = results.get(id(job)) or score_mc(engine.model, job.request.prompt_ids, spec.context_tokens,
-                                                     mask_id, spec.mc_num, spec.seed)
-            if spec.extra and scored.next_token is None:  # mc: the drafted token comes from the AR pass
-                drafted = score_ar(engine.model, [job.request.prompt_ids], spec.top, mask_id)[0]
-                scored.next_token, scored.next_logprob, scored.next_top = (
-                    drafted.next_token, drafted.next_logprob, drafted.next_top)
+                                                     mask_id, spec.mc_num, spec.seed,
+                                                     spec.top if spec.extra else None)
             text, logprobs = logprobs_object(engine.tokenizer, job.request.prompt_ids, scored, spec.top,
                                              spec.extra)
         except Exception as e:
+            if is_link_failure(e):
+                raise
             log.exception("scoring failed")
             engine._close(job, "failed", Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}"))
             continue
