@@ -28,6 +28,7 @@ from .answer import AnswerText
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
+from .grammar import Constraint, compile_constraint
 from .params import RefusionParams, make_params
 from .stats import DecodeStats, SlotCommit
 
@@ -111,7 +112,7 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None) -> int:
+               cache: Optional[CommittedCache] = None, constraint: Optional[Constraint] = None) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
 
@@ -119,11 +120,16 @@ class BatchGenerator:
         conversation so far, which the request then owns), only the new ids.
         The answer holds at most ``params.gen_length`` ids besides EOS
         (finish "length" when cut there), though the last slot decoded may
-        hold more.
+        hold more. ``constraint``: the answer must match it (a JSON Schema, any
+        JSON object, a grammar: :class:`~.grammar.Constraint`); one it cannot
+        compile raises ``DecodeError`` here.
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        grammar = None
+        if constraint is not None:
+            grammar = compile_constraint(constraint, self.tokenizer, self.model.args.vocab_size, self.eos_id)
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
-                                  eos_id=self.eos_id, cache=cache)
+                                  eos_id=self.eos_id, cache=cache, grammar=grammar)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length)
