@@ -230,7 +230,8 @@ class BatchResult:
 
 def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                    params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                   max_batch: int = 8, **kwargs) -> List[BatchResult]:
+                   max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None,
+                   **kwargs) -> List[BatchResult]:
     """Decode many prompts together; one result per prompt, in order.
 
     ``prompts``: strings (tokenized as is) or token-id lists. ``params``: one
@@ -238,10 +239,11 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     as in ``generate`` (``max_tokens``, ``slot_size``, ...). A prompt that
     cannot be decoded (over the context, bad settings) gets a result with
     ``finish_reason`` "error" and the message in ``error``; the rest finish.
+    ``constraints``: one :class:`~.grammar.Constraint` (or None) per prompt.
     """
     ids = _prompt_ids(tokenizer, prompts)
     results = [BatchResult(prompt_ids=i) for i in ids]
-    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, **kwargs):
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, constraints, **kwargs):
         r = results[index]
         r.text += response.text
         r.output_ids += response.tokens
@@ -252,15 +254,19 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
 
 def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                 max_batch: int = 8, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
+                 max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None,
+                 **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
+    constraints = list(constraints) if constraints is not None else [None] * len(prompts)
+    if len(constraints) != len(prompts):
+        raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
     gen = BatchGenerator(model, tokenizer, max_batch=max_batch)
     index: Dict[int, int] = {}
-    for i, (ids, p) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt)):
+    for i, (ids, p, c) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt, constraints)):
         try:
-            index[gen.insert(ids, p)] = i
+            index[gen.insert(ids, p, constraint=c)] = i
         except RefusionError as e:  # this prompt fails alone
             yield i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
     while gen.has_work:

@@ -55,7 +55,7 @@ class Constraint:
         if isinstance(schema, bool) or not isinstance(schema, dict):
             raise DecodeError(f"{name}: a JSON Schema must be an object, got {type(schema).__name__}")
         check_schema(schema, name)
-        return cls("json_schema", json.dumps(schema), name)
+        return cls("json_schema", json.dumps(schema), name).checked()
 
     @classmethod
     def json_object(cls, name: str = "json_object") -> "Constraint":
@@ -65,7 +65,23 @@ class Constraint:
     def lark(cls, grammar: str, name: str = "grammar") -> "Constraint":
         if not isinstance(grammar, str) or not grammar.strip():
             raise DecodeError(f"{name}: the grammar is empty")
-        return cls("lark", grammar, name)
+        return cls("lark", grammar, name).checked()
+
+    def checked(self) -> "Constraint":
+        """Itself, once the engine has compiled it without a tokenizer: what
+        it cannot compile is one ``DecodeError`` naming the constraint."""
+        from llguidance import LLMatcher
+
+        try:
+            text = self.grammar()
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(text, None)
+        except DecodeError:
+            raise
+        except Exception as e:  # the engine's own refusal of the text
+            raise DecodeError(f"{self.name}: cannot be compiled: {_one_line(e)}") from None
+        if is_error:
+            raise DecodeError(f"{self.name}: cannot be compiled: {_one_line(messages[0] if messages else '?')}")
+        return self
 
     def grammar(self) -> str:
         """The grammar in llguidance's form."""
@@ -78,6 +94,20 @@ class Constraint:
         if self.kind == "lark":
             return LLMatcher.grammar_from_lark(self.source)
         raise DecodeError(f"unknown constraint kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+
+def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
+                  json_object: bool = False) -> Optional[Constraint]:
+    """The Python API's and the CLI's constraint keywords as one Constraint
+    (None: unconstrained); at most one of them."""
+    given = [n for n, v in (("json_schema", json_schema), ("grammar", grammar), ("json_object", json_object)) if v]
+    if len(given) > 1:
+        raise DecodeError(f"give one of json_schema, grammar and json_object, not {' and '.join(given)}")
+    if json_schema is not None and json_schema is not False:
+        return Constraint.json_schema(json_schema)
+    if grammar is not None:
+        return Constraint.lark(grammar)
+    return Constraint.json_object() if json_object else None
 
 
 def check_schema(schema: Dict[str, Any], name: str) -> None:
