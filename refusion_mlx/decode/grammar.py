@@ -31,7 +31,7 @@ from ..errors import DecodeError
 
 # compact JSON as json.dumps writes it: ", " between items, ": " after keys
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "lark")
+KINDS = ("json_schema", "json_object", "lark", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,19 @@ class Constraint:
             raise DecodeError(f"{name}: the grammar is empty")
         return cls("lark", grammar, name).checked()
 
+    @classmethod
+    def tool_calls(cls, tools: Sequence[Dict[str, Any]], start: str, end: str, parallel: bool = True,
+                   name: str = "tool_choice") -> "Constraint":
+        """A forced call: ``start``, a newline, ``{"name": ..., "arguments": ...}``
+        with one of ``tools``' names (``{"name", "parameters"}``; the arguments
+        valid under that tool's ``parameters`` schema), a newline, ``end`` --
+        Qwen3's call format; several, one per line, when ``parallel``."""
+        spec = {"tools": [{"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
+                          for t in tools], "start": start, "end": end, "parallel": bool(parallel)}
+        if not spec["tools"]:
+            raise DecodeError(f"{name}: forcing a call needs at least one tool")
+        return cls("tool_calls", json.dumps(spec), name).checked()
+
     def checked(self) -> "Constraint":
         """Itself, once the engine has compiled it without a tokenizer: what
         it cannot compile is one ``DecodeError`` naming the constraint."""
@@ -83,10 +96,14 @@ class Constraint:
             raise DecodeError(f"{self.name}: cannot be compiled: {_one_line(messages[0] if messages else '?')}")
         return self
 
-    def grammar(self) -> str:
-        """The grammar in llguidance's form."""
+    def grammar(self, one_token=lambda text: False) -> str:
+        """The grammar in llguidance's form. ``one_token(text)``: whether the
+        tokenizer has ``text`` as one token of its own (a call marker such
+        as Qwen3's ``<tool_call>`` is then that token, not its spelling)."""
         from llguidance import LLMatcher
 
+        if self.kind == "tool_calls":
+            return LLMatcher.grammar_from_lark(tool_call_lark(json.loads(self.source), one_token))
         if self.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(self.source, defaults=dict(JSON_STYLE))
         if self.kind == "json_object":
@@ -94,6 +111,21 @@ class Constraint:
         if self.kind == "lark":
             return LLMatcher.grammar_from_lark(self.source)
         raise DecodeError(f"unknown constraint kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+
+def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
+    """The Lark grammar of forced calls (``Constraint.tool_calls``)."""
+    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]],
+            "x-guidance": JSON_STYLE}
+
+    def marker(text: str) -> str:
+        return f"<{text[1:-1]}>" if text.startswith("<") and text.endswith(">") and one_token(text) else \
+            json.dumps(text)
+
+    calls = 'call ("\\n" call)*' if spec["parallel"] else "call"
+    return (f"start: {calls}\ncall: {marker(spec['start'])} \"\\n\" body \"\\n\" {marker(spec['end'])}\n"
+            f"body: %json {json.dumps(body)}\n")
 
 
 def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
@@ -166,7 +198,7 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
 
     lltok = ll_tokenizer(tokenizer, vocab, eos_id)
     try:
-        grammar = constraint.grammar()
+        grammar = constraint.grammar(lambda text: one_token(tokenizer, text))
     except DecodeError:
         raise
     except Exception as e:  # the engine's own refusal of the text
@@ -178,6 +210,16 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     if probe.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(probe.get_error())}")
     return Compiled(constraint, grammar, lltok, vocab, eos_id)
+
+
+def one_token(tokenizer, text: str) -> bool:
+    """Whether ``text`` is one token of the tokenizer's own vocabulary."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        i = hf.convert_tokens_to_ids(text)
+        return isinstance(i, int) and i != getattr(hf, "unk_token_id", None) and hf.convert_ids_to_tokens(i) == text
+    except Exception:
+        return False
 
 
 def _one_line(e) -> str:

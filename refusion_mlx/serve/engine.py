@@ -314,7 +314,7 @@ class Engine:
                                                            peers, lambda: CommittedCache.for_model(self.model))
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint)
         except RefusionError as e:
             return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)
