@@ -86,6 +86,26 @@ def valid(kind: str, source, text: str, finish: str) -> str:
         return f"NO ({type(e).__name__})"
 
 
+def per_case(rows: List[dict]) -> List[list]:
+    """Each case over its prompts: tokens per forward and tokens/s, free and
+    constrained, the constrained mask time per token and the valid answers."""
+    out = []
+    for name, _, _ in CASES:
+        sums = {}
+        for mode in ("free", "constrained"):
+            mine = [r for r in rows if r["case"] == name and r["mode"] == mode]
+            tokens = sum(r["tokens"] for r in mine)
+            sums[mode] = (tokens / max(sum(r["forwards"] for r in mine), 1),
+                          tokens / max(sum(r["tokens"] / r["tokens_per_second"] for r in mine), 1e-9), mine)
+        mine = sums["constrained"][2]
+        mask = sum(r["mask_us_per_token"] * r["tokens"] for r in mine) / max(sum(r["tokens"] for r in mine), 1)
+        out.append([name, f"{sums['free'][0]:.2f}", f"{sums['constrained'][0]:.2f}",
+                    f"{sums['constrained'][0] / sums['free'][0]:.2f}", f"{sums['free'][1]:.0f}",
+                    f"{sums['constrained'][1]:.0f}", f"{mask:.0f}",
+                    f"{sum(r['valid'] == 'yes' for r in mine)}/{len(mine)}"])
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = OneLineParser(prog="python -m benchmarks.constrained", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a model folder (default: the bundled demo model)")
@@ -126,6 +146,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                                  row.get("valid", "")])
         print(format_table(["case", "prompt", "mode", "tokens", "forwards", "tok/fwd", "tok/s", "mask us/tok",
                             "finish", "valid"], rows))
+        print()
+        print(format_table(["case", "tok/fwd free", "tok/fwd constrained", "ratio", "tok/s free",
+                            "tok/s constrained", "mask us/tok", "valid"], per_case(out)))
         tpf = {k: v[0] / max(v[1], 1) for k, v in totals.items()}
         summary = {"tokens_per_forward": {k: round(v, 3) for k, v in tpf.items()},
                    "tokens_per_second": {k: round(v[0] / v[2], 1) for k, v in totals.items()},

@@ -157,6 +157,21 @@ def test_json_object_and_lark_grammar(demo):
     assert finish2 == "stop" and answer in ("yes.", "no.")
 
 
+def test_one_host_sync_per_forward(demo, monkeypatch):
+    """The masks are made on the host from tokens it holds: no evaluation beyond the step's one."""
+    import mlx.core as mx
+
+    model, tokenizer = demo
+    real, evals = mx.eval, []
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(1), real(*a, **k))[1])
+    schema = {"type": "object", "properties": {"pets": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 3}}, "required": ["pets"]}
+    _, stats = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Who is Sven?"), max_tokens=48,
+                           json_schema=schema, return_stats=True)
+    assert stats.masks > 0 and stats.mask_seconds > 0
+    assert len(evals) == stats.forwards == stats.host_syncs
+
+
 def test_python_api_keywords(demo):
     model, tokenizer = demo
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -186,9 +186,11 @@ class Compiled:
     tokenizer: Any  # llguidance.LLTokenizer
     vocab: int
     eos_id: int
+    first: Any = None  # the matcher compile_constraint made to check it: the first request's
 
     def matcher(self) -> "Matcher":
-        return Matcher(self)
+        made, self.first = self.first, None
+        return Matcher(self, made)
 
 
 def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int) -> Compiled:
@@ -209,7 +211,7 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     probe = LLMatcher(lltok, grammar, log_level=0)
     if probe.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(probe.get_error())}")
-    return Compiled(constraint, grammar, lltok, vocab, eos_id)
+    return Compiled(constraint, grammar, lltok, vocab, eos_id, probe)
 
 
 def one_token(tokenizer, text: str) -> bool:
@@ -236,12 +238,12 @@ class Matcher:
     grammar forces next (a schema's fixed keys, braces, quotes).
     """
 
-    def __init__(self, compiled: Compiled):
+    def __init__(self, compiled: Compiled, made=None):
         from llguidance import LLMatcher
 
         self.compiled = compiled
         self.words = (compiled.vocab + 31) // 32
-        self.m = LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+        self.m = made if made is not None else LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
         self.eos_id = compiled.eos_id
 
     def consume(self, tokens: Sequence[int]) -> int:
@@ -260,12 +262,6 @@ class Matcher:
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here (unchanged)."""
         return int(self.m.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
-
-    def mask_now(self) -> np.ndarray:
-        """The bitmask (words,) of tokens allowed next."""
-        out = np.zeros((1, self.words), dtype=np.int32)
-        self._fill(out, 0)
-        return out[0]
 
     def masks(self, drafts: Sequence[int]) -> np.ndarray:
         """Bitmasks (len(drafts) + 1, words): allowed now, then after drafts[0],
