@@ -18,8 +18,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
 from refusion_mlx.serve.http_server import RefusionServer
-from tests.agent_server import tool_model
+from refusion_mlx.serve.tool_calls import ToolFormat
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
@@ -43,10 +44,19 @@ class Person(BaseModel):
     pet: Literal["cat", "dog", "turtle"]
 
 
+def tool_capable_model(folder):
+    """The demo model, with the tests' tool-rendering chat template while its own renders no tools."""
+    if ToolFormat.of(load_tokenizer(DEMO_MODEL)) is not None:
+        return DEMO_MODEL
+    from tests.agent_server import tool_model
+
+    return tool_model(folder)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = RefusionServer(str(tool_model(tmp_path_factory.mktemp("structured") / "m")), model_id="tiny-refusion",
-                         port=0).start()
+    srv = RefusionServer(str(tool_capable_model(tmp_path_factory.mktemp("structured") / "m")),
+                         model_id="tiny-refusion", port=0).start()
     yield srv
     srv.close()
 
