@@ -16,7 +16,6 @@ import json
 import sys
 
 import refusion_mlx as rm
-from refusion_mlx.decode.grammar import Constraint
 
 PERSON = {
     "type": "object",
@@ -42,7 +41,7 @@ def main() -> int:
     model, tokenizer = rm.load(args.model)
     prompts = [rm.chat_prompt(tokenizer, f"Describe {who} as JSON.") for who in PEOPLE]
     results = rm.batch_generate(model, tokenizer, prompts, max_tokens=args.max_tokens,
-                                constraints=[Constraint.json_schema(PERSON)] * len(prompts))
+                                constraints=[rm.Constraint.json_schema(PERSON)] * len(prompts))
     for who, r in zip(PEOPLE, results):
         if r.finish_reason == "stop":
             print(f"{who}: {json.dumps(json.loads(r.text))}")
