@@ -26,7 +26,7 @@ from refusion_mlx.errors import DecodeError
 
 PROMPTS = ["Who is Sven?", "Describe Dara as JSON.", "What is 2+2?", "Tell me about Quinn.", "x"]
 KEYS = ["name", "age", "city", "pet", "tags", "ok", "id", "note"]
-FAST = settings(max_examples=20, deadline=None, derandomize=True, database=None,
+FAST = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
@@ -121,7 +121,7 @@ def test_every_answer_parses_and_validates(demo, schema, prompt, temperature):
     check_valid(text, finish, schema)
 
 
-@settings(FAST, max_examples=6)
+@settings(FAST, max_examples=4)
 @given(schemas=st.lists(SCHEMAS, min_size=2, max_size=3), prompt=st.sampled_from(PROMPTS))
 def test_batched_with_unconstrained_requests(demo, schemas, prompt):
     model, tokenizer = demo
