@@ -192,3 +192,18 @@ def test_a_schema_the_engine_cannot_take_is_one_clear_error(schema, message):
     with pytest.raises(DecodeError, match=message) as e:
         Constraint.json_schema(schema, "response_format")
     assert str(e.value).startswith("response_format: ") and "\n" not in str(e.value)
+
+
+def test_a_format_the_engine_does_not_know_only_annotates(demo):
+    """pydantic writes formats such as "binary": dropped (JSON Schema formats annotate); known ones kept."""
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"b": {"type": "string", "format": "binary", "maxLength": 3},
+                                               "format": {"enum": ["x"]},
+                                               "day": {"type": "string", "format": "date"}},
+              "required": ["b", "format", "day"], "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    assert '"binary"' not in c.source and '"date"' in c.source and '"format": {"enum"' in c.source
+    ((text, _, finish),) = decode_all(model, tokenizer, [("Who is Sven?", c, make_params(max_tokens=64))])
+    check_valid(text, finish, schema)
+    assert jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).is_valid(
+        json.loads(text))  # the date is a date

@@ -20,6 +20,7 @@ decoding does. No JSON parsing or schema translation is done here.
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -55,7 +56,15 @@ class Constraint:
         if isinstance(schema, bool) or not isinstance(schema, dict):
             raise DecodeError(f"{name}: a JSON Schema must be an object, got {type(schema).__name__}")
         check_schema(schema, name)
-        return cls("json_schema", json.dumps(schema), name).checked()
+        for _ in range(16):  # a format the engine does not know is dropped: JSON Schema's formats annotate
+            try:
+                return cls("json_schema", json.dumps(schema), name).checked()
+            except DecodeError as e:
+                unknown = UNKNOWN_FORMAT.search(str(e))
+                if unknown is None:
+                    raise
+                schema = without_format(schema, unknown.group(1))
+        raise DecodeError(f"{name}: cannot be compiled: too many unknown formats")
 
     @classmethod
     def json_object(cls, name: str = "json_object") -> "Constraint":
@@ -126,6 +135,28 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
     calls = 'call ("\\n" call)*' if spec["parallel"] else "call"
     return (f"start: {calls}\ncall: {marker(spec['start'])} \"\\n\" body \"\\n\" {marker(spec['end'])}\n"
             f"body: %json {json.dumps(body)}\n")
+
+
+UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)$")
+NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_format(schema: Any, fmt: str) -> Any:
+    """``schema`` without ``"format": fmt`` anywhere (a format only annotates
+    unless a validator is told to assert it: the instances stay valid)."""
+    if isinstance(schema, list):
+        return [without_format(s, fmt) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "format" and value == fmt:
+            continue
+        if key in NAME_MAPS and isinstance(value, dict):  # names to schemas: a key here is a name
+            out[key] = {k: without_format(v, fmt) for k, v in value.items()}
+        else:
+            out[key] = without_format(value, fmt)
+    return out
 
 
 def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
