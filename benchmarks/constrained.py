@@ -10,6 +10,14 @@ compares constrained with unconstrained tokens per forward (target: >= 0.80).
 
     python -m benchmarks.constrained                       # the bundled demo model
     python -m benchmarks.constrained --model PATH --max-tokens 256 --json out.json
+    python -m benchmarks.constrained --variant no-forced   # what each part of the mode gives
+
+``--variant`` takes a part of the constrained mode out, to measure it:
+``no-forced`` (tokens the grammar forces are not filled ahead: each costs
+its own verification), ``no-drafts`` (no planned drafts verified: one
+token per pass plus forced ones, a left-to-right decoder that infills
+forced tokens), ``no-slot-rule`` (the bonus token always from the row
+before it, across slot boundaries too, against REFUSION.md §1's convention).
 
 The cases: a permissive grammar (any text without angle brackets: the mode's
 own cost, the model's own text allowed), JSON Schemas (flat, nested, enums
@@ -27,6 +35,7 @@ from typing import List, Optional
 
 from refusion_mlx.bench.report import format_table
 from refusion_mlx.cli import OneLineParser, run
+from refusion_mlx.decode import constrain
 from refusion_mlx.decode.batch import BatchGenerator
 from refusion_mlx.decode.grammar import Constraint
 from refusion_mlx.decode.params import make_params
@@ -106,12 +115,43 @@ def per_case(rows: List[dict]) -> List[list]:
     return out
 
 
+def apply_variant(variant: str) -> None:
+    """Take a part of the constrained mode out (for measuring it only)."""
+    if variant == "no-forced":
+        class NoForcing:
+            def __init__(self, matcher):
+                self.matcher = matcher
+
+            def __getattr__(self, name):
+                return getattr(self.matcher, name)
+
+            def forced(self):
+                return []
+
+        real_after = constrain.after
+
+        def after(state, decided, first, end):
+            real, state.matcher = state.matcher, NoForcing(state.matcher)
+            try:
+                return real_after(state, decided, first, end)
+            finally:
+                state.matcher = real
+        constrain.after = after
+    elif variant == "no-drafts":
+        constrain.select = lambda *args, **kwargs: []
+    elif variant == "no-slot-rule":
+        constrain.slot_start = lambda q, response_start, S: False
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = OneLineParser(prog="python -m benchmarks.constrained", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a model folder (default: the bundled demo model)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--json", metavar="OUT", help="write the rows to this JSON file")
+    parser.add_argument("--variant", choices=["full", "no-forced", "no-drafts", "no-slot-rule"], default="full",
+                        help="take a part of the constrained mode out, to measure it (default: the mode as is)")
     args = parser.parse_args(argv)
+    apply_variant(args.variant)
 
     def body():
         model, tokenizer = load(args.model)
@@ -150,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(format_table(["case", "tok/fwd free", "tok/fwd constrained", "ratio", "tok/s free",
                             "tok/s constrained", "mask us/tok", "valid"], per_case(out)))
         tpf = {k: v[0] / max(v[1], 1) for k, v in totals.items()}
-        summary = {"tokens_per_forward": {k: round(v, 3) for k, v in tpf.items()},
+        summary = {"variant": args.variant, "tokens_per_forward": {k: round(v, 3) for k, v in tpf.items()},
                    "tokens_per_second": {k: round(v[0] / v[2], 1) for k, v in totals.items()},
                    "constrained_over_free_tokens_per_forward": round(tpf["constrained"] / tpf["free"], 3),
                    "mask_us_per_token": round(1e6 * mask[0] / max(mask[1], 1), 1),
