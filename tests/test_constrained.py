@@ -207,3 +207,31 @@ def test_a_format_the_engine_does_not_know_only_annotates(demo):
     check_valid(text, finish, schema)
     assert jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).is_valid(
         json.loads(text))  # the date is a date
+
+
+def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
+    """Strict tools, tool_choice auto: text, then maybe calls whose arguments follow the schema -- where the
+    call markers are tokens of their own (Qwen3's); a tokenizer that spells them as text gets no constraint."""
+    from transformers import PreTrainedTokenizerFast
+
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.models.loading import DEMO_MODEL
+
+    model, tokenizer = demo
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "required": ["a"], "additionalProperties": False}}
+    c = Constraint.tool_calls([add], "<tool_call>", "</tool_call>", optional=True)
+    assert compile_constraint(c, tokenizer, model.args.vocab_size, tokenizer.eos_token_id) is None
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_MODEL / "tokenizer.json"), eos_token="<|im_end|>")
+    hf.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    start, end, eos = hf.convert_tokens_to_ids("<tool_call>"), hf.convert_tokens_to_ids("</tool_call>"), hf.eos_token_id
+    compiled = compile_constraint(c, hf, len(hf), eos)
+
+    def allowed(*parts):
+        ids = [t for p in parts for t in ([p] if isinstance(p, int) else hf.encode(p, add_special_tokens=False))]
+        return compiled.matcher().valid_prefix(ids + [eos]) == len(ids) + 1
+
+    assert allowed("Sven is a baker.") and allowed("")
+    assert allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": 2}}\n', end)
+    assert not allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": "two"}}\n', end)
+    assert not allowed(start, '\n{"name": "sub", "arguments": {"a": 2}}\n', end)

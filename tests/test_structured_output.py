@@ -113,6 +113,14 @@ def test_forced_tool_calls(oai):
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def test_strict_tools_under_auto(oai):
+    """Strict tools with tool_choice auto: constrained only where the call markers are tokens of their own
+    (tests/test_constrained.py); this model spells them as text, so the answer is the unconstrained one."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    answer = ask(oai, "Who is Sven?", tools=strict, max_tokens=24).choices[0].message
+    assert answer == ask(oai, "Who is Sven?", tools=TOOLS, max_tokens=24).choices[0].message
+
+
 def test_responses_text_format(oai):
     r = oai.responses.create(model="tiny-refusion", input="Who is Sven?", max_output_tokens=96,
                              text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})

@@ -78,13 +78,17 @@ class Constraint:
 
     @classmethod
     def tool_calls(cls, tools: Sequence[Dict[str, Any]], start: str, end: str, parallel: bool = True,
-                   name: str = "tool_choice") -> "Constraint":
+                   name: str = "tool_choice", optional: bool = False) -> "Constraint":
         """A forced call: ``start``, a newline, ``{"name": ..., "arguments": ...}``
         with one of ``tools``' names (``{"name", "parameters"}``; the arguments
         valid under that tool's ``parameters`` schema), a newline, ``end`` --
-        Qwen3's call format; several, one per line, when ``parallel``."""
+        Qwen3's call format; several, one per line, when ``parallel``.
+        ``optional`` (strict tools a model may call): text, then maybe the
+        calls; only where the markers are tokens of their own, which text
+        cannot spell (elsewhere it compiles to no constraint)."""
         spec = {"tools": [{"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
-                          for t in tools], "start": start, "end": end, "parallel": bool(parallel)}
+                          for t in tools], "start": start, "end": end, "parallel": bool(parallel),
+                "optional": bool(optional)}
         if not spec["tools"]:
             raise DecodeError(f"{name}: forcing a call needs at least one tool")
         return cls("tool_calls", json.dumps(spec), name).checked()
@@ -133,6 +137,8 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
             json.dumps(text)
 
     calls = 'call ("\\n" call)*' if spec["parallel"] else "call"
+    if spec.get("optional"):  # text (which cannot hold a marker token), then maybe the calls
+        calls = f"TEXT? ({calls})?\nTEXT: /(?s:.+)/"
     return (f"start: {calls}\ncall: {marker(spec['start'])} \"\\n\" body \"\\n\" {marker(spec['end'])}\n"
             f"body: %json {json.dumps(body)}\n")
 
@@ -188,13 +194,19 @@ def check_schema(schema: Dict[str, Any], name: str) -> None:
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer: mlx-lm's wrapper holds it, or it is one."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    return inner if hasattr(inner, "convert_tokens_to_ids") else tokenizer
+
+
 def ll_tokenizer(tokenizer, vocab: int, eos_id: int):
     """llguidance's view of a Hugging Face fast tokenizer (mlx-lm's wrapper or the
     tokenizer itself) over the model's ``vocab`` rows; built once per tokenizer
     (about a second at 151,671 tokens)."""
     import llguidance.hf
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     key = (vocab, eos_id)
     try:
         cached = _TOKENIZERS.setdefault(hf, {})
@@ -224,11 +236,16 @@ class Compiled:
         return Matcher(self, made)
 
 
-def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int) -> Compiled:
+def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int) -> Optional[Compiled]:
     """Compile ``constraint`` for ``tokenizer``; a schema or grammar the engine
-    refuses is one ``DecodeError`` naming it."""
+    refuses is one ``DecodeError`` naming it. None: nothing to constrain
+    (optional calls whose markers this tokenizer spells as text)."""
     from llguidance import LLMatcher
 
+    if constraint.kind == "tool_calls":
+        spec = json.loads(constraint.source)
+        if spec.get("optional") and not (one_token(tokenizer, spec["start"]) and one_token(tokenizer, spec["end"])):
+            return None  # text could spell a marker and skip the grammar: nothing to guarantee, no constraint
     lltok = ll_tokenizer(tokenizer, vocab, eos_id)
     try:
         grammar = constraint.grammar(lambda text: one_token(tokenizer, text))
@@ -247,7 +264,7 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
 
 def one_token(tokenizer, text: str) -> bool:
     """Whether ``text`` is one token of the tokenizer's own vocabulary."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     try:
         i = hf.convert_tokens_to_ids(text)
         return isinstance(i, int) and i != getattr(hf, "unk_token_id", None) and hf.convert_ids_to_tokens(i) == text

@@ -28,7 +28,7 @@ from .response_store import ResponseStore
 from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
 from .schemas import _invalid as _not_input
-from .structured import forced_calls, response_format
+from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -184,8 +184,8 @@ def responses_request(body, store: ResponseStore, tokenize, *, defaults, context
     ids = prompt_ids(ChatPrompt(system + conversation, tools), tokenize, vocab_size, "input")
     options = body.stream_options
     parallel = body.parallel_tool_calls is not False
-    constraint = forced_calls(tools, body.tool_choice, parallel) or response_format(
-        (body.text or {}).get("format"), "text.format", nested=False)
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
+                                    response_format((body.text or {}).get("format"), "text.format", nested=False))
     request = resolve(ids, max_tokens=body.max_output_tokens, fields=decoding_fields(body), defaults=defaults,
                       context=context, prompt_param="input", max_tokens_param="max_output_tokens", tools=tools,
                       include_commits=bool(body.stream and options and options.include_commits),

@@ -22,7 +22,7 @@ from pydantic_core import PydanticCustomError
 from ..decode.params import FIELDS, RefusionParams
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .refusal import Reason, Refusal
-from .structured import forced_calls, response_format
+from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
 
 MAX_STOP = 16
@@ -255,8 +255,8 @@ def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]],
     source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt
     ids = prompt_ids(source, tokenize, vocab_size, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
-    constraint = (forced_calls(tools, body.tool_choice, parallel) or response_format(body.response_format,
-                  "response_format")) if kind == "chat" else None
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
+        body.response_format, "response_format")) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     options = body.stream_options
     return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,

@@ -10,7 +10,10 @@
   ``{"type": "tool", "name"}``: the answer is one call (several, one per
   line, when parallel calls are allowed) in Qwen3's format,
   ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, the
-  arguments valid under the tool's ``parameters``.
+  arguments valid under the tool's ``parameters``; with ``strict`` tools
+  under "auto", text and then maybe such calls;
+* :func:`request_constraint` -- which one a request gets: a forced call, else
+  its format, else strict tools' calls.
 
 A schema the engine cannot compile is a :class:`~.refusal.Refusal` naming
 the field: a 400 in the API's own error shape.
@@ -53,21 +56,27 @@ def response_format(value: Any, param: str, nested: bool = True) -> Optional[Con
     return _checked(lambda: Constraint.json_schema(schema, f"{where}.schema"), f"{where}.schema")
 
 
-def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str = "tool_choice") -> Optional[Constraint]:
-    """The constraint of a forced call, or None when ``choice`` forces none.
+def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str = "tool_choice",
+                 strict: bool = False) -> Optional[Constraint]:
+    """The constraint of a forced call, or None when ``choice`` forces none
+    (unless ``strict``: OpenAI's ``strict: true`` on a tool, with "auto", makes
+    the answer text and maybe calls whose arguments follow their schemas).
 
     ``tools``: the request's tools in the template's form (checked, named);
     ``choice``: the API's raw tool_choice -- "required", ``{"type":
     "function", "function": {"name"}}``, ``{"type": "function", "name"}``,
-    ``{"type": "any"}``, ``{"type": "tool", "name"}`` force; anything else not."""
-    name = None
+    ``{"type": "any"}``, ``{"type": "tool", "name"}`` force; "auto", ``{"type":
+    "auto"}`` or none do not."""
+    name, auto = None, choice in (None, "auto")
     if isinstance(choice, dict):
         kind = choice.get("type")
+        auto = kind == "auto"
         if kind == "any":
             choice = "required"
         elif kind in ("function", "tool"):
             name = choice.get("name") or (choice.get("function") or {}).get("name")
-    if choice != "required" and name is None:
+    optional = choice != "required" and name is None
+    if optional and not (auto and strict and tools):
         return None
     functions = [t["function"] for t in tools]
     if name is not None:
@@ -75,8 +84,25 @@ def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str 
     if not functions:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: forcing a call needs the request's tools", param)
     spec = [{"name": f["name"], "parameters": f.get("parameters")} for f in functions]
-    return _checked(lambda: Constraint.tool_calls(spec, CALL_START, CALL_END, parallel and name is None, param),
-                    "tools")
+    return _checked(lambda: Constraint.tool_calls(spec, CALL_START, CALL_END, parallel and name is None, param,
+                                                  optional), "tools")
+
+
+def request_constraint(tools: Sequence[dict], choice: Any, parallel: bool, strict: bool,
+                       shape: Optional[Constraint]) -> Optional[Constraint]:
+    """What a request's answer is decoded under: a forced call, else the
+    answer's format (``shape``: ``response_format``, ``text.format``), else
+    strict tools' optional calls, else nothing."""
+    return forced_calls(tools, choice, parallel) or shape or forced_calls(tools, choice, parallel, strict=strict)
+
+
+def any_strict(tools: Any, nested: bool = True) -> bool:
+    """Whether a request's raw tools (OpenAI's, ``function`` nested or flat) mark any ``strict``."""
+    found = False
+    for t in tools or ():
+        spec = t.get("function") if nested and isinstance(t, dict) else t
+        found |= isinstance(spec, dict) and spec.get("strict") is True
+    return found
 
 
 def _checked(make, param: str) -> Constraint:
