@@ -7,10 +7,12 @@ grammars (``%json {...}`` embeds a schema) against the model's tokenizer, and
 its matcher gives, for the text decided so far in *position order*, the bitmask
 of tokens allowed next, the tokens the grammar forces, and rollback -- what the
 constrained mode (``constrain.py``) needs to check drafts like speculative
-decoding does. No JSON parsing or schema translation is done here.
+decoding does. No JSON parsing or schema-to-grammar translation is done
+here (only ``format`` annotations the engine does not know are dropped).
 
 * :class:`Constraint` -- the request's constraint as given: a JSON Schema, any
-  JSON object, or a grammar in llguidance's Lark format;
+  JSON object, a grammar in llguidance's Lark format, or tool calls in
+  Qwen3's format (forced, or optional for strict tools);
 * :func:`compile_constraint` -- checked and compiled against a tokenizer (a
   schema or grammar the engine refuses is one ``DecodeError``);
 * :class:`Matcher` -- one request's matcher: decided tokens in, masks out.
