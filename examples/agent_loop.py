@@ -23,6 +23,7 @@ import argparse
 import ast
 import json
 import operator
+import os
 import sys
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4, help="most model calls (default 4)")
     args = parser.parse_args()
     people = json.loads(args.people.read_text()) if args.people else PEOPLE
-    client = openai.OpenAI(base_url=args.base_url, api_key="not-needed", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("REFUSION_MLX_API_KEY", "not-needed"), max_retries=0, timeout=120)
     try:
         model = client.models.list().data[0].id
         loop = chat_loop if args.api == "chat" else responses_loop

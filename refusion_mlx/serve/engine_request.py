@@ -34,9 +34,13 @@ class EngineRequest:
     view: ``stream_options.include_commits``), the ``tools`` (in the chat
     template's form) whose calls the answer is read for (none: its text is
     only text), whether it may make several (``parallel_tool_calls``; no:
-    it ends after the first), the ``api`` that asked (``/metrics``), and the
-    ``constraint`` its answer is decoded under (structured output, a forced
-    call: :mod:`.structured`; None: unconstrained)."""
+    it ends after the first), the ``api`` that asked (``/metrics``),
+    whose prompt-cache entries it may continue and leave (``cache_owner``:
+    a hash of its API key and ``user``, set at the edge by
+    ``Answering.answer``; "" is everyone's, None: it neither reads nor
+    leaves any), and the ``constraint`` its answer is decoded under
+    (structured output, a forced call: :mod:`.structured`; None:
+    unconstrained)."""
 
     prompt_ids: List[int]
     params: RefusionParams
@@ -45,6 +49,7 @@ class EngineRequest:
     tools: Tuple[dict, ...] = ()
     parallel_tool_calls: bool = True
     api: str = "chat.completions"
+    cache_owner: Optional[str] = ""
     constraint: Optional[Constraint] = None
 
     @property
@@ -126,4 +131,4 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
                       f"{budget} in whole slots) exceeds the model's context of {context}", name)
     return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
-                         constraint)
+                         constraint=constraint)
