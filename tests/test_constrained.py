@@ -176,8 +176,10 @@ def test_python_api_keywords(demo):
     model, tokenizer = demo
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    text = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Who is Sven?"), max_tokens=16, json_schema=schema)
-    jsonschema.validate(json.loads(text), schema)
+    for kv_bits in (None, 4):  # a quantized KV cache too
+        text = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Who is Sven?"), max_tokens=16,
+                           json_schema=schema, kv_bits=kv_bits)
+        jsonschema.validate(json.loads(text), schema)
     with pytest.raises(DecodeError, match="one of json_schema, grammar"):
         rm.generate(model, tokenizer, "x", json_schema=schema, grammar='start: "a"')
 
