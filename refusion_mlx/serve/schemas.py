@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 from ..decode.params import FIELDS, RefusionParams
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .refusal import Reason, Refusal
+from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
 
 MAX_STOP = 16
@@ -43,14 +44,17 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
 PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
 
 
-def refuse_unsupported(body):
+def refuse_unsupported(body, taken=()):
     """Before validation: a field of PROCESS_SETTINGS, or the first field of
-    HARMLESS holding another value, is refused (its name in ctx)."""
+    HARMLESS holding another value, is refused (its name in ctx), but for the
+    fields the body ``taken``."""
     for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
         if name in body:
             raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
                                       "not per request", {"field": name, "flag": flag})
     for name, values in HARMLESS.items() if isinstance(body, dict) else ():
+        if name in taken:
+            continue
         value = body.get(name)
         if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
             why = "not supported by this server"
@@ -151,9 +155,14 @@ class ChatCompletionRequest(_Body):
     tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", '
                                                   '"function": {"name", "description", "parameters"}}')
     tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = Field(
-        None, description='"auto" (the default with tools), "none"; "required" and a named function are refused '
-                          "until constrained decoding can force a call")
+        None, description='"auto" (the default with tools), "none", "required" or {"type": "function", "function": '
+                          '{"name": ...}}: a forced call is decoded under its tools\' parameters schemas')
     parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
+    response_format: Optional[Dict[str, Any]] = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
+
+    _refuse = model_validator(mode="before")(lambda body: refuse_unsupported(body, ("response_format",)))
 
 
 def refuse_tools(body):
@@ -259,10 +268,13 @@ def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]],
     tools = chat_tools(body, takes_tools) if kind == "chat" else ()
     source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt
     ids = prompt_ids(source, tokenize, vocab_size, param)
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
+        body.response_format, "response_format")) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     options = body.stream_options
     return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
                    include_commits=bool(body.stream and options and options.include_commits), tools=tools,
-                   parallel_tool_calls=getattr(body, "parallel_tool_calls", None) is not False,
-                   api="chat.completions" if kind == "chat" else "completions")
+                   parallel_tool_calls=parallel, api="chat.completions" if kind == "chat" else "completions",
+                   constraint=constraint)
