@@ -66,7 +66,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import refusion_mlx  # noqa: E402  (before mlx.core: optimized BLAS on Linux)
+import tool_data  # noqa: E402
 from build_data import build, build_counting  # noqa: E402
+from grow_vocab import grow  # noqa: E402
 from refusion_mlx.convert.fusion import fuse  # noqa: E402
 from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
@@ -90,6 +92,7 @@ class Stage:
     learning_rate: float
     seed: int
     options: Dict = field(default_factory=dict)  # trainer options beyond retrain.yaml
+    replay: bool = False  # the data function also wrote rows to replay into data/replay (--replay-data)
 
 
 def mix(seed: int, conversations: int, counting: int = 3000, focused: int = 0,
@@ -125,6 +128,27 @@ COUNTS: List[Stage] = [
 ]
 
 
+
+
+def tools(seed: int, **sizes) -> Callable[[Path, Path], dict]:
+    """Tool and JSON rows (tool_data.build), and the rows to replay: the mix,
+    counting rows and conversations as phase 2 trained on (build_data.build)."""
+    def data(tasks: Path, out: Path) -> dict:
+        made = tool_data.build(tasks, out, seed=seed, **sizes)
+        made["replay"] = build(tasks, out / "replay", seed=seed, n_conversations=12000)
+        return made
+    return data
+
+
+# phase 3's trainer options: phase 2's drafting examples, the tool tokens'
+# new rows trained, the old rows replayed one for one; batches of one length
+# (a batch dealt at random pads a 90-token row to the 900 tokens of a row with tools)
+TOOLING = dict(draft_fraction=1.0, draft_run=16, train_embeddings=True, replay_ratio=1.0, max_seq_length=1024)
+TOOLS: List[Stage] = [
+    Stage("stage11", tools(11), 600, 2e-4, 11, TOOLING, replay=True),
+]
+
+
 def run_stages(stages: List[Stage], model: Path, tasks: Path, work: Path) -> Path:
     """Train ``stages`` in order on ``model``; the last stage's adapter folder.
 
@@ -139,9 +163,10 @@ def run_stages(stages: List[Stage], model: Path, tasks: Path, work: Path) -> Pat
             resume = str(adapters / "adapters.safetensors")
             continue
         print(stage.data(tasks, data))
+        options = dict(stage.options, replay_data=str(data / "replay")) if stage.replay else stage.options
         fine_tune(config=str(RECIPE), model=str(model), data=str(data), adapter_path=str(adapters),
                   iters=stage.steps, seed=stage.seed, learning_rate=stage.learning_rate,
-                  resume_adapter_file=resume, **stage.options)
+                  resume_adapter_file=resume, **options)
         resume = str(adapters / "adapters.safetensors")
     return adapters
 
@@ -151,25 +176,42 @@ def main() -> int:
     ap.add_argument("--tasks", required=True, help="the shared task mix (train.jsonl, valid.jsonl)")
     ap.add_argument("--work", default="demo-retrain", help="folder for data, checkpoints and the fused models")
     ap.add_argument("--conversing", help="skip phase 1: this fused phase-1 model starts phase 2")
+    ap.add_argument("--counting", help="skip phases 1 and 2: this fused phase-2 model (vocabulary 806, such as "
+                                       "the demo before phase 3) starts phase 3")
     ap.add_argument("--install", action="store_true", help="replace the bundled demo's model.safetensors")
     args = ap.parse_args()
     work, tasks = Path(args.work), Path(args.tasks)
-    if args.conversing:
-        conversing = Path(args.conversing)
+    if args.counting:
+        counting = Path(args.counting)
     else:
-        conversing = fuse(ORIGINAL, run_stages(CONVERSING, ORIGINAL, tasks, work), work / "conversing",
-                          dtype="bfloat16", force=True)
-    fused = fuse(conversing, run_stages(COUNTS, conversing, tasks, work), work / "fused",
-                 dtype="bfloat16", force=True)
+        if args.conversing:
+            conversing = Path(args.conversing)
+        else:
+            conversing = fuse(ORIGINAL, run_stages(CONVERSING, ORIGINAL, tasks, work), work / "conversing",
+                              dtype="bfloat16", force=True)
+        counting = fuse(conversing, run_stages(COUNTS, conversing, tasks, work), work / "counting",
+                        dtype="bfloat16", force=True)
+    grown = grow(counting, work / "grown", DEMO_MODEL)
+    fused = fuse(grown, run_stages(TOOLS, grown, tasks, work), work / "fused", dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
     if args.install:  # one bfloat16 file, as the demo has always been stored
-        import mlx.core as mx
-
-        weights = mx.load(str(fused / "model.safetensors"))
-        mx.save_safetensors(str(DEMO_MODEL / "model.safetensors"),
-                            {k: v.astype(mx.bfloat16) for k, v in weights.items()}, metadata={"format": "pt"})
+        install(fused)
         print(f"installed into {DEMO_MODEL}")
     return 0
+
+
+def install(fused: Path) -> None:
+    """The fused model's weights (bfloat16) and vocabulary size into the bundled demo."""
+    import json
+
+    import mlx.core as mx
+
+    weights = mx.load(str(fused / "model.safetensors"))
+    mx.save_safetensors(str(DEMO_MODEL / "model.safetensors"),
+                        {k: v.astype(mx.bfloat16) for k, v in weights.items()}, metadata={"format": "pt"})
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    config["vocab_size"] = json.loads((fused / "config.json").read_text())["vocab_size"]
+    (DEMO_MODEL / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 if __name__ == "__main__":
