@@ -35,14 +35,22 @@ from .speed_common import MODES, base_parser, check_json_path, decode, load_mode
 # Python builtins to cProfile: an op call's time counts as its caller's own
 # time, so "model Python" includes building the model's lazy graph. mx.eval
 # is wrapped (see ``timed_eval``) so that waiting for MLX gets its own entry.
+# The model's Python: the package's models/ (the families, causal_lm.py, the
+# joined projections, RoPE, the CPU paths' ops) and the runner that drives a
+# decode pass through them, MLX's nn layers and mlx-lm's models (the AR side).
+MODEL_FILES = ("refusion_mlx/models/", "refusion_mlx/decode/runner.py", "/mlx/nn/", "/mlx_lm/models")
 BUCKETS = (
     ("mx.eval (compute + wait)", lambda f, n: n == "mlx_eval"),
     ("numpy conversion", lambda f, n: n in ("<built-in method numpy.array>", "<built-in method numpy.asarray>")),
-    ("model Python + graph building", lambda f, n: "models/qwen3" in f or "/mlx/nn/" in f
-     or "/mlx_lm/models" in f),
-    ("cache Python (cache.py)", lambda f, n: f.endswith("cache.py")),
+    ("model Python + graph building", lambda f, n: any(m in f.replace("\\", "/") for m in MODEL_FILES)),
+    ("cache Python (cache.py, kv_store.py)", lambda f, n: f.endswith(("cache.py", "kv_store.py"))),
     ("decoder Python (decoder.py)", lambda f, n: f.endswith("decoder.py")),
 )
+
+
+def bucket_of(file: str, name: str) -> str:
+    """The bucket a profiled function's own time counts in."""
+    return next((bucket for bucket, test in BUCKETS if test(file, name)), "other Python")
 
 
 @contextmanager
@@ -65,13 +73,7 @@ def bucket_times(stats: pstats.Stats) -> Dict[str, float]:
     out = {name: 0.0 for name, _ in BUCKETS}
     out["other Python"] = 0.0
     for (file, _line, func), (_cc, _nc, tt, _ct, _callers) in stats.stats.items():
-        name = func if file == "~" else func
-        for bucket, test in BUCKETS:
-            if test(file, name):
-                out[bucket] += tt
-                break
-        else:
-            out["other Python"] += tt
+        out[bucket_of(file, func)] += tt
     return out
 
 

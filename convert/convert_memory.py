@@ -1,6 +1,6 @@
 """Peak resident memory of ``python -m refusion_mlx.convert`` against checkpoint size.
 
-    python -m convert.convert_memory --layout 1.7b --format sharded-safetensors
+    python -m convert.convert_memory --shape 1.7b --format sharded-safetensors
     python -m convert.convert_memory --hf-path SRC --run "-q --q-bits 4"
 
 Generates a random checkpoint (or takes ``--hf-path``), converts it once per
@@ -67,7 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m convert.convert_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, help="an existing checkpoint (default: generate one)")
-    parser.add_argument("--layout", default="1.7b", help="layout of the generated checkpoint")
+    parser.add_argument("--shape", "--layout", dest="shape", default="1.7b",
+                        help="shape of the generated checkpoint (--layout: its old name)")
     parser.add_argument("--format", dest="fmt", default="sharded-safetensors")
     parser.add_argument("--layers", type=int, help="override the layer count")
     parser.add_argument("--untied", action="store_true", help="an lm_head of its own (0.6B: 1.5 GB instead of 1.2)")
@@ -85,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.untied:
                 overrides["tie_word_embeddings"] = False
             t = time.perf_counter()
-            src = make_checkpoint(work / f"{args.layout}-{args.fmt}", args.layout, args.fmt, **overrides)
+            src = make_checkpoint(work / f"{args.shape}-{args.fmt}", args.shape, args.fmt, **overrides)
             print(f"generated {src} in {time.perf_counter() - t:.0f}s")
         size = weights_size(src)
         from refusion_mlx.models.loading import DEMO_MODEL

@@ -1,8 +1,8 @@
 """Random ReFusion checkpoints of real shapes, in every input format the converter reads.
 
-    python -m convert.make_checkpoint OUT --layout 0.6b --format sharded-bin
+    python -m convert.make_checkpoint OUT --shape 0.6b --format sharded-bin
 
-Layouts are Qwen3's (0.6B, 1.7B, 8B) with ReFusion's resized vocabulary
+Shapes are Qwen3's (0.6B, 1.7B, 8B) with ReFusion's resized vocabulary
 (151671 rows, ``mask_token_id`` 151670), or ``tiny`` for tests. Weights are
 random bf16, written shard by shard (memory stays near one shard), named and
 ordered as Hugging Face's ``save_pretrained`` writes them. The tokenizer is the
@@ -29,7 +29,7 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json"]
 REFUSION_VOCAB, REFUSION_MASK = 151671, 151670
 
-LAYOUTS: Dict[str, dict] = {
+SHAPES: Dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, vocab_size=1024, tie_word_embeddings=False,
                  max_position_embeddings=2048, rope_theta=10000.0),
@@ -43,7 +43,7 @@ LAYOUTS: Dict[str, dict] = {
 FORMATS = ["safetensors", "sharded-safetensors", "bin", "sharded-bin"]
 
 
-def make_config(layout: str = "tiny", **overrides) -> dict:
+def make_config(shape: str = "tiny", **overrides) -> dict:
     """A Qwen3 config.json as transformers writes it, with ReFusion's mask id."""
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
@@ -53,9 +53,9 @@ def make_config(layout: str = "tiny", **overrides) -> dict:
         "sliding_window": None, "use_cache": True, "use_sliding_window": False,
         "torch_dtype": "bfloat16", "vocab_size": REFUSION_VOCAB, "mask_token_id": REFUSION_MASK,
     }
-    config.update(LAYOUTS[layout])
+    config.update(SHAPES[shape])
     config.update(overrides)
-    if layout == "tiny" and "mask_token_id" not in overrides:
+    if shape == "tiny" and "mask_token_id" not in overrides:
         config["mask_token_id"] = config["vocab_size"] - 1
     return {k: v for k, v in config.items() if v is not None or k in ("rope_scaling", "sliding_window")}
 
@@ -123,7 +123,7 @@ def write_shard(path: Path, tensors: Dict[str, torch.Tensor], fmt: str) -> None:
         save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def make_checkpoint(out: Path, layout: str = "tiny", fmt: str = "safetensors", shards: int = 3,
+def make_checkpoint(out: Path, shape: str = "tiny", fmt: str = "safetensors", shards: int = 3,
                     seed: int = 0, dtype: str = "bfloat16", copy_tokenizer: bool = True,
                     **overrides) -> Path:
     """Write config, tokenizer and random weights to ``out``; return ``out``."""
@@ -131,7 +131,7 @@ def make_checkpoint(out: Path, layout: str = "tiny", fmt: str = "safetensors", s
         raise ValueError(f"format must be one of {FORMATS}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(layout, torch_dtype=dtype, **overrides)
+    config = make_config(shape, torch_dtype=dtype, **overrides)
     torch_dtype = getattr(torch, dtype)
     shapes = tensor_shapes(config)
     sharded = fmt.startswith("sharded")
@@ -160,7 +160,8 @@ def make_checkpoint(out: Path, layout: str = "tiny", fmt: str = "safetensors", s
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m convert.make_checkpoint", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder to write (created)")
-    parser.add_argument("--layout", choices=list(LAYOUTS), default="0.6b")
+    parser.add_argument("--shape", "--layout", dest="shape", choices=list(SHAPES), default="0.6b",
+                        help="model shape (--layout: its old name)")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, default="sharded-safetensors")
     parser.add_argument("--shards", type=int, default=3, help="shard count of the sharded formats")
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (smaller 8B-wide models)")
@@ -181,9 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         overrides["mask_token_id"] = None if args.mask_token_id < 0 else args.mask_token_id
     if args.tie is not None:
         overrides["tie_word_embeddings"] = args.tie
-    out = make_checkpoint(args.out, args.layout, args.fmt, args.shards, args.seed, args.dtype, **overrides)
+    out = make_checkpoint(args.out, args.shape, args.fmt, args.shards, args.seed, args.dtype, **overrides)
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".bin", ".safetensors"))
-    print(f"{out}: {args.layout} layout, {args.fmt}, {size / 1e9:.3f} GB of weights")
+    print(f"{out}: {args.shape} shape, {args.fmt}, {size / 1e9:.3f} GB of weights")
     return 0
 
 

@@ -218,7 +218,7 @@ def fit_rows(rows: int, split: bool = False) -> Optional[int]:
     """For a small model (see ``fit_threads``): every core for a forward of
     ``WIDE_ROWS`` tokens or more, one thread below. Returns the count in
     force, or None when the thread count is not ours to set. ``split``: the
-    pass runs as row groups on their own streams (``cpu_paths.row_groups``),
+    pass runs as row groups on their own streams (``decode/runner.py: row_groups``),
     each with one thread."""
     if not _small_model:
         return None

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from .cli import OneLineParser, add_decoding_args, add_model_args
 from .cli.launch import add_distributed_args, join
-from .distributed.group import errors
+from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .serve.engine import Engine
@@ -24,7 +24,8 @@ log = logging.getLogger("refusion_mlx.server")
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.server",
-                           description="OpenAI-compatible HTTP server for a ReFusion model.")
+                           description="OpenAI- and Anthropic-compatible HTTP server for a ReFusion model "
+                                       "(chat and text completions, Responses, Messages, tool calls).")
     add_model_args(parser)  # --model, --adapter-path, --dtype
     add_distributed_args(parser)  # --pipeline (under mlx.launch)
     add_decoding_args(parser)  # server-wide defaults; requests override them
@@ -74,8 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      server.url[:-3])
             server.serve_forever()
         except RefusionError as e:
-            rank = "" if dist is None else f"rank {dist.rank}: "
-            print(f"error: {rank}{e}", file=errors())
+            say_error(str(e))
             return 1
         except KeyboardInterrupt:
             pass

@@ -58,7 +58,7 @@ def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: flo
 
 def write_checkpoint(model, folder: Path, config: dict, tokenizer_from: Path = DEMO_MODEL,
                      dtype=mx.float32) -> Path:
-    """An HF-layout folder: config.json, model.safetensors, the demo tokenizer."""
+    """An HF-format folder: config.json, model.safetensors, the demo tokenizer."""
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
@@ -107,7 +107,7 @@ def committed_cache(rows: int = 4096):
     from refusion_mlx.decode.cache import CommittedCache
     from refusion_mlx.models.base import CacheSpec
 
-    cache = CommittedCache(CacheSpec(1, 1, 1, mx.float32, range(1)), step=rows)
+    cache = CommittedCache(CacheSpec(1, 1, 1, mx.float32, range(1)), growth=rows)
     cache.reserve(rows)
     return cache
 

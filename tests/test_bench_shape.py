@@ -1,28 +1,51 @@
-"""python -m refusion_mlx.bench --shape: the demo model's forwards replayed at
-another shape (a tiny hidden one here), against mlx-lm on the same weights."""
+"""python -m refusion_mlx.bench --shape: the demo model's forwards (or
+--record-with's) and derived profiles at real checkpoints' tokens per
+forward, priced and replayed at another shape (a tiny hidden one here),
+against mlx-lm on the same weights."""
 
+import contextlib
+import io
 import json
 
 import pytest
 
 from refusion_mlx.bench.__main__ import main
-from refusion_mlx.bench.shapes import CHIPS, Costs, build_models
+from refusion_mlx.bench.forecast import CHIPS, MEASURED_ON_H100
+from refusion_mlx.bench.profiles import DEFAULT_TOKENS_PER_FORWARD, bounds, derive, requests
+from refusion_mlx.bench.shape_report import format_shape_report
+from refusion_mlx.bench.shapes import Costs, build_models
+from refusion_mlx.bench.suite import BenchError
+from refusion_mlx.decode.params import make_params
 
+FIXTURE = "tests/fixtures/tiny-refusion"
 KEYS = {"shape", "device", "paths", "refusion_tok_s", "ar_tok_s", "ratio", "tokens_per_forward",
-        "head_reads_per_step", "weight_bytes_per_token", "flops_per_token", "forecast"}
+        "head_reads_per_step", "weight_bytes_per_token", "flops_per_token", "forecast", "profiles",
+        "recorded_with", "measured_on", "forecast_for"}
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory):
+def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shape") / "shape.json"
-    assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--json", str(out)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--json", str(out)]) == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fixture_run(tmp_path_factory):
+    """The hidden fixture model records; one derived profile; nothing timed."""
+    out = tmp_path_factory.mktemp("shape") / "fixture.json"
+    assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--record-with", FIXTURE,
+                 "--tokens-per-forward", "1.5", "--forecast-only", "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
-def test_shape_report_keys_and_replay(tiny_report):
-    r = tiny_report
+def test_shape_report_keys_and_replay(tiny_run):
+    r, _ = tiny_run
     assert KEYS <= set(r)
     assert r["shape"] == "tiny" and r["paths"] and r["device"] and r["recorded_with"] == "bundled demo model"
+    assert r["measured_on"] == "cpu" and r["forecast_for"] == "Apple GPUs"
     assert r["prompts"] == 2 and r["forwards"] == r["replayed_forwards"] > 0
     assert r["forwards"] == sum(r["forwards_per_phase"].values())
     assert r["refusion_tok_s"] > 0 and r["ar_tok_s"] > 0 and r["ratio"] > 0
@@ -35,14 +58,116 @@ def test_shape_report_keys_and_replay(tiny_report):
     assert r["weight_bytes_per_token"]["refusion"] < r["weight_bytes_per_token"]["ar"]
 
 
-def test_forecast_rows_for_the_chips(tiny_report):
-    rows = tiny_report["forecast"]
-    names = [row["chip"] for row in rows]
-    for chip in ("M3 Pro", "M4 Pro", "M4 Max", "M3 Ultra"):
-        assert any(n.startswith(chip) for n in names)
-    assert len(rows) == len(CHIPS)
-    assert all(row["refusion_tok_s"] > 0 and row["ar_tok_s"] > 0 for row in rows)
-    assert "not a measurement" in tiny_report["forecast_note"]
+def test_profiles_table_spans_real_checkpoints_and_keeps_the_demo_apart(tiny_run):
+    r, text = tiny_run
+    derived = [p for p in r["profiles"] if p["source"] == "derived"]
+    recorded = [p for p in r["profiles"] if p["source"] == "recorded"]
+    assert [p["target"] for p in derived] == list(DEFAULT_TOKENS_PER_FORWARD) and not r["out_of_reach"]
+    assert len(recorded) == 1 and recorded[0]["recorded_with"] == "bundled demo model"
+    assert recorded[0]["tokens_per_forward"] == pytest.approx(r["tokens_per_forward"], abs=1e-3)
+    for p in derived:  # as close as whole forwards allow: one forward more or less
+        assert p["tokens_per_forward"] == pytest.approx(p["target"], abs=p["target"] ** 2 / p["tokens"])
+        assert p["measured"] is None  # the CPU times the recorded forwards only
+        for row in p["forecast"]:  # a forward never costs less than AR's: the ratio stays under tok/fwd
+            assert 0 < row["ratio"] <= p["tokens_per_forward"] + 1e-3
+    # fewer tokens per forward, more forwards, each the cheaper for it
+    assert [p["forwards"] for p in derived] == sorted((p["forwards"] for p in derived), reverse=True)
+    assert derived[0]["forecast"][0]["ratio"] < recorded[0]["forecast"][0]["ratio"]
+    assert r["forecast"] == recorded[0]["forecast"]  # the documented key: the recorded profile's chips
+    assert [row["chip"] for row in r["forecast"]] == [c.name for c in CHIPS]
+    assert "not a measurement" in r["forecast_note"]
+    assert [h["measured_ratio"] for h in r["h100"]] == [m for _, _, _, m, _ in MEASURED_ON_H100]
+    # the printout: the forecast labelled for Apple GPUs and as ceilings, each row's footnote, the demo's
+    # row labelled as the demo's, the CPU's measurement labelled as a CPU's
+    forecast_at = text.index("forecast for Apple GPUs, AT MOST")
+    assert text.index("measured on this CPU") > forecast_at  # the CPU: forecast first
+    assert "a CPU's timing, not an Apple GPU's" in text
+    for target in DEFAULT_TOKENS_PER_FORWARD:
+        assert f"ReFusion at {target:g} tok/forward [a]" in text
+    assert "the demo model's own, not real [b]" in text and "No real checkpoint is known" in text
+    assert "[a] derived, not recorded" in text and "[c] each forward priced" in text
+    assert "1.68x measured, 6.81x forecast" in text
+
+
+def test_recording_with_the_fixture_changes_the_forecast(tiny_run, fixture_run):
+    demo, _ = tiny_run
+    r = fixture_run
+    assert r["recorded_with"] == FIXTURE and r["measured_on"] is None
+    assert r["refusion_tok_s"] is None and r["replayed_forwards"] == 0
+    mine = [p for p in r["profiles"] if p["source"] == "recorded"][0]
+    demo_mine = [p for p in demo["profiles"] if p["source"] == "recorded"][0]
+    # another model, another confidence: other tokens per forward, and the forecast follows them
+    assert r["tokens_per_forward"] != demo["tokens_per_forward"]
+    assert mine["tokens_per_forward"] == pytest.approx(r["tokens_per_forward"], abs=1e-3)
+    assert mine["forwards"] != demo_mine["forwards"]
+    more = mine["tokens_per_forward"] > demo_mine["tokens_per_forward"]
+    for row, demo_row in zip(mine["forecast"], demo_mine["forecast"]):
+        assert (row["ratio"] > demo_row["ratio"]) == more
+        assert (row["refusion_tok_s"] > demo_row["refusion_tok_s"]) == more
+        assert row["ar_tok_s"] == demo_row["ar_tok_s"]  # the same prompts and tokens for AR
+    # --tokens-per-forward: one derived profile, at that figure
+    derived = [p for p in r["profiles"] if p["source"] == "derived"]
+    assert [p["target"] for p in derived] == [1.5] and r["tokens_per_forward_range"] == [1.5]
+    assert derived[0]["tokens_per_forward"] == pytest.approx(1.5, abs=1.5 ** 2 / derived[0]["tokens"])
+    text = format_shape_report(r)
+    assert f"[b] the forwards {FIXTURE} made" in text and "recorded with your model [b]" in text
+    assert "the demo model's own" not in text and "not measured (--forecast-only)" in text
+
+
+def test_derived_profile_follows_the_decoders_rules():
+    """At the demo's own tokens per forward the derivation gives the demo's
+    forwards at these settings (4 prompts of the suite, budget 64: its
+    recording in docs/benchmarks.md), and below slot/2 it infills."""
+    params = make_params(gen_length=64)
+    reqs = requests([18, 20, 20, 22], [64, 64, 64, 53], [params] * 4)
+    demo = derive(reqs, 6.81)
+    assert len(demo.forwards) == 36
+    assert demo.describe()["forwards_per_phase"] == {"prefill": 4, "plan": 14, "verify": 18,
+                                                     "infill_draft": 0, "infill_verify": 0}
+    low = derive(reqs, 1.5)
+    assert low.tokens_per_forward == pytest.approx(1.5, abs=0.02)
+    phases = low.describe()["forwards_per_phase"]
+    assert phases["infill_draft"] == phases["infill_verify"] > 0
+    first = low.forwards[0]
+    assert first.phase == "prefill" and first.tokens == 18 + 16 and first.head_rows == 16
+    for s in low.forwards[1:]:
+        if s.phase == "plan":  # as wide as the block's open slots, whole slots
+            assert s.tokens % 4 == 0 and s.tokens <= 16 and s.head_rows == s.tokens
+        if s.phase.startswith("infill"):  # scattered writes, each slot seeing itself and the committed rows
+            assert s.rows is not None and s.mask.shape == (s.tokens, s.visible) and s.mask[:, :s.start].all()
+    lo, hi = bounds(reqs)
+    assert lo < 1.0 < 2.0 < hi < 8.0
+    with pytest.raises(BenchError, match="out of reach"):
+        derive(reqs, hi + 1)
+
+
+def test_derived_profiles_replay_and_compare_on_a_gpu_report():
+    """The replay of derived profiles (what a GPU runs), and the GPU's
+    report: the measurement first, the forecast beside it with the gap."""
+    from refusion_mlx.bench.compare import resolve_all
+    from refusion_mlx.bench.shapes import run_shape
+    from refusion_mlx.bench.suite import Suite, load_suite
+
+    suite = load_suite("default")
+    cases = Suite(suite.name, suite.cases[:1], suite.defaults, suite.source)
+    params = resolve_all(cases, None, {"gen_length": 16})
+    r = run_shape("tiny", cases, params, tokens_per_forward=1.0, measure_profiles=True)
+    for p in r["profiles"]:
+        m = p["measured"]
+        assert m["tok_s"] > 0 and m["ratio"] > 0
+        assert m["forecast_ratio"] == p["bandwidth_bound_ratio"]
+        assert m["measured_over_forecast"] == pytest.approx(m["ratio"] / m["forecast_ratio"], rel=1e-2)
+    r["measured_on"] = "gpu"  # how the report reads where MLX computes on a GPU
+    text = format_shape_report(r)
+    assert text.index("measured on this GPU") < text.index("forecast for Apple GPUs")
+    assert "measured / forecast" in text and "ReFusion at 1 tok/forward [a]" in text
+
+
+def test_lazy_costs_equal_the_computed_ones():
+    lazy, _ = build_models("tiny", q_bits=4, materialize=False)
+    real, _ = build_models("tiny", q_bits=4, ar=False)
+    a, b = Costs.of(lazy), Costs.of(real)
+    assert (a.body_bytes, a.head_bytes, a.body_params) == (b.body_bytes, b.head_bytes, b.body_params)
 
 
 def test_head_reads_count_the_chunks():
@@ -60,9 +185,19 @@ def test_quantized_shape_shares_weights_with_mlx_lm():
     assert ar_model.model.embed_tokens.weight is not None
 
 
-@pytest.mark.parametrize("argv", [["--shape", "qwen3-9b"], ["--q-bits", "4"], ["--shape", "tiny", "--q-bits", "3"]])
+@pytest.mark.parametrize("argv", [["--shape", "qwen3-9b"], ["--q-bits", "4"], ["--shape", "tiny", "--q-bits", "3"],
+                                  ["--shape", "tiny", "--tokens-per-forward", "0"],
+                                  ["--shape", "tiny", "--tokens-per-forward", "two"],
+                                  ["--record-with", FIXTURE], ["--tokens-per-forward", "2"], ["--forecast-only"],
+                                  ["--shape", "tiny", "--model", "a", "--record-with", "b"]])
 def test_bad_shape_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_missing_record_folder_is_one_line(tmp_path, capsys):
+    assert main(["--shape", "tiny", "--record-with", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such model folder" in err[0]

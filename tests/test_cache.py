@@ -30,8 +30,8 @@ def prefill(model, cache, tokens, positions):
     cache.commit(tokens, positions)
 
 
-def test_growth_is_in_steps_not_per_token(model):
-    cache = CommittedCache.for_model(model, step=64)
+def test_growth_is_in_multiples_of_growth_rows_not_per_token(model):
+    cache = CommittedCache.for_model(model, growth=64)
     capacities = set()
     for i in range(200):
         prefill(model, cache, [i % 100], [i])
@@ -52,7 +52,7 @@ def test_uncommitted_rows_are_cropped(model):
 
 
 def test_commit_of_unwritten_rows_is_refused(model):
-    cache = CommittedCache.for_model(model, step=8)
+    cache = CommittedCache.for_model(model, growth=8)
     prefill(model, cache, [1, 2], [0, 1])
     with pytest.raises(ValueError):
         cache.commit(list(range(10)), list(range(2, 12)))
@@ -126,7 +126,7 @@ def test_keep_drops_rows_and_keeps_kv(model):
 
 
 def test_fork_copies_rows_and_leaves_the_source_alone():
-    cache = CommittedCache(CacheSpec(layers=2, kv_heads=1, head_dim=4, dtype=mx.float32, held=range(2)), step=8)
+    cache = CommittedCache(CacheSpec(layers=2, kv_heads=1, head_dim=4, dtype=mx.float32, held=range(2)), growth=8)
     write = cache.extend(5)
     kv = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
     for i in range(2):
@@ -145,17 +145,17 @@ def test_fork_copies_rows_and_leaves_the_source_alone():
 
 
 def test_prefill_chunks_and_passes_commit_each_chunk(model):
-    """decode.prefill: chunks of at most ``step`` from a first position, until
+    """decode.prefill: chunks of at most ``chunk`` from a first position, until
     ``leave`` are left; the passes commit each chunk once the next is asked
     for; ``prefill`` runs them all, to the K/V of one pass."""
     from refusion_mlx.decode import prefill as pf
 
-    assert list(pf.chunks([1, 2, 3, 4, 5], 10, step=2)) == [([1, 2], [10, 11]), ([3, 4], [12, 13]), ([5], [14])]
-    assert list(pf.chunks([1, 2, 3, 4, 5], 0, step=2, leave=2)) == [([1, 2], [0, 1]), ([3, 4], [2, 3])]
-    assert list(pf.chunks([1, 2], 0, step=2, leave=2)) == []
+    assert list(pf.chunks([1, 2, 3, 4, 5], 10, chunk=2)) == [([1, 2], [10, 11]), ([3, 4], [12, 13]), ([5], [14])]
+    assert list(pf.chunks([1, 2, 3, 4, 5], 0, chunk=2, leave=2)) == [([1, 2], [0, 1]), ([3, 4], [2, 3])]
+    assert list(pf.chunks([1, 2], 0, chunk=2, leave=2)) == []
 
     cache = CommittedCache.for_model(model)
-    gen = pf.passes(cache, [5, 6, 7], 0, step=2)
+    gen = pf.passes(cache, [5, 6, 7], 0, chunk=2)
     first = next(gen)
     assert (first.phase, first.tokens.tolist(), first.positions.tolist(), len(cache)) == ("prefill", [5, 6], [0, 1], 0)
     second = gen.send(None)
@@ -163,8 +163,8 @@ def test_prefill_chunks_and_passes_commit_each_chunk(model):
 
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, 100, 13)]
     chunked, whole = CommittedCache.for_model(model), CommittedCache.for_model(model)
-    pf.prefill(model, chunked, tokens[:3], step=4)
-    pf.prefill(model, chunked, tokens[3:], step=4)  # positions go on after the cache's
+    pf.prefill(model, chunked, tokens[:3], chunk=4)
+    pf.prefill(model, chunked, tokens[3:], chunk=4)  # positions go on after the cache's
     prefill(model, whole, tokens, list(range(13)))
     assert chunked.tokens == whole.tokens and chunked.positions == list(range(13))
     np.testing.assert_allclose(np.array(keys(chunked, 0)[:, :, :13]), np.array(keys(whole, 0)[:, :, :13]), atol=1e-4)

@@ -206,11 +206,11 @@ def test_recipes_keep_embeddings_and_head_at_higher_precision(tmp_path):
     s = conv.convert(FIXTURE_MODEL, tmp_path / "e8", quant_predicate="embed_8", progress=False)
     config = json.loads((tmp_path / "e8" / "config.json").read_text())["quantization"]
     assert config["model.embed_tokens"]["bits"] == config["lm_head"]["bits"] == 8 and config["bits"] == 4
-    model, _ = load(tmp_path / "e8", fuse=False)
+    model, _ = load(tmp_path / "e8", join_projections=False)
     assert model.lm_head.bits == 8 and model.model.layers[0].self_attn.q_proj.bits == 4
     assert mlx_lm.load(str(tmp_path / "e8"))[0].model.embed_tokens.bits == 8
     conv.convert(FIXTURE_MODEL, tmp_path / "fp", quant_predicate="embed_fp", progress=False)
-    model, _ = load(tmp_path / "fp", fuse=False)
+    model, _ = load(tmp_path / "fp", join_projections=False)
     assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
     assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
     conv.convert(FIXTURE_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)

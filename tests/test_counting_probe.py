@@ -25,7 +25,7 @@ def probe_module():
 
 def test_probe_positions_are_the_last_digit_of_each_number():
     probe = probe_module()
-    _, tokenizer = load(FIXTURE, fuse=False)
+    _, tokenizer = load(FIXTURE, join_projections=False)
     for sep in (", ", " "):
         ids, ends, others = probe.count_case(tokenizer, 8, 12, sep)
         assert ends == [len(ids) - 1]  # the answer is cut right after the end number
@@ -45,7 +45,7 @@ def test_left_to_right_example_labels_each_response_token_with_the_next():
 
 def test_a_few_training_steps_move_the_stop_probabilities():
     probe = probe_module()
-    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    model, tokenizer = load(FIXTURE, dtype="float32", join_projections=False)
     cases = probe.probe_cases(2)
     before = probe.stop_probabilities(model, tokenizer, cases)
     assert 0.0 <= before["other"] <= 1.0 and 0.0 <= before["end"] <= 1.0
@@ -60,7 +60,7 @@ def test_a_few_training_steps_move_the_stop_probabilities():
 def test_the_probe_trains_with_the_ar_weight_it_is_given(monkeypatch):
     """--ar-weight reaches the loss (1/batch size is the loss before the fix)."""
     probe = probe_module()
-    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    model, tokenizer = load(FIXTURE, dtype="float32", join_projections=False)
     seen = []
     real = probe.loss_from_logits
     monkeypatch.setattr(probe, "loss_from_logits", lambda *a, **k: seen.append(k.get("ar_weight")) or real(*a, **k))
@@ -74,7 +74,7 @@ def test_the_probe_trains_with_the_ar_weight_it_is_given(monkeypatch):
 
 def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
     probe = probe_module()
-    _, tokenizer = load(FIXTURE, fuse=False)
+    _, tokenizer = load(FIXTURE, join_projections=False)
     texts = iter(["3, 4, 5, 6.", "10 11 12 13 14", "no numbers"])
     monkeypatch.setattr(probe, "batch_generate",
                         lambda model, tok, prompts: [SimpleNamespace(text=next(texts)) for _ in prompts])
@@ -84,7 +84,7 @@ def test_decoded_counts_are_scored_by_their_last_number(monkeypatch):
 
 def test_counts_are_asked_again_after_earlier_turns(monkeypatch, tmp_path):
     probe = probe_module()
-    _, tokenizer = load(FIXTURE, fuse=False)
+    _, tokenizer = load(FIXTURE, join_projections=False)
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
             for q, a in [("Spell the word sun.", "s-u-n"), ("Count from 1 to 3.", "1, 2, 3."),
                          ("Who is Sven?", "Sven lives in Oslo.")]]
@@ -128,7 +128,7 @@ def test_mask_probe_reads_a_mask_right_after_each_number():
     import mlx.core as mx
 
     probe = probe_module()
-    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    model, tokenizer = load(FIXTURE, dtype="float32", join_projections=False)
     dot, mask_id = tokenizer.encode(".", add_special_tokens=False)[0], model.args.mask_token_id
     case = (5, 9, ", ")
     ids, ends, others = probe.count_case(tokenizer, *case)
@@ -145,7 +145,7 @@ def test_mask_probe_reads_a_mask_right_after_each_number():
 
 def test_slot_sizes_reach_the_hybrid_examples():
     probe = probe_module()
-    _, tokenizer = load(FIXTURE, fuse=False)
+    _, tokenizer = load(FIXTURE, join_projections=False)
     batch = probe.counting_batch(tokenizer, random.Random(0), np.random.default_rng(0), 4, "refusion", 805, (1,))
     ar = (np.array(batch["labels"]) != -100) & ~np.array(batch["mdm"])
     assert not ar.any()  # slots of one token have no next token of their own slot to predict
@@ -154,13 +154,13 @@ def test_slot_sizes_reach_the_hybrid_examples():
 
 def test_saved_weights_load_as_a_full_fine_tune(tmp_path):
     probe = probe_module()
-    model, tokenizer = load(FIXTURE, dtype="float32", fuse=False)
+    model, tokenizer = load(FIXTURE, dtype="float32", join_projections=False)
     args = SimpleNamespace(seed=0, learning_rate=1e-3, steps=1, batch_size=2, probe_every=1, train="ar",
                            model=str(FIXTURE))
     cases = probe.probe_cases(2)
     trained = probe.train_and_probe(model, tokenizer, args, cases)[-1]
     probe.save_full(model, tmp_path / "ad", args)
-    reloaded, _ = load(FIXTURE, dtype="float32", fuse=False, adapter_path=tmp_path / "ad")
+    reloaded, _ = load(FIXTURE, dtype="float32", join_projections=False, adapter_path=tmp_path / "ad")
     again = probe.stop_probabilities(reloaded, tokenizer, cases)
     assert np.isclose(again["end"], trained["next"]["end"], atol=1e-5)
     assert np.isclose(again["other"], trained["next"]["other"], atol=1e-5)

@@ -1,6 +1,6 @@
 """CPU paths: a wide decode pass of a small model runs as two row groups on
 two CPU streams (decode/runner.py: row_groups), with the same results; linear
-weights are laid out (in, out) for the BLAS (models/cpu_paths.py: relayout)."""
+weights are stored (in, out) for the BLAS (models/cpu_paths.py: store_weights_transposed)."""
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +13,7 @@ from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode import runner
 from refusion_mlx.models import cpu_paths
-from refusion_mlx.models.fused import hf_parameters
+from refusion_mlx.models.projections import hf_parameters
 
 from tests.helpers import decode_hidden
 from tests.test_backend import params_of
@@ -207,14 +207,14 @@ def test_each_thread_splits_on_its_own_streams(demo, two_cores):
 
 
 def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
-    """``cpu_paths.relayout`` (at load, CPU paths): each plain linear weight is
+    """``cpu_paths.store_weights_transposed`` (at load, CPU paths): each plain linear weight is
     the transposed view of a row-major (in, out) buffer, so ``x @ weight.T``
     reads it row by row; the values are unchanged, and mlx-lm's side of the
     bench gets row-major copies of the column slices it could not read in place."""
     from mlx.utils import tree_flatten
 
     from refusion_mlx.bench.runs import share_weights
-    from refusion_mlx.models.fused import Linear
+    from refusion_mlx.models.projections import Linear
 
     model, _ = demo
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -223,7 +223,7 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
         out_dim, in_dim = layer.weight.shape
         assert memoryview(layer.weight).strides == (4, 4 * out_dim)  # float32, column-major
     before = {k: np.array(v) for k, v in hf_parameters(model).items()}
-    assert cpu_paths.relayout(model) == len(linears)  # again: the same values
+    assert cpu_paths.store_weights_transposed(model) == len(linears)  # again: the same values
     for k, v in hf_parameters(model).items():
         np.testing.assert_array_equal(np.array(v), before[k])
 

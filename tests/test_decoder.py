@@ -231,20 +231,22 @@ def test_conversation_continues_the_cache():
 
 
 def test_long_prompts_prefill_in_chunks():
-    """A prompt longer than prefill_step is prefilled chunk by chunk, to the same answer."""
+    """A prompt longer than prefill_chunk is prefilled chunk by chunk, to the same answer."""
     config = random_config(vocab_size=64, mask_token_id=63)
     model = random_model(config, seed=8, scale=2.0, layer_std=1.0)
     prompt = list(np.random.default_rng(1).integers(0, 60, 300))
     params = RefusionParams(gen_length=16, slot_size=4, block_length=8)
     runs = {}
-    for step in (1000, 64):
-        dec = RefusionDecoder(model, prompt, params, mask_id=63, eos_id=62, prefill_step=step)
+    for chunk in (1000, 64):
+        dec = RefusionDecoder(model, prompt, params, mask_id=63, eos_id=62, prefill_chunk=chunk)
         for _ in dec.steps():
             pass
-        runs[step] = (dec.response(), dec.stats.forwards, dec.cache.tokens[:300])
+        runs[chunk] = (dec.response(), dec.stats.forwards, dec.cache.tokens[:300])
     assert runs[64][2] == runs[1000][2] == [int(t) for t in prompt]
     assert runs[64][1] == runs[1000][1] + 4  # 300 = 4 chunks of 64 + a 44-token tail with the masks
     assert runs[64][0] == runs[1000][0]
+    # prefill_step, the old name, still sets it
+    assert RefusionDecoder(model, prompt, params, mask_id=63, eos_id=62, prefill_step=64).prefill_chunk == 64
 
 
 def test_steps_decide_and_only_the_state_commits():

@@ -2,9 +2,11 @@
 -n 2``): answers equal one process's token for token (float32), tensor
 parallel (generate) and pipeline (the server, under the openai client);
 only rank 0 prints; a rank that dies or goes silent ends the run with one
-line. Each launch costs two interpreters' start (mlx-lm, transformers):
-three launches in all."""
+line, the server's too. Each start costs two interpreters' start: three
+in all (mlx.launch for generate; the others started as it starts ranks, so
+the test sees each rank's own exit status)."""
 
+import http.client
 import json
 import os
 import signal
@@ -74,60 +76,19 @@ def test_two_ranks_answer_like_one(tmp_path, capsys):
         assert "distributed" not in a["stats"]
 
 
-def test_pipeline_server_under_two_ranks_answers_the_openai_client():
-    """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
-    concurrent requests (streamed and not) answer as one process does. The
-    model is split by layers here (--pipeline; the test above splits heads),
-    so one launch checks the server and the pipeline both."""
-    import openai
-
-    from refusion_mlx.decode.stream import chat_prompt, stream_generate
-    from refusion_mlx.models.loading import load
-
-    prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
-    model, tok = load(FIXTURE_MODEL)
-    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32))
-                for p in prompts]
-    port = _free_port()
-    cmd = [*_launcher(), "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()), sys.executable,
-           "-m", "refusion_mlx.server", "--model", str(FIXTURE_MODEL), "--port", str(port), "--pipeline"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.2)
-
-        def ask(i):
-            messages = [{"role": "user", "content": prompts[i]}]
-            if i % 2:
-                stream = client.chat.completions.create(model="m", messages=messages, max_tokens=32, stream=True)
-                return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-            return client.chat.completions.create(model="m", messages=messages, max_tokens=32).choices[0].message.content
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            assert list(pool.map(ask, range(len(prompts)))) == expected
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # mlx.launch itself does not stop cleanly on a signal
-        proc.wait()
-
-
-def _start_ranks(tmp_path, argv, timeout_s="4"):
+def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate"):
     """Two ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
-    so the test sees rank 0's own exit status."""
+    so the test sees rank 0's own exit status. ``timeout_s`` None: the
+    collectives' default timeout (120 s)."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"], [f"127.0.0.1:{_free_port()}"]]))
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
-                   REFUSION_MLX_COLLECTIVE_TIMEOUT=timeout_s)
-        procs.append(subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", *argv], cwd=ROOT, env=env,
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        env.pop("REFUSION_MLX_COLLECTIVE_TIMEOUT", None)
+        if timeout_s is not None:
+            env["REFUSION_MLX_COLLECTIVE_TIMEOUT"] = timeout_s
+        procs.append(subprocess.Popen([sys.executable, "-m", command, *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return procs
 
@@ -154,6 +115,95 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path):
     assert len(lines) == 1, err
     assert lines[0].startswith(("error: rank 0: lost the other ranks",
                                 "error: rank 0: no progress from the other ranks for 4 s")), err
+
+
+def _get(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory):
+    """A server on two ranks, split by layers (--pipeline), started as
+    mlx.launch starts them: (HTTP port, [rank 0, rank 1])."""
+    port = _free_port()
+    procs = _start_ranks(tmp_path_factory.mktemp("ranks"), ["--model", str(FIXTURE_MODEL), "--port", str(port),
+                                                             "--pipeline"], timeout_s=None,
+                         command="refusion_mlx.server")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _get(port, "/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
+            time.sleep(0.2)
+        yield port, procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_server):
+    """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
+    concurrent requests (streamed and not) answer as one process does. The
+    model is split by layers here (--pipeline; the test above splits heads),
+    so one start checks the server and the pipeline both."""
+    import openai
+
+    from refusion_mlx.decode.stream import chat_prompt, stream_generate
+    from refusion_mlx.models.loading import load
+
+    port, _ = pipeline_server
+    prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
+    model, tok = load(FIXTURE_MODEL)
+    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32))
+                for p in prompts]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
+
+    def ask(i):
+        messages = [{"role": "user", "content": prompts[i]}]
+        if i % 2:
+            stream = client.chat.completions.create(model="m", messages=messages, max_tokens=32, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return client.chat.completions.create(model="m", messages=messages, max_tokens=32).choices[0].message.content
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, range(len(prompts)))) == expected
+
+
+def test_a_server_whose_rank_died_mid_step_stops_with_one_line(pipeline_server):
+    """When a rank of a server dies, mlx.launch sends rank 0 SIGTERM; if the
+    peer died mid-evaluation, rank 0's collective never ends. Rank 1 stopped
+    (SIGSTOP) mid-request, then that SIGTERM: the open stream ends with
+    "shutting down", and rank 0 prints one line and exits 1 within the stop's
+    grace (watchdog.STOP_GRACE, not the collectives' 120 s) -- no traceback
+    of uvicorn cancelling the request (issue 38). Ends the module's server."""
+    port, procs = pipeline_server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"messages": [{"role": "user", "content": "Count to 1000."}], "max_tokens": 2000,
+            "block_length": 4, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # in the batch
+    procs[1].send_signal(signal.SIGSTOP)
+    procs[0].send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    rest = response.read()
+    _, err = procs[0].communicate(timeout=30)
+    assert time.monotonic() - t0 < 15
+    assert b'"code": "shutting_down"' in rest, rest
+    err = err.decode()
+    assert procs[0].returncode == 1, err
+    assert "Traceback" not in err and "Cancel" not in err, err
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [
+        "error: rank 0: no progress from the other ranks for 5 s after the stop (a rank died or the link is down)"], err
 
 
 def test_a_silent_collective_times_out_with_one_line():

@@ -22,7 +22,7 @@ def tiny():
     return random_model(random_config(), seed=4, scale=0.5)
 
 
-def test_layout_labels_and_visibility():
+def test_rows_labels_and_visibility():
     e = build_draft_example([1, 2, 3], [7, 8, 9], MASK)
     assert e.input_ids.tolist() == [1, 2, 3, 7, 8, 9, MASK, MASK, MASK]
     assert e.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5]
@@ -143,7 +143,7 @@ def test_ar_weight_option(tmp_path, capsys):
         assert exit_.value.code == 2 and "--ar-weight must be positive" in err and len(err.strip().splitlines()) == 1
 
 
-def test_runs_of_masks_layout():
+def test_runs_of_masks_and_what_they_see():
     """--draft-run R: masks in runs of R (the first run shorter by a draw);
     a mask sees the response before its run and its run's masks up to itself."""
     from refusion_mlx.train.examples import run_starts

@@ -14,6 +14,8 @@ from refusion_mlx.cli import add_decoding_args
 from refusion_mlx.decode.params import ALIASES, FIELDS, PARAM_NAMES, RefusionParams, make_params
 from refusion_mlx.decode.prompts_file import parse_prompts
 from refusion_mlx.errors import RefusionError
+from refusion_mlx.serve.anthropic_api import MessagesRequest
+from refusion_mlx.serve.responses_api import ResponsesRequest
 from refusion_mlx.serve.schemas import DECODING_FIELDS, ChatCompletionRequest, CompletionRequest
 
 SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
@@ -58,11 +60,19 @@ def test_the_cli_takes_exactly_the_tables_flags():
 def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
-    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"}),
+    tools = {"tools", "tool_choice", "parallel_tool_calls"}
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | tools),
                          (CompletionRequest, {"prompt"})):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():
             assert model.model_fields[name].description == f.request_description()
+    # the Responses and Messages APIs take the same decoding fields as extras; their budget is their own
+    for model in (ResponsesRequest, MessagesRequest):
+        assert set(requests) - {"max_tokens"} <= set(model.model_fields)
+        for name, f in requests.items():
+            if name != "max_tokens":
+                assert model.model_fields[name].description == f.request_description()
+    assert "max_tokens" not in ResponsesRequest.model_fields and MessagesRequest.model_fields["max_tokens"].is_required()
     assert set(DECODING_FIELDS) == set(requests) - {"max_tokens"}
     body = {"messages": [{"role": "user", "content": "hi"}]}
     body.update({name: (1 if f.type is int else 0.5) for name, f in requests.items()})

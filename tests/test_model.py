@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from refusion_mlx.errors import ConfigError
-from refusion_mlx.models.fused import fuse_projections, hf_parameters
+from refusion_mlx.models.projections import hf_parameters, join_projections
 from refusion_mlx.models.qwen3 import ModelArgs
 from refusion_mlx.models.loading import load
 
@@ -115,22 +115,22 @@ def _quantized(config, seed, **q):
 
 
 @pytest.mark.parametrize("kind", ["float", "quantized"])
-def test_fused_projections_compute_the_same(kind):
-    """Fusing q/k/v and gate/up changes nothing but the number of matmuls."""
+def test_joined_projections_compute_the_same(kind):
+    """Joining q/k/v and gate/up changes nothing but the number of matmuls."""
     config = random_config(vocab_size=128, hidden=128, intermediate=256, head_dim=32)
     make = (lambda: random_model(config, seed=9)) if kind == "float" else \
         (lambda: _quantized(config, 9, group_size=32, bits=4))
-    plain, fused = make(), make()
-    assert fuse_projections(fused) == 2 * config["num_hidden_layers"]
-    assert "qkv_proj" in fused.model.layers[0].self_attn and "q_proj" not in fused.model.layers[0].self_attn
+    plain, joined = make(), make()
+    assert join_projections(joined) == 2 * config["num_hidden_layers"]
+    assert "qkv_proj" in joined.model.layers[0].self_attn and "q_proj" not in joined.model.layers[0].self_attn
     ids, pos = mx.array([[5, 9, 13, 2, 7, 1]]), mx.array([0, 3, 1, 4, 2, 5])
     # a wider matmul may sum in another order (OpenBLAS picks kernels by shape):
     # float32 rounding on logits of size ~20, not a different computation
-    a, b = np.array(plain(ids, pos)), np.array(fused(ids, pos))
+    a, b = np.array(plain(ids, pos)), np.array(joined(ids, pos))
     assert np.allclose(a, b, atol=1e-4) and (a.argmax(-1) == b.argmax(-1)).all()
     from mlx.utils import tree_flatten
 
-    named = hf_parameters(fused)
+    named = hf_parameters(joined)
     for name, value in tree_flatten(plain.parameters()):
         assert np.array_equal(np.array(named[name]), np.array(value)), name
     assert set(named) == {n for n, _ in tree_flatten(plain.parameters())}
@@ -145,8 +145,18 @@ def test_projections_with_different_quantization_stay_apart():
     nn.quantize(model, class_predicate=lambda path, m: (
         {"group_size": 32, "bits": 8} if path.endswith("v_proj") else
         {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
-    assert fuse_projections(model) == config["num_hidden_layers"]  # only gate/up fused
+    assert join_projections(model) == config["num_hidden_layers"]  # only gate/up joined
     assert "q_proj" in model.model.layers[0].self_attn and "gate_up_proj" in model.model.layers[0].mlp
+
+
+def test_load_keeps_the_projections_apart_on_request():
+    """``join_projections=False`` keeps q/k/v and gate/up separate (adapters need
+    them); ``fuse=False``, the old spelling, still does the same."""
+    attn = lambda model: model.model.layers[0].self_attn  # noqa: E731
+    assert "qkv_proj" in attn(load(dtype="float32")[0])
+    for kwargs in ({"join_projections": False}, {"fuse": False}):
+        model, _ = load(dtype="float32", **kwargs)
+        assert "q_proj" in attn(model) and "qkv_proj" not in attn(model), kwargs
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])

@@ -93,8 +93,8 @@ def test_gpu_paths_batch_of_equal_passes_needs_no_padding(demo, golden_cases, se
     alone = forward(model, passes[:1])
     mx.eval(alone)
     packed_write = PackedWrite([p.write for p in passes], [len(p) for p in passes])
-    layout = packed_write.layout(model.args.num_attention_heads, model.args.num_key_value_heads, mx.float32)
-    assert layout.pad_index is None and layout.unpad_index is None
+    padding = packed_write.padding(model.args.num_attention_heads, model.args.num_key_value_heads, mx.float32)
+    assert padding.pad_index is None and padding.unpad_index is None
     calls = count_kernel_calls(monkeypatch)
     packed = forward(model, passes)
     mx.eval(packed)

@@ -146,13 +146,13 @@ def test_sharding_splits_it_over_a_group_of_one(checkpoint):
     if group.size() != 1:
         pytest.skip("needs a process outside a distributed group")
     ids, pos = mx.array([[5, 9, 13, 2, 7]]), mx.array([0, 3, 1, 4, 2])
-    whole, _ = load(checkpoint, dtype="float32", fuse=False)
+    whole, _ = load(checkpoint, dtype="float32", join_projections=False)
     expected = np.array(whole(ids, pos))
     for split in (sharding.shard, sharding.pipeline):
-        model, _ = load(checkpoint, dtype="float32", fuse=False)
+        model, _ = load(checkpoint, dtype="float32", join_projections=False)
         split(model, group)
         np.testing.assert_allclose(np.array(model(ids, pos)), expected, rtol=1e-5, atol=1e-4)
-    tp, _ = load(checkpoint, dtype="float32", fuse=False)
+    tp, _ = load(checkpoint, dtype="float32", join_projections=False)
     sharding.shard(tp, group)
     assert type(tp.layers[0].self_attn.o_proj).__name__ == "_SumLinear" and tp.kv_heads == 2
 

@@ -240,7 +240,7 @@ def test_docs_and_openapi(server):
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_p": 0}, "top_p"), ({"min_p": 1.5}, "min_p"),
     ({"min_p": "low"}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"17": 5}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])

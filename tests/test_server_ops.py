@@ -21,7 +21,7 @@ from refusion_mlx.serve.metrics import parse
 from tests.helpers import FIXTURE_MODEL
 
 CHAT = "/v1/chat/completions"
-ROW_STEP = 256 * 4096  # the fixture's KV bytes in one 256-row growth step (4 KiB a token)
+GROWTH_BYTES = 256 * 4096  # the fixture's KV bytes in one growth of 256 rows (4 KiB a token)
 SLOW = {"prompt": "1 2 3 4 5 6 7 8 9 10", "slot_threshold": 1.0, "token_threshold": 1.0}  # one token a step
 
 
@@ -43,12 +43,15 @@ def ask(srv, content="Who is Sven?", **fields):
     return call(srv, "POST", CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 32, **fields})
 
 
+LABELS = r'refusion_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})?'  # a name, and labels if any
+
+
 def metrics(srv) -> dict:
     status, text = call(srv, "GET", "/metrics")
     assert status == 200
     for line in text.splitlines():  # every sample line is `name{labels} value`, every name refusion_
-        assert line.startswith("# ") or re.fullmatch(r'refusion_[a-z_]+(\{[a-z_]+="[^"]*"\})? [0-9.e+-]+|'
-                                                     r'refusion_[a-z_]+_bucket\{le="[^"]+"\} \d+', line), line
+        assert line.startswith("# ") or re.fullmatch(LABELS + r' [0-9.e+-]+|refusion_[a-z_]+_bucket\{le="[^"]+"\} \d+',
+                                                     line), line
     return parse(text)
 
 
@@ -116,7 +119,7 @@ def stream_usage(srv, body) -> dict:
 def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     """Two 256-row reservations fit in 2 MiB: of five slow requests, two run at a time and the
     others wait; a request needing more than the whole budget is refused at once, naming the numbers."""
-    with serve(max_kv_bytes=2 * ROW_STEP) as srv:
+    with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
         _, alone = call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24})
         seen = []
         stop = threading.Event()
@@ -140,10 +143,10 @@ def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     assert [s for s, _ in out] == [200] * 5
     assert all(r["choices"][0]["text"] == alone["choices"][0]["text"] for _, r in out)
     assert max(h["active"] for h in seen) == 2 and max(h["queued"] for h in seen) >= 1
-    assert all(h["kv"]["reserved_bytes"] <= h["kv"]["max_bytes"] == 2 * ROW_STEP for h in seen)
+    assert all(h["kv"]["reserved_bytes"] <= h["kv"]["max_bytes"] == 2 * GROWTH_BYTES for h in seen)
     assert state["kv_waits"] >= 1 and state["kv"]["reserved_bytes"] == 0
     assert status == 400 and err["error"]["code"] == "kv_memory_exceeded" and refused_in < 5
-    assert str(3 * ROW_STEP) in err["error"]["message"] and str(2 * ROW_STEP) in err["error"]["message"]
+    assert str(3 * GROWTH_BYTES) in err["error"]["message"] and str(2 * GROWTH_BYTES) in err["error"]["message"]
     assert state["refused"] == 1
 
 
@@ -264,7 +267,7 @@ def test_prompt_cache_dir_keeps_to_its_byte_budget(tmp_path):
 def test_short_soak():
     from benchmarks.soak import failed, soak
 
-    with serve(max_kv_bytes=4 * ROW_STEP, max_batch=4) as srv:
+    with serve(max_kv_bytes=4 * GROWTH_BYTES, max_batch=4) as srv:
         result = soak(srv.url[:-3], duration=5.0, clients=4, max_tokens=24, seed=1)
     assert failed(result) is None, result["problems"]
     assert result["5xx"] == 0 and result["left_active"] == 0 and result["left_queued"] == 0

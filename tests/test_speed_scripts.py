@@ -105,6 +105,24 @@ def test_profile_on_demo(tmp_path):
     assert result["forwards"] > 0 and len(result["top"]) == 5
 
 
+def test_profile_counts_the_whole_model_as_model_python():
+    """The model's Python is every family's file, what they share, the joined
+    projections and the runner that drives a decode pass, not Qwen3's file alone."""
+    import refusion_mlx.decode.cache as cache
+    import refusion_mlx.decode.kv_store as kv_store
+    import refusion_mlx.decode.runner as runner
+    import refusion_mlx.models.causal_lm as causal_lm
+    import refusion_mlx.models.llama as llama
+    import refusion_mlx.models.projections as projections
+    import refusion_mlx.models.qwen3 as qwen3
+
+    for module in (qwen3, llama, causal_lm, projections, runner):
+        assert profile_decoder.bucket_of(module.__file__, "f") == "model Python + graph building", module
+    for module in (cache, kv_store):
+        assert profile_decoder.bucket_of(module.__file__, "f").startswith("cache Python"), module
+    assert profile_decoder.bucket_of("/somewhere/else.py", "f") == "other Python"
+
+
 @pytest.mark.parametrize("main, argv", [
     (overhead.main, ["--modes", "fast"]), (overhead.main, ["--repeat", "0"]),
     (overhead.main, ["--serial-num-blocks", "2"]),  # the suite's settings need --suite

@@ -1,4 +1,4 @@
-"""Fine-tuning: data, the training run, adapters (mlx-lm's layout), QLoRA,
+"""Fine-tuning: data, the training run, adapters (mlx-lm's format), QLoRA,
 fuse, and the command line's errors and Ctrl-C."""
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from refusion_mlx.errors import RefusionError
-from refusion_mlx.models.fused import hf_parameters
+from refusion_mlx.models.projections import hf_parameters
 from refusion_mlx.models.loading import DEMO_MODEL, load, load_tokenizer
 from refusion_mlx.train import Record, fine_tune, fit_length, iterate_batches, load_datasets, read_jsonl
 from refusion_mlx.train.__main__ import main as train_main
@@ -376,7 +376,7 @@ def test_full_fine_tune_weights_take_the_models_dtype(tmp_path, tok):
     saved = mx.load(str(folder / "adapters.safetensors"))
     assert saved["model.layers.3.mlp.up_proj.weight"].dtype == mx.float32
     model, _ = load(DEMO_MODEL, dtype="bfloat16", adapter_path=str(folder))
-    params = hf_parameters(model)  # checkpoint names (loading fuses some projections)
+    params = hf_parameters(model)  # checkpoint names (loading joins some projections)
     assert {params[name].dtype for name in saved} == {mx.bfloat16}
     np.testing.assert_array_equal(np.array(params["lm_head.weight"].astype(mx.float32)),
                                   np.array(saved["lm_head.weight"].astype(mx.bfloat16).astype(mx.float32)))
@@ -467,7 +467,7 @@ def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
     np.testing.assert_allclose(logits_of(deq, ids, pos), logits_of(model, ids, pos), atol=1e-3)
     fuse(str(q4), folder, tmp_path / "q", dequantize_weights=False)
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["bits"] == 4
-    requant, _ = load(tmp_path / "q", dtype="float32", fuse=False)
+    requant, _ = load(tmp_path / "q", dtype="float32", join_projections=False)
     assert isinstance(requant.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     agree = (logits_of(requant, ids, pos).argmax(-1) == logits_of(model, ids, pos).argmax(-1)).mean()
     assert agree > 0.8

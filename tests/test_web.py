@@ -200,6 +200,40 @@ def test_page_chats_in_a_browser(chromium, server, client, tmp_path):
     assert shown == tagged and tags == 0
 
 
+def test_page_streams_through_each_api(chromium, server, client):
+    """The same question through the Responses and the Messages API: the same answer as chat, and
+    the slot view filled from each API's own stream (its commits events)."""
+    from playwright.sync_api import sync_playwright
+
+    want = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
+    got = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 700})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(base(server) + "/")
+            page.wait_for_selector("input[name=max_tokens]")
+            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            for api in ("responses", "messages"):
+                page.click("#new-chat")
+                page.select_option("#api", api)
+                page.fill("#input", COUNT)
+                page.press("#input", "Enter")
+                page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+                got[api] = (page.text_content(".msg.assistant .body"), grid(page),
+                            page.get_attribute(".msg.assistant", "data-finish"))
+        finally:
+            browser.close()
+    assert not errors
+    for api, finish in (("responses", "incomplete"), ("messages", "max_tokens")):
+        text, cells, finished = got[api]
+        assert text == want and finished == finish, api
+        assert [pos for pos, _, _ in cells] == list(range(MAX_TOKENS)) and None not in [s for _, s, _ in cells]
+        assert "".join(t for _, _, t in cells).replace("\u00a0", " ").replace("␣", " ") == want
+
+
 def grid(page) -> list:
     """The slot view's cells in page order: (position, step or None, text)."""
     return [tuple(c) for c in page.eval_on_selector_all(

@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     if args.context and not args.decode:
         ap.error("--context needs --decode")
     try:
-        model, tokenizer = load(args.model, dtype="float32", fuse=False, adapter_path=args.adapter_path)
+        model, tokenizer = load(args.model, dtype="float32", join_projections=False, adapter_path=args.adapter_path)
         cases = probe_cases(args.cases)
         print(HEADER)
         report(0, probe(model, tokenizer, cases), 0.0)

@@ -4,6 +4,7 @@ decoding of the same weights (``compare``), or one of the other measurements
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -19,6 +20,17 @@ from .compare import format_report, resolve_all, run_benchmark, write_json
 from .layouts import add_layout_args
 from .shapes import HIDDEN_SHAPES, SHAPES, shape_names
 from .suite import BenchError, load_suite
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
 
 
 def build_parser() -> OneLineParser:
@@ -50,10 +62,20 @@ def build_parser() -> OneLineParser:
                              "tokens it prefilled per turn with and without its prompt cache")
     add_layout_args(parser)
     parser.add_argument("--shape", metavar="NAME",
-                        help="instead of the AR comparison: record the demo model's (or --model's) forwards "
-                             "on the suite's first --prompts prompts, replay them on a model of a real shape "
-                             f"({', '.join(shape_names())}; random weights) and time mlx-lm on the same "
-                             "weights; with a forecast for Apple chips")
+                        help="instead of the AR comparison: record the demo model's (or --record-with's) "
+                             "forwards on the suite's first --prompts prompts, derive the forwards of the same "
+                             "prompts at the tokens per forward real checkpoints reach, replay them on a model "
+                             f"of a real shape ({', '.join(shape_names())}; random weights) and time mlx-lm on "
+                             "the same weights; with a forecast for Apple chips")
+    parser.add_argument("--record-with", metavar="PATH",
+                        help="with --shape: record the forwards with this local model folder (a converted "
+                             "checkpoint) instead of the demo model, so the report follows its confidence; "
+                             "--model means the same with --shape")
+    parser.add_argument("--tokens-per-forward", type=positive_float, metavar="X",
+                        help="with --shape: price (and on a GPU replay) one derived profile at X tokens per "
+                             "forward instead of the default range 1.5, 2, 2.5, 3")
+    parser.add_argument("--forecast-only", action="store_true",
+                        help="with --shape: record and forecast, time nothing (the weights are never computed)")
     parser.add_argument("--q-bits", type=int, choices=(4, 8),
                         help="with --shape: quantize the shape's weights to 4 or 8 bits (group size 64)")
     parser.add_argument("--prompts", type=positive_int, default=4,
@@ -69,8 +91,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
         parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
-    if args.q_bits and args.shape is None:
-        parser.error("--q-bits goes with --shape")
+    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only"):
+        if getattr(args, flag) and args.shape is None:
+            parser.error(f"--{flag.replace('_', '-')} goes with --shape")
+    if args.shape is not None:
+        if args.model and args.record_with and args.model != args.record_with:
+            parser.error("--model and --record-with name the model that records the forwards: give one")
+        args.record_with = args.record_with or args.model
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:
@@ -89,6 +116,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.http and not args.concurrency:
             parser.error("--http goes with --concurrency")
         if args.shape:
+            if args.record_with and not Path(args.record_with).expanduser().is_dir():
+                raise BenchError(f"{args.record_with}: no such model folder (--record-with, or --model with "
+                                 "--shape, records with a local model folder)")
             result = modes.measure_shape(args, suite, overrides, log)
             print(result.pop("report"))
             write_json(args.json, result)

@@ -49,7 +49,7 @@ def load_models(model_path: Optional[str], dtype: str = "float32", ar: bool = Tr
 
     ``dist`` (under ``mlx.launch``): both sides split over the group, the AR
     side by mlx-lm's own ``Model.shard`` (its own copy of this rank's share:
-    our fused, sharded arrays do not map back onto mlx-lm's layers); tensor
+    our joined, sharded arrays do not map back onto mlx-lm's layers); tensor
     parallel only, as mlx-lm's Qwen3 has no pipeline mode.
     """
     from ..models.loading import load

@@ -120,13 +120,22 @@ def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
 
 def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """--shape NAME: the demo model's forwards replayed on a model of that shape
-    (random weights), against mlx-lm on the same arrays (``shapes``)."""
-    from .shapes import format_shape_report, run_shape
+    """--shape NAME: the forwards of the demo model (or of --record-with's
+    folder) and of derived profiles, priced and replayed on a model of that
+    shape (random weights), against mlx-lm on the same arrays (``shapes``)."""
+    from .shape_report import before_timing, format_shape_report
+    from .shapes import run_shape
 
     cases = Suite(suite.name, suite.cases[:args.prompts], suite.defaults, suite.source)
     params = resolve_all(cases, args.preset, {"gen_length": 64, **overrides})
+    shown = []
+
+    def show(partial: dict) -> None:  # the CPU: the forecast before a slow timing
+        print(before_timing(partial), flush=True)
+        shown.append(True)
+
     result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log,
-                       record_model=args.model)
-    result["report"] = format_shape_report(result)
+                       record_model=args.record_with, tokens_per_forward=args.tokens_per_forward,
+                       measure=not args.forecast_only, show=show)
+    result["report"] = format_shape_report(result, shown=bool(shown))
     return result

@@ -166,14 +166,14 @@ def share_weights(ar_model, model) -> None:
     """Point mlx-lm's model at the ReFusion model's arrays: the same weights
     (same dtype, same quantization) in memory once, not a second copy --
     but for a weight mlx-lm's matmul could not read in place: on the CPU
-    paths a fused projection's weight is laid out (in, out)
-    (``cpu_paths.relayout``), so q/k/v and gate/up are column slices of it,
+    paths a joined projection's weight is laid out (in, out)
+    (``cpu_paths.store_weights_transposed``), so q/k/v and gate/up are column slices of it,
     which MLX would copy at every call. Those get a row-major copy once:
-    mlx-lm runs on the layout ``mlx_lm.load`` gives it."""
+    mlx-lm runs on its weights as ``mlx_lm.load`` stores them."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from ..models.fused import hf_parameters
+    from ..models.projections import hf_parameters
 
     ours = {k: mx.contiguous(v, allow_col_major=True) for k, v in hf_parameters(model).items()}
     theirs = {k for k, _ in tree_flatten(ar_model.parameters())}

@@ -1,24 +1,33 @@
 """``python -m refusion_mlx.bench --shape NAME``: ReFusion's forwards at a real
-model's shape, against mlx-lm's autoregressive decoding of the same weights.
+model's shape, against mlx-lm's autoregressive decoding of the same weights,
+and a forecast of both for Apple chips.
 
-The bundled demo model is tiny, so its timings say little about a real
-checkpoint. This mode
+What the shape decides (weight bytes and FLOPs of a forward of each width:
+:class:`Costs`) is kept apart from what the model's confidence decides (how
+many tokens a forward commits, how wide the passes are: ``profiles``). The
+bundled demo model is tiny and very sure of its synthetic answers, so its
+forwards say little about a real checkpoint's. This mode
 
 1. decodes the first ``--prompts`` prompts of the bench suite with the demo
-   model and records every forward (``forward_replay.RecordingModel``):
-   tokens fed, where they write, the K/V rows attended, head rows, phase;
-2. builds a model of the named shape (Qwen3 0.6B/1.7B/4B or ReFusion 8B,
+   model, or the model folder of ``--record-with``, and records every forward
+   (``forward_replay.RecordingModel``): tokens fed, where they write, the K/V
+   rows attended, head rows, phase;
+2. derives profiles of the same prompts and token counts at the tokens per
+   forward real checkpoints reach, or at ``--tokens-per-forward``
+   (``profiles.derive``);
+3. builds a model of the named shape (Qwen3 0.6B/1.7B/4B or ReFusion 8B,
    ReFusion's vocabulary) with random weights, optionally quantized;
-3. replays the recorded forwards on it (same token counts, cache lengths,
-   head rows, the LM head in the decoder's chunks) and times mlx-lm's
-   ``generate_step`` on the very same arrays for the same number of tokens
-   per prompt (random prompt ids of the recorded prompts' lengths);
-4. counts weight bytes and FLOPs per generated token on both sides and
-   forecasts tokens/s on Apple chips from them: a roofline *model*, not a
-   measurement.
+4. prices every profile, and AR decoding of the same tokens, on Apple chips
+   (``forecast``): a roofline *model* whose tokens/s are ceilings;
+5. replays the recorded forwards bare on the model (on a GPU every derived
+   profile's too: same token counts, cache lengths, masks, head rows, the LM
+   head in the decoder's chunks) and times mlx-lm's ``generate_step`` on the
+   very same arrays for the same number of tokens per prompt (random prompt
+   ids of the recorded prompts' lengths). On a GPU the measurement comes
+   first and the forecast beside it, with the gap between them.
 
 The replay times the model alone (no drafting, scoring or host bookkeeping:
-``bench.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
+``benchmarks.overhead`` measures that factor). ``--repeat`` and ``--warmup`` do
 not apply: each side runs once after a short warm-up.
 """
 
@@ -36,8 +45,10 @@ from mlx.utils import tree_flatten
 
 from ..decode.forward import head_chunk_rows
 from ..models import backend
+from .forecast import MEASURED_ON_H100, NOTE, gap, price
 from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay
-from .report import device_description, format_table
+from .profiles import DEFAULT_TOKENS_PER_FORWARD, Profile, derive, derived_range, requests
+from .report import device_description
 from .suite import BenchError, Suite
 
 REFUSION_VOCAB = 151_671
@@ -61,29 +72,6 @@ HIDDEN_SHAPES: Dict[str, Dict[str, Any]] = {
                  head_dim=16, intermediate_size=128, vocab_size=4096, tie_word_embeddings=True),
 }
 
-
-@dataclass(frozen=True)
-class Chip:
-    name: str
-    bandwidth_gb_s: float
-    fp16_tflops: float
-
-
-# Memory bandwidth: Apple's published specifications (apple.com/macbook-pro/specs,
-# apple.com/mac-studio/specs; newsroom releases of Oct 2023, Oct 2024, Mar 2025):
-# M3 Pro 150 GB/s, M4 Pro 273 GB/s, M4 Max (16-core CPU / 40-core GPU) 546 GB/s,
-# M3 Ultra 819 GB/s. Apple publishes no TFLOP/s: the commonly cited GPU FP32
-# figures (cores x 128 ALUs x 2 FLOPs x clock; en.wikipedia.org "Apple M3" and
-# "Apple M4" GPU tables): M3 Pro 18-core ~7.4, M4 Pro 20-core ~9.2, M4 Max
-# 40-core ~18.4, M3 Ultra 80-core ~28.2 (sources differ by up to ~20% on the
-# clock assumed), here taken x2 for fp16 matrix work (an assumption, and an
-# optimistic one: it only matters where a forward is compute bound).
-CHIPS = (
-    Chip("M3 Pro (18-core GPU)", 150.0, 2 * 7.4),
-    Chip("M4 Pro (20-core GPU)", 273.0, 2 * 9.2),
-    Chip("M4 Max (40-core GPU)", 546.0, 2 * 18.4),
-    Chip("M3 Ultra (80-core GPU)", 819.0, 2 * 28.2),
-)
 
 
 def shape_names() -> List[str]:
@@ -149,27 +137,43 @@ def record(suite: Suite, params, log=None, model_path: Optional[str] = None) -> 
 # The model of the shape, and mlx-lm's on the same arrays
 
 
-def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None, ar: bool = True):
+def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None, ar: bool = True,
+                 materialize: bool = True):
     """(our model, mlx-lm's model sharing its arrays or None), random weights;
-    both chosen by the shape's ``model_type`` (``models.registry``, mlx-lm's module of that name)."""
-    import importlib
-
+    both chosen by the shape's ``model_type`` (``models.registry``, mlx-lm's module of that name).
+    Quantized before its weights are computed, so an 8B shape never holds
+    its float32 weights at once. ``materialize=False``: the weights stay
+    lazy (never computed: their sizes are all ``Costs`` reads; :func:`compute`
+    computes them later) and no mlx-lm model."""
     from ..models import registry
-    from ..models.fused import fuse_projections
-    from .runs import share_weights
 
     config = shape_config(name)
     mx.random.seed(0)
     model = registry.build(registry.model_args(config))
     model.set_dtype(getattr(mx, dtype))
     model.eval()
-    mx.eval(model.parameters())
     if q_bits:
         nn.quantize(model, group_size=QUANT_GROUP, bits=q_bits)
-        mx.eval(model.parameters())
-    fuse_projections(model)
+    if not materialize:
+        return model, None
+    return compute(model, name, q_bits, ar)
+
+
+def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
+    """Compute a lazy model's weights (its projections joined), and mlx-lm's
+    twin on the same arrays when ``ar``: ``(model, ar_model or None)``."""
+    import importlib
+
+    from ..models.projections import join_projections
+    from .runs import share_weights
+
+    join_projections(model)  # computes each joined group's weights
+    flat = [v for _, v in tree_flatten(model.parameters())]
+    for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
+        mx.eval(flat[i:i + 8])
     if not ar:
         return model, None
+    config = shape_config(name)
     ar_family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     ar_model = ar_family.Model(ar_family.ModelArgs.from_dict(config))
     if q_bits:
@@ -221,9 +225,9 @@ class Costs:
         return self.body_bytes + reads * self.head_bytes, flops
 
 
-def refusion_forwards(rec: Recorded) -> List[tuple]:
-    """(tokens, visible, head rows) of every recorded forward."""
-    return [(s.tokens, s.visible, s.head_rows) for s in rec.shapes]
+def priced(shapes: Sequence[ForwardShape]) -> List[tuple]:
+    """(tokens, visible, head rows) of every forward: what ``Costs.forward`` prices."""
+    return [(s.tokens, s.visible, s.head_rows) for s in shapes]
 
 
 def ar_forwards(rec: Recorded) -> List[tuple]:
@@ -236,24 +240,16 @@ def ar_forwards(rec: Recorded) -> List[tuple]:
     return out
 
 
-def totals(costs: Costs, forwards: Sequence[tuple]) -> tuple:
-    per = [costs.forward(*f) for f in forwards]
-    return sum(b for b, _ in per), sum(f for _, f in per), per
-
-
-def forecast(per_forward: Sequence[tuple], tokens: int, chip: Chip) -> float:
-    """Tokens/s if every forward took max(bytes / bandwidth, FLOPs / throughput)."""
-    seconds = sum(max(b / (chip.bandwidth_gb_s * 1e9), f / (chip.fp16_tflops * 1e12)) for b, f in per_forward)
-    return tokens / seconds if seconds > 0 else 0.0
-
-
 # --------------------------------------------------------------------------
 # Timing
 
 
-def time_refusion(model, rec: Recorded, head_chunk: int) -> List[float]:
-    prepared = prepare(model, rec.shapes)
-    warm = type(prepared)(prepared.shapes[:2], prepared.inputs[:2], prepared.cache)
+def time_refusion(model, shapes: List[ForwardShape], head_chunk: int) -> List[float]:
+    """Seconds of each forward of ``shapes`` replayed bare, after one untimed
+    forward of each phase (so a kernel compiled on first use is not timed)."""
+    prepared = prepare(model, shapes)
+    first = sorted({s.phase: i for i, s in reversed(list(enumerate(shapes)))}.values())
+    warm = type(prepared)([shapes[i] for i in first], [prepared.inputs[i] for i in first], prepared.cache)
     replay(model, warm, head_chunk=head_chunk)
     return replay(model, prepared, head_chunk=head_chunk)
 
@@ -287,81 +283,96 @@ def time_ar(ar_model, rec: Recorded, seed: int = 0) -> List[float]:
 # The mode
 
 
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU here (Metal, or MLX's CUDA backend)."""
+    return mx.default_device() == mx.gpu
+
+
+def _measured(profile: Profile, seconds: float, ar_tok_s: Optional[float], forecast_ratio: float) -> dict:
+    tok_s = profile.tokens / seconds
+    ratio = round(tok_s / ar_tok_s, 4) if ar_tok_s else None
+    return {"seconds": round(seconds, 6), "tok_s": round(tok_s, 3), "ratio": ratio,
+            "forecast_ratio": forecast_ratio, "measured_over_forecast": gap(ratio, forecast_ratio)}
+
+
 def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: Optional[int] = None,
-              ar: bool = True, log=None, record_model: Optional[str] = None) -> dict:
+              ar: bool = True, log=None, record_model: Optional[str] = None,
+              tokens_per_forward: Optional[float] = None, measure: bool = True,
+              measure_profiles: Optional[bool] = None, show=None) -> dict:
+    """The --shape report. ``record_model``: the folder whose forwards are
+    recorded (None: the demo model's); ``tokens_per_forward``: one derived
+    profile instead of the default range; ``measure=False``: no timing (the
+    weights are never computed); ``measure_profiles``: replay the derived
+    profiles too (default: on a GPU); ``show(report)``: called with the
+    report so far before timing on the CPU, where timing a large shape is slow."""
     say = log or (lambda _m: None)
     rec = record(suite, params, log, record_model)
-    say(f"building {name} ({dtype}{f', {q_bits}-bit' if q_bits else ''}) with random weights")
-    model, ar_model = build_models(name, dtype, q_bits, ar)
-    costs = Costs.of(model)
-    shapes = rec.shapes
-    seconds = time_refusion(model, rec, costs.per_chunk)
-    say(f"replayed {len(seconds)} forwards in {sum(seconds):.2f} s")
-    ar_walls = time_ar(ar_model, rec) if ar else []
-    if ar:
-        say(f"mlx-lm: {sum(rec.generated)} tokens in {sum(ar_walls):.2f} s")
+    reqs = requests(rec.prompt_tokens, rec.generated, params)
+    wanted = [tokens_per_forward] if tokens_per_forward is not None else list(DEFAULT_TOKENS_PER_FORWARD)
+    if tokens_per_forward is not None:
+        derived, out_of_reach = [derive(reqs, tokens_per_forward)], []
+    else:
+        derived, out_of_reach = derived_range(reqs, wanted)
     tokens = sum(rec.generated)
-    rf_bytes, rf_flops, rf_per = totals(costs, refusion_forwards(rec))
+    recorded = Profile("recorded", "recorded", rec.shapes, tokens)
+    say(f"building {name} ({dtype}{f', {q_bits}-bit' if q_bits else ''}) with random weights")
+    model, _ = build_models(name, dtype, q_bits, materialize=False)  # its weights' sizes, none computed yet
+    costs = Costs.of(model)
     ar_fw = ar_forwards(rec)
-    ar_bytes, ar_flops, ar_per = totals(costs, ar_fw)
-    reads = [costs.head_reads(s.head_rows) for s in shapes if s.head_rows]
-    rf_tok_s = tokens / sum(seconds)
-    ar_tok_s = tokens / sum(ar_walls) if ar else None
-    rows = []
-    for chip in CHIPS:
-        r, a = forecast(rf_per, tokens, chip), forecast(ar_per, tokens, chip)
-        rows.append({"chip": chip.name, "bandwidth_gb_s": chip.bandwidth_gb_s, "fp16_tflops": chip.fp16_tflops,
-                     "refusion_tok_s": round(r, 1), "ar_tok_s": round(a, 1), "ratio": round(r / a, 3)})
+    profiles = []
+    for p in derived + [recorded]:
+        d = p.describe()
+        d["recorded_with"] = (record_model or "bundled demo model") if p.source == "recorded" else None
+        d.update(price(costs, priced(p.forwards), ar_fw, tokens))
+        d["measured"] = None
+        profiles.append(d)
+    mine = profiles[-1]
+    reads = [costs.head_reads(s.head_rows) for s in rec.shapes if s.head_rows]
     n_params = costs.body_params + costs.head_params * (1 if model.args.tie_word_embeddings else 2)
-    return {
+    layout = params[0].layout()
+    result = {
         "shape": name, "recorded_with": record_model or "bundled demo model", "config": shape_config(name),
         "parameters": n_params, "dtype": dtype, "q_bits": q_bits,
         "device": device_description(), "paths": f"{backend.paths()} ({backend.mode()})",
+        "measured_on": ("gpu" if on_gpu() else "cpu") if measure else None, "forecast_for": "Apple GPUs",
+        "settings": {"gen_length": params[0].gen_length, "slot_size": params[0].slot_size,
+                     "block_length": layout.block_lengths[0], "slot_threshold": params[0].slot_threshold,
+                     "token_threshold": params[0].token_threshold},
         "prompts": len(rec.generated), "prompt_tokens": rec.prompt_tokens, "generated_tokens": rec.generated,
-        "forwards": len(shapes), "replayed_forwards": len(seconds),
-        "forwards_per_phase": count_by_phase(shapes), "ar_forwards": len(ar_fw),
-        "refusion_seconds": round(sum(seconds), 6), "ar_seconds": round(sum(ar_walls), 6) if ar else None,
-        "refusion_tok_s": round(rf_tok_s, 3), "ar_tok_s": None if ar_tok_s is None else round(ar_tok_s, 3),
-        "ratio": None if not ar_tok_s else round(rf_tok_s / ar_tok_s, 4),
-        "tokens_per_forward": round(tokens / len(shapes), 4),
+        "forwards": len(rec.shapes), "replayed_forwards": 0,
+        "forwards_per_phase": count_by_phase(rec.shapes), "ar_forwards": len(ar_fw),
+        "refusion_seconds": None, "ar_seconds": None, "refusion_tok_s": None, "ar_tok_s": None, "ratio": None,
+        "tokens_per_forward": round(tokens / len(rec.shapes), 4),
+        "tokens_per_forward_range": wanted, "out_of_reach": out_of_reach,
         "head_rows_per_chunk": costs.per_chunk,
         "head_reads_per_step": round(sum(reads) / max(len(reads), 1), 4),
         "head_reads_per_step_max": max(reads, default=0),
         "weight_bytes": {"body": costs.body_bytes, "head": costs.head_bytes},
-        "weight_bytes_per_token": {"refusion": round(rf_bytes / tokens), "ar": round(ar_bytes / tokens)},
-        "flops_per_token": {"refusion": round(rf_flops / tokens), "ar": round(ar_flops / tokens)},
-        "forecast": rows,
-        "forecast_note": "a roofline model, not a measurement: each forward costs max(weight bytes / "
-                         "bandwidth, FLOPs / fp16 throughput); KV reads, kernel launches and the decoder's "
-                         "host work are left out",
+        "flops_per_token_fed": 2 * costs.body_params, "flops_per_head_row": 2 * costs.head_params,
+        "weight_bytes_per_token": mine["weight_bytes_per_token"], "flops_per_token": mine["flops_per_token"],
+        "forecast": mine["forecast"], "forecast_note": NOTE, "profiles": profiles,
+        "h100": [{"weights": w, "recorded_with": who, "tokens_per_forward": t, "measured_ratio": m,
+                  "forecast_ratio": f} for w, who, t, m, f in MEASURED_ON_H100],
     }
-
-
-def format_shape_report(r: dict) -> str:
-    c = r["config"]
-    quant = f", {r['q_bits']}-bit weights" if r["q_bits"] else ""
-    lines = [f"shape {r['shape']}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
-             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}; "
-             f"{r['parameters'] / 1e6:.0f}M parameters, random weights, {r['dtype']}{quant}",
-             f"device: {r['device']}; paths: {r['paths']}",
-             f"forwards recorded with the {r['recorded_with']}: {r['prompts']} prompts, {sum(r['generated_tokens'])} "
-             f"tokens in {r['forwards']} forwards (replayed: {r['replayed_forwards']}); LM head "
-             f"{r['head_rows_per_chunk']} rows per chunk, {r['head_reads_per_step']} reads per step "
-             f"(max {r['head_reads_per_step_max']})", ""]
-    wb, fl = r["weight_bytes_per_token"], r["flops_per_token"]
-    measured = [["ReFusion (replayed forwards)", r["refusion_seconds"], r["refusion_tok_s"],
-                 r["tokens_per_forward"], wb["refusion"] / 1e6, fl["refusion"] / 1e9]]
-    if r["ar_tok_s"] is not None:
-        ar_tpf = sum(r["generated_tokens"]) / r["ar_forwards"]
-        measured.append(["AR (mlx-lm generate_step)", r["ar_seconds"], r["ar_tok_s"], round(ar_tpf, 4),
-                         wb["ar"] / 1e6, fl["ar"] / 1e9])
-    lines.append(format_table(["measured here", "seconds", "tok/s", "tok/forward", "weight MB/tok",
-                               "GFLOP/tok"], measured))
-    if r["ratio"] is not None:
-        lines.append(f"ReFusion / AR: {r['ratio']:.3f}x")
-    lines += ["", "forecast (a roofline MODEL, not a measurement: per forward max(bytes / bandwidth, "
-                  "FLOPs / fp16 TFLOP/s))",
-              format_table(["chip", "GB/s", "fp16 TFLOP/s", "ReFusion tok/s", "AR tok/s", "ratio"],
-                           [[f["chip"], f["bandwidth_gb_s"], f["fp16_tflops"], f["refusion_tok_s"],
-                             f["ar_tok_s"], f"{f['ratio']:.2f}x"] for f in r["forecast"]])]
-    return "\n".join(lines)
+    if not measure:
+        return result
+    if show is not None and not on_gpu():
+        show(result)
+    say("computing the weights")
+    model, ar_model = compute(model, name, q_bits, ar)
+    if measure_profiles is None:
+        measure_profiles = on_gpu()
+    ar_walls = time_ar(ar_model, rec) if ar else []
+    ar_tok_s = tokens / sum(ar_walls) if ar else None
+    if ar:
+        say(f"mlx-lm: {tokens} tokens in {sum(ar_walls):.2f} s")
+        result.update(ar_seconds=round(sum(ar_walls), 6), ar_tok_s=round(ar_tok_s, 3))
+    timed = list(zip(derived, profiles)) if measure_profiles else []
+    for p, d in timed + [(recorded, mine)]:
+        seconds = time_refusion(model, p.forwards, costs.per_chunk)
+        say(f"replayed {d['label']}: {len(seconds)} forwards in {sum(seconds):.2f} s")
+        d["measured"] = _measured(p, sum(seconds), ar_tok_s, d["bandwidth_bound_ratio"])
+    m = mine["measured"]
+    result.update(replayed_forwards=len(rec.shapes), refusion_seconds=m["seconds"], refusion_tok_s=m["tok_s"],
+                  ratio=m["ratio"])
+    return result

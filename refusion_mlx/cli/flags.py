@@ -43,7 +43,7 @@ def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype
 
 
 def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
-    """--adapter-path: fine-tuned adapters (mlx-lm's layout, python -m refusion_mlx.train) on the model."""
+    """--adapter-path: fine-tuned adapters (mlx-lm's format, python -m refusion_mlx.train) on the model."""
     parser.add_argument("--adapter-path",
                         help="folder of fine-tuned adapters to apply (adapter_config.json + adapters.safetensors)")
 
@@ -128,11 +128,6 @@ def read_text(path: str) -> str:
         raise RefusionError(f"{path} is not UTF-8 text") from None
 
 
-def _rank_prefix() -> str:
-    dist = distributed_group.current()
-    return "" if dist is None else f"rank {dist.rank}: "
-
-
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError or a file-system error is one
     line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 -- never
@@ -140,13 +135,12 @@ def run(body: Callable[[], int]) -> int:
     try:
         return body()
     except RefusionError as e:
-        print(f"error: {_rank_prefix()}{e}", file=distributed_group.errors())
+        distributed_group.say_error(str(e))
         return 1
     except RuntimeError as e:
         if not is_link_failure(e):
             raise
-        print(f"error: {_rank_prefix()}lost the other ranks ({' '.join(str(e).split())}): "
-              "a rank died or the link broke", file=distributed_group.errors())
+        distributed_group.say_error(distributed_group.lost_ranks(e))
         return 1
     except OSError as e:
         print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """``python -m refusion_mlx.convert``: a ReFusion checkpoint (Hugging Face
-PyTorch layout) to an MLX folder, :func:`refusion_mlx.convert.convert` from
+PyTorch format) to an MLX folder, :func:`refusion_mlx.convert.convert` from
 the command line. SIGTERM and SIGHUP, like Ctrl-C, leave the destination as
 it was."""
 
@@ -41,7 +41,7 @@ def termination_raises() -> Iterator[None]:
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.convert",
-                           description="Convert a ReFusion (Qwen3, Hugging Face layout) checkpoint to MLX.")
+                           description="Convert a ReFusion (Qwen3, Hugging Face format) checkpoint to MLX.")
     parser.add_argument("--hf-path", "--model", required=True,
                         help="source: a local folder or a Hugging Face repo id")
     parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")

@@ -1,4 +1,4 @@
-"""Reading Hugging Face PyTorch-layout checkpoints one tensor at a time.
+"""Reading Hugging Face PyTorch-format checkpoints one tensor at a time.
 
 Formats: ``model.safetensors``, sharded safetensors with their index,
 ``pytorch_model.bin`` and sharded ``.bin`` with their index. Every file is
@@ -227,10 +227,10 @@ def torch_to_mx(tensor, mapped: bool = False) -> mx.array:
     if not (dst.flags.writeable and dst.flags.c_contiguous and src.size):
         out = mx.array(src)
     else:
-        step = max(1, CHUNK_BYTES // src.itemsize)
-        for i in range(0, src.size, step):
-            chunk = src[i:i + step]
-            dst[i:i + step] = chunk
+        per_chunk = max(1, CHUNK_BYTES // src.itemsize)
+        for i in range(0, src.size, per_chunk):
+            chunk = src[i:i + per_chunk]
+            dst[i:i + per_chunk] = chunk
             if mapped:
                 release_pages(chunk.ctypes.data, chunk.nbytes)
     out = out.reshape(tuple(t.shape))

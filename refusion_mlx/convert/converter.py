@@ -1,4 +1,4 @@
-"""Convert a ReFusion checkpoint (Hugging Face PyTorch layout) to MLX weights.
+"""Convert a ReFusion checkpoint (Hugging Face PyTorch format) to MLX weights.
 
     python -m refusion_mlx.convert --hf-path GSAI-ML/ReFusion --mlx-path refusion-4bit -q
 

@@ -28,7 +28,7 @@ from .shards import shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..errors import RefusionError
 from ..models.adapters import fuse_adapter_folder, read_adapter_config
-from ..models.fused import hf_parameters
+from ..models.projections import hf_parameters
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
                              resolve_model_path)
 
@@ -57,7 +57,7 @@ def dequantize(model) -> int:
 
 
 def write_weights(folder: Path, weights: dict) -> None:
-    """Shards of at most 5 GB and their index, mlx-lm's names and layout."""
+    """Shards of at most 5 GB and their index, mlx-lm's names and sharding."""
     from mlx_lm.utils import make_shards
 
     shards = make_shards(weights, MAX_SHARD_GB)

@@ -1,4 +1,4 @@
-"""Which layer gets which quantization, and the layout of every output tensor.
+"""Which layer gets which quantization, and the shape and dtype of every output tensor.
 
 Decided on a lazy copy of the model that is never evaluated, with mlx-lm's own
 ``quantize_model`` (group-size divisibility, mixed recipes, the config block
@@ -103,7 +103,7 @@ class Plan:
 
 
 def make_plan(args, dtype: str, qs: Optional[QuantSettings]) -> Plan:
-    """Quantize a lazy, never-evaluated copy of the model to learn the output layout.
+    """Quantize a lazy, never-evaluated copy of the model to learn the output tensors.
 
     mlx-lm's ``quantize_model`` decides per layer exactly as it would for
     ``mlx_lm.convert`` (group-size divisibility, recipes) and writes the

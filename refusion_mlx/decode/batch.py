@@ -59,8 +59,8 @@ class GenerationResponse:
 
 
 @dataclass
-class _Request:
-    """One request of the batch: its decoder loop and its answer text."""
+class _Member:
+    """One request as the batch holds it (a member of the batch): its decoder loop and its answer text."""
 
     uid: int
     decoder: RefusionDecoder
@@ -102,8 +102,8 @@ class BatchGenerator:
             raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)
-        self.waiting: Deque[_Request] = deque()
-        self.active: List[_Request] = []
+        self.waiting: Deque[_Member] = deque()
+        self.active: List[_Member] = []
         self._next_uid = 0
 
     @property
@@ -127,7 +127,7 @@ class BatchGenerator:
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length)
-        self.waiting.append(_Request(uid, decoder, answer))
+        self.waiting.append(_Member(uid, decoder, answer))
         return uid
 
     def remove(self, uid: int) -> bool:
@@ -180,7 +180,7 @@ class BatchGenerator:
         self.active = [r for r in self.active if r.uid not in done]
         return out
 
-    def _advance(self, r: _Request, result, seconds: float) -> List[GenerationResponse]:
+    def _advance(self, r: _Member, result, seconds: float) -> List[GenerationResponse]:
         steps = r.decoder.take(result, seconds)
         out = [r.response(s) for s in steps[:-1]]
         if r.decoder.done:

@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..models.base import CacheSpec
 from .kv_store import KVStore, Storage
 
-GROWTH_STEP = 256
+GROWTH_ROWS = 256  # a cache's capacity grows in multiples of these rows
 
 
 class CommittedCache:
@@ -43,12 +43,13 @@ class CommittedCache:
 
     ``spec``: the model's ``cache_spec()``; only the layers it holds (a
     pipeline rank's range) have a store, the others' stay None and cost
-    nothing. ``storage``: how each layer's keys and values are kept."""
+    nothing. ``growth``: the capacity grows in multiples of these rows.
+    ``storage``: how each layer's keys and values are kept."""
 
-    def __init__(self, spec: CacheSpec, step: int = GROWTH_STEP, storage: Optional[Storage] = None):
+    def __init__(self, spec: CacheSpec, growth: int = GROWTH_ROWS, storage: Optional[Storage] = None):
         self.spec = spec
         self.storage = Storage() if storage is None else storage
-        self.step = step
+        self.growth = growth
         self.tokens: List[int] = []
         self.positions: List[int] = []
         self._row_of: Dict[int, int] = {}  # position -> row, for reading in position order
@@ -56,8 +57,8 @@ class CommittedCache:
         self.capacity = 0
 
     @classmethod
-    def for_model(cls, model, step: int = GROWTH_STEP, storage: Optional[Storage] = None) -> "CommittedCache":
-        return cls(model.cache_spec(), step, storage)
+    def for_model(cls, model, growth: int = GROWTH_ROWS, storage: Optional[Storage] = None) -> "CommittedCache":
+        return cls(model.cache_spec(), growth, storage)
 
     def _empty_stores(self) -> List[Optional[KVStore]]:
         held = self.spec.held
@@ -76,13 +77,13 @@ class CommittedCache:
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` scratch rows after the committed ones.
 
-        Growth happens in multiples of ``step`` and copies the stores once per
+        Growth happens in multiples of ``growth`` rows and copies the stores once per
         growth, never once per token.
         """
         need = len(self) + rows
         if need <= self.capacity:
             return
-        new_capacity = -(-need // self.step) * self.step
+        new_capacity = -(-need // self.growth) * self.growth
         for store in self._held():
             store.grow(new_capacity)
         self.capacity = new_capacity
@@ -158,9 +159,9 @@ class CommittedCache:
         made when it is admitted, never per slot or per step.
         """
         rows = list(rows)
-        new = CommittedCache(self.spec, self.step, self.storage)
+        new = CommittedCache(self.spec, self.growth, self.storage)
         if rows:
-            new.capacity = -(-len(rows) // new.step) * new.step
+            new.capacity = -(-len(rows) // new.growth) * new.growth
             index = mx.array(rows, dtype=mx.int32)
             new.stores = [None if s is None else s.fork(index, new.capacity) for s in self.stores]
             mx.eval(new.state())

@@ -48,12 +48,14 @@ class RefusionDecoder:
     """One response: plan, verify, infill and commit over a committed cache.
 
     ``cache``: a CommittedCache to continue (a conversation so far); the
-    prompt is then only the new tokens after it.
+    prompt is then only the new tokens after it. ``prefill_chunk``: the most
+    prompt tokens one prefill pass feeds (``prefill_step``, its old name,
+    still works).
     """
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
-                 prefill_step: int = prefill.PREFILL_STEP):
+                 prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None):
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
@@ -74,7 +76,7 @@ class RefusionDecoder:
         bad = [t for t in self.prompt if not 0 <= t < vocab]
         if bad:
             raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
-        self.prefill_step = max(int(prefill_step), 1)
+        self.prefill_chunk = max(int(prefill_chunk if prefill_step is None else prefill_step), 1)
         self.state = DecodeState(
             params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
             start=len(cache), response_start=response_start,
@@ -168,9 +170,9 @@ class RefusionDecoder:
 
     def _prefill_head(self):
         """Prompt chunks before the first plan (all but the last
-        ``prefill_step`` tokens); returns the tail that plan carries."""
+        ``prefill_chunk`` tokens); returns the tail that plan carries."""
         done = yield from prefill.passes(self.state.cache, self.prompt, self.first_position,
-                                         self.prefill_step, leave=self.prefill_step)
+                                         self.prefill_chunk, leave=self.prefill_chunk)
         return self.prompt[done:]
 
     def _step(self, tail: List[int]):

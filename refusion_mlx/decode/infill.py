@@ -53,8 +53,8 @@ def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray,
         window_pos = mx.array(pos[:, a:].reshape(-1))
         held = mx.array(tags[:, a:].reshape(-1))
         known = mx.array(tokens[:, a:].reshape(-1))
-        drafted = yield draft_pass(state.mask_id, held, known, window_pos, write)
-        checked = yield verify_pass(drafted["filled"], window_pos, write, k, width)
+        drafted = yield infill_draft_pass(state.mask_id, held, known, window_pos, write)
+        checked = yield infill_verify_pass(drafted["filled"], window_pos, write, k, width)
         tokens[:, a:] = checked["tokens"]
         before = np.concatenate([np.ones((k, 1), bool), tags[:, a:-1]], axis=1)
         tags[:, a:] = np.cumprod((checked["probs"] > tau) | before, axis=1).astype(bool)
@@ -65,7 +65,7 @@ def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray,
     return tokens, eos_found
 
 
-def draft_pass(mask_id: int, held: mx.array, known: mx.array, positions: mx.array, write) -> Pass:
+def infill_draft_pass(mask_id: int, held: mx.array, known: mx.array, positions: mx.array, write) -> Pass:
     """Unaccepted tokens as masks; each becomes its position's argmax."""
     masked = mx.where(held, known, mask_id)
 
@@ -76,7 +76,7 @@ def draft_pass(mask_id: int, held: mx.array, known: mx.array, positions: mx.arra
                 drafting=GREEDY, derive=derive)
 
 
-def verify_pass(filled: mx.array, positions: mx.array, write, k: int, width: int) -> Pass:
+def infill_verify_pass(filled: mx.array, positions: mx.array, write, k: int, width: int) -> Pass:
     """The filled window, scored token by token with the logits before it."""
     window = filled.reshape(k, width)
     follow = mx.concatenate([window[:, 1:], mx.zeros((k, 1), window.dtype)], axis=1).reshape(-1)

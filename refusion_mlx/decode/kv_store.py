@@ -119,7 +119,7 @@ class KVStore:
 
 class FloatStore(KVStore):
     """Keys and values as two (1, kv_heads, capacity, head_dim) arrays in the
-    model's dtype; growth concatenates zero rows, once per growth step."""
+    model's dtype; growth concatenates zero rows, once per growth."""
 
     def __init__(self, spec: CacheSpec):
         super().__init__(spec)

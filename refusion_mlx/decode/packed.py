@@ -25,7 +25,7 @@ to one request, write into its cache and attend to it alone. Two ways:
   runs per request over exactly its visible rows: no gather, and on the
   demo model no slower than the padded batch (docs/benchmarks.md).
 
-The layout, masks and index arrays are made once per forward, on first use.
+The padding, masks and index arrays are made once per forward, on first use.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class PackedWrite:
         self.mask = None  # Runner.hidden: no shared mask, the packed write brings its own
         self.batched = backend.gpu_paths() if batched is None else batched
         self._masks: Optional[List] = None
-        self._layout: Optional["_PaddedLayout"] = None
+        self._padding: Optional["_Padding"] = None
 
     def layer(self, i: int) -> "_PackedLayer":
         return _PackedLayer(self, i)
@@ -83,14 +83,14 @@ class PackedWrite:
                            for w, start, end in self.segments]
         return self._masks
 
-    def layout(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> "_PaddedLayout":
+    def padding(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> "_Padding":
         """The padded batch's shape, index arrays and mask (the batched way)."""
-        if self._layout is None:
-            self._layout = _PaddedLayout(self.segments, heads, kv_heads, dtype)
-        return self._layout
+        if self._padding is None:
+            self._padding = _Padding(self.segments, heads, kv_heads, dtype)
+        return self._padding
 
 
-class _PaddedLayout:
+class _Padding:
     """Where each packed row sits in the padded batch, and the batch's mask."""
 
     def __init__(self, segments, heads: int, kv_heads: int, dtype: mx.Dtype):
@@ -164,13 +164,13 @@ class _PackedLayer:
         return mx.concatenate(outs, axis=2)
 
     def _attend_batched(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        layout = self.packed.layout(q.shape[1], k.shape[1], q.dtype)
+        padding = self.packed.padding(q.shape[1], k.shape[1], q.dtype)
         keys, values = [], []
         for write, start, end in self.packed.segments:
             layer = write.layer(self.index)
             layer.update(k[:, :, start:end], v[:, :, start:end])
-            kk, vv = layer.fetch(layout.max_visible)
+            kk, vv = layer.fetch(padding.max_visible)
             keys.append(kk)
             values.append(vv)
-        out = attend(layout.pad(q), mx.concatenate(keys), mx.concatenate(values), layout.mask)
-        return layout.unpad(out)
+        out = attend(padding.pad(q), mx.concatenate(keys), mx.concatenate(values), padding.mask)
+        return padding.unpad(out)

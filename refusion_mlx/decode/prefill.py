@@ -17,26 +17,26 @@ import mlx.core as mx
 from .cache import CommittedCache
 from .forward import Pass, run_passes
 
-PREFILL_STEP = 512  # tokens per prefill pass
+PREFILL_CHUNK = 512  # tokens per prefill pass
 
 
-def chunks(tokens: Sequence[int], first_position: int, step: int = PREFILL_STEP,
+def chunks(tokens: Sequence[int], first_position: int, chunk: int = PREFILL_CHUNK,
            leave: int = 0) -> Iterator[Tuple[List[int], List[int]]]:
-    """(tokens, positions) of the chunks of ``tokens``, at most ``step`` each,
+    """(tokens, positions) of the chunks of ``tokens``, at most ``chunk`` each,
     at positions from ``first_position``, until at most ``leave`` are left."""
     done = 0
     while len(tokens) - done > leave:
-        part = [int(t) for t in tokens[done:done + step]]
+        part = [int(t) for t in tokens[done:done + chunk]]
         yield part, list(range(first_position + done, first_position + done + len(part)))
         done += len(part)
 
 
-def passes(cache: CommittedCache, tokens: Sequence[int], first_position: int, step: int = PREFILL_STEP,
+def passes(cache: CommittedCache, tokens: Sequence[int], first_position: int, chunk: int = PREFILL_CHUNK,
            leave: int = 0) -> Generator[Pass, object, int]:
     """The prefill passes of ``tokens`` into ``cache``, each committed once the
     next is asked for (or the generator ends); returns how many were fed."""
     done = 0
-    for part, positions in chunks(tokens, first_position, step, leave):
+    for part, positions in chunks(tokens, first_position, chunk, leave):
         yield Pass("prefill", mx.array(part, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
                    cache.extend(len(part)))
         cache.commit(part, positions)
@@ -44,7 +44,7 @@ def passes(cache: CommittedCache, tokens: Sequence[int], first_position: int, st
     return done
 
 
-def prefill(model, cache: CommittedCache, ids: Sequence[int], step: int = PREFILL_STEP) -> None:
+def prefill(model, cache: CommittedCache, ids: Sequence[int], chunk: int = PREFILL_CHUNK) -> None:
     """Append ``ids`` (positions after the cache's) to ``cache`` as committed rows."""
-    for p in passes(cache, ids, len(cache), step):
+    for p in passes(cache, ids, len(cache), chunk):
         run_passes(model, [p])

@@ -8,7 +8,7 @@ of the answer grew) and the slots committed at that step, for visualisers.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
 from .batch import BatchGenerator, GenerationResponse
@@ -19,9 +19,11 @@ from .stats import DecodeStats
 __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate"]
 
 
-def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, str]]], system: Optional[str] = None,
-                chat_template: bool = True) -> List[int]:
-    """Prompt ids as the reference builds them: chat template, then tokenize."""
+def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Optional[str] = None,
+                chat_template: bool = True, tools: Optional[List[Dict[str, Any]]] = None) -> List[int]:
+    """Prompt ids as the reference builds them: chat template, then tokenize.
+    ``tools``: function tools (``{"type": "function", "function": {...}}``)
+    given to the template, which renders them (and tool messages) its own way."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -29,8 +31,8 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, str]]], system: Opt
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=True, **({"tools": tools} if tools else {}))
     else:
         text = "\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text))

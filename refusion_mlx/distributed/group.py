@@ -139,6 +139,20 @@ def errors():
     return _errors if _errors is not None else sys.stderr
 
 
+def say_error(message: str) -> None:
+    """This rank's one-line error: ``error: rank N: message`` (``error:
+    message`` alone), on :func:`errors`."""
+    rank = "" if _current is None else f"rank {_current.rank}: "
+    out = errors()
+    out.write(f"error: {rank}{message}\n")
+    out.flush()
+
+
+def lost_ranks(error: BaseException) -> str:
+    """What a lost peer or link (:func:`is_link_failure`) is to the user."""
+    return f"lost the other ranks ({' '.join(str(error).split())}): a rank died or the link broke"
+
+
 def _noise(line: bytes) -> bool:
     """The backend's per-socket complaints once a peer is gone (dozens of
     lines before the one error that says it)."""

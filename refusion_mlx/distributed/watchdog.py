@@ -6,7 +6,10 @@ stopped) leaves every collective waiting for ever. The watchdog is a daemon
 thread: while it is armed, the code that runs collectives calls
 :func:`pet` whenever it makes progress (each sharded layer as a forward is
 built, each broadcast); if no pet comes for ``timeout`` seconds it writes
-one line to standard error and ends the process with status 1.
+one line to standard error and ends the process with status 1. Once a stop
+is asked (:func:`hurry`: the server closing, a signal from ``mlx.launch``
+after another rank died) the limit is ``STOP_GRACE`` s: a collective that
+lost its peer mid-evaluation waits for ever, and the stop would hang.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Iterator, Optional
 
 ENV = "REFUSION_MLX_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
+STOP_GRACE = 5.0  # seconds without progress once a stop is asked (a healthy step ends well within)
 
 
 def timeout_from_env() -> float:
@@ -42,6 +46,7 @@ class Watchdog:
         self.timeout, self.rank = timeout, rank
         self._last = time.monotonic()
         self._armed = 0
+        self.stopping = False  # hurried: a stop was asked
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
@@ -52,6 +57,13 @@ class Watchdog:
 
     def pet(self) -> None:
         self._last = time.monotonic()
+
+    def hurry(self, seconds: float) -> None:
+        """A stop was asked: ``seconds`` from now without progress end the process."""
+        if not self.stopping:
+            self.stopping = True
+            self.timeout = min(self.timeout, seconds)
+            self.pet()
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -71,10 +83,11 @@ class Watchdog:
             if self._armed and time.monotonic() - self._last > self.timeout:
                 from .group import errors
 
+                waited = f"{self.timeout:g} s" + (" after the stop" if self.stopping else "")
+                tail = "" if self.stopping else f"; stopping ({ENV} sets the limit)"
                 try:
-                    errors().write(
-                        f"error: rank {self.rank}: no progress from the other ranks for {self.timeout:g} s "
-                        f"(a rank died or the link is down); stopping ({ENV} sets the limit)\n")
+                    errors().write(f"error: rank {self.rank}: no progress from the other ranks for {waited} "
+                                   f"(a rank died or the link is down){tail}\n")
                     errors().flush()
                 finally:
                     os._exit(1)
@@ -98,6 +111,15 @@ def pet() -> None:
     w = _watchdog
     if w is not None:
         w._last = time.monotonic()
+
+
+def hurry(seconds: float = STOP_GRACE) -> None:
+    """A stop was asked: a collective that makes no progress for ``seconds``
+    more ends the process with its one line, instead of the stop waiting for
+    it for ever (a no-op when no watchdog runs)."""
+    w = _watchdog
+    if w is not None:
+        w.hurry(seconds)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Fine-tuned adapters in mlx-lm's layout, their whole life: add (training),
+"""Fine-tuned adapters in mlx-lm's format, their whole life: add (training),
 save (weights atomically, numbered copies; adapter_config.json), read and
 apply (loading), fuse (``convert.fusion`` writes the fused folder).
 
@@ -14,8 +14,8 @@ holds the embedding, final norm and head, which mlx-lm's loader refuses in
 a LoRA folder; fuse it, and both load the result).
 
 Adapters need the separate projections (q_proj, k_proj, v_proj, gate_proj,
-up_proj): load the model with ``fuse=False``, apply, and only then fuse the
-projection groups that were left plain (``fused.fuse_projections`` skips
+up_proj): load the model with ``join_projections=False``, apply, and only then join the
+projection groups that were left plain (``projections.join_projections`` skips
 adapted ones).
 """
 
@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .._json import read_json_object
 from ..errors import LoadError, RefusionError
-from .fused import Linear, joined
+from .projections import Linear, joined
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapters.safetensors"
@@ -65,10 +65,10 @@ def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
     return {"rank": rank, "scale": float(scale), "dropout": float(dropout), "keys": keys}
 
 
-def _check_unfused(model) -> None:
+def _check_projections_apart(model) -> None:
     if joined(model):
         raise RefusionError("adapters need the separate q/k/v and gate/up projections: "
-                            "load the model with fuse=False")
+                            "load the model with join_projections=False")
 
 
 def check_num_layers(model, num_layers: int) -> None:
@@ -94,7 +94,7 @@ def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[d
     if fine_tune_type not in FINE_TUNE_TYPES:
         raise RefusionError(f"fine-tune type must be one of {', '.join(FINE_TUNE_TYPES)}, got {fine_tune_type!r}")
     check_num_layers(model, num_layers)
-    _check_unfused(model)
+    _check_projections_apart(model)
     model.freeze()
     blocks = model.layers[-num_layers:] if num_layers > 0 else model.layers
     if fine_tune_type == "full":
@@ -159,7 +159,7 @@ def read_weights(path: Union[str, Path], label: Optional[str] = None,
 
 
 def load_adapters(model, adapter_path: Union[str, Path]):
-    """Apply the adapters of a folder to an unfused model (in place) and return it.
+    """Apply the adapters of a folder to a model with separate projections (in place) and return it.
 
     The LoRA/DoRA layers are mlx-lm's, built from the config; every tensor
     of ``adapters.safetensors`` must be an adapter parameter of that shape
@@ -170,7 +170,7 @@ def load_adapters(model, adapter_path: Union[str, Path]):
     config = read_adapter_config(folder)
     try:
         check_num_layers(model, config["num_layers"])
-        _check_unfused(model)
+        _check_projections_apart(model)
     except RefusionError as e:
         raise LoadError(f"{folder}: {e}") from None
     if config.get("fine_tune_type") == "full" and any(
@@ -321,7 +321,7 @@ def fuse_adapters(model, dequantize: bool = False) -> int:
 
 
 def fuse_adapter_folder(model, adapter_path: Union[str, Path], dequantize: bool = False) -> int:
-    """Apply the adapters of a folder to an unfused model and fold them in
+    """Apply the adapters of a folder to a model with separate projections and fold them in
     (``load_adapters``, then ``fuse_adapters``); returns how many layers were fused."""
     load_adapters(model, adapter_path)
     fused = fuse_adapters(model, dequantize=dequantize)

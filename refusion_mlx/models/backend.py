@@ -11,7 +11,8 @@ RMSNorm, attention        ``mx.fast`` fused kernels           compiled / regroup
 exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
 LM-head log-sum-exp                                           kernels.exp)
 Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in, out) row-major at
-                                                              load (cpu_paths.relayout), multiplied
+                                                              load (cpu_paths.
+                                                              store_weights_transposed), multiplied
                                                               through a transposed view made once
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
                                                               (decode/runner.py: overlap)

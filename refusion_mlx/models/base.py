@@ -52,9 +52,9 @@ none of them names a family. The module defines:
 * ``tensor_parallel``: how tensor parallelism splits a block
   (:class:`TensorParallel`; ``sharding.shard`` does it).
 * **Projections that read one input** (q/k/v, gate/up) are declared as
-  ``fused.Projections`` class attributes of the modules that own them and
-  called through them (``qk, v = self.qkv(self, x)``): ``fused.fuse_projections``
-  joins each group into one matmul after loading and ``fused.hf_parameters``
+  ``projections.Projections`` class attributes of the modules that own them and
+  called through them (``qk, v = self.qkv(self, x)``): ``projections.join_projections``
+  joins each group into one matmul after loading and ``projections.hf_parameters``
   gives back the parameters under Hugging Face's names.
 
 ``causal_lm.CausalLM`` is all of this but the blocks: a family subclasses it
@@ -74,17 +74,14 @@ import mlx.core as mx
 class CacheSpec:
     """One sequence's KV cache for a model in this process: ``layers`` in all,
     of which ``held`` are computed here (a pipeline rank's range), each with
-    ``kv_heads`` heads of ``head_dim`` in ``dtype``."""
+    ``kv_heads`` heads of ``head_dim`` in ``dtype``. What a row costs depends
+    on how it is stored: ``decode/kv_store.py``'s ``row_bytes`` says."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: mx.Dtype
     held: range
-
-    def row_bytes(self) -> int:
-        """Bytes of keys and values one committed token costs, over the held layers."""
-        return 2 * len(self.held) * self.kv_heads * self.head_dim * self.dtype.size
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from ..errors import ConfigError
 from .base import CacheSpec, TensorParallel
 from .cpu_paths import RMSNorm, attention_mask
-from .fused import Linear
+from .projections import Linear
 from .rope import PositionalRoPE, rope_scale
 
 

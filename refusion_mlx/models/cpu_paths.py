@@ -3,8 +3,8 @@ on the GPU paths MLX's fused kernels (``mx.fast.rms_norm``,
 ``scaled_dot_product_attention``); on the CPU paths (the CPU has no fused
 kernels) compiled or regrouped equivalents with the same arithmetic and
 fewer dispatched ops (RMSNorm, grouped-query attention and its mask), and
-linear weights laid out for the BLAS at load (:func:`relayout`). How a
-decode pass runs on the CPU (row groups on two streams, evaluation started
+linear weights stored transposed for the BLAS at load
+(:func:`store_weights_transposed`). How a decode pass runs on the CPU (row groups on two streams, evaluation started
 every few layers, BLAS threads) is ``decode/runner.py``'s."""
 
 from __future__ import annotations
@@ -100,15 +100,15 @@ def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dty
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
 
 
-def relayout(model) -> int:
+def store_weights_transposed(model) -> int:
     """Store each plain linear layer's weight (out, in) as the transposed view
     of a row-major (in, out) buffer: the same array to every reader (saving,
-    fusing, adapters), while the matmul ``x @ weight.T`` now reads a
+    joining, adapters), while the matmul ``x @ weight.T`` now reads a
     row-major right-hand side. MKL's sgemm packs that faster: 4-16-token
     passes of the demo model are 10-15% faster, wide ones unchanged
     (docs/benchmarks.md). No memory is added: each old buffer goes once its
-    copy is made. Returns how many layers were laid out."""
-    from .fused import Linear
+    copy is made. Returns how many layers were stored so."""
+    from .projections import Linear
 
     count = 0
     for module in model.modules():

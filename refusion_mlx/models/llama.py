@@ -4,7 +4,7 @@
 
 RMSNorm pre-norm blocks, grouped-query attention without a norm on queries
 and keys, a SwiGLU MLP (with ``mlp_bias``), RoPE in Hugging Face's halves
-layout by each token's own position id, RoPE base 10,000 unless config.json
+convention by each token's own position id, RoPE base 10,000 unless config.json
 says otherwise. RoPE scaling: none or linear (``rope.rope_scale``; Llama 3.1's
 ``llama3`` scaling is refused in one line). Parameter names are Hugging
 Face's, so a converted folder also loads in ``mlx_lm.load``.
@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .base import TensorParallel
 from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend
-from .fused import Derived, Linear, Projections
+from .projections import Derived, Linear, Projections
 from .kernels import silu_gate
 from .rope import apply_rope
 

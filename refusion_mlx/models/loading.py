@@ -12,8 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend, cpu_paths, registry, sharding
-from .fused import fuse_projections
+from . import backend, cpu_paths, projections, registry, sharding
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
@@ -112,7 +111,7 @@ def load_weights(files: List[Path]) -> Dict[str, mx.array]:
 
 
 def _quantize(model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> None:
-    """Swap in quantized layers where the checkpoint has scales (mlx-lm's layout)."""
+    """Swap in quantized layers where the checkpoint has scales (mlx-lm's format)."""
     quant = config["quantization"]
     overrides = {k: v for k, v in quant.items() if isinstance(v, (dict, bool))}
 
@@ -241,22 +240,24 @@ def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
-         lazy: bool = False, fuse: bool = True, adapter_path: Optional[Union[str, Path]] = None,
-         dist=None):
+         lazy: bool = False, join_projections: bool = True, adapter_path: Optional[Union[str, Path]] = None,
+         dist=None, fuse: Optional[bool] = None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
-    ``path_or_repo`` is a local folder (Hugging Face layout or converted by
+    ``path_or_repo`` is a local folder (Hugging Face format or converted by
     ``refusion_mlx.convert``) or a hub repo id; None loads the bundled demo.
-    The mask id ends up in ``model.args.mask_token_id``. ``fuse`` joins the
+    The mask id ends up in ``model.args.mask_token_id``. ``join_projections`` joins the
     projections each module declares (q/k/v, gate/up) into one matmul each
-    (``fused.hf_parameters(model)`` still gives the weights under Hugging
+    (``projections.hf_parameters(model)`` still gives the weights under Hugging
     Face's names). ``adapter_path``: a
-    local folder of fine-tuned adapters in mlx-lm's layout (``refusion_mlx.train``
+    local folder of fine-tuned adapters in mlx-lm's format (``refusion_mlx.train``
     writes them), applied as trained (LoRA/DoRA layers kept, a quantized base
-    stays quantized); only the projection groups they leave plain are fused.
+    stays quantized); only the projection groups they leave plain are joined.
     ``dist``: a ``distributed.group.Distributed`` of two or more ranks (from
     ``distributed.group.init``): this rank loads its share only
-    (``models/sharding.py``); the projections are fused after sharding.
+    (``models/sharding.py``); the projections are joined after sharding.
+    ``fuse``: the old spelling of ``join_projections`` ("fuse" now means
+    folding adapters in: ``python -m refusion_mlx.fuse``).
     """
     backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
     _blas.warn_once()  # MLX on the reference BLAS (Linux): one line, with the fix, at the first load
@@ -272,8 +273,10 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         model.eval()
         if not lazy:
             mx.eval(model.parameters())
-    if fuse and not lazy:
-        fuse_projections(model)
+    if fuse is not None:
+        join_projections = fuse
+    if join_projections and not lazy:
+        projections.join_projections(model)
     tokenizer = load_tokenizer(model_path)
     mask_id = resolve_mask_id(config, tokenizer)
     if not 0 <= mask_id < model.args.vocab_size:
@@ -285,5 +288,5 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)
         if not lazy:
-            cpu_paths.relayout(model)
+            cpu_paths.store_weights_transposed(model)
     return model, tokenizer

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from .base import TensorParallel
 from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend, rms_norm
-from .fused import Derived, Linear, Projections
+from .projections import Derived, Linear, Projections
 from .kernels import silu_gate
 from .rope import apply_rope
 

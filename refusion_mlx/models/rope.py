@@ -50,7 +50,7 @@ class PositionalRoPE:
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
-    """Rotate (B, H, T, D) by per-token angles (halves layout, as HF Qwen3),
+    """Rotate (B, H, T, D) by per-token angles (halves convention, as HF Qwen3),
     then multiply each head by ``head_scale`` (H, 1, 1).
 
     GPU paths: :func:`rotate_shapeless`, one trace for every pass length.

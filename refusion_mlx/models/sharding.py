@@ -12,7 +12,7 @@ rank computes the same logits from the same all-reduced hidden states and
 the decoder's host decisions agree on every rank without further messages.
 
 The sharded q/k/v and gate/up stay the model's own ``Linear`` (or
-``QuantizedLinear``) with fewer rows, so ``fused.fuse_projections`` joins
+``QuantizedLinear``) with fewer rows, so ``projections.join_projections`` joins
 them after sharding exactly as alone, and the CPU paths keep their
 transposed weight views; only o_proj/down_proj become MLX's sharded-to-all
 layers (plus a watchdog pet).
@@ -42,7 +42,7 @@ from mlx.nn.layers.distributed import (QuantizedShardedToAllLinear, ShardedToAll
 from ..distributed import watchdog
 from ..errors import ConfigError
 from . import registry
-from .fused import joined
+from .projections import joined
 
 
 class _SumLinear(ShardedToAllLinear):
@@ -91,12 +91,12 @@ def _at(block: nn.Module, path: str) -> Tuple[object, str]:
 
 def shard(model, group) -> None:
     """Tensor parallel: split every layer's heads and MLP columns over ``group``.
-    Call before the projections are fused (and, to read only this rank's
+    Call before the projections are joined (and, to read only this rank's
     share, before the weights are read: ``loading._load_split``)."""
     N = group.size()
     check_tensor_parallel(model.args, N)
     if joined(model):
-        raise ConfigError("shard the model before fusing its projections")
+        raise ConfigError("shard the model before joining its projections")
     plan = model.tensor_parallel
     for layer in model.layers:
         for path in plan.split:

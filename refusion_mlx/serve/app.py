@@ -1,44 +1,33 @@
 """The HTTP layer: FastAPI routes over the engine.
 
 Handlers run on uvicorn's event loop: pydantic validates the body, a worker
-thread makes the engine's request of it (the API's adapter,
-``schemas.openai_request``, then ``engine_request.resolve``), the engine
-queues it as a Job and the handler awaits its events. Every error -- a
-refusal of the request's resolution or of the engine included -- is OpenAI's
-envelope ``{"error": {message, type, param, code}}`` (:mod:`.http_errors`);
-a stream carries only final text, in answer order, as server-sent events.
+thread makes the engine's request of it (the API's adapter -- OpenAI's
+completions ``schemas.openai_request``, :mod:`.responses_api`,
+:mod:`.anthropic_api` -- then ``engine_request.resolve``), the engine queues
+it as a Job and the handler awaits its events (:mod:`.answering`, the same
+for every API). Every error -- a refusal of the request's resolution or of
+the engine included -- is answered in the shape of the route's API
+(:mod:`.http_errors`: OpenAI's envelope ``{"error": {message, type, param,
+code}}``, Anthropic's on ``/v1/messages``); a stream carries only final
+text, in answer order, as server-sent events.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
-import uuid
-import weakref
-from typing import List
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
-from .http_errors import APIError, as_api_error, error_response, refusal_error
-from .job import Job
+from . import anthropic_api, openai_api, responses_api
+from .answering import Answering
+from .http_errors import APIError, as_api_error, error_response
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
 from .refusal import Refusal
-from .slots import answer_blocks
-from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
-
-log = logging.getLogger("refusion_mlx.server")
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer."""
 
 
 class BodyLimit:
@@ -65,7 +54,7 @@ class BodyLimit:
         else:
             scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
             return await self.app(scope, receive, send)
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 def create_app(server) -> FastAPI:
@@ -78,12 +67,14 @@ def create_app(server) -> FastAPI:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
 
     async def on_error(request: Request, exc: Exception):
         error = as_api_error(request, exc)
         engine.metrics.http_error(error.status)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     for exc in (APIError, Refusal, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
@@ -116,144 +107,10 @@ def create_app(server) -> FastAPI:
         """The Prometheus text format (names prefixed ``refusion_``)."""
         return PlainTextResponse(exposition(engine.metrics, gauges(engine.snapshot(), engine.health()[0])), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions", include_in_schema=False)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await complete(request, body, "chat")
-
-    @app.post("/v1/completions")
-    @app.post("/completions", include_in_schema=False)
-    async def completions(body: CompletionRequest, request: Request):
-        return await complete(request, body, "text")
-
-    def tokenize(source) -> List[int]:
-        from ..decode.stream import chat_prompt
-
-        if isinstance(source, list) and isinstance(source[0], int):
-            return source
-        with engine.tokenizer_lock:
-            if isinstance(source, list):
-                return chat_prompt(engine.http_tokenizer, source)
-            return list(engine.http_tokenizer.encode(source))
-
-    def to_request(body, kind):
-        return openai_request(body, kind, tokenize, defaults=config.decoding,
-                              context=engine.args.max_position_embeddings, vocab_size=engine.args.vocab_size)
-
-    async def next_event(job: Job, request: Request) -> tuple:
-        """The job's next event (an error raised); a client that leaves meanwhile cancels it."""
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), 0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone() from None
-                continue
-            if event[0] == "error":
-                raise event[1]
-            return event
-
-    async def complete(request: Request, body, kind: str):
-        t0 = time.perf_counter()
-        job = engine.submit(await run_in_threadpool(to_request, body, kind), asyncio.get_running_loop())
-        stream = bool(body.stream)
-        head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
-                "created": int(time.time()), "model": config.model_id, "system_fingerprint": server.fingerprint}
-        try:
-            await next_event(job, request)  # admitted to the batch: the decoder took it
-            if stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = sse(job, kind, head, t0, include_usage)
-                weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
-                response = JobStream(job, events)
-                job = None  # the stream owns it now
-                return response
-            pieces, event = [], ("start", None)
-            while event[0] != "done":
-                event = await next_event(job, request)
-                pieces += [event[1]] if event[0] == "text" else []
-            done, text = event[1], "".join(pieces)
-            choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None,
-                      **({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})}
-            _log(request.url.path, t0, done)
-            return {**head, "choices": [choice], "usage": done["usage"]}
-        except ClientGone:
-            _log(request.url.path, t0, "client went away")
-            return Response(status_code=499)
-        finally:
-            if job is not None:
-                job.cancelled.set()  # no-op once it finished; frees the generation when the client left
-
-    async def sse(job: Job, kind: str, head: dict, t0: float, include_usage: bool):
-        """One chunk per piece of final text, in order; the finish (and usage); [DONE]."""
-        def chunk(text, finish=None, role: bool = False) -> dict:
-            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if kind == "chat":
-                choice["delta"] = {**({"role": "assistant"} if role else {}),
-                                   **({"content": text} if text is not None else {})}
-            else:
-                choice["text"] = text or ""
-            return {**head, "choices": [choice]}
-
-        note = "client went away"
-        try:
-            if job.request.include_commits:  # first, the answer's blocks, nothing committed yet
-                yield data({**chunk("", role=True), "commits": {"step": 0, "phase": "", "slots": [],
-                                                                 "blocks": answer_blocks(job.request)}})
-            elif kind == "chat":
-                yield data(chunk("", role=True))
-            while True:
-                what, payload = await job.events.get()
-                if what == "text":
-                    yield data(chunk(payload))
-                elif what == "commits":  # a step's text (maybe none yet) and the slots it committed
-                    yield data({**chunk(payload[0] or None), "commits": payload[1]})
-                elif what == "error":
-                    note = payload.message
-                    yield data(refusal_error(payload).body())
-                    break
-                elif what == "done":
-                    note, usage, last = payload, payload["usage"], chunk(None, payload["finish_reason"])
-                    if include_usage:  # OpenAI's shape: usage in a chunk of its own
-                        yield data(last) + data({**head, "choices": [], "usage": usage})
-                    else:
-                        yield data({**last, "usage": usage})
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled.set()
-            _log("stream", t0, note)
+    answering = Answering(server)
+    openai_api.add_routes(app, answering)  # chat and text completions
+    responses_api.add_routes(app, answering)  # the Responses API
+    anthropic_api.add_routes(app, answering)  # Anthropic's Messages API
 
     add_page(app, server)  # the web chat at /
     return app
-
-
-class JobStream(StreamingResponse):
-    """A job's server-sent events; however the response ends -- finished, or the
-    client gone before the first chunk (its generator never started, so only
-    the garbage collector would run its ``finally``) -- the job is cancelled
-    (a no-op once it finished)."""
-
-    def __init__(self, job: Job, events):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.job = job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancelled.set()
-
-
-def data(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def _log(what: str, t0: float, note) -> None:
-    if isinstance(note, dict):
-        u, s = note["usage"], note["stats"]
-        note = (f"prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
-                f"completion={u['completion_tokens']} finish={note['finish_reason']}"
-                + (f" steps={s['steps']} tokens/forward={s['tokens_per_forward']:.2f}" if s else ""))
-    log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)

@@ -38,21 +38,20 @@ from typing import Dict, List, Optional, Tuple
 
 from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
-from ..distributed.group import errors, is_link_failure
+from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
-from ..decode.prefix import prefix_length
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
 from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
 from .metrics import ServerMetrics
-from .prompt_cache import PromptCache, prefill
+from .prompt_cache import PromptCache
 from .refusal import Reason, Refusal
 from .server_config import ServerConfig
 from .slots import step_commits
+from .tool_calls import ToolFormat
 
 log = logging.getLogger("refusion_mlx.server")
 
-SHARED_PREFIX = 16  # tokens requests must share (beyond the cache) to prefill them once for all
 PEERS = 64  # waiting requests compared with one being admitted
 IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
@@ -71,6 +70,7 @@ class Engine:
         self.kv_row_bytes = 0  # the model's KV bytes per token, known once it is loaded
         self.kv_reserved = 0  # by the requests in the batch
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
+        self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
         self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
@@ -83,6 +83,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
@@ -98,7 +99,11 @@ class Engine:
             raise self._error
 
     def stop(self, timeout: float = 0.0) -> None:
-        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread."""
+        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread.
+        Under mlx.launch a step that cannot end (a rank died mid-collective) ends the process, in one line."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            watchdog.hurry()
         self._stopping.set()
         with self.wake:
             self.wake.notify()
@@ -128,14 +133,14 @@ class Engine:
 
     def job(self, request: EngineRequest, loop=None) -> Job:
         """The request's Job, as every rank makes it (``loop``: where its events go)."""
-        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id)
+        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id, self.tool_format)
 
     def submit(self, request: EngineRequest, loop) -> Job:
         """Queue a request; its Job posts the answer's events to ``loop``. A
         :class:`Refusal` when it can never fit in KV memory or cannot wait."""
         job = self.job(request, loop)
         if job.kv_bytes > self.max_kv_bytes:
-            self.metrics.add("refused")
+            self.metrics.outcome(request.api, "refused")
             raise kv_refusal(job.kv_bytes, self.kv_row_bytes, self.max_kv_bytes)
         with self.wake:
             if self._failed:
@@ -175,6 +180,7 @@ class Engine:
                 barrier(self.dist)
             self.args = self.model.args
             self.eos_id = self.tokenizer.eos_token_id
+            self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch)
             self._plan_memory()
@@ -190,10 +196,7 @@ class Engine:
             self._serve()
         except BaseException as e:  # a bug: requests get a 500 rather than hang
             if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
-                rank = f"rank {self.dist.rank}: " if self.dist is not None else ""
-                errors().write(f"error: {rank}lost the other ranks ({' '.join(str(e).split())}): "
-                               "a rank died or the link broke\n")
-                errors().flush()
+                say_error(lost_ranks(e))
                 os._exit(1)
             log.exception("the engine failed")
             self._failed = True
@@ -252,7 +255,7 @@ class Engine:
                 job = self.waiting[0]
                 if job.cancelled.is_set():  # its client left while it waited
                     self.waiting.popleft()
-                    self.metrics.add("cancelled")
+                    self.metrics.outcome(job.request.api, "cancelled")
                     continue
                 if self.kv_reserved - freed + job.kv_bytes > self.max_kv_bytes:
                     if not job.waited:
@@ -307,16 +310,9 @@ class Engine:
         from ..decode.cache import CommittedCache
 
         ids = job.request.prompt_ids
-        n, cache = self.prompt_cache.lookup(ids, [j.cache for j in self.running.values()])
-        job.cached = n
-        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in peers), default=0))
-        if shared - n >= SHARED_PREFIX and self.prompt_cache.max_bytes > 0:
-            cache = cache or CommittedCache.for_model(self.model)
-            prefill(self.model, cache, ids[n:shared])  # once; the others find it in the prompt cache
-            self.prompt_cache.insert(cache)
-            self.metrics.add("prefill_tokens", shared - n)
-            n = shared
-        job.cache = cache or CommittedCache.for_model(self.model)
+        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, [j.cache for j in self.running.values()],
+                                                           peers, lambda: CommittedCache.for_model(self.model))
+        self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
         except RefusionError as e:
@@ -335,15 +331,18 @@ class Engine:
         if r.finish_reason == "error":
             return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
         released = job.shaper.completion_tokens
-        text, reason = job.shaper.feed(r.text, r.tokens, final=r.finish_reason is not None)
+        items, reason = job.take(r.text, r.tokens, finished=r.finish_reason is not None)
         self.metrics.add("generated_tokens", job.shaper.completion_tokens - released)
         if job.request.include_commits and r.commits:
-            job.post("commits", (text, step_commits(self.tokenizer, job.request, r)))
-        elif text:
-            job.post("text", text)
+            first = items.pop(0) if items and isinstance(items[0], str) else ""
+            job.post("commits", (first, step_commits(self.tokenizer, job.request, r)))
+        for item in items:
+            job.post("text" if isinstance(item, str) else "tool_call", item)
         reason = reason or r.finish_reason
         if reason is None:
             return
+        if job.calls is not None:
+            self.metrics.tool_calls(job.calls.calls, job.calls.failed)
         self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
         self._close(job, "completed")
         job.post("done", job.outcome(reason, r.stats, self.dist))
@@ -362,7 +361,7 @@ class Engine:
                 self.starting -= 1  # it never reached the batch
             self.kv_reserved -= job.kv_bytes
             job.kv_bytes = 0
-            self.metrics.add(outcome)
+            self.metrics.outcome(job.request.api, outcome)
         if not self.running:  # the batch is empty: hand the allocator's cached buffers back
             import mlx.core as mx
 

@@ -2,9 +2,11 @@
 
 :class:`EngineRequest` is what the engine runs, whichever API asked for it.
 Each API's adapter at the edge (OpenAI's chat and text completions:
-:func:`.schemas.openai_request`) only translates its body -- the prompt's
-source (messages for the chat template, text or ids), the most tokens and
-the name its API gives them, the decoding fields given, stop strings -- and
+:func:`.schemas.openai_request`; the Responses API: :mod:`.responses_api`;
+Anthropic's Messages API: :mod:`.anthropic_api`) only translates its body --
+the prompt's source (messages and tools for the chat template, text or ids),
+the most tokens and the name its API gives them, the decoding fields given,
+stop strings, the tools whose calls to look for -- and
 hands it to :func:`prompt_ids` and :func:`resolve`, which do the rest once:
 the vocabulary and context checks, the default ``max_tokens``, the server's
 decoding settings under the request's own, and the block layout (resolved
@@ -27,13 +29,19 @@ from .refusal import Reason, Refusal
 class EngineRequest:
     """A generation as the engine runs it: the prompt's ids, the decoding
     settings (``params``; its ``gen_length`` is ``max_tokens``), the stop
-    strings, and whether each step's commits are wanted (the web page's slot
-    view: ``stream_options.include_commits``)."""
+    strings, whether each step's commits are wanted (the web page's slot
+    view: ``stream_options.include_commits``), the ``tools`` (in the chat
+    template's form) whose calls the answer is read for (none: its text is
+    only text), whether it may make several (``parallel_tool_calls``; no:
+    it ends after the first), and the ``api`` that asked (``/metrics``)."""
 
     prompt_ids: List[int]
     params: RefusionParams
     stop: Tuple[str, ...] = ()
     include_commits: bool = False
+    tools: Tuple[dict, ...] = ()
+    parallel_tool_calls: bool = True
+    api: str = "chat.completions"
 
     @property
     def max_tokens(self) -> int:
@@ -46,11 +54,22 @@ class EngineRequest:
         return self.params.layout()
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation as the chat template takes it: ``messages`` (OpenAI's
+    chat form: system, user, assistant with ``tool_calls`` whose arguments
+    are objects, tool with ``tool_call_id``) and the function ``tools`` it
+    renders. Every chat-shaped API's adapter makes one."""
+
+    messages: List[dict]
+    tools: Tuple[dict, ...] = ()
+
+
 def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:
-    """The prompt's ids from ``source`` (what ``tokenize`` takes: chat messages,
-    text, or ids, which are checked against the vocabulary); ``param``: the
-    field that holds the prompt in the request's API."""
-    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size]
+    """The prompt's ids from ``source`` (what ``tokenize`` takes: a
+    :class:`ChatPrompt`, text, or ids, which are checked against the
+    vocabulary); ``param``: the field that holds the prompt in the request's API."""
+    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size] if isinstance(source, list) else []
     if outside:
         raise Refusal(Reason.INVALID_VALUE, f"prompt token id {outside[0]} is outside the vocabulary of "
                                             f"{vocab_size}", param)
@@ -66,7 +85,8 @@ def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: in
 
 def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any], defaults: RefusionParams,
             context: int, stop: Sequence[str] = (), include_commits: bool = False,
-            prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> EngineRequest:
+            prompt_param: str = "prompt", max_tokens_param: str = "max_tokens", tools: Sequence[dict] = (),
+            parallel_tool_calls: bool = True, api: str = "chat.completions") -> EngineRequest:
     """The request the engine runs, checked against the model's ``context``.
 
     ``max_tokens``: the answer's most tokens (None: the server's default,
@@ -74,7 +94,8 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     OpenAI shrinks its default). ``fields``: the decoding settings the request
     gives, by their ``RefusionParams`` names, over the server's ``defaults``
     (a request's block choice replaces the server's). ``prompt_param`` and
-    ``max_tokens_param``: those fields' names in the request's API.
+    ``max_tokens_param``: those fields' names in the request's API;
+    ``tools``, ``parallel_tool_calls``, ``api``: carried as given.
     """
     name = max_tokens_param
     if len(ids) >= context:
@@ -99,4 +120,4 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     if len(ids) + budget > context:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
                       f"{budget} in whole slots) exceeds the model's context of {context}", name)
-    return EngineRequest(list(ids), params, tuple(stop), include_commits)
+    return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api)

@@ -1,9 +1,13 @@
-"""Errors at the HTTP edge, in OpenAI's shape ``{"error": {message, type, param, code}}``.
+"""Errors at the HTTP edge, in the shape of the route's API: OpenAI's
+``{"error": {message, type, param, code}}`` (chat and text completions, the
+Responses API, everything else), Anthropic's ``{"type": "error", "error":
+{type, message}}`` on ``/v1/messages`` (:func:`anthropic_route`).
 
 Whatever refused a request -- the body's schema (pydantic), the route, the
 request's resolution or the engine (a :class:`~.refusal.Refusal`) -- reaches
 the client as one :class:`APIError`; :func:`as_api_error` is the one mapping
-(a refusal's status comes from its reason: :data:`STATUS`).
+(a refusal's status comes from its reason: :data:`STATUS`), and
+:func:`error_response` writes it in the route's shape.
 """
 
 from __future__ import annotations
@@ -27,6 +31,22 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's error shape: its error type by status (:data:`ANTHROPIC_TYPES`)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+# Anthropic's error types by HTTP status (its docs' table; 503 is our "retry later", its overloaded_error).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_route(path: str) -> bool:
+    """The routes whose errors take Anthropic's shape: the Messages API's."""
+    return path.startswith(("/v1/messages", "/messages"))
 
 
 # A refusal's HTTP status, by the kind of its reason: the client's to fix, retry later, the server's fault.
@@ -66,5 +86,7 @@ def as_api_error(request, exc: Exception) -> APIError:
     return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), error.status, headers={"Retry-After": "1"} if error.status == 503 else None)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API whose route ``path`` is."""
+    body = error.anthropic_body() if anthropic_route(path) else error.body()
+    return JSONResponse(body, error.status, headers={"Retry-After": "1"} if error.status == 503 else None)

@@ -1,7 +1,8 @@
-"""OpenAI-compatible HTTP server for ReFusion (``python -m refusion_mlx.server``
-is its command line).
+"""The HTTP server for ReFusion (``python -m refusion_mlx.server`` is its
+command line): OpenAI's chat and text completions and Responses API,
+Anthropic's Messages API, tool calls on all three.
 
-FastAPI on uvicorn (routes in :mod:`.app`, request models in :mod:`.schemas`,
+FastAPI on uvicorn (routes in :mod:`.app` and each API's module, request models in :mod:`.schemas`,
 the schema at ``/docs``) over one engine thread that owns MLX and decodes up
 to ``--max-batch`` requests per forward (:mod:`.engine`), continuing
 conversations and shared prompts from a prompt cache (:mod:`.prompt_cache`).
@@ -30,7 +31,7 @@ log = logging.getLogger("refusion_mlx.server")
 
 
 class RefusionServer:
-    """An OpenAI-compatible server for one ReFusion model.
+    """An OpenAI- and Anthropic-compatible server for one ReFusion model.
 
     ``config``: its :class:`ServerConfig`; or, without one, ``model`` and the
     config's fields as keywords (``RefusionServer(model, port=0,
@@ -44,6 +45,7 @@ class RefusionServer:
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[ServerConfig] = None, dist=None,
                  **settings):
+        from .answering import GRACEFUL_SHUTDOWN
         from .app import create_app
 
         if config is None:
@@ -64,7 +66,8 @@ class RefusionServer:
         self.host, self.port = self.socket.getsockname()[:2]
         self.engine = Engine(config, dist=dist)
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
-                                        backlog=2048, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                                        backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+                                        timeout_keep_alive=30)
         self.uvicorn = _Uvicorn(uvicorn_config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None

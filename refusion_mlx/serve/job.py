@@ -10,36 +10,57 @@ from typing import Callable, List, Optional
 
 from .engine_request import EngineRequest
 from .text import TextShaper
+from .tool_calls import ToolCallSplitter, ToolFormat
 
 
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
-    asyncio queue: ("start", None), ("text", str), ("done", dict), ("error",
-    Refusal); with ``include_commits``, a step's text comes as ("commits",
-    (text, its commits)).
+    asyncio queue: ("start", None), ("text", str), ("tool_call", ToolCall),
+    ("done", dict), ("error", Refusal); with ``include_commits``, a step's
+    first text comes as ("commits", (text, its commits)).
 
     Made whole by the engine (``Engine.job``: on rank 0 when the request is
     submitted, on the other ranks from the plan): the request, where its
     events go (``loop``; None: nobody listens), the KV bytes it reserves
-    while it runs, and its text's stop strings (``shaper``). Only its
-    decoding's handles change after: ``uid``, ``cache`` and ``cached`` are
-    set when the engine starts it.
+    while it runs, its text's stop strings (``shaper``) and, when the request
+    gives tools and the model has a call format (``tool_format``), the
+    splitter that reads its calls (``calls``). Only its decoding's handles
+    change after: ``uid``, ``cache`` and ``cached`` are set when the engine
+    starts it.
     """
 
-    def __init__(self, request: EngineRequest, loop, kv_bytes: int = 0, eos_id: Optional[int] = None):
+    def __init__(self, request: EngineRequest, loop, kv_bytes: int = 0, eos_id: Optional[int] = None,
+                 tool_format: Optional[ToolFormat] = None):
         self.request, self.loop = request, loop
         self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
         self.cancelled = threading.Event()
         self.kv_bytes = kv_bytes  # reserved against the engine's max_kv_bytes while it runs
         self.waited = False  # it waited in the queue for KV memory
         self.shaper = TextShaper(request.stop, eos_id)
+        self.calls = (ToolCallSplitter(tool_format, request.tools, single=not request.parallel_tool_calls)
+                      if request.tools and tool_format is not None else None)
         self.uid: Optional[int] = None  # in the BatchGenerator, once started
         self.cache = None  # its CommittedCache, once started
         self.cached = 0  # prompt tokens the prompt cache held
 
+    def take(self, text: str, tokens, finished: bool) -> tuple:
+        """A response's new final text and ids, through the stop strings and the
+        tool-call splitter: (the items now certain -- strings and ToolCalls --,
+        "stop" when the answer ends here, else None). With ``parallel_tool_calls``
+        false the first call ends the answer."""
+        text, reason = self.shaper.feed(text, tokens, final=finished)
+        if self.calls is None:
+            return ([text] if text else []), reason
+        items = self.calls.feed(text, final=finished or reason is not None)
+        return items, reason or ("stop" if self.calls.done else None)
+
     def outcome(self, reason: str, stats, dist=None) -> dict:
-        """The "done" event: finish reason, the decoder's stats (with the group's
-        under ``mlx.launch``) and the OpenAI usage, with ReFusion's own figures."""
+        """The "done" event: finish reason ("tool_calls" for an answer that
+        ended after making calls), the stop string that cut it, the decoder's
+        stats (with the group's under ``mlx.launch``) and the OpenAI usage,
+        with ReFusion's own figures."""
+        if reason == "stop" and self.calls is not None and self.calls.calls:
+            reason = "tool_calls"
         prompt, completion = len(self.request.prompt_ids), self.shaper.completion_tokens
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": self.cached}}
@@ -49,7 +70,7 @@ class Job:
         info = stats.as_dict() if stats is not None else None
         if info is not None and dist is not None:
             info["distributed"] = dist.as_dict()
-        return {"finish_reason": reason, "stats": info, "usage": usage}
+        return {"finish_reason": reason, "stop_sequence": self.shaper.hit, "stats": info, "usage": usage}
 
     def post(self, kind: str, payload=None) -> None:
         if self.loop is None:  # a rank other than 0: nobody listens

@@ -1,7 +1,7 @@
 """How much KV memory the engine's requests may reserve (``--max-kv-bytes``).
 
 A request's decoder reserves every row it can write when it starts: the
-prompt plus the budget in whole slots, in the cache's growth step
+prompt plus the budget in whole slots, in multiples of the cache's growth rows
 (:func:`kv_rows`), at the model's KV bytes per token (:func:`kv_row_bytes`).
 Without ``--max-kv-bytes`` the budget is 90% of the device's memory --
 Metal's recommended working set on a Mac, the physical memory otherwise --
@@ -23,17 +23,17 @@ MEMORY_FRACTION = 0.9  # of the device's memory, the rest left to activations an
 
 
 def growth_rows() -> int:
-    """CommittedCache's growth step: a cache holds a multiple of these rows."""
-    from ..decode.cache import GROWTH_STEP
+    """CommittedCache's growth: a cache holds a multiple of these rows."""
+    from ..decode.cache import GROWTH_ROWS
 
-    return GROWTH_STEP
+    return GROWTH_ROWS
 
 
 def kv_rows(prompt_tokens: int, budget: int) -> int:
     """The KV rows a request's cache can hold: its decoder reserves prompt +
-    budget (whole slots) at once, in the cache's growth step."""
-    step = growth_rows()
-    return -(-(prompt_tokens + budget) // step) * step
+    budget (whole slots) at once, in multiples of the cache's growth rows."""
+    growth = growth_rows()
+    return -(-(prompt_tokens + budget) // growth) * growth
 
 
 def kv_row_bytes(model, storage=None) -> int:
@@ -87,5 +87,5 @@ def kv_refusal(need: int, row_bytes: int, max_bytes: int):
 
     rows = need // max(1, row_bytes)
     return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
-                   f"{row_bytes} bytes: prompt + max_tokens in whole slots, in steps of {growth_rows()}); the "
+                   f"{row_bytes} bytes: prompt + max_tokens in whole slots, in multiples of {growth_rows()}); the "
                    f"server's --max-kv-bytes is {max_bytes}", "max_tokens")

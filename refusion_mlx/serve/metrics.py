@@ -18,6 +18,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = ("completed", "cancelled", "failed", "refused")
+# the APIs a request can come through (EngineRequest.api), as /metrics labels them
+APIS = ("chat.completions", "completions", "responses", "messages")
 STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKENS_PER_FORWARD = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -48,12 +50,14 @@ class ServerMetrics:
 
     ``counts``: requests by outcome (``OUTCOMES``), ``kv_waits``, ``steps``, ``step_rows``
     (requests summed over steps), ``generated_tokens``, ``prefill_tokens``,
-    ``cached_tokens``; ``http_errors``: error responses by status.
+    ``cached_tokens``, ``tool_calls``, ``tool_call_failures``; ``apis``:
+    requests by (API, outcome); ``http_errors``: error responses by status.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.counts: "collections.Counter[str]" = collections.Counter()
+        self.apis: "collections.Counter[Tuple[str, str]]" = collections.Counter()
         self.http_errors: "collections.Counter[int]" = collections.Counter()
         self.step_seconds = Histogram(STEP_SECONDS)
         self.tokens_per_forward = Histogram(TOKENS_PER_FORWARD)
@@ -61,6 +65,18 @@ class ServerMetrics:
     def add(self, name: str, n: int = 1) -> None:
         with self.lock:
             self.counts[name] += n
+
+    def outcome(self, api: str, outcome: str) -> None:
+        """A request of ``api`` ended with ``outcome`` (one of OUTCOMES)."""
+        with self.lock:
+            self.counts[outcome] += 1
+            self.apis[api, outcome] += 1
+
+    def tool_calls(self, parsed: int, failed: int) -> None:
+        """An answer's calls: those read as calls, and those that did not parse (left as text)."""
+        with self.lock:
+            self.counts["tool_calls"] += parsed
+            self.counts["tool_call_failures"] += failed
 
     def read(self, names: Sequence[str]) -> Dict[str, int]:
         with self.lock:
@@ -82,6 +98,9 @@ class ServerMetrics:
 # (name, type, help) of each metric, in the order written
 METRICS: Tuple[Tuple[str, str, str], ...] = (
     ("refusion_requests_total", "counter", "Requests that ended, by outcome (refused: over --max-kv-bytes)."),
+    ("refusion_api_requests_total", "counter", "Requests that ended, by API (chat.completions, completions, "
+                                               "responses, messages) and outcome."),
+    ("refusion_tool_calls_total", "counter", "Tool calls in answers: parsed into calls, or unparsed (left as text)."),
     ("refusion_http_errors_total", "counter", "Error responses sent, by HTTP status."),
     ("refusion_requests_active", "gauge", "Requests in the batch."),
     ("refusion_requests_queued", "gauge", "Requests waiting for a batch row or KV memory."),
@@ -111,6 +130,11 @@ def exposition(metrics: ServerMetrics, gauges: Dict[str, float]) -> str:
         samples: Dict[str, Iterable[str]] = {
             "refusion_requests_total": [f'refusion_requests_total{{outcome="{o}"}} {metrics.counts[o]}'
                                         for o in OUTCOMES],
+            "refusion_api_requests_total": [f'refusion_api_requests_total{{api="{a}",outcome="{o}"}} '
+                                            f'{metrics.apis[a, o]}' for a in APIS for o in OUTCOMES],
+            "refusion_tool_calls_total": [f'refusion_tool_calls_total{{result="parsed"}} {metrics.counts["tool_calls"]}',
+                                          f'refusion_tool_calls_total{{result="unparsed"}} '
+                                          f'{metrics.counts["tool_call_failures"]}'],
             "refusion_http_errors_total": [f'refusion_http_errors_total{{status="{s}"}} {n}'
                                            for s, n in sorted(metrics.http_errors.items())],
             "refusion_kv_waits_total": [f"refusion_kv_waits_total {metrics.counts['kv_waits']}"],

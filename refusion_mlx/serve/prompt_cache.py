@@ -20,6 +20,9 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 from ..decode.prefix import ordered, prefix_length
 
+# tokens requests must share (beyond the cache) to prefill them once for all
+SHARED_PREFIX = 16
+
 
 def prefill(model, cache, ids: Sequence[int]) -> None:
     """Append ``ids`` (positions after the cache's) to ``cache`` as committed
@@ -63,6 +66,24 @@ class PromptCache:
             if self.store is not None:
                 self.store.touch(tokens)
         return n, cache.fork(range(n) if rows is None else rows[:n])
+
+    def start(self, model, ids: Sequence[int], running: Iterable, peers: Sequence[Sequence[int]],
+              new_cache) -> Tuple[int, int, object]:
+        """Where a new request's prompt ``ids`` starts: ``(cached, n, cache)``,
+        the rows the cache held for it, the rows its cache holds now and that
+        cache (its own; ``new_cache()`` makes an empty one). When ``peers`` (the
+        prompts admitted or waiting beside it) share ``SHARED_PREFIX`` more
+        tokens with it than the cache held, they are prefilled now and kept
+        here, once for all of them."""
+        cached, cache = self.lookup(ids, running)
+        n = cached
+        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in peers), default=0))
+        if shared - n >= SHARED_PREFIX and self.max_bytes > 0:
+            cache = cache or new_cache()
+            prefill(model, cache, ids[n:shared])
+            self.insert(cache)
+            n = shared
+        return cached, n, cache or new_cache()
 
     def insert(self, cache) -> None:
         """Keep a compact copy of ``cache`` (a finished request's, or a prefix

@@ -23,6 +23,8 @@ class Reason(enum.Enum):
     INVALID_DECODING_PARAMETERS = "invalid_decoding_parameters"  # a bad ReFusion setting or combination
     KV_MEMORY_EXCEEDED = "kv_memory_exceeded"  # could never fit in --max-kv-bytes
     INVALID_REQUEST = "invalid_request"  # the decoder refused it when it started
+    UNSUPPORTED = "unsupported_parameter"  # a valid value this server cannot honour (yet)
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # not stored here (unknown, deleted or evicted)
     # the server: the same request may be answered later
     SERVER_BUSY = "server_busy"  # --max-queue requests already wait
     SHUTTING_DOWN = "shutting_down"

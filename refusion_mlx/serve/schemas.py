@@ -1,6 +1,8 @@
 """The OpenAI request bodies as pydantic models (they make the schema at
-``/docs``), and their adapter into the engine's request
-(:func:`openai_request`).
+``/docs``; ``ChatCompletionRequest`` and ``CompletionRequest`` as OpenAI names
+them, on the shared ``_Body``), and their adapter into the engine's request,
+the one request shape inside (:func:`openai_request` makes an
+:class:`~.engine_request.EngineRequest`).
 
 Types are strict (``"12"`` is not a number, ``true`` not an integer) and
 ranges are checked here; what needs the tokenizer or the model's context is
@@ -11,13 +13,16 @@ never ignored; other unknown fields are.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..decode.params import FIELDS, RefusionParams
-from .engine_request import EngineRequest, prompt_ids, resolve
+from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
+from .refusal import Reason, Refusal
+from .tool_calls import check_results, function_tool, template_tools
 
 MAX_STOP = 16
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -30,7 +35,7 @@ def _invalid(message: str):
 # Fields refused unless they hold a value that changes nothing.
 HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
             "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
-            "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+            "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
             "response_format": (None, {"type": "text"})}
 
 
@@ -54,8 +59,8 @@ class StreamOptions(BaseModel):
                           "(answer positions, token ids and their text), out of answer order")
 
 
-class _RequestBase(BaseModel):
-    """A request's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
+class _BodyBase(BaseModel):
+    """A request body's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
 
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
@@ -86,8 +91,8 @@ def _decoding_fields() -> Dict[str, Any]:
             for f in FIELDS if f.request is not None}
 
 
-# The fields common to both endpoints: _RequestBase's and the decoding settings.
-_Request = create_model("_Request", __base__=_RequestBase, __module__=__name__, **_decoding_fields())
+# The body fields common to both endpoints: _BodyBase's and the decoding settings.
+_Body = create_model("_Body", __base__=_BodyBase, __module__=__name__, **_decoding_fields())
 
 
 class TextPart(BaseModel):
@@ -95,10 +100,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as JSON text (an object)")
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made."""
+
+    model_config = STRICT
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
+    tool_calls: Optional[List[ToolCallIn]] = Field(None, description="assistant: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -112,13 +134,30 @@ class Message(BaseModel):
         raise _invalid('must be a string or a list of text parts ({"type": "text", "text": ...})')
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Body):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="as max_tokens (and over it)")
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", '
+                                                  '"function": {"name", "description", "parameters"}}')
+    tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = Field(
+        None, description='"auto" (the default with tools), "none"; "required" and a named function are refused '
+                          "until constrained decoding can force a call")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
 
 
-class CompletionRequest(_Request):
+def refuse_tools(body):
+    """Before validation: a text completion takes no tools."""
+    for name in ("tools", "tool_choice") if isinstance(body, dict) else ():
+        if body.get(name) not in (None, [], "none", "auto"):
+            raise PydanticCustomError("unsupported_parameter", "not supported by /v1/completions (a chat "
+                                      "completion takes tools)", {"field": name})
+    return body
+
+
+class CompletionRequest(_Body):
     prompt: Union[str, List[int]] = Field(description="a string (used as is) or a list of token ids")
+
+    _no_tools = model_validator(mode="before")(refuse_tools)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -141,20 +180,75 @@ class CompletionRequest(_Request):
 DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
 
 
-def decoding_fields(body: _Request) -> Dict[str, Any]:
+def decoding_fields(body: _Body) -> Dict[str, Any]:
     """The decoding settings a body gives (those not null), by their RefusionParams names."""
     return {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
 
 
-def openai_request(body: _Request, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
-                   context: int, vocab_size: int) -> EngineRequest:
-    """A chat (``kind`` "chat") or text ("text") completion body as the engine's request."""
+def chat_messages(messages: List[Message]) -> List[dict]:
+    """The messages in the chat template's form: developer as system, text
+    parts joined, a call's arguments as an object; tool results answer calls made."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_calls: only an assistant message makes "
+                                                    "calls", f"messages[{i}].tool_calls")
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_call_id: a tool message names the call "
+                                                    "it answers", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    check_results(out, [f"messages[{i}]" for i in range(len(out))])
+    return out
+
+
+def _arguments(text: str, i: int, j: int) -> dict:
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+    try:
+        args = json.loads(text or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON object as text", param)
+    return args
+
+
+def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
+    """The request's function tools in the template's form, checked (none with tool_choice "none")."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if tool.get("type") != "function":
+            raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only function tools are supported, got "
+                                              f"{tool.get('type')!r}", f"tools[{i}].type")
+        tools.append(function_tool(tool.get("function"), f"tools[{i}].function"))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise Refusal(Reason.INVALID_VALUE, 'tool_choice: "none", "auto", "required" or {"type": "function", '
+                                                '"function": {"name": ...}}', "tool_choice")
+        choice = name
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+
+
+def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
+                   context: int, vocab_size: int, takes_tools: bool = False) -> EngineRequest:
+    """A chat (``kind`` "chat") or text ("text") completion body as the
+    engine's request; ``takes_tools``: the model has a tool-call format."""
     param = "messages" if kind == "chat" else "prompt"
-    source = ([{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
-              if kind == "chat" else body.prompt)
+    tools = chat_tools(body, takes_tools) if kind == "chat" else ()
+    source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt
     ids = prompt_ids(source, tokenize, vocab_size, param)
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     options = body.stream_options
     return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
-                   include_commits=bool(body.stream and options and options.include_commits))
+                   include_commits=bool(body.stream and options and options.include_commits), tools=tools,
+                   parallel_tool_calls=getattr(body, "parallel_tool_calls", None) is not False,
+                   api="chat.completions" if kind == "chat" else "completions")

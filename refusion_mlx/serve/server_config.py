@@ -30,6 +30,7 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a long chat history, not an upload
+DEFAULT_MAX_STORED_RESPONSES = 1024  # the Responses API's, for previous_response_id (text, a few KiB each)
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,14 @@ class ServerConfig:
     prompt_cache_dir_bytes: Optional[int] = None
     max_kv_bytes: Optional[int] = None
     watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_body_bytes"):
             _check(name, getattr(self, name), 1)
         _check("port", self.port, 0, 65535)
         _check("prompt_cache_bytes", self.prompt_cache_bytes, 0)
+        _check("max_stored_responses", self.max_stored_responses, 0)
         for name in ("prompt_cache_dir_bytes", "max_kv_bytes"):
             if getattr(self, name) is not None:
                 _check(name, getattr(self, name), 0 if name == "prompt_cache_dir_bytes" else 1)
@@ -108,6 +111,7 @@ def _int_flag(lo: int, hi: int, message: str):
 
 _port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
 _positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
+_count = _int_flag(0, 1 << 62, "must be >= 0, got {}")
 
 
 def _positive_size(text: str) -> int:
@@ -164,5 +168,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
     parser.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY,
                         help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_BODY})")
+    parser.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="responses of the Responses API kept in memory for previous_response_id and GET "
+                             f"/v1/responses/ID, least recently used out; 0 keeps none "
+                             f"(default {DEFAULT_MAX_STORED_RESPONSES})")
     parser.add_argument("--allowed-origins", type=_origins, default=(),
                         help="comma-separated origins allowed by CORS, or '*' (default: none)")

@@ -22,6 +22,7 @@ class TextShaper:
         self.completion_tokens = 0
         self.text = ""  # all final text received
         self.sent = 0  # characters of self.text already released
+        self.hit: Optional[str] = None  # the stop string the text was cut before
 
     def feed(self, text: str, tokens: Sequence[int], final: bool) -> Tuple[str, Optional[str]]:
         """Take a response's new text and ids; return (text to send, "stop" or None)."""
@@ -29,10 +30,12 @@ class TextShaper:
         self.text += text
         hit = self._first_stop()
         if hit is not None:
+            self.hit = next(s for s in self.stop if self.text.startswith(s, hit))
             return self._release(hit), "stop"
         if final:
             return self._release(len(self.text)), None
         return self._release(len(self.text) - self._held()), None
+
     def _first_stop(self) -> Optional[int]:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

@@ -14,7 +14,7 @@ def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="python -m refusion_mlx.train",
         description="Fine-tune a ReFusion model with the paper's hybrid objective (AR within unmasked slots, "
-                    "MDM on masked slots); adapters in mlx-lm's layout.")
+                    "MDM on masked slots); adapters in mlx-lm's format.")
     add_flags(parser)
     return parser
 

@@ -99,7 +99,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         raise RefusionError(f"--resume-adapter-file {o['resume_adapter_file']}: no such file")
 
     report("Loading pretrained model")
-    model, tokenizer = load(o["model"], dtype=o["dtype"], fuse=False)
+    model, tokenizer = load(o["model"], dtype=o["dtype"], join_projections=False)
     if reference_warning():
         report(f"[WARNING] {reference_warning()}")
     num_layers = resolve_num_layers(o["num_layers"], len(model.layers))

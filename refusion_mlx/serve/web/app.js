@@ -1,6 +1,7 @@
-// The refusion-mlx chat page: a multi-turn chat over /v1/chat/completions (streamed),
-// the decoding settings of /web/settings.json, and the answer's slots as the stream's
-// commits (stream_options.include_commits) fill them, out of order.
+// The refusion-mlx chat page: a multi-turn chat streamed through the API chosen
+// (/v1/chat/completions, /v1/responses or /v1/messages), the decoding settings of
+// /web/settings.json, and the answer's slots as the stream's commits
+// (stream_options.include_commits, on all three) fill them, out of order.
 // Model text only ever goes into the page as text (textContent, title), never as HTML.
 "use strict";
 
@@ -12,7 +13,63 @@ const GROUPS = [
 const STORE = "refusion-mlx-settings";
 
 const $ = (id) => document.getElementById(id);
-const state = { history: [], busy: false, controller: null, shown: null };
+const state = { history: [], busy: false, controller: null, shown: null, defaults: {} };
+
+// Each API: its path, its body for the conversation, and what one of its stream's events
+// says, as { text, commits, finish, usage: { completion, prompt, cached, tpf }, error }.
+const APIS = {
+  chat: {
+    path: "/v1/chat/completions",
+    body: (messages, system, decoding) => ({
+      messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
+      stream: true, stream_options: { include_usage: true, include_commits: true }, ...decoding,
+    }),
+    read: (name, d) => {
+      const choice = d.choices && d.choices[0];
+      const u = d.usage;
+      return {
+        text: choice && choice.delta && choice.delta.content, finish: choice && choice.finish_reason,
+        commits: d.commits, error: d.error && d.error.message,
+        usage: u && { completion: u.completion_tokens, prompt: u.prompt_tokens, tpf: u.tokens_per_forward,
+                      cached: u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens },
+      };
+    },
+  },
+  responses: {
+    path: "/v1/responses",
+    body: (messages, system, decoding) => {
+      const { max_tokens, ...rest } = decoding;
+      return { input: messages, ...(system ? { instructions: system } : {}), store: false, stream: true,
+               stream_options: { include_commits: true },
+               ...(max_tokens != null ? { max_output_tokens: max_tokens } : {}), ...rest };
+    },
+    read: (name, d) => {
+      if (name === "response.output_text.delta") return { text: d.delta };
+      if (name === "response.commits") return { commits: d.commits };
+      if (name === "response.failed") return { error: d.response.error.message };
+      if (name !== "response.completed" && name !== "response.incomplete") return {};
+      const u = d.response.usage;
+      return { finish: d.response.status, usage: { completion: u.output_tokens, prompt: u.input_tokens,
+               cached: u.input_tokens_details.cached_tokens, tpf: u.tokens_per_forward } };
+    },
+  },
+  messages: {
+    path: "/v1/messages",
+    body: (messages, system, decoding) => ({
+      messages, ...(system ? { system } : {}), stream: true, stream_options: { include_commits: true },
+      ...decoding, max_tokens: decoding.max_tokens != null ? decoding.max_tokens : state.defaults.max_tokens,
+    }),
+    read: (name, d) => {
+      if (name === "content_block_delta" && d.delta.type === "text_delta") return { text: d.delta.text };
+      if (name === "commits") return { commits: d.commits };
+      if (name === "error") return { error: d.error.message };
+      if (name !== "message_delta") return {};
+      const u = d.usage;
+      return { finish: d.delta.stop_reason, usage: { completion: u.output_tokens, tpf: u.tokens_per_forward,
+               prompt: u.input_tokens + u.cache_read_input_tokens, cached: u.cache_read_input_tokens } };
+    },
+  },
+};
 
 function el(tag, cls, text) {
   const node = document.createElement(tag);
@@ -35,6 +92,7 @@ async function loadSettings() {
   $("model").textContent = s.model;
   document.title = s.model + " · refusion-mlx chat";
   const form = $("settings-form");
+  s.fields.forEach((f) => { state.defaults[f.name] = f.default; });
   const byName = new Map(s.fields.map((f) => [f.name, f]));
   const placed = new Set();
   const groups = GROUPS.map(([title, names]) => {
@@ -240,12 +298,8 @@ async function send(text) {
   msg.classList.add("streaming");
   msg.addEventListener("click", () => show(turn, msg));
   show(turn, msg);
-  const body = {
-    messages: (system ? [{ role: "system", content: system }] : []).concat(history),
-    stream: true,
-    stream_options: { include_usage: true, include_commits: true },
-    ...decoding,
-  };
+  const api = APIS[$("api").value];
+  const body = api.body(history, system, decoding);
   const pace = Number($("pace").value) || 0;
   state.controller = new AbortController();
   setBusy(true);
@@ -253,33 +307,31 @@ async function send(text) {
   let answer = "";
   let finish = null;
   const t0 = performance.now();
-  const onChunk = async (chunk) => {
-    if (chunk.error) throw new Error(chunk.error.message);
-    const choice = chunk.choices && chunk.choices[0];
-    if (choice && choice.delta && choice.delta.content) {
-      answer += choice.delta.content;
+  const onEvent = async (name, data) => {
+    const e = api.read(name, data);
+    if (e.error) throw new Error(e.error);
+    if (e.text) {
+      answer += e.text;
       msg.querySelector(".body").textContent = answer;
     }
-    if (choice && choice.finish_reason) finish = choice.finish_reason;
-    if (chunk.commits) {
-      applyCommits(turn, chunk.commits);
+    if (e.finish) finish = e.finish;
+    if (e.commits) {
+      applyCommits(turn, e.commits);
       if (state.shown === turn) renderGrid(turn);
-      if (pace && chunk.commits.step) await sleep(pace);
+      if (pace && e.commits.step) await sleep(pace);
     }
-    if (chunk.usage) {
-      const u = chunk.usage;
+    if (e.usage) {
+      const u = e.usage;
       const secs = ((performance.now() - t0) / 1000).toFixed(2);
-      const parts = [`${u.completion_tokens} tokens`, `${turn.step} steps`];
-      if (u.tokens_per_forward != null) parts.push(`${u.tokens_per_forward} tokens/forward`);
-      if (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) {
-        parts.push(`${u.prompt_tokens_details.cached_tokens} of ${u.prompt_tokens} prompt tokens cached`);
-      }
+      const parts = [`${u.completion} tokens`, `${turn.step} steps`];
+      if (u.tpf != null) parts.push(`${u.tpf} tokens/forward`);
+      if (u.cached) parts.push(`${u.cached} of ${u.prompt} prompt tokens cached`);
       parts.push(`${secs} s`, `finish: ${finish}`);
       msg.querySelector(".meta").textContent = parts.join(" · ");
     }
   };
   try {
-    const resp = await fetch("/v1/chat/completions", {
+    const resp = await fetch(api.path, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
@@ -303,9 +355,11 @@ async function send(text) {
       while ((cut = buffer.indexOf("\n\n")) >= 0) {
         const event = buffer.slice(0, cut);
         buffer = buffer.slice(cut + 2);
+        let name = null;
         for (const line of event.split("\n")) {
+          if (line.startsWith("event: ")) name = line.slice(7);
           if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-          await onChunk(JSON.parse(line.slice(6)));
+          await onEvent(name, JSON.parse(line.slice(6)));
         }
       }
       msg.scrollIntoView({ block: "end" });

@@ -1,6 +1,6 @@
 """Linear layers as the model runs them: a transposed weight view made once
 (``Linear``), and the projections that read one input joined into one
-matmul after loading (``Projections``, ``fuse_projections``), with the row
+matmul after loading (``Projections``, ``join_projections``), with the row
 counts that map a joined weight back to Hugging Face's names
 (``hf_parameters``).
 
@@ -14,7 +14,7 @@ itself and the input, getting one array per *output group*::
             qk, v = self.qkv(self, x)  # q and k side by side, then v
 
 As loaded the layers are separate (Hugging Face's names; adapters wrap
-them), and a group of several outputs is concatenated. ``fuse_projections``
+them), and a group of several outputs is concatenated. ``join_projections``
 replaces the layers by one (``qkv_proj``: their rows stacked) and puts a
 :class:`Joined` in the module's attribute: the same call, now one matmul
 whose output is split at the groups' edges. Either way the module runs the
@@ -73,7 +73,7 @@ class Linear(nn.Linear):
 class Projections:
     """Linear layers of one module that read the same input, kept apart:
     ``groups`` names the layers of each output group (a group of several is
-    concatenated). ``name``: the one layer ``fuse_projections`` makes of them."""
+    concatenated). ``name``: the one layer ``join_projections`` makes of them."""
 
     __slots__ = ("name", "groups")
 
@@ -91,7 +91,7 @@ class Projections:
 
 
 class Joined:
-    """Projections after ``fuse_projections``: one layer ``name`` computes every
+    """Projections after ``join_projections``: one layer ``name`` computes every
     part (``rows`` output rows each, in order); its output is split at the
     groups' edges (``cuts``)."""
 
@@ -119,10 +119,10 @@ def _declared(cls: type) -> Tuple[Tuple[str, Projections], ...]:
     return tuple(found.items())
 
 
-def fuse_linears(layers) -> Optional[nn.Module]:
+def join_linears(layers) -> Optional[nn.Module]:
     """One layer computing several layers' outputs side by side, or None.
 
-    Plain layers fuse; quantized ones only with identical group size, bits
+    Plain layers join; quantized ones only with identical group size, bits
     and mode (mixed recipes quantize v_proj differently: those stay apart).
     Rows are concatenated, so each output is computed exactly as before.
     """
@@ -134,15 +134,15 @@ def fuse_linears(layers) -> Optional[nn.Module]:
             len({getattr(layer, "mode", "") for layer in layers}) > 1 or \
             len({tuple(sorted(layer.keys())) for layer in layers}) > 1:
         return None
-    fused = copy.copy(layers[0])
-    if isinstance(fused, Linear):
-        fused._weight_t = Derived()  # its own, not the copied layer's
+    one = copy.copy(layers[0])
+    if isinstance(one, Linear):
+        one._weight_t = Derived()  # its own, not the copied layer's
     for key in layers[0].keys():
-        fused[key] = mx.concatenate([layer[key] for layer in layers], axis=0)
-    return fused
+        one[key] = mx.concatenate([layer[key] for layer in layers], axis=0)
+    return one
 
 
-def fuse_projections(model: nn.Module) -> int:
+def join_projections(model: nn.Module) -> int:
     """Join every declared group of projections into one matmul, module by
     module (after sharding, and after adapters: a group with an adapted or
     differently quantized layer stays apart). Fewer, larger matmuls per
@@ -153,15 +153,15 @@ def fuse_projections(model: nn.Module) -> int:
         for attr, declared in _declared(type(module)):
             if not isinstance(getattr(module, attr), Projections) or not all(p in module for p in declared.parts):
                 continue
-            fused = fuse_linears([module[p] for p in declared.parts])
-            if fused is None:
+            one = join_linears([module[p] for p in declared.parts])
+            if one is None:
                 continue
             rows = [module[p]["weight"].shape[0] for p in declared.parts]
             for p in declared.parts:
                 del module[p]
-            module[declared.name] = fused
+            module[declared.name] = one
             setattr(module, attr, Joined(declared, rows))
-            mx.eval(fused.parameters())  # frees the separate weights now
+            mx.eval(one.parameters())  # frees the separate weights now
             count += 1
     return count
 

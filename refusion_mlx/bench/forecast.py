@@ -1,0 +1,218 @@
+"""The forecast of ``bench --shape``: what a profile's forwards (``profiles``)
+would cost on Apple chips, from what the shape decides (weight bytes and
+FLOPs of a forward of each width: ``shapes.Costs``).
+
+Each forward is priced at max(weight bytes / bandwidth, FLOPs / fp16
+throughput): a roofline, with no per-forward launch or dispatch time, no KV
+reads and no host work, so every tokens/s it gives is a *ceiling*, and its
+ReFusion / AR ratio holds only if ReFusion's wide forwards run as close to
+the chip's limits as AR's one-token forwards. They did not on an H100 (the
+numbers in :data:`MEASURED_ON_H100`), so the ratio is printed as a ceiling
+with that evidence beside it. ReFusion / AR can never exceed the tokens per
+forward: a forward of several tokens reads the same weights as a forward
+of one and computes more.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from .report import format_table
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    bandwidth_gb_s: float
+    fp16_tflops: float
+
+
+# Memory bandwidth: Apple's published specifications (apple.com/macbook-pro/specs,
+# apple.com/mac-studio/specs; newsroom releases of Oct 2023, Oct 2024, Mar 2025):
+# M3 Pro 150 GB/s, M4 Pro 273 GB/s, M4 Max (16-core CPU / 40-core GPU) 546 GB/s,
+# M3 Ultra 819 GB/s. Apple publishes no TFLOP/s: the commonly cited GPU FP32
+# figures (cores x 128 ALUs x 2 FLOPs x clock; en.wikipedia.org "Apple M3" and
+# "Apple M4" GPU tables): M3 Pro 18-core ~7.4, M4 Pro 20-core ~9.2, M4 Max
+# 40-core ~18.4, M3 Ultra 80-core ~28.2 (sources differ by up to ~20% on the
+# clock assumed), here taken x2 for fp16 matrix work (an assumption, and an
+# optimistic one: it only matters where a forward is compute bound).
+CHIPS = (
+    Chip("M3 Pro (18-core GPU)", 150.0, 2 * 7.4),
+    Chip("M4 Pro (20-core GPU)", 273.0, 2 * 9.2),
+    Chip("M4 Max (40-core GPU)", 546.0, 2 * 18.4),
+    Chip("M3 Ultra (80-core GPU)", 819.0, 2 * 28.2),
+)
+
+# What this roofline printed against what the same forwards measured on one
+# NVIDIA H100 with MLX's CUDA backend, refusion-8b, random weights
+# (docs/benchmarks.md, "On a CUDA GPU"): (weights, recorded with, tokens per
+# forward, measured ReFusion / AR, forecast ratio printed for the M4 Max).
+MEASURED_ON_H100 = (
+    ("bfloat16", "the demo model", 6.81, 1.68, 6.81),
+    ("4-bit", "the demo model", 6.81, 1.32, 6.24),
+    ("4-bit", "the test fixture model", 5.33, 0.77, 4.97),
+)
+
+
+class OnAppleGPU:
+    """``Costs`` as Apple GPUs pay them: the GPU paths run the LM head over a
+    step's rows in one read (``decode.forward.head_chunk_rows``), whatever
+    paths this process runs."""
+
+    def __init__(self, costs):
+        self.costs = costs
+
+    def forward(self, tokens: int, visible: int, head_rows: int) -> tuple:
+        b, f = self.costs.forward(tokens, visible, head_rows)
+        extra = self.costs.head_reads(head_rows) - (1 if head_rows else 0)
+        return b - extra * self.costs.head_bytes, f
+
+
+def seconds(costs, forwards: Sequence[tuple], chip: Chip) -> float:
+    """Roofline seconds of ``forwards`` ((tokens, visible, head rows) each):
+    every forward max(bytes / bandwidth, FLOPs / throughput)."""
+    total = 0.0
+    for f in forwards:
+        b, fl = costs.forward(*f)
+        total += max(b / (chip.bandwidth_gb_s * 1e9), fl / (chip.fp16_tflops * 1e12))
+    return total
+
+
+def tok_s(costs, forwards: Sequence[tuple], tokens: int, chip: Chip) -> float:
+    """Tokens/s if every forward ran at ``chip``'s roofline (a ceiling)."""
+    s = seconds(costs, forwards, chip)
+    return tokens / s if s > 0 else 0.0
+
+
+def bytes_and_flops(costs, forwards: Sequence[tuple]) -> tuple:
+    per = [costs.forward(*f) for f in forwards]
+    return sum(b for b, _ in per), sum(f for _, f in per)
+
+
+def price(costs, forwards: Sequence[tuple], ar: Sequence[tuple], tokens: int,
+          chips: Sequence[Chip] = CHIPS) -> dict:
+    """A profile's forecast against AR's forwards for the same tokens: per chip
+    the two ceilings and their ratio; the bandwidth-bound ratio (AR's weight
+    bytes per token over ReFusion's: what every chip gives when no forward is
+    compute bound); bytes and FLOPs per token. Priced as on Apple GPUs (:class:`OnAppleGPU`)."""
+    costs = OnAppleGPU(costs)
+    rf_bytes, rf_flops = bytes_and_flops(costs, forwards)
+    ar_bytes, ar_flops = bytes_and_flops(costs, ar)
+    rows = []
+    for chip in chips:
+        r, a = tok_s(costs, forwards, tokens, chip), tok_s(costs, ar, tokens, chip)
+        rows.append({"chip": chip.name, "bandwidth_gb_s": chip.bandwidth_gb_s, "fp16_tflops": chip.fp16_tflops,
+                     "refusion_tok_s": round(r, 1), "ar_tok_s": round(a, 1), "ratio": round(r / a, 3)})
+    return {"forecast": rows, "bandwidth_bound_ratio": round(ar_bytes / rf_bytes, 3),
+            "weight_bytes_per_token": {"refusion": round(rf_bytes / tokens), "ar": round(ar_bytes / tokens)},
+            "flops_per_token": {"refusion": round(rf_flops / tokens), "ar": round(ar_flops / tokens)}}
+
+
+NOTE = ("a roofline model, not a measurement: each forward costs max(weight bytes / bandwidth, FLOPs / fp16 "
+        "throughput); kernel launches, KV reads and the decoder's host work are left out, so every tok/s is a "
+        "ceiling and the ratio holds only if ReFusion's wide forwards run as close to the chip's limits as AR's "
+        "one-token forwards (on an H100 they did not: see h100 in this report)")
+
+
+def _speed(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def row_label(p: dict) -> str:
+    if p["source"] == "derived":
+        return f"ReFusion at {p['target']:g} tok/forward [a]"
+    if p["recorded_with"] == "bundled demo model":
+        return "the demo model's own, not real [b]"
+    return "recorded with your model [b]"
+
+
+def _span(values: List[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}x"
+
+
+def derived_or_all(profiles: List[dict]) -> List[dict]:
+    return [p for p in profiles if p["source"] == "derived"] or profiles
+
+
+def _note(text: str) -> List[str]:
+    return textwrap.wrap(text, width=110, subsequent_indent="    ")
+
+
+def format_forecast(r: dict) -> str:
+    """The forecast section: one row per profile, a column per chip (the
+    recorded profile apart, below a rule), then the footnotes that say what
+    each row rests on."""
+    profiles = r["profiles"]
+    chips = [row["chip"] for row in profiles[0]["forecast"]]
+    ar_row = ["AR (mlx-lm), 1 token a forward", "1.00", r["ar_forwards"], "1.0"]
+    ar_row += [_speed(row["ar_tok_s"]) for row in profiles[0]["forecast"]]
+    rows = [ar_row]
+    for p in profiles:
+        cells = [row_label(p), f"{p['tokens_per_forward']:.2f}", p["forwards"], f"{p['tokens_fed_per_forward']:.1f}"]
+        cells += [f"{_speed(row['refusion_tok_s'])} ({row['ratio']:.2f}x)" for row in p["forecast"]]
+        rows.append(cells)
+    table = format_table(["profile", "tok/fwd", "forwards", "fed/fwd"] + [c.split(" (")[0] for c in chips],
+                         rows).split("\n")
+    recorded = [p for p in profiles if p["source"] == "recorded"]
+    if recorded and len(recorded) < len(profiles):  # the recorded profile apart from the derived ones
+        table.insert(len(table) - len(recorded), table[1])
+    lines = ["forecast for Apple GPUs, AT MOST: tokens/s ceilings, ReFusion / AR in brackets "
+             "(a roofline model, not a measurement [c])"] + table
+    tpf = [p["tokens_per_forward"] for p in derived_or_all(profiles)]
+    lines += _note(f"ReFusion beats AR only while one of its forwards costs less than tok/fwd times one of AR's "
+                   f"({_span(tpf)} here); on an H100 they cost "
+                   f"{', '.join(f'{t / m:.1f}x' for _, _, t, m, _ in MEASURED_ON_H100)} one of AR's [c].")
+    derived = [p for p in profiles if p["source"] == "derived"]
+    if derived:
+        s = r["settings"]
+        lines += _note(
+            f"[a] derived, not recorded: the same {r['prompts']} prompts and {sum(r['generated_tokens'])} tokens "
+            f"decoded by the decoder's rules at {s['slot_size']}-token slots in blocks of {s['block_length']}: "
+            "each round a plan pass as wide as the block's masked slots (the first with the prompt) and a "
+            "verify as wide as the slots drafted; below slot/2 tokens per forward one slot a round, and infill "
+            "rounds (draft + verify, as wide as the unfinished slots) after some verifies; the slots a round and "
+            "the infill rounds set to reach the row's tokens per forward (docs/benchmarks.md). "
+            f"{', '.join(f'{t:g}' for t in r['tokens_per_forward_range'])}: "
+            + ("asked for with --tokens-per-forward. " if len(r["tokens_per_forward_range"]) == 1 else
+               "where real checkpoints are reported (the paper's 2.33x over Qwen3-8B on an A100 needs at "
+               "least 2.33 tokens per forward). ")
+            + "Measure your checkpoint's own with --record-with PATH.")
+    if r["out_of_reach"]:
+        lines += _note(f"    left out, out of reach at these settings: "
+                       f"{', '.join(f'{t:g}' for t in r['out_of_reach'])} tokens per forward")
+    for p in recorded:
+        if p["recorded_with"] == "bundled demo model":
+            lines += _note(
+                f"[b] the bundled demo model's recorded forwards ({p['tokens_per_forward']:.2f} tokens per "
+                "forward): a 3.56M-parameter model certain of its synthetic answers. No real checkpoint is known "
+                "to reach this: the row is the demo's, to set beside the measurement, not a forecast for a "
+                "real model.")
+        else:
+            lines += _note(
+                f"[b] the forwards {p['recorded_with']} made on these prompts at these settings: its own "
+                f"confidence, measured ({p['tokens_per_forward']:.2f} tokens per forward).")
+    h = "; ".join(f"{w}, {who}'s forwards ({t:.2f} tok/fwd): {m:.2f}x measured, {f:.2f}x forecast"
+                  for w, who, t, m, f in MEASURED_ON_H100)
+    lines += _note(
+        "[c] each forward priced at max(weight bytes / bandwidth, FLOPs / fp16 TFLOP/s) at "
+        f"{', '.join(f'{c.bandwidth_gb_s:g}' for c in _chips(chips))} GB/s, the LM head read once a step; no "
+        "kernel launch, KV read or host time, so each tok/s is a ceiling, and the ratio holds only if "
+        "ReFusion's wide forwards run as close to the chip's limits as AR's one-token ones (it can never "
+        "exceed the tokens per forward). On an H100 (MLX's CUDA backend, refusion-8b) they did not: "
+        f"{h} (docs/benchmarks.md).")
+    return "\n".join(lines)
+
+
+def _chips(names: List[str]) -> List[Chip]:
+    by_name: Dict[str, Chip] = {c.name: c for c in CHIPS}
+    return [by_name[n] for n in names if n in by_name]
+
+
+def gap(measured_ratio: Optional[float], forecast_ratio: float) -> Optional[float]:
+    """Measured over forecast ReFusion / AR (1: the model held)."""
+    if not measured_ratio or not forecast_ratio:
+        return None
+    return round(measured_ratio / forecast_ratio, 3)

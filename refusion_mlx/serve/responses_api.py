@@ -1,0 +1,220 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}`` -- the body, its adapter into the engine's request, and
+the routes. The answer's shape (the response object, the typed stream
+events) is :mod:`.responses_events`.
+
+``input`` is a string or a list of items -- messages (``input_text`` /
+``output_text`` parts), ``function_call`` and ``function_call_output`` --
+which become the chat template's messages (:class:`~.engine_request.ChatPrompt`);
+``instructions`` is the system message. With ``previous_response_id`` the
+stored conversation (:mod:`.response_store`) comes first, so the prompt
+continues the earlier one and the prompt cache prefills only what is new.
+ReFusion's decoding fields are extra body fields, as on chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field, create_model, field_validator
+
+from .answering import Answering
+from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
+from .http_errors import APIError
+from .refusal import Reason, Refusal
+from .response_store import ResponseStore
+from .responses_events import ResponsesWriter
+from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
+from .schemas import _invalid as _not_input
+from .tool_calls import check_results, function_tool, template_tools
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+class _ResponsesBase(BaseModel):
+    model_config = STRICT
+    model: Optional[str] = Field(None, description="any name; one model is served")
+    input: Union[str, List[Dict[str, Any]]] = Field(description="a string, or message, function_call and "
+                                                                "function_call_output items")
+    instructions: Optional[str] = Field(None, description="the system message (not carried to a follow-up)")
+    previous_response_id: Optional[str] = Field(None, description="continue a stored response's conversation")
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", "name", '
+                                                                    '"description", "parameters"}')
+    tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
+    store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
+    metadata: Optional[Dict[str, str]] = None
+    text: Optional[Dict[str, Any]] = Field(None, description='only {"format": {"type": "text"}}')
+    background: Optional[bool] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value):
+        if isinstance(value, str) or isinstance(value, list) and all(isinstance(i, dict) for i in value):
+            return value
+        raise _not_input("must be a string or a list of items (objects)")
+
+
+# The decoding fields of chat, but max_tokens: the Responses API's is max_output_tokens.
+ResponsesRequest = create_model("ResponsesRequest", __base__=_ResponsesBase, __module__=__name__,
+                                **{k: v for k, v in _decoding_fields().items() if k != "max_tokens"})
+
+
+def _refuse(param: str, message: str) -> Refusal:
+    return Refusal(Reason.UNSUPPORTED, f"{param}: {message}", param)
+
+
+def _invalid(param: str, message: str) -> Refusal:
+    return Refusal(Reason.INVALID_VALUE, f"{param}: {message}", param)
+
+
+def _text_of(content: Any, param: str) -> str:
+    """A message's content: a string or a list of text parts, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(param, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_image", "input_file", "input_audio"):
+                raise _refuse(f"{where}.type", f"{kind} parts are not supported: the model reads text only")
+            raise _invalid(f"{where}.type", f"must be one of {', '.join(TEXT_PARTS[:2])}, got {kind!r}")
+        text = part.get("refusal") if part["type"] == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"{where}.text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
+    """The input as the chat template's messages, and each one's field (for errors)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], ["input"]
+    messages: List[dict] = []
+    params: List[str] = []
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _invalid(f"{param}.role", f"must be user, assistant, system or developer, got {role!r}")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+                raise _invalid(param, "a function_call item needs call_id and name (strings)")
+            try:
+                args = json.loads(arguments) if isinstance(arguments, str) else None
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise _invalid(f"{param}.arguments", "must be a JSON object as text")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the calls of one turn, in one message
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not call_id:
+                raise _invalid(f"{param}.call_id", "must name the function_call it answers")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
+        else:
+            raise _refuse(f"{param}.type", f"item type {kind!r} is not supported (message, function_call, "
+                                           "function_call_output)")
+        params.append(param)
+    return messages, params
+
+
+def response_tools(body, takes_tools: bool) -> tuple:
+    """The function tools (flat, as the Responses API gives them) in the template's form, checked."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise _refuse(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
+        tools.append(function_tool(tool, f"tools[{i}]"))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
+        choice = choice["name"]
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+
+
+def check_unsupported(body) -> None:
+    if body.background:
+        raise _refuse("background", "background responses are not supported")
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise _refuse("text.format", "only text output is supported (structured output needs constrained decoding)")
+
+
+def responses_request(body, store: ResponseStore, tokenize, *, defaults, context: int, vocab_size: int,
+                      takes_tools: bool) -> tuple:
+    """The body as the engine's request, and the conversation to store with its answer."""
+    check_unsupported(body)
+    history: List[dict] = []
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id)
+        if previous is None:
+            raise Refusal(Reason.PREVIOUS_RESPONSE_NOT_FOUND, f"previous_response_id: no stored response "
+                          f"{body.previous_response_id!r} (unknown, deleted or no longer kept)", "previous_response_id")
+        history = [dict(m) for m in previous.conversation]
+    new, params = input_messages(body.input)
+    conversation = history + new
+    check_results(conversation, ["previous_response_id"] * len(history) + params)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    tools = response_tools(body, takes_tools)
+    ids = prompt_ids(ChatPrompt(system + conversation, tools), tokenize, vocab_size, "input")
+    options = body.stream_options
+    request = resolve(ids, max_tokens=body.max_output_tokens, fields=decoding_fields(body), defaults=defaults,
+                      context=context, prompt_param="input", max_tokens_param="max_output_tokens", tools=tools,
+                      include_commits=bool(body.stream and options and options.include_commits),
+                      parallel_tool_calls=body.parallel_tool_calls is not False, api="responses")
+    return request, conversation
+
+
+def add_routes(app: FastAPI, answering: Answering) -> None:
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``."""
+    config = answering.config
+    store = ResponseStore(config.max_stored_responses)
+
+    @app.post("/v1/responses")
+    @app.post("/responses", include_in_schema=False)
+    async def create(body: ResponsesRequest, request: Request):
+        writer = ResponsesWriter(answering.server, body, store)
+
+        def make() -> EngineRequest:
+            engine_request, writer.conversation = responses_request(
+                body, store, answering.tokenize, defaults=config.decoding, context=answering.context,
+                vocab_size=answering.vocab_size, takes_tools=answering.takes_tools)
+            return engine_request
+
+        return await answering.answer(request, make, writer, bool(body.stream))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get(response_id: str):
+        entry = store.get(response_id)
+        if entry is None:
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        return entry.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        if not store.delete(response_id):
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,276 @@
+"""Tool calls: the model's calls found in its answer text, and the checks on
+the tools a request gives, shared by the three APIs.
+
+The calls' format is the tokenizer's, as mlx-lm reads it: its tokenizer
+wrapper picks a parser among ``mlx_lm.tool_parsers`` from the chat template
+(``tool_parser_type`` in ``tokenizer_config.json`` overrides), e.g.
+``json_tools`` for Qwen3's ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``.
+:class:`ToolFormat` is that choice (the markers around a call and the
+parser); a model whose template has no call format takes no tools.
+
+:class:`ToolCallSplitter` runs on the engine thread after the stop strings
+(:class:`~.text.TextShaper`): it turns the in-order answer text into text
+and :class:`ToolCall` items, holding back text that may be the start of a
+call, so a stream never shows raw call markup. A call that does not parse
+stays text, and is counted.
+
+Tools enter the prompt only through the chat template: each API's adapter
+turns its tool definitions into the form templates take (OpenAI's
+``{"type": "function", "function": {name, description, parameters}}``) with
+:func:`function_tool`, which checks them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from .refusal import Reason, Refusal
+
+NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+PROBE = "refusion_probe_tool"  # a tool name no template writes by itself
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How the model writes a call: between ``start`` and ``end``, read by
+    ``parse(text, tools)`` (an mlx-lm tool parser: a dict or a list of dicts
+    with ``name`` and ``arguments``)."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]
+    parser: str  # the parser's module, for the log
+
+    @classmethod
+    def of(cls, tokenizer) -> Optional["ToolFormat"]:
+        """The tokenizer's format (mlx-lm's choice), if its chat template also
+        renders the tools it is given; else None: the model takes no tools."""
+        if not getattr(tokenizer, "has_tool_calling", False) or not renders_tools(tokenizer):
+            return None
+        parse = tokenizer.tool_parser
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, parse,
+                   getattr(parse, "__module__", "?").rsplit(".", 1)[-1])
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the chat template writes the tools it is given into the prompt."""
+    tool = function_tool({"name": PROBE, "description": "", "parameters": {"type": "object", "properties": {}}},
+                         "tools[0]")
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    return PROBE in text
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made: its ``id`` (``call_...``), the function's
+    ``name`` and its ``arguments`` as JSON text (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def args(self) -> Dict[str, Any]:
+        return json.loads(self.arguments)
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def as_calls(parsed: Any) -> Optional[List[ToolCall]]:
+    """A parser's output as calls; None when it is not one or more {name, arguments (an object)}."""
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return None
+        args = item.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append(ToolCall(item.get("id") or call_id(), item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+class ToolCallSplitter:
+    """Splits the answer's final, in-order text into text and calls.
+
+    ``feed(text, final)`` returns the items now certain, in order: strings
+    and :class:`ToolCall`. Text that could begin ``start`` is held back until
+    it is known not to; a call is held until its ``end``, then parsed; one
+    that does not parse (or never ends) goes out as the text it was
+    (``failed`` counts them). Whitespace between text and a call, or after a
+    call, is dropped. With ``single`` (``parallel_tool_calls`` false) the
+    answer ends after the first call: ``done`` turns true.
+    """
+
+    def __init__(self, fmt: ToolFormat, tools: Sequence[dict] = (), single: bool = False):
+        self.fmt, self.tools, self.single = fmt, list(tools), single
+        self.pending = ""  # text received, not yet given out
+        self.in_call = False
+        self.after_call = False  # the last item given out was a call
+        self.calls = 0
+        self.failed = 0
+        self.done = False
+
+    def feed(self, text: str, final: bool) -> List[Union[str, ToolCall]]:
+        if self.done:
+            return []
+        self.pending += text
+        out: List[Union[str, ToolCall]] = []
+        while not self.done:
+            if self.in_call:
+                end = self.pending.find(self.fmt.end)
+                if end < 0:
+                    break
+                body, self.pending = self.pending[:end], self.pending[end + len(self.fmt.end):]
+                self._close(body, out, self.fmt.end)
+            else:
+                start = self.pending.find(self.fmt.start)
+                if start < 0:
+                    break
+                self._text(self.pending[:start].rstrip(), out)
+                self.pending, self.in_call = self.pending[start + len(self.fmt.start):], True
+        if self.done:
+            self.pending = ""
+        elif final:
+            if self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
+                body, self.pending = self.pending, ""
+                self._close(body, out, "")
+            self._text(self.pending, out)
+            self.pending = ""
+        elif not self.in_call:
+            keep = _partial_tail(self.pending, self.fmt.start)
+            cut = len(self.pending) - keep
+            text = self.pending[:cut]
+            ready = text.rstrip()  # trailing whitespace waits: a call may follow it
+            self._text(ready, out)
+            self.pending = self.pending[len(ready):]
+        return out
+
+    def _text(self, text: str, out: list) -> None:
+        if self.after_call:
+            text = text.lstrip()
+        if text:
+            out.append(text)
+            self.after_call = False
+
+    def _close(self, body: str, out: list, end: str) -> None:
+        self.in_call = False
+        try:
+            calls = as_calls(self.fmt.parse(body, self.tools))
+        except Exception:  # whatever the parser raises: the text was not a call
+            calls = None
+        if calls is None:
+            self.failed += 1
+            self._text(self.fmt.start + body + end, out)
+            return
+        if self.single:
+            calls, self.done = calls[:1], True
+        out.extend(calls)
+        self.calls += len(calls)
+        self.after_call = True
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``marker`` (shorter than it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Tools as the chat template takes them
+
+
+def function_tool(spec: Any, param: str, schema_field: str = "parameters") -> dict:
+    """A function tool (``name``, ``description``, ``parameters``: a JSON
+    Schema object) in the chat template's form; a :class:`Refusal` naming
+    ``param`` when it is malformed (the schema as the API calls it: ``schema_field``)."""
+    if not isinstance(spec, dict):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be an object", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}.name: must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
+                      f"{param}.name")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}.description: must be a string", f"{param}.description")
+    parameters = spec.get("parameters")
+    parameters = {"type": "object", "properties": {}} if parameters is None else parameters
+    _check_schema(parameters, f"{param}.{schema_field}")
+    function = {"name": name, **({"description": description} if description else {}), "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    """A tool's parameters: a JSON Schema of an object, valid as a schema."""
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON Schema of an object "
+                                            '({"type": "object", "properties": {...}})', param)
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: not a valid JSON Schema"
+                                            f"{f' at {where}' if where else ''}: {e.message}"[:300], param) from None
+
+
+def template_tools(tools: Sequence[dict], choice: Optional[str], takes_tools: bool, param: str,
+                   choice_param: str) -> Tuple[dict, ...]:
+    """The tools (in the template's form) a request gives the chat template
+    and whose calls its answer is read for: none with ``tool_choice`` "none".
+    Names must differ; a model without a call format takes none (a 400)."""
+    names = [t["function"]["name"] for t in tools]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: two tools are named {twice!r}", param)
+    check_tool_choice(choice, names, choice_param)
+    if not tools or choice == "none":
+        return ()
+    if not takes_tools:
+        raise Refusal(Reason.UNSUPPORTED, f"{param}: this model's chat template has no tool-call format, so it "
+                                          "cannot take tools", param)
+    return tuple(tools)
+
+
+def check_tool_choice(choice: Optional[str], names: Sequence[str], param: str) -> None:
+    """``choice``: "auto", "none", "required" or a tool's name (named choice).
+    A name the tools do not have is a 400; forcing a call (required, named)
+    needs constrained decoding, not here yet: a 400 that says so."""
+    if choice in (None, "auto", "none"):
+        return
+    if choice != "required" and choice not in names:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: no tool named {choice!r} among the request's tools "
+                                            f"({', '.join(names) or 'none'})", param)
+    what = "'required'" if choice == "required" else "a named tool"
+    raise Refusal(Reason.UNSUPPORTED, f"{param}: {what} is not supported yet: forcing a call needs "
+                                      "constrained decoding; use 'auto'", param)
+
+
+def check_results(messages: Sequence[dict], params: Sequence[str]) -> None:
+    """Every tool result (a message of role "tool") answers a call that an
+    earlier assistant message made, by id; ``params``: each message's field."""
+    made = set()
+    for m, param in zip(messages, params):
+        made.update(call.get("id") for call in m.get("tool_calls") or ())
+        if m.get("role") == "tool" and m.get("tool_call_id") not in made:
+            raise Refusal(Reason.INVALID_VALUE, f"{param}: a tool result for call {m.get('tool_call_id')!r}, "
+                                                "which no earlier assistant message made", param)

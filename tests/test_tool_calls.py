@@ -1,0 +1,143 @@
+"""The model's tool calls read out of its answer text (serve/tool_calls.py), without a server.
+
+The format and the parser are mlx-lm's choice for the tokenizer: the demo
+model's tokenizer with a chat template that renders tools as Qwen3's does
+(tests/fixtures/tool_chat_template.jinja) gets ``json_tools``; the text fed
+here is shaped as such a model writes calls (``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>``), cut into pieces at every point, as a
+stream releases it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
+from refusion_mlx.serve.refusal import Refusal
+from refusion_mlx.serve.tool_calls import (ToolCall, ToolCallSplitter, ToolFormat, check_results, function_tool,
+                                           template_tools)
+from tests.agent_server import TOOL_TEMPLATE, TOOLS
+
+SVEN = '<tool_call>\n{"name": "lookup_person", "arguments": {"name": "Sven"}}\n</tool_call>'
+CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def fmt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tool-model") / "m"
+    shutil.copytree(DEMO_MODEL, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copy(TOOL_TEMPLATE, folder / "chat_template.jinja")
+    tokenizer = load_tokenizer(folder)
+    assert ToolFormat.of(load_tokenizer(DEMO_MODEL)) is None  # the demo's own template renders no tools
+    fmt = ToolFormat.of(tokenizer)
+    assert fmt is not None and (fmt.start, fmt.end, fmt.parser) == ("<tool_call>", "</tool_call>", "json_tools")
+    return fmt
+
+
+def split(fmt, text, cuts=(), single=False, final=True):
+    """Feed ``text`` cut at ``cuts``; the items, with adjacent strings joined, and the splitter."""
+    splitter = ToolCallSplitter(fmt, TOOLS, single=single)
+    bounds = [0, *sorted(cuts), len(text)]
+    items = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        items += splitter.feed(text[a:b], final=final and i == len(bounds) - 2)
+    joined = []
+    for item in items:
+        if isinstance(item, str) and joined and isinstance(joined[-1], str):
+            joined[-1] += item
+        else:
+            joined.append(item)
+    return [(c.name, c.args) if isinstance(c, ToolCall) else c for c in joined], splitter
+
+
+CASES = [
+    (SVEN, [("lookup_person", {"name": "Sven"})]),
+    ("Let me look.\n" + SVEN, ["Let me look.", ("lookup_person", {"name": "Sven"})]),
+    (SVEN + "\n" + CALC, [("lookup_person", {"name": "Sven"}), ("calculator", {"expression": "6*7"})]),
+    (CALC + "\nThe answer follows.", [("calculator", {"expression": "6*7"}), "The answer follows."]),
+    ("1 < 2 and <tool> is no call.", ["1 < 2 and <tool> is no call."]),
+    ('<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>',
+     ['<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>']),  # does not parse: stays text
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}',
+     [("calculator", {"expression": "1+1"})]),  # no end marker before EOS, but whole: a call
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', ['<tool_call>\n{"arguments": {}}\n</tool_call>']),  # no name
+]
+
+
+@pytest.mark.parametrize("text,want", CASES)
+def test_calls_are_read_from_the_answer_in_any_pieces(fmt, text, want):
+    whole, splitter = split(fmt, text)
+    assert whole == want
+    assert splitter.calls == sum(isinstance(w, tuple) for w in want)
+    assert splitter.failed == (1 if want == [text] and "<tool_call>" in text else 0)
+    for cut in range(1, len(text)):  # every place a stream can cut the text, and random multi-cuts
+        assert split(fmt, text, [cut])[0] == want, cut
+    rng = random.Random(0)
+    for _ in range(50):
+        assert split(fmt, text, rng.sample(range(1, len(text)), 5))[0] == want
+
+
+def test_a_stream_never_shows_markup_before_the_call_is_known(fmt):
+    """Until the end marker, nothing of a call goes out; text before it goes out at once (less a
+    trailing space or newline, which waits for what follows)."""
+    splitter = ToolCallSplitter(fmt, TOOLS)
+    out = []
+    text = "Let me look.\n" + SVEN
+    for ch in text:
+        items = splitter.feed(ch, final=False)
+        out += items
+        assert not any(isinstance(i, str) and "<" in i for i in items), items
+    assert "".join(i for i in out if isinstance(i, str)) == "Let me look." and isinstance(out[-1], ToolCall)
+    assert "".join(i for i in out[:-1]) == "Let me look."  # each character out as it came, the newline dropped
+
+
+def test_single_call_ends_the_answer(fmt):
+    items, splitter = split(fmt, SVEN + "\n" + CALC, single=True, final=False)
+    assert items == [("lookup_person", {"name": "Sven"})] and splitter.done
+    assert splitter.feed("more text", final=True) == []
+
+
+def test_ids_are_unique_and_arguments_json(fmt):
+    splitter = ToolCallSplitter(fmt, TOOLS)
+    calls = splitter.feed(SVEN + SVEN, final=True)
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert json.loads(calls[0].arguments) == {"name": "Sven"}
+
+
+@pytest.mark.parametrize("spec,param", [
+    ("lookup", "tools[0]"),
+    ({"description": "no name"}, "tools[0].name"),
+    ({"name": "has space"}, "tools[0].name"),
+    ({"name": "f", "parameters": {"type": "string"}}, "tools[0].parameters"),
+    ({"name": "f", "parameters": {"type": "object", "properties": 3}}, "tools[0].parameters"),
+    ({"name": "f", "parameters": {"type": "object", "required": "x"}}, "tools[0].parameters"),
+    ({"name": "f", "description": 7}, "tools[0].description"),
+])
+def test_malformed_tool_is_one_clear_refusal(spec, param):
+    with pytest.raises(Refusal) as e:
+        function_tool(spec, "tools[0]")
+    assert e.value.param == param and e.value.message.startswith(param + ":") and "\n" not in e.value.message
+
+
+def test_tool_choice_and_results():
+    tools = [function_tool(t["function"], "t") for t in TOOLS]
+    assert template_tools(tools, "auto", True, "tools", "tool_choice") == tuple(tools)
+    assert template_tools(tools, "none", False, "tools", "tool_choice") == ()  # none: nothing to render or read
+    for choice, code in (("required", "unsupported_parameter"), ("calculator", "unsupported_parameter"),
+                         ("nope", "invalid_value")):
+        with pytest.raises(Refusal) as e:
+            template_tools(tools, choice, True, "tools", "tool_choice")
+        assert e.value.reason.value == code and e.value.param == "tool_choice"
+    with pytest.raises(Refusal, match="no tool-call format"):
+        template_tools(tools, "auto", False, "tools", "tool_choice")
+    with pytest.raises(Refusal, match="two tools"):
+        template_tools(tools + tools[:1], "auto", True, "tools", "tool_choice")
+    made = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
+    check_results([made, {"role": "tool", "tool_call_id": "c1"}], ["m0", "m1"])
+    with pytest.raises(Refusal) as e:
+        check_results([made, {"role": "tool", "tool_call_id": "c2"}], ["m0", "m1"])
+    assert e.value.param == "m1"
