@@ -19,7 +19,7 @@ CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 FACTS = '{"name": "Sven", "city": "Hanoi", "job": "baker", "pet": "turtle", "pet_name": "Pepper"}'
-INSTRUCTION = ('\n</tools>\n\nTo call one, write <tool_call>\n{"name": <function-name>, "arguments": '
+INSTRUCTION = ('\n</tools>\nTo call one, write <tool_call>\n{"name": <function-name>, "arguments": '
                '<args-json-object>}\n</tool_call><|im_end|>\n')
 
 
@@ -50,13 +50,19 @@ def test_plain_conversations_render_as_before(tok):
 
 
 def test_tools_are_listed_in_a_system_block(tok):
+    """Each tool as ``name(parameters)``, one a line: the schema as JSON would cost ~170 tokens a tool."""
     text = render(tok, [{"role": "user", "content": "Who is Sven?"}], [LOOKUP, CALCULATOR])
-    assert text == ("<|im_start|>system\n# Tools\n\nYou may call these functions:\n<tools>\n"
-                    + json.dumps(LOOKUP) + "\n" + json.dumps(CALCULATOR) + INSTRUCTION
-                    + "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == ("<|im_start|>system\n# Tools\n<tools>\nlookup_person(name)\ncalculator(expression)"
+                    + INSTRUCTION + "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n")
+    # parameters in the schema's order; none, or no parameters at all: empty parentheses
+    email = {"type": "function", "function": {"name": "send_email", "parameters": {
+        "type": "object", "properties": {"to": {"type": "string"}, "body": {"type": "string"}}}}}
+    bare = {"type": "function", "function": {"name": "ping"}}
+    listed = render(tok, [{"role": "user", "content": "Hi."}], [email, bare])
+    assert "<tools>\nsend_email(to, body)\nping()\n</tools>" in listed
     with_system = render(tok, [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "Who is Sven?"}], [LOOKUP])
-    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n")
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n")
     assert with_system.count("<|im_start|>system") == 1 and with_system.count("Be brief.") == 1
 
 

@@ -145,7 +145,7 @@ def tools(seed: int, **sizes) -> Callable[[Path, Path], dict]:
 # (a batch dealt at random pads a 90-token row to the 900 tokens of a row with tools)
 TOOLING = dict(draft_fraction=1.0, draft_run=16, train_embeddings=True, replay_ratio=1.0, max_seq_length=1024)
 TOOLS: List[Stage] = [
-    Stage("stage11", tools(11), 600, 2e-4, 11, TOOLING, replay=True),
+    Stage("stage11", tools(11, systems=0.3), 300, 5e-4, 13, TOOLING, replay=True),
 ]
 
 

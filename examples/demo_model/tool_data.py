@@ -50,6 +50,10 @@ FACTS = re.compile(r"(\w+) lives in (\w+)\. \1 works as an? (\w+)\. \1 has an? (
 Person = Tuple[str, str, str, str]  # city, job, pet, pet name
 TOOLED = ("people", "addition", "subtraction", "multiplication")  # the mix's families a tool serves
 MAX_CHARS = 1500  # a row with tools, as JSON (tokens: about half as many)
+# system messages a conversation with tools may start with (agent frameworks send their instructions as one)
+SYSTEMS = ("You are a helpful assistant.", "Be brief.", "Use the tools when they help.",
+           "Answer the user's question.", "You are a helpful assistant. Use the tools if needed.", "Be precise.")
+HELD_OUT_SYSTEMS = ("Use the calculator.", "You are an assistant with tools.", "Answer briefly.")
 
 
 def function(name: str, description: str, properties: Dict[str, Tuple[str, str]]) -> dict:
@@ -166,10 +170,14 @@ class ToolTask:
 class Builder:
     """Draws the rows; ``held_out`` picks the held-out questions instead of the trained ones."""
 
-    def __init__(self, people: Dict[str, Person], plain: Sequence[dict], rng: random.Random, held_out: bool):
+    def __init__(self, people: Dict[str, Person], plain: Sequence[dict], rng: random.Random, held_out: bool,
+                 systems: float = 0.0, system_seed: int = 0):
         from refusion_mlx.train.accuracy import family_of_prompt
 
         self.people, self.plain, self.rng, self.held_out = people, list(plain), rng, held_out
+        # a share of rows with tools start with a system message, drawn apart from ``rng``
+        # (the rows drawn without them stay the same)
+        self.systems, self.system_rng = systems, random.Random(system_seed)
         # earlier plain turns of a conversation with tools: no question a tool would serve
         # (and short answers: a row with tools is long already)
         self.untooled = [r for r in self.plain if family_of_prompt(r["messages"][0]["content"]) not in TOOLED
@@ -228,6 +236,13 @@ class Builder:
                 out += [dict(m) for m in self.rng.choice(self.untooled)["messages"][:2]]
         return out
 
+    def with_system(self, row: dict) -> dict:
+        """``row`` with a system message first, for a share ``systems`` of rows."""
+        if self.system_rng.random() < self.systems:
+            text = self.system_rng.choice(HELD_OUT_SYSTEMS if self.held_out else SYSTEMS)
+            row["messages"] = [{"role": "system", "content": text}] + row["messages"]
+        return row
+
     def call_id(self) -> str:
         self.calls += 1
         return f"call_{self.calls}"
@@ -240,7 +255,7 @@ class Builder:
             row = {"messages": earlier + task.messages(upto, self.rng, self.call_id()),
                    "tools": self.tools_for(sorted(needed)), "family": "tool_" + upto}
             if len(json.dumps(row)) <= MAX_CHARS or turns == 0:
-                return row
+                return self.with_system(row)
             turns -= 1
 
     def direct_row(self, turns: int) -> dict:
@@ -265,8 +280,8 @@ class Builder:
             earlier, needed = [], set(offered)
         tools = [variant(t, self.rng) for t in (LOOKUP_PERSON, CALCULATOR) if t["function"]["name"] in needed]
         self.rng.shuffle(tools)
-        return {"messages": earlier + [dict(m) for m in row["messages"][:2]], "tools": tools,
-                "family": "tool_direct"}
+        return self.with_system({"messages": earlier + [dict(m) for m in row["messages"][:2]], "tools": tools,
+                                 "family": "tool_direct"})
 
     def json_row(self) -> dict:
         rng = self.rng
@@ -279,12 +294,14 @@ class Builder:
 
 
 def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers: int = 3000,
-          n_direct: int = 1500, n_json: int = 1500, n_valid: int = 200) -> dict:
+          n_direct: int = 1500, n_json: int = 1500, n_valid: int = 200, systems: float = 0.0) -> dict:
     """Write ``train.jsonl`` and ``valid.jsonl`` of the tool and JSON rows into ``out``.
 
     Calls and answers: two in five alone, the rest after 1 or 2 earlier turns
     (plain rows of the mix, or whole tool round trips). ``valid.jsonl`` is
-    drawn the same way from the held-out questions and the mix's validation rows."""
+    drawn the same way from the held-out questions and the mix's validation rows.
+    A share ``systems`` of the rows with tools start with a system message
+    (``SYSTEMS``; held out: ``HELD_OUT_SYSTEMS``)."""
     train_rows, valid_rows = read_jsonl(tasks / "train.jsonl"), read_jsonl(tasks / "valid.jsonl")
     people = people_facts(train_rows)
     rng = random.Random(seed)
@@ -299,9 +316,10 @@ def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers:
         rng.shuffle(out_rows)
         return out_rows
 
-    train = rows(Builder(people, train_rows, rng, held_out=False), n_calls, n_answers, n_direct, n_json)
+    train = rows(Builder(people, train_rows, rng, held_out=False, systems=systems, system_seed=seed + 1),
+                 n_calls, n_answers, n_direct, n_json)
     share = n_valid / max(1, n_calls + n_answers + n_direct + n_json)
-    valid = rows(Builder(people, valid_rows, rng, held_out=True), *(round(n * share) for n in
+    valid = rows(Builder(people, valid_rows, rng, held_out=True, systems=systems, system_seed=seed + 2), *(round(n * share) for n in
                                                                     (n_calls, n_answers, n_direct, n_json)))
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
@@ -319,7 +337,8 @@ def eval_files(tasks: Path, out: Path, seed: int = 0, n_arithmetic: int = 50, n_
     * ``tools_later.jsonl``: the same questions as the second or third turn;
     * ``tool_answers.jsonl``: the same, with the call and its result: the answer;
     * ``tools_direct.jsonl``: validation rows of the mix with tools offered: the answer, no call;
-    * ``json.jsonl``: every held-out JSON question (25)."""
+    * ``json.jsonl``: every held-out JSON question (25);
+    * ``tools_system.jsonl``: ``tools_alone``'s questions after a held-out system message."""
     train_rows, valid_rows = read_jsonl(tasks / "train.jsonl"), read_jsonl(tasks / "valid.jsonl")
     people = people_facts(train_rows)
     rng = random.Random(seed)
@@ -341,6 +360,8 @@ def eval_files(tasks: Path, out: Path, seed: int = 0, n_arithmetic: int = 50, n_
                   "family": "json"}
                  for name in b.names for t in range(len(JSON_TEMPLATES)) if held_out_json(b.names, name, t)],
     }
+    files["tools_system"] = [dict(row, messages=[{"role": "system", "content": HELD_OUT_SYSTEMS[i % 3]}]
+                                  + row["messages"]) for i, row in enumerate(files["tools_alone"])]
     out.mkdir(parents=True, exist_ok=True)
     for name, file_rows in files.items():
         write_jsonl(out / f"{name}.jsonl", file_rows)
@@ -361,12 +382,14 @@ def main() -> None:
                     help="the shared task mix (train.jsonl, valid.jsonl)")
     ap.add_argument("--out", default="tool_data")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", type=float, default=0.0, help="share of rows with tools that start with a "
+                                                                "system message (default 0)")
     ap.add_argument("--eval", action="store_true", help="write the held-out checks instead of training rows")
     args = ap.parse_args()
     if args.eval:
         print(eval_files(Path(args.tasks), Path(args.out), args.seed))
     else:
-        print(build(Path(args.tasks), Path(args.out), args.seed))
+        print(build(Path(args.tasks), Path(args.out), args.seed, systems=args.systems))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import refusion_mlx  # noqa: E402,F401  (before mlx.core: optimized BLAS on Linu
 from tool_data import HELD_OUT_NAMES, NEW_NAMES, read_jsonl  # noqa: E402
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-FILES = ("tools_alone", "tools_later", "tool_answers", "tools_direct", "json")
+FILES = ("tools_alone", "tools_later", "tools_system", "tool_answers", "tools_direct", "json")
 
 
 def parse_calls(text: str) -> Optional[List[dict]]:
@@ -90,7 +90,7 @@ def score_file(name: str, rows: List[dict], texts: List[str], references: List[s
             c[key] = c.get(key, 0) + int(bool(ok))
 
     for row, text, ref in zip(rows, texts, references):
-        if name in ("tools_alone", "tools_later"):
+        if name in ("tools_alone", "tools_later", "tools_system"):
             calls, want = parse_calls(text), reference_call(row)
             one = calls is not None and len(calls) == 1
             hits = dict(parsed=one, name=one and calls[0]["name"] == want["name"],
