@@ -161,16 +161,22 @@ def test_tool_rows_are_round_trips_in_the_mixs_words(tmp_path):
 
 
 def test_tool_rows_encode_for_the_trainer_and_are_deterministic(tmp_path):
-    from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
+    from refusion_mlx.models.loading import load_tokenizer
     from refusion_mlx.train.dataset import encode_line
 
     td = tool_data_module()
     write_mix_with_people(tmp_path / "tasks")
     for run in ("a", "b"):
         td.build(tmp_path / "tasks", tmp_path / run, seed=4, n_calls=40, n_answers=40, n_direct=20, n_json=10,
-                 n_valid=10)
+                 n_valid=10, systems=0.5)
     assert (tmp_path / "a" / "train.jsonl").read_text() == (tmp_path / "b" / "train.jsonl").read_text()
-    tok = load_tokenizer(DEMO_MODEL)
+    # a share of the rows with tools start with a system message; the held-out ones only in valid.jsonl
+    firsts = {split: [r["messages"][0] for r in read(tmp_path / "a" / f"{split}.jsonl") if r.get("tools")]
+              for split in ("train", "valid")}
+    systems = {split: {m["content"] for m in ms if m["role"] == "system"} for split, ms in firsts.items()}
+    assert systems["train"] and systems["train"] <= set(td.SYSTEMS) and systems["valid"] <= set(td.HELD_OUT_SYSTEMS)
+    assert any(m["role"] == "user" for m in firsts["train"])
+    tok = load_tokenizer(demo_example_module("grow_vocab").tool_tokenizer(tmp_path / "tokenizer"))
     calls = [r for r in read(tmp_path / "a" / "train.jsonl") if r["family"] == "tool_call"]
     for i, row in enumerate(calls):
         record = encode_line(row, tok, f"row {i}")

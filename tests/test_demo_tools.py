@@ -1,16 +1,17 @@
-"""The demo's chat template renders tools and tool messages in Qwen3's format
-(plain conversations exactly as before), its tool tokens are Qwen3's, and the
-demo model calls tools (examples/demo_model/tool_data.py, retrain.py's phase 3)."""
+"""Phase 3's tokenizer for the demo (examples/demo_model/grow_vocab.py's
+tool_tokenizer: the demo's, Qwen3's tool tokens and JSON's punctuation added,
+examples/demo_model/chat_template.jinja): tools and tool messages render in
+Qwen3's format, plain conversations exactly as before. (The bundled demo
+keeps its tokenizer until weights trained with this one are installed.)"""
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
-from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
-from tests.helpers import FIXTURE_MODEL
+from refusion_mlx.models.loading import load_tokenizer
+from tests.helpers import FIXTURE_MODEL, demo_example_module
 
 LOOKUP = {"type": "function", "function": {
     "name": "lookup_person", "description": "Look up a person's city, job and pet.",
@@ -24,8 +25,13 @@ INSTRUCTION = ('\n</tools>\nTo call one, write <tool_call>\n{"name": <function-n
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(DEMO_MODEL)
+def folder(tmp_path_factory):
+    return demo_example_module("grow_vocab").tool_tokenizer(tmp_path_factory.mktemp("tool-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tok(folder):
+    return load_tokenizer(folder)
 
 
 def render(tok, messages, tools=None, **kwargs):
@@ -93,47 +99,25 @@ def test_calls_and_results_render_as_qwen3s(tok):
     assert lead.endswith("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n")
 
 
-def test_the_tool_tokens_are_qwen3s(tok):
-    """Single tokens after the old vocabulary, not special: decoded answers keep their text."""
+def test_the_tool_tokens_are_qwen3s(tok, folder):
+    """Single tokens after the old vocabulary, not special: decoded answers keep their text.
+    Then JSON's punctuation between keys and string values, one token each."""
     ids = [tok.encode(t, add_special_tokens=False)
            for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")]
     assert ids == [[806], [807], [808], [809]]
     text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
-    assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) == text
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert [tok.decode([i]) for i in ids if i >= 806] == [
+        "<tool_call>", '{"', '": "', '", "', '": {"', '": "', '"}}', "</tool_call>"]
+    facts = tok.encode(FACTS, add_special_tokens=False)
+    assert tok.decode(facts) == FACTS and [i for i in facts if i >= 806] == [810] + [811, 812] * 4 + [811, 813]
+    # text without them (the shared mix holds none) tokenizes as before
+    old = load_tokenizer(FIXTURE_MODEL)
+    plain = 'She said "hi", then {x: y} and print(f"{a}")'
+    assert tok.encode(plain) == old.encode(plain)
     # mlx-lm reads the template as Qwen3's JSON tool calls (what the server's parser uses)
     assert tok.has_tool_calling and (tok.tool_call_start, tok.tool_call_end) == ("<tool_call>", "</tool_call>")
-    config = json.loads((DEMO_MODEL / "tokenizer_config.json").read_text())
-    assert config["chat_template"] == (DEMO_MODEL / "chat_template.jinja").read_text()
-    assert json.loads((DEMO_MODEL / "config.json").read_text())["vocab_size"] == 810
-
-
-CALL = re.compile(r"^<tool_call>\n(.*)\n</tool_call>$", re.DOTALL)
-
-
-def test_the_demo_calls_the_right_tool():
-    """Held-out questions (tool_data.py never trains them with tools): the demo
-    answers with one parseable call of the right tool and arguments; without
-    tools it answers directly; given the tool's result, it answers from it."""
-    import refusion_mlx as rm
-    from refusion_mlx.train.dataset import prompt_ids
-
-    model, tokenizer = rm.load(dtype="float32")
-    params = rm.RefusionParams(gen_length=64, block_length=16)
-    # held out: "Who is Sven?", 29 * 3, the name Noor
-    asks = [("Who is Sven?", [LOOKUP, CALCULATOR], ("lookup_person", {"name": "Sven"})),
-            ("What is 29 * 3?", [CALCULATOR], ("calculator", {"expression": "29 * 3"})),
-            ("Where does Noor live?", [CALCULATOR, LOOKUP], ("lookup_person", {"name": "Noor"}))]
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}], tools) for q, tools, _ in asks]
-    results = rm.batch_generate(model, tokenizer, prompts, params)
-    for (question, _, (name, arguments)), result in zip(asks, results):
-        match = CALL.match(result.text)
-        assert match, (question, result.text)
-        assert json.loads(match[1]) == {"name": name, "arguments": arguments}, result.text
-    alone = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Describe Sven."), params=params)
-    assert alone == "Sven lives in Hanoi. Sven works as a baker. Sven has a turtle named Pepper."
-    trip = [{"role": "user", "content": "What is 29 * 3?"},
-            {"role": "assistant", "content": None,
-             "tool_calls": [call("calculator", {"expression": "29 * 3"})]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "87"}]
-    answer = rm.generate(model, tokenizer, prompt_ids(tokenizer, trip, [CALCULATOR]), params=params)
-    assert answer == "29 * 3 = 87. The answer is 87."
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == (folder / "chat_template.jinja").read_text()
+    assert len(tok) == 816

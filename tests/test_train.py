@@ -87,9 +87,13 @@ def test_multi_turn_earlier_turns_are_prompt(tok, tmp_path):
     assert tok.decode(r.response[:-1]) == "A dog."
 
 
-def test_tool_rows_learn_the_templates_calls(tok, tmp_path):
+def test_tool_rows_learn_the_templates_calls(tmp_path):
     """mlx-lm's tool rows: tools reach the template; a last message with tool_calls
-    (content null) is learnt as the template renders it, up to the end of its turn."""
+    (content null) is learnt as the template renders it, up to the end of its turn
+    (the demo's phase-3 tokenizer, whose template renders tools)."""
+    from tests.helpers import demo_example_module
+
+    tok = load_tokenizer(demo_example_module("grow_vocab").tool_tokenizer(tmp_path / "tokenizer"))
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}}}}]
     ask = {"role": "user", "content": "What is 6 * 7?"}

@@ -1,16 +1,26 @@
-"""Qwen3's four tool tokens for the demo model: the tokenizer files and the grown checkpoint.
+"""Qwen3's four tool tokens and six JSON punctuation tokens for the demo model: the tokenizer files and the grown
+checkpoint.
 
 Qwen3's tokenizer (ReFusion's) has ``<tool_call>``, ``</tool_call>``,
 ``<tool_response>`` and ``</tool_response>`` as single added tokens that are
 not special (their text stays in decoded answers, where the server's tool
 parser finds it). The demo's byte-level vocabulary spells them in 10 to 13
-tokens each; this adds them as ids 806-809, as Qwen3 does, and grows the
-embedding and the LM head by four rows: each new row starts as the mean of
-the rows of the pieces the old vocabulary spells the token with, and
-training (``--train-embeddings``) takes it from there.
+tokens each; this adds them as ids 806-809, as Qwen3 does, then JSON's
+punctuation between keys and string values (``{"``, ``": "``, ``", "``,
+``"}``, ``": {"``, ``"}}``) as ids 810-815, which a larger BPE vocabulary
+has merged (the shared task mix holds none of them: its rows tokenize as
+before). It grows the embedding and the LM head by ten rows: each new row
+starts as the mean of the rows of the pieces the old vocabulary spells the
+token with, and training (``--train-embeddings``) takes it from there.
 
-    python examples/demo_model/grow_vocab.py --tokenizer refusion_mlx/demo/tiny-refusion   # edit the files
-    python examples/demo_model/grow_vocab.py --model OLD --save-path GROWN                  # grow a checkpoint
+The tokenizer of phase 3 (``tool_tokenizer``) is the demo's with these
+tokens and ``chat_template.jinja`` beside this file (tools in Qwen3's
+format, listed as ``name(parameters)``). The bundled demo keeps its own
+tokenizer until weights trained with it are installed (``retrain.py
+--install`` copies both).
+
+    python examples/demo_model/grow_vocab.py --tokenizer TOKENIZER                # phase 3's tokenizer files
+    python examples/demo_model/grow_vocab.py --model OLD --save-path GROWN        # grow a checkpoint
 """
 
 from __future__ import annotations
@@ -20,9 +30,16 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
+HERE = Path(__file__).resolve().parent
+TEMPLATE = HERE / "chat_template.jinja"  # phase 3's chat template
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# JSON's punctuation between keys and string values, one token each (as a larger BPE vocabulary,
+# Qwen3's among them, has merged it): without them a call is 45-52 tokens, a third of them '"',
+# and decoding them in parallel, the demo wrote runs of '"' (``""""``) where keys belong
+JSON_TOKENS = ('{"', '": "', '", "', '"}', '": {"', '"}}')
+ADDED = TOOL_TOKENS + JSON_TOKENS
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
@@ -32,7 +49,7 @@ def _entry(token: str, token_id: int) -> dict:
             "normalized": False, "special": False}
 
 
-def add_tokens(folder: Path, tokens: Sequence[str] = TOOL_TOKENS) -> list:
+def add_tokens(folder: Path, tokens: Sequence[str] = ADDED) -> list:
     """Add ``tokens`` (not special) after the last id of ``folder``'s tokenizer files; the ids they got.
 
     Tokens already there keep their ids (a second run changes nothing)."""
@@ -63,7 +80,26 @@ def add_tokens(folder: Path, tokens: Sequence[str] = TOOL_TOKENS) -> list:
     return ids
 
 
-def grow(model: Path, save_path: Path, tokenizer_from: Path, tokens: Sequence[str] = TOOL_TOKENS) -> Path:
+def tool_tokenizer(save_path: Path, source: Optional[Path] = None) -> Path:
+    """Phase 3's tokenizer in ``save_path``: ``source``'s (default: the bundled
+    demo's) tokenizer files with :data:`ADDED` and :data:`TEMPLATE`."""
+    if source is None:
+        from refusion_mlx.models.loading import DEMO_MODEL as source
+    save_path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, save_path / name)
+    add_tokens(save_path)
+    template = TEMPLATE.read_text()
+    (save_path / "chat_template.jinja").write_text(template)
+    config_path = save_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return save_path
+
+
+def grow(model: Path, save_path: Path, tokenizer_from: Path, tokens: Sequence[str] = ADDED) -> Path:
     """``model``'s checkpoint with ``tokenizer_from``'s tokenizer, whose ``tokens`` lie past
     the model's vocabulary: one more embedding and head row each, written to ``save_path``."""
     import refusion_mlx  # noqa: F401  (before mlx.core: optimized BLAS on Linux)
@@ -98,19 +134,19 @@ def grow(model: Path, save_path: Path, tokenizer_from: Path, tokens: Sequence[st
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokenizer", type=Path, help="add the tool tokens to this folder's tokenizer files")
-    ap.add_argument("--model", type=Path, help="a checkpoint to grow by the tool tokens")
-    ap.add_argument("--tokenizer-from", type=Path, help="the tokenizer that has them (default: the demo's)")
+    ap.add_argument("--tokenizer", type=Path, help="write phase 3's tokenizer (the demo's, the added tokens, "
+                                                   "chat_template.jinja) into this folder")
+    ap.add_argument("--model", type=Path, help="a checkpoint (vocabulary 806) to grow by the added tokens")
+    ap.add_argument("--tokenizer-from", type=Path, help="phase 3's tokenizer (default: written beside --save-path)")
     ap.add_argument("--save-path", type=Path, help="where the grown checkpoint goes")
     args = ap.parse_args()
     if args.tokenizer:
-        print(dict(zip(TOOL_TOKENS, add_tokens(args.tokenizer))))
+        print(tool_tokenizer(args.tokenizer))
     if args.model:
         if not args.save_path:
             ap.error("--model needs --save-path")
-        from refusion_mlx.models.loading import DEMO_MODEL
-
-        print(grow(args.model, args.save_path, args.tokenizer_from or DEMO_MODEL))
+        tokenizer = args.tokenizer_from or tool_tokenizer(args.save_path.parent / (args.save_path.name + "-tokenizer"))
+        print(grow(args.model, args.save_path, tokenizer))
     return 0
 
 

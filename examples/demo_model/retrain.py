@@ -1,6 +1,6 @@
-"""Retrain the bundled demo model to hold a conversation and stop counting where asked, with refusion_mlx.train.
+"""Retrain the bundled demo model to converse, stop counting where asked and call tools, with refusion_mlx.train.
 
-Two phases of full fine-tuning (recipe: retrain.yaml, plus each stage's options below).
+Three phases of full fine-tuning (recipe: retrain.yaml, plus each stage's options below).
 
 Phase 1, conversing: three stages from the weights the demo shipped with (kept
 as tests/fixtures/tiny-refusion), each resumed from the one before:
@@ -44,6 +44,15 @@ and rows dealt into new batches every pass (``--batch-order random``):
 Phase 2 took about 3 hours on a 2-core CPU (float32, OpenBLAS; 1.5-2.5 s per
 counting step, 3.5-5 s per mix step with drafting examples, peak 6.2 GB).
 
+Phase 3, tools and JSON: from phase 2's model grown by ten tokens (Qwen3's
+four tool tokens and six of JSON's punctuation, ``grow_vocab.py``):
+
+11. 300 steps (lr 5e-4, runs of 16, batches of one length) on 9000 rows of
+    ``tool_data.build`` (calls, answers from a tool's result, direct answers
+    with tools offered, the JSON family; three in ten with tools start with
+    a system message) with the mix, counting rows and conversations of
+    phase 2 replayed one for one (``build_data.py --seed 11``).
+
 Then the trained weights are fused into a standalone bfloat16 folder and, with
 ``--install``, its ``model.safetensors`` replaces the bundled one. The golden
 tests keep the old weights as their fixture (``tests/fixtures/tiny-refusion``).
@@ -57,6 +66,7 @@ phase-1 result (such as a previous run's ``WORK/conversing``).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +78,7 @@ sys.path.insert(0, str(HERE))
 import refusion_mlx  # noqa: E402  (before mlx.core: optimized BLAS on Linux)
 import tool_data  # noqa: E402
 from build_data import build, build_counting  # noqa: E402
-from grow_vocab import grow  # noqa: E402
+from grow_vocab import TOKENIZER_FILES, grow, tool_tokenizer  # noqa: E402
 from refusion_mlx.convert.fusion import fuse  # noqa: E402
 from refusion_mlx.models.loading import DEMO_MODEL  # noqa: E402
 from refusion_mlx.train.run import fine_tune  # noqa: E402
@@ -191,7 +201,7 @@ def main() -> int:
                               dtype="bfloat16", force=True)
         counting = fuse(conversing, run_stages(COUNTS, conversing, tasks, work), work / "counting",
                         dtype="bfloat16", force=True)
-    grown = grow(counting, work / "grown", DEMO_MODEL)
+    grown = grow(counting, work / "grown", tool_tokenizer(work / "tool-tokenizer"))
     fused = fuse(grown, run_stages(TOOLS, grown, tasks, work), work / "fused", dtype="bfloat16", force=True)
     print(f"fused model: {fused}")
     if args.install:  # one bfloat16 file, as the demo has always been stored
@@ -201,7 +211,7 @@ def main() -> int:
 
 
 def install(fused: Path) -> None:
-    """The fused model's weights (bfloat16) and vocabulary size into the bundled demo."""
+    """The fused model's weights (bfloat16), vocabulary size and tokenizer (phase 3's) into the bundled demo."""
     import json
 
     import mlx.core as mx
@@ -212,6 +222,9 @@ def install(fused: Path) -> None:
     config = json.loads((DEMO_MODEL / "config.json").read_text())
     config["vocab_size"] = json.loads((fused / "config.json").read_text())["vocab_size"]
     (DEMO_MODEL / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (fused / name).is_file():
+            shutil.copy(fused / name, DEMO_MODEL / name)
 
 
 if __name__ == "__main__":
