@@ -4,12 +4,13 @@ decoded in parallel.
 
     python -m benchmarks.scaling --model models/qwen3-0.6b-random --json scaling.json
     python -m benchmarks.scaling --model M --sections slots --long-prompt 4096
+    python -m benchmarks.scaling --sections budgets --budgets 128 --budget-prompt 1900 --ignore-eos --kv-bits 8
 
 Three tables:
 
 * budgets (default 128..1024) at a fixed block size and a fixed decoding
   path (``--mode``, default ``parallel``: plan + verify per block) after a
-  random 64-token prompt that is prefilled outside the clock, so the fixed
+  random 64-token prompt (``--budget-prompt``) that is prefilled outside the clock, so the fixed
   prefill does not flatter long budgets. Wall and process CPU time per token
   (CPU time is steadier when other jobs share the cores). Target: within
   +-20% of budget 128's.
@@ -33,7 +34,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from refusion_mlx.bench.report import format_table
-from refusion_mlx.cli import run
+from refusion_mlx.cli import run, storage_from_args
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.decode.prefill import prefill
@@ -47,13 +48,14 @@ SLOT_TARGET = 1.05
 GB = 1e9
 
 
-def timed(model, tokenizer, prompt, params: RefusionParams, cache=None) -> dict:
+def timed(model, tokenizer, prompt, params: RefusionParams, cache=None, storage=None,
+          ignore_eos: bool = False) -> dict:
     """One run's time per token, forwards and peak memory."""
     mx.synchronize()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     cpu0 = time.process_time()
-    wall, dec = decode(model, tokenizer, prompt, params, cache)
+    wall, dec = decode(model, tokenizer, prompt, params, cache, storage, ignore_eos)
     cpu = time.process_time() - cpu0
     s = dec.stats
     decode_s = wall - s.seconds["prefill"]
@@ -92,12 +94,12 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
     """The prompt is prefilled outside the clock into a fresh cache per run
     (no spare room: the decoder grows it as it would), so every row times
     the same thing: the response alone, first planning pass included."""
-    prompt = random_prompt(tokenizer, model, 64, args.seed)
+    prompt = random_prompt(tokenizer, model, args.budget_prompt, args.seed)
 
     def run(b):
-        cache = prefilled(model, prompt[:-1], room=0)
+        cache = prefilled(model, prompt[:-1], room=0, storage=args.storage)
         r = timed(model, tokenizer, prompt[-1:], make_params(b, args.slot_size, args.block_length, args.mode),
-                  cache)
+                  cache, ignore_eos=args.ignore_eos)
         r["prompt_tokens"] = len(prompt)
         return r
 
@@ -110,15 +112,16 @@ def budgets_section(model, tokenizer, args) -> List[dict]:
 
 def prompts_section(model, tokenizer, args) -> List[dict]:
     params = make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode)
-    return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params),
+    return repeated(lambda n: timed(model, tokenizer, random_prompt(tokenizer, model, n, args.seed), params,
+                                    storage=args.storage, ignore_eos=args.ignore_eos),
                     args.prompts, args.repeat, lambda n: f"prompt {n}")
 
 
-def prefilled(model, prompt: List[int], room: int) -> CommittedCache:
+def prefilled(model, prompt: List[int], room: int, storage=None) -> CommittedCache:
     """A committed cache holding ``prompt`` (the decoder's own chunked
     prefill), with ``room`` spare rows reserved so no run grows it (growth is
-    not what this table measures)."""
-    cache = CommittedCache.for_model(model)
+    not what this table measures); ``storage``: --kv-bits' form."""
+    cache = CommittedCache.for_model(model, storage=storage)
     cache.reserve(len(prompt) + room)
     prefill(model, cache, prompt)
     mx.eval(cache.state())
@@ -133,12 +136,12 @@ def truncate(cache: CommittedCache, length: int) -> None:
 def slots_section(model, tokenizer, args) -> List[dict]:
     S = args.slot_size
     prompt = random_prompt(tokenizer, model, args.long_prompt, args.seed)
-    cache = prefilled(model, prompt[:-1], room=max(args.slots) * S + 64)
+    cache = prefilled(model, prompt[:-1], room=max(args.slots) * S + 64, storage=args.storage)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows = []
     for k in args.slots:
         params = RefusionParams(gen_length=k * S, slot_size=S, block_length=k * S, **MODES["infill"])
-        r = timed(model, tokenizer, prompt[-1:], params, cache)
+        r = timed(model, tokenizer, prompt[-1:], params, cache, ignore_eos=args.ignore_eos)
         truncate(cache, len(prompt) - 1)
         r.update(slots=k, prompt_tokens=len(prompt), weights_gb=round(weights / GB, 4),
                  cache_gb=round(cache.nbytes / GB, 4),
@@ -157,7 +160,8 @@ def print_tables(results: dict) -> None:
         rows = [[r["gen_length"], r["generated_tokens"], r["forwards"], r["wall_seconds"],
                  r["ms_per_token"], f"{r['vs_first']:+.1%}", r["cpu_ms_per_token"],
                  f"{r['cpu_vs_first']:+.1%}", r["peak_memory_gb"] * 1000] for r in results["budgets"]]
-        print("\ntime per generated token vs budget (64-token prompt prefilled beforehand)")
+        print(f"\ntime per generated token vs budget ({results['budgets'][0]['prompt_tokens']}-token prompt "
+              "prefilled beforehand)")
         print(format_table(["budget", "tokens", "fwd", "wall s", "ms/token", "vs first", "CPU ms/token",
                             "vs first", "peak MB"], rows))
     if "prompts" in results:
@@ -206,6 +210,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="decoding path for the budget and prompt tables (default parallel)")
     parser.add_argument("--block-length", type=int, default=16)
     parser.add_argument("--budgets", type=int_list, default=[128, 256, 512, 1024])
+    parser.add_argument("--budget-prompt", type=int, default=64,
+                        help="prompt of the budget table, prefilled outside the clock (default 64; a long one "
+                             "times decoding at a long context)")
     parser.add_argument("--prompts", type=int_list, default=[64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--prompt-budget", type=int, default=128, help="budget of the prompt table")
     parser.add_argument("--slots", type=int_list, default=[1, 4, 8, 16])
@@ -216,7 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if not sections or any(s not in SECTIONS for s in sections):
         parser.error(f"--sections takes {', '.join(SECTIONS)}")
-    for name in ("block_length", "prompt_budget", "long_prompt", "slot_size", "repeat"):
+    for name in ("block_length", "prompt_budget", "long_prompt", "slot_size", "repeat", "budget_prompt"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.long_prompt < 2:
@@ -226,11 +233,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_json_path(args.json)
         for b in args.budgets + [args.prompt_budget]:
             make_params(b, args.slot_size, args.block_length, args.mode).layout()
+        storage_from_args(args)  # a bad pair fails before the model loads
         model, tokenizer, env = load_model(args.model, args.dtype)
+        args.storage = storage_from_args(args, model)
         print(f"scaling: slot {args.slot_size}, block {args.block_length}, mode {args.mode} "
-              f"({MODES[args.mode]}); median of {args.repeat} run(s) per row")
+              f"({MODES[args.mode]}); median of {args.repeat} run(s) per row; "
+              f"KV cache: {args.storage.describe(model.cache_spec())}")
         warm = random_prompt(tokenizer, model, 64, args.seed)
-        decode(model, tokenizer, warm, make_params(args.block_length, args.slot_size, args.block_length, args.mode))
+        decode(model, tokenizer, warm, make_params(args.block_length, args.slot_size, args.block_length, args.mode),
+               storage=args.storage)
         results = {}
         for name, fn in (("budgets", budgets_section), ("prompts", prompts_section), ("slots", slots_section)):
             if name in sections:
@@ -239,7 +250,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         summ = summary(results)
         if summ:
             print("\nsummary:", ", ".join(f"{k} {v}" for k, v in summ.items()))
-        write_json(args.json, {"meta": env, "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "storage")}
+        write_json(args.json, {"meta": env, "settings": settings,
                                "targets": {"budget_deviation": FLAT_TARGET, "slots_ratio": SLOT_TARGET},
                                **results, "summary": summ})
         return 0

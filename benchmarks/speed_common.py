@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from refusion_mlx.bench.report import environment, header_lines
-from refusion_mlx.cli import OneLineParser
+from refusion_mlx.cli import OneLineParser, add_kv_args
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
@@ -42,6 +42,10 @@ def base_parser(prog: str, description: str) -> OneLineParser:
     parser.add_argument("--slot-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode the whole budget: the model's end-of-text does not stop a run (a random "
+                             "prompt often ends the answer at once)")
+    add_kv_args(parser)
     return parser
 
 
@@ -73,12 +77,16 @@ def make_params(gen_length: int, slot_size: int, block_length: int, mode: str) -
 
 
 def decode(model, tokenizer, prompt: Sequence[int], params: RefusionParams,
-           cache: Optional[CommittedCache] = None) -> tuple:
-    """One full decoder run; (wall seconds, decoder) with its stats."""
+           cache: Optional[CommittedCache] = None, storage=None, ignore_eos: bool = False) -> tuple:
+    """One full decoder run; (wall seconds, decoder) with its stats.
+    ``storage``: how a new cache keeps keys and values (--kv-bits);
+    ``ignore_eos``: the whole budget is decoded."""
     mx.synchronize()
     t0 = time.perf_counter()
+    if cache is None:
+        cache = CommittedCache.for_model(model, storage=storage)
     decoder = RefusionDecoder(model, prompt, params, mask_id=model.args.mask_token_id,
-                              eos_id=tokenizer.eos_token_id, cache=cache)
+                              eos_id=None if ignore_eos else tokenizer.eos_token_id, cache=cache)
     for _ in decoder.steps():
         pass
     wall = time.perf_counter() - t0

@@ -4,12 +4,14 @@
     python examples/openai_client.py [--base-url http://127.0.0.1:8080/v1]
 
 Streaming chunks carry only text that is final, in answer order. ReFusion's
-own settings go in ``extra_body``.
+own settings go in ``extra_body``. A server started with ``--api-key`` takes
+the key from ``REFUSION_MLX_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -20,7 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
     args = parser.parse_args()
-    client = openai.OpenAI(base_url=args.base_url, api_key="not-needed", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("REFUSION_MLX_API_KEY", "not-needed"), max_retries=0, timeout=120)
     try:
         model = client.models.list().data[0].id
     except openai.APIConnectionError:

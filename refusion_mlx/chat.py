@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args
+from .cli import OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, storage_from_args
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
 from .distributed import watchdog
+from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -32,6 +33,7 @@ def build_parser() -> OneLineParser:
     add_distributed_args(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     add_decoding_args(parser)
+    add_kv_args(parser)
     parser.add_argument("--no-reuse", action="store_true",
                         help="prefill the whole conversation every turn (to measure what reuse saves)")
     parser.add_argument("--visualize", action="store_true",
@@ -50,6 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not 0 <= args.frame_time <= 10:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         params = params_from_args(args)
+        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
         trace = None
         if args.trace and (dist is None or dist.leader):
@@ -64,9 +67,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                             err=sys.stderr if dist.leader else sys.stdout, interactive=term.interactive)
         if trace is not None:
             trace.tokenizer = tokenizer
-        session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse)
+        session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse,
+                              kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_error(str(e))  # one line per problem
         return 1
     except KeyboardInterrupt:
         return 130
@@ -77,7 +81,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     name = args.model or "tiny-refusion (demo)"
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
-              + (" · no cache reuse" if args.no_reuse else ""))
+              + (" · no cache reuse" if args.no_reuse else "")
+              + (f" · KV cache {args.kv_bits}-bit" if args.kv_bits else ""))
     term.note(HELP)
     # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
     with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns

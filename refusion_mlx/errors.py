@@ -15,3 +15,9 @@ class LoadError(RefusionError):
 
 class DecodeError(RefusionError):
     """Invalid decoding parameters or prompt."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM raised as the KeyboardInterrupt Ctrl-C raises, so that a command
+    which saves its work on Ctrl-C (``train``) saves it on SIGTERM too; the
+    command line then exits 143 (128 + SIGTERM) instead of 130."""

@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from ._blas import describe as blas_description
 from ._callable import make_callable
-from .cli import OneLineParser, add_decoding_args, add_model_args, params_from_args, positive_int, read_text, run
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, positive_int,
+                  read_text, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .distributed import watchdog
 from .errors import RefusionError
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", help="system message")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as is")
     add_decoding_args(parser)
+    add_kv_args(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="with --prompts-file: requests decoded together (default 8)")
     parser.add_argument("--verbose", action="store_true", help="print statistics to standard error")
@@ -58,6 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         params = params_from_args(args)
+        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: this rank's group; only rank 0 prints
         if dist is not None and "-" in (args.prompt, args.prompts_file):
             raise RefusionError("under mlx.launch standard input never ends (the launcher does not pass "
@@ -66,11 +69,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_prompts_file(args, params, dist)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        storage_from_args(args, model)  # the group size against the model's head dimension
         ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
         text, tokens, last = "", [], None
         with watchdog.armed():
-            for last in stream_generate(model, tokenizer, ids, params=params):
+            for last in stream_generate(model, tokenizer, ids, params=params, kv_bits=args.kv_bits,
+                                        kv_group_size=args.kv_group_size):
                 text += last.text
                 tokens += last.tokens
                 if not args.json:
@@ -97,11 +102,13 @@ def run_prompts_file(args, params, dist=None) -> int:
     text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
     items = parse_prompts(text, args.prompts_file, params)
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+    storage_from_args(args, model)
     ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
     with watchdog.armed():
-        results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size)
+        results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size,
+                                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     for i, r in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,

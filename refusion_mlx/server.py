@@ -67,8 +67,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 server = RefusionServer(config=config, dist=dist)
             except OSError as e:
                 raise RefusionError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
-            if server.host not in ("127.0.0.1", "::1", "localhost"):
-                log.warning("listening on %s: other machines can reach this server", server.host)
             log.info("loading %s ...", config.model_id)
             server.load()
             log.info("serving %s at %s (Ctrl-C to stop; API docs at %s/docs)", config.model_id, server.url,

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.kv_quant import QuantizedStore
 from refusion_mlx.decode.kv_store import KVStore, Storage
 from refusion_mlx.models.base import CacheSpec
 
@@ -198,11 +199,11 @@ class StackedStore(KVStore):
         self.kv = pad if self.kv is None else mx.concatenate([self.kv, pad], axis=2)
         self.capacity = capacity
 
-    def write(self, keys, values, start):
+    def write(self, keys, values, start, settled=0):
         assert start >= self.committed, "a pass wrote a committed row"
         self.kv[:, :, start:start + keys.shape[2]] = mx.concatenate([keys, values]).astype(self.dtype)
 
-    def write_rows(self, keys, values, rows):
+    def write_rows(self, keys, values, rows, end=None):
         self.kv[:, :, rows] = mx.concatenate([keys, values]).astype(self.dtype)
 
     def read(self, length):
@@ -238,49 +239,63 @@ class StackedStore(KVStore):
         self.kv[:, :, :rows] = kv
 
 
-STORAGES = {"float": Storage(), "stacked": Storage(StackedStore), "stacked-f16": Storage(StackedStore, dtype=mx.float16)}
-SPEC = CacheSpec(layers=1, kv_heads=2, head_dim=4, dtype=mx.float32, held=range(1))
+STORAGES = {"float": Storage(), "stacked": Storage(StackedStore),
+            "stacked-f16": Storage(StackedStore, dtype=mx.float16),
+            "q8": Storage(QuantizedStore, bits=8, group_size=64), "q4": Storage(QuantizedStore, bits=4, group_size=32)}
+SPEC = CacheSpec(layers=1, kv_heads=2, head_dim=64, dtype=mx.float32, held=range(1))
 
 
 def rows_of(first, n):
-    """(1, 2, n, 4) keys and values, small integers (exact in float16)."""
-    k = mx.arange(first * 8, (first + n) * 8, dtype=mx.float32).reshape(1, n, 2, 4).transpose(0, 2, 1, 3) % 512
+    """(1, 2, n, 64) keys and values of rows first.., multiples of 17 within
+    +-255 with 0 and +-255 in every group of 32: exact in float16 and as 8- or
+    4-bit codes (scale 1 or 17), so every store reads back what it was given."""
+    r = mx.arange(first, first + n)[None, None, :, None]
+    k = (17 * ((7 * r + 5 * mx.arange(2)[None, :, None, None] + 3 * mx.arange(64)) % 16)).astype(mx.float32)
     return k, -k
 
 
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", STORAGES)
-def test_a_store_keeps_the_interfaces_contract(name):
-    """Write (a range, given rows), read, grow, attend, keep, fork, bytes and
-    the named arrays: what CommittedCache relies on of any store."""
+def test_a_store_keeps_the_interfaces_contract(name, paths, set_paths):
+    """Write (a range, given rows), read, grow, attend, commit, keep, fork,
+    bytes and the named arrays, told what is committed as CommittedCache
+    tells it: what the cache relies on of any store."""
     from refusion_mlx.models.cpu_paths import attend, attention_mask
 
+    set_paths(paths)
     storage = STORAGES[name]
     store = storage.new(SPEC)
     assert store.capacity == 0 and store.nbytes == 0
     store.grow(4)
     store.write(*rows_of(0, 4), start=0)
     store.grow(8)  # growth keeps every row
-    assert store.capacity == 8 and store.nbytes == 8 * storage.row_bytes(SPEC)
-    store.write_rows(*rows_of(10, 2), rows=mx.array([6, 4]))
-    keys, values = store.read(8)
-    assert keys.shape == values.shape == (1, 2, 8, 4) and keys.dtype == SPEC.dtype
-    expect = np.zeros((1, 2, 8, 4), np.float32)
+    assert store.capacity == 8 and store.nbytes >= 8 * storage.row_bytes(SPEC)
+    store.write_rows(*rows_of(10, 2), rows=mx.array([6, 4]), end=8)
+    expect = np.zeros((1, 2, 8, 64), np.float32)
     expect[:, :, :4] = np.array(rows_of(0, 4)[0])
     expect[:, :, [6, 4]] = np.array(rows_of(10, 2)[0])
-    assert np.array_equal(np.array(keys), expect) and np.array_equal(np.array(values), -expect)
-    assert np.array_equal(np.array(store.read(3)[0]), expect[:, :, :3])
-
-    q = mx.random.normal((1, 4, 2, 4), key=mx.random.key(0))
+    q = mx.random.normal((1, 4, 2, 64), key=mx.random.key(0)) / 64
     mask = attention_mask("causal", 2, 5, 4, 2, mx.float32)
-    assert np.allclose(np.array(store.attend(q, mask, 5)), np.array(attend(q, *store.read(5), mask)))
+    for committed in (0, 8):  # the rows as passes wrote them, then as committed rows
+        store.set_committed(committed)
+        keys, values = store.read(8)
+        assert keys.shape == values.shape == (1, 2, 8, 64) and keys.dtype == SPEC.dtype
+        assert np.array_equal(np.array(keys), expect) and np.array_equal(np.array(values), -expect)
+        assert np.array_equal(np.array(store.read(3)[0]), expect[:, :, :3])
+        assert np.allclose(np.array(store.attend(q, mask, 5)), np.array(attend(q, *store.read(5), mask)), atol=1e-4)
+    assert store.nbytes == 8 * storage.row_bytes(SPEC)  # all committed: no rows held besides
 
     fork = store.fork(mx.array([4, 0, 1], dtype=mx.int32), 4)
+    fork.set_committed(3)
     assert type(fork) is type(store) and fork.capacity == 4
     assert np.array_equal(np.array(fork.read(3)[0]), expect[:, :, [4, 0, 1]])
-    fork.write(*rows_of(20, 1), start=0)
+    fork.write(*rows_of(20, 1), start=3)
+    fork.set_committed(4)
+    assert np.array_equal(np.array(fork.read(4)[0][:, :, 3]), np.array(rows_of(20, 1)[0])[:, :, 0])
     assert np.array_equal(np.array(store.read(8)[0]), expect)  # the source is untouched
 
     store.keep(mx.array([2, 0], dtype=mx.int32))
+    store.set_committed(2)
     assert np.array_equal(np.array(store.read(2)[1]), -expect[:, :, [2, 0]])
 
     arrays = fork.to_arrays(3)
@@ -288,6 +303,7 @@ def test_a_store_keeps_the_interfaces_contract(name):
     loaded = storage.new(SPEC)
     loaded.grow(3)
     loaded.load_arrays(arrays, 3)
+    loaded.set_committed(3)
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(loaded.read(3), fork.read(3)))
     for wrong in ({}, fork.to_arrays(2)):
         with pytest.raises(ValueError):
@@ -297,9 +313,13 @@ def test_a_store_keeps_the_interfaces_contract(name):
 def test_each_kind_of_store_names_its_form_and_row_cost():
     """What memory admission and the prompt-cache fingerprint ask, with no buffer made."""
     assert STORAGES["float"].describe(SPEC) == str(mx.float32)  # the float store's files keep their fingerprint
-    assert len({s.describe(SPEC) for s in STORAGES.values()}) == 3
-    assert STORAGES["float"].row_bytes(SPEC) == STORAGES["stacked"].row_bytes(SPEC) == 2 * 2 * 4 * 4
-    assert STORAGES["stacked-f16"].row_bytes(SPEC) == 2 * 2 * 4 * 2
+    assert len({s.describe(SPEC) for s in STORAGES.values()}) == len(STORAGES)
+    assert STORAGES["float"].row_bytes(SPEC) == STORAGES["stacked"].row_bytes(SPEC) == 2 * 2 * 64 * 4
+    assert STORAGES["stacked-f16"].row_bytes(SPEC) == 2 * 2 * 64 * 2
+    # codes, then a float32 scale and bias per group: 64 + 8 bytes a head at 8 bits, 32 + 2 * 8 at 4 in groups of 32
+    assert STORAGES["q8"].row_bytes(SPEC) == 2 * 2 * (64 + 8) and STORAGES["q4"].row_bytes(SPEC) == 2 * 2 * (32 + 16)
+    # the rows a pass writes are kept in float besides until committed; the float stores write into their rows
+    assert [STORAGES[n].scratch_row_bytes(SPEC) for n in ("float", "stacked", "q8")] == [0, 0, 2 * 2 * 64 * 4]
 
 
 def golden_params(case):

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,11 +128,12 @@ def _get(port: int, path: str) -> int:
 
 @pytest.fixture(scope="module")
 def pipeline_server(tmp_path_factory):
-    """A server on two ranks, split by layers (--pipeline), started as
-    mlx.launch starts them: (HTTP port, [rank 0, rank 1])."""
+    """A server on two ranks, split by layers (--pipeline), its KV caches
+    quantized (--kv-bits 8: each rank keeps its own layers' codes), started
+    as mlx.launch starts them: (HTTP port, [rank 0, rank 1])."""
     port = _free_port()
     procs = _start_ranks(tmp_path_factory.mktemp("ranks"), ["--model", str(FIXTURE_MODEL), "--port", str(port),
-                                                             "--pipeline"], timeout_s=None,
+                                                             "--pipeline", "--kv-bits", "8"], timeout_s=None,
                          command="refusion_mlx.server")
     try:
         deadline = time.monotonic() + 60
@@ -153,8 +155,9 @@ def pipeline_server(tmp_path_factory):
 def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_server):
     """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
     concurrent requests (streamed and not) answer as one process does. The
-    model is split by layers here (--pipeline; the test above splits heads),
-    so one start checks the server and the pipeline both."""
+    model is split by layers here (--pipeline; the test above splits heads)
+    and its KV caches are 8-bit, so one start checks the server, the
+    pipeline and a quantized cache across ranks."""
     import openai
 
     from refusion_mlx.decode.stream import chat_prompt, stream_generate
@@ -163,7 +166,7 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_serv
     port, _ = pipeline_server
     prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
     model, tok = load(FIXTURE_MODEL)
-    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32))
+    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32, kv_bits=8))
                 for p in prompts]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
 
@@ -176,6 +179,9 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_serv
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(ask, range(len(prompts)))) == expected
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+        kv = json.load(resp)["kv"]
+    assert (kv["bits"], kv["bytes_per_token"]) == (8, model.cache_spec().layers * 2 * 2 * (64 + 8))
 
 
 def test_a_server_whose_rank_died_mid_step_stops_with_one_line(pipeline_server):

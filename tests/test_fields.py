@@ -19,7 +19,7 @@ from refusion_mlx.serve.responses_api import ResponsesRequest
 from refusion_mlx.serve.schemas import DECODING_FIELDS, ChatCompletionRequest, CompletionRequest
 
 SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
-NOT_DECODING = {"model", "stop", "stream", "stream_options"}
+NOT_DECODING = {"model", "stop", "stream", "stream_options", "user"}
 
 
 def test_the_table_names_every_setting_once():

@@ -303,13 +303,16 @@ def test_missing_shard_named_in_index(demo_copy):
 def test_truncated_weights(demo_copy):
     data = (demo_copy / "model.safetensors").read_bytes()
     (demo_copy / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(LoadError, match="model.safetensors is not a readable safetensors file"):
+    # checked against the file's own header before anything is read or built
+    with pytest.raises(LoadError, match=r"model.safetensors is not a valid safetensors file: \S+ ends at byte \d+ "
+                                        r"of its data, but the file holds \d+ \(truncated\?\)"):
         load(demo_copy)
 
 
 def test_weights_that_do_not_match_the_config(demo_copy):
     edit_config(demo_copy, intermediate_size=512)
-    with pytest.raises(LoadError, match="weights do not match config.json"):
+    with pytest.raises(LoadError, match=r"config.json: intermediate_size is 512, but "
+                                        r"model.layers.0.mlp.gate_proj.weight has 768 rows"):
         load(demo_copy)
 
 

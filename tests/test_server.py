@@ -479,13 +479,13 @@ def test_http_level_errors(server):
     # a malformed header never reaches the app: uvicorn answers a plain 400 and closes (sent in one
     # piece: a body arriving after the close would reset the connection before the client reads the 400)
     with socket.create_connection((server.host, server.port), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n{}")
         assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
 
 
 def test_missing_content_length_and_garbage(server):
     with socket.create_connection((server.host, server.port), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\r\n")
         head = s.recv(4096).decode()
     assert head.startswith("HTTP/1.1 411")
     with socket.create_connection((server.host, server.port), timeout=10) as s:
@@ -507,7 +507,7 @@ def test_disconnect_mid_stream_frees_generation(server, client):
     before = health(server)
     s = socket.create_connection((server.host, server.port), timeout=30)
     body = json.dumps({**LONG, "stream": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     got = b""
     deadline = time.monotonic() + 30
@@ -537,7 +537,8 @@ def test_clients_that_leave_while_queued_are_cancelled(server):
     for _ in range(batch + 2):  # a batch runs, 2 wait
         s = socket.create_connection((srv.host, srv.port), timeout=30)
         body = json.dumps({**LONG, "stream": False}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         socks.append(s)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

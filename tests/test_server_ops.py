@@ -232,21 +232,25 @@ def test_prompt_cache_survives_a_restart(tmp_path, caplog):
         _, other = ask(srv, "Count from 17 to 38.")
     files = sorted(folder.glob("*.safetensors"))
     assert len(files) == 2 and not list(folder.glob(".tmp-*"))
-    # a corrupt file and one written for another model are skipped, one warning line each
-    (folder / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    # a corrupt file and one written for another model under this model's name are skipped, one warning line
+    # each; the file of another model (its own name) is left alone, unread and untrimmed
+    prefix = files[0].name[:17]
+    (folder / f"{prefix}{'c' * 32}.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     import mlx.core as mx
 
     arrays, meta = mx.load(str(files[0]), return_metadata=True)
-    mx.save_safetensors(str(folder / "foreign.safetensors"), arrays, metadata={**meta, "model": "another"})
+    mx.save_safetensors(str(folder / f"{prefix}{'f' * 32}.safetensors"), arrays, metadata={**meta, "model": "x"})
+    mx.save_safetensors(str(folder / f"{'0' * 16}-{'f' * 32}.safetensors"), arrays, metadata={**meta, "model": "x"})
     caplog.set_level(logging.WARNING, logger="refusion_mlx.server")
     with serve(prompt_cache_dir=str(folder)) as srv:
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         loaded = call(srv, "GET", "/health")[1]["prompt_cache"]["entries"]
         _, again = ask(srv)
     assert loaded == 2
-    assert len(warnings) == 2 and all(w.count("\n") == 0 for w in warnings)
-    assert any("corrupt.safetensors" in w for w in warnings)
-    assert any("foreign.safetensors" in w and "another model" in w for w in warnings)
+    assert len(warnings) == 2 and all(w.count("\n") == 0 for w in warnings), warnings
+    assert any("c" * 32 in w for w in warnings)
+    assert any("f" * 32 in w and "another model" in w for w in warnings)
+    assert (folder / f"{'0' * 16}-{'f' * 32}.safetensors").exists()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 

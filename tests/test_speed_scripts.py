@@ -98,6 +98,18 @@ def test_scaling_on_demo(tmp_path):
     assert {"budget_max_deviation", "slots_peak_ratio", "slots_above_weights_ratio"} <= set(result["summary"])
 
 
+def test_scaling_ignore_eos_decodes_the_whole_budget(tmp_path):
+    """A random prompt often ends the answer at once; --ignore-eos (the
+    decoder's eos_id None) decodes every token of the budget."""
+    runs = {}
+    for flags in ([], ["--ignore-eos"]):
+        out = tmp_path / f"scaling{len(flags)}.json"
+        assert scaling.main(["--sections", "budgets", "--budgets", "48", "--budget-prompt", "64", *flags,
+                             "--json", str(out)]) == 0
+        runs[bool(flags)] = json.loads(out.read_text())["budgets"][0]["generated_tokens"]
+    assert runs[True] == 48 > runs[False]
+
+
 def test_profile_on_demo(tmp_path):
     out = tmp_path / "profile.json"
     assert profile_decoder.main(["--cases", "1", "--gen-length", "16", "--block-length", "8", "--top", "5", "--json", str(out)]) == 0

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int, positive_ints, run
+from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, positive_int, positive_ints, run,
+                   storage_from_args)
 from ..cli.launch import add_distributed_args, join
 from ..distributed import watchdog
 from ..decode.params import PARAM_NAMES
@@ -42,6 +43,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--suite", default="default",
                         help="'default' (the bundled suite) or a suite JSON file")
     add_decoding_args(parser)
+    add_kv_args(parser)  # ReFusion's caches, and mlx-lm's (from the first token) on the AR side
     parser.add_argument("--repeat", type=positive_int, default=1, help="timed runs per prompt and side (median shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
     parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
@@ -98,9 +100,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.model and args.record_with and args.model != args.record_with:
             parser.error("--model and --record-with name the model that records the forwards: give one")
         args.record_with = args.record_with or args.model
+    if args.kv_bits and args.layouts:
+        parser.error("--kv-bits does not go with --layouts")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:
+        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before anything loads
         dist = join(args)  # under mlx.launch: the comparison on every rank, rank 0 reports
         if dist is not None and (args.shape or args.layouts or args.concurrency or args.conversation):
             raise BenchError("under mlx.launch bench runs the comparison with mlx-lm only "
@@ -138,7 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with watchdog.armed():
             result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
                                    args.warmup, not args.no_ar, not args.no_chat_template, log,
-                                   adapter_path=args.adapter_path, dist=dist)
+                                   adapter_path=args.adapter_path, dist=dist, kv_bits=args.kv_bits,
+                                   kv_group_size=args.kv_group_size)
         print(format_report(result))
         if dist is None or dist.leader:  # one file, from rank 0
             write_json(args.json, result)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .report import environment, format_table, header_lines
-from .runs import RunResult, median_run, run_ar, run_refusion, share_weights
+from .runs import RunResult, median_run, run_ar, run_refusion, share_weights, storage_of
 from .suite import BenchError, Suite, load_suite, resolve_params
 from ..decode.params import RefusionParams
 from ..errors import DecodeError
@@ -127,7 +127,8 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
                   preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None,
                   dtype: str = "float32", repeat: int = 1, warmup: int = 1, ar: bool = True,
                   chat_template: bool = True, log: Optional[Callable[[str], None]] = None,
-                  adapter_path: Optional[str] = None, dist=None) -> dict:
+                  adapter_path: Optional[str] = None, dist=None, kv_bits: Optional[int] = None,
+                  kv_group_size: Optional[int] = None) -> dict:
     """Run the suite on both sides and return the report as a JSON-able dict.
 
     ``overrides``: decoding parameters that win over the suite and preset
@@ -137,7 +138,8 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     ``warmup`` untimed runs per side first, cycling through the prompts.
     ``adapter_path``: fine-tuned adapters, applied to both sides alike.
     ``dist``: under ``mlx.launch``, this rank's group (``load_models``);
-    the report's ``meta`` gains ``distributed``.
+    the report's ``meta`` gains ``distributed``. ``kv_bits`` / ``kv_group_size``:
+    quantized KV caches on both sides (mlx-lm's from the first token).
     """
     if not isinstance(repeat, int) or repeat < 1:
         raise BenchError(f"repeat must be a positive integer, got {repeat!r}")
@@ -155,13 +157,15 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     label = str(model) if model is not None else "bundled demo model (refusion_mlx/demo/tiny-refusion)"
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=chat_template)
                for c in suite.cases]
+    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+    storage_of(kv, rmodel)  # the group size against the head dimension, before anything runs
     eos_saved = set(tokenizer.eos_token_ids)
     tokenizer.eos_token_ids = {tokenizer.eos_token_id}  # AR stops where ReFusion stops
     try:
         def once(side: str, i: int) -> RunResult:
             if side == "refusion":
-                return run_refusion(rmodel, tokenizer, prompts[i], params[i])
-            return run_ar(ar_model, tokenizer, prompts[i], params[i].gen_length)  # max_tokens, both sides
+                return run_refusion(rmodel, tokenizer, prompts[i], params[i], kv)
+            return run_ar(ar_model, tokenizer, prompts[i], params[i].gen_length, kv)  # max_tokens, both sides
 
         sides = SIDES if ar else SIDES[:1]
         for w in range(warmup):
@@ -181,7 +185,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     return summarize(suite, prompts, params, runs, sides, environment(rmodel, label),
                      dict(preset=preset, overrides={k: v for k, v in (overrides or {}).items() if v is not None},
                           repeat=repeat, warmup=warmup, chat_template=chat_template,
-                          adapter_path=None if adapter_path is None else str(adapter_path),
+                          adapter_path=None if adapter_path is None else str(adapter_path), **kv,
                           **({} if dist is None else {"distributed": dist.as_dict()})))
 
 

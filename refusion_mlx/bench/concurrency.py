@@ -54,9 +54,10 @@ class LevelResult:
 
 
 def run_level(model, tokenizer, prompts: Sequence[List[int]], params: Sequence[RefusionParams],
-              clients: int, rounds: int) -> LevelResult:
-    """The workload (``prompts`` x ``rounds``) through ``clients`` concurrent clients."""
-    gen = BatchGenerator(model, tokenizer, max_batch=clients)
+              clients: int, rounds: int, kv: Optional[dict] = None) -> LevelResult:
+    """The workload (``prompts`` x ``rounds``) through ``clients`` concurrent
+    clients (``kv``: ``kv_bits`` and ``kv_group_size`` of their caches)."""
+    gen = BatchGenerator(model, tokenizer, max_batch=clients, **(kv or {}))
     work = [i for _ in range(rounds) for i in range(len(prompts))]
     owner: Dict[int, list] = {}  # uid -> [start time, first text time]
 
@@ -92,14 +93,15 @@ def run_level(model, tokenizer, prompts: Sequence[List[int]], params: Sequence[R
 
 
 def run_levels(model, tokenizer, prompts, params, levels: Sequence[int], rounds: int,
-               warmup: bool = True, log: Optional[Callable[[str], None]] = None) -> List[LevelResult]:
+               warmup: bool = True, log: Optional[Callable[[str], None]] = None,
+               kv: Optional[dict] = None) -> List[LevelResult]:
     """Every level in turn (after one untimed warm-up pass at the widest)."""
     say = log or (lambda _m: None)
     if warmup:
-        run_level(model, tokenizer, prompts[:max(levels)], params, max(levels), 1)
+        run_level(model, tokenizer, prompts[:max(levels)], params, max(levels), 1, kv)
     out = []
     for n in levels:
-        r = run_level(model, tokenizer, prompts, params, n, rounds)
+        r = run_level(model, tokenizer, prompts, params, n, rounds, kv)
         say(f"{n} clients: {r.tokens} tokens in {r.wall_seconds:.2f} s, {r.tokens_per_second:.0f} tokens/s")
         out.append(r)
     return out

@@ -151,12 +151,15 @@ class BareWrite:
             self.w, self.store = w, w.cache.stores[i]
 
         def attend(self, q, k, v, mask):
-            """Write the pass's rows to the layer's store, then attend over the rows it sees."""
+            """Write the pass's rows to the layer's store, then attend over the
+            rows it sees; the rows before the pass's first count as committed
+            (a quantized store keeps them as codes, as the decoder's would)."""
             w = self.w
+            self.store.set_committed(w.start)
             if w.rows is None:
                 self.store.write(k, v, w.start)
             else:
-                self.store.write_rows(k, v, w.rows)
+                self.store.write_rows(k, v, w.rows, w.visible)
             return self.store.attend(q, mask, w.visible)
 
 
@@ -169,9 +172,10 @@ class Replay:
     cache: Optional[BareCache] = None
 
 
-def prepare(model, shapes: List[ForwardShape], seed: int = 0) -> Replay:
+def prepare(model, shapes: List[ForwardShape], seed: int = 0, storage: Optional[Storage] = None) -> Replay:
+    """Inputs for :func:`replay`; ``storage``: how the bare stores keep keys and values (--kv-bits)."""
     capacity = max(s.visible for s in shapes)
-    cache = BareCache(model, capacity)
+    cache = BareCache(model, capacity, storage)
     rng = np.random.default_rng(seed)
     vocab = model.args.vocab_size
     inputs = []

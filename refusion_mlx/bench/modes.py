@@ -25,7 +25,7 @@ def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=not args.no_chat_template)
                for c in suite.cases]
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
-    results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log)
+    results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log, kv=_kv(args))
     text = "\n".join(header_lines(env) + ["", format_levels(results, format_table)])
     return {"environment": env, "levels": [r.as_dict() for r in results], "rounds": args.rounds,
             "report": text}
@@ -36,7 +36,12 @@ def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
 
     params = resolve_all(suite, args.preset, overrides)
     return RefusionServer(args.model, port=0, dtype=args.dtype, adapter_path=args.adapter_path,
-                          **kw), params
+                          **_kv(args), **kw), params
+
+
+def _kv(args) -> Dict[str, Any]:
+    """--kv-bits and --kv-group-size, as the Python API's keywords."""
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
 
 
 def _request_fields(p: RefusionParams) -> dict:
@@ -136,6 +141,6 @@ def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
     result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log,
                        record_model=args.record_with, tokens_per_forward=args.tokens_per_forward,
-                       measure=not args.forecast_only, show=show)
+                       measure=not args.forecast_only, show=show, kv=_kv(args))
     result["report"] = format_shape_report(result, shown=bool(shown))
     return result

@@ -101,14 +101,24 @@ def _round(value: Optional[float], digits: int) -> Optional[float]:
     return None if value is None else round(value, digits)
 
 
-def run_refusion(model, tokenizer, prompt_ids: Sequence[int], params: RefusionParams) -> RunResult:
-    """Decode once with ReFusion through the public streaming API."""
+def storage_of(kv: Optional[dict], model):
+    """The caches' Storage of ``{"kv_bits", "kv_group_size"}`` (checked against ``model``)."""
+    from ..decode.kv_quant import kv_storage
+
+    kv = kv or {}
+    return kv_storage(kv.get("kv_bits"), kv.get("kv_group_size"), model)
+
+
+def run_refusion(model, tokenizer, prompt_ids: Sequence[int], params: RefusionParams,
+                 kv: Optional[dict] = None) -> RunResult:
+    """Decode once with ReFusion through the public streaming API (``kv``:
+    ``kv_bits`` and ``kv_group_size``, None for the model's dtype)."""
     mx.synchronize()
     mx.reset_peak_memory()
     tokens: List[int] = []
     text, last = "", None
     t0 = time.perf_counter()
-    for last in stream_generate(model, tokenizer, list(prompt_ids), params=params):
+    for last in stream_generate(model, tokenizer, list(prompt_ids), params=params, **(kv or {})):
         tokens += last.tokens
         text += last.text
     wall = time.perf_counter() - t0
@@ -134,8 +144,9 @@ class CountingModel:
         return getattr(self._model, name)
 
 
-def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int) -> RunResult:
-    """Decode once, greedily and left to right, with mlx-lm's stream_generate."""
+def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, kv: Optional[dict] = None) -> RunResult:
+    """Decode once, greedily and left to right, with mlx-lm's stream_generate
+    (``kv`` with ``kv_bits``: its quantized cache, from the first token)."""
     from mlx_lm.generate import generation_stream
     from mlx_lm.generate import stream_generate as ar_stream_generate
 
@@ -145,7 +156,11 @@ def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int) -> RunR
     tokens: List[int] = []
     text, last, first, calls = "", None, None, 0
     t0 = time.perf_counter()
-    for last in ar_stream_generate(counter, tokenizer, mx.array(list(prompt_ids)), max_tokens=max_tokens):
+    quantized = {}
+    if kv and kv.get("kv_bits"):
+        quantized = dict(kv_bits=kv["kv_bits"], kv_group_size=kv.get("kv_group_size") or 64, quantized_kv_start=0)
+    for last in ar_stream_generate(counter, tokenizer, mx.array(list(prompt_ids)), max_tokens=max_tokens,
+                                   **quantized):
         now = time.perf_counter()
         first = now if first is None else first
         calls = counter.calls

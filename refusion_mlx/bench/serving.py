@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,9 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
     first = None
     text, usage = [], {}
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        key = os.environ.get("REFUSION_MLX_API_KEY", "").split(",")[0].strip()  # a server with --api-key
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         resp = conn.getresponse()
         if resp.status != 200:
             raise BenchError(f"the server answered HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")

@@ -10,6 +10,7 @@ import textwrap
 from typing import List
 
 from .forecast import format_forecast, row_label
+from .kv_memory import format_kv_memory
 from .report import format_table
 
 
@@ -83,10 +84,15 @@ def format_measured(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _forecast(r: dict) -> str:
+    """The forecast and what the KV cache costs (per token, per conversation)."""
+    return format_forecast(r) + "\n\n" + format_kv_memory(r["kv_memory"])
+
+
 def before_timing(r: dict) -> str:
     """What the CPU run prints before it times: the head and the forecast."""
     gb = (r["weight_bytes"]["body"] + r["weight_bytes"]["head"]) / 1e9
-    return "\n".join([format_head(r), "", format_forecast(r), "",
+    return "\n".join([format_head(r), "", _forecast(r), "",
                       f"timing next on this CPU: {r['forwards']} ReFusion and {r['ar_forwards']} AR forwards of "
                       f"{gb:.2f} GB of weights each, which takes long for a large shape (--forecast-only skips it)"])
 
@@ -95,9 +101,9 @@ def format_shape_report(r: dict, shown: bool = False) -> str:
     """The whole report; ``shown``: the head and forecast were printed
     already (``before_timing``), so only the measurement is left."""
     if r["measured_on"] is None:  # --forecast-only
-        return "\n".join([format_head(r), "", format_forecast(r), "", "not measured (--forecast-only)"])
+        return "\n".join([format_head(r), "", _forecast(r), "", "not measured (--forecast-only)"])
     if shown:
         return "\n" + format_measured(r)
     if r["measured_on"] == "gpu":
-        return "\n".join([format_head(r), "", format_measured(r), "", format_forecast(r)])
-    return "\n".join([format_head(r), "", format_forecast(r), "", format_measured(r)])
+        return "\n".join([format_head(r), "", format_measured(r), "", _forecast(r)])
+    return "\n".join([format_head(r), "", _forecast(r), "", format_measured(r)])

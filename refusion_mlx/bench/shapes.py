@@ -47,6 +47,7 @@ from ..decode.forward import head_chunk_rows
 from ..models import backend
 from .forecast import MEASURED_ON_H100, NOTE, gap, price
 from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay
+from .kv_memory import kv_memory
 from .profiles import DEFAULT_TOKENS_PER_FORWARD, Profile, derive, derived_range, requests
 from .report import device_description
 from .suite import BenchError, Suite
@@ -244,10 +245,11 @@ def ar_forwards(rec: Recorded) -> List[tuple]:
 # Timing
 
 
-def time_refusion(model, shapes: List[ForwardShape], head_chunk: int) -> List[float]:
+def time_refusion(model, shapes: List[ForwardShape], head_chunk: int, storage=None) -> List[float]:
     """Seconds of each forward of ``shapes`` replayed bare, after one untimed
-    forward of each phase (so a kernel compiled on first use is not timed)."""
-    prepared = prepare(model, shapes)
+    forward of each phase (so a kernel compiled on first use is not timed);
+    ``storage``: how the bare stores keep keys and values (--kv-bits)."""
+    prepared = prepare(model, shapes, storage=storage)
     first = sorted({s.phase: i for i, s in reversed(list(enumerate(shapes)))}.values())
     warm = type(prepared)([shapes[i] for i in first], [prepared.inputs[i] for i in first], prepared.cache)
     replay(model, warm, head_chunk=head_chunk)
@@ -298,13 +300,16 @@ def _measured(profile: Profile, seconds: float, ar_tok_s: Optional[float], forec
 def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: Optional[int] = None,
               ar: bool = True, log=None, record_model: Optional[str] = None,
               tokens_per_forward: Optional[float] = None, measure: bool = True,
-              measure_profiles: Optional[bool] = None, show=None) -> dict:
+              measure_profiles: Optional[bool] = None, show=None, kv: Optional[dict] = None) -> dict:
     """The --shape report. ``record_model``: the folder whose forwards are
     recorded (None: the demo model's); ``tokens_per_forward``: one derived
     profile instead of the default range; ``measure=False``: no timing (the
     weights are never computed); ``measure_profiles``: replay the derived
     profiles too (default: on a GPU); ``show(report)``: called with the
-    report so far before timing on the CPU, where timing a large shape is slow."""
+    report so far before timing on the CPU, where timing a large shape is slow;
+    ``kv``: the KV cache's settings (``bits``, ``group_size``; None: float)."""
+    from .runs import storage_of
+
     say = log or (lambda _m: None)
     rec = record(suite, params, log, record_model)
     reqs = requests(rec.prompt_tokens, rec.generated, params)
@@ -351,6 +356,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         "flops_per_token_fed": 2 * costs.body_params, "flops_per_head_row": 2 * costs.head_params,
         "weight_bytes_per_token": mine["weight_bytes_per_token"], "flops_per_token": mine["flops_per_token"],
         "forecast": mine["forecast"], "forecast_note": NOTE, "profiles": profiles,
+        "kv_memory": kv_memory(shape_config(name), dtype, **(kv or {})),
         "h100": [{"weights": w, "recorded_with": who, "tokens_per_forward": t, "measured_ratio": m,
                   "forecast_ratio": f} for w, who, t, m, f in MEASURED_ON_H100],
     }
@@ -369,7 +375,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         result.update(ar_seconds=round(sum(ar_walls), 6), ar_tok_s=round(ar_tok_s, 3))
     timed = list(zip(derived, profiles)) if measure_profiles else []
     for p, d in timed + [(recorded, mine)]:
-        seconds = time_refusion(model, p.forwards, costs.per_chunk)
+        seconds = time_refusion(model, p.forwards, costs.per_chunk, storage_of(kv, model))
         say(f"replayed {d['label']}: {len(seconds)} forwards in {sum(seconds):.2f} s")
         d["measured"] = _measured(p, sum(seconds), ar_tok_s, d["bandwidth_bound_ratio"])
     m = mine["measured"]

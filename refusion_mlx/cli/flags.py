@@ -13,11 +13,13 @@ import argparse
 import sys
 from typing import Callable, List, Optional
 
+from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, kv_storage
+from ..decode.kv_store import Storage
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
-from ..errors import RefusionError
+from ..errors import RefusionError, Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -46,6 +48,27 @@ def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
     """--adapter-path: fine-tuned adapters (mlx-lm's format, python -m refusion_mlx.train) on the model."""
     parser.add_argument("--adapter-path",
                         help="folder of fine-tuned adapters to apply (adapter_config.json + adapters.safetensors)")
+
+
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """--kv-bits and --kv-group-size: how every KV cache of the process keeps
+    its committed keys and values (``decode/kv_quant.py``). A setting of the
+    process, not of a request: one form per cache, so the prompt cache, its
+    files and memory admission count one kind of row. Each flag's name is
+    its ``ServerConfig`` field and its Python API keyword."""
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS,
+                        help="keep the KV cache's committed keys and values quantized to this many bits "
+                             "(mx.quantize; the rows a pass computes stay in the model's dtype until committed). "
+                             "Default: the model's dtype")
+    parser.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES,
+                        help=f"with --kv-bits: values per scale and bias, along the head dimension, which it "
+                             f"must divide (default {DEFAULT_GROUP_SIZE})")
+
+
+def storage_from_args(args: argparse.Namespace, model=None) -> Storage:
+    """The ``Storage`` of --kv-bits / --kv-group-size (checked against the
+    model's head dimension when given); a bad pair is a one-line DecodeError."""
+    return kv_storage(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None), model)
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +153,9 @@ def read_text(path: str) -> str:
 
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError or a file-system error is one
-    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 -- never
-    a traceback."""
+    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
+    :class:`~refusion_mlx.errors.Terminated`, SIGTERM, "terminated" and 143)
+    -- never a traceback."""
     try:
         return body()
     except RefusionError as e:
@@ -145,6 +169,6 @@ def run(body: Callable[[], int]) -> int:
     except OSError as e:
         print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130

@@ -20,11 +20,11 @@ HELP = "commands: /reset clears the conversation, /stats shows the last turn, /h
 class Terminal:
     """Where the REPL reads and writes; dim styling only on a terminal."""
 
-    def __init__(self, read: Callable[[str], str] = input, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr, interactive: Optional[bool] = None):
+    def __init__(self, read: Callable[[str], str] = input, out: Optional[TextIO] = None,
+                 err: Optional[TextIO] = None, interactive: Optional[bool] = None):
         self.read = read
-        self.out = out
-        self.err = err
+        self.out = out or sys.stdout  # the streams of the moment it is made, not of the import
+        self.err = err = err or sys.stderr
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self.color = hasattr(err, "isatty") and err.isatty() and "NO_COLOR" not in os.environ
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 from ..cli import OneLineParser
+from ..distributed.group import say_error
 from ..errors import RefusionError
 from .converter import convert, format_summary
 from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
@@ -70,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               q_group_size=args.q_group_size, q_bits=args.q_bits, q_mode=args.q_mode,
                               quant_predicate=args.quant_predicate, dtype=args.dtype, force=args.force)
     except RefusionError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say_error(str(e))  # one line per problem
         return 1
     except KeyboardInterrupt:
         print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)

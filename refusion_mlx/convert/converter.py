@@ -15,6 +15,7 @@ The folder loads with ``refusion_mlx.load`` and with ``mlx_lm.load``.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
 from ..errors import ConfigError, LoadError, RefusionError
 from ..models import registry
+from ..models.config_checks import Tensor, check_memory, weight_problems
 from .quant_plan import DTYPES, Plan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
@@ -121,6 +123,17 @@ def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]],
     if any(n.endswith(IGNORED_SUFFIXES) for n in skipped):
         notes.append("rotary_emb.inv_freq buffers dropped (recomputed from rope_theta)")
     return notes
+
+
+def check_sizes(src: Path, args, ckpt: Checkpoint) -> None:
+    """Before the model's skeleton is built: the config's sizes against the
+    checkpoint's tensors (one line per contradiction), and the largest tensor,
+    read and cast one module at a time, against this machine's memory."""
+    problems = weight_problems(args, {n: Tensor(t.dtype, t.shape) for n, t in ckpt.tensors.items()})
+    if problems:
+        raise LoadError("\n".join(f"{src}/config.json: {p}" for p in problems))
+    largest = max((math.prod(t.shape) for t in ckpt.tensors.values()), default=0)
+    check_memory(largest * 8, f"{src}: its largest tensor, read and cast (float32)")
 
 
 def check_tokenizer(src: Path, config: dict, args) -> int:
@@ -275,6 +288,7 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     config = read_config(src)
     args = check_architecture(config)
     ckpt = open_checkpoint(src)
+    check_sizes(src, args, ckpt)
     expected = {k: tuple(v.shape) for k, v in tree_flatten(registry.build(args).parameters())}
     notes = check_tensors(ckpt, expected, args.tie_word_embeddings)
     mask_id = check_tokenizer(src, config, args)

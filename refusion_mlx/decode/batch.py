@@ -28,6 +28,7 @@ from .answer import AnswerText
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
+from .kv_quant import kv_storage
 from .params import RefusionParams, make_params
 from .stats import DecodeStats, SlotCommit
 
@@ -92,15 +93,21 @@ class BatchGenerator:
     ``insert`` validates a request and queues it; ``step`` runs one forward
     over every active request and returns their responses; ``remove``
     cancels one. One thread drives it (MLX is not shared across threads).
+    ``kv_bits`` (4 or 8) and ``kv_group_size``: the requests' committed
+    keys and values are kept quantized (``decode/kv_quant.py``); a bad
+    setting is a DecodeError here.
     """
 
-    def __init__(self, model, tokenizer, max_batch: int = 8):
+    def __init__(self, model, tokenizer, max_batch: int = 8, *, kv_bits: Optional[int] = None,
+                 kv_group_size: Optional[int] = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
         mask_id = getattr(model.args, "mask_token_id", None)
         if mask_id is None:
             raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        # how the requests' caches keep keys and values (kv_bits: quantized, decode/kv_quant.py)
+        self.storage = kv_storage(kv_bits, kv_group_size, model)
         self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)
         self.waiting: Deque[_Member] = deque()
         self.active: List[_Member] = []
@@ -119,9 +126,12 @@ class BatchGenerator:
         conversation so far, which the request then owns), only the new ids.
         The answer holds at most ``params.gen_length`` ids besides EOS
         (finish "length" when cut there), though the last slot decoded may
-        hold more.
+        hold more. A ``cache`` keeps keys and values in its own form; a
+        new one is made in this generator's (``kv_bits``).
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if cache is None:
+            cache = CommittedCache.for_model(self.model, storage=self.storage)
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
@@ -191,6 +201,13 @@ class BatchGenerator:
         return out
 
 
+def check_form(cache: CommittedCache, storage) -> None:
+    """A DecodeError unless ``cache`` keeps keys and values as ``storage`` does."""
+    mine, theirs = storage.describe(cache.spec), cache.storage.describe(cache.spec)
+    if mine != theirs:
+        raise DecodeError(f"the cache keeps keys and values as {theirs}, not as {mine} (kv_bits)")
+
+
 def _fatal(e: Exception) -> None:
     """A lost rank or link (``mlx.launch`` runs): no request can go on, so
     the error ends the step instead of failing requests one by one."""
@@ -224,7 +241,8 @@ class BatchResult:
 
 def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                    params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                   max_batch: int = 8, **kwargs) -> List[BatchResult]:
+                   max_batch: int = 8, *, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                   **kwargs) -> List[BatchResult]:
     """Decode many prompts together; one result per prompt, in order.
 
     ``prompts``: strings (tokenized as is) or token-id lists. ``params``: one
@@ -232,10 +250,12 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     as in ``generate`` (``max_tokens``, ``slot_size``, ...). A prompt that
     cannot be decoded (over the context, bad settings) gets a result with
     ``finish_reason`` "error" and the message in ``error``; the rest finish.
+    ``kv_bits`` / ``kv_group_size``: quantized KV caches (``BatchGenerator``).
     """
     ids = _prompt_ids(tokenizer, prompts)
     results = [BatchResult(prompt_ids=i) for i in ids]
-    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, **kwargs):
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, kv_bits=kv_bits,
+                                        kv_group_size=kv_group_size, **kwargs):
         r = results[index]
         r.text += response.text
         r.output_ids += response.tokens
@@ -246,11 +266,12 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
 
 def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                 max_batch: int = 8, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
+                 max_batch: int = 8, *, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                 **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
-    gen = BatchGenerator(model, tokenizer, max_batch=max_batch)
+    gen = BatchGenerator(model, tokenizer, max_batch=max_batch, kv_bits=kv_bits, kv_group_size=kv_group_size)
     index: Dict[int, int] = {}
     for i, (ids, p) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt)):
         try:

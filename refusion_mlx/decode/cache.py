@@ -88,11 +88,14 @@ class CommittedCache:
             store.grow(new_capacity)
         self.capacity = new_capacity
 
-    def extend(self, n: int) -> "KVWrite":
-        """A pass of n tokens after the committed ones, causal in sequence order."""
+    def extend(self, n: int, settled: int = 0) -> "KVWrite":
+        """A pass of n tokens after the committed ones, causal in sequence
+        order. ``settled``: how many of its first rows will be committed
+        whatever the pass decides (prompt tokens), which a store may keep in
+        its committed form at once (``KVStore.write``)."""
         self.reserve(n)
         start = len(self)
-        return KVWrite(self, start=start, rows=None, visible=start + n, mask="causal")
+        return KVWrite(self, start=start, rows=None, visible=start + n, mask="causal", settled=settled)
 
     def infill(self, num_slots: int, slot_size: int, cursor: int) -> "KVWrite":
         """A pass over tokens ``cursor..S-1`` of each of ``num_slots`` slots.
@@ -236,13 +239,14 @@ class KVWrite:
     """Where one forward pass writes its K/V and what its queries may see."""
 
     def __init__(self, cache: CommittedCache, start: int, rows: Optional[mx.array],
-                 visible: int, mask, slots: Optional[Tuple[int, int, int]] = None):
+                 visible: int, mask, slots: Optional[Tuple[int, int, int]] = None, settled: int = 0):
         self.cache = cache
         self.start = start
         self.rows = rows
         self.visible = visible
         self.mask = mask
         self.slots = slots  # an infill pass: (slots, slot size, window per slot)
+        self.settled = settled  # leading rows committed whatever the pass decides (prompt tokens)
 
     def layer(self, i: int) -> "_LayerWrite":
         return _LayerWrite(self, i)
@@ -275,8 +279,8 @@ class KVWrite:
         if self.rows is not None or self.mask != "causal":
             return None
         cut = self.start + at
-        return (KVWrite(self.cache, self.start, None, cut, "causal"),
-                KVWrite(self.cache, cut, None, self.visible, "causal"))
+        return (KVWrite(self.cache, self.start, None, cut, "causal", settled=min(self.settled, at)),
+                KVWrite(self.cache, cut, None, self.visible, "causal", settled=max(0, self.settled - at)))
 
 
 class _LayerWrite:
@@ -291,9 +295,9 @@ class _LayerWrite:
         """Write this pass's keys and values (1, K, n, D) into their rows."""
         w = self.write
         if w.rows is None:
-            self.store.write(keys, values, w.start)
+            self.store.write(keys, values, w.start, w.settled)
         else:
-            self.store.write_rows(keys, values, w.rows)
+            self.store.write_rows(keys, values, w.rows, w.visible)
 
     def fetch(self, length: Optional[int] = None):
         """The first ``length`` rows of keys and values (default: the rows this

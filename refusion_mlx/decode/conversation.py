@@ -44,11 +44,16 @@ class ChatSession:
     order, as it becomes final); the answer joins the history when the turn
     completes. A turn that fails or is interrupted leaves no trace: the user
     message is dropped and the cache cut back to what it held before.
+    ``kv_bits`` / ``kv_group_size``: keep the conversation's keys and values
+    quantized (``decode/kv_quant.py``), turn after turn.
     """
 
-    def __init__(self, model, tokenizer, params=None, system: Optional[str] = None, reuse: bool = True):
+    def __init__(self, model, tokenizer, params=None, system: Optional[str] = None, reuse: bool = True, *,
+                 kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None):
+        from .kv_quant import kv_storage
         from .params import RefusionParams
 
+        self.storage = kv_storage(kv_bits, kv_group_size, model)  # a bad setting fails here
         self.model = model
         self.tokenizer = tokenizer
         self.params = params or RefusionParams()
@@ -63,7 +68,7 @@ class ChatSession:
     def _new_cache(self):
         from .cache import CommittedCache
 
-        return CommittedCache.for_model(self.model)
+        return CommittedCache.for_model(self.model, storage=self.storage)
 
     def reset(self) -> None:
         """Forget the conversation and its cache."""

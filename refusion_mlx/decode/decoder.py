@@ -43,6 +43,8 @@ from .params import RefusionParams
 from .state import DecodeState
 from .stats import DecodeStats, Step
 
+NO_EOS = -1  # eos_id None: an id no token has, so nothing ends the answer early
+
 
 class RefusionDecoder:
     """One response: plan, verify, infill and commit over a committed cache.
@@ -50,11 +52,12 @@ class RefusionDecoder:
     ``cache``: a CommittedCache to continue (a conversation so far); the
     prompt is then only the new tokens after it. ``prefill_chunk``: the most
     prompt tokens one prefill pass feeds (``prefill_step``, its old name,
-    still works).
+    still works). ``eos_id`` None: no token ends the answer, the whole budget
+    is decoded (the speed benchmarks' ``--ignore-eos``).
     """
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
-                 mask_id: int, eos_id: int, cache: Optional[CommittedCache] = None,
+                 mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
                  prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None):
         self.model = model
         layout = params.layout()
@@ -70,8 +73,9 @@ class RefusionDecoder:
                 f"prompt ({response_start} tokens) + budget ({layout.gen_length}) "
                 f"exceeds the model's context of {limit} positions")
         vocab = model.args.vocab_size
+        eos_id = NO_EOS if eos_id is None else eos_id
         for name, tid in (("mask", mask_id), ("eos", eos_id)):
-            if not 0 <= int(tid) < vocab:
+            if not 0 <= int(tid) < vocab and not (name == "eos" and tid == NO_EOS):
                 raise DecodeError(f"{name} token id {tid} is outside the vocabulary of {vocab}")
         bad = [t for t in self.prompt if not 0 <= t < vocab]
         if bad:

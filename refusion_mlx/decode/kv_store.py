@@ -50,6 +50,14 @@ class KVStore:
         raise NotImplementedError
 
     @classmethod
+    def scratch_row_bytes(cls, spec: CacheSpec, **settings) -> int:
+        """Bytes one scratch row (a row a pass writes, not yet committed)
+        costs in one layer besides ``row_bytes``: 0 where scratch rows are
+        kept in the rows held (the float store), more where they are kept
+        in another form until committed."""
+        return 0
+
+    @classmethod
     def describe(cls, spec: CacheSpec) -> str:
         """The stored form's name (its dtype, and any settings): files
         written in another form must not be read back as this one."""
@@ -61,12 +69,16 @@ class KVStore:
         """Hold ``capacity`` rows (more than now), keeping every row held."""
         raise NotImplementedError
 
-    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
-        """Write (1, kv_heads, n, head_dim) keys and values into rows ``start .. start + n``."""
+    def write(self, keys: mx.array, values: mx.array, start: int, settled: int = 0) -> None:
+        """Write (1, kv_heads, n, head_dim) keys and values into rows ``start
+        .. start + n``; the first ``settled`` of them will be committed
+        whatever the pass decides (prompt tokens): a store may keep them in
+        their committed form at once."""
         raise NotImplementedError
 
-    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array) -> None:
-        """Write (1, kv_heads, n, head_dim) keys and values into the given n rows."""
+    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array, end: Optional[int] = None) -> None:
+        """Write (1, kv_heads, n, head_dim) keys and values into the given n
+        rows, all before ``end`` (the rows the pass sees; None: the capacity)."""
         raise NotImplementedError
 
     def read(self, length: int) -> Tuple[mx.array, mx.array]:
@@ -92,7 +104,7 @@ class KVStore:
 
     def fork(self, index: mx.array, capacity: int) -> "KVStore":
         """A new store of this kind with ``capacity`` rows, its first ones
-        copies of the rows ``index`` in that order."""
+        copies of the rows ``index`` (committed ones) in that order."""
         raise NotImplementedError
 
     @property
@@ -144,12 +156,12 @@ class FloatStore(KVStore):
             self.values = mx.concatenate([self.values, pad], axis=2)
         self.capacity = capacity
 
-    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
+    def write(self, keys: mx.array, values: mx.array, start: int, settled: int = 0) -> None:
         end = start + keys.shape[2]
         self.keys[:, :, start:end, :] = keys
         self.values[:, :, start:end, :] = values
 
-    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array) -> None:
+    def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array, end: Optional[int] = None) -> None:
         self.keys[:, :, rows, :] = keys
         self.values[:, :, rows, :] = values
 
@@ -207,6 +219,10 @@ class Storage:
     def row_bytes(self, spec: CacheSpec) -> int:
         """Bytes of keys and values one row costs in one layer."""
         return self.kind.row_bytes(spec, **self.settings)
+
+    def scratch_row_bytes(self, spec: CacheSpec) -> int:
+        """Bytes one scratch row costs in one layer besides ``row_bytes``."""
+        return self.kind.scratch_row_bytes(spec, **self.settings)
 
     def describe(self, spec: CacheSpec) -> str:
         """The stored form's name, as the prompt-cache files' fingerprint takes it."""

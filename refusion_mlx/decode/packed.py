@@ -21,9 +21,17 @@ to one request, write into its cache and attend to it alone. Two ways:
   committed caches themselves are never copied, and each request keeps its
   own buffer (a prompt cache forks it, a chat continues it).
 * **CPU paths: one call per request.** MLX's CPU backend has no fused
-  attention; there the grouped-query attention of ``models.cpu_paths.attend``
-  runs per request over exactly its visible rows: no gather, and on the
+  attention; there each request's store attends over exactly its visible
+  rows (``KVStore.attend``: the grouped-query attention of
+  ``models.cpu_paths.attend`` for the float store): no gather, and on the
   demo model no slower than the padded batch (docs/benchmarks.md).
+
+Quantized caches (``decode/kv_quant.py``): the padded batch gathers each
+request's committed rows as codes (padded to the batch's most committed
+rows) and its scratch rows in float (padded to the widest scratch), and one
+``kv_quant.batched_attend`` call per layer reads the codes through MLX's
+quantized matmul; the mask is the same per-request mask, its columns laid
+out as codes then scratch rows.
 
 The padding, masks and index arrays are made once per forward, on first use.
 """
@@ -38,6 +46,7 @@ import numpy as np
 from ..models import backend
 from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
+from .kv_quant import batched_attend, quantized_batch
 
 
 class PackedWrite:
@@ -111,6 +120,26 @@ class _Padding:
         masks = [self._segment_mask(w, end - start) for w, start, end in segments]
         self.mask = attention_mask(mx.stack(masks), self.max_rows, self.max_visible,
                                    heads, kv_heads, dtype)
+        self._segments, self._masks = segments, masks
+        self._split: Optional[tuple] = None
+
+    def split(self, coded: Sequence[int]) -> tuple:
+        """For caches kept as codes, ``coded`` rows each (the same in every
+        layer): (``coded``, (most coded rows, widest scratch), the
+        (B, 1, maxN, both) boolean mask with each request's keys laid out as
+        its coded rows, padded, then its scratch rows, padded)."""
+        if self._split is None:
+            committed = list(coded)
+            max_c = max(committed)
+            max_s = max(w.visible - c for (w, _, _), c in zip(self._segments, committed))
+            out = []
+            for mask, c in zip(self._masks, committed):
+                cols = np.concatenate([np.arange(max_c), c + np.arange(max_s)])
+                valid = np.concatenate([np.arange(max_c) < c, cols[max_c:] < self.max_visible])
+                cols = np.minimum(cols, self.max_visible - 1).astype(np.int32)
+                out.append(mx.take(mask, mx.array(cols), axis=1) & mx.array(valid)[None])
+            self._split = (committed, (max_c, max_s), mx.stack(out)[:, None])
+        return self._split
 
     def _segment_mask(self, write: KVWrite, rows: int) -> mx.array:
         """(maxN, maxV) bool: the request's own mask, padded. Padding keys are
@@ -159,18 +188,20 @@ class _PackedLayer:
         masks = self.packed.masks(q.shape[1], k.shape[1], q.dtype)
         outs = []
         for (write, start, end), mask in zip(self.packed.segments, masks):
-            keys, values = write.layer(self.index).update_and_fetch(k[:, :, start:end], v[:, :, start:end])
-            outs.append(attend(q[:, :, start:end], keys, values, mask))
+            layer = write.layer(self.index)
+            outs.append(layer.attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask))
         return mx.concatenate(outs, axis=2)
 
     def _attend_batched(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         padding = self.packed.padding(q.shape[1], k.shape[1], q.dtype)
-        keys, values = [], []
-        for write, start, end in self.packed.segments:
-            layer = write.layer(self.index)
+        layers = [write.layer(self.index) for write, _, _ in self.packed.segments]
+        for layer, (_, start, end) in zip(layers, self.packed.segments):
             layer.update(k[:, :, start:end], v[:, :, start:end])
-            kk, vv = layer.fetch(padding.max_visible)
-            keys.append(kk)
-            values.append(vv)
+        stores = [layer.store for layer in layers]
+        if quantized_batch(stores) is not None:
+            committed, spans, mask = padding.split([s.coded for s in stores])
+            if spans[0]:
+                return padding.unpad(batched_attend(padding.pad(q), stores, committed, spans, mask))
+        keys, values = zip(*(layer.fetch(padding.max_visible) for layer in layers))
         out = attend(padding.pad(q), mx.concatenate(keys), mx.concatenate(values), padding.mask)
         return padding.unpad(out)

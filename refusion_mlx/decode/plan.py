@@ -27,7 +27,7 @@ def plan_pass(state: DecodeState, tail: List[int]) -> Pass:
         [state.response_start + o + j for o in state.open_slots for j in range(S)]
     tokens = tail + [state.mask_id] * n
     return Pass("prefill" if tail else "plan", mx.array(tokens, dtype=mx.int32),
-                mx.array(positions, dtype=mx.int32), state.cache.extend(len(tokens)), head_rows=n,
+                mx.array(positions, dtype=mx.int32), state.cache.extend(len(tokens), settled=len(tail)), head_rows=n,
                 drafting=drafting(state, n), derive=lambda h: _confidence(h, S))
 
 

@@ -38,7 +38,7 @@ def passes(cache: CommittedCache, tokens: Sequence[int], first_position: int, ch
     done = 0
     for part, positions in chunks(tokens, first_position, chunk, leave):
         yield Pass("prefill", mx.array(part, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
-                   cache.extend(len(part)))
+                   cache.extend(len(part), settled=len(part)))
         cache.commit(part, positions)
         done += len(part)
     return done

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
-from .batch import BatchGenerator, GenerationResponse
+from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
 from .params import RefusionParams, make_params
 from .stats import DecodeStats
@@ -41,6 +41,7 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
                     cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
+                    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
                     **kwargs) -> Iterator[GenerationResponse]:
     """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
 
@@ -48,12 +49,18 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
     (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
-    CommittedCache to continue (chat). A batch of one: the same loop as
+    CommittedCache to continue (chat). ``kv_bits`` (4 or 8) and
+    ``kv_group_size`` (default 64): keep the committed keys and values
+    quantized; a ``cache`` keeps its own form (given with them, it must be
+    theirs, else DecodeError).
+    A batch of one: the same loop as
     :func:`refusion_mlx.decode.batch.batch_generate` runs.
     """
     if params is not None and kwargs:
         raise TypeError("give params or decoding keywords, not both")
-    gen = BatchGenerator(model, tokenizer, max_batch=1)
+    gen = BatchGenerator(model, tokenizer, max_batch=1, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    if cache is not None and (kv_bits is not None or kv_group_size is not None):
+        check_form(cache, gen.storage)
     gen.insert(prompt, params or make_params(**kwargs), cache=cache)
     while gen.has_work:
         for response in gen.step():

@@ -141,10 +141,11 @@ def errors():
 
 def say_error(message: str) -> None:
     """This rank's one-line error: ``error: rank N: message`` (``error:
-    message`` alone), on :func:`errors`."""
+    message`` alone), on :func:`errors`; a message of several lines (one
+    per bad value) is that many such lines."""
     rank = "" if _current is None else f"rank {_current.rank}: "
     out = errors()
-    out.write(f"error: {rank}{message}\n")
+    out.write("".join(f"error: {rank}{line}\n" for line in str(message).splitlines() or [""]))
     out.flush()
 
 

@@ -145,6 +145,12 @@ def read_adapter_config(folder: Union[str, Path]) -> dict:
         if not isinstance(lp, dict) or "rank" not in lp or "scale" not in lp:
             raise LoadError(f"{path}: lora_parameters needs rank and scale")
         lp.setdefault("dropout", 0.0)
+        try:
+            lora_parameters(lp["rank"], lp["scale"], lp["dropout"], lp.get("keys"))
+        except RefusionError as e:
+            raise LoadError(f"{path}: {e}") from None
+    if not isinstance(config.get("train_embeddings", False), bool):
+        raise LoadError(f"{path}: train_embeddings must be true or false, got {config['train_embeddings']!r}")
     return config
 
 
@@ -186,14 +192,70 @@ def load_adapters(model, adapter_path: Union[str, Path]):
         except (KeyError, ValueError, TypeError) as e:
             raise LoadError(f"{folder}: cannot add {kind} layers: {e}") from None
     params = dict(tree_flatten(model.parameters()))
-    errors = [f"{name}: {problem}" for name, w in weights.items()
-              for problem in [_adapter_tensor_problem(name, w, params, kind, config.get("train_embeddings", False))]
-              if problem]
-    if errors:
-        raise LoadError(f"{folder / ADAPTER_FILE}: {'; '.join(errors[:3])}"
-                        + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
+    problem = adapter_mismatch(expected_tensors(model, config), weights, config)
+    if problem:
+        raise LoadError(f"{folder / ADAPTER_FILE}: {problem}")
     model.load_weights([(name, _as_model_dtype(name, w, params)) for name, w in weights.items()], strict=False)
     return model
+
+
+def expected_tensors(model, config: dict) -> Dict[str, tuple]:
+    """Every tensor an adapter file must hold for ``config`` on ``model``
+    (its adapter layers already added), with its shape: the LoRA/DoRA layers'
+    ``lora_a``, ``lora_b`` (and DoRA's ``m``), or a full fine-tune's blocks;
+    with ``train_embeddings`` also the embedding, final norm and head."""
+    params = tree_flatten(model.parameters())
+    kind, n = config.get("fine_tune_type", "lora"), config["num_layers"]
+    if kind == "full":
+        first = len(model.layers) - n if n > 0 else 0
+        blocks = tuple(f"model.layers.{i}." for i in range(first, len(model.layers)))
+        out = {k: tuple(v.shape) for k, v in params if k.startswith(blocks)}
+    else:
+        out = {k: tuple(v.shape) for k, v in params if k.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
+    if config.get("train_embeddings"):
+        out.update({k: tuple(v.shape) for k, v in params if k.startswith(tuple(m + "." for m in EMBEDDING_MODULES))})
+    return out
+
+
+def adapter_mismatch(expected: Dict[str, tuple], weights: Dict[str, mx.array], config: dict) -> Optional[str]:
+    """Why an adapter file's tensors do not match what its config describes
+    (one line, the likeliest cause first), or None: they match exactly."""
+    kind, n = config.get("fine_tune_type", "lora"), config["num_layers"]
+    lp = config.get("lora_parameters") or {}
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    shaped = sorted(k for k in set(weights) & set(expected) if tuple(weights[k].shape) != expected[k])
+    described = f"{kind}, num_layers {n}" + (f", rank {lp.get('rank')}" if kind != "full" else "")
+    if lp.get("keys") and set(lp["keys"]) != set(LORA_KEYS):
+        described += f", keys {', '.join(lp['keys'])}"
+    if kind == "dora" and missing and all(k.endswith(".m") for k in missing) and not any(
+            k.endswith(".m") for k in weights):
+        return ("adapter_config.json says fine_tune_type dora, but the file holds no DoRA magnitudes (m): "
+                "LoRA weights? (set fine_tune_type to lora)")
+    if kind == "lora" and extra and all(k.endswith(".m") for k in extra):
+        return ("the file holds DoRA magnitudes (m), but adapter_config.json says fine_tune_type lora "
+                "(set it to dora)")
+    if shaped:
+        k = shaped[0]
+        got, want = tuple(weights[k].shape), expected[k]
+        if k.endswith((".lora_a", ".lora_b")):
+            rank = got[-1] if k.endswith(".lora_a") else got[0]
+            return (f"{k} has shape {got}, adapter_config.json ({described}) implies {want}: the file's rank is "
+                    f"{rank}, lora_parameters.rank says {lp.get('rank')}")
+        return f"{k} has shape {got}, the model's is {want}" + (
+            f" (and {len(shaped) - 1} more mis-shaped)" if len(shaped) > 1 else "")
+    embeddings = tuple(m + "." for m in EMBEDDING_MODULES)
+    if extra and all(k.startswith(embeddings) for k in extra) and not config.get("train_embeddings"):
+        return (f"the file holds {extra[0]} (the embedding, final norm or head), but adapter_config.json does "
+                "not say train_embeddings: true")
+    if extra:
+        return (f"{extra[0]} is not among the tensors adapter_config.json describes ({described})"
+                + (f", nor are {len(extra) - 1} more" if len(extra) > 1 else "")
+                + ": another model, or another num_layers or keys?")
+    if missing:
+        return (f"lacks {len(missing)} of the {len(expected)} tensors adapter_config.json describes ({described}), "
+                f"e.g. {missing[0]}: a truncated or partial file, or another config?")
+    return None
 
 
 def _as_model_dtype(name: str, w: mx.array, params: Dict[str, mx.array]) -> mx.array:
@@ -206,18 +268,6 @@ def _as_model_dtype(name: str, w: mx.array, params: Dict[str, mx.array]) -> mx.a
     if name.rsplit(".", 1)[-1] in ADAPTER_LEAVES or not mx.issubdtype(params[name].dtype, mx.floating):
         return w
     return w.astype(params[name].dtype)
-
-
-def _adapter_tensor_problem(name: str, w: mx.array, params: Dict[str, mx.array], kind: str,
-                            embeddings: bool) -> Optional[str]:
-    """Why ``name`` cannot be loaded from an adapter file (None: it can)."""
-    allowed = kind == "full" or name.rsplit(".", 1)[-1] in ADAPTER_LEAVES or (
-        embeddings and any(name.startswith(m + ".") for m in EMBEDDING_MODULES))
-    if not allowed or name not in params:
-        return "not an adapter parameter of this model"
-    if w.shape != params[name].shape:
-        return f"shape {tuple(w.shape)} does not match the model's {tuple(params[name].shape)}"
-    return None
 
 
 def has_adapters(model) -> bool:

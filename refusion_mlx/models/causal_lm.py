@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from ..errors import ConfigError
 from .base import CacheSpec, TensorParallel
+from .config_checks import field_problems
 from .cpu_paths import RMSNorm, attention_mask
 from .projections import Linear
 from .rope import PositionalRoPE, rope_scale
@@ -61,6 +62,9 @@ class DecoderArgs:
         return cls(**{k: v for k, v in config.items() if k in fields})
 
     def __post_init__(self):
+        problems = field_problems(self)  # every bad value, one line each, before anything is derived from them
+        if problems:
+            raise ConfigError("\n".join(f"config.json: {p}" for p in problems))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -72,12 +76,9 @@ class DecoderArgs:
                 self.rope_scaling = self.rope_parameters
         if self.rope_theta is None:
             self.rope_theta = self.DEFAULT_ROPE_THETA
-        for name in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.head_dim < 2 or self.num_key_value_heads > self.num_attention_heads:
+            raise ConfigError(f"config.json: head_dim ({self.head_dim}: hidden_size / num_attention_heads when not "
+                              "given) must be at least 2, and num_key_value_heads at most num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 "config.json: num_attention_heads must be a multiple of num_key_value_heads"

@@ -13,6 +13,7 @@ from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
 from . import backend, cpu_paths, projections, registry, sharding
+from .config_checks import check_memory, quantization_problems, read_headers, weight_bytes, weight_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
@@ -141,10 +142,15 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     model is split over its group (tensor or pipeline, its ``mode``) before
     any weight is read, then only this rank's share is read (``_load_split``)."""
     config = read_config(model_path)
-    model = registry.build(model_args(config))
+    args = model_args(config)
+    if dtype is not None and dtype not in DTYPES:
+        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    files = weight_files(model_path)
+    check_weights(model_path, config, args, files, dtype, dist)
+    model = registry.build(args)
     if dist is not None:
         return _load_split(model, model_path, config, dtype, lazy, dist), config
-    weights = model.sanitize(load_weights(weight_files(model_path)))
+    weights = model.sanitize(load_weights(files))
     if "quantization" in config:
         _quantize(model, config, weights)
     try:
@@ -153,14 +159,34 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
         message = " ".join(str(e).split())
         raise LoadError(f"{model_path}: weights do not match config.json: {message}") from None
     stored = model.model.norm.weight.dtype
-    if dtype is not None and dtype not in DTYPES:
-        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target = DTYPES[dtype] if dtype else default_dtype(stored)
     model.set_dtype(target)  # floating parameters only; packed weights keep their dtype
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
     return model, config
+
+
+STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def check_weights(model_path: Path, config: Dict[str, Any], args, files: List[Path], dtype: Optional[str],
+                  dist=None) -> None:
+    """Before anything is built: the config's quantization and sizes against the
+    weights' safetensors headers (one line per contradiction), and the weights'
+    bytes in the dtype they will be loaded in against this machine's memory
+    (a rank's share under ``dist``)."""
+    tensors = read_headers(files)
+    problems = quantization_problems(config) + weight_problems(args, tensors)
+    if problems:
+        raise LoadError("\n".join(f"{model_path}/config.json: {p}" for p in problems))
+    stored = STORED_DTYPES.get(getattr(tensors.get("model.norm.weight"), "dtype", ""))
+    target = dtype or ("float32" if backend.cpu_paths() else stored)
+    need = weight_bytes(tensors, target) // (dist.size if dist is not None else 1)
+    hint = ""
+    if target == "float32" and stored != "float32":
+        hint = " (in float32, the CPU paths' default: try --dtype bfloat16, or a quantized model)"
+    check_memory(need, f"{model_path}: the weights", hint)
 
 
 def _load_split(model, model_path: Path, config: Dict[str, Any], dtype: Optional[str], lazy: bool,
@@ -180,8 +206,6 @@ def _load_split(model, model_path: Path, config: Dict[str, Any], dtype: Optional
         missing, extra = sorted(expected - set(stored)), sorted(set(stored) - expected)
         detail = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
         raise LoadError(f"{model_path}: weights do not match config.json: {detail}")
-    if dtype is not None and dtype not in DTYPES:
-        raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target = DTYPES[dtype] if dtype else default_dtype(stored["model.norm.weight"].mx_dtype)
     _split(model, dist, target)
     weights = [(name, slices.read(stored[name], value.shape, dist.rank, name))

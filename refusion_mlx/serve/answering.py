@@ -18,6 +18,8 @@ before uvicorn's graceful shutdown (``GRACEFUL_SHUTDOWN`` s) would cancel it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -32,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from .engine_request import ChatPrompt, EngineRequest
 from .job import Job
 from .refusal import Reason, Refusal
+from .security import KEY_SCOPE
 from .tool_calls import ToolCall
 
 log = logging.getLogger("refusion_mlx.server")
@@ -130,11 +133,27 @@ class Answering:
                 return chat_prompt(tokenizer, source)
             return list(tokenizer.encode(source))
 
-    async def answer(self, request: Request, make: Callable[[], EngineRequest], writer: Writer, stream: bool):
+    def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:
+        """Whose prompt-cache entries a request continues and leaves (``--prompt-cache-scope``): the
+        API key it presented and its ``user`` field, hashed; "" (everyone's) when the scope is
+        shared; None (none at all) when it is private and the request names no user."""
+        scope = self.config.prompt_cache_scope
+        if scope == "shared":
+            return ""
+        if not user and scope == "private":
+            return None
+        key = request.scope.get(KEY_SCOPE, "")
+        return hashlib.sha256(f"{key}|{user or ''}".encode()).hexdigest()[:24]
+
+    async def answer(self, request: Request, make: Callable[[], EngineRequest], writer: Writer, stream: bool,
+                     user: Optional[str] = None):
         """Make the engine's request (``make``, on a worker thread), run it, and
-        answer with ``writer``: the whole answer, or its stream when ``stream``."""
+        answer with ``writer``: the whole answer, or its stream when ``stream``.
+        ``user``: the request's own name of its end user (OpenAI's ``user``,
+        Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
         t0 = time.perf_counter()
-        writer.request = await run_in_threadpool(make)
+        made = await run_in_threadpool(make)
+        writer.request = dataclasses.replace(made, cache_owner=self.cache_owner(request, user))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
             await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it

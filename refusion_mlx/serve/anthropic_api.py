@@ -202,7 +202,9 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
             return messages_request(body, answering.tokenize, defaults=config.decoding, context=answering.context,
                                     vocab_size=answering.vocab_size, takes_tools=answering.takes_tools)
 
-        return await answering.answer(request, make, MessagesWriter(answering.server), bool(body.stream))
+        user = (body.metadata or {}).get("user_id")
+        return await answering.answer(request, make, MessagesWriter(answering.server), bool(body.stream),
+                                      user if isinstance(user, str) else None)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):

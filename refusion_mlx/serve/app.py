@@ -9,12 +9,12 @@ for every API). Every error -- a refusal of the request's resolution or of
 the engine included -- is answered in the shape of the route's API
 (:mod:`.http_errors`: OpenAI's envelope ``{"error": {message, type, param,
 code}}``, Anthropic's on ``/v1/messages``); a stream carries only final
-text, in answer order, as server-sent events.
+text, in answer order, as server-sent events. Before any route:
+:mod:`.security`'s Host and Origin checks, the API key, and the body's
+type, size and arrival (415, 411, 413, 408).
 """
 
 from __future__ import annotations
-
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,37 +24,12 @@ from starlette.exceptions import HTTPException
 from .._version import __version__
 from . import anthropic_api, openai_api, responses_api
 from .answering import Answering
+from .api_schema import schema_maker
 from .http_errors import APIError, as_api_error, error_response
 from .metrics import CONTENT_TYPE, exposition, gauges
 from .page import add_page
 from .refusal import Refusal
-
-
-class BodyLimit:
-    """ASGI middleware: a POST needs a Content-Length within the limit (411,
-    413); its body is read as JSON whatever the Content-Type (``curl -d``)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-        length = dict(headers).get(b"content-length")  # a number: h11 refuses others
-        if length is None:
-            error = APIError(411, "a Content-Length header is required", code="length_required")
-        elif int(length) > self.max_bytes:
-            left, deadline = min(int(length), 64 << 20), time.monotonic() + 5
-            while left > 0 and time.monotonic() < deadline:  # read it, or the client sees a reset, not the 413
-                message = await receive()
-                left = left - len(message.get("body", b"")) if message.get("more_body") else 0
-            error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
-                             code="request_too_large")
-        else:
-            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
-            return await self.app(scope, receive, send)
-        await error_response(error, scope["path"])(scope, receive, send)
+from .security import RequestGuard, SiteGuard
 
 
 def create_app(server) -> FastAPI:
@@ -62,7 +37,10 @@ def create_app(server) -> FastAPI:
     engine, config = server.engine, server.config
     app = FastAPI(title="refusion-mlx", version=__version__,
                   description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    # outermost last: the Host and Origin checks, CORS (with --allowed-origins), then the key and the body
+    app.add_middleware(RequestGuard, keys=config.api_keys, max_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout, metrics_public=config.metrics_public,
+                       on_error=engine.metrics.http_error)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -70,6 +48,8 @@ def create_app(server) -> FastAPI:
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
                                           "anthropic-beta"])
+    app.add_middleware(SiteGuard, bound=server.host, allowed_hosts=config.allowed_hosts,
+                       allowed_origins=config.allowed_origins, on_error=engine.metrics.http_error)
 
     async def on_error(request: Request, exc: Exception):
         error = as_api_error(request, exc)
@@ -113,4 +93,5 @@ def create_app(server) -> FastAPI:
     anthropic_api.add_routes(app, answering)  # Anthropic's Messages API
 
     add_page(app, server)  # the web chat at /
+    app.openapi = schema_maker(app, config)  # the document as the server answers: its errors, not FastAPI's 422
     return app

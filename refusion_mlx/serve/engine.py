@@ -42,7 +42,7 @@ from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
-from .memory import default_max_kv_bytes, kv_need, kv_refusal, kv_row_bytes
+from .memory import KVCost, check_kv_budget, default_max_kv_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
 from .refusal import Reason, Refusal
@@ -67,7 +67,8 @@ class Engine:
         self.dist = dist
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
-        self.kv_row_bytes = 0  # the model's KV bytes per token, known once it is loaded
+        self.storage = config.storage()  # how the caches keep keys and values (--kv-bits)
+        self.kv_cost = KVCost.of(None, self.storage)  # KV bytes per token as they are kept, once the model is loaded
         self.kv_reserved = 0  # by the requests in the batch
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
         self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
@@ -133,7 +134,7 @@ class Engine:
 
     def job(self, request: EngineRequest, loop=None) -> Job:
         """The request's Job, as every rank makes it (``loop``: where its events go)."""
-        return Job(request, loop, kv_need(request, self.kv_row_bytes), self.eos_id, self.tool_format)
+        return Job(request, loop, self.kv_cost.need(request), self.eos_id, self.tool_format)
 
     def submit(self, request: EngineRequest, loop) -> Job:
         """Queue a request; its Job posts the answer's events to ``loop``. A
@@ -141,7 +142,7 @@ class Engine:
         job = self.job(request, loop)
         if job.kv_bytes > self.max_kv_bytes:
             self.metrics.outcome(request.api, "refused")
-            raise kv_refusal(job.kv_bytes, self.kv_row_bytes, self.max_kv_bytes)
+            raise self.kv_cost.refusal(request, job.kv_bytes, self.max_kv_bytes)
         with self.wake:
             if self._failed:
                 raise Refusal(Reason.ENGINE_DEAD, "the model engine has stopped (see the server's log); "
@@ -162,7 +163,7 @@ class Engine:
             state = {"active": len(self.running), "queued": len(self.waiting) + self.starting,
                      "max_batch": self.config.max_batch, **self.metrics.read(names),
                      "kv": {"reserved_bytes": self.kv_reserved, "max_bytes": self.max_kv_bytes,
-                            "bytes_per_token": self.kv_row_bytes}}
+                            **self.kv_cost.as_dict()}}
         return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
                                           "max_bytes": self.prompt_cache.max_bytes}}
 
@@ -182,7 +183,9 @@ class Engine:
             self.eos_id = self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizer = load_tokenizer(self.model.model_path)
-            self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch)
+            self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
+                                      kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+            self.storage = self.gen.storage
             self._plan_memory()
             self._open_cache_dir()
         except BaseException as e:  # reported by start() on the caller's thread
@@ -207,10 +210,11 @@ class Engine:
             self._release()
 
     def _plan_memory(self) -> None:
-        """The KV bytes per token of the loaded model, and --max-kv-bytes when not given."""
-        self.kv_row_bytes = kv_row_bytes(self.model)
+        """The KV bytes per token of the loaded model as its caches keep them, and --max-kv-bytes when not given."""
+        self.kv_cost = KVCost.of(self.model, self.storage)
         if self.max_kv_bytes is None:
-            self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_row_bytes)
+            self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_cost.row_bytes)
+        check_kv_budget(self.max_kv_bytes, self.kv_cost, self.config.decoding)  # refuses what refuses all
 
     def _open_cache_dir(self) -> None:
         """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
@@ -219,7 +223,7 @@ class Engine:
             from .cache_files import attach
 
             attach(self.prompt_cache, self.model, config.prompt_cache_dir, config.prompt_cache_dir_bytes,
-                   config.adapter_path)
+                   config.adapter_path, storage=self.storage)
 
     def _serve(self) -> None:
         leader = self.dist is None or self.dist.leader
@@ -267,7 +271,7 @@ class Engine:
                 plan.admitted.append(job)
             self.starting = len(plan.admitted)
             peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
-        plan.peers = [j.request.prompt_ids for j in peers]
+        plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
         return plan
 
     def _apply(self, plan: StepPlan) -> None:
@@ -304,14 +308,15 @@ class Engine:
         for job in list(self.running.values()):
             self._close(job, "failed", error)
 
-    def _start(self, job: Job, peers: List[List[int]]) -> None:
-        """Start a request; ``peers``: the prompt ids of the others admitted
-        or waiting (a prefix they share is prefilled once)."""
+    def _start(self, job: Job, peers: List[tuple]) -> None:
+        """Start a request; ``peers``: (cache owner, prompt ids) of the others admitted
+        or waiting (a prefix they share with one of its owner is prefilled once)."""
         from ..decode.cache import CommittedCache
 
-        ids = job.request.prompt_ids
-        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, [j.cache for j in self.running.values()],
-                                                           peers, lambda: CommittedCache.for_model(self.model))
+        ids, owner = job.request.prompt_ids, job.request.cache_owner
+        running = [(j.request.cache_owner, j.cache) for j in self.running.values()]
+        new_cache = lambda: CommittedCache.for_model(self.model, storage=self.storage)  # noqa: E731
+        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache)
@@ -343,7 +348,7 @@ class Engine:
             return
         if job.calls is not None:
             self.metrics.tool_calls(job.calls.calls, job.calls.failed)
-        self.prompt_cache.insert(job.cache)  # the conversation so far, for its next turn
+        self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far, for its next turn
         self._close(job, "completed")
         job.post("done", job.outcome(reason, r.stats, self.dist))
 

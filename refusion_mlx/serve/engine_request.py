@@ -33,7 +33,11 @@ class EngineRequest:
     view: ``stream_options.include_commits``), the ``tools`` (in the chat
     template's form) whose calls the answer is read for (none: its text is
     only text), whether it may make several (``parallel_tool_calls``; no:
-    it ends after the first), and the ``api`` that asked (``/metrics``)."""
+    it ends after the first), the ``api`` that asked (``/metrics``), and
+    whose prompt-cache entries it may continue and leave (``cache_owner``:
+    a hash of its API key and ``user``, set at the edge by
+    ``Answering.answer``; "" is everyone's, None: it neither reads nor
+    leaves any)."""
 
     prompt_ids: List[int]
     params: RefusionParams
@@ -42,6 +46,7 @@ class EngineRequest:
     tools: Tuple[dict, ...] = ()
     parallel_tool_calls: bool = True
     api: str = "chat.completions"
+    cache_owner: Optional[str] = ""
 
     @property
     def max_tokens(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from typing import Optional
 import uvicorn
 
 from .engine import Engine
+from .security import exposure_warning
 from .server_config import ServerConfig
 from .text import TextShaper
 
@@ -64,6 +66,9 @@ class RefusionServer:
             self.socket.close()
             raise
         self.host, self.port = self.socket.getsockname()[:2]
+        warning = exposure_warning(host, self.port, config.api_keys)
+        if warning:  # other machines can reach it, and nothing asks them for a key: said whatever --log-level
+            log.warning("%s", warning) if log.isEnabledFor(logging.WARNING) else print(warning, file=sys.stderr)
         self.engine = Engine(config, dist=dist)
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                         backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,

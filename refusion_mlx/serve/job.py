@@ -85,12 +85,12 @@ class Job:
 class StepPlan:
     """What one turn of the engine's loop does, decided by rank 0: close the
     ``cancelled`` running requests (by uid), start the ``admitted`` ones
-    (``peers``: the prompts they are compared with for a shared prefix, the
-    admitted first, in order), then step the batch; or ``stop``."""
+    (``peers``: the (cache owner, prompt) they are compared with for a shared
+    prefix, the admitted first, in order), then step the batch; or ``stop``."""
 
     cancelled: List[int] = field(default_factory=list)
     admitted: List[Job] = field(default_factory=list)
-    peers: List[List[int]] = field(default_factory=list)
+    peers: List[tuple] = field(default_factory=list)
     stop: bool = False
 
     def wire(self) -> tuple:

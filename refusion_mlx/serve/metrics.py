@@ -114,6 +114,8 @@ METRICS: Tuple[Tuple[str, str, str], ...] = (
     ("refusion_prompt_cache_max_bytes", "gauge", "The prompt cache's budget (--prompt-cache-bytes)."),
     ("refusion_kv_reserved_bytes", "gauge", "KV memory reserved by the requests in the batch."),
     ("refusion_kv_max_bytes", "gauge", "The KV budget of admission (--max-kv-bytes)."),
+    ("refusion_kv_bits", "gauge", "Bits per cached key and value (--kv-bits); 0: the model's dtype."),
+    ("refusion_kv_bytes_per_token", "gauge", "KV bytes one cached token costs, every layer, as it is kept."),
     ("refusion_memory_active_bytes", "gauge", "MLX memory in use (mx.get_active_memory)."),
     ("refusion_memory_cache_bytes", "gauge", "MLX allocator cache (mx.get_cache_memory)."),
     ("refusion_memory_peak_bytes", "gauge", "MLX peak memory (mx.get_peak_memory)."),
@@ -167,6 +169,7 @@ def gauges(state: dict, up: bool) -> dict:
             "refusion_prompt_cache_entries": cache["entries"], "refusion_prompt_cache_bytes": cache["bytes"],
             "refusion_prompt_cache_max_bytes": cache["max_bytes"],
             "refusion_kv_reserved_bytes": kv["reserved_bytes"], "refusion_kv_max_bytes": kv["max_bytes"] or 0,
+            "refusion_kv_bits": kv["bits"] or 0, "refusion_kv_bytes_per_token": kv["bytes_per_token"],
             "refusion_memory_active_bytes": mx.get_active_memory(),
             "refusion_memory_cache_bytes": mx.get_cache_memory(),
             "refusion_memory_peak_bytes": mx.get_peak_memory(), "refusion_engine_up": int(up)}

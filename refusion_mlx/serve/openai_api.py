@@ -110,4 +110,5 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
                                   context=answering.context, vocab_size=answering.vocab_size,
                                   takes_tools=answering.takes_tools)
 
-        return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream))
+        return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream),
+                                      body.user)

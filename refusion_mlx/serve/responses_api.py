@@ -28,6 +28,7 @@ from .response_store import ResponseStore
 from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
 from .schemas import _invalid as _not_input
+from .security import KEY_SCOPE
 from .tool_calls import check_results, function_tool, template_tools
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -49,6 +50,7 @@ class _ResponsesBase(BaseModel):
     stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
     store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
     metadata: Optional[Dict[str, str]] = None
+    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition")
     text: Optional[Dict[str, Any]] = Field(None, description='only {"format": {"type": "text"}}')
     background: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
@@ -164,12 +166,13 @@ def check_unsupported(body) -> None:
 
 
 def responses_request(body, store: ResponseStore, tokenize, *, defaults, context: int, vocab_size: int,
-                      takes_tools: bool) -> tuple:
-    """The body as the engine's request, and the conversation to store with its answer."""
+                      takes_tools: bool, owner: str = "") -> tuple:
+    """The body as the engine's request, and the conversation to store with its answer;
+    ``owner``: the API key's hash, whose stored responses it may continue."""
     check_unsupported(body)
     history: List[dict] = []
     if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id)
+        previous = store.get(body.previous_response_id, owner)
         if previous is None:
             raise Refusal(Reason.PREVIOUS_RESPONSE_NOT_FOUND, f"previous_response_id: no stored response "
                           f"{body.previous_response_id!r} (unknown, deleted or no longer kept)", "previous_response_id")
@@ -197,24 +200,25 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
     @app.post("/responses", include_in_schema=False)
     async def create(body: ResponsesRequest, request: Request):
         writer = ResponsesWriter(answering.server, body, store)
+        writer.owner = request.scope.get(KEY_SCOPE, "")  # another key's responses are not there for it
 
         def make() -> EngineRequest:
             engine_request, writer.conversation = responses_request(
                 body, store, answering.tokenize, defaults=config.decoding, context=answering.context,
-                vocab_size=answering.vocab_size, takes_tools=answering.takes_tools)
+                vocab_size=answering.vocab_size, takes_tools=answering.takes_tools, owner=writer.owner)
             return engine_request
 
-        return await answering.answer(request, make, writer, bool(body.stream))
+        return await answering.answer(request, make, writer, bool(body.stream), body.user)
 
     @app.get("/v1/responses/{response_id}")
-    async def get(response_id: str):
-        entry = store.get(response_id)
+    async def get(response_id: str, request: Request):
+        entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
         if entry is None:
             raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return entry.response
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str):
-        if not store.delete(response_id):
+    async def delete(response_id: str, request: Request):
+        if not store.delete(response_id, request.scope.get(KEY_SCOPE, "")):
             raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return {"id": response_id, "object": "response", "deleted": True}

@@ -53,6 +53,7 @@ class ResponsesWriter(Writer):
     def __init__(self, server, body, store: ResponseStore):
         self.body, self.store = body, store
         self.conversation: List[dict] = []  # set by the adapter: the messages, without instructions
+        self.owner = ""  # set by the adapter: the hash of the API key the request presented
         self.id, self.created = _id("resp"), int(time.time())
         self.model = server.config.model_id
         self.seq = 0
@@ -76,7 +77,7 @@ class ResponsesWriter(Writer):
                 "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "top_p": params.top_p if params else body.top_p,
                 "truncation": body.truncation or "disabled", "usage": usage(done) if done else None,
-                "user": None, "metadata": body.metadata or {}}
+                "user": body.user, "metadata": body.metadata or {}}
 
     def finish(self, done: dict) -> dict:
         """The finished response (completed, or incomplete at max_output_tokens), stored."""
@@ -87,7 +88,7 @@ class ResponsesWriter(Writer):
             calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}
                      for c in self.calls]
             answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            self.store.put(response, self.conversation + [answer])
+            self.store.put(response, self.conversation + [answer], self.owner)
         return response
 
     def answer(self, answer: Answer) -> dict:

@@ -39,8 +39,17 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "response_format": (None, {"type": "text"})}
 
 
+# Settings of the server's process, not of a request: refused in a body whatever their value.
+PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
+
+
 def refuse_unsupported(body):
-    """Before validation: the first field of HARMLESS holding another value is refused (its name in ctx)."""
+    """Before validation: a field of PROCESS_SETTINGS, or the first field of
+    HARMLESS holding another value, is refused (its name in ctx)."""
+    for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
+        if name in body:
+            raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
+                                      "not per request", {"field": name, "flag": flag})
     for name, values in HARMLESS.items() if isinstance(body, dict) else ():
         value = body.get(name)
         if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
@@ -67,6 +76,8 @@ class _BodyBase(BaseModel):
     stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} strings")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
+                                "(a request continues only the cached prompts of its own user and API key)")
 
     _refuse = model_validator(mode="before")(refuse_unsupported)
 
@@ -127,7 +138,7 @@ class Message(BaseModel):
     def _text(cls, content):
         """A string, null, or a list of ``{"type": "text", "text": ...}`` parts, joined."""
         if content is None or isinstance(content, str):
-            return content or ""
+            return content  # null or absent: only an assistant's message with calls may have none
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                               and isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
@@ -190,7 +201,10 @@ def chat_messages(messages: List[Message]) -> List[dict]:
     parts joined, a call's arguments as an object; tool results answer calls made."""
     out = []
     for i, m in enumerate(messages):
-        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: a {m.role} message needs content (a "
+                                                "string or text parts)", f"messages[{i}].content")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
         if m.tool_calls:
             if m.role != "assistant":
                 raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_calls: only an assistant message makes "

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..cli import byte_size, params_from_args
+from ..cli import add_kv_args, byte_size, params_from_args
+from ..decode.kv_quant import kv_storage
+from ..decode.kv_store import Storage
 from ..decode.params import RefusionParams
 from ..errors import RefusionError
 
@@ -31,6 +34,10 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a long chat history, not an upload
 DEFAULT_MAX_STORED_RESPONSES = 1024  # the Responses API's, for previous_response_id (text, a few KiB each)
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive after its headers (then 408)
+API_KEY_ENV = "REFUSION_MLX_API_KEY"  # the API key(s), comma-separated, when --api-key is not given
+# whose cached prompts a request may continue: the same (key, user); the same, and never without a user; anyone's
+CACHE_SCOPES = ("user", "private", "shared")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ class ServerConfig:
     ``prompt_cache_dir_bytes`` (None: ``prompt_cache_bytes``) are filled in
     when the config is made. ``max_kv_bytes`` None: derived from the
     device's memory when the model is loaded (``memory.default_max_kv_bytes``).
+    ``kv_bits`` (4 or 8; None: the model's dtype) and ``kv_group_size``
+    (None: 64): how every cache keeps its committed keys and values
+    (``decode/kv_quant.py``). A setting of the process, not of a request:
+    the prompt cache, its files and memory admission then count one kind of
+    row, and a request's ``kv_bits`` is refused.
     """
 
     model: Optional[str] = None
@@ -62,6 +74,14 @@ class ServerConfig:
     max_kv_bytes: Optional[int] = None
     watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    kv_bits: Optional[int] = None
+    kv_group_size: Optional[int] = None
+    # who may use the server, and whose prompt cache a request shares (serve/security.py, docs: Security)
+    api_keys: Tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    allowed_hosts: Tuple[str, ...] = ()
+    metrics_public: bool = False
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    prompt_cache_scope: str = "user"
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_body_bytes"):
@@ -76,19 +96,39 @@ class ServerConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
             raise RefusionError(f"watchdog_seconds must be a positive number of seconds, got {self.watchdog_seconds!r}")
         self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
+        kv_storage(self.kv_bits, self.kv_group_size)  # the head dimension is checked once the model loads
         fill = object.__setattr__  # frozen: the derived values are set once, here
         fill(self, "allowed_origins", tuple(self.allowed_origins))
+        fill(self, "allowed_hosts", tuple(self.allowed_hosts))
+        fill(self, "api_keys", (self.api_keys,) if isinstance(self.api_keys, str) else tuple(self.api_keys))
+        for key in self.api_keys:
+            if not isinstance(key, str) or not key or len(key) > 1024 or not all(33 <= ord(c) < 127 for c in key):
+                raise RefusionError("an API key must be 1 to 1024 printable ASCII characters without spaces")
+        if not isinstance(self.metrics_public, bool):
+            raise RefusionError(f"metrics_public must be true or false, got {self.metrics_public!r}")
+        if self.prompt_cache_scope not in CACHE_SCOPES:
+            raise RefusionError(f"prompt_cache_scope must be one of {', '.join(CACHE_SCOPES)}, "
+                                f"got {self.prompt_cache_scope!r}")
+        seconds = self.body_timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
+            raise RefusionError(f"body_timeout must be a positive number of seconds, got {seconds!r}")
         if self.model_id is None:
             fill(self, "model_id", str(self.model).rstrip("/") if self.model else "tiny-refusion")
         if self.prompt_cache_dir_bytes is None:
             fill(self, "prompt_cache_dir_bytes", self.prompt_cache_bytes)
 
+    def storage(self, model=None) -> Storage:
+        """How the caches keep keys and values (checked against ``model``'s head dimension when given)."""
+        return kv_storage(self.kv_bits, self.kv_group_size, model)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         """The config of parsed flags: the model's (``cli.add_model_args``),
         the decoding flags, and :func:`add_server_args`' (each its field's name)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "decoding"]
-        return cls(decoding=params_from_args(args), **{n: getattr(args, n) for n in names})
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("decoding", "api_keys")]
+        keys = tuple(args.api_keys or ()) or tuple(
+            k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        return cls(decoding=params_from_args(args), api_keys=keys, **{n: getattr(args, n) for n in names})
 
 
 def _check(name: str, value, lo: int, hi: Optional[int] = None) -> None:
@@ -163,6 +203,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              "others wait, one that can never fit gets 400 (default: 90%% of the device's "
                              "memory - Metal's recommended working set, else physical memory - less the "
                              "weights and --prompt-cache-bytes)")
+    add_kv_args(parser)  # --kv-bits, --kv-group-size: shared with generate, chat and bench
     parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
                         help="/health answers 503 while a step has run longer than this "
                              f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
@@ -173,4 +214,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                              f"/v1/responses/ID, least recently used out; 0 keeps none "
                              f"(default {DEFAULT_MAX_STORED_RESPONSES})")
     parser.add_argument("--allowed-origins", type=_origins, default=(),
-                        help="comma-separated origins allowed by CORS, or '*' (default: none)")
+                        help="comma-separated origins whose pages may call the server (CORS), or '*' "
+                             "(default: none, only the server's own page)")
+    parser.add_argument("--allowed-hosts", type=_origins, default=(),
+                        help="comma-separated host names the Host header may give besides the bound address "
+                             "and localhost, or '*' for any (default: none; refuses DNS rebinding)")
+    parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                        help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
+                             "/health and the web page's files; repeat for several, each its own prompt-cache "
+                             f"partition (default: ${API_KEY_ENV}, comma-separated; none)")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="serve /metrics without the API key (a scraper without it)")
+    parser.add_argument("--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                        help="a request body must arrive within this long of its headers, else 408 "
+                             f"(default {DEFAULT_BODY_TIMEOUT:g})")
+    parser.add_argument("--prompt-cache-scope", choices=CACHE_SCOPES, default="user",
+                        help="whose cached prompts a request continues: user (default) those of its own API key "
+                             "and `user` field; private: the same, and nothing for a request without a user; "
+                             "shared: anyone's (cached_tokens then tells a client what others sent)")

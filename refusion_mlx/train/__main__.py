@@ -1,12 +1,15 @@
 """``python -m refusion_mlx.train``: fine-tune a ReFusion model with its hybrid
-objective (LoRA, DoRA, full; QLoRA on a quantized model), mlx-lm's flags."""
+objective (LoRA, DoRA, full; QLoRA on a quantized model), mlx-lm's flags.
+Ctrl-C or SIGTERM saves the adapters of the last completed step (exit 130, 143)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import List, Optional
 
 from ..cli import OneLineParser, run
+from ..errors import Terminated
 from .config import OptionError, add_flags, merge
 
 
@@ -35,7 +38,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         fine_tune(**args)
         return 0
 
-    return run(body)
+    # SIGTERM (a supervisor, `kill`, a closing session) saves the adapters of the last step, as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run(body)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends at once
+    raise Terminated()
 
 
 if __name__ == "__main__":

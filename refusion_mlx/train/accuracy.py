@@ -117,16 +117,17 @@ def default_params() -> RefusionParams:
 
 
 def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Sequence,
-           tools: Optional[Sequence] = None) -> List[str]:
+           tools: Optional[Sequence] = None, kv: Optional[dict] = None) -> List[str]:
     """The model's greedy answers to many conversations (the one place that
     decodes): decoded together, each exactly as it would be alone.
-    ``tools``: each conversation's tools (None: none)."""
+    ``tools``: each conversation's tools (None: none); ``kv``: ``kv_bits``
+    and ``kv_group_size`` of their caches."""
     from ..decode.batch import batch_generate
     from .dataset import prompt_ids
 
     tools = tools or [None] * len(conversations)
     prompts = [prompt_ids(tokenizer, list(m), t) for m, t in zip(conversations, tools)]
-    return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH)]
+    return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH, **(kv or {}))]
 
 
 def reference(tokenizer, row: dict) -> str:
@@ -138,7 +139,8 @@ def reference(tokenizer, row: dict) -> str:
 
 def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
                 family_of: Optional[Callable[[dict], str]] = None, max_tokens: Optional[int] = None,
-                progress: Optional[Callable[[int, int], None]] = None, keep_failures: int = 3) -> dict:
+                progress: Optional[Callable[[int, int], None]] = None, keep_failures: int = 3,
+                kv: Optional[dict] = None) -> dict:
     """Exact-match accuracy of ``model`` over chat ``rows``, per family.
 
     ``params``: RefusionParams (default: the CLI's, blocks of 16 tokens); its
@@ -147,7 +149,7 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
     ``row_family``). Returns ``{"families": {name: {"correct", "total",
     "accuracy"}}, "correct", "total", "accuracy", "seconds", "failures":
     {name: [{"prompt", "expected", "got"}, ...]}}`` (up to ``keep_failures``
-    failures kept per family).
+    failures kept per family). ``kv``: ``kv_bits`` / ``kv_group_size`` (a quantized KV cache).
     """
     params = params or default_params()
     family_of = family_of or row_family
@@ -167,7 +169,7 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
     for i in range(0, len(rows), 4 * BATCH):  # in chunks, so progress can be shown
         chunk = rows[i:i + 4 * BATCH]
         texts += decode(model, tokenizer, [r["messages"][:-1] for r in chunk], settings[i:i + len(chunk)],
-                        [r.get("tools") for r in chunk])
+                        [r.get("tools") for r in chunk], kv)
         if progress is not None:
             progress(len(texts), len(rows))
     for row, text, ref in zip(rows, texts, references):
@@ -208,7 +210,7 @@ def format_table(result: dict, before: Optional[dict] = None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import OneLineParser, add_decoding_args, add_model_args, positive_int
+    from ..cli import OneLineParser, add_decoding_args, add_kv_args, add_model_args, positive_int
 
     parser = OneLineParser(prog="python -m refusion_mlx.train.accuracy",
                            description="Exact-match accuracy of a model's answers to the last user turn of "
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--show-failures", type=int, default=0, metavar="N",
                         help="print up to N wrong answers per family")
     add_decoding_args(parser)
+    add_kv_args(parser)
     parser.set_defaults(block_length=None)
     return parser
 
@@ -248,17 +251,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(e))
 
     def body() -> int:
+        from ..cli import storage_from_args
         from ..models.loading import load
 
+        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before anything loads
         rows = read_rows(args.data, args.limit)
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
+        kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
+        storage_from_args(args, model)
         tty = sys.stderr.isatty()
 
         def progress(i, n):
             if tty:
                 print(f"\r{i}/{n}", end="" if i < n else "\n", file=sys.stderr, flush=True)
 
-        result = exact_match(model, tokenizer, rows, params, max_tokens=args.gen_length, progress=progress)
+        result = exact_match(model, tokenizer, rows, params, max_tokens=args.gen_length, progress=progress, kv=kv)
         print(format_table(result))
         print(f"{result['total']} rows in {result['seconds']:.1f} s")
         for fam, items in result["failures"].items():

@@ -3,6 +3,8 @@
 // /web/settings.json, and the answer's slots as the stream's commits
 // (stream_options.include_commits, on all three) fill them, out of order.
 // Model text only ever goes into the page as text (textContent, title), never as HTML.
+// A server started with --api-key answers 401 until the page sends its key: the page asks
+// for it once and keeps it in this tab's sessionStorage (gone when the tab closes).
 "use strict";
 
 const GROUPS = [
@@ -11,6 +13,7 @@ const GROUPS = [
   ["Sampling", ["temperature", "seed", "top_p", "top_k", "min_p"]],
 ];
 const STORE = "refusion-mlx-settings";
+const KEY_STORE = "refusion-mlx-api-key";
 
 const $ = (id) => document.getElementById(id);
 const state = { history: [], busy: false, controller: null, shown: null, defaults: {} };
@@ -84,10 +87,40 @@ function setStatus(text, kind) {
   s.dataset.kind = kind || "";
 }
 
+// -- the API key ----------------------------------------------------------------
+
+function askKey(message) {
+  const dialog = $("key-dialog");
+  $("key-message").textContent = message;
+  $("key-input").value = "";
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => {
+      const key = $("key-input").value.trim();
+      resolve(dialog.returnValue === "ok" && key ? key : null);
+    }, { once: true });
+    dialog.showModal();
+  });
+}
+
+// fetch with the stored key; on a 401 ask for the key (again, if the one sent was refused) and retry
+async function authorizedFetch(path, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(KEY_STORE);
+    const headers = { ...(options.headers || {}), ...(key ? { Authorization: "Bearer " + key } : {}) };
+    const resp = await fetch(path, { ...options, headers });
+    if (resp.status !== 401) return resp;
+    const asked = await askKey(key ? "The server refused that key. Its API key:"
+                                   : "This server needs its API key (kept in this tab only):");
+    if (asked === null) return resp;
+    sessionStorage.setItem(KEY_STORE, asked);
+  }
+}
+
 // -- settings ------------------------------------------------------------------
 
 async function loadSettings() {
-  const resp = await fetch("/web/settings.json");
+  const resp = await authorizedFetch("/web/settings.json");
+  if (!resp.ok) throw new Error(`${resp.status} ${resp.statusText}`);
   const s = await resp.json();
   $("model").textContent = s.model;
   document.title = s.model + " · refusion-mlx chat";
@@ -331,7 +364,7 @@ async function send(text) {
     }
   };
   try {
-    const resp = await fetch(api.path, {
+    const resp = await authorizedFetch(api.path, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),

@@ -1,0 +1,266 @@
+"""A checkpoint's config.json checked before anything is built from it.
+
+Three checks, each reporting every bad value on a line of its own (a
+``ConfigError`` or ``LoadError`` whose message has one line per problem),
+and none allocating anything:
+
+* :func:`field_problems`: every field's type and range (``DecoderArgs``
+  calls it first): an integer is an integer (``true`` is not one), sizes lie
+  within :data:`LIMITS` -- far above any real checkpoint, far below what
+  would overflow MLX's 32-bit dimensions or take the machine's memory just
+  to build a model's skeleton --, ``rope_theta`` and ``rms_norm_eps`` are
+  finite and positive, flags are booleans.
+* :func:`weight_problems`: the sizes against the weights' own safetensors
+  headers (:func:`read_headers`: the JSON header of each file, checked
+  against the file's size; no tensor is read): the layer count, the
+  vocabulary, the hidden size, the heads and the MLP width.
+* :func:`check_memory`: the weights' bytes in the dtype they will be loaded
+  in, from the same headers, against this machine's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+from ..errors import LoadError
+
+# Sizes a config may give: well above every published checkpoint (Llama 3.1 405B:
+# 126 layers, hidden 16,384, intermediate 53,248; vocabularies up to ~260k), well
+# below what overflows MLX's int32 dimensions.
+LIMITS: Dict[str, Tuple[int, int]] = {
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 4096),
+    "vocab_size": (2, 1 << 22),
+    "max_position_embeddings": (1, 1 << 24),
+}
+MAX_HEADER = 100 << 20  # bytes of a safetensors JSON header (a real one: a few hundred KB)
+# safetensors dtype tags: bytes per element (floating or not)
+TAGS = {"F64": (8, True), "F32": (4, True), "F16": (2, True), "BF16": (2, True), "I64": (8, False),
+        "I32": (4, False), "U32": (4, False), "I16": (2, False), "U16": (2, False), "I8": (1, False),
+        "U8": (1, False), "BOOL": (1, False), "F8_E4M3": (1, True), "F8_E5M2": (1, True)}
+FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class Tensor(NamedTuple):
+    """What a header says of one tensor: its dtype tag and shape."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _shown(value: Any) -> str:
+    """A value as config.json spells it (``true``, ``1e+12``, ``"x"``)."""
+    try:
+        return json.dumps(value)[:60]
+    except (TypeError, ValueError):
+        return repr(value)[:60]
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def field_problems(args) -> List[str]:
+    """Each bad field of a ``DecoderArgs`` (as read, before defaults are
+    derived) as one line: its name, what it must be, what it is."""
+    out: List[str] = []
+    for name, (lo, hi) in LIMITS.items():
+        value = getattr(args, name, None)
+        if value is None and name in ("num_key_value_heads", "head_dim"):
+            continue  # derived from the others
+        if not _is_int(value):
+            out.append(f"{name} must be an integer, got {_shown(value)}")
+        elif not lo <= value <= hi:
+            out.append(f"{name} must be within {lo}..{hi}, got {value}")
+    eps = args.rms_norm_eps
+    if not (_is_number(eps) and 0 < eps < 1):
+        out.append(f"rms_norm_eps must be a number in (0, 1), got {_shown(eps)}")
+    theta = args.rope_theta
+    if theta is not None and not (_is_number(theta) and theta > 0):
+        out.append(f"rope_theta must be a positive number, got {_shown(theta)}")
+    for name in ("rope_scaling", "rope_parameters"):
+        out += _rope_problems(name, getattr(args, name))
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(f.default, bool) and not isinstance(value, bool):
+            out.append(f"{f.name} must be true or false, got {_shown(value)}")
+    for name in ("model_type", "hidden_act"):
+        if not isinstance(getattr(args, name), str):
+            out.append(f"{name} must be a string, got {_shown(getattr(args, name))}")
+    if not isinstance(args.architectures, list) or not all(isinstance(a, str) for a in args.architectures):
+        out.append(f"architectures must be a list of strings, got {_shown(args.architectures)}")
+    mask = args.mask_token_id  # within the vocabulary: checked with the tokenizer's (loading.load)
+    if mask is not None and (not _is_int(mask) or mask < 0):
+        out.append(f"mask_token_id must be a token id (an integer >= 0), got {_shown(mask)}")
+    return out
+
+
+def _rope_problems(name: str, value: Any) -> List[str]:
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        return [f"{name} must be an object or null, got {_shown(value)}"]
+    out = []
+    kind = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(kind, str):
+        out.append(f"{name}.rope_type must be a string, got {_shown(kind)}")
+    factor = value.get("factor", 1.0)
+    if not (_is_number(factor) and factor > 0):
+        out.append(f"{name}.factor must be a positive number, got {_shown(factor)}")
+    theta = value.get("rope_theta")
+    if theta is not None and not (_is_number(theta) and theta > 0):
+        out.append(f"{name}.rope_theta must be a positive number, got {_shown(theta)}")
+    return out
+
+
+def quantization_problems(config: Dict[str, Any]) -> List[str]:
+    """config.json's ``quantization`` (mlx-lm's): group size, bits, mode; per-layer overrides."""
+    quant = config.get("quantization")
+    if quant is None or "quantization" not in config:
+        return []
+    if not isinstance(quant, dict):
+        return [f"quantization must be an object, got {_shown(quant)}"]
+    out = []
+    group, bits, mode = quant.get("group_size", 64), quant.get("bits", 4), quant.get("mode", "affine")
+    if not _is_int(group) or group not in (16, 32, 64, 128):
+        out.append(f"quantization.group_size must be 16, 32, 64 or 128, got {_shown(group)}")
+    if not _is_int(bits) or bits not in (2, 3, 4, 5, 6, 8):
+        out.append(f"quantization.bits must be 2, 3, 4, 5, 6 or 8, got {_shown(bits)}")
+    if not isinstance(mode, str):
+        out.append(f"quantization.mode must be a string, got {_shown(mode)}")
+    for key, value in quant.items():
+        if key not in ("group_size", "bits", "mode") and not isinstance(value, (dict, bool)):
+            out.append(f"quantization.{key} must be an object or true/false, got {_shown(value)}")
+    return out
+
+
+# --------------------------------------------------------------------------
+# The weights' headers
+
+
+def read_headers(files: Iterable[Path]) -> Dict[str, Tensor]:
+    """Every tensor's dtype and shape, from the safetensors headers only (a
+    LoadError when a header is malformed or does not fit its file)."""
+    out: Dict[str, Tensor] = {}
+    for f in files:
+        out.update(_read_header(Path(f)))
+    return out
+
+
+def _read_header(file: Path) -> Dict[str, Tensor]:
+    def bad(why: str) -> LoadError:
+        return LoadError(f"{file.name} is not a valid safetensors file: {why}")
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise bad(f"its header length does not fit its {size} bytes")
+            raw = fh.read(n)
+    except OSError as e:
+        raise LoadError(f"cannot read {file}: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    out = {}
+    data = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = tag in TAGS and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"a malformed entry for {name}")
+        tensor = Tensor(tag, tuple(shape))
+        if not (_is_int(start) and _is_int(end) and 0 <= start and end - start == tensor.size * TAGS[tag][0]):
+            raise bad(f"the offsets of {name} do not hold its shape {list(shape)} of {tag}")
+        if end > data:
+            raise bad(f"{name} ends at byte {end} of its data, but the file holds {data} (truncated?)")
+        out[name] = tensor
+    return out
+
+
+def weight_problems(args, tensors: Dict[str, Tensor]) -> List[str]:
+    """The config's sizes that the tensors contradict, one line each. Rows
+    only where a quantized layer packs its columns; Hugging Face's names."""
+    out: List[str] = []
+    layers = {int(m.group(1)) for name in tensors for m in [LAYER.match(name)] if m}
+    held = max(layers) + 1 if layers else 0
+    if held != args.num_hidden_layers:
+        out.append(f"num_hidden_layers is {args.num_hidden_layers}, but the weights hold {held} layers")
+
+    def dim(name: str, axis: int) -> Optional[int]:
+        t = tensors.get(name)
+        return t.shape[axis] if t is not None and len(t.shape) > axis else None
+
+    checks = [("vocab_size", args.vocab_size, "model.embed_tokens.weight", 0),
+              ("hidden_size", args.hidden_size, "model.norm.weight", 0),
+              ("num_attention_heads x head_dim", args.num_attention_heads * args.head_dim,
+               "model.layers.0.self_attn.q_proj.weight", 0),
+              ("num_key_value_heads x head_dim", args.num_key_value_heads * args.head_dim,
+               "model.layers.0.self_attn.k_proj.weight", 0),
+              ("intermediate_size", args.intermediate_size, "model.layers.0.mlp.gate_proj.weight", 0)]
+    if not args.tie_word_embeddings:
+        checks.append(("vocab_size", args.vocab_size, "lm_head.weight", 0))
+    for what, want, name, axis in checks:
+        got = dim(name, axis)
+        if got is not None and got != want:
+            out.append(f"{what} is {want}, but {name} has {got} rows" if axis == 0 else
+                       f"{what} is {want}, but {name} has {got} columns")
+    return out
+
+
+# --------------------------------------------------------------------------
+# Memory
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (0 when it cannot be told)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - not a POSIX system
+        return 0
+
+
+def weight_bytes(tensors: Dict[str, Tensor], dtype: Optional[str]) -> int:
+    """The tensors' bytes once loaded: floating ones in ``dtype`` (None: as stored), packed ones as stored."""
+    total = 0
+    for t in tensors.values():
+        size, floating = TAGS[t.dtype]
+        total += t.size * (FLOAT_BYTES[dtype] if floating and dtype in FLOAT_BYTES else size)
+    return total
+
+
+def check_memory(need: int, what: str, hint: str = "") -> None:
+    """A LoadError when ``need`` bytes (``what`` they are for) exceed this machine's memory."""
+    have = physical_memory()
+    if have and need > have:
+        raise LoadError(f"{what} need {need / (1 << 30):.1f} GiB, more than this machine's "
+                        f"{have / (1 << 30):.1f} GiB of memory{hint}")

@@ -1,0 +1,242 @@
+"""What keeps the server to its user, at the HTTP edge: two ASGI middlewares
+around the app (``app.create_app`` puts them in place).
+
+:class:`SiteGuard` (outermost): the ``Host`` header must name the server --
+one of the addresses it is bound to, ``localhost``, or a name of
+``--allowed-hosts`` -- or it is a 403 (a DNS-rebinding page, whose own name
+resolves to this machine, cannot read answers); a browser's request from a
+page of another origin (its ``Origin`` header) is a 403 unless
+``--allowed-origins`` names that origin. CORS (off unless
+``--allowed-origins``) sits inside it.
+
+:class:`RequestGuard`: with ``--api-key`` every route but ``/health`` and the
+web page's own static files needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY`` (401; ``/metrics`` too, unless ``--metrics-public``); a
+POST needs a JSON ``Content-Type`` (415: a cross-site form or ``text/plain``
+POST, which a browser sends without asking, never runs), a
+``Content-Length`` (411) within ``--max-body-bytes`` (413), and its whole
+body within ``--body-timeout`` seconds of its headers (408); the body is
+then handed to the app as read.
+
+Every refusal is one line in the route's API error shape
+(:func:`.http_errors.error_response`). The key a request presented is left
+in its scope (:data:`KEY_SCOPE`: a hash, never the key) for the prompt
+cache's partitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import time
+from typing import Callable, Iterable, Optional, Tuple
+
+from .http_errors import APIError, error_response
+
+KEY_SCOPE = "refusion.key"  # the scope entry holding the hash of the API key a request presented
+WILDCARDS = ("0.0.0.0", "::", "")
+# what a browser may load without the key: the page itself, which asks for the key
+PUBLIC_PAGE = ("/", "/web/app.js", "/web/style.css")
+PUBLIC = ("/health", "/v1/health")
+
+
+def key_id(key: str) -> str:
+    """What stands for an API key in the prompt cache's partitions and files: a short hash."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def exposure_warning(host: str, port: int, keys: Iterable[str]) -> Optional[str]:
+    """The warning for a server other machines can reach without a key (None: loopback, or a key is set)."""
+    if is_loopback(host) or any(keys):
+        return None
+    where = "every address of this machine" if host in WILDCARDS else host
+    return (f"WARNING: listening on {where} (port {port}) without an API key: anyone who can reach this "
+            "machine can run the model and read its answers. Set --api-key or REFUSION_MLX_API_KEY, "
+            "or bind to 127.0.0.1")
+
+
+def _header(scope, name: bytes) -> Optional[str]:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _hostname(value: str) -> str:
+    """The name or address of a Host header or an origin's authority, without the port."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class SiteGuard:
+    """ASGI middleware: the Host a request names and the Origin of the page that
+    sent it (a browser's) must be the server's own, or allowed; else 403."""
+
+    def __init__(self, app, bound: str, allowed_hosts: Tuple[str, ...] = (),
+                 allowed_origins: Tuple[str, ...] = (), on_error: Optional[Callable[[int], None]] = None):
+        self.app, self.on_error = app, on_error
+        self.any_host = "*" in allowed_hosts
+        self.wildcard = bound in WILDCARDS
+        self.hosts = {"localhost", _hostname(bound)} | {_hostname(h) for h in allowed_hosts}
+        self.origins = set(allowed_origins)
+
+    def host_ok(self, host: Optional[str]) -> bool:
+        if host is None or self.any_host:
+            return True  # HTTP/1.0 without a Host: no browser sends that
+        name = _hostname(host).rstrip(".")
+        if name in self.hosts:
+            return True
+        try:  # an address is no rebinding: a page can only name an address it was served from
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.wildcard or address.is_loopback
+
+    def origin_ok(self, origin: Optional[str], host: Optional[str]) -> bool:
+        if origin is None or "*" in self.origins or origin in self.origins:
+            return True
+        authority = origin.split("://", 1)[-1]
+        return host is not None and authority.lower() == host.strip().lower()  # the server's own page
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host, origin = _header(scope, b"host"), _header(scope, b"origin")
+        if not self.host_ok(host):
+            error = APIError(403, f"the Host header {host!r} does not name this server; start it with "
+                                  f"--allowed-hosts {_hostname(host or '')} to accept that name",
+                             code="host_not_allowed", type="permission_error")
+        elif not self.origin_ok(origin, host):
+            error = APIError(403, f"requests from pages of {origin} are refused; start the server with "
+                                  f"--allowed-origins {origin} to allow that origin",
+                             code="origin_not_allowed", type="permission_error")
+        else:
+            return await self.app(scope, receive, send)
+        if self.on_error is not None:
+            self.on_error(error.status)
+        await error_response(error, scope["path"])(scope, receive, send)
+
+
+def _json_type(value: Optional[str]) -> bool:
+    media = (value or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class RequestGuard:
+    """ASGI middleware: the API key (401), then a POST's Content-Type (415),
+    Content-Length (411, 413) and a body that arrives in time (408)."""
+
+    def __init__(self, app, keys: Tuple[str, ...] = (), max_bytes: int = 1 << 20, body_timeout: float = 30.0,
+                 metrics_public: bool = False, on_error: Optional[Callable[[int], None]] = None):
+        self.app, self.max_bytes, self.body_timeout, self.on_error = app, max_bytes, body_timeout, on_error
+        self.keys = tuple(k.encode() for k in keys)
+        self.public = PUBLIC + (("/metrics",) if metrics_public else ())
+
+    def presented(self, scope) -> Optional[bytes]:
+        auth = _header(scope, b"authorization")
+        if auth is not None and auth[:7].lower() == "bearer ":
+            return auth[7:].strip().encode("latin-1")
+        key = _header(scope, b"x-api-key")
+        return key.strip().encode("latin-1") if key is not None else None
+
+    def authorized(self, scope) -> bool:
+        """Whether the request may pass, its key's hash left in its scope."""
+        path = scope["path"]
+        if not self.keys or path in self.public or (scope["method"] in ("GET", "HEAD") and path in PUBLIC_PAGE):
+            return True
+        if scope["method"] == "OPTIONS":
+            return True  # a CORS preflight carries no credentials; the request after it does
+        given = self.presented(scope)
+        match = [k for k in self.keys if given is not None and hmac.compare_digest(given, k)]
+        if match:
+            scope[KEY_SCOPE] = key_id(match[0].decode())
+        return bool(match)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self.authorized(scope):
+            how = "Authorization: Bearer KEY or x-api-key: KEY"
+            given = self.presented(scope) is not None
+            error = APIError(401, ("the API key is not valid" if given else "this server needs an API key")
+                             + f": send it as {how}", code="invalid_api_key")
+            return await self.refuse(error, scope, receive, send, {"WWW-Authenticate": "Bearer"})
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = _header(scope, b"content-length")  # a number: h11 refuses others
+        if not _json_type(_header(scope, b"content-type")):
+            error = APIError(415, "the request body must be JSON, sent with Content-Type: application/json "
+                                  f"(got {_header(scope, b'content-type') or 'none'})",
+                             code="unsupported_media_type")
+        elif length is None:
+            error = APIError(411, "a Content-Length header is required", code="length_required")
+        elif int(length) > self.max_bytes:
+            await self.drain(receive, int(length))  # read it, or the client sees a reset, not the 413
+            error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
+                             code="request_too_large")
+        else:
+            body = await self.read(receive, int(length))
+            if body is None:  # the client left
+                return
+            if isinstance(body, bytes):
+                return await self.app(scope, _replay(body, receive), send)
+            error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
+                                  "headers", code="request_timeout")
+        await self.refuse(error, scope, receive, send)
+
+    async def refuse(self, error: APIError, scope, receive, send, headers=None):
+        if self.on_error is not None:
+            self.on_error(error.status)
+        response = error_response(error, scope["path"])
+        response.headers.update(headers or {})
+        if error.status == 408:
+            response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+    async def read(self, receive, length: int):
+        """The body (bytes), None when the client leaves, False when it stalls past the timeout."""
+        parts, deadline = [], time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return False
+            if message["type"] == "http.disconnect":
+                return None
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    async def drain(self, receive, length: int) -> None:
+        left, deadline = min(length, 64 << 20), time.monotonic() + 5
+        while left > 0 and time.monotonic() < deadline:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return
+            left = left - len(message.get("body", b"")) if message.get("more_body") else 0
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands the app the body already read, then waits on the client (a disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
