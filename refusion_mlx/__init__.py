@@ -22,6 +22,7 @@ _EXPORTS = {
     "CommittedCache": "decode.cache",
     "RefusionError": "errors",
     "PRESETS": "decode.presets",
+    "Constraint": "decode.grammar",
 }
 
 __all__ = ["__version__", *_EXPORTS]

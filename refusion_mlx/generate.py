@@ -19,6 +19,7 @@ from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .distributed import watchdog
 from .errors import RefusionError
 from .decode.batch import batch_generate
+from .decode.grammar import Constraint
 from .decode.prompts_file import parse_prompts
 from .decode.answer import AnswerText
 from .decode.stream import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
@@ -46,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", help="system message")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as is")
     add_decoding_args(parser)
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE|JSON",
+                       help="constrained decoding: the answer is JSON valid under this JSON Schema (a file, or the "
+                            "schema itself as JSON text); ends 'length' if the budget ends first")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="constrained decoding: the answer matches this grammar (llguidance's Lark format)")
     add_kv_args(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="with --prompts-file: requests decoded together (default 8)")
@@ -61,12 +68,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         params = params_from_args(args)
         storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
+        constraint = constraint_from_args(args)
         dist = join(args)  # under mlx.launch: this rank's group; only rank 0 prints
         if dist is not None and "-" in (args.prompt, args.prompts_file):
             raise RefusionError("under mlx.launch standard input never ends (the launcher does not pass "
                                 "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
-            return run_prompts_file(args, params, dist)
+            return run_prompts_file(args, params, dist, constraint)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage_from_args(args, model)  # the group size against the model's head dimension
@@ -75,7 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         text, tokens, last = "", [], None
         with watchdog.armed():
             for last in stream_generate(model, tokenizer, ids, params=params, kv_bits=args.kv_bits,
-                                        kv_group_size=args.kv_group_size):
+                                        kv_group_size=args.kv_group_size, **constraint):
                 text += last.text
                 tokens += last.tokens
                 if not args.json:
@@ -95,7 +103,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(body)
 
 
-def run_prompts_file(args, params, dist=None) -> int:
+def constraint_from_args(args) -> dict:
+    """``--json-schema`` (a file or JSON text) or ``--grammar`` (a file) as
+    ``stream_generate``'s keywords, checked before the model loads."""
+    if args.json_schema is not None:
+        text = args.json_schema if args.json_schema.lstrip().startswith("{") else read_text(args.json_schema)
+        return {"json_schema": Constraint.json_schema(text, "--json-schema").source}
+    if args.grammar is not None:
+        return {"grammar": Constraint.lark(read_text(args.grammar), "--grammar").source}
+    return {}
+
+
+def run_prompts_file(args, params, dist=None, constraint=None) -> int:
     """Decode every prompt of ``--prompts-file`` in batches; print each
     answer (or one JSON object per line with ``--json``) in file order.
     Exit status 1 if any prompt failed alone (the others are still printed)."""
@@ -107,8 +126,11 @@ def run_prompts_file(args, params, dist=None) -> int:
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
     with watchdog.armed():
+        one = (Constraint.json_schema(constraint["json_schema"]) if "json_schema" in (constraint or {}) else
+               Constraint.lark(constraint["grammar"]) if "grammar" in (constraint or {}) else None)
         results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size,
-                                 kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+                                 constraints=[one] * len(ids), kv_bits=args.kv_bits,
+                                 kv_group_size=args.kv_group_size)
     for i, r in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,

@@ -276,7 +276,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": user(SVEN), "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/chat/completions", {"messages": user(SVEN), "tools": TOOLS,
                               "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": user(SVEN), "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": user(SVEN), "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": user(SVEN) + [{"role": "tool", "tool_call_id": "call_9", "content": "42"}]},
      "messages[1]"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
@@ -294,7 +294,8 @@ BAD = [
      "input[0].content[0].type"),
     ("/v1/responses", {"input": [{"type": "reasoning"}]}, "input[0].type"),
     ("/v1/responses", {"input": SVEN, "previous_response_id": "resp_nope"}, "previous_response_id"),
-    ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "string", "pattern": "(?<=a)b"}}}}, "text.format.schema"),
     ("/v1/responses", {"input": 5}, "input"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": [{"name": "f", "input_schema": {
         "type": "object", "required": 3}}]}, "tools[0].input_schema"),
@@ -334,8 +335,8 @@ def test_bad_input_is_one_4xx_in_the_api_shape(server, path, body, param):
 def test_anthropic_shape_for_every_error_on_its_routes(server, claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="m", max_tokens=8, messages=user(SVEN), tools=ANTHROPIC_TOOLS,
-                               tool_choice={"type": "any"})
-    assert e.value.body["error"]["type"] == "invalid_request_error" and "constrained" in e.value.message
+                               tool_choice={"type": "tool", "name": "nope"})
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "no tool named" in e.value.message
     status, _, payload = raw(server, "GET", "/v1/messages")
     assert status == 405 and json.loads(payload)["type"] == "error"
     status, _, payload = raw(server, "POST", "/v1/messages", b"{oops")

@@ -72,3 +72,114 @@ def test_evaluation_conversations_can_end_in_one_family(tmp_path):
     with pytest.raises(SystemExit, match="no validation row"):
         bd.build(tmp_path / "tasks", tmp_path / "out2", seed=1, n_conversations=10, n_counting=5,
                  eval_focus=("Sort these",))
+
+
+def tool_data_module():
+    return demo_example_module("tool_data")
+
+
+PEOPLE = {"Sven": ("Hanoi", "baker", "turtle", "Pepper"), "Lena": ("Kyiv", "painter", "turtle", "Tom"),
+          "Omar": ("Osaka", "baker", "cat", "Biscuit")}
+
+
+def write_mix_with_people(folder: Path) -> None:
+    """A mix in the shared mix's shape with people (their full descriptions), arithmetic and spelling."""
+    td = tool_data_module()
+    rows = []
+    for name, person in PEOPLE.items():
+        for t, template in enumerate(td.PERSON_TEMPLATES):
+            rows.append({"messages": [{"role": "user", "content": template.format(n=name)},
+                                      {"role": "assistant", "content": td.person_answer(t, name, person)}]})
+    for a, b in ((12, 30), (7, 9), (45, 3)):
+        question, _, _, answer = td.arithmetic(a, 0, b, 1)
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    for word in ("apple", "river", "stone", "cloud"):
+        rows.append({"messages": [{"role": "user", "content": f"Spell the word {word}."},
+                                  {"role": "assistant", "content": "-".join(word)}]})
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_tool_rows_hold_out_the_checked_questions(tmp_path):
+    td = tool_data_module()
+    write_mix_with_people(tmp_path / "tasks")
+    assert td.people_facts(read(tmp_path / "tasks" / "train.jsonl")) == PEOPLE
+    td.build(tmp_path / "tasks", tmp_path / "out", seed=2, n_calls=300, n_answers=300, n_direct=100, n_json=100,
+             n_valid=40)
+    checks = td.eval_files(tmp_path / "tasks", tmp_path / "checks", n_arithmetic=20, n_new=10, n_direct=10)
+    assert checks["tools_alone"] == checks["tools_later"] == checks["tool_answers"] == 3 + 10 + 20
+    asked = set()  # every question a training row with tools answers with a call
+    for row in read(tmp_path / "out" / "train.jsonl"):
+        msgs = row["messages"]
+        asked |= {m["content"] for m, nxt in zip(msgs, msgs[1:]) if m["role"] == "user" and nxt.get("tool_calls")}
+    held = [row["messages"][-2]["content"] for row in read(tmp_path / "checks" / "tools_alone.jsonl")]
+    assert asked and not asked & set(held)
+    trained_json = {r["messages"][0]["content"] for r in read(tmp_path / "out" / "train.jsonl") if r["family"] == "json"}
+    assert trained_json and not trained_json & {r["messages"][0]["content"]
+                                                for r in read(tmp_path / "checks" / "json.jsonl")}
+    later = read(tmp_path / "checks" / "tools_later.jsonl")
+    assert all(len(r["messages"]) >= 4 for r in later)
+    def question_and_call(row):
+        fn = row["messages"][-1]["tool_calls"][0]["function"]
+        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+        return row["messages"][-2]["content"], fn["name"], args
+
+    assert [question_and_call(r) for r in later] == [question_and_call(r) for r in
+                                                     read(tmp_path / "checks" / "tools_alone.jsonl")]
+
+
+def test_tool_rows_are_round_trips_in_the_mixs_words(tmp_path):
+    """A call, the tool's result, the answer: lookup_person returns the JSON
+    family's object, and the answer is the mix's for that question."""
+    td = tool_data_module()
+    write_mix_with_people(tmp_path / "tasks")
+    td.build(tmp_path / "tasks", tmp_path / "out", seed=0, n_calls=50, n_answers=200, n_direct=50, n_json=20,
+             n_valid=10)
+    rows = read(tmp_path / "out" / "train.jsonl")
+    assert {r["family"] for r in rows} == {"tool_call", "tool_answer", "tool_direct", "json"}
+    mix = {r["messages"][0]["content"]: r["messages"][1]["content"] for r in read(tmp_path / "tasks" / "train.jsonl")}
+    checked = 0
+    for row in rows:
+        msgs = row["messages"]
+        if row["family"] == "tool_answer":
+            question, call, result, answer = msgs[-4:]
+            fn = call["tool_calls"][0]["function"]
+            assert fn["name"] in {t["function"]["name"] for t in row["tools"]}
+            args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+            if fn["name"] == "lookup_person" and args["name"] in PEOPLE:
+                assert result["content"] == td.facts_json(args["name"], PEOPLE[args["name"]])
+                assert answer["content"] == mix[question["content"]]
+                checked += 1
+        elif row["family"] == "tool_direct":
+            assert not msgs[-1].get("tool_calls") and msgs[-1]["content"] == mix[msgs[-2]["content"]]
+        elif row["family"] == "json":
+            obj = json.loads(msgs[1]["content"])
+            assert obj["name"] in msgs[0]["content"] and msgs[1]["content"] == td.facts_json(obj["name"],
+                                                                                            PEOPLE[obj["name"]])
+    assert checked > 10
+
+
+def test_tool_rows_encode_for_the_trainer_and_are_deterministic(tmp_path):
+    from refusion_mlx.models.loading import load_tokenizer
+    from refusion_mlx.train.dataset import encode_line
+
+    td = tool_data_module()
+    write_mix_with_people(tmp_path / "tasks")
+    for run in ("a", "b"):
+        td.build(tmp_path / "tasks", tmp_path / run, seed=4, n_calls=40, n_answers=40, n_direct=20, n_json=10,
+                 n_valid=10, systems=0.5)
+    assert (tmp_path / "a" / "train.jsonl").read_text() == (tmp_path / "b" / "train.jsonl").read_text()
+    # a share of the rows with tools start with a system message; the held-out ones only in valid.jsonl
+    firsts = {split: [r["messages"][0] for r in read(tmp_path / "a" / f"{split}.jsonl") if r.get("tools")]
+              for split in ("train", "valid")}
+    systems = {split: {m["content"] for m in ms if m["role"] == "system"} for split, ms in firsts.items()}
+    assert systems["train"] and systems["train"] <= set(td.SYSTEMS) and systems["valid"] <= set(td.HELD_OUT_SYSTEMS)
+    assert any(m["role"] == "user" for m in firsts["train"])
+    tok = load_tokenizer(demo_example_module("grow_vocab").tool_tokenizer(tmp_path / "tokenizer"))
+    calls = [r for r in read(tmp_path / "a" / "train.jsonl") if r["family"] == "tool_call"]
+    for i, row in enumerate(calls):
+        record = encode_line(row, tok, f"row {i}")
+        assert record.response[0] == tok.convert_tokens_to_ids("<tool_call>")
+        assert record.response[-2:] == [tok.convert_tokens_to_ids("</tool_call>"), tok.eos_token_id]
+        assert len(record) <= 1024  # retrain.py's --max-seq-length for phase 3

@@ -168,6 +168,9 @@ def test_chat_n(server):
     assert out["choices"][0]["message"] == out["choices"][1]["message"]
     status, payload = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 2})
     assert status == 400 and json.loads(payload)["error"]["param"] == "top_logprobs"
+    status, payload = raw(server, "POST", "/v1/chat/completions",
+                          {**body, "logprobs": True, "response_format": {"type": "json_object"}})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "logprobs"
 
 
 def test_answer_logprobs_chat_and_text_whole_and_streamed(server):

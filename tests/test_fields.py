@@ -60,7 +60,7 @@ def test_the_cli_takes_exactly_the_tables_flags():
 def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
-    tools = {"tools", "tool_choice", "parallel_tool_calls"}
+    tools = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured output: not FIELDS
     scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/loglikelihood.py
     answers = {"n", "logprobs", "top_logprobs"}  # serve/choices.py, serve/logprobs.py
     for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools),

@@ -182,6 +182,10 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     (["--temp", "-0.5"], "temperature must be >= 0"),
     (["--max-tokens", "4096"], "exceeds the model's context of 2048"),
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
+    (["--json-schema", "{nope"], "--json-schema: not valid JSON"),
+    (["--json-schema", '{"type": "string", "pattern": "(?<=a)b"}'], "--json-schema: cannot be compiled"),
+    (["--json-schema", "/nonexistent/schema.json"], "cannot read /nonexistent/schema.json"),
+    (["--grammar", "/nonexistent/g.lark"], "cannot read /nonexistent/g.lark"),
 ])
 def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -189,8 +193,27 @@ def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
 
 
+def test_cli_json_schema_and_grammar(capsys, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "turtle"]}, "age": {
+        "type": "integer", "minimum": 0, "maximum": 99}}, "required": ["pet", "age"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for given in (json.dumps(schema), str(tmp_path / "s.json")):
+        code, out, _ = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "32", "--json-schema", given,
+                                "--json")
+        result = json.loads(out)
+        assert code == 0 and result["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(result["text"]), schema)
+    (tmp_path / "g.lark").write_text('start: "Sven is a " ("baker" | "pilot") "."\n')
+    code, out, _ = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "16", "--grammar",
+                            str(tmp_path / "g.lark"))
+    assert code == 0 and out.strip() in ("Sven is a baker.", "Sven is a pilot.")
+
+
 @pytest.mark.parametrize("argv", [["--slot-size", "four"], ["--dtype", "float8"], ["--preset", "nope"],
-                                  ["--serial-num-blocks", "2", "--block-length", "8"], ["--bogus"]])
+                                  ["--serial-num-blocks", "2", "--block-length", "8"], ["--bogus"],
+                                  ["--json-schema", "{}", "--grammar", "g"]])
 def test_cli_usage_errors_are_one_line(argv):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -241,7 +241,7 @@ def test_docs_and_openapi(server):
     ({"min_p": "low"}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"17": 5}}, "logit_bias"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):

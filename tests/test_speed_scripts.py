@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import overhead, profile_decoder, scaling, soak, speed_common
+from benchmarks import constrained, grammar_engines, overhead, profile_decoder, scaling, soak, speed_common
 from refusion_mlx.bench import forward_replay
 
 
@@ -183,7 +183,7 @@ def test_gather_bytes_counts_every_view_padded_to_the_widest(demo):
         == 2 * 2 * 5 * a.num_key_value_heads * a.head_dim * 4 * a.num_hidden_layers
 
 
-@pytest.mark.parametrize("tool", [overhead, scaling, profile_decoder, soak])
+@pytest.mark.parametrize("tool", [overhead, scaling, profile_decoder, soak, constrained, grammar_engines])
 def test_every_tool_names_its_command(tool, capsys):
     with pytest.raises(SystemExit) as e:
         tool.main(["--help"])

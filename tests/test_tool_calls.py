@@ -127,11 +127,12 @@ def test_tool_choice_and_results():
     tools = [function_tool(t["function"], "t") for t in TOOLS]
     assert template_tools(tools, "auto", True, "tools", "tool_choice") == tuple(tools)
     assert template_tools(tools, "none", False, "tools", "tool_choice") == ()  # none: nothing to render or read
-    for choice, code in (("required", "unsupported_parameter"), ("calculator", "unsupported_parameter"),
-                         ("nope", "invalid_value")):
+    for choice in ("required", "calculator"):  # forced calls: decoded under a grammar (serve/structured.py)
+        assert template_tools(tools, choice, True, "tools", "tool_choice") == tuple(tools)
+    for choice, given in (("nope", tools), ("required", [])):
         with pytest.raises(Refusal) as e:
-            template_tools(tools, choice, True, "tools", "tool_choice")
-        assert e.value.reason.value == code and e.value.param == "tool_choice"
+            template_tools(given, choice, True, "tools", "tool_choice")
+        assert e.value.reason.value == "invalid_value" and e.value.param == "tool_choice"
     with pytest.raises(Refusal, match="no tool-call format"):
         template_tools(tools, "auto", False, "tools", "tool_choice")
     with pytest.raises(Refusal, match="two tools"):

@@ -87,11 +87,40 @@ def test_multi_turn_earlier_turns_are_prompt(tok, tmp_path):
     assert tok.decode(r.response[:-1]) == "A dog."
 
 
+def test_tool_rows_learn_the_templates_calls(tmp_path):
+    """mlx-lm's tool rows: tools reach the template; a last message with tool_calls
+    (content null) is learnt as the template renders it, up to the end of its turn
+    (the demo's phase-3 tokenizer, whose template renders tools)."""
+    from tests.helpers import demo_example_module
+
+    tok = load_tokenizer(demo_example_module("grow_vocab").tool_tokenizer(tmp_path / "tokenizer"))
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    ask = {"role": "user", "content": "What is 6 * 7?"}
+    calling = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6 * 7"}'}}]}
+    rows = [{"messages": [ask, calling], "tools": tools},
+            {"messages": [ask, calling, {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                          {"role": "assistant", "content": "42."}], "tools": tools}]
+    call, answer = read_jsonl(write(tmp_path, "train.jsonl", rows), tok)
+    assert call.prompt == tok.encode(tok.apply_chat_template([ask], tools=tools, add_generation_prompt=True,
+                                                             tokenize=False))
+    assert tok.decode(call.response) == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}' \
+                                        '\n</tool_call><|im_end|>'
+    assert call.response.count(tok.eos_token_id) == 1
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(answer.prompt)
+    assert tok.decode(answer.response) == "42.<|im_end|>"
+
+
 @pytest.mark.parametrize("line, message", [
     ("{not json", "train.jsonl:2: not valid JSON"),
     ("[1, 2]", "train.jsonl:2: expected a JSON object"),
     ('{"messages": []}', "train.jsonl:2: \"messages\" must be a non-empty list"),
     ('{"messages": [{"role": "user"}]}', "train.jsonl:2: message 1 needs"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": 3}]}',
+     "train.jsonl:2: message 2: \"tool_calls\" must be"),
+    ('{"messages": [{"role": "user", "content": null, "tool_calls": [{"name": "f"}]}, '
+     '{"role": "assistant", "content": "x"}]}', "train.jsonl:2: message 1: \"tool_calls\" must be"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "train.jsonl:2: the last message must be the assistant"),
     ('{"prompt": "hi", "completion": 3}', "train.jsonl:2: \"prompt\" and \"completion\" must both be strings"),
     ('{"question": "hi"}', "train.jsonl:2: unknown format"),

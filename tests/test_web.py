@@ -234,6 +234,41 @@ def test_page_streams_through_each_api(chromium, server, client):
         assert "".join(t for _, _, t in cells).replace("\u00a0", " ").replace("␣", " ") == want
 
 
+def test_page_json_schema_box(chromium, server):
+    """A schema in the page's JSON-schema box: the answer (chat and Responses) is JSON valid under it; a box
+    that is not JSON is one line in the status, and nothing is sent."""
+    import jsonschema
+    from playwright.sync_api import sync_playwright
+
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age": {
+        "type": "integer", "minimum": 1, "maximum": 9}}, "required": ["pet", "age"], "additionalProperties": False}
+    answers = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 700})
+            page.goto(base(server) + "/")
+            page.wait_for_selector("input[name=max_tokens]")
+            page.fill("#json-schema", "{not json")
+            page.fill("#input", COUNT)
+            page.press("#input", "Enter")
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('JSON schema')")
+            refused = (page.text_content("#status"), page.locator(".msg").count())
+            page.fill("#json-schema", json.dumps(schema))
+            for api in ("chat", "responses"):
+                page.click("#new-chat")
+                page.select_option("#api", api)
+                page.fill("#input", COUNT)
+                page.press("#input", "Enter")
+                page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+                answers.append(page.text_content(".msg.assistant .body"))
+        finally:
+            browser.close()
+    assert refused[0].startswith("JSON schema: not valid JSON") and refused[1] == 0
+    for text in answers:
+        jsonschema.validate(json.loads(text), schema)
+
+
 def grid(page) -> list:
     """The slot view's cells in page order: (position, step or None, text)."""
     return [tuple(c) for c in page.eval_on_selector_all(

@@ -28,6 +28,7 @@ from .answer import AnswerText
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
+from .grammar import Constraint, compile_constraint
 from .kv_quant import kv_storage
 from .params import RefusionParams, make_params
 from .stats import DecodeStats, SlotCommit
@@ -75,7 +76,7 @@ class _Member:
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
                                self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
         if self.decoder.state.logprobs is not None:  # each final token's score, by its position
-            r.logprobs = [self.decoder.state.scores[first + i] for i in range(len(tokens))]
+            r.logprobs = [self.decoder.state.scores.get(first + i) for i in range(len(tokens))]  # None: unscored
         self.steps += step is not None
         if final:
             r.text += self.answer.finish()
@@ -122,7 +123,8 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None, logprobs: Optional[int] = None) -> int:
+               cache: Optional[CommittedCache] = None, constraint: Optional[Constraint] = None,
+               logprobs: Optional[int] = None) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
 
@@ -131,15 +133,21 @@ class BatchGenerator:
         The answer holds at most ``params.gen_length`` ids besides EOS
         (finish "length" when cut there), though the last slot decoded may
         hold more. A ``cache`` keeps keys and values in its own form; a
-        new one is made in this generator's (``kv_bits``). ``logprobs``: each
+        new one is made in this generator's (``kv_bits``). ``constraint``: the
+        answer must match it (a JSON Schema, any JSON object, a grammar:
+        :class:`~.grammar.Constraint`); one it cannot compile raises
+        ``DecodeError`` here. ``logprobs``: each
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        grammar = None
+        if constraint is not None:
+            grammar = compile_constraint(constraint, self.tokenizer, self.model.args.vocab_size, self.eos_id)
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
-                                  eos_id=self.eos_id, cache=cache, logprobs=logprobs)
+                                  eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length)
@@ -247,7 +255,8 @@ class BatchResult:
 
 def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                    params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                   max_batch: int = 8, *, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                   max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None, *,
+                   kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
                    **kwargs) -> List[BatchResult]:
     """Decode many prompts together; one result per prompt, in order.
 
@@ -256,11 +265,12 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     as in ``generate`` (``max_tokens``, ``slot_size``, ...). A prompt that
     cannot be decoded (over the context, bad settings) gets a result with
     ``finish_reason`` "error" and the message in ``error``; the rest finish.
+    ``constraints``: one :class:`~.grammar.Constraint` (or None) per prompt.
     ``kv_bits`` / ``kv_group_size``: quantized KV caches (``BatchGenerator``).
     """
     ids = _prompt_ids(tokenizer, prompts)
     results = [BatchResult(prompt_ids=i) for i in ids]
-    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, kv_bits=kv_bits,
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, constraints, kv_bits=kv_bits,
                                         kv_group_size=kv_group_size, **kwargs):
         r = results[index]
         r.text += response.text
@@ -272,16 +282,20 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
 
 def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
-                 max_batch: int = 8, *, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                 max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None, *,
+                 kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
                  **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
+    constraints = list(constraints) if constraints is not None else [None] * len(prompts)
+    if len(constraints) != len(prompts):
+        raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
     gen = BatchGenerator(model, tokenizer, max_batch=max_batch, kv_bits=kv_bits, kv_group_size=kv_group_size)
     index: Dict[int, int] = {}
-    for i, (ids, p) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt)):
+    for i, (ids, p, c) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt, constraints)):
         try:
-            index[gen.insert(ids, p)] = i
+            index[gen.insert(ids, p, constraint=c)] = i
         except RefusionError as e:  # this prompt fails alone
             yield i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
     while gen.has_work:

@@ -35,7 +35,7 @@ from typing import Generator, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DecodeError
-from . import commit, plan, prefill, verify
+from . import commit, constrain, plan, prefill, verify
 from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
@@ -54,7 +54,9 @@ class RefusionDecoder:
     prompt is then only the new tokens after it. ``prefill_chunk``: the most
     prompt tokens one prefill pass feeds (``prefill_step``, its old name,
     still works). ``eos_id`` None: no token ends the answer, the whole budget
-    is decoded (the speed benchmarks' ``--ignore-eos``). ``logprobs``: keep the
+    is decoded (the speed benchmarks' ``--ignore-eos``). ``grammar``: a
+    compiled constraint (:func:`~refusion_mlx.decode.grammar.compile_constraint`):
+    the answer is decoded in the constrained mode (``constrain.py``). ``logprobs``: keep the
     probability each answer token was accepted under, with this many top
     tokens (``token_scores``; None: not kept).
     """
@@ -62,7 +64,7 @@ class RefusionDecoder:
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
                  prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None,
-                 logprobs: Optional[int] = None):
+                 grammar=None, logprobs: Optional[int] = None):
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
@@ -89,7 +91,8 @@ class RefusionDecoder:
             params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
             start=len(cache), response_start=response_start,
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
-            key=mx.random.key(params.seed) if params.seed is not None else None, logprobs=logprobs)
+            key=mx.random.key(params.seed) if params.seed is not None else None,
+            matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs)
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
@@ -164,6 +167,10 @@ class RefusionDecoder:
         # every row this response can write: one allocation, no growth mid-decode
         state.cache.reserve(len(self.prompt) + state.layout.gen_length)
         tail = yield from self._prefill_head()
+        if state.matcher is not None:  # constrained: one frontier, checked by the grammar
+            yield from constrain.decode(state, tail, lambda step: self.steps_done.append(step))
+            state.finish()
+            return
         block_start = 0
         for block_len in state.layout.block_lengths:
             state.open_block(block_start, block_len)

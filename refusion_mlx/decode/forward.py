@@ -28,6 +28,7 @@ import numpy as np
 
 from ..models import backend
 from .cache import KVWrite
+from .grammar import allowed_rows
 from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics, top_logprobs
 from .runner import Runner
@@ -58,6 +59,10 @@ class Pass:
     (None: no drafts wanted). ``follow``: for each head row, the token whose
     probability it should give (verification), or None. ``derive`` turns
     the head's rows into the values the request's decision needs.
+    ``masks``: a constrained request's grammar (``constrain.py``): a host
+    function giving each head row's bitmask of allowed tokens ((head_rows,
+    words) int32), called while the device runs the layers; the head's
+    drafts and probabilities are then those of the allowed tokens only.
     """
 
     phase: str
@@ -68,6 +73,7 @@ class Pass:
     drafting: Optional[Drafting] = None
     follow: Optional[mx.array] = None
     derive: Optional[Derive] = None
+    masks: Optional[Callable[[], np.ndarray]] = None
     top: int = 0  # the most likely tokens each head row also gives (generated tokens' top_logprobs)
 
     def __len__(self) -> int:
@@ -114,8 +120,11 @@ def head_chunk_rows(vocab: int) -> int:
     return max(1, budget // (4 * vocab))
 
 
-def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Optional[HeadOutput]]:
-    """The LM head over every pass's head rows, in chunks; split back per pass."""
+def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
+                 masks: Optional[Sequence[Optional[np.ndarray]]] = None) -> List[Optional[HeadOutput]]:
+    """The LM head over every pass's head rows, in chunks; split back per pass.
+    ``masks``: per pass, its head rows' grammar bitmasks or None (a step
+    without a constrained pass gives none at all, and its head is unchanged)."""
     spans, start = [], 0
     for p in passes:
         end = start + len(p)
@@ -136,7 +145,13 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
     if want_follow:
         follow = mx.concatenate([p.follow if p.follow is not None else mx.zeros((p.head_rows,), mx.int32)
                                  for p, _ in wanted]) if len(wanted) > 1 else wanted[0][0].follow
-    per_chunk = head_chunk_rows(model.args.vocab_size)
+    vocab = model.args.vocab_size
+    allowed = None
+    if masks is not None and any(m is not None for m in masks):
+        by_pass = [m for m, s in zip(masks, spans) if s is not None]
+        allowed = mx.concatenate([allowed_rows(m, vocab) if m is not None else mx.ones((p.head_rows, vocab), mx.bool_)
+                                  for m, (p, _) in zip(by_pass, wanted)])
+    per_chunk = head_chunk_rows(vocab)
     total = head_hidden.shape[0]
     top = max(p.top for p, _ in wanted)
     parts = []
@@ -145,7 +160,8 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass]) -> List[Option
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
         parts.append(row_statistics(logits, i, drafting if want_draft else None,
-                                    None if follow is None else follow[i:i + per_chunk])
+                                    None if follow is None else follow[i:i + per_chunk],
+                                    None if allowed is None else allowed[i:i + per_chunk])
                      + (top_logprobs(logits, top) if top else (None, None)))
     draft, p_draft, p_follow, top_ids, top_values = (
         (mx.concatenate(col) if len(col) > 1 else col[0]) if col[0] is not None else None
@@ -193,7 +209,11 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     groups = runner.row_groups(write, rows)  # made once: the BLAS threads and the forward follow them
     waited = runner.fit_threads(rows, groups)
     hidden = forward(runner, passes, write, groups)
-    heads = head_outputs(model, hidden, passes)
+    masks = None
+    if any(p.masks is not None for p in passes):  # a constrained request: its grammar masks are
+        mx.async_eval(hidden)  # computed on the host while the device runs the layers (no sync)
+        masks = [p.masks() if p.masks is not None else None for p in passes]
+    heads = head_outputs(model, hidden, passes, masks)
     derived = []
     for p, h in zip(passes, heads):
         derived.append(p.derive(h) if p.derive is not None else ({}, {}))

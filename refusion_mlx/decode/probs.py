@@ -103,13 +103,19 @@ def picked_probs(logits: mx.array, lse: mx.array, tokens: mx.array) -> mx.array:
 
 def row_statistics(logits: mx.array, first: int,
                    drafting: Optional[Sequence[Tuple[Optional[Drafting], int]]],
-                   follow: Optional[mx.array]) -> Tuple[Optional[mx.array], ...]:
+                   follow: Optional[mx.array],
+                   allowed: Optional[mx.array] = None) -> Tuple[Optional[mx.array], ...]:
     """(draft, p_draft, p_follow) for a chunk of head rows starting at row ``first``.
 
     ``drafting``: each pass's Drafting (or None) and its number of head rows,
     in row order over the whole step (None: no drafts wanted). ``follow``:
     one token per row of this chunk (None: no verification wanted).
+    ``allowed``: (rows, vocab) booleans of a constrained request's grammar
+    (None: every token): the others' logits become -inf, so drafts are
+    allowed tokens and probabilities are over the allowed ones.
     """
+    if allowed is not None:
+        logits = mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
     lse = logsumexp(logits)
     draft = p_draft = p_follow = None
     if drafting is not None:

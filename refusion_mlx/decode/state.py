@@ -8,7 +8,12 @@ they never assign to it. What changes the state is one of its methods:
 * :meth:`DecodeState.next_key` draws the key of a sampled planning pass;
 * :meth:`DecodeState.commit` applies a commit decision: the tokens join the
   committed cache, the statistics count them, the decided slots close;
-* :meth:`DecodeState.count_pass` books a forward in the statistics;
+* :meth:`DecodeState.decide` hands tokens decided in position order to the
+  request's grammar matcher (constrained mode, ``constrain.py``), and
+  :meth:`DecodeState.commit_run` commits a run of consecutive positions;
+  :meth:`DecodeState.end_step` counts a step of that mode;
+* :meth:`DecodeState.count_pass` books a forward in the statistics
+  (:meth:`DecodeState.count_masks` the host's grammar-mask time);
 * :meth:`DecodeState.finish` counts the answer and settles the cache
   (:meth:`DecodeState.settle`: committed rows beyond the answer's end -- its
   EOS, or the cut at ``gen_length`` -- are dropped);
@@ -26,7 +31,7 @@ to keep, reuse or drop; the state keeps no reference a caller must free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +59,7 @@ class DecodeState:
     key: Optional[mx.array] = None
     open_slots: List[int] = field(default_factory=list)  # slot offsets in the response, in position order
     eos_committed: bool = False
+    matcher: Optional[Any] = None  # grammar.Matcher: the constrained mode's (None: unconstrained)
     logprobs: Optional[int] = None  # the answer's logprobs are kept, with this many top tokens (None: not kept)
     scores: Dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top pairs) of committed tokens
 
@@ -98,6 +104,43 @@ class DecodeState:
     def record_scores(self, positions: List[int], entries: List[tuple]) -> None:
         """Keep the committed tokens' scores (``token_scores``), by position."""
         self.scores.update(zip(positions, entries))
+
+    def decide(self, tokens: Sequence[int]) -> None:
+        """Constrained mode: ``tokens`` are decided, in position order after
+        everything decided before; the grammar matcher takes them (each was
+        checked allowed before)."""
+        taken = self.matcher.consume(tokens)
+        if taken != len(tokens):  # a broken invariant, never a user's error
+            raise RuntimeError(f"the grammar refused decided token {list(tokens)[taken]}: "
+                               f"{self.matcher.error() or 'not allowed'}")
+
+    def commit_run(self, tokens: Sequence[int], first: int) -> List[SlotCommit]:
+        """Constrained mode: commit ``tokens`` at positions ``first, first+1, ...``
+        (the next scratch rows hold their K/V); returns them as slot commits
+        (cut at the slots' edges)."""
+        if not len(tokens):
+            return []
+        tokens = [int(t) for t in tokens]
+        positions = list(range(first, first + len(tokens)))
+        self.cache.commit(tokens, positions)
+        self.stats.committed_tokens += len(tokens)
+        self.eos_committed |= self.eos_id in tokens
+        S, out, at = self.slot_size, [], 0
+        while at < len(tokens):
+            edge = at + S - (positions[at] - self.response_start) % S
+            out.append(SlotCommit(positions[at:edge], tokens[at:edge]))
+            at = edge
+        return out
+
+    def end_step(self, phase: str, commits: List[SlotCommit]) -> Step:
+        """Constrained mode: a step that committed ``commits``."""
+        self.stats.steps += 1
+        return Step(phase, commits, self.stats)
+
+    def count_masks(self, seconds: float, rows: int) -> None:
+        """Book the host's time computing ``rows`` grammar masks."""
+        self.stats.mask_seconds += seconds
+        self.stats.masks += rows
 
     def settle(self) -> None:
         """Drop committed rows beyond the answer's end (its EOS, or the cut at

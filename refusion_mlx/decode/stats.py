@@ -24,6 +24,10 @@ class DecodeStats:
     steps: int = 0
     seconds: Dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     peak_memory_gb: float = 0.0
+    # constrained decoding: host seconds spent computing grammar masks (while
+    # the device ran the layers) and how many rows were masked
+    mask_seconds: float = 0.0
+    masks: int = 0
     # the response's block layout: block_length (tokens), blocks, slots_per_block
     layout: Dict[str, int] = field(default_factory=dict)
 
@@ -53,6 +57,8 @@ class DecodeStats:
             "total_seconds": round(self.total_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "peak_memory_gb": round(self.peak_memory_gb, 4),
+            "mask_seconds": round(self.mask_seconds, 6),
+            "masks": self.masks,
             "layout": dict(self.layout),
         }
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from ..errors import DecodeError
 from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
+from .grammar import constraint_of
 from .params import RefusionParams, make_params
 from .stats import DecodeStats
 
@@ -41,7 +42,8 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
                     cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
-                    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                    json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
+                    json_object: bool = False, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
                     **kwargs) -> Iterator[GenerationResponse]:
     """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
 
@@ -55,13 +57,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     theirs, else DecodeError).
     A batch of one: the same loop as
     :func:`refusion_mlx.decode.batch.batch_generate` runs.
+
+    Constrained decoding (docs/constrained.md): ``json_schema`` (a dict or
+    JSON text), ``grammar`` (llguidance's Lark format) or ``json_object``
+    (any JSON object): the answer matches it when it ends with EOS
+    (``finish_reason`` "stop"); a budget that ends first gives "length".
     """
+    constraint = constraint_of(json_schema, grammar, json_object)
     if params is not None and kwargs:
         raise TypeError("give params or decoding keywords, not both")
     gen = BatchGenerator(model, tokenizer, max_batch=1, kv_bits=kv_bits, kv_group_size=kv_group_size)
     if cache is not None and (kv_bits is not None or kv_group_size is not None):
         check_form(cache, gen.storage)
-    gen.insert(prompt, params or make_params(**kwargs), cache=cache)
+    gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint)
     while gen.has_work:
         for response in gen.step():
             if response.error is not None:

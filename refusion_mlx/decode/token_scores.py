@@ -8,7 +8,8 @@ its verified probability (§4b, §4c: the softmax probability of the token
 under the logits one position before it) in the verification that accepted
 it -- the global verification, or the infill round in which it was
 accepted. With ``k`` > 0, the ``k`` most likely tokens of that same row come
-with it. The numbers are the ones the decisions were made from: fetched
+with it (the constrained mode, ``constrain.py``, keeps none). The numbers
+are the ones the decisions were made from: fetched
 with the step's one host synchronisation, no extra one (the top tokens ride
 in the same fetch).
 """

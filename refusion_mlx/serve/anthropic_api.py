@@ -26,6 +26,7 @@ from .answering import Answering
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .refusal import Reason, Refusal
 from .schemas import MAX_STOP, STRICT, StreamOptions, _decoding_fields, _invalid, decoding_fields
+from .structured import forced_calls
 from .tool_calls import check_results, function_tool, template_tools
 
 
@@ -189,7 +190,8 @@ def messages_request(body, tokenize, *, defaults, context: int, vocab_size: int,
     return resolve(ids, max_tokens=body.max_tokens, fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop_sequences or (), prompt_param="messages",
                    include_commits=bool(body.stream and options and options.include_commits),
-                   tools=prompt.tools, parallel_tool_calls=parallel, api="messages")
+                   tools=prompt.tools, parallel_tool_calls=parallel, api="messages",
+                   constraint=forced_calls(prompt.tools, body.tool_choice, parallel))
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:

@@ -320,7 +320,8 @@ class Engine:
         job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, logprobs=job.request.logprobs)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint,
+                                      logprobs=job.request.logprobs)
         except RefusionError as e:
             return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)

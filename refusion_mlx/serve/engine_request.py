@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..decode.grammar import Constraint
 from ..decode.params import BlockLayout, RefusionParams
 from ..errors import DecodeError
 from .refusal import Reason, Refusal
@@ -33,11 +34,13 @@ class EngineRequest:
     view: ``stream_options.include_commits``), the ``tools`` (in the chat
     template's form) whose calls the answer is read for (none: its text is
     only text), whether it may make several (``parallel_tool_calls``; no:
-    it ends after the first), the ``api`` that asked (``/metrics``), and
+    it ends after the first), the ``api`` that asked (``/metrics``),
     whose prompt-cache entries it may continue and leave (``cache_owner``:
     a hash of its API key and ``user``, set at the edge by
     ``Answering.answer``; "" is everyone's, None: it neither reads nor
-    leaves any)."""
+    leaves any), and the ``constraint`` its answer is decoded under
+    (structured output, a forced call: :mod:`.structured`; None:
+    unconstrained)."""
 
     prompt_ids: List[int]
     params: RefusionParams
@@ -47,6 +50,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     api: str = "chat.completions"
     cache_owner: Optional[str] = ""
+    constraint: Optional[Constraint] = None
     scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
     logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (serve/logprobs.py)
 
@@ -93,7 +97,8 @@ def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: in
 def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any], defaults: RefusionParams,
             context: int, stop: Sequence[str] = (), include_commits: bool = False,
             prompt_param: str = "prompt", max_tokens_param: str = "max_tokens", tools: Sequence[dict] = (),
-            parallel_tool_calls: bool = True, api: str = "chat.completions") -> EngineRequest:
+            parallel_tool_calls: bool = True, api: str = "chat.completions",
+            constraint: Optional[Constraint] = None) -> EngineRequest:
     """The request the engine runs, checked against the model's ``context``.
 
     ``max_tokens``: the answer's most tokens (None: the server's default,
@@ -102,7 +107,7 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     gives, by their ``RefusionParams`` names, over the server's ``defaults``
     (a request's block choice replaces the server's). ``prompt_param`` and
     ``max_tokens_param``: those fields' names in the request's API;
-    ``tools``, ``parallel_tool_calls``, ``api``: carried as given.
+    ``tools``, ``parallel_tool_calls``, ``api``, ``constraint``: carried as given.
     """
     name = max_tokens_param
     if len(ids) >= context:
@@ -127,4 +132,5 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     if len(ids) + budget > context:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
                       f"{budget} in whole slots) exceeds the model's context of {context}", name)
-    return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api)
+    return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
+                         constraint=constraint)

@@ -19,9 +19,10 @@ def token_entries(tokenizer, tokens, scores) -> List[dict]:
     its text, log-probability and top tokens."""
     eos, vocab = tokenizer.eos_token_id, len(tokenizer)
     out = []
-    for t, (lp, top) in zip(tokens, scores):
-        if t == eos or t >= vocab:
+    for t, score in zip(tokens, scores):
+        if t == eos or t >= vocab or score is None:
             continue
+        lp, top = score
         out.append({"token": tokenizer.decode([t]), "logprob": lp,
                     "top": [(tokenizer.decode([i]), v) for i, v in top]})
     return out

@@ -29,6 +29,7 @@ from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
 from .schemas import _invalid as _not_input
 from .security import KEY_SCOPE
+from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -51,7 +52,9 @@ class _ResponsesBase(BaseModel):
     store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
     metadata: Optional[Dict[str, str]] = None
     user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition")
-    text: Optional[Dict[str, Any]] = Field(None, description='only {"format": {"type": "text"}}')
+    text: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "text"}}, {"format": {"type": '
+                                           '"json_object"}} or {"format": {"type": "json_schema", "name", "schema", '
+                                           '"strict"}}: the answer is decoded under the schema (constrained)')
     background: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
 
@@ -160,9 +163,8 @@ def response_tools(body, takes_tools: bool) -> tuple:
 def check_unsupported(body) -> None:
     if body.background:
         raise _refuse("background", "background responses are not supported")
-    fmt = (body.text or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise _refuse("text.format", "only text output is supported (structured output needs constrained decoding)")
+    if body.text is not None and not isinstance(body.text, dict):
+        raise _invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
 
 
 def responses_request(body, store: ResponseStore, tokenize, *, defaults, context: int, vocab_size: int,
@@ -184,10 +186,13 @@ def responses_request(body, store: ResponseStore, tokenize, *, defaults, context
     tools = response_tools(body, takes_tools)
     ids = prompt_ids(ChatPrompt(system + conversation, tools), tokenize, vocab_size, "input")
     options = body.stream_options
+    parallel = body.parallel_tool_calls is not False
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
+                                    response_format((body.text or {}).get("format"), "text.format", nested=False))
     request = resolve(ids, max_tokens=body.max_output_tokens, fields=decoding_fields(body), defaults=defaults,
                       context=context, prompt_param="input", max_tokens_param="max_output_tokens", tools=tools,
                       include_commits=bool(body.stream and options and options.include_commits),
-                      parallel_tool_calls=body.parallel_tool_calls is not False, api="responses")
+                      parallel_tool_calls=parallel, api="responses", constraint=constraint)
     return request, conversation
 
 

@@ -74,7 +74,7 @@ class ResponsesWriter(Writer):
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
                 "store": body.store is not False, "temperature": params.temperature if params else body.temperature,
-                "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "top_p": params.top_p if params else body.top_p,
                 "truncation": body.truncation or "disabled", "usage": usage(done) if done else None,
                 "user": body.user, "metadata": body.metadata or {}}

@@ -24,6 +24,7 @@ from ..decode.params import FIELDS, RefusionParams
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .loglikelihood import context_tokens, scoring_of
 from .refusal import Reason, Refusal
+from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
 
 MAX_STOP = 16
@@ -47,8 +48,8 @@ PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
 
 def refuse_unsupported(body, taken=()):
     """Before validation: a field of PROCESS_SETTINGS, or the first field of
-    HARMLESS holding another value, is refused (its name in ctx); ``taken``:
-    the fields the body handles itself."""
+    HARMLESS holding another value, is refused (its name in ctx), but for the
+    fields the body ``taken``."""
     for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
         if name in body:
             raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
@@ -164,8 +165,8 @@ class ChatCompletionRequest(_Body):
     tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", '
                                                   '"function": {"name", "description", "parameters"}}')
     tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = Field(
-        None, description='"auto" (the default with tools), "none"; "required" and a named function are refused '
-                          "until constrained decoding can force a call")
+        None, description='"auto" (the default with tools), "none", "required" or {"type": "function", "function": '
+                          '{"name": ...}}: a forced call is decoded under its tools\' parameters schemas')
     parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
     n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers, decoded together "
                              "(with a seed, answer k uses seed + k)")
@@ -173,8 +174,11 @@ class ChatCompletionRequest(_Body):
                                      "the decoder accepted it under (docs/serving.md)")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens "
                                         "of the row that scored each token")
+    response_format: Optional[Dict[str, Any]] = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
 
-    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs"))
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs", "response_format"))
 
 
 def refuse_tools(body):
@@ -302,6 +306,9 @@ def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]],
     tools = chat_tools(body, takes_tools) if kind == "chat" else ()
     source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt[index]
     ids = prompt_ids(source, tokenize, vocab_size, param)
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
+        body.response_format, "response_format")) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     options = body.stream_options
     scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
@@ -314,9 +321,12 @@ def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]],
     made = resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
                    include_commits=bool(body.stream and options and options.include_commits), tools=tools,
-                   parallel_tool_calls=getattr(body, "parallel_tool_calls", None) is not False,
-                   api="chat.completions" if kind == "chat" else "completions")
+                   parallel_tool_calls=parallel, api="chat.completions" if kind == "chat" else "completions",
+                   constraint=constraint)
     logprobs = answer_logprobs(body, kind)
+    if logprobs is not None and constraint is not None:  # the constrained mode decodes without slots' scores
+        raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
+                                          "tool_choice required or a named function)", "logprobs")
     return made if logprobs is None else dataclasses.replace(made, logprobs=logprobs)
 
 

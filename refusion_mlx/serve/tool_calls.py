@@ -253,16 +253,15 @@ def template_tools(tools: Sequence[dict], choice: Optional[str], takes_tools: bo
 
 def check_tool_choice(choice: Optional[str], names: Sequence[str], param: str) -> None:
     """``choice``: "auto", "none", "required" or a tool's name (named choice).
-    A name the tools do not have is a 400; forcing a call (required, named)
-    needs constrained decoding, not here yet: a 400 that says so."""
+    A name the tools do not have is a 400, and so is "required" without
+    tools; a forced call is decoded under a grammar (:mod:`.structured`)."""
     if choice in (None, "auto", "none"):
         return
+    if choice == "required" and not names:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: 'required' needs tools to call", param)
     if choice != "required" and choice not in names:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: no tool named {choice!r} among the request's tools "
                                             f"({', '.join(names) or 'none'})", param)
-    what = "'required'" if choice == "required" else "a named tool"
-    raise Refusal(Reason.UNSUPPORTED, f"{param}: {what} is not supported yet: forcing a call needs "
-                                      "constrained decoding; use 'auto'", param)
 
 
 def check_results(messages: Sequence[dict], params: Sequence[str]) -> None:

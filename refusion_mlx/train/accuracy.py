@@ -1,10 +1,12 @@
 """Exact-match evaluation over a chat JSONL file: ``python -m refusion_mlx.train.accuracy``.
 
-Each row is ``{"messages": [...]}`` (mlx-lm's chat format) whose last message
-is the assistant's reference answer. The model decodes the conversation
-before it (system and earlier turns included, through the chat template),
-greedily, and the row counts as correct when the answer's text equals the
-reference exactly. Rows are grouped into task families: a row's ``"family"``
+Each row is ``{"messages": [...]}`` (mlx-lm's chat format, optionally with
+``"tools"``) whose last message is the assistant's reference answer. The
+model decodes the conversation before it (system, tools and earlier turns
+included, through the chat template), greedily, and the row counts as
+correct when the answer's text equals the reference exactly: its content,
+or for a reference that calls tools (``tool_calls``), the text the chat
+template renders for the calls. Rows are grouped into task families: a row's ``"family"``
 field when it has one, else a regex on its last user message (the demo
 model's task templates; anything else is ``other``).
 
@@ -68,8 +70,13 @@ def row_family(row: dict) -> str:
     """A row's ``family`` field, else the family of its last user message."""
     if isinstance(row.get("family"), str) and row["family"]:
         return row["family"]
-    users = [m["content"] for m in row["messages"] if m.get("role") == "user"]
-    return family_of_prompt(users[-1] if users else "")
+    return family_of_prompt(last_question(row["messages"]))
+
+
+def last_question(messages: Sequence[dict]) -> str:
+    """The text of the last user message (empty when there is none)."""
+    users = [m.get("content") or "" for m in messages if m.get("role") == "user"]
+    return users[-1] if users else ""
 
 
 def read_rows(path, limit: Optional[int] = None) -> List[dict]:
@@ -87,10 +94,11 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
             raise RefusionError(f"{path}:{n}: not valid JSON: {e}") from None
         messages = row.get("messages") if isinstance(row, dict) else None
         if (not isinstance(messages, list) or len(messages) < 2
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
-                or messages[-1].get("role") != "assistant" or messages[-2].get("role") != "user"):
-            raise RefusionError(f"{path}:{n}: a row needs \"messages\" ending with a user turn "
-                                "and the assistant's reference answer")
+                or not all(isinstance(m, dict) and (isinstance(m.get("content"), str) or m.get("tool_calls"))
+                           for m in messages)
+                or messages[-1].get("role") != "assistant" or messages[-2].get("role") not in ("user", "tool")):
+            raise RefusionError(f"{path}:{n}: a row needs \"messages\" ending with a user turn (or a tool's "
+                                "result) and the assistant's reference answer")
         rows.append(row)
         if limit is not None and len(rows) >= limit:
             break
@@ -109,15 +117,24 @@ def default_params() -> RefusionParams:
 
 
 def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Sequence,
-           kv: Optional[dict] = None) -> List[str]:
+           tools: Optional[Sequence] = None, kv: Optional[dict] = None) -> List[str]:
     """The model's greedy answers to many conversations (the one place that
-    decodes): decoded together, each exactly as it would be alone (``kv``:
-    ``kv_bits`` and ``kv_group_size`` of their caches)."""
+    decodes): decoded together, each exactly as it would be alone.
+    ``tools``: each conversation's tools (None: none); ``kv``: ``kv_bits``
+    and ``kv_group_size`` of their caches."""
     from ..decode.batch import batch_generate
-    from ..decode.stream import chat_prompt
+    from .dataset import prompt_ids
 
-    prompts = [chat_prompt(tokenizer, list(m)) for m in conversations]
+    tools = tools or [None] * len(conversations)
+    prompts = [prompt_ids(tokenizer, list(m), t) for m, t in zip(conversations, tools)]
     return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH, **(kv or {}))]
+
+
+def reference(tokenizer, row: dict) -> str:
+    """A row's reference answer as text (a call as the chat template renders it)."""
+    from .dataset import response_text
+
+    return response_text(tokenizer, row["messages"], row.get("tools"))
 
 
 def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
@@ -142,26 +159,27 @@ def exact_match(model, tokenizer, rows: Iterable[dict], params=None,
     start = time.perf_counter()
     settings = []
     block = params.block_length or default_block_length(params.slot_size)
-    for row in rows:
+    references = [reference(tokenizer, row) for row in rows]
+    for ref in references:
         budget = max_tokens
         if budget is None:
-            budget = answer_budget(tokenizer, row["messages"][-1]["content"], block)
+            budget = answer_budget(tokenizer, ref, block)
         settings.append(dataclasses.replace(params, gen_length=budget))
     texts: List[str] = []
     for i in range(0, len(rows), 4 * BATCH):  # in chunks, so progress can be shown
         chunk = rows[i:i + 4 * BATCH]
-        texts += decode(model, tokenizer, [r["messages"][:-1] for r in chunk], settings[i:i + len(chunk)], kv)
+        texts += decode(model, tokenizer, [r["messages"][:-1] for r in chunk], settings[i:i + len(chunk)],
+                        [r.get("tools") for r in chunk], kv)
         if progress is not None:
             progress(len(texts), len(rows))
-    for row, text in zip(rows, texts):
-        messages, reference = row["messages"][:-1], row["messages"][-1]["content"]
+    for row, text, ref in zip(rows, texts, references):
         fam = family_of(row)
         c = counts.setdefault(fam, [0, 0])
         c[1] += 1
-        if text == reference:
+        if text == ref:
             c[0] += 1
         elif len(failures.setdefault(fam, [])) < keep_failures:
-            failures[fam].append({"prompt": messages[-1]["content"], "expected": reference, "got": text})
+            failures[fam].append({"prompt": last_question(row["messages"]), "expected": ref, "got": text})
     correct = sum(c for c, _ in counts.values())
     total = sum(n for _, n in counts.values())
     return {

@@ -5,7 +5,10 @@ A data folder holds ``train.jsonl``, ``valid.jsonl`` and optionally
 
 * ``{"messages": [{"role": ..., "content": ...}, ...]}`` (optionally ``"tools"``):
   the response is the last message, which must be the assistant's; every
-  earlier message (earlier turns included) is prompt;
+  earlier message (earlier turns included) is prompt. Assistant messages may
+  carry OpenAI's ``tool_calls`` (their ``content`` then may be null) and
+  ``role: "tool"`` messages the results; a last message with ``tool_calls``
+  is learnt as the chat template renders it (the calls' markup);
 * ``{"prompt": ..., "completion": ...}``: one user turn and its answer;
 * ``{"text": ...}``: no prompt, the whole text is the response.
 
@@ -45,11 +48,39 @@ def response_ids(tokenizer, text: str) -> List[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
 
 
+def response_text(tokenizer, messages: List[Dict], tools=None) -> str:
+    """The text to learn for the last (assistant) message: its ``content``, or,
+    when it carries ``tool_calls``, what the chat template renders for it
+    after the generation prompt, up to its end-of-turn token (so the calls'
+    markup is the template's own)."""
+    last = messages[-1]
+    if not last.get("tool_calls"):
+        return last.get("content") or ""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RefusionError("a message with \"tool_calls\" needs a tokenizer with a chat template")
+    kwargs = {"tools": tools} if tools else {}
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=True, **kwargs)
+    whole = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
+    end = whole.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
+    if not whole.startswith(prompt) or end < len(prompt):
+        raise RefusionError("the chat template does not render the tool-calling message after the "
+                            "conversation's generation prompt, ending with the end-of-turn token")
+    return whole[len(prompt):end]
+
+
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise RefusionError(f"{where}: \"messages\" must be a non-empty list")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RefusionError(f"{where}: message {i + 1} needs a string \"role\" and a string \"content\"")
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance((c.get("function") or c).get("name"), str) for c in calls)):
+            raise RefusionError(f"{where}: message {i + 1}: \"tool_calls\" must be an assistant message's list "
+                                "of calls, each with a function name")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             raise RefusionError(f"{where}: message {i + 1} needs a string \"role\" and a string \"content\"")
     if messages[-1]["role"] != "assistant":
         raise RefusionError(f"{where}: the last message must be the assistant's (the response to learn), "
@@ -64,8 +95,11 @@ def encode_line(obj, tokenizer, where: str) -> Record:
         messages = obj["messages"]
         _check_messages(messages, where)
         tools = obj.get("tools")
-        return Record(prompt_ids(tokenizer, messages[:-1], tools), response_ids(tokenizer, messages[-1]["content"]),
-                      where)
+        try:
+            text = response_text(tokenizer, messages, tools)
+        except RefusionError as e:
+            raise RefusionError(f"{where}: {e}") from None
+        return Record(prompt_ids(tokenizer, messages[:-1], tools), response_ids(tokenizer, text), where)
     if "prompt" in obj or "completion" in obj:
         prompt, completion = obj.get("prompt"), obj.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):

@@ -23,9 +23,10 @@ const state = { history: [], busy: false, controller: null, shown: null, default
 const APIS = {
   chat: {
     path: "/v1/chat/completions",
-    body: (messages, system, decoding) => ({
+    body: (messages, system, decoding, schema) => ({
       messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
       stream: true, stream_options: { include_usage: true, include_commits: true }, ...decoding,
+      ...(schema ? { response_format: { type: "json_schema", json_schema: { name: "page", schema } } } : {}),
     }),
     read: (name, d) => {
       const choice = d.choices && d.choices[0];
@@ -40,10 +41,11 @@ const APIS = {
   },
   responses: {
     path: "/v1/responses",
-    body: (messages, system, decoding) => {
+    body: (messages, system, decoding, schema) => {
       const { max_tokens, ...rest } = decoding;
       return { input: messages, ...(system ? { instructions: system } : {}), store: false, stream: true,
                stream_options: { include_commits: true },
+               ...(schema ? { text: { format: { type: "json_schema", name: "page", schema } } } : {}),
                ...(max_tokens != null ? { max_output_tokens: max_tokens } : {}), ...rest };
     },
     read: (name, d) => {
@@ -323,6 +325,21 @@ async function send(text) {
     return;
   }
   const system = $("system").value.trim();
+  let schema = null; // the JSON-schema box: the answer is decoded under it (constrained decoding)
+  const schemaText = $("json-schema").value.trim();
+  if (schemaText) {
+    try {
+      schema = JSON.parse(schemaText);
+    } catch (e) {
+      setStatus("JSON schema: not valid JSON (" + e.message + ")", "error");
+      return;
+    }
+    if ($("api").value === "messages") {
+      setStatus("JSON schema: the Messages API has no structured output; use Chat Completions or Responses",
+                "error");
+      return;
+    }
+  }
   const history = state.history; // this conversation's (New chat starts another)
   history.push({ role: "user", content: text });
   addMessage("user", text);
@@ -332,7 +349,7 @@ async function send(text) {
   msg.addEventListener("click", () => show(turn, msg));
   show(turn, msg);
   const api = APIS[$("api").value];
-  const body = api.body(history, system, decoding);
+  const body = api.body(history, system, decoding, schema);
   const pace = Number($("pace").value) || 0;
   state.controller = new AbortController();
   setBusy(true);

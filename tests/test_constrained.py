@@ -1,0 +1,239 @@
+"""Constrained decoding's guarantee on the demo model (docs/constrained.md).
+
+A property test over generated JSON Schemas and prompts: every schema here
+bounds its instances' length (strings by pattern or maxLength, integers by
+range, arrays by maxItems, no additional properties), so a budget of that many
+bytes' tokens always lets the grammar close: every answer must end with EOS
+("stop") and parse and validate -- alone, and in one batch with unconstrained
+requests, whose tokens must be exactly those they get alone. The demo model
+knows no JSON; the guarantee does not depend on the model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import refusion_mlx as rm
+from refusion_mlx.decode.batch import BatchGenerator
+from refusion_mlx.decode.grammar import Constraint
+from refusion_mlx.decode.params import make_params
+from refusion_mlx.errors import DecodeError
+
+PROMPTS = ["Who is Sven?", "Describe Dara as JSON.", "What is 2+2?", "Tell me about Quinn.", "x"]
+KEYS = ["name", "age", "city", "pet", "tags", "ok", "id", "note"]
+FAST = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return rm.load()
+
+
+def _integer(pair):
+    low, span = pair
+    return {"type": "integer", "minimum": low, "maximum": low + span}
+
+
+LEAVES = st.one_of(
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.tuples(st.integers(-60, 60), st.integers(0, 120)).map(_integer),
+    st.lists(st.text(alphabet="abc xyz", min_size=1, max_size=5), min_size=1, max_size=4,
+             unique=True).map(lambda e: {"enum": e}),
+    st.integers(1, 6).map(lambda n: {"type": "string", "pattern": f"^[a-z]{{1,{n}}}$"}),
+    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
+    st.sampled_from(["red", "blue"]).map(lambda c: {"const": c}),
+)
+
+
+def _array(args):
+    items, low, extra = args
+    return {"type": "array", "items": items, "minItems": low, "maxItems": low + extra}
+
+
+def _objects(children):
+    def make(args):
+        props, required = args
+        return {"type": "object", "properties": props, "required": [k for k in props if k in required],
+                "additionalProperties": False}
+    return st.tuples(st.dictionaries(st.sampled_from(KEYS), children, min_size=1, max_size=3),
+                     st.sets(st.sampled_from(KEYS))).map(make)
+
+
+VALUES = st.one_of(LEAVES, st.tuples(LEAVES, st.integers(0, 1), st.integers(0, 2)).map(_array))
+SCHEMAS = _objects(st.one_of(VALUES, _objects(LEAVES)))
+
+
+def most_bytes(schema) -> int:
+    """An upper bound on the bytes of any instance as the grammar writes it
+    (compact, ", " and ": " separators; a string character at most 6 bytes)."""
+    if "enum" in schema:
+        return max(len(json.dumps(v).encode()) for v in schema["enum"])
+    if "const" in schema:
+        return len(json.dumps(schema["const"]).encode())
+    kind = schema["type"]
+    if kind == "boolean":
+        return 5
+    if kind == "null":
+        return 4
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind == "string":
+        n = schema.get("maxLength")
+        return 2 + (6 * n if n is not None else int(schema["pattern"].split(",")[1].split("}")[0]))
+    if kind == "array":
+        return 2 + schema["maxItems"] * (most_bytes(schema["items"]) + 2)
+    return 2 + sum(len(json.dumps(k)) + 2 + most_bytes(v) + 2 for k, v in schema["properties"].items())
+
+
+def decode_all(model, tokenizer, requests):
+    """Run (prompt, constraint, params) requests in one batch; each one's (text, ids, finish)."""
+    gen = BatchGenerator(model, tokenizer, max_batch=len(requests))
+    uids = [gen.insert(rm.chat_prompt(tokenizer, prompt), params, constraint=c) for prompt, c, params in requests]
+    out = {u: ["", [], None] for u in uids}
+    while gen.has_work:
+        for r in gen.step():
+            assert r.error is None, r.error
+            out[r.uid][0] += r.text
+            out[r.uid][1] += r.tokens
+            if r.finish_reason is not None:
+                out[r.uid][2] = r.finish_reason
+    return [tuple(out[u]) for u in uids]
+
+
+def check_valid(text, finish, schema):
+    assert finish == "stop", (finish, text, schema)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@FAST
+@given(schema=SCHEMAS, prompt=st.sampled_from(PROMPTS), temperature=st.sampled_from([0.0, 0.9]))
+def test_every_answer_parses_and_validates(demo, schema, prompt, temperature):
+    model, tokenizer = demo
+    params = make_params(max_tokens=most_bytes(schema), temperature=temperature, seed=7)
+    ((text, _, finish),) = decode_all(model, tokenizer, [(prompt, Constraint.json_schema(schema), params)])
+    check_valid(text, finish, schema)
+
+
+@settings(FAST, max_examples=4)
+@given(schemas=st.lists(SCHEMAS, min_size=2, max_size=3), prompt=st.sampled_from(PROMPTS))
+def test_batched_with_unconstrained_requests(demo, schemas, prompt):
+    model, tokenizer = demo
+    free = ("Who is Sven?", None, make_params(max_tokens=24))
+    alone = decode_all(model, tokenizer, [free])[0]
+    requests = [free] + [(prompt, Constraint.json_schema(s), make_params(max_tokens=most_bytes(s)))
+                         for s in schemas] + [("Tell me about Quinn.", None, make_params(max_tokens=24))]
+    results = decode_all(model, tokenizer, requests)
+    assert results[0] == alone  # an unconstrained request's tokens do not change in a constrained batch
+    for (text, _, finish), s in zip(results[1:-1], schemas):
+        check_valid(text, finish, s)
+
+
+def test_budget_ends_before_the_grammar_closes(demo):
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 40}}, "required": ["a"]}
+    ((text, ids, finish),) = decode_all(model, tokenizer, [("Who is Sven?", Constraint.json_schema(schema),
+                                                             make_params(max_tokens=8))])
+    assert finish == "length" and len(ids) == 8 and tokenizer.eos_token_id not in ids
+    assert text.startswith('{"a": "')
+
+
+def test_json_object_and_lark_grammar(demo):
+    model, tokenizer = demo
+    results = decode_all(model, tokenizer, [
+        ("Who is Sven?", Constraint.json_object(), make_params(max_tokens=48)),
+        ("Is Sven a baker?", Constraint.lark('start: ("yes" | "no") "." '), make_params(max_tokens=8))])
+    (obj, _, finish), (answer, _, finish2) = results
+    if finish == "stop":
+        assert isinstance(json.loads(obj), dict)
+    else:
+        assert finish == "length" and obj.startswith("{")
+    assert finish2 == "stop" and answer in ("yes.", "no.")
+
+
+def test_one_host_sync_per_forward(demo, monkeypatch):
+    """The masks are made on the host from tokens it holds: no evaluation beyond the step's one."""
+    import mlx.core as mx
+
+    model, tokenizer = demo
+    real, evals = mx.eval, []
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(1), real(*a, **k))[1])
+    schema = {"type": "object", "properties": {"pets": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 3}}, "required": ["pets"]}
+    _, stats = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Who is Sven?"), max_tokens=48,
+                           json_schema=schema, return_stats=True)
+    assert stats.masks > 0 and stats.mask_seconds > 0
+    assert len(evals) == stats.forwards == stats.host_syncs
+
+
+def test_python_api_keywords(demo):
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for kv_bits in (None, 4):  # a quantized KV cache too
+        text = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Who is Sven?"), max_tokens=16,
+                           json_schema=schema, kv_bits=kv_bits)
+        jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(DecodeError, match="one of json_schema, grammar"):
+        rm.generate(model, tokenizer, "x", json_schema=schema, grammar='start: "a"')
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "(?<=a)b"}, "cannot be compiled: regex parse error"),
+    ({"type": 3}, "not a valid JSON Schema"),
+    ("{nope", "not valid JSON"),
+    ([1], "must be an object"),
+])
+def test_a_schema_the_engine_cannot_take_is_one_clear_error(schema, message):
+    with pytest.raises(DecodeError, match=message) as e:
+        Constraint.json_schema(schema, "response_format")
+    assert str(e.value).startswith("response_format: ") and "\n" not in str(e.value)
+
+
+def test_a_format_the_engine_does_not_know_only_annotates(demo):
+    """pydantic writes formats such as "binary": dropped (JSON Schema formats annotate); known ones kept."""
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"b": {"type": "string", "format": "binary", "maxLength": 3},
+                                               "format": {"enum": ["x"]},
+                                               "day": {"type": "string", "format": "date"}},
+              "required": ["b", "format", "day"], "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    assert '"binary"' not in c.source and '"date"' in c.source and '"format": {"enum"' in c.source
+    ((text, _, finish),) = decode_all(model, tokenizer, [("Who is Sven?", c, make_params(max_tokens=64))])
+    check_valid(text, finish, schema)
+    assert jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).is_valid(
+        json.loads(text))  # the date is a date
+
+
+def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
+    """Strict tools, tool_choice auto: text, then maybe calls whose arguments follow the schema -- where the
+    call markers are tokens of their own (Qwen3's); a tokenizer that spells them as text gets no constraint."""
+    from transformers import PreTrainedTokenizerFast
+
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.models.loading import DEMO_MODEL
+
+    model, tokenizer = demo
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "required": ["a"], "additionalProperties": False}}
+    c = Constraint.tool_calls([add], "<tool_call>", "</tool_call>", optional=True)
+    assert compile_constraint(c, tokenizer, model.args.vocab_size, tokenizer.eos_token_id) is None
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_MODEL / "tokenizer.json"), eos_token="<|im_end|>")
+    hf.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    start, end, eos = hf.convert_tokens_to_ids("<tool_call>"), hf.convert_tokens_to_ids("</tool_call>"), hf.eos_token_id
+    compiled = compile_constraint(c, hf, len(hf), eos)
+
+    def allowed(*parts):
+        ids = [t for p in parts for t in ([p] if isinstance(p, int) else hf.encode(p, add_special_tokens=False))]
+        return compiled.matcher().valid_prefix(ids + [eos]) == len(ids) + 1
+
+    assert allowed("Sven is a baker.") and allowed("")
+    assert allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": 2}}\n', end)
+    assert not allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": "two"}}\n', end)
+    assert not allowed(start, '\n{"name": "sub", "arguments": {"a": 2}}\n', end)
