@@ -213,6 +213,25 @@ def test_stored_responses_get_and_delete(server, oai):
     assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
 
 
+def test_stored_response_lists_its_input_items(server, oai):
+    """GET /v1/responses/{id}/input_items (the openai SDK's input_items.list):
+    the request's own input, newest first by default, with ids, paged."""
+    resp = oai.responses.create(model="m", max_output_tokens=8, input=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": SVEN}])
+    items = oai.responses.input_items.list(resp.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", SVEN), ("system", "Answer briefly.")]
+    assert all(i.type == "message" and i.id.startswith("msg_") for i in items.data)
+    first = oai.responses.input_items.list(resp.id, order="asc", limit=1)
+    assert [i.role for i in first.data] == ["system"] and first.has_more
+    rest = oai.responses.input_items.list(resp.id, order="asc", after=first.data[0].id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    one = oai.responses.create(model="m", max_output_tokens=8, input=SVEN)  # a string is one user message
+    assert [i.content[0].type for i in oai.responses.input_items.list(one.id).data] == ["input_text"]
+    assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?after=msg_nope")[0] == 400
+    assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?limit=0")[0] == 400
+    assert raw(server, "GET", "/v1/responses/resp_nope/input_items")[0] == 404
+
+
 # --------------------------------------------------------------------------
 # Anthropic's Messages API (the anthropic SDK)
 

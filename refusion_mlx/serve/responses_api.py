@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, Field, create_model, field_validator
 
 from .answering import Answering
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .http_errors import APIError
 from .refusal import Reason, Refusal
-from .response_store import ResponseStore
+from .response_store import ResponseStore, input_items, item_page
 from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
 from .schemas import _invalid as _not_input
@@ -197,7 +197,8 @@ def responses_request(body, store: ResponseStore, tokenize, *, defaults, context
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``."""
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+    ``GET /v1/responses/{id}/input_items``."""
     config = answering.config
     store = ResponseStore(config.max_stored_responses)
 
@@ -211,6 +212,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
             engine_request, writer.conversation = responses_request(
                 body, store, answering.tokenize, defaults=config.decoding, context=answering.context,
                 vocab_size=answering.vocab_size, takes_tools=answering.takes_tools, owner=writer.owner)
+            writer.input_items = input_items(body.input)
             return engine_request
 
         return await answering.answer(request, make, writer, bool(body.stream), body.user)
@@ -221,6 +223,20 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         if entry is None:
             raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
         return entry.response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                    order: Literal["asc", "desc"] = "desc", after: Optional[str] = None,
+                    before: Optional[str] = None):
+        entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
+        if entry is None:
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        page = item_page(entry.input_items, limit, order, after, before)
+        if page is None:
+            ids = {i["id"] for i in entry.input_items}
+            name, cursor = ("after", after) if after is not None and after not in ids else ("before", before)
+            raise APIError(400, f"{name}: no input item {cursor!r} in response {response_id!r}", name)
+        return page
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request):

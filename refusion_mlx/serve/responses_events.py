@@ -54,6 +54,7 @@ class ResponsesWriter(Writer):
         self.body, self.store = body, store
         self.conversation: List[dict] = []  # set by the adapter: the messages, without instructions
         self.owner = ""  # set by the adapter: the hash of the API key the request presented
+        self.input_items: List[dict] = []  # set by the adapter: the input as items, for GET .../input_items
         self.id, self.created = _id("resp"), int(time.time())
         self.model = server.config.model_id
         self.seq = 0
@@ -88,7 +89,7 @@ class ResponsesWriter(Writer):
             calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}
                      for c in self.calls]
             answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            self.store.put(response, self.conversation + [answer], self.owner)
+            self.store.put(response, self.conversation + [answer], self.owner, self.input_items)
         return response
 
     def answer(self, answer: Answer) -> dict:
