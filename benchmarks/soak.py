@@ -46,7 +46,7 @@ DROP = {"messages": [{"role": "user", "content": "Count from 17 to 38."}], "max_
 MALFORMED = [b"{not json", b"[1, 2]", {}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
              {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
              {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
-             {"messages": [{"role": "user", "content": "x"}], "n": 3},
+             {"messages": [{"role": "user", "content": "x"}], "n": 17},
              {"messages": [{"role": "user", "content": "x"}], "block_length": 6}]
 ACTIONS = (("stream", 4), ("conversation", 2), ("drop", 2), ("malformed", 2), ("long", 2))
 LONG_TOKENS = 400  # with a short prompt: two 256-row KV steps, twice a short request's reservation

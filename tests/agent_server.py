@@ -68,8 +68,8 @@ class ScriptedCalls(batch.BatchGenerator):
         super().__init__(*args, **kwargs)
         self.scripted: Dict[int, List[str]] = {}
 
-    def insert(self, prompt, params=None, cache=None, constraint=None) -> int:
-        uid = super().insert(prompt, params, cache=cache, constraint=constraint)
+    def insert(self, prompt, params=None, cache=None, constraint=None, logprobs=None) -> int:
+        uid = super().insert(prompt, params, cache=cache, constraint=constraint, logprobs=logprobs)
         held = [t for _, _, t in cache.in_position_order()] if cache is not None else []
         text = self.tokenizer.decode(held + [int(t) for t in prompt])
         turns = text.rsplit("<|im_start|>", 2)

@@ -61,11 +61,16 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
     tools = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured output: not FIELDS
-    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | tools),
-                         (CompletionRequest, {"prompt"})):
+    scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/loglikelihood.py
+    answers = {"n", "logprobs", "top_logprobs"}  # serve/choices.py, serve/logprobs.py
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools),
+                         (CompletionRequest, {"prompt", "n", "logprobs"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():
-            assert model.model_fields[name].description == f.request_description()
+            if (model, name) != (CompletionRequest, "max_tokens"):  # its own: 0 is valid with echo
+                assert model.model_fields[name].description == f.request_description()
+    assert CompletionRequest.model_fields["max_tokens"].description.startswith(
+        requests["max_tokens"].request_description())
     # the Responses and Messages APIs take the same decoding fields as extras; their budget is their own
     for model in (ResponsesRequest, MessagesRequest):
         assert set(requests) - {"max_tokens"} <= set(model.model_fields)

@@ -240,7 +240,7 @@ def test_docs_and_openapi(server):
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_p": 0}, "top_p"), ({"min_p": 1.5}, "min_p"),
     ({"min_p": "low"}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"17": 5}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
@@ -419,7 +419,7 @@ BAD = [
     (CHAT, user(stop=5), 400, "stop"),
     (CHAT, user(stop=[""]), 400, "stop"),
     (CHAT, user(seed=-1), 400, "seed"),
-    (CHAT, user(n=2), 400, "n"),
+    (CHAT, user(n=17), 400, "n"),
     (CHAT, user(model=7), 400, "model"),
     (CHAT, user(slot_size=0), 400, "slot_size"),
     (CHAT, user(slot_size=True), 400, "slot_size"),
@@ -433,8 +433,8 @@ BAD = [
     ("/v1/completions", {"prompt": 123}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 5}, 400, "echo"),
 ]
 
 

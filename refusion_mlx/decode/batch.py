@@ -58,6 +58,7 @@ class GenerationResponse:
     uid: int = 0
     cache: Optional[CommittedCache] = None
     error: Optional[str] = None
+    logprobs: Optional[List[tuple]] = None  # per token of ``tokens``: (logprob, top pairs) (``insert(logprobs=)``)
 
 
 @dataclass
@@ -70,9 +71,12 @@ class _Member:
     steps: int = 0
 
     def response(self, step=None, final: bool = False) -> GenerationResponse:
+        first = self.answer.next
         tokens, text = self.answer.update() if step is not None else ([], "")
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
                                self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
+        if self.decoder.state.logprobs is not None:  # each final token's score, by its position
+            r.logprobs = [self.decoder.state.scores.get(first + i) for i in range(len(tokens))]  # None: unscored
         self.steps += step is not None
         if final:
             r.text += self.answer.finish()
@@ -119,7 +123,8 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None, constraint: Optional[Constraint] = None) -> int:
+               cache: Optional[CommittedCache] = None, constraint: Optional[Constraint] = None,
+               logprobs: Optional[int] = None) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
 
@@ -131,7 +136,9 @@ class BatchGenerator:
         new one is made in this generator's (``kv_bits``). ``constraint``: the
         answer must match it (a JSON Schema, any JSON object, a grammar:
         :class:`~.grammar.Constraint`); one it cannot compile raises
-        ``DecodeError`` here.
+        ``DecodeError`` here. ``logprobs``: each
+        response also carries its tokens' log-probabilities
+        (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         grammar = None
@@ -140,7 +147,7 @@ class BatchGenerator:
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
-                                  eos_id=self.eos_id, cache=cache, grammar=grammar)
+                                  eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length)

@@ -42,6 +42,7 @@ from .infill import infill
 from .params import RefusionParams
 from .state import DecodeState
 from .stats import DecodeStats, Step
+from .token_scores import SlotScores
 
 NO_EOS = -1  # eos_id None: an id no token has, so nothing ends the answer early
 
@@ -55,13 +56,15 @@ class RefusionDecoder:
     still works). ``eos_id`` None: no token ends the answer, the whole budget
     is decoded (the speed benchmarks' ``--ignore-eos``). ``grammar``: a
     compiled constraint (:func:`~refusion_mlx.decode.grammar.compile_constraint`):
-    the answer is decoded in the constrained mode (``constrain.py``).
+    the answer is decoded in the constrained mode (``constrain.py``). ``logprobs``: keep the
+    probability each answer token was accepted under, with this many top
+    tokens (``token_scores``; None: not kept).
     """
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
                  prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None,
-                 grammar=None):
+                 grammar=None, logprobs: Optional[int] = None):
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
@@ -89,7 +92,7 @@ class RefusionDecoder:
             start=len(cache), response_start=response_start,
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
             key=mx.random.key(params.seed) if params.seed is not None else None,
-            matcher=grammar.matcher() if grammar is not None else None)
+            matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs)
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
@@ -200,10 +203,13 @@ class RefusionDecoder:
         checked = yield checking
         tokens = checked["tokens"]
         accepted = verify.accepted(checked["probs"], state.params.token_threshold)
+        scores = SlotScores.after_verify(planned, checked, selected) if state.logprobs is not None else None
         decision = commit.after_verify(state, tokens, accepted, positions, selected)
         if decision is None:
-            final, eos_found = yield from infill(state, tokens, accepted, positions)
+            final, eos_found = yield from infill(state, tokens, accepted, positions, scores)
             decision = commit.after_infill(state, final, eos_found, positions, selected)
+        if scores is not None:
+            state.record_scores(decision.positions[:decision.end], scores.entries(decision.end))
         return state.commit(decision.phase, decision.tokens, decision.end, decision.positions, decision.closed)
 
     # -- the answer ----------------------------------------------------------

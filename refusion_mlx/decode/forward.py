@@ -30,7 +30,7 @@ from ..models import backend
 from .cache import KVWrite
 from .grammar import allowed_rows
 from .packed import PackedWrite
-from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics
+from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics, top_logprobs
 from .runner import Runner
 
 
@@ -42,6 +42,8 @@ class HeadOutput:
     draft: Optional[mx.array]
     p_draft: Optional[mx.array]
     p_follow: Optional[mx.array]
+    top_ids: Optional[mx.array] = None  # (rows, k): the k most likely tokens, when the pass asks ``top``
+    top_logprobs: Optional[mx.array] = None
 
 
 # derive(head) -> (values fetched to the host, values kept on the device)
@@ -72,6 +74,7 @@ class Pass:
     follow: Optional[mx.array] = None
     derive: Optional[Derive] = None
     masks: Optional[Callable[[], np.ndarray]] = None
+    top: int = 0  # the most likely tokens each head row also gives (generated tokens' top_logprobs)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -150,6 +153,7 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
                                   for m, (p, _) in zip(by_pass, wanted)])
     per_chunk = head_chunk_rows(vocab)
     total = head_hidden.shape[0]
+    top = max(p.top for p, _ in wanted)
     parts = []
     for i in range(0, total, per_chunk):
         logits = model.head(head_hidden[i:i + per_chunk])
@@ -157,19 +161,21 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
             logits = logits.astype(mx.float32)
         parts.append(row_statistics(logits, i, drafting if want_draft else None,
                                     None if follow is None else follow[i:i + per_chunk],
-                                    None if allowed is None else allowed[i:i + per_chunk]))
-    draft, p_draft, p_follow = (
+                                    None if allowed is None else allowed[i:i + per_chunk])
+                     + (top_logprobs(logits, top) if top else (None, None)))
+    draft, p_draft, p_follow, top_ids, top_values = (
         (mx.concatenate(col) if len(col) > 1 else col[0]) if col[0] is not None else None
         for col in zip(*parts))
     out: List[Optional[HeadOutput]] = []
     at = 0
-    for s in spans:
+    for p, s in zip(passes, spans):
         if s is None:
             out.append(None)
             continue
         n = s[1] - s[0]
         pick = (lambda a: None if a is None else a[at:at + n])
-        out.append(HeadOutput(pick(draft), pick(p_draft), pick(p_follow)))
+        tops = (lambda a: None if a is None or not p.top else a[at:at + n, :p.top])  # the pass's own top
+        out.append(HeadOutput(pick(draft), pick(p_draft), pick(p_follow), tops(top_ids), tops(top_values)))
         at += n
     return out
 

@@ -33,12 +33,14 @@ from .state import DecodeState
 GREEDY = Drafting()
 
 
-def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray,
-           positions: List[int]) -> Generator[Pass, PassResult, Tuple[np.ndarray, bool]]:
+def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray, positions: List[int],
+           scores=None) -> Generator[Pass, PassResult, Tuple[np.ndarray, bool]]:
     """Rounds of draft and verify passes until every token is accepted.
 
     A generator: it yields the passes and receives their results. Returns
     the surviving slots' tokens (k', S) and whether EOS was found.
+    ``scores``: a ``token_scores.SlotScores`` that takes each token's numbers
+    in the round that accepts it (a request that asked for logprobs).
     """
     S, tau = state.slot_size, state.params.token_threshold
     tokens = tokens.copy()
@@ -54,11 +56,16 @@ def infill(state: DecodeState, tokens: np.ndarray, accepted: np.ndarray,
         held = mx.array(tags[:, a:].reshape(-1))
         known = mx.array(tokens[:, a:].reshape(-1))
         drafted = yield infill_draft_pass(state.mask_id, held, known, window_pos, write)
-        checked = yield infill_verify_pass(drafted["filled"], window_pos, write, k, width)
+        checked = yield infill_verify_pass(drafted["filled"], window_pos, write, k, width, state.top)
         tokens[:, a:] = checked["tokens"]
         before = np.concatenate([np.ones((k, 1), bool), tags[:, a:-1]], axis=1)
+        held_before = tags[:, a:].copy()
         tags[:, a:] = np.cumprod((checked["probs"] > tau) | before, axis=1).astype(bool)
+        if scores is not None:
+            scores.accept(tags[:, a:] & ~held_before, a, checked)
         tokens, tags, pos, found = cut_after_eos(tokens, tags, pos, a, state.eos_id)
+        if found and scores is not None:
+            scores.keep(tokens.shape[0])
         eos_found |= found
         m = int(tags[:, a:].sum(axis=1).min())
         a += m - 1 if not tags.all() else m
@@ -76,18 +83,23 @@ def infill_draft_pass(mask_id: int, held: mx.array, known: mx.array, positions: 
                 drafting=GREEDY, derive=derive)
 
 
-def infill_verify_pass(filled: mx.array, positions: mx.array, write, k: int, width: int) -> Pass:
-    """The filled window, scored token by token with the logits before it."""
+def infill_verify_pass(filled: mx.array, positions: mx.array, write, k: int, width: int, top: int = 0) -> Pass:
+    """The filled window, scored token by token with the logits before it
+    (``top``: and the top tokens of those rows, for the answer's logprobs)."""
     window = filled.reshape(k, width)
     follow = mx.concatenate([window[:, 1:], mx.zeros((k, 1), window.dtype)], axis=1).reshape(-1)
 
     def derive(h: HeadOutput):
         # column 0 (the window's first token) is accepted outright: its value is unused
         probs = mx.concatenate([mx.zeros((k, 1), mx.float32), h.p_follow.reshape(k, width)[:, :-1]], axis=1)
-        return {"tokens": window, "probs": probs}, {}
+        host = {"tokens": window, "probs": probs}
+        if h.top_ids is not None:  # token j's row is j - 1
+            host.update(top_ids=h.top_ids.reshape(k, width, top)[:, :-1],
+                        top_values=h.top_logprobs.reshape(k, width, top)[:, :-1])
+        return host, {}
 
     return Pass("infill_verify", filled, positions, write, head_rows=int(filled.shape[0]),
-                follow=follow, derive=derive)
+                follow=follow, derive=derive, top=top)
 
 
 def cut_after_eos(tokens: np.ndarray, tags: np.ndarray, pos: np.ndarray, a: int, eos_id: int):

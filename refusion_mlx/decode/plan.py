@@ -28,7 +28,7 @@ def plan_pass(state: DecodeState, tail: List[int]) -> Pass:
     tokens = tail + [state.mask_id] * n
     return Pass("prefill" if tail else "plan", mx.array(tokens, dtype=mx.int32),
                 mx.array(positions, dtype=mx.int32), state.cache.extend(len(tokens), settled=len(tail)), head_rows=n,
-                drafting=drafting(state, n), derive=lambda h: _confidence(h, S))
+                drafting=drafting(state, n), derive=lambda h: _confidence(h, S), top=state.top)
 
 
 def drafting(state: DecodeState, rows: int) -> Drafting:
@@ -42,8 +42,11 @@ def drafting(state: DecodeState, rows: int) -> Drafting:
 
 
 def _confidence(h: HeadOutput, S: int):
-    """Host: each slot's confidence; device: the drafts (n, S)."""
-    return {"confidence": h.p_draft[::S]}, {"drafts": h.draft.reshape(-1, S)}
+    """Host: each slot's confidence (and with ``top``, its first row's top tokens); device: the drafts (n, S)."""
+    host = {"confidence": h.p_draft[::S]}
+    if h.top_ids is not None:
+        host.update(top_ids=h.top_ids[::S], top_values=h.top_logprobs[::S])
+    return host, {"drafts": h.draft.reshape(-1, S)}
 
 
 def select(confidence: np.ndarray, threshold: float) -> List[int]:

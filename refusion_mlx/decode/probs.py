@@ -85,6 +85,16 @@ def gumbel_noise(key: Optional[mx.array], rows: int, vocab: int, slot_size: int)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
+def top_logprobs(logits: mx.array, k: int, lse: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """The ``k`` most likely tokens of each row of float32 ``logits`` and their
+    log-probabilities, best first: (ids, values), each (rows, k)."""
+    lse = logsumexp(logits) if lse is None else lse
+    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logits, ids, axis=-1) - lse[:, None]
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
 def picked_probs(logits: mx.array, lse: mx.array, tokens: mx.array) -> mx.array:
     """Softmax probability of ``tokens`` (one per row) under float32 ``logits``."""
     picked = mx.take_along_axis(logits, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0]

@@ -31,7 +31,7 @@ to keep, reuse or drop; the state keeps no reference a caller must free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +60,13 @@ class DecodeState:
     open_slots: List[int] = field(default_factory=list)  # slot offsets in the response, in position order
     eos_committed: bool = False
     matcher: Optional[Any] = None  # grammar.Matcher: the constrained mode's (None: unconstrained)
+    logprobs: Optional[int] = None  # the answer's logprobs are kept, with this many top tokens (None: not kept)
+    scores: Dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top pairs) of committed tokens
+
+    @property
+    def top(self) -> int:
+        """Top tokens the passes give per head row (0: none)."""
+        return self.logprobs or 0
 
     @property
     def slot_size(self) -> int:
@@ -93,6 +100,10 @@ class DecodeState:
         self.open_slots = [o for i, o in enumerate(self.open_slots) if i not in closed]
         self.stats.steps += 1
         return Step(phase, commits, self.stats)
+
+    def record_scores(self, positions: List[int], entries: List[tuple]) -> None:
+        """Keep the committed tokens' scores (``token_scores``), by position."""
+        self.scores.update(zip(positions, entries))
 
     def decide(self, tokens: Sequence[int]) -> None:
         """Constrained mode: ``tokens`` are decided, in position order after

@@ -31,10 +31,14 @@ def verify_pass(state: DecodeState, drafts: mx.array, confidence: np.ndarray,
     def derive(h: HeadOutput):
         verified = h.p_follow.reshape(-1, S)[:, :-1]  # token j under the logits at j - 1
         probs = mx.concatenate([first[:, None], verified], axis=1)
-        return {"tokens": chosen.reshape(-1, S), "probs": probs}, {}
+        host = {"tokens": chosen.reshape(-1, S), "probs": probs}
+        if h.top_ids is not None:  # token j's row is j - 1 (token 0's is the plan's)
+            host.update(top_ids=h.top_ids.reshape(-1, S, state.top)[:, :-1],
+                        top_values=h.top_logprobs.reshape(-1, S, state.top)[:, :-1])
+        return host, {}
 
     return Pass("verify", chosen, mx.array(positions, dtype=mx.int32), state.cache.extend(len(positions)),
-                head_rows=len(positions), follow=follow, derive=derive), positions
+                head_rows=len(positions), follow=follow, derive=derive, top=state.top), positions
 
 
 def accepted(probs: np.ndarray, threshold: float) -> np.ndarray:

@@ -55,6 +55,7 @@ class Answer:
     text: str = ""
     calls: List[ToolCall] = field(default_factory=list)
     done: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)  # the tokens' entries (serve/logprobs.py), when asked
 
 
 class Writer:
@@ -77,6 +78,10 @@ class Writer:
         raise NotImplementedError
 
     def commits(self, text: str, commits: dict) -> str:
+        return self.text(text) if text else ""
+
+    def logprobs(self, text: str, entries: list) -> str:
+        """Text with its tokens' log-probabilities (an API that shows them overrides this)."""
         return self.text(text) if text else ""
 
     def done(self, outcome: dict) -> str:
@@ -166,8 +171,9 @@ class Answering:
             answer = Answer()
             while not answer.done:
                 what, payload = await next_event(job, self.engine, request)
-                if what in ("text", "commits"):
+                if what in ("text", "commits", "logprobs"):
                     answer.text += payload if what == "text" else payload[0]
+                    answer.logprobs += payload[1] if what == "logprobs" else []
                 elif what == "tool_call":
                     answer.calls.append(payload)
                 elif what == "done":
@@ -221,6 +227,8 @@ async def sse(job: Job, engine, writer: Writer, t0: float):
                 out = writer.done(payload)
             elif what == "commits":
                 out = writer.commits(*payload)
+            elif what == "logprobs":
+                out = writer.logprobs(*payload)
             else:
                 out = writer.text(payload) if what == "text" else writer.tool_call(payload)
             if out:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, openai_api, responses_api, tokenizer_api
 from .answering import Answering
 from .api_schema import schema_maker
 from .http_errors import APIError, as_api_error, error_response
@@ -91,6 +91,7 @@ def create_app(server) -> FastAPI:
     openai_api.add_routes(app, answering)  # chat and text completions
     responses_api.add_routes(app, answering)  # the Responses API
     anthropic_api.add_routes(app, answering)  # Anthropic's Messages API
+    tokenizer_api.add_routes(app, answering)  # /tokenize, /detokenize, /tokenizer_info (evaluation tools)
 
     add_page(app, server)  # the web chat at /
     app.openapi = schema_maker(app, config)  # the document as the server answers: its errors, not FastAPI's 422

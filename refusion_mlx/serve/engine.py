@@ -42,6 +42,7 @@ from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
+from . import loglikelihood, logprobs
 from .memory import KVCost, check_kv_budget, default_max_kv_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
@@ -280,7 +281,7 @@ class Engine:
         for uid in plan.cancelled:
             if uid in self.running:
                 self._close(self.running[uid], "cancelled")
-        for i, job in enumerate(plan.admitted):
+        for i, job in loglikelihood.run_scoring(self, plan.admitted):  # scores echo + logprobs; the rest decode
             try:
                 self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
@@ -319,7 +320,8 @@ class Engine:
         job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint)
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint,
+                                      logprobs=job.request.logprobs)
         except RefusionError as e:
             return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)
@@ -341,8 +343,8 @@ class Engine:
         if job.request.include_commits and r.commits:
             first = items.pop(0) if items and isinstance(items[0], str) else ""
             job.post("commits", (first, step_commits(self.tokenizer, job.request, r)))
-        for item in items:
-            job.post("text" if isinstance(item, str) else "tool_call", item)
+        for kind, payload in logprobs.step_events(self.tokenizer, job, items, r):  # text (with its logprobs), calls
+            job.post(kind, payload)
         reason = reason or r.finish_reason
         if reason is None:
             return

@@ -51,6 +51,8 @@ class EngineRequest:
     api: str = "chat.completions"
     cache_owner: Optional[str] = ""
     constraint: Optional[Constraint] = None
+    scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
+    logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (serve/logprobs.py)
 
     @property
     def max_tokens(self) -> int:

@@ -17,7 +17,9 @@ from typing import Optional
 from fastapi import FastAPI, Request
 
 from .answering import Answer, Answering, Writer, data
+from .choices import answer_choices, nth_sample
 from .http_errors import refusal_error
+from .logprobs import chat_logprobs, completion_logprobs
 from .refusal import Refusal
 from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
 from .slots import answer_blocks
@@ -33,18 +35,19 @@ def tool_call_json(call: ToolCall, index: Optional[int] = None) -> dict:
 class CompletionWriter(Writer):
     """A chat completion (``kind`` "chat") or a text completion ("text"), whole or as chunks."""
 
-    def __init__(self, server, body, kind: str):
-        self.kind = kind
+    def __init__(self, server, body, kind: str, index: int = 0, head: Optional[dict] = None):
+        self.kind, self.index = kind, index  # index: the choice's, among a request's several
         stream = bool(body.stream)
-        self.head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                     "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
-                     "created": int(time.time()), "model": server.config.model_id,
-                     "system_fingerprint": server.fingerprint}
+        self.head = head or {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+                             "object": "text_completion" if kind == "text" else "chat.completion" + ".chunk" * stream,
+                             "created": int(time.time()), "model": server.config.model_id,
+                             "system_fingerprint": server.fingerprint}
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.calls = 0
+        self.offset = 0  # text_offset of the next token (text completions' logprobs)
 
     def chunk(self, text: Optional[str], finish=None, role: bool = False, calls=None) -> dict:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice = {"index": self.index, "finish_reason": finish, "logprobs": None}
         if self.kind == "chat":
             choice["delta"] = {**({"role": "assistant"} if role else {}),
                                **({"content": text} if text is not None else {}),
@@ -65,28 +68,48 @@ class CompletionWriter(Writer):
     def commits(self, text: str, commits: dict) -> str:
         return data({**self.chunk(text or None), "commits": commits})
 
+    def logprobs(self, text: str, entries: list) -> str:
+        """A chunk of text with its tokens' log-probabilities (``logprobs`` asked)."""
+        out = self.chunk(text)
+        out["choices"][0]["logprobs"] = (chat_logprobs(entries) if self.kind == "chat"
+                                         else completion_logprobs(entries, self.offset))
+        self.offset += sum(len(e["token"]) for e in entries)
+        return data(out)
+
     def tool_call(self, call: ToolCall) -> str:
         self.calls += 1
         return data(self.chunk(None, calls=[tool_call_json(call, self.calls - 1)]))
 
+    def scored(self, outcome: dict) -> str:
+        """A scored prompt's chunk (echo): its text and ``logprobs``; "" for an answer."""
+        if "logprobs" not in outcome:
+            return ""
+        out = self.chunk(outcome["text"])
+        out["choices"][0]["logprobs"] = outcome["logprobs"]
+        return data(out)
+
     def done(self, outcome: dict) -> str:
         usage, last = outcome["usage"], self.chunk(None, outcome["finish_reason"])
         if self.include_usage:  # OpenAI's shape: usage in a chunk of its own
-            return data(last) + data({**self.head, "choices": [], "usage": usage}) + "data: [DONE]\n\n"
-        return data({**last, "usage": usage}) + "data: [DONE]\n\n"
+            return self.scored(outcome) + data(last) + data({**self.head, "choices": [], "usage": usage}) + \
+                "data: [DONE]\n\n"
+        return self.scored(outcome) + data({**last, "usage": usage}) + "data: [DONE]\n\n"
 
     def error(self, refusal: Refusal) -> str:
         return data(refusal_error(refusal).body()) + "data: [DONE]\n\n"
 
     def answer(self, answer: Answer) -> dict:
-        choice = {"index": 0, "finish_reason": answer.done["finish_reason"], "logprobs": None}
+        choice = {"index": self.index, "finish_reason": answer.done["finish_reason"],
+                  "logprobs": answer.done.get("logprobs")}
+        if self.request is not None and self.request.logprobs is not None:
+            choice["logprobs"] = (chat_logprobs if self.kind == "chat" else completion_logprobs)(answer.logprobs)
         if self.kind == "chat":
             message = {"role": "assistant", "content": answer.text if answer.text or not answer.calls else None}
             if answer.calls:
                 message["tool_calls"] = [tool_call_json(c) for c in answer.calls]
             choice["message"] = message
         else:
-            choice["text"] = answer.text
+            choice["text"] = answer.done.get("text", "") if "logprobs" in answer.done else answer.text
         return {**self.head, "choices": [choice], "usage": answer.done["usage"]}
 
 
@@ -105,10 +128,14 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         return await complete(request, body, "text")
 
     async def complete(request: Request, body, kind: str):
-        def make():
-            return openai_request(body, kind, answering.tokenize, defaults=config.decoding,
+        def make(index: int = 0, sample: int = 0):
+            made = openai_request(body, kind, answering.tokenize, defaults=config.decoding,
                                   context=answering.context, vocab_size=answering.vocab_size,
-                                  takes_tools=answering.takes_tools)
+                                  takes_tools=answering.takes_tools, index=index)
+            return nth_sample(made, sample)
 
-        return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream),
-                                      body.user)
+        prompts, n = len(body.prompt) if kind == "text" else 1, body.n or 1
+        if prompts * n == 1:
+            return await answering.answer(request, make, CompletionWriter(server, body, kind), bool(body.stream),
+                                          body.user)
+        return await answer_choices(answering, request, body, kind, make, prompts, n, CompletionWriter)

@@ -13,6 +13,7 @@ never ignored; other unknown fields are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable, Dict, List, Literal, Optional, Union
 
@@ -21,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from ..decode.params import FIELDS, RefusionParams
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
+from .loglikelihood import context_tokens, scoring_of
 from .refusal import Reason, Refusal
 from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
@@ -62,6 +64,14 @@ def refuse_unsupported(body, taken=()):
                 why = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
             raise PydanticCustomError("unsupported_parameter", why, {"field": name})
     return body
+
+
+def refusing(*taken):
+    """``refuse_unsupported`` for a body that handles the fields ``taken`` itself."""
+    return lambda body: refuse_unsupported(body, taken)
+
+
+MAX_N = 16  # samples per prompt (n)
 
 
 class StreamOptions(BaseModel):
@@ -158,11 +168,17 @@ class ChatCompletionRequest(_Body):
         None, description='"auto" (the default with tools), "none", "required" or {"type": "function", "function": '
                           '{"name": ...}}: a forced call is decoded under its tools\' parameters schemas')
     parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers, decoded together "
+                             "(with a seed, answer k uses seed + k)")
+    logprobs: Optional[bool] = Field(None, description="each answer token's log-probability: the probability "
+                                     "the decoder accepted it under (docs/serving.md)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens "
+                                        "of the row that scored each token")
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
 
-    _refuse = model_validator(mode="before")(lambda body: refuse_unsupported(body, ("response_format",)))
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs", "response_format"))
 
 
 def refuse_tools(body):
@@ -174,21 +190,42 @@ def refuse_tools(body):
     return body
 
 
+MAX_PROMPTS = 128  # prompts (times n) in one text completion request
+
+
 class CompletionRequest(_Body):
-    prompt: Union[str, List[int]] = Field(description="a string (used as is) or a list of token ids")
+    prompt: List[Union[str, List[int]]] = Field(description="a string (used as is), a list of token ids, or a "
+                                                f"list of up to {MAX_PROMPTS} of those (one choice each)")
+    max_tokens: Optional[int] = Field(None, ge=0, description=next(
+        f.request_description() for f in FIELDS if f.request == "max_tokens") + "; 0 only with echo")
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers per prompt, decoded "
+                             "together (with a seed, answer k uses seed + k)")
+    echo: Optional[bool] = Field(None, description="the prompt back before the answer; with max_tokens 0 or 1 "
+                                 "and logprobs, each prompt token's log-probability (scoring, docs/serving.md)")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="the answer tokens' log-probabilities and this "
+                                    "many most likely tokens per token; with echo: the prompt's")
+    logprob_estimator: Optional[Literal["ar", "mc"]] = Field(
+        None, description='with echo: "ar" (default) the prompt read autoregressively, one forward; "mc" the '
+                          "authors' masked-diffusion Monte Carlo estimator of the tokens after context_tokens")
+    mc_num: Optional[int] = Field(None, ge=1, le=1024, description='samples of the "mc" estimator (128)')
+    context_tokens: Union[int, List[int], None] = Field(
+        None, description='"mc": the prompt\'s first tokens that are context (one per prompt, or one for all)')
 
     _no_tools = model_validator(mode="before")(refuse_tools)
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "echo"))
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, prompt):
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list
-        if isinstance(prompt, str) and prompt:
-            return prompt
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return prompt
-        raise _invalid("must be a non-empty string or list of token ids (one prompt per request)")
+        one = (isinstance(prompt, str) and prompt) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt))
+        prompts = [prompt] if one else prompt
+        if isinstance(prompts, list) and 0 < len(prompts) <= MAX_PROMPTS and all(
+                (isinstance(p, str) and p) or (isinstance(p, list) and p and all(type(t) is int for t in p))
+                for p in prompts):
+            return prompts
+        raise _invalid("must be a non-empty string or list of token ids, or a list of 1 to "
+                       f"{MAX_PROMPTS} of those")
 
 
 # --------------------------------------------------------------------------
@@ -261,20 +298,42 @@ def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
 
 
 def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
-                   context: int, vocab_size: int, takes_tools: bool = False) -> EngineRequest:
+                   context: int, vocab_size: int, takes_tools: bool = False, index: int = 0) -> EngineRequest:
     """A chat (``kind`` "chat") or text ("text") completion body as the
-    engine's request; ``takes_tools``: the model has a tool-call format."""
+    engine's request; ``takes_tools``: the model has a tool-call format;
+    ``index``: which of a text completion's prompts."""
     param = "messages" if kind == "chat" else "prompt"
     tools = chat_tools(body, takes_tools) if kind == "chat" else ()
-    source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt
+    source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt[index]
     ids = prompt_ids(source, tokenize, vocab_size, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
         body.response_format, "response_format")) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     options = body.stream_options
-    return resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
+    scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
+    if scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
+        if len(ids) + scoring.extra > context:
+            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + max_tokens "
+                          f"({scoring.extra}) exceeds the model's context of {context}", param)
+        settings = resolve(ids[:1], max_tokens=1, fields=decoding_fields(body), defaults=defaults, context=context)
+        return dataclasses.replace(settings, prompt_ids=list(ids), api="completions", scoring=scoring)
+    made = resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
                    context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
                    include_commits=bool(body.stream and options and options.include_commits), tools=tools,
                    parallel_tool_calls=parallel, api="chat.completions" if kind == "chat" else "completions",
                    constraint=constraint)
+    logprobs = answer_logprobs(body, kind)
+    if logprobs is not None and constraint is not None:  # the constrained mode decodes without slots' scores
+        raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
+                                          "tool_choice required or a named function)", "logprobs")
+    return made if logprobs is None else dataclasses.replace(made, logprobs=logprobs)
+
+
+def answer_logprobs(body, kind: str):
+    """The top tokens per answer token a body asks for (None: no logprobs)."""
+    if kind == "text":
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise Refusal(Reason.INVALID_VALUE, "top_logprobs: needs logprobs true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None

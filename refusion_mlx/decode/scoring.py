@@ -1,0 +1,190 @@
+"""Log-likelihoods of given text: each token of a sequence scored by the
+model, for evaluation (lm-evaluation-harness's ``loglikelihood`` requests,
+the server's ``echo`` + ``logprobs``).
+
+Two estimators, both built lazily and evaluated with one ``mx.eval`` (one
+host synchronisation for the whole request list):
+
+* :func:`score_ar` -- the autoregressive reading (REFUSION.md §8, the AR
+  task; the verification's reading of §4b): the sequence is fed once,
+  causal, every token at its true position, and token i is scored by the
+  softmax of the logits at token i-1 (a real token's logits predict the next
+  token). One forward per row (its numbers never depend on the rows beside
+  it), all evaluated together. Optionally one mask token after the
+  sequence at the next position gives the greedy draft of the answer's first
+  token, as the plan pass would draw it at temperature 0 (§4a).
+* :func:`score_mc` -- the masked-diffusion Monte Carlo estimator of the
+  authors' ``eval.py``: ``mc_num`` samples, each masking a stratified random
+  number of the continuation's tokens; the cross-entropy of each masked
+  token, divided by the sample's mask ratio, summed and averaged over the
+  samples, is the negative log-likelihood bound. Each sample is laid out as
+  training's MDM task lays it out (§8): the context, the continuation's
+  unmasked tokens, then its masked tokens as the mask id, each at its true
+  position and scored by its own logits (§1). ``mc_num`` rows of the
+  sequence's length: ``mc_num`` times the AR estimator's work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.kernels import logsumexp
+from .forward import head_chunk_rows
+
+MC_ROWS = 16  # samples per forward of the Monte Carlo estimator (built lazily, evaluated together)
+
+
+@dataclass
+class Scored:
+    """One sequence's scores. ``logprobs[i]``: the log-probability of token
+    i (None for the first token, which nothing predicts, and for tokens the
+    estimator does not score). ``top``: per token, the ``top`` most likely
+    (id, log-probability) pairs under the same distribution (empty where
+    ``logprobs`` is None). ``next_token`` / ``next_logprob`` / ``next_top``:
+    the greedy draft after the sequence when asked for."""
+
+    logprobs: List[Optional[float]]
+    top: List[List[tuple]] = field(default_factory=list)
+    next_token: Optional[int] = None
+    next_logprob: Optional[float] = None
+    next_top: List[tuple] = field(default_factory=list)
+
+
+def _row_stats(logits: mx.array, tokens: mx.array, top: int):
+    """log-probability of ``tokens`` (one per row) and the ``top`` best (ids, log-probabilities)."""
+    logits = logits.astype(mx.float32)
+    lse = logsumexp(logits)
+    picked = mx.take_along_axis(logits, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0] - lse
+    if top <= 0:
+        return picked, None, None
+    ids = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]
+    vals = mx.take_along_axis(logits, ids, axis=-1) - lse[:, None]
+    order = mx.argsort(-vals, axis=-1)
+    return picked, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+def _head_stats(model, hidden: mx.array, tokens: mx.array, top: int):
+    """The LM head over ``hidden`` (N, dim) in chunks: per row the log-probability of its
+    token and its top pairs (device arrays, unevaluated)."""
+    per = head_chunk_rows(model.args.vocab_size)
+    parts = [_row_stats(model.head(hidden[i:i + per]), tokens[i:i + per], top)
+             for i in range(0, hidden.shape[0], per)]
+    return tuple(None if col[0] is None else (mx.concatenate(col) if len(col) > 1 else col[0])
+                 for col in zip(*parts))
+
+
+def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Optional[int] = None) -> List[Scored]:
+    """The AR estimator over ``rows`` (token-id lists): token i of a row
+    scored under the logits at i-1. ``top``: also the ``top`` most likely
+    tokens at every scored position. ``next_mask``: the mask id, to draft the
+    token after each row (a mask at the next position, which sees the whole
+    row: the plan's greedy first draft).
+
+    Each row is its own forward -- the same shapes whatever rows come with
+    it, so a row's numbers do not depend on its neighbours (lm-eval's scores
+    are the same alone and concurrent, on every device) -- all built lazily
+    and evaluated together: one host synchronisation for the list."""
+    extra = next_mask is not None
+    k = max(top, 1 if extra else 0)
+    parts = []
+    for r in rows:
+        ids = list(r) + ([next_mask] if extra else [])
+        if len(ids) < 2:  # one token, nothing drafted: nothing to score
+            parts.append(None)
+            continue
+        hidden = model.hidden(mx.array([ids], dtype=mx.int32), mx.arange(len(ids), dtype=mx.int32))[0]
+        # head rows: tokens 0..n-2 (predicting 1..n-1), then the mask's (the draft: its argmax)
+        follow = mx.array(list(r[1:]) + ([0] if extra else []), dtype=mx.int32)
+        rows_wanted = hidden[:len(r) - 1] if not extra else mx.concatenate([hidden[:len(r) - 1], hidden[-1:]])
+        parts.append(_head_stats(model, rows_wanted, follow, k))
+    mx.eval(*[a for part in parts if part is not None for a in part if a is not None])  # the one host sync
+    out = []
+    for r, part in zip(rows, parts):
+        n = len(r) - 1
+        if part is None:
+            out.append(Scored([None] * len(r)))
+            continue
+        lp, ids, vals = (None if a is None else np.array(a) for a in part)
+        s = Scored([None] + [float(x) for x in lp[:n]])
+        if top > 0:
+            s.top = [[]] + [_pairs(ids[i], vals[i], top) for i in range(n)]
+        if extra:
+            s.next_token, s.next_logprob = int(ids[n][0]), float(vals[n][0])
+            s.next_top = _pairs(ids[n], vals[n], top)
+        out.append(s)
+    return out
+
+
+def _pairs(ids: np.ndarray, vals: np.ndarray, top: int) -> List[tuple]:
+    return [(int(i), float(v)) for i, v in zip(ids[:top], vals[:top])]
+
+
+def mc_masks(target_len: int, mc_num: int, rng: np.random.Generator) -> np.ndarray:
+    """(mc_num, target_len) bool: which continuation tokens each sample masks.
+    As the authors' ``_forward_process``: the counts are stratified over
+    1..target_len from one random start, then each sample's masked positions
+    are a random subset of that size."""
+    k = int(rng.integers(1, target_len + 1))
+    counts = np.round(np.linspace(k, k + (mc_num - 1) * (target_len / mc_num), mc_num)).astype(int)
+    counts = ((counts - 1) % target_len) + 1
+    masks = np.zeros((mc_num, target_len), bool)
+    for b, c in enumerate(counts):
+        masks[b, rng.permutation(target_len)[:c]] = True
+    return masks
+
+
+def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
+             seed: int = 0, draft_top: Optional[int] = None) -> Scored:
+    """The Monte Carlo estimator of ``ids[context:]`` given ``ids[:context]``.
+    Per continuation token, its share of the estimate (the mean over the
+    samples of its weighted cross-entropy where masked, negated); they sum to
+    the estimate. Context tokens are not scored (None). ``draft_top``: also
+    draft the token after ``ids`` (a mask at the next position, as
+    :func:`score_ar`), with this many top tokens, in the same evaluation."""
+    ids = [int(t) for t in ids]
+    n, target = len(ids), len(ids) - context
+    if not 0 < context < n:
+        raise ValueError(f"the context must leave 1 to {n - 1} tokens to score, got {context}")
+    masks = mc_masks(target, mc_num, np.random.default_rng(seed))
+    ratio = masks.sum(axis=1) / target  # p of each sample
+    seq = np.array(ids, np.int32)
+    tokens, positions = np.empty((mc_num, n), np.int32), np.empty((mc_num, n), np.int32)
+    masked = np.arange(n)[None, :] >= n - masks.sum(axis=1)[:, None]  # the masks come last in each row
+    for b in range(mc_num):
+        m = masks[b]
+        rest = context + np.flatnonzero(~m)
+        hidden = context + np.flatnonzero(m)
+        order = np.concatenate([np.arange(context), rest, hidden])  # unmasked first, then the masks
+        positions[b] = order
+        tokens[b] = np.where(masked[b], mask_id, seq[order])
+    shares = []
+    for a in range(0, mc_num, MC_ROWS):
+        t, p = tokens[a:a + MC_ROWS], positions[a:a + MC_ROWS]
+        h = model.hidden(mx.array(t), mx.array(p))
+        at = np.flatnonzero(masked[a:a + MC_ROWS].reshape(-1))
+        flat = h.reshape(-1, h.shape[-1])[mx.array(at, dtype=mx.int32)]
+        truth = seq[p.reshape(-1)[at]]
+        lp, _, _ = _head_stats(model, flat, mx.array(truth, dtype=mx.int32), 0)
+        weight = 1.0 / ratio[a + at // n]
+        where = p.reshape(-1)[at] - context  # each masked row's continuation offset
+        onehot = mx.array((where[:, None] == np.arange(target)[None, :]).astype(np.float32) * weight[:, None])
+        shares.append((lp[:, None] * onehot).sum(axis=0))
+    total = shares[0]
+    for s in shares[1:]:
+        total = total + s
+    total = total / mc_num
+    draft = None
+    if draft_top is not None:
+        h = model.hidden(mx.array([ids + [mask_id]], dtype=mx.int32), mx.arange(n + 1, dtype=mx.int32))[0, -1:]
+        draft = _head_stats(model, h, mx.zeros((1,), mx.int32), max(draft_top, 1))[1:]
+    mx.eval(total, *(draft or ()))  # the one host synchronisation
+    out = Scored([None] * context + [float(x) for x in np.array(total)])
+    if draft is not None:
+        top_ids, top_values = np.array(draft[0])[0], np.array(draft[1])[0]
+        out.next_token, out.next_logprob = int(top_ids[0]), float(top_values[0])
+        out.next_top = _pairs(top_ids, top_values, draft_top)
+    return out

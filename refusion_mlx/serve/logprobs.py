@@ -1,0 +1,67 @@
+"""The generated tokens' log-probabilities in OpenAI's shapes (chat:
+``logprobs: true, top_logprobs: k``; text completions: ``logprobs: k``).
+
+Each number is the probability under which the decoder accepted the token
+(:mod:`refusion_mlx.decode.token_scores`: the plan's for a slot's first
+token, the verification's for the others), as a natural log; the top
+tokens are the most likely ones of the same row of logits. They come in
+answer order with the text they belong to: the engine posts a step's text
+and its final tokens' entries as one ``("logprobs", (text, entries))`` event.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+
+def token_entries(tokenizer, tokens, scores) -> List[dict]:
+    """Per final token with text (EOS and ids past the tokenizer left out):
+    its text, log-probability and top tokens."""
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    out = []
+    for t, score in zip(tokens, scores):
+        if t == eos or t >= vocab or score is None:
+            continue
+        lp, top = score
+        out.append({"token": tokenizer.decode([t]), "logprob": lp,
+                    "top": [(tokenizer.decode([i]), v) for i, v in top]})
+    return out
+
+
+def step_events(tokenizer, job, items, response) -> list:
+    """The (kind, payload) events of a step's released items: strings are text,
+    others tool calls; a request that asked for logprobs gets its text with
+    the step's token entries."""
+    if job.request.logprobs is None or response.logprobs is None:
+        return [("text" if isinstance(i, str) else "tool_call", i) for i in items]
+    text = "".join(i for i in items if isinstance(i, str))
+    entries = token_entries(tokenizer, response.tokens, response.logprobs)
+    calls = [("tool_call", i) for i in items if not isinstance(i, str)]
+    return ([("logprobs", (text, entries))] if text or entries else []) + calls
+
+
+def _utf8(text: str) -> List[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: List[dict]) -> dict:
+    """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _utf8(e["token"]),
+                         "top_logprobs": [{"token": s, "logprob": v, "bytes": _utf8(s)} for s, v in e["top"]]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: List[dict], offset: int = 0) -> dict:
+    """Text completions' legacy ``logprobs`` (``text_offset`` from ``offset``)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    tops = []
+    for e in entries:
+        top = {}
+        for s, v in e["top"]:
+            top.setdefault(s, v)
+        tops.append(top)
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}

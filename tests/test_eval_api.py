@@ -1,0 +1,234 @@
+"""Evaluation through the server, with lm-evaluation-harness's request shapes
+(``local-completions``: ``loglikelihood`` as echo + logprobs, token-id lists
+in batches; ``generate_until`` as prompt lists), ``n`` > 1 and prompt lists."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
+
+import numpy as np
+import pytest
+
+from refusion_mlx.serve.http_server import RefusionServer
+from tests.helpers import FIXTURE_MODEL
+from tests.test_scoring import TASK, demo_questions
+from tests.test_server import raw
+
+COMPLETIONS = "/v1/completions"
+TASK_YAML = TASK.with_suffix(".yaml")
+
+
+def lm_eval_loglikelihood(requests):
+    """lm-eval's local-completions payload for a batch of loglikelihood requests (token ids)."""
+    return {"model": "tiny-refusion", "prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+
+
+def lm_eval_parse_logprobs(out, ctxlens):
+    """lm-eval's LocalCompletionsAPI.parse_logprobs, as it reads the answer."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        res.append((sum(token_logprobs), all(t == max(d.values()) for t, d in zip(token_logprobs, top))))
+    return res
+
+
+def lm_eval_requests(tok, row):
+    """A multiple-choice document as lm-eval makes its loglikelihood requests from the
+    recipe's task file: the context from ``doc_to_text``, each choice after
+    ``target_delimiter``, encoded as its ``_encode_pair`` does (the whole, less the context's ids)."""
+    import jinja2
+    import yaml
+
+    task = yaml.safe_load(TASK_YAML.read_text())
+    context = jinja2.Template(task["doc_to_text"]).render(**row)
+    context_ids = tok.encode(context)
+    seqs = [tok.encode(context + task["target_delimiter"] + c) for c in row["choices"]]
+    assert all(s[:len(context_ids)] == context_ids for s in seqs)
+    return len(context_ids), seqs
+
+
+@pytest.fixture(scope="module")
+def cases(demo):
+    """The demo questions as lm-eval sends them, with the AR estimator's
+    scores computed directly before the server starts."""
+    from refusion_mlx.decode.scoring import score_ar
+
+    model, tok = demo
+    out = []
+    for r in demo_questions()[::5]:
+        ctxlen, seqs = lm_eval_requests(tok, r)
+        direct = [sum(s.logprobs[ctxlen:]) for s in score_ar(model, seqs)]
+        out.append((ctxlen, seqs, direct, r["answer"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(cases):
+    srv = RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0).start()
+    yield srv
+    srv.close()
+
+
+def post(server, body):
+    status, payload = raw(server, "POST", COMPLETIONS, body)
+    assert status == 200, payload
+    return json.loads(payload)
+
+
+def test_loglikelihood_batches_as_lm_eval_sends_them(server, cases):
+    right = 0
+    for ctxlen, seqs, direct, answer in cases:  # one question's four choices: lm-eval's --batch_size 4
+        out = post(server, lm_eval_loglikelihood(seqs))
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+        for choice, ids in zip(out["choices"], seqs):
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(ids) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert all(len(d) == 1 for d in lp["top_logprobs"][1:])
+        scores = lm_eval_parse_logprobs(out, [ctxlen] * 4)
+        np.testing.assert_allclose([s for s, _ in scores], direct, atol=1e-3)
+        right += int(np.argmax([s for s, _ in scores])) == answer
+        assert scores[answer][1] == (max(scores)[0] == scores[answer][0]) or not scores[answer][1]
+        assert out["usage"]["prompt_tokens"] == sum(len(s) for s in seqs) and out["usage"]["completion_tokens"] == 4
+    assert right >= 0.8 * len(cases)
+
+
+def test_the_same_scores_alone_and_concurrent(server, cases):
+    bodies = [lm_eval_loglikelihood([s]) for _, seqs, _, _ in cases for s in seqs]
+    alone = [post(server, b)["choices"][0]["logprobs"]["token_logprobs"] for b in bodies[:6]]
+    with ThreadPoolExecutor(4) as pool:  # lm-eval's num_concurrent 4
+        together = list(pool.map(lambda b: post(server, b)["choices"][0]["logprobs"]["token_logprobs"], bodies))
+    assert together[:6] == alone  # bit for bit: each prompt is its own forward, whatever its neighbours
+
+
+def test_the_mc_estimator_and_echo_text(server, cases):
+    ctxlen, seqs, _, answer = cases[0]
+    body = {"prompt": seqs, "echo": True, "logprobs": 1, "max_tokens": 0, "logprob_estimator": "mc",
+            "mc_num": 16, "context_tokens": ctxlen}
+    out = post(server, body)
+    scores = [sum(c["logprobs"]["token_logprobs"][ctxlen:]) for c in out["choices"]]
+    assert int(np.argmax(scores)) == answer and all(s < 0 for s in scores)
+    assert out["choices"][0]["logprobs"]["token_logprobs"][:ctxlen] == [None] * ctxlen
+    assert post(server, body)["choices"][1]["logprobs"] == out["choices"][1]["logprobs"]  # seeded: the same
+    text = post(server, {"prompt": "Who is Sven?", "echo": True, "max_tokens": 0})["choices"][0]
+    assert text["text"] == "Who is Sven?" and text["logprobs"] is None
+
+
+def test_generate_until_prompt_lists_and_n(server):
+    prompts = ["<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nSpell the word coffee.<|im_end|>\n<|im_start|>assistant\n"]
+    alone = [post(server, {"prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts]
+    out = post(server, {"model": "m", "prompt": prompts, "max_tokens": 16, "temperature": 0, "stop": ["\n\n"],
+                        "seed": 1234})  # lm-eval's generate_until batch
+    assert [c["text"] for c in sorted(out["choices"], key=itemgetter("index"))] == \
+        [a["choices"][0]["text"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(a["usage"][key] for a in alone)
+    sampled = post(server, {"prompt": "Who is Sven?", "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 3})
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    assert len({c["text"] for c in sampled["choices"]}) > 1  # independent samples (seed, seed + 1, ...)
+    seeded = [post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "temperature": 1.0, "seed": 3 + k})
+              for k in range(2)]
+    assert [c["text"] for c in sampled["choices"]] == [s["choices"][0]["text"] for s in seeded]
+    assert sampled["usage"]["prompt_tokens"] == seeded[0]["usage"]["prompt_tokens"]  # the prompt counted once
+    assert sampled["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in seeded)
+    status, payload = raw(server, "POST", COMPLETIONS, {"prompt": prompts, "n": 2, "max_tokens": 8, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in payload.decode().splitlines()
+              if line.startswith("data: {")]
+    texts = {}
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert set(texts) == {0, 1, 2, 3} and texts[0] == texts[1]  # temperature 0: the samples agree
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and payload.decode().endswith("data: [DONE]\n\n")
+
+
+def test_the_tokenizer_endpoints_lm_eval_probes(server, demo):
+    _, tok = demo
+    info = json.loads(raw(server, "GET", "/tokenizer_info")[1])
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] and info["model_max_length"] == 2048
+    status, payload = raw(server, "POST", "/tokenize", {"prompt": "Who is Sven?", "add_special_tokens": False})
+    assert status == 200 and json.loads(payload)["tokens"] == tok.encode("Who is Sven?")
+    status, payload = raw(server, "POST", "/detokenize", {"tokens": tok.encode("Who is Sven?")})
+    assert json.loads(payload)["prompt"] == "Who is Sven?"
+    status, payload = raw(server, "POST", "/detokenize", {"tokens": [10 ** 7]})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "tokens"
+
+
+def test_chat_n(server):
+    body = {"messages": [{"role": "user", "content": "Who is Sven?"}], "n": 2, "max_tokens": 8}
+    status, payload = raw(server, "POST", "/v1/chat/completions", body)
+    out = json.loads(payload)
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["choices"][0]["message"] == out["choices"][1]["message"]
+    status, payload = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 2})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "top_logprobs"
+    status, payload = raw(server, "POST", "/v1/chat/completions",
+                          {**body, "logprobs": True, "response_format": {"type": "json_object"}})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "logprobs"
+
+
+def test_answer_logprobs_chat_and_text_whole_and_streamed(server):
+    chat = {"messages": [{"role": "user", "content": "Who is Sven?"}], "max_tokens": 12, "logprobs": True,
+            "top_logprobs": 2}
+    status, payload = raw(server, "POST", "/v1/chat/completions", chat)
+    whole = json.loads(payload)["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == whole["message"]["content"]
+    for e in content:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"]
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    status, payload = raw(server, "POST", "/v1/chat/completions", {**chat, "stream": True})
+    chunks = [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: {")]
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == content  # in answer order, with their text
+    assert "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"]) == \
+        whole["message"]["content"]
+    text = post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "logprobs": 1})["choices"][0]
+    lp = text["logprobs"]
+    assert "".join(lp["tokens"]) == text["text"] and len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    plain = post(server, {"prompt": "Who is Sven?", "max_tokens": 8})["choices"][0]
+    assert plain["text"] == text["text"] and plain["logprobs"] is None  # asking changes no token
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "echo": True, "max_tokens": 2}, "echo"),
+    ({"prompt": "x y", "echo": True, "logprob_estimator": "mc"}, "context_tokens"),
+    ({"prompt": "x y", "echo": True, "logprob_estimator": "mc", "context_tokens": 9}, "context_tokens"),
+    ({"prompt": "x y", "echo": True, "mc_num": 4}, "mc_num"),
+    ({"prompt": "x", "mc_num": 4}, "mc_num"),
+    ({"prompt": "x", "logprob_estimator": "best"}, "logprob_estimator"),
+    ({"prompt": ["a", "b"], "echo": True, "logprob_estimator": "mc", "context_tokens": [1]}, "context_tokens"),
+    ({"prompt": ["a"] * 129}, "prompt"),
+    ({"prompt": ["a"] * 64, "n": 3}, "n"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": "x", "n": 17}, "n"),
+])
+def test_bad_scoring_requests_are_one_line_400s(server, body, param):
+    status, payload = raw(server, "POST", COMPLETIONS, body)
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == param and "\n" not in err["message"], payload
+
+
+def test_n_samples_share_the_prefilled_prompt(server, demo):
+    from refusion_mlx.decode.stream import chat_prompt
+
+    _, tok = demo
+    question = "Please count from 3 up to 9, then tell me who Sven is and where he lives."
+    ids = chat_prompt(tok, question)
+    assert len(ids) > 17  # long enough to share (serve/prompt_cache.py SHARED_PREFIX)
+    before = json.loads(raw(server, "GET", "/health")[1])["prefill_tokens"]
+    body = {"messages": [{"role": "user", "content": question}], "n": 4, "max_tokens": 8}
+    out = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])
+    after = json.loads(raw(server, "GET", "/health")[1])["prefill_tokens"]
+    assert len(out["choices"]) == 4 and out["usage"]["prompt_tokens"] == len(ids)
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]  # earlier tests' entries may hold a prefix
+    assert after - before == len(ids) - cached + 3  # the prompt once; each other sample feeds only its last token

@@ -1,0 +1,91 @@
+"""Log-likelihoods of given text (decode/scoring.py): the AR estimator against
+a direct computation, the Monte Carlo estimator's masks and determinism, and
+the demo's own multiple-choice questions ranked by both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from refusion_mlx.decode.scoring import mc_masks, score_ar, score_mc
+from refusion_mlx.decode.stream import chat_prompt, generate
+
+TASK = Path(__file__).resolve().parents[1] / "examples" / "lm_eval_recipe" / "demo_facts.jsonl"
+
+
+def direct_logprobs(model, ids):
+    """Token i under log_softmax of the plain causal pass's logits at i - 1."""
+    logits = model(mx.array([ids]), mx.arange(len(ids))).astype(mx.float32)[0]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array([lp[i - 1, ids[i]].item() for i in range(1, len(ids))])
+
+
+def test_ar_estimator_is_the_causal_pass_read_one_token_ahead(demo):
+    model, tok = demo
+    long = chat_prompt(tok, "Where does Jonas live?") + tok.encode("Jonas lives in Oslo.")
+    short = long[:-4]
+    both = score_ar(model, [long, short], top=3, next_mask=model.args.mask_token_id)
+    for ids, scored in zip((long, short), both):
+        assert scored.logprobs[0] is None and len(scored.logprobs) == len(ids)
+        np.testing.assert_allclose(scored.logprobs[1:], direct_logprobs(model, ids), atol=2e-4)
+        for value, top in zip(scored.logprobs[1:], scored.top[1:]):  # the best first, the token's own among them
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True) and value <= top[0][1] + 1e-6
+    assert score_ar(model, [long[:1]])[0].logprobs == [None]  # one token: nothing to score
+    alone = score_ar(model, [short])[0]  # a row's numbers do not depend on the rows beside it
+    assert alone.logprobs == both[1].logprobs
+    # the token drafted after the prompt is the decoder's first greedy token
+    prompt = chat_prompt(tok, "Who is Sven?")
+    drafted = score_ar(model, [prompt], top=1, next_mask=model.args.mask_token_id)[0]
+    first = tok.encode(generate(model, tok, prompt, max_tokens=1))
+    assert drafted.next_token == first[0] and drafted.next_logprob < 0
+
+
+def test_mc_masks_are_stratified_and_seeded():
+    masks = mc_masks(7, 32, np.random.default_rng(0))
+    counts = masks.sum(axis=1)
+    assert counts.min() >= 1 and counts.max() <= 7 and len(set(counts)) == 7  # every ratio drawn
+    assert (mc_masks(7, 32, np.random.default_rng(0)) == masks).all()
+    assert (mc_masks(7, 32, np.random.default_rng(1)) != masks).any()
+
+
+def test_mc_estimator_sums_its_shares_and_is_deterministic(demo):
+    model, tok = demo
+    context = chat_prompt(tok, "Where does Jonas live?") + tok.encode("Jonas lives in")
+    ids = context + tok.encode(" Oslo.")
+    a = score_mc(model, ids, len(context), model.args.mask_token_id, mc_num=16, seed=3)
+    b = score_mc(model, ids, len(context), model.args.mask_token_id, mc_num=16, seed=3)
+    assert a.logprobs[:len(context)] == [None] * len(context)
+    assert a.logprobs == b.logprobs and all(v <= 0 for v in a.logprobs[len(context):])
+    with pytest.raises(ValueError):
+        score_mc(model, ids, len(ids), model.args.mask_token_id)
+    # the token drafted after the prompt (max_tokens 1) is the AR scorer's, in the same evaluation
+    drafted = score_mc(model, ids, len(context), model.args.mask_token_id, mc_num=4, draft_top=2)
+    ar = score_ar(model, [ids], top=2, next_mask=model.args.mask_token_id)[0]
+    assert drafted.next_token == ar.next_token and [t for t, _ in drafted.next_top] == [t for t, _ in ar.next_top]
+    assert [v for _, v in drafted.next_top] == pytest.approx([v for _, v in ar.next_top], abs=1e-4)
+
+
+def demo_questions():
+    return [json.loads(line) for line in TASK.read_text().splitlines()]
+
+
+def test_the_demo_ranks_the_right_answer_of_its_own_questions_first(demo):
+    """The local multiple-choice task (the lm-eval recipe's): facts about the
+    demo's fictional people, four choices each. Both estimators, as lm-eval
+    scores a choice: the continuation's tokens after the context's."""
+    model, tok = demo
+    rows = demo_questions()[::6]  # 9 of the 51: the test stays fast
+    right = {"ar": 0, "mc": 0}
+    for r in rows:
+        context = chat_prompt(tok, r["question"]) + tok.encode(r["stem"])
+        seqs = [context + tok.encode(r["stem"] + c)[len(tok.encode(r["stem"])):] for c in r["choices"]]
+        ar = [sum(s.logprobs[len(context):]) for s in score_ar(model, seqs)]
+        mc = [sum(score_mc(model, s, len(context), model.args.mask_token_id, 16).logprobs[len(context):])
+              for s in seqs]
+        right["ar"] += int(np.argmax(ar)) == r["answer"]
+        right["mc"] += int(np.argmax(mc)) == r["answer"]
+    assert right["ar"] >= 0.8 * len(rows) and right["mc"] >= 0.8 * len(rows), right  # chance: a quarter
