@@ -68,7 +68,8 @@ def cases(demo):
 
 @pytest.fixture(scope="module")
 def server(cases):
-    srv = RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0).start()
+    # float32 as the direct scores are, whichever paths run (the GPU paths default to the stored bf16)
+    srv = RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, dtype="float32").start()
     yield srv
     srv.close()
 

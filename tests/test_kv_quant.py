@@ -194,7 +194,8 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
     from tests.test_server_ops import GROWTH_BYTES, SLOW, ask, call, metrics, serve, wait_idle
 
     folder = str(tmp_path / "cache")
-    with serve(kv_bits=8, max_kv_bytes=2 * GROWTH_BYTES, prompt_cache_dir=folder) as srv:
+    f32 = {"dtype": "float32"}  # GROWTH_BYTES' arithmetic, whichever paths run (the GPU paths default to bf16)
+    with serve(kv_bits=8, max_kv_bytes=2 * GROWTH_BYTES, prompt_cache_dir=folder, **f32) as srv:
         status, health = call(srv, "GET", "/health")
         kv = health["kv"]
         assert (kv["bits"], kv["group_size"], kv["bytes_per_token"]) == (8, 64, 4 * 2 * 2 * (64 + 8))
@@ -221,10 +222,10 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
     assert [s for s, _ in out] == [200] * 5 and len({json.dumps(o["choices"][0]["text"]) for _, o in out}) == 1
     assert max(seen) == min(5, 2 * GROWTH_BYTES // need) >= 4  # float: 2 (tests/test_server_ops.py)
     assert state["kv"]["reserved_bytes"] == 0
-    with serve(kv_bits=8, prompt_cache_dir=folder) as srv:
+    with serve(kv_bits=8, prompt_cache_dir=folder, **f32) as srv:
         _, again = ask(srv, "Who is Sven?", max_tokens=8)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    with serve(prompt_cache_dir=folder) as srv:  # float: the quantized files are skipped, never misread
+    with serve(prompt_cache_dir=folder, **f32) as srv:  # float: the quantized files are skipped, never misread
         _, plain = ask(srv, "Who is Sven?", max_tokens=8)
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

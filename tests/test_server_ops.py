@@ -26,6 +26,7 @@ SLOW = {"prompt": "1 2 3 4 5 6 7 8 9 10", "slot_threshold": 1.0, "token_threshol
 
 
 def serve(**kw) -> RefusionServer:
+    kw.setdefault("dtype", "float32")  # GROWTH_BYTES' arithmetic whichever paths run (the GPU paths default to bf16)
     return RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, **kw)  # started by `with`
 
 
