@@ -181,7 +181,8 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_serv
         assert list(pool.map(ask, range(len(prompts)))) == expected
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
         kv = json.load(resp)["kv"]
-    assert (kv["bits"], kv["bytes_per_token"]) == (8, model.cache_spec().layers * 2 * 2 * (64 + 8))
+    spec = model.cache_spec()  # 2 KV heads of 64 codes, and a scale and a bias in the model's dtype for each
+    assert (kv["bits"], kv["bytes_per_token"]) == (8, spec.layers * 2 * 2 * (64 + 2 * spec.dtype.size))
 
 
 def test_a_server_whose_rank_died_mid_step_stops_with_one_line(pipeline_server):

@@ -233,12 +233,12 @@ def test_a_message_without_content_is_a_clear_400(server):
 def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):
     with pytest.raises(RefusionError, match=r"--max-kv-bytes 1000 is less than the smallest request reserves "
                                             r"\(256 rows of 4096 bytes = 1048576\)"):
-        RefusionServer(None, port=0, max_kv_bytes=1000).start()
+        RefusionServer(None, port=0, max_kv_bytes=1000, dtype="float32").start()  # 4096: float32's bytes
     from refusion_mlx.server import main
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = main(["--port", "0", "--max-kv-bytes", "512K", "--log-level", "ERROR"])
+        code = main(["--port", "0", "--max-kv-bytes", "512K", "--dtype", "float32", "--log-level", "ERROR"])
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -364,7 +364,8 @@ def test_lru_eviction_under_a_tiny_budget():
 
 def test_tiny_prompt_cache_budget_evicts(expected):
     """--prompt-cache-bytes bounds the cache: with room for one conversation, another evicts it."""
-    with RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, prompt_cache_bytes=(3 << 20) // 2) as srv:
+    with RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, prompt_cache_bytes=(3 << 20) // 2,
+                        dtype="float32") as srv:  # room for one conversation at float32's bytes per token
         c = openai.OpenAI(base_url=srv.url, api_key="local", max_retries=0, timeout=60)
         first = [chat(c, p, max_tokens=SHORT).usage.prompt_tokens_details.cached_tokens
                  for p in (PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0])]
