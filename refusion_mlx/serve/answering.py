@@ -168,16 +168,7 @@ class Answering:
                 response = JobStream(job, events)
                 job = None  # the stream owns it now
                 return response
-            answer = Answer()
-            while not answer.done:
-                what, payload = await next_event(job, self.engine, request)
-                if what in ("text", "commits", "logprobs"):
-                    answer.text += payload if what == "text" else payload[0]
-                    answer.logprobs += payload[1] if what == "logprobs" else []
-                elif what == "tool_call":
-                    answer.calls.append(payload)
-                elif what == "done":
-                    answer.done = payload
+            answer = await collect(job, self.engine, request)
             _log(request.url.path, t0, answer.done)
             return writer.answer(answer)
         except ClientGone:
@@ -208,6 +199,21 @@ async def next_event(job: Job, engine, request: Request) -> tuple:
     if item[0] == "error":
         raise item[1]
     return item
+
+
+async def collect(job: Job, engine, request: Request) -> Answer:
+    """A job's whole answer, gathered from its events (a request that does not stream)."""
+    answer = Answer()
+    while not answer.done:
+        what, payload = await next_event(job, engine, request)
+        if what in ("text", "commits", "logprobs"):
+            answer.text += payload if what == "text" else payload[0]
+            answer.logprobs += payload[1] if what == "logprobs" else []
+        elif what == "tool_call":
+            answer.calls.append(payload)
+        elif what == "done":
+            answer.done = payload
+    return answer
 
 
 async def sse(job: Job, engine, writer: Writer, t0: float):

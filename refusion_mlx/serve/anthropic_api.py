@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from .anthropic_events import MessagesWriter
 from .answering import Answering
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
-from .refusal import Reason, Refusal
+from .refusal import Reason, Refusal, invalid
 from .schemas import MAX_STOP, STRICT, StreamOptions, _decoding_fields, _invalid, decoding_fields
 from .structured import forced_calls
 from .tool_calls import check_results, function_tool, template_tools
@@ -66,20 +66,16 @@ MessagesRequest = create_model("MessagesRequest", __base__=_MessagesBase, __modu
                                **{k: v for k, v in _decoding_fields().items() if k != "max_tokens"})
 
 
-def _invalid_block(param: str, message: str) -> Refusal:
-    return Refusal(Reason.INVALID_VALUE, f"{param}: {message}", param)
-
-
 def _text_blocks(content: Any, param: str) -> str:
     """A string, or a list of text blocks, joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid_block(param, "must be a string or a list of text blocks")
+        raise invalid(param, "must be a string or a list of text blocks")
     texts = []
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise _invalid_block(f"{param}[{j}]", 'must be a text block ({"type": "text", "text": ...})')
+            raise invalid(f"{param}[{j}]", 'must be a text block ({"type": "text", "text": ...})')
         texts.append(block["text"])
     return "".join(texts)
 
@@ -90,22 +86,22 @@ def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise _invalid_block(param, "must be a string or a list of content blocks")
+        raise invalid(param, "must be a string or a list of content blocks")
     role = message["role"]
     for j, block in enumerate(content):
         where = f"{param}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             if not isinstance(block.get("text"), str):
-                raise _invalid_block(f"{where}.text", "must be a string")
+                raise invalid(f"{where}.text", "must be a string")
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str):
-                raise _invalid_block(where, "a tool_use block needs id and name (strings)")
+                raise invalid(where, "a tool_use block needs id and name (strings)")
             if not isinstance(block.get("input"), dict):
-                raise _invalid_block(f"{where}.input", "must be an object")
+                raise invalid(f"{where}.input", "must be an object")
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
-                raise _invalid_block(f"{where}.tool_use_id", "must name the tool_use block it answers")
+                raise invalid(f"{where}.tool_use_id", "must name the tool_use block it answers")
             _text_blocks(block.get("content", ""), f"{where}.content")
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             pass  # an earlier answer's reasoning: not part of the prompt (this model does not think aloud)
@@ -114,7 +110,7 @@ def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
                                               "text only", f"{where}.type")
         else:
             allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
-            raise _invalid_block(f"{where}.type", f"must be one of {allowed} in a {role} message, got {kind!r}")
+            raise invalid(f"{where}.type", f"must be one of {allowed} in a {role} message, got {kind!r}")
     return content
 
 
@@ -128,7 +124,7 @@ def chat_messages(body) -> tuple:
     for i, message in enumerate(body.messages):
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise _invalid_block(f"messages[{i}].role", f"must be user or assistant, got {role!r}")
+            raise invalid(f"messages[{i}].role", f"must be user or assistant, got {role!r}")
         blocks, param = _blocks(message, i), f"messages[{i}]"
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
         if role == "assistant":
@@ -154,18 +150,18 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
     tools = []
     for i, tool in enumerate(body.tools or ()):
         if not isinstance(tool, dict):
-            raise _invalid_block(f"tools[{i}]", "must be an object")
+            raise invalid(f"tools[{i}]", "must be an object")
         if tool.get("type") not in (None, "custom"):
             raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only custom (client) tools are supported, got "
                                               f"{tool.get('type')!r}", f"tools[{i}].type")
         if "input_schema" not in tool:
-            raise _invalid_block(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
+            raise invalid(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
         tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
                                     "parameters": tool["input_schema"]}, f"tools[{i}]", "input_schema"))
     choice = body.tool_choice or {"type": "auto"}
     kind = choice.get("type")
     if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
-        raise _invalid_block("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
+        raise invalid("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
                                             '{"type": "tool", "name": ...}')
     named = {"auto": "auto", "none": "none", "any": "required"}.get(kind, choice.get("name"))
     return template_tools(tools, named, takes_tools, "tools", "tool_choice"), not choice.get(

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from .answering import Answer, ClientGone, JobStream, _log, data, job_event, next_event
+from .answering import ClientGone, JobStream, _log, collect, data, job_event, next_event
 from .engine_request import EngineRequest
 from .refusal import Reason, Refusal
 from .schemas import MAX_PROMPTS
@@ -77,7 +77,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     if body.stream:
         return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0))
     try:
-        answers = await asyncio.gather(*(_collect(job, engine, request) for job in jobs))
+        answers = await asyncio.gather(*(collect(job, engine, request) for job in jobs))
     except ClientGone:
         _log(request.url.path, t0, "client went away")
         return Response(status_code=499)
@@ -88,20 +88,6 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     _log(request.url.path, t0, f"{len(jobs)} choices")
     return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
             "usage": usage_of([a.done for a in answers], n)}
-
-
-async def _collect(job, engine, request: Request) -> Answer:
-    answer = Answer()
-    while not answer.done:
-        what, payload = await next_event(job, engine, request)
-        if what in ("text", "commits", "logprobs"):
-            answer.text += payload if what == "text" else payload[0]
-            answer.logprobs += payload[1] if what == "logprobs" else []
-        elif what == "tool_call":
-            answer.calls.append(payload)
-        elif what == "done":
-            answer.done = payload
-    return answer
 
 
 class _Jobs:

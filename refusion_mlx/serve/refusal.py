@@ -56,3 +56,13 @@ class Refusal(Exception):
     def __init__(self, reason: Reason, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.reason, self.message, self.param = reason, message, param
+
+
+def invalid(param: str, message: str) -> Refusal:
+    """A field's bad value: "PARAM: MESSAGE", blaming PARAM (a 400)."""
+    return Refusal(Reason.INVALID_VALUE, f"{param}: {message}", param)
+
+
+def unsupported(param: str, message: str) -> Refusal:
+    """A field this server does not serve: "PARAM: MESSAGE", blaming PARAM (a 400)."""
+    return Refusal(Reason.UNSUPPORTED, f"{param}: {message}", param)

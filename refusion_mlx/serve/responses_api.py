@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, create_model, field_validator
 from .answering import Answering
 from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
 from .http_errors import APIError
-from .refusal import Reason, Refusal
+from .refusal import Reason, Refusal, invalid, unsupported
 from .response_store import ResponseStore, input_items, item_page
 from .responses_events import ResponsesWriter
 from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
@@ -71,31 +71,23 @@ ResponsesRequest = create_model("ResponsesRequest", __base__=_ResponsesBase, __m
                                 **{k: v for k, v in _decoding_fields().items() if k != "max_tokens"})
 
 
-def _refuse(param: str, message: str) -> Refusal:
-    return Refusal(Reason.UNSUPPORTED, f"{param}: {message}", param)
-
-
-def _invalid(param: str, message: str) -> Refusal:
-    return Refusal(Reason.INVALID_VALUE, f"{param}: {message}", param)
-
-
 def _text_of(content: Any, param: str) -> str:
     """A message's content: a string or a list of text parts, joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid(param, "must be a string or a list of content parts")
+        raise invalid(param, "must be a string or a list of content parts")
     texts = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("input_image", "input_file", "input_audio"):
-                raise _refuse(f"{where}.type", f"{kind} parts are not supported: the model reads text only")
-            raise _invalid(f"{where}.type", f"must be one of {', '.join(TEXT_PARTS[:2])}, got {kind!r}")
+                raise unsupported(f"{where}.type", f"{kind} parts are not supported: the model reads text only")
+            raise invalid(f"{where}.type", f"must be one of {', '.join(TEXT_PARTS[:2])}, got {kind!r}")
         text = part.get("refusal") if part["type"] == "refusal" else part.get("text")
         if not isinstance(text, str):
-            raise _invalid(f"{where}.text", "must be a string")
+            raise invalid(f"{where}.text", "must be a string")
         texts.append(text)
     return "".join(texts)
 
@@ -112,19 +104,19 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _invalid(f"{param}.role", f"must be user, assistant, system or developer, got {role!r}")
+                raise invalid(f"{param}.role", f"must be user, assistant, system or developer, got {role!r}")
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text_of(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
-                raise _invalid(param, "a function_call item needs call_id and name (strings)")
+                raise invalid(param, "a function_call item needs call_id and name (strings)")
             try:
                 args = json.loads(arguments) if isinstance(arguments, str) else None
             except ValueError:
                 args = None
             if not isinstance(args, dict):
-                raise _invalid(f"{param}.arguments", "must be a JSON object as text")
+                raise invalid(f"{param}.arguments", "must be a JSON object as text")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -134,11 +126,11 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:
-                raise _invalid(f"{param}.call_id", "must name the function_call it answers")
+                raise invalid(f"{param}.call_id", "must name the function_call it answers")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
         else:
-            raise _refuse(f"{param}.type", f"item type {kind!r} is not supported (message, function_call, "
+            raise unsupported(f"{param}.type", f"item type {kind!r} is not supported (message, function_call, "
                                            "function_call_output)")
         params.append(param)
     return messages, params
@@ -150,21 +142,21 @@ def response_tools(body, takes_tools: bool) -> tuple:
     for i, tool in enumerate(body.tools or ()):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise _refuse(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
+            raise unsupported(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
         tools.append(function_tool(tool, f"tools[{i}]"))
     choice = body.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise _invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
+            raise invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
         choice = choice["name"]
     return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
 
 
 def check_unsupported(body) -> None:
     if body.background:
-        raise _refuse("background", "background responses are not supported")
+        raise unsupported("background", "background responses are not supported")
     if body.text is not None and not isinstance(body.text, dict):
-        raise _invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
+        raise invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
 
 
 def responses_request(body, store: ResponseStore, tokenize, *, defaults, context: int, vocab_size: int,
