@@ -142,7 +142,9 @@ def test_page_chats_in_a_browser(chromium, server, client, tmp_path):
             page.fill("#pace", "300")
             page.fill("#input", COUNT)
             page.press("#input", "Enter")
-            page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')")
+            # polled every 25 ms, not per animation frame: a busy machine's renderer may skip frames
+            page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')",
+                                   polling=25)
             live = grid(page)  # step 1's frame: a later slot already there, an earlier one still masked
             target = os.environ.get("REFUSION_WEB_SCREENSHOT")  # docs/images/web-chat.png is taken so
             if target:
