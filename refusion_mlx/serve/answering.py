@@ -35,6 +35,7 @@ from .engine_request import ChatPrompt, EngineRequest
 from .job import Job
 from .refusal import Reason, Refusal
 from .security import KEY_SCOPE
+from .structured import with_call_grammar
 from .tool_calls import ToolCall
 
 log = logging.getLogger("refusion_mlx.server")
@@ -157,7 +158,7 @@ class Answering:
         ``user``: the request's own name of its end user (OpenAI's ``user``,
         Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
         t0 = time.perf_counter()
-        made = await run_in_threadpool(make)
+        made = await run_in_threadpool(lambda: with_call_grammar(make(), self.config.call_grammar))
         writer.request = dataclasses.replace(made, cache_owner=self.cache_owner(request, user))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:

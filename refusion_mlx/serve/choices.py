@@ -26,6 +26,7 @@ from .answering import ClientGone, JobStream, _log, collect, data, job_event, ne
 from .engine_request import EngineRequest
 from .refusal import Reason, Refusal
 from .schemas import MAX_PROMPTS
+from .structured import with_call_grammar
 
 
 def nth_sample(request: EngineRequest, sample: int) -> EngineRequest:
@@ -56,7 +57,9 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     if prompts * n > MAX_PROMPTS:
         raise Refusal(Reason.INVALID_VALUE, f"n: {prompts} prompts x n {n} is over {MAX_PROMPTS} choices", "n")
     t0 = time.perf_counter()
-    requests = await run_in_threadpool(lambda: [make(p, k) for p in range(prompts) for k in range(n)])
+    setting = answering.config.call_grammar
+    requests = await run_in_threadpool(lambda: [with_call_grammar(make(p, k), setting) for p in range(prompts)
+                                                for k in range(n)])
     owner = answering.cache_owner(request, body.user)  # whose prompt-cache entries they may use (as one request)
     requests = [dataclasses.replace(r, cache_owner=owner) for r in requests]
     engine, loop = answering.engine, asyncio.get_running_loop()

@@ -38,6 +38,9 @@ DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive after
 API_KEY_ENV = "REFUSION_MLX_API_KEY"  # the API key(s), comma-separated, when --api-key is not given
 # whose cached prompts a request may continue: the same (key, user); the same, and never without a user; anyone's
 CACHE_SCOPES = ("user", "private", "shared")
+# which calls a model may open under tool_choice "auto" are decoded under their tool's schema: every one, or
+# only those of tools marked strict (where the call markers are tokens of their own: docs/constrained.md)
+CALL_GRAMMARS = ("all", "strict")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class ServerConfig:
     metrics_public: bool = False
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     prompt_cache_scope: str = "user"
+    call_grammar: str = "all"
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_body_bytes"):
@@ -109,6 +113,8 @@ class ServerConfig:
         if self.prompt_cache_scope not in CACHE_SCOPES:
             raise RefusionError(f"prompt_cache_scope must be one of {', '.join(CACHE_SCOPES)}, "
                                 f"got {self.prompt_cache_scope!r}")
+        if self.call_grammar not in CALL_GRAMMARS:
+            raise RefusionError(f"call_grammar must be one of {', '.join(CALL_GRAMMARS)}, got {self.call_grammar!r}")
         seconds = self.body_timeout
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
             raise RefusionError(f"body_timeout must be a positive number of seconds, got {seconds!r}")
@@ -232,3 +238,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="whose cached prompts a request continues: user (default) those of its own API key "
                              "and `user` field; private: the same, and nothing for a request without a user; "
                              "shared: anyone's (cached_tokens then tells a client what others sent)")
+    parser.add_argument("--call-grammar", choices=CALL_GRAMMARS, default="all",
+                        help="under tool_choice auto, decode a call the model opens under its tool's parameters "
+                             "schema, so it always parses: for every tool (all, default) or only tools marked "
+                             "strict (strict); only where the model's call markers are tokens of their own")

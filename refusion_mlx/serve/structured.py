@@ -13,7 +13,10 @@
   arguments valid under the tool's ``parameters``; with ``strict`` tools
   under "auto", text and then maybe such calls;
 * :func:`request_constraint` -- which one a request gets: a forced call, else
-  its format, else strict tools' calls.
+  its format, else strict tools' calls;
+* :func:`with_call_grammar` -- the server's ``--call-grammar all`` (the
+  default): under "auto", every tool's calls as strict tools' are, so a call
+  the model opens always parses (one place, for the three APIs).
 
 A schema the engine cannot compile is a :class:`~.refusal.Refusal` naming
 the field: a 400 in the API's own error shape.
@@ -21,6 +24,7 @@ the field: a 400 in the API's own error shape.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 from ..decode.grammar import Constraint
@@ -110,3 +114,18 @@ def _checked(make, param: str) -> Constraint:
         return make()
     except DecodeError as e:
         raise Refusal(Reason.INVALID_VALUE, str(e), param) from None
+
+
+def with_call_grammar(request, setting: str):
+    """``request`` (an EngineRequest), its possible calls constrained when the
+    server's ``call_grammar`` is "all": a request with tools and no
+    constraint of its own (tool_choice "auto": "none" leaves no tools, a
+    forced call or a format has its constraint) is decoded as text, then maybe
+    calls valid under their tools' schemas. A request scored or asking for
+    logprobs is left as it is (the constrained mode decodes without slots'
+    scores)."""
+    if setting != "all" or not request.tools or request.constraint is not None or request.scoring is not None \
+            or request.logprobs is not None:
+        return request
+    constraint = forced_calls(request.tools, "auto", request.parallel_tool_calls, strict=True)
+    return dataclasses.replace(request, constraint=constraint)
