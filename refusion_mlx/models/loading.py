@@ -241,14 +241,23 @@ def _split(model, dist, target: mx.Dtype) -> None:
 
 
 def load_tokenizer(model_path: Path):
-    """mlx-lm's tokenizer wrapper (HF tokenizer plus streaming detokenizer)."""
+    """mlx-lm's tokenizer wrapper (HF tokenizer plus streaming detokenizer).
+    transformers' own warnings about the folder's config.json (a pad id
+    outside a vocabulary, say) are kept quiet: this project's checks of that
+    file say what is wrong in one line, and transformers warns once a process,
+    so whether one was printed would depend on what ran before."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+    from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         return mlx_lm_load_tokenizer(model_path)
     except Exception as e:
         detail = " ".join(str(e).split())[:300] or type(e).__name__
         raise LoadError(f"{model_path}: cannot load the tokenizer: {detail}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
