@@ -3,18 +3,20 @@ tools, this script runs them and sends the results back, until the model
 answers in text.
 
     python -m refusion_mlx.server &            # the demo model, on http://127.0.0.1:8080/v1
-    python examples/agent_loop.py "Who is Sven?"
-    python examples/agent_loop.py --api responses "What is 17 times 23?"
+    python examples/agent_loop.py "What pet does Zoe have?"
+    python examples/agent_loop.py --api responses "What is 29 * 3?"
 
-Two tools: ``lookup_person`` (facts about the demo's fictional people, from
-the table below or a JSON file of ``{"name": "facts"}``, ``--people``) and
+Two tools: ``lookup_person`` (facts about a person as a JSON object, from
+the table below or a JSON file of ``{"name": {"city": ...}}``, ``--people``) and
 ``calculator`` (arithmetic, evaluated here without ``eval``). It works with
 any model the server serves whose chat template renders tools (the server
 answers 400 "this model's chat template has no tool-call format" otherwise):
 ``--api chat`` sends the whole conversation each turn to
 ``/v1/chat/completions`` (the prompt cache continues it), ``--api responses``
 sends only the tool results with ``previous_response_id``. The demo model
-calls the tools once it has been trained to; before that it answers in text.
+was trained on these two tools (``examples/demo_model/tool_data.py``): it
+looks people up (those it knows and others: try ``--people`` with new
+names) and sends arithmetic to the calculator, then answers from the result.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from pathlib import Path
 
 import openai
 
-PEOPLE = {  # the demo model's fictional people, as it describes them
-    "Sven": "Sven lives in Hanoi. Sven works as a baker. Sven has a turtle named Pepper.",
-    "Zoe": "Zoe lives in Bern. Zoe works as a tailor. Zoe has a hamster named Max.",
+PEOPLE = {  # two of the demo model's fictional people
+    "Sven": {"city": "Hanoi", "job": "baker", "pet": "turtle", "pet_name": "Pepper"},
+    "Zoe": {"city": "Bern", "job": "tailor", "pet": "hamster", "pet_name": "Max"},
 }
 TOOLS = [
     {"type": "function", "function": {
@@ -69,7 +71,11 @@ def run_tool(name: str, arguments: str, people: dict) -> str:
     except ValueError:
         return "error: the arguments are not JSON"
     if name == "lookup_person":
-        return people.get(str(args.get("name", "")).strip(), f"error: nobody named {args.get('name')!r}")
+        who = str(args.get("name", "")).strip()
+        if who not in people:
+            return f"error: nobody named {who!r}"
+        facts = people[who]
+        return json.dumps({"name": who, **facts}) if isinstance(facts, dict) else str(facts)
     if name == "calculator":
         return calculate(str(args.get("expression", "")))
     return f"error: no tool named {name!r}"
@@ -108,10 +114,12 @@ def responses_loop(client, model: str, question: str, people: dict, turns: int) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("question", nargs="?", default="Who is Sven?")
+    parser.add_argument("question", nargs="?", default="What pet does Zoe have?")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
     parser.add_argument("--api", choices=("chat", "responses"), default="chat")
-    parser.add_argument("--people", type=Path, help='a JSON file {"name": "facts", ...} for lookup_person')
+    parser.add_argument("--people", type=Path,
+                        help='a JSON file {"name": {"city": ..., "job": ..., "pet": ..., "pet_name": ...}} '
+                             'for lookup_person')
     parser.add_argument("--turns", type=int, default=4, help="most model calls (default 4)")
     args = parser.parse_args()
     people = json.loads(args.people.read_text()) if args.people else PEOPLE

@@ -1,39 +1,29 @@
-"""A server for the agent tests: the bundled demo model with a chat template
-that renders tools, and -- until the demo model is retrained to call tools --
-a test double at the decoding boundary that makes chosen answers calls.
+"""A server for the agent tests: the bundled demo model, whose chat template
+renders tools in Qwen3's format and which calls its two tools itself
+(``lookup_person``, ``calculator``: examples/demo_model/tool_data.py), and
+a test double at the decoding boundary for two answers the demo never
+writes: text followed by two calls at once, and a call that does not parse.
 
-* ``tool_model``: a copy of the demo model whose ``chat_template.jinja`` is
-  tests/fixtures/tool_chat_template.jinja (tools in a system block, calls as
-  ``<tool_call>`` JSON, results as ``<tool_response>`` in a user turn: Qwen3's
-  format); without tools it renders exactly what the demo's template renders.
 * :class:`ScriptedCalls` (THE TEST DOUBLE): the real ``BatchGenerator`` --
   every request is really prefilled and decoded, batched, cached, with its
   real token counts and steps -- except that for a request whose last turn
   holds a key of :data:`SCRIPTS`, each response's *text* is replaced by that
   script, released a piece per step (the rest with the last response). All
   that reads the text -- stop strings, the tool-call splitter, the three
-  APIs' adapters and streams, the clients -- runs for real on it.
-
-TODO(demo retrained to call tools, issue 39 point 5): drop ScriptedCalls and
-the SCRIPTS, and point the client round trips at the demo model itself
-(``RefusionServer(None, ...)``), asking it the held-out tool prompts.
+  APIs' adapters and streams, the clients -- runs for real on it. Every
+  other request's answer, calls included, is the demo model's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
 from refusion_mlx.decode import batch
-from refusion_mlx.models.loading import DEMO_MODEL
 from refusion_mlx.serve.http_server import RefusionServer
-
-TOOL_TEMPLATE = Path(__file__).parent / "fixtures" / "tool_chat_template.jinja"
 
 TOOLS = [
     {"type": "function", "function": {
@@ -47,14 +37,12 @@ TOOLS = [
 
 
 def call(function: str, arguments: dict) -> str:
-    """A call as Qwen3's template writes one (and as the retrained demo model will)."""
+    """A call as Qwen3's template writes one (and as the demo model does)."""
     return f'<tool_call>\n{json.dumps({"name": function, "arguments": arguments})}\n</tool_call>'
 
 
 # A key in the last user turn -> the answer's text, in the pieces the steps release.
 SCRIPTS: Dict[str, List[str]] = {
-    "What is 6 times 7?": ["<tool", "_call>\n{\"name\": \"calcu", "lator\", \"arguments\": {\"expression\": ",
-                           "\"6*7\"}}\n</tool_call>"],
     "Who are Sven and Zoe?": ["I will look both up.\n", call("lookup_person", {"name": "Sven"}) + "\n",
                               call("lookup_person", {"name": "Zoe"})],
     "Break the call.": ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": \n</tool_call>"],
@@ -93,19 +81,12 @@ class ScriptedCalls(batch.BatchGenerator):
         return out
 
 
-def tool_model(folder: Path) -> Path:
-    """The demo model in ``folder``, with the tool-rendering chat template."""
-    shutil.copytree(DEMO_MODEL, folder)
-    shutil.copy(TOOL_TEMPLATE, folder / "chat_template.jinja")
-    return folder
-
-
 @contextlib.contextmanager
-def scripted_server(folder: Path, **settings):
-    """A started RefusionServer on :func:`tool_model` whose engine decodes with :class:`ScriptedCalls`."""
+def scripted_server(**settings):
+    """A started RefusionServer on the demo model whose engine decodes with :class:`ScriptedCalls`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(batch, "BatchGenerator", ScriptedCalls)
-        server = RefusionServer(str(tool_model(folder)), model_id="tiny-refusion", port=0, **settings).start()
+        server = RefusionServer(None, model_id="tiny-refusion", port=0, **settings).start()
     try:
         yield server
     finally:

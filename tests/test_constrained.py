@@ -212,25 +212,25 @@ def test_a_format_the_engine_does_not_know_only_annotates(demo):
 
 
 def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
-    """Strict tools, tool_choice auto: text, then maybe calls whose arguments follow the schema -- where the
-    call markers are tokens of their own (Qwen3's); a tokenizer that spells them as text gets no constraint."""
-    from transformers import PreTrainedTokenizerFast
-
+    """Optional calls (strict tools, or any under the server's default --call-grammar all), tool_choice
+    auto: text, then maybe calls whose arguments follow the schema -- where the call markers are tokens of
+    their own (Qwen3's, the demo's); a tokenizer that spells them as text (the golden fixture's) gets none."""
     from refusion_mlx.decode.grammar import compile_constraint
-    from refusion_mlx.models.loading import DEMO_MODEL
+    from refusion_mlx.models.loading import load_tokenizer
+    from tests.helpers import FIXTURE_MODEL
 
     model, tokenizer = demo
     add = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
                                          "required": ["a"], "additionalProperties": False}}
     c = Constraint.tool_calls([add], "<tool_call>", "</tool_call>", optional=True)
-    assert compile_constraint(c, tokenizer, model.args.vocab_size, tokenizer.eos_token_id) is None
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_MODEL / "tokenizer.json"), eos_token="<|im_end|>")
-    hf.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
-    start, end, eos = hf.convert_tokens_to_ids("<tool_call>"), hf.convert_tokens_to_ids("</tool_call>"), hf.eos_token_id
-    compiled = compile_constraint(c, hf, len(hf), eos)
+    spelled = load_tokenizer(FIXTURE_MODEL)
+    assert compile_constraint(c, spelled, len(spelled.get_vocab()), spelled.eos_token_id) is None
+    start, end = tokenizer.convert_tokens_to_ids("<tool_call>"), tokenizer.convert_tokens_to_ids("</tool_call>")
+    eos = tokenizer.eos_token_id
+    compiled = compile_constraint(c, tokenizer, model.args.vocab_size, eos)
 
     def allowed(*parts):
-        ids = [t for p in parts for t in ([p] if isinstance(p, int) else hf.encode(p, add_special_tokens=False))]
+        ids = [t for p in parts for t in ([p] if isinstance(p, int) else tokenizer.encode(p, add_special_tokens=False))]
         return compiled.matcher().valid_prefix(ids + [eos]) == len(ids) + 1
 
     assert allowed("Sven is a baker.") and allowed("")

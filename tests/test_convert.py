@@ -270,7 +270,7 @@ MALFORMED = {
                            "model_type is 'gpt2'"),
     "qwen3-moe": ("safetensors", lambda f: h.edit_config(f, architectures=["Qwen3MoeForCausalLM"]),
                   "Qwen3ForCausalLM"),
-    "small-embedding": ("safetensors", None, "the embedding has 700 rows but the tokenizer has 806"),
+    "small-embedding": ("safetensors", None, "the embedding has 700 rows but the tokenizer has 816"),
     "already-quantized": ("safetensors", lambda f: h.edit_config(f, quantization_config={"bits": 4}),
                           "already quantized"),
     "bad-index": ("sharded-safetensors", lambda f: (f / "model.safetensors.index.json").write_text("{"),

@@ -183,3 +183,30 @@ def test_tool_rows_encode_for_the_trainer_and_are_deterministic(tmp_path):
         assert record.response[0] == tok.convert_tokens_to_ids("<tool_call>")
         assert record.response[-2:] == [tok.convert_tokens_to_ids("</tool_call>"), tok.eos_token_id]
         assert len(record) <= 1024  # retrain.py's --max-seq-length for phase 3
+
+
+def test_made_up_names_are_new_and_leave_the_held_out_rows_alone(tmp_path):
+    """--made-up-names: unknown people in training rows get made-up names, never one of the mix's people or a
+    held-out name; without it the rows are as before (earlier stages rebuild the same data)."""
+    td = tool_data_module()
+    write_mix_with_people(tmp_path / "tasks")
+    sizes = dict(seed=4, n_calls=60, n_answers=20, n_direct=10, n_json=10, n_valid=10)
+    td.build(tmp_path / "tasks", tmp_path / "plain", **sizes)
+    td.build(tmp_path / "tasks", tmp_path / "plain2", made_up=0.0, **sizes)
+    td.build(tmp_path / "tasks", tmp_path / "made", made_up=1.0, **sizes)
+    assert (tmp_path / "plain" / "train.jsonl").read_text() == (tmp_path / "plain2" / "train.jsonl").read_text()
+
+    def called(split, part="train"):
+        return [json.loads(c["function"]["arguments"]) if isinstance(c["function"]["arguments"], str)
+                else c["function"]["arguments"]
+                for r in read(tmp_path / split / f"{part}.jsonl") for m in r["messages"] for c in m.get("tool_calls") or ()
+                if c["function"]["name"] == "lookup_person"]
+
+    known = set(td.people_facts(read(tmp_path / "tasks" / "train.jsonl")))
+    names = {a["name"] for a in called("made")}
+    new = names - known
+    assert new and not new & set(td.NEW_NAMES) and not names & set(td.HELD_OUT_NAMES)
+    assert all(n.isalpha() and n[0].isupper() and 4 <= len(n) <= 9 for n in new)
+    assert {a["name"] for a in called("plain")} - known <= set(td.NEW_NAMES)
+    # the held-out rows ask about held-out names only
+    assert {a["name"] for a in called("made", "valid")} - known <= set(td.HELD_OUT_NAMES)

@@ -1,8 +1,8 @@
 """Phase 3's tokenizer for the demo (examples/demo_model/grow_vocab.py's
 tool_tokenizer: the demo's, Qwen3's tool tokens and JSON's punctuation added,
 examples/demo_model/chat_template.jinja): tools and tool messages render in
-Qwen3's format, plain conversations exactly as before. (The bundled demo
-keeps its tokenizer until weights trained with this one are installed.)"""
+Qwen3's format, plain conversations exactly as before. The bundled demo
+(phase 3 of examples/demo_model/retrain.py) was trained with it and carries it."""
 
 from __future__ import annotations
 
@@ -121,3 +121,12 @@ def test_the_tool_tokens_are_qwen3s(tok, folder):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     assert config["chat_template"] == (folder / "chat_template.jinja").read_text()
     assert len(tok) == 816
+
+
+def test_the_bundled_demo_carries_this_tokenizer(folder):
+    """retrain.py --install copied phase 3's tokenizer and its vocabulary size into the bundled demo."""
+    from refusion_mlx.models.loading import DEMO_MODEL
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "added_tokens.json"):
+        assert (DEMO_MODEL / name).read_text() == (folder / name).read_text(), name
+    assert json.loads((DEMO_MODEL / "config.json").read_text())["vocab_size"] == 816

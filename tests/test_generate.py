@@ -311,8 +311,8 @@ def test_no_mask_id_anywhere(demo_copy):
 
 
 def test_mask_id_outside_vocabulary(demo_copy):
-    edit_config(demo_copy, mask_token_id=806)
-    with pytest.raises(LoadError, match="outside the vocabulary of 806"):
+    edit_config(demo_copy, mask_token_id=816)
+    with pytest.raises(LoadError, match="outside the vocabulary of 816"):
         load(demo_copy)
 
 

@@ -74,9 +74,9 @@ def test_sizes_are_checked_against_the_safetensors_headers(tmp_path):
     assert [line.split("config.json: ")[1] for line in str(e.value).splitlines()] == [
         "quantization.bits must be 2, 3, 4, 5, 6 or 8, got 7",
         "num_hidden_layers is 5, but the weights hold 4 layers",
-        "vocab_size is 900, but model.embed_tokens.weight has 806 rows",
+        "vocab_size is 900, but model.embed_tokens.weight has 816 rows",
         "intermediate_size is 1024, but model.layers.0.mlp.gate_proj.weight has 768 rows",
-        "vocab_size is 900, but lm_head.weight has 806 rows"]
+        "vocab_size is 900, but lm_head.weight has 816 rows"]
 
 
 def sparse_checkpoint(folder: Path, vocab: int, hidden: int) -> Path:

@@ -1,9 +1,9 @@
 """Structured output through the server's three APIs (serve/structured.py), on
-the demo model with a chat template that renders tools: chat completions'
-``response_format`` (the openai SDK's ``.parse`` too) and forced
-``tool_choice``, the Responses API's ``text.format``, the Messages API's
-forced ``tool_choice`` -- alone and eight at once; every answer validates.
-The demo model knows no JSON: the grammar alone makes these hold.
+the demo model: chat completions' ``response_format`` (the openai SDK's
+``.parse`` too) and forced ``tool_choice``, the Responses API's
+``text.format``, the Messages API's forced ``tool_choice`` -- alone and eight
+at once; every answer validates. These schemas are not the demo's JSON
+family: the grammar alone makes them hold.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
 from refusion_mlx.serve.http_server import RefusionServer
-from refusion_mlx.serve.tool_calls import ToolFormat
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
@@ -44,19 +42,9 @@ class Person(BaseModel):
     pet: Literal["cat", "dog", "turtle"]
 
 
-def tool_capable_model(folder):
-    """The demo model, with the tests' tool-rendering chat template while its own renders no tools."""
-    if ToolFormat.of(load_tokenizer(DEMO_MODEL)) is not None:
-        return DEMO_MODEL
-    from tests.agent_server import tool_model
-
-    return tool_model(folder)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = RefusionServer(str(tool_capable_model(tmp_path_factory.mktemp("structured") / "m")),
-                         model_id="tiny-refusion", port=0).start()
+def server():
+    srv = RefusionServer(None, model_id="tiny-refusion", port=0).start()
     yield srv
     srv.close()
 
@@ -114,11 +102,21 @@ def test_forced_tool_calls(oai):
 
 
 def test_strict_tools_under_auto(oai):
-    """Strict tools with tool_choice auto: constrained only where the call markers are tokens of their own
-    (tests/test_constrained.py); this model spells them as text, so the answer is the unconstrained one."""
+    """Strict tools with tool_choice auto, and any tools under the default ``--call-grammar all``: text,
+    then maybe calls under their schemas (the demo's call markers are tokens of its own, so the grammar
+    sees every call it opens): the same answer either way, and each call it makes validates."""
     strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
-    answer = ask(oai, "Who is Sven?", tools=strict, max_tokens=24).choices[0].message
-    assert answer == ask(oai, "Who is Sven?", tools=TOOLS, max_tokens=24).choices[0].message
+    def said(answer):  # the text and the calls (their ids are new each time)
+        return answer.content, [(c.function.name, c.function.arguments) for c in answer.tool_calls or ()]
+
+    calls = 0
+    for prompt in ("Who is Sven?", "Find Dara.", "Add 4 and 5.", "What is 4 + 5?"):
+        answer = ask(oai, prompt, tools=strict, max_tokens=48).choices[0].message
+        assert said(answer) == said(ask(oai, prompt, tools=TOOLS, max_tokens=48).choices[0].message)
+        for call in answer.tool_calls or ():
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            calls += 1
+    assert calls  # the demo calls tools (its own two, examples/demo_model/tool_data.py): these too
 
 
 def test_responses_text_format(oai):
@@ -155,3 +153,60 @@ def test_a_schema_the_engine_cannot_take_is_one_400(oai, fields, param):
         ask(oai, **fields)
     err = e.value.body
     assert err["param"] == param and err["message"].startswith(param + ": ") and "\n" not in err["message"]
+
+
+def test_call_grammar_constrains_auto_calls_in_one_place():
+    """``--call-grammar all`` (the default): a request with tools and no constraint of its own is decoded as
+    text, then maybe calls under their tools' schemas; "strict", a format, a forced call, logprobs: as asked."""
+    import dataclasses
+
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.errors import RefusionError
+    from refusion_mlx.serve.engine_request import EngineRequest
+    from refusion_mlx.serve.server_config import ServerConfig
+    from refusion_mlx.serve.structured import with_call_grammar
+
+    plain = EngineRequest([1, 2], RefusionParams(), tools=tuple(TOOLS), parallel_tool_calls=False)
+    made = with_call_grammar(plain, "all")
+    spec = json.loads(made.constraint.source)
+    assert made.constraint.kind == "tool_calls" and spec["optional"] and not spec["parallel"]
+    assert [t["name"] for t in spec["tools"]] == ["add", "find"] and spec["tools"][0]["parameters"] == ADD
+    assert with_call_grammar(plain, "strict") is plain
+    assert with_call_grammar(dataclasses.replace(plain, tools=()), "all").constraint is None
+    assert with_call_grammar(dataclasses.replace(plain, logprobs=2), "all").constraint is None
+    shaped = dataclasses.replace(plain, constraint=made.constraint)
+    assert with_call_grammar(shaped, "all") is shaped
+    assert ServerConfig().call_grammar == "all"
+    with pytest.raises(RefusionError, match="call_grammar must be one of all, strict"):
+        ServerConfig(call_grammar="always")
+
+
+def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
+    """The demo left free (``--call-grammar strict``, its tools not strict) breaks some calls it opens: they
+    stay text and are counted unparsed; under the default every call it opens parses and validates."""
+    import urllib.request
+
+    from refusion_mlx.serve.metrics import parse
+
+    def unparsed(srv):
+        with urllib.request.urlopen(srv.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+            return parse(r.read().decode()).get('refusion_tool_calls_total{result="unparsed"}', 0)
+
+    from tests.agent_server import TOOLS as DEMO_TOOLS  # the demo's own two tools
+
+    prompts = ["What is 45 - 18?", "Please add 6 and 78.", "What is 6 times 7?", "Who is Sven?"]
+    free = RefusionServer(None, model_id="tiny-refusion", port=0, call_grammar="strict").start()
+    try:
+        client = openai.OpenAI(base_url=free.url, api_key="local", max_retries=0, timeout=120)
+        answers = [ask(client, p, tools=DEMO_TOOLS, max_tokens=64).choices[0].message for p in prompts]
+        assert unparsed(free) >= 1 and any("<tool_call>" in (a.content or "") for a in answers)
+    finally:
+        free.close()
+    before = unparsed(server)
+    for p in prompts:
+        answer = ask(oai, p, tools=DEMO_TOOLS, max_tokens=64).choices[0].message
+        assert "<tool_call>" not in (answer.content or "")
+        for call in answer.tool_calls or ():
+            key = {"lookup_person": "name", "calculator": "expression"}[call.function.name]
+            assert list(json.loads(call.function.arguments)) == [key]
+    assert unparsed(server) == before

@@ -1,8 +1,8 @@
 """The model's tool calls read out of its answer text (serve/tool_calls.py), without a server.
 
 The format and the parser are mlx-lm's choice for the tokenizer: the demo
-model's tokenizer with a chat template that renders tools as Qwen3's does
-(tests/fixtures/tool_chat_template.jinja) gets ``json_tools``; the text fed
+model's tokenizer, whose chat template renders tools as Qwen3's does, gets
+``json_tools``; the text fed
 here is shaped as such a model writes calls (``<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>``), cut into pieces at every point, as a
 stream releases it.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 
@@ -20,20 +19,17 @@ from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
 from refusion_mlx.serve.refusal import Refusal
 from refusion_mlx.serve.tool_calls import (ToolCall, ToolCallSplitter, ToolFormat, check_results, function_tool,
                                            template_tools)
-from tests.agent_server import TOOL_TEMPLATE, TOOLS
+from tests.agent_server import TOOLS
+from tests.helpers import FIXTURE_MODEL
 
 SVEN = '<tool_call>\n{"name": "lookup_person", "arguments": {"name": "Sven"}}\n</tool_call>'
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def fmt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tool-model") / "m"
-    shutil.copytree(DEMO_MODEL, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    shutil.copy(TOOL_TEMPLATE, folder / "chat_template.jinja")
-    tokenizer = load_tokenizer(folder)
-    assert ToolFormat.of(load_tokenizer(DEMO_MODEL)) is None  # the demo's own template renders no tools
-    fmt = ToolFormat.of(tokenizer)
+def fmt():
+    assert ToolFormat.of(load_tokenizer(FIXTURE_MODEL)) is None  # the golden fixture's template renders no tools
+    fmt = ToolFormat.of(load_tokenizer(DEMO_MODEL))
     assert fmt is not None and (fmt.start, fmt.end, fmt.parser) == ("<tool_call>", "</tool_call>", "json_tools")
     return fmt
 

@@ -22,7 +22,7 @@ import pytest
 from refusion_mlx.decode.params import FIELDS
 from refusion_mlx.serve.http_server import RefusionServer
 
-COUNT = "Count from 17 to 38."  # the demo model commits this answer's third slot of 4 before the second
+COUNT = "Count from 63 to 83."  # the demo model commits this answer's second slot of 4 after the third and fourth
 MAX_TOKENS = 48
 
 
@@ -63,7 +63,7 @@ def test_default_stream_is_plain_openai(server, client):
     assert all(not (c.model_extra or {}) for c in streamed)
     text = "".join(c.choices[0].delta.content or "" for c in streamed)
     whole = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
-    assert text == whole and text.startswith("17 18 19")
+    assert text == whole and text.startswith("63 64 65")
     with pytest.raises(urllib.error.HTTPError) as err:  # strict, like every field
         sse(server, chat(COUNT, stream=True, stream_options={"include_commits": "yes"}))
     assert err.value.code == 400 and json.load(err.value)["error"]["param"] == "stream_options.include_commits"

@@ -104,6 +104,12 @@ def people_facts(rows: Sequence[dict]) -> Dict[str, Person]:
     return people
 
 
+# the JSON family's object as a JSON Schema (tool_eval.py --constrained decodes it under this)
+FACTS_SCHEMA = {"type": "object", "properties": {k: {"type": "string"} for k in ("name", "city", "job", "pet",
+                                                                                "pet_name")},
+                "required": ["name", "city", "job", "pet", "pet_name"], "additionalProperties": False}
+
+
 def facts_json(name: str, person: Person) -> str:
     """The JSON object ``lookup_person`` returns, and the JSON family's answer."""
     city, job, pet, pet_name = person
@@ -127,6 +133,17 @@ def arithmetic(a: int, op: int, b: int, template: int) -> Tuple[str, str, str, s
     question = ARITH_TEMPLATES[template].format(a=a, b=b, op=sym, verb=verb)
     expression = f"{a} {sym} {b}"
     return question, expression, result, f"{expression} = {result}. The answer is {result}."
+
+
+def made_up_name(rng: random.Random, taken: set) -> str:
+    """A name of two or three syllables no person of the mix and no held-out name has (so a call learns
+    to copy the name it is asked about, not to recall one of a few it has seen)."""
+    onsets, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    while True:
+        name = "".join(rng.choice(onsets) + rng.choice(vowels) + ("" if rng.random() < 0.6 else rng.choice("nrls"))
+                       for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in taken:
+            return name
 
 
 def held_out_person(names: Sequence[str], name: str, template: int) -> bool:
@@ -171,7 +188,7 @@ class Builder:
     """Draws the rows; ``held_out`` picks the held-out questions instead of the trained ones."""
 
     def __init__(self, people: Dict[str, Person], plain: Sequence[dict], rng: random.Random, held_out: bool,
-                 systems: float = 0.0, system_seed: int = 0):
+                 systems: float = 0.0, system_seed: int = 0, made_up: float = 0.0):
         from refusion_mlx.train.accuracy import family_of_prompt
 
         self.people, self.plain, self.rng, self.held_out = people, list(plain), rng, held_out
@@ -183,6 +200,7 @@ class Builder:
         self.untooled = [r for r in self.plain if family_of_prompt(r["messages"][0]["content"]) not in TOOLED
                          and len(r["messages"][1]["content"]) <= 100]
         self.names = sorted(people)
+        self.made_up = made_up  # share of unknown people's names made up (never a known or held-out one)
         self.pools = [sorted({p[i] for p in people.values()}) for i in range(4)]
         self.calls = 0
 
@@ -197,7 +215,10 @@ class Builder:
                     continue
                 person = self.people[name]
             else:
-                name = rng.choice(HELD_OUT_NAMES if self.held_out else NEW_NAMES)
+                if not self.held_out and self.made_up and rng.random() < self.made_up:
+                    name = made_up_name(rng, set(self.names) | set(HELD_OUT_NAMES))
+                else:
+                    name = rng.choice(HELD_OUT_NAMES if self.held_out else NEW_NAMES)
                 person = tuple(rng.choice(pool) for pool in self.pools)
             return ToolTask(PERSON_TEMPLATES[template].format(n=name), "lookup_person", {"name": name},
                             facts_json(name, person), person_answer(template, name, person))
@@ -294,14 +315,16 @@ class Builder:
 
 
 def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers: int = 3000,
-          n_direct: int = 1500, n_json: int = 1500, n_valid: int = 200, systems: float = 0.0) -> dict:
+          n_direct: int = 1500, n_json: int = 1500, n_valid: int = 200, systems: float = 0.0,
+          made_up: float = 0.0) -> dict:
     """Write ``train.jsonl`` and ``valid.jsonl`` of the tool and JSON rows into ``out``.
 
     Calls and answers: two in five alone, the rest after 1 or 2 earlier turns
     (plain rows of the mix, or whole tool round trips). ``valid.jsonl`` is
     drawn the same way from the held-out questions and the mix's validation rows.
     A share ``systems`` of the rows with tools start with a system message
-    (``SYSTEMS``; held out: ``HELD_OUT_SYSTEMS``)."""
+    (``SYSTEMS``; held out: ``HELD_OUT_SYSTEMS``); a share ``made_up`` of the
+    unknown people in training rows get made-up names (``made_up_name``)."""
     train_rows, valid_rows = read_jsonl(tasks / "train.jsonl"), read_jsonl(tasks / "valid.jsonl")
     people = people_facts(train_rows)
     rng = random.Random(seed)
@@ -316,7 +339,8 @@ def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers:
         rng.shuffle(out_rows)
         return out_rows
 
-    train = rows(Builder(people, train_rows, rng, held_out=False, systems=systems, system_seed=seed + 1),
+    train = rows(Builder(people, train_rows, rng, held_out=False, systems=systems, system_seed=seed + 1,
+                         made_up=made_up),
                  n_calls, n_answers, n_direct, n_json)
     share = n_valid / max(1, n_calls + n_answers + n_direct + n_json)
     valid = rows(Builder(people, valid_rows, rng, held_out=True, systems=systems, system_seed=seed + 2), *(round(n * share) for n in
@@ -385,11 +409,23 @@ def main() -> None:
     ap.add_argument("--systems", type=float, default=0.0, help="share of rows with tools that start with a "
                                                                 "system message (default 0)")
     ap.add_argument("--eval", action="store_true", help="write the held-out checks instead of training rows")
+    ap.add_argument("--made-up-names", type=float, default=0.0,
+                    help="share of unknown people in tool rows whose names are made up (default 0: the 30 "
+                         "NEW_NAMES only)")
+    counts = (("calls", 3000, "rows that end in a call"), ("answers", 3000, "rows that end in the answer from a "
+              "tool's result"), ("direct", 1500, "rows whose tools do not serve the question"),
+              ("json-rows", 1500, "rows of the JSON family"))
+    for flag, default, what in counts:
+        ap.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default {default})")
     args = ap.parse_args()
+    for flag, _, _ in counts:
+        if getattr(args, flag.replace("-", "_")) < 0:
+            ap.error(f"--{flag} must be 0 or more")
     if args.eval:
         print(eval_files(Path(args.tasks), Path(args.out), args.seed))
     else:
-        print(build(Path(args.tasks), Path(args.out), args.seed, systems=args.systems))
+        print(build(Path(args.tasks), Path(args.out), args.seed, args.calls, args.answers, args.direct,
+                    args.json_rows, systems=args.systems, made_up=args.made_up_names))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ Calls and answers are also split by question kind: a known person (the
 
     python examples/demo_model/tool_data.py --eval --out tool_checks
     python examples/demo_model/tool_eval.py --data tool_checks [--model M] [--adapter-path A] [--json out.json]
+
+``--constrained`` decodes as the server does for ``strict`` tools: rows
+with tools under "text, then maybe calls whose arguments follow their
+tool's schema" (``Constraint.tool_calls(..., optional=True)``), JSON rows
+under the family's schema (``tool_data.FACTS_SCHEMA``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import refusion_mlx  # noqa: E402,F401  (before mlx.core: optimized BLAS on Linux)
-from tool_data import HELD_OUT_NAMES, NEW_NAMES, read_jsonl  # noqa: E402
+from tool_data import FACTS_SCHEMA, HELD_OUT_NAMES, NEW_NAMES, read_jsonl  # noqa: E402
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 FILES = ("tools_alone", "tools_later", "tools_system", "tool_answers", "tools_direct", "json")
@@ -109,7 +114,17 @@ def score_file(name: str, rows: List[dict], texts: List[str], references: List[s
     return out
 
 
-def evaluate(model, tokenizer, folder: Path, files=FILES, keep: int = 3) -> dict:
+def constraint_of(row: dict):
+    """What ``--constrained`` decodes a row under: its tools' optional calls, or the family's schema."""
+    from refusion_mlx.decode.grammar import Constraint
+
+    if row.get("tools"):
+        spec = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in row["tools"]]
+        return Constraint.tool_calls(spec, "<tool_call>", "</tool_call>", optional=True)
+    return Constraint.json_schema(FACTS_SCHEMA) if row.get("family") == "json" else None
+
+
+def evaluate(model, tokenizer, folder: Path, files=FILES, keep: int = 3, constrained: bool = False) -> dict:
     from refusion_mlx.train.accuracy import answer_budget, decode, default_params, reference
 
     params = default_params()
@@ -118,7 +133,9 @@ def evaluate(model, tokenizer, folder: Path, files=FILES, keep: int = 3) -> dict
         rows = read_jsonl(folder / f"{name}.jsonl")
         references = [reference(tokenizer, row) for row in rows]
         settings = [dataclasses.replace(params, gen_length=answer_budget(tokenizer, ref)) for ref in references]
-        texts = decode(model, tokenizer, [r["messages"][:-1] for r in rows], settings, [r.get("tools") for r in rows])
+        constraints = [constraint_of(r) for r in rows] if constrained else None
+        texts = decode(model, tokenizer, [r["messages"][:-1] for r in rows], settings, [r.get("tools") for r in rows],
+                       constraints=constraints)
         result[name] = score_file(name, rows, texts, references)
         result[name]["failures"] = [{"expected": ref, "got": text} for text, ref in zip(texts, references)
                                     if text != ref][:keep]
@@ -145,11 +162,13 @@ def main() -> int:
     ap.add_argument("--files", nargs="*", default=list(FILES), choices=FILES)
     ap.add_argument("--json", dest="json_out", help="write the result here")
     ap.add_argument("--show-failures", action="store_true")
+    ap.add_argument("--constrained", action="store_true",
+                    help="decode as for strict tools: calls follow their schemas, JSON the family's")
     args = ap.parse_args()
     from refusion_mlx.models.loading import load
 
     model, tokenizer = load(args.model, dtype="float32", adapter_path=args.adapter_path)
-    result = evaluate(model, tokenizer, Path(args.data), args.files)
+    result = evaluate(model, tokenizer, Path(args.data), args.files, constrained=args.constrained)
     print(format_result(result))
     if args.show_failures:
         for name, groups in result.items():

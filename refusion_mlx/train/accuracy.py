@@ -117,17 +117,20 @@ def default_params() -> RefusionParams:
 
 
 def decode(model, tokenizer, conversations: Sequence[Sequence[dict]], params: Sequence,
-           tools: Optional[Sequence] = None, kv: Optional[dict] = None) -> List[str]:
+           tools: Optional[Sequence] = None, kv: Optional[dict] = None,
+           constraints: Optional[Sequence] = None) -> List[str]:
     """The model's greedy answers to many conversations (the one place that
     decodes): decoded together, each exactly as it would be alone.
     ``tools``: each conversation's tools (None: none); ``kv``: ``kv_bits``
-    and ``kv_group_size`` of their caches."""
+    and ``kv_group_size`` of their caches; ``constraints``: each answer's
+    :class:`~refusion_mlx.decode.grammar.Constraint` (None: unconstrained)."""
     from ..decode.batch import batch_generate
     from .dataset import prompt_ids
 
     tools = tools or [None] * len(conversations)
     prompts = [prompt_ids(tokenizer, list(m), t) for m, t in zip(conversations, tools)]
-    return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH, **(kv or {}))]
+    return [r.text for r in batch_generate(model, tokenizer, prompts, list(params), max_batch=BATCH,
+                                           constraints=constraints, **(kv or {}))]
 
 
 def reference(tokenizer, row: dict) -> str:
