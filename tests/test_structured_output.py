@@ -176,6 +176,9 @@ def test_call_grammar_constrains_auto_calls_in_one_place():
     assert with_call_grammar(dataclasses.replace(plain, logprobs=2), "all").constraint is None
     shaped = dataclasses.replace(plain, constraint=made.constraint)
     assert with_call_grammar(shaped, "all") is shaped
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^(?=a)a+$"}}}}}  # a look-around: the engine cannot compile it
+    assert with_call_grammar(dataclasses.replace(plain, tools=(odd,)), "all").constraint is None
     assert ServerConfig().call_grammar == "all"
     with pytest.raises(RefusionError, match="call_grammar must be one of all, strict"):
         ServerConfig(call_grammar="always")

@@ -123,9 +123,14 @@ def with_call_grammar(request, setting: str):
     forced call or a format has its constraint) is decoded as text, then maybe
     calls valid under their tools' schemas. A request scored or asking for
     logprobs is left as it is (the constrained mode decodes without slots'
-    scores)."""
+    scores), and so is one whose tools' schemas the engine cannot compile (a
+    look-around in a ``pattern``): nobody asked for this constraint, so it is
+    no reason to refuse the request (a strict tool's is, in the adapters)."""
     if setting != "all" or not request.tools or request.constraint is not None or request.scoring is not None \
             or request.logprobs is not None:
         return request
-    constraint = forced_calls(request.tools, "auto", request.parallel_tool_calls, strict=True)
+    try:
+        constraint = forced_calls(request.tools, "auto", request.parallel_tool_calls, strict=True)
+    except Refusal:
+        return request
     return dataclasses.replace(request, constraint=constraint)
