@@ -7,9 +7,6 @@ shared with the other stores: tests/test_cache.py.)"""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -191,7 +188,7 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
     kv_bits is a 400, more slow requests run at once under 2 MiB than the
     float server's two, nothing is lost, and its prompt cache on disk comes
     back after a restart with the same setting (and not with float)."""
-    from tests.test_server_ops import GROWTH_BYTES, SLOW, ask, call, metrics, serve, wait_idle
+    from tests.test_server_ops import GROWTH_BYTES, ask, call, five_slow_watched, metrics, serve, wait_idle
 
     folder = str(tmp_path / "cache")
     f32 = {"dtype": "float32"}  # GROWTH_BYTES' arithmetic, whichever paths run (the GPU paths default to bf16)
@@ -202,25 +199,12 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
         assert metrics(srv)["refusion_kv_bits"] == 8
         status, err = ask(srv, kv_bits=4)
         assert status == 400 and err["error"]["param"] == "kv_bits" and "--kv-bits" in err["error"]["message"]
-        seen, stop = [], threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                seen.append(call(srv, "GET", "/health")[1]["active"])
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        with ThreadPoolExecutor(5) as pool:
-            out = list(pool.map(lambda _: call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24}),
-                                range(5)))
-        stop.set()
-        watcher.join()
+        out, seen = five_slow_watched(srv)
         need = 256 * kv["bytes_per_token"] + 16 * kv["scratch_bytes_per_token"]
         state = wait_idle(srv)
         ask(srv, "Who is Sven?", max_tokens=8)
     assert [s for s, _ in out] == [200] * 5 and len({json.dumps(o["choices"][0]["text"]) for _, o in out}) == 1
-    assert max(seen) == min(5, 2 * GROWTH_BYTES // need) >= 4  # float: 2 (tests/test_server_ops.py)
+    assert max(h["active"] for h in seen) == min(5, 2 * GROWTH_BYTES // need) >= 4  # float: 2 (tests/test_server_ops.py)
     assert state["kv"]["reserved_bytes"] == 0
     with serve(kv_bits=8, prompt_cache_dir=folder, **f32) as srv:
         _, again = ask(srv, "Who is Sven?", max_tokens=8)

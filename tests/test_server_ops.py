@@ -117,26 +117,33 @@ def stream_usage(srv, body) -> dict:
     return usage
 
 
+def five_slow_watched(srv):
+    """Five slow completions sent at once, and /health as read every 10 ms meanwhile."""
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(call(srv, "GET", "/health")[1])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            out = list(pool.map(lambda _: call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24}),
+                                range(5)))
+    finally:
+        stop.set()
+        watcher.join()
+    return out, seen
+
+
 def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     """Two 256-row reservations fit in 2 MiB: of five slow requests, two run at a time and the
     others wait; a request needing more than the whole budget is refused at once, naming the numbers."""
     with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
         _, alone = call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24})
-        seen = []
-        stop = threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                seen.append(call(srv, "GET", "/health")[1])
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        with ThreadPoolExecutor(5) as pool:
-            out = list(pool.map(lambda _: call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24}),
-                                range(5)))
-        stop.set()
-        watcher.join()
+        out, seen = five_slow_watched(srv)
         t0 = time.monotonic()
         status, err = ask(srv, max_tokens=600)  # 12 + 600 tokens: 768 rows, 3 MiB
         refused_in = time.monotonic() - t0
