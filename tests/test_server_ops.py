@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer
 from refusion_mlx.serve.metrics import parse
@@ -335,3 +336,41 @@ def test_cli_prompt_cache_dir_survives_kill_9(tmp_path):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
     assert answers[0]["choices"][0]["message"]["content"] == answers[1]["choices"][0]["message"]["content"]
+
+
+def test_a_client_that_leaves_is_noticed_while_events_keep_coming():
+    """A decode fast enough that its next event is always ready still looks at its client every
+    CLIENT_CHECK s: a non-streaming request whose client left ends (ClientGone) instead of running on."""
+    import asyncio
+
+    from refusion_mlx.decode.params import make_params
+    from refusion_mlx.serve.answering import CLIENT_CHECK, ClientGone, collect
+    from refusion_mlx.serve.engine_request import EngineRequest
+    from refusion_mlx.serve.job import Job
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    async def run():
+        job = Job(EngineRequest(prompt_ids=[1, 2, 3], params=make_params(max_tokens=8)), asyncio.get_running_loop())
+        fed = 0
+
+        async def feed():  # a step's text every few ms, for far longer than the checks take
+            nonlocal fed
+            for _ in range(2000):
+                job.events.put_nowait(("text", "x"))
+                fed += 1
+                await asyncio.sleep(0.002)
+            job.events.put_nowait(("done", {"finish_reason": "length"}))
+
+        feeder = asyncio.create_task(feed())
+        try:
+            with pytest.raises(ClientGone):
+                await collect(job, None, Gone())
+        finally:
+            feeder.cancel()
+        return fed
+
+    fed = asyncio.run(run())
+    assert fed < 2000 and fed * 0.002 < CLIENT_CHECK * 8, fed

@@ -42,6 +42,7 @@ log = logging.getLogger("refusion_mlx.server")
 
 GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then cancels them
 STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
+CLIENT_CHECK = 0.25  # seconds between two looks at whether a request's client is still there
 
 
 class ClientGone(Exception):
@@ -184,11 +185,14 @@ async def job_event(job: Job, engine, request: Optional[Request] = None) -> tupl
     """The job's next event; a client that leaves meanwhile (``request``)
     cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it."""
     while True:
+        # looked at every CLIENT_CHECK s, also while events keep coming (a fast decode never times out below)
+        if request is not None and time.monotonic() - job.client_seen >= CLIENT_CHECK:
+            job.client_seen = time.monotonic()
+            if await request.is_disconnected():
+                raise ClientGone()
         try:
-            return await asyncio.wait_for(job.events.get(), 0.25)
+            return await asyncio.wait_for(job.events.get(), CLIENT_CHECK)
         except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                raise ClientGone() from None
             since = engine.stopping_since
             if since is not None and time.monotonic() - since > STOP_WAIT:
                 return "error", Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -42,6 +43,7 @@ class Job:
         self.uid: Optional[int] = None  # in the BatchGenerator, once started
         self.cache = None  # its CommittedCache, once started
         self.cached = 0  # prompt tokens the prompt cache held
+        self.client_seen = time.monotonic()  # when the HTTP side last found its client there
 
     def take(self, text: str, tokens, finished: bool) -> tuple:
         """A response's new final text and ids, through the stop strings and the
