@@ -210,3 +210,51 @@ def test_made_up_names_are_new_and_leave_the_held_out_rows_alone(tmp_path):
     assert {a["name"] for a in called("plain")} - known <= set(td.NEW_NAMES)
     # the held-out rows ask about held-out names only
     assert {a["name"] for a in called("made", "valid")} - known <= set(td.HELD_OUT_NAMES)
+
+
+def test_other_tool_rows_answer_in_text_from_whatever_the_tool_returned(tmp_path):
+    """tool_other: after a result of another shape (part of a person, "not found", another tool's), the
+    answer is text that says only what came back; tool_other_call: the other tools' calls copy the question's
+    place or topic; the checks' places and topics are never trained."""
+    td = tool_data_module()
+    write_mix_with_people(tmp_path / "tasks")
+    td.build(tmp_path / "tasks", tmp_path / "out", seed=3, n_calls=0, n_answers=0, n_direct=0, n_json=0,
+             n_other=300, n_other_calls=100, n_valid=20)
+    rows = read(tmp_path / "out" / "train.jsonl")
+    assert {r["family"] for r in rows} == {"tool_other", "tool_other_call"}
+    partial = other = 0
+    for row in rows:
+        msgs, offered = row["messages"], {t["function"]["name"] for t in row["tools"]}
+        if row["family"] == "tool_other_call":
+            fn = msgs[-1]["tool_calls"][0]["function"]
+            assert fn["name"] in offered and fn["name"] != "lookup_person" and fn["name"] != "calculator"
+            args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+            assert all(str(v) in msgs[-2]["content"] for v in args.values())
+            continue
+        call, result, answer = msgs[-3:]
+        assert call["tool_calls"] and result["role"] == "tool" and not answer.get("tool_calls")
+        assert answer["content"] and "<tool_call>" not in answer["content"]
+        if call["tool_calls"][0]["function"]["name"] == "lookup_person":
+            partial += 1
+            try:
+                facts = json.loads(result["content"])
+            except json.JSONDecodeError:
+                facts = None
+            if isinstance(facts, dict) and "name" in facts:
+                assert set(facts) <= {"name", "city", "job", "pet", "pet_name"}
+                for key in ("city", "job", "pet_name"):  # the answer says no fact the tool did not return
+                    for person in PEOPLE.values():
+                        value = person[("city", "job", "pet", "pet_name").index(key)]
+                        if value in answer["content"]:
+                            assert value in result["content"]
+            else:
+                assert answer["content"].startswith("I could not find")
+        else:
+            other += 1
+    assert partial > 50 and other > 50
+    checks = td.eval_files(tmp_path / "tasks", tmp_path / "checks", n_arithmetic=4, n_new=2, n_direct=2, n_other=30)
+    assert checks["tool_other"] == checks["tool_other_calls"] == 30
+    trained = " ".join(m.get("content") or "" for r in rows for m in r["messages"])
+    held = " ".join(r["messages"][-2]["content"] for r in read(tmp_path / "checks" / "tool_other_calls.jsonl"))
+    assert any(p in held for p in td.HELD_OUT_PLACES + td.HELD_OUT_TOPICS)
+    assert not any(p in trained for p in td.HELD_OUT_PLACES + td.HELD_OUT_TOPICS)

@@ -19,11 +19,19 @@ format; the trainer learns the last message, a call as the template renders it):
 * ``tool_direct``: tools offered, a question no offered tool serves -> the
   mix's answer, no call;
 * ``json``: "Give Sven's facts as JSON." -> the object ``lookup_person``
-  returns, no tools.
+  returns, no tools;
+* ``tool_other_call``: a question one of the other tools serves (the weather,
+  the time, a web search, an email) with it offered -> its call;
+* ``tool_other``: a round trip whose result is not the shape the answers
+  above come from (some of a person's facts, "not found", another tool's
+  result, as text or JSON) -> an answer in text from it, never a second call
+  (a client's own tools return anything; a model that calls again after
+  every result never ends an agent's turn).
 
 Held out of training, whatever the seed: one question template per known
 person (25 prompts), ten names outside the 25, one in eight operand pairs,
-one JSON template per person. ``eval_files`` writes checks over them.
+one JSON template per person, the other tools' ``HELD_OUT_PLACES`` and
+``HELD_OUT_TOPICS``. ``eval_files`` writes checks over them.
 """
 
 from __future__ import annotations
@@ -77,6 +85,23 @@ DESCRIPTIONS = {"lookup_person": ("Look up a person's city, job and pet.", "Find
                                   "Get a person's facts by name."),
                 "calculator": ("Evaluate an arithmetic expression.", "A calculator.",
                                "Compute the value of a math expression.")}
+
+
+TOOLS_BY_NAME = {t["function"]["name"]: t for t in (LOOKUP_PERSON, CALCULATOR) + DECOYS}
+# the other tools' questions (tool_other rows): places, topics and notes; the held-out ones only in the checks
+PLACES = ("Paris", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Riga", "Accra", "Dakar", "Porto", "Turin", "Minsk",
+          "Kyoto", "Lagos", "Delhi", "Hanoi", "Bern", "Osaka", "Nairobi", "Madrid", "Vienna", "Lisbon")
+HELD_OUT_PLACES = ("Tokyo", "Boston", "Dublin", "Seoul", "Zagreb")
+TOPICS = ("red apples", "green tea", "old maps", "fast trains", "paper boats", "sea birds", "warm bread",
+          "blue whales", "wild honey", "small robots", "jazz music", "snow owls")
+HELD_OUT_TOPICS = ("river stones", "silver bikes", "tall ships")
+NOTES = ("see you soon", "thank you", "the meeting is at noon", "happy birthday", "call me back")
+SKIES = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
+WEATHER_TEMPLATES = ("What is the weather in {p}?", "How is the weather in {p}?", "What's the weather like in {p}?")
+TIME_TEMPLATES = ("What time is it in {p}?", "What is the time in {p}?")
+SEARCH_TEMPLATES = ("Search the web for {t}.", "Look up {t} online.")
+EMAIL_TEMPLATES = ("Send an email to {n} saying {b}.", "Email {n}: {b}.")
+FIELD_SENTENCES = {"city": "{n} lives in {v}.", "job": "{n} works as a {v}."}
 
 
 def variant(tool: dict, rng: random.Random) -> dict:
@@ -241,9 +266,11 @@ class Builder:
         chosen = set(needed)
         if rng.random() < 0.3:
             chosen.add(rng.choice(("lookup_person", "calculator")))
-        tools = [variant(t, rng) for t in (LOOKUP_PERSON, CALCULATOR) if t["function"]["name"] in chosen]
+        tools = [variant(t, rng) for t in (LOOKUP_PERSON, CALCULATOR) + DECOYS if t["function"]["name"] in chosen]
         if rng.random() < 0.1:
-            tools.append(variant(rng.choice(DECOYS), rng))
+            decoy = variant(rng.choice(DECOYS), rng)
+            if decoy["function"]["name"] not in chosen:
+                tools.append(decoy)
         rng.shuffle(tools)
         return tools
 
@@ -262,6 +289,66 @@ class Builder:
         if self.system_rng.random() < self.systems:
             text = self.system_rng.choice(HELD_OUT_SYSTEMS if self.held_out else SYSTEMS)
             row["messages"] = [{"role": "system", "content": text}] + row["messages"]
+        return row
+
+    def other_call_task(self) -> ToolTask:
+        """A question one of the DECOYS serves: its call, a result and the answer from it."""
+        rng = self.rng
+        place = rng.choice(HELD_OUT_PLACES if self.held_out else PLACES)
+        topic = rng.choice(HELD_OUT_TOPICS if self.held_out else TOPICS)
+        kind = rng.randrange(4)
+        if kind == 0:
+            sky, degrees = rng.choice(SKIES), rng.randint(-5, 35)
+            result = rng.choice((f"{sky}, {degrees} C", json.dumps({"city": place, "sky": sky,
+                                                                       "temperature_c": degrees})))
+            return ToolTask(rng.choice(WEATHER_TEMPLATES).format(p=place), "get_weather", {"city": place}, result,
+                            f"It is {sky} and {degrees} C in {place}.")
+        if kind == 1:
+            time = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+            result = rng.choice((time, json.dumps({"timezone": place, "time": time})))
+            return ToolTask(rng.choice(TIME_TEMPLATES).format(p=place), "get_time", {"timezone": place}, result,
+                            f"It is {time} in {place}.")
+        if kind == 2:
+            found = rng.random() < 0.5
+            result = f"One page: {topic}, a short guide." if found else rng.choice(("No results.", "[]"))
+            answer = f"I found a short guide about {topic}." if found else f"I found nothing about {topic}."
+            return ToolTask(rng.choice(SEARCH_TEMPLATES).format(t=topic), "search_web", {"query": topic}, result,
+                            answer)
+        name, note = rng.choice(self.names), rng.choice(NOTES)
+        sent = rng.random() < 0.8
+        result = rng.choice(("sent", json.dumps({"status": "sent"}))) if sent else "error: mailbox full"
+        return ToolTask(rng.choice(EMAIL_TEMPLATES).format(n=name, b=note), "send_email", {"to": name, "body": note},
+                        result, f"The email to {name} is sent." if sent else f"I could not send the email to {name}.")
+
+    def partial_person_task(self) -> ToolTask:
+        """``lookup_person`` answering with some of the facts (each kept at even odds: one in eight, all), or none
+    ("not found"): the answer says what came."""
+        rng = self.rng
+        task = self.person_task()
+        name = task.arguments["name"]
+        facts = json.loads(task.result)
+        template = PERSON_TEMPLATES.index(next(t for t in PERSON_TEMPLATES if t.format(n=name) == task.question))
+        if rng.random() < 0.3:
+            result = rng.choice((f"No person named {name}.", json.dumps({"error": "not found"}), "null"))
+            return ToolTask(task.question, task.tool, task.arguments, result, f"I could not find {name}.")
+        keep = [k for k in ("city", "job", "pet") if rng.random() < 0.5] or [rng.choice(("city", "job", "pet"))]
+        shown = {"name": name, **{k: facts[k] for k in ("city", "job") if k in keep}}
+        if "pet" in keep:
+            shown.update(pet=facts["pet"], pet_name=facts["pet_name"])
+        asked = ("city", "job", "pet") if template < 3 else (("pet", "job", "city")[template - 3],)
+        said = [FIELD_SENTENCES[k].format(n=name, v=facts[k]) if k != "pet" else
+                f"{name} has a {facts['pet']} named {facts['pet_name']}." for k in asked if k in keep]
+        what = {"city": "where {n} lives", "job": "what {n} does", "pet": "about a pet of {n}"}
+        answer = " ".join(said) if said else f"The lookup says nothing {what[asked[0]].format(n=name)}." \
+            if asked[0] == "pet" else f"The lookup does not say {what[asked[0]].format(n=name)}."
+        return ToolTask(task.question, task.tool, task.arguments, json.dumps(shown), answer)
+
+    def other_row(self, upto: str, turns: int) -> dict:
+        """A ``tool_other_call`` row (``upto`` "call": another tool's call) or a ``tool_other`` one (the answer
+        from another tool's result, or from a lookup that found part of a person or none)."""
+        task = self.other_call_task() if upto == "call" or self.rng.random() < 0.6 else self.partial_person_task()
+        row = self.tool_row(upto, turns, task)
+        row["family"] = "tool_other" + ("_call" if upto == "call" else "")
         return row
 
     def call_id(self) -> str:
@@ -316,7 +403,7 @@ class Builder:
 
 def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers: int = 3000,
           n_direct: int = 1500, n_json: int = 1500, n_valid: int = 200, systems: float = 0.0,
-          made_up: float = 0.0) -> dict:
+          made_up: float = 0.0, n_other: int = 0, n_other_calls: int = 0) -> dict:
     """Write ``train.jsonl`` and ``valid.jsonl`` of the tool and JSON rows into ``out``.
 
     Calls and answers: two in five alone, the rest after 1 or 2 earlier turns
@@ -324,27 +411,32 @@ def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers:
     drawn the same way from the held-out questions and the mix's validation rows.
     A share ``systems`` of the rows with tools start with a system message
     (``SYSTEMS``; held out: ``HELD_OUT_SYSTEMS``); a share ``made_up`` of the
-    unknown people in training rows get made-up names (``made_up_name``)."""
+    unknown people in training rows get made-up names (``made_up_name``).
+    ``n_other`` ``tool_other`` rows and ``n_other_calls`` ``tool_other_call``
+    rows are drawn after the others (none: the rows of earlier runs, as they were)."""
     train_rows, valid_rows = read_jsonl(tasks / "train.jsonl"), read_jsonl(tasks / "valid.jsonl")
     people = people_facts(train_rows)
     rng = random.Random(seed)
 
-    def rows(builder: Builder, calls: int, answers: int, direct: int, json_rows: int) -> List[dict]:
+    def rows(builder: Builder, calls: int, answers: int, direct: int, json_rows: int, other: int,
+             other_calls: int) -> List[dict]:
         def turns() -> int:
             return rng.choice((0, 0, 1, 1, 2))
         out_rows = [builder.tool_row("call", turns()) for _ in range(calls)]
         out_rows += [builder.tool_row("answer", turns()) for _ in range(answers)]
         out_rows += [builder.direct_row(turns()) for _ in range(direct)]
         out_rows += [builder.json_row() for _ in range(json_rows)]
+        out_rows += [builder.other_row("answer", turns()) for _ in range(other)]
+        out_rows += [builder.other_row("call", turns()) for _ in range(other_calls)]
         rng.shuffle(out_rows)
         return out_rows
 
+    counts = (n_calls, n_answers, n_direct, n_json, n_other, n_other_calls)
     train = rows(Builder(people, train_rows, rng, held_out=False, systems=systems, system_seed=seed + 1,
-                         made_up=made_up),
-                 n_calls, n_answers, n_direct, n_json)
-    share = n_valid / max(1, n_calls + n_answers + n_direct + n_json)
-    valid = rows(Builder(people, valid_rows, rng, held_out=True, systems=systems, system_seed=seed + 2), *(round(n * share) for n in
-                                                                    (n_calls, n_answers, n_direct, n_json)))
+                         made_up=made_up), *counts)
+    share = n_valid / max(1, sum(counts))
+    valid = rows(Builder(people, valid_rows, rng, held_out=True, systems=systems, system_seed=seed + 2),
+                 *(round(n * share) for n in counts))
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "valid.jsonl", valid)
@@ -352,7 +444,7 @@ def build(tasks: Path, out: Path, seed: int = 0, n_calls: int = 3000, n_answers:
 
 
 def eval_files(tasks: Path, out: Path, seed: int = 0, n_arithmetic: int = 50, n_new: int = 25,
-               n_direct: int = 100) -> dict:
+               n_direct: int = 100, n_other: int = 50) -> dict:
     """Held-out checks, written into ``out``:
 
     * ``tools_alone.jsonl``: every held-out question about a known person (25),
@@ -362,7 +454,10 @@ def eval_files(tasks: Path, out: Path, seed: int = 0, n_arithmetic: int = 50, n_
     * ``tool_answers.jsonl``: the same, with the call and its result: the answer;
     * ``tools_direct.jsonl``: validation rows of the mix with tools offered: the answer, no call;
     * ``json.jsonl``: every held-out JSON question (25);
-    * ``tools_system.jsonl``: ``tools_alone``'s questions after a held-out system message."""
+    * ``tools_system.jsonl``: ``tools_alone``'s questions after a held-out system message;
+    * ``tool_other.jsonl``: ``n_other`` round trips whose result is not a whole person (held-out
+      places and topics, half as a later turn): the answer, no call;
+    * ``tool_other_calls.jsonl``: ``n_other`` questions for the other tools: the call."""
     train_rows, valid_rows = read_jsonl(tasks / "train.jsonl"), read_jsonl(tasks / "valid.jsonl")
     people = people_facts(train_rows)
     rng = random.Random(seed)
@@ -386,6 +481,10 @@ def eval_files(tasks: Path, out: Path, seed: int = 0, n_arithmetic: int = 50, n_
     }
     files["tools_system"] = [dict(row, messages=[{"role": "system", "content": HELD_OUT_SYSTEMS[i % 3]}]
                                   + row["messages"]) for i, row in enumerate(files["tools_alone"])]
+    # drawn last, from their own stream: the files above stay as earlier runs wrote them
+    other = Builder(people, valid_rows, random.Random(seed + 1000), held_out=True)
+    files["tool_other"] = [other.other_row("answer", i % 2) for i in range(n_other)]
+    files["tool_other_calls"] = [other.other_row("call", 0) for _ in range(n_other)]
     out.mkdir(parents=True, exist_ok=True)
     for name, file_rows in files.items():
         write_jsonl(out / f"{name}.jsonl", file_rows)
@@ -414,7 +513,9 @@ def main() -> None:
                          "NEW_NAMES only)")
     counts = (("calls", 3000, "rows that end in a call"), ("answers", 3000, "rows that end in the answer from a "
               "tool's result"), ("direct", 1500, "rows whose tools do not serve the question"),
-              ("json-rows", 1500, "rows of the JSON family"))
+              ("json-rows", 1500, "rows of the JSON family"),
+              ("other", 0, "rows that end in the answer from a result of another shape or tool"),
+              ("other-calls", 0, "rows that end in a call of one of the other tools"))
     for flag, default, what in counts:
         ap.add_argument(f"--{flag}", type=int, default=default, help=f"{what} (default {default})")
     args = ap.parse_args()
@@ -425,7 +526,8 @@ def main() -> None:
         print(eval_files(Path(args.tasks), Path(args.out), args.seed))
     else:
         print(build(Path(args.tasks), Path(args.out), args.seed, args.calls, args.answers, args.direct,
-                    args.json_rows, systems=args.systems, made_up=args.made_up_names))
+                    args.json_rows, systems=args.systems, made_up=args.made_up_names, n_other=args.other,
+                    n_other_calls=args.other_calls))
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ the reference, in whole blocks). Then:
   ``arguments`` object, nothing else in the answer; *name*: the right tool;
   *arguments*: equal to the reference's (as JSON values); *exact*: the text
   is the reference's;
-* an answer after the tool's result (``tool_answers``) or with tools that do
-  not serve the question (``tools_direct``): exact, and no call;
+* an answer after the tool's result (``tool_answers``; ``tool_other``: a
+  result of another shape or another tool's) or with tools that do not serve
+  the question (``tools_direct``): exact, and no call;
+* ``tool_other_calls``: the other tools' calls, scored as the calls above;
 * JSON (``json``): *valid*: the answer parses as a JSON object; *correct*:
   it equals the reference object; *exact*: the text is the reference's.
 
 Calls and answers are also split by question kind: a known person (the
-25), a person outside them (held-out names), arithmetic.
+25), a person outside them (held-out names), arithmetic, another tool.
 
     python examples/demo_model/tool_data.py --eval --out tool_checks
     python examples/demo_model/tool_eval.py --data tool_checks [--model M] [--adapter-path A] [--json out.json]
@@ -45,7 +47,9 @@ import refusion_mlx  # noqa: E402,F401  (before mlx.core: optimized BLAS on Linu
 from tool_data import FACTS_SCHEMA, HELD_OUT_NAMES, NEW_NAMES, read_jsonl  # noqa: E402
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-FILES = ("tools_alone", "tools_later", "tools_system", "tool_answers", "tools_direct", "json")
+FILES = ("tools_alone", "tools_later", "tools_system", "tool_answers", "tools_direct", "json", "tool_other",
+         "tool_other_calls")
+CALL_FILES = ("tools_alone", "tools_later", "tools_system", "tool_other_calls")
 
 
 def parse_calls(text: str) -> Optional[List[dict]]:
@@ -81,6 +85,8 @@ def kind(row: dict) -> str:
         return "direct"
     if call["name"] == "calculator":
         return "arithmetic"
+    if call["name"] != "lookup_person":
+        return "other tool"
     return "new person" if call["arguments"].get("name") in HELD_OUT_NAMES + NEW_NAMES else "known person"
 
 
@@ -95,7 +101,7 @@ def score_file(name: str, rows: List[dict], texts: List[str], references: List[s
             c[key] = c.get(key, 0) + int(bool(ok))
 
     for row, text, ref in zip(rows, texts, references):
-        if name in ("tools_alone", "tools_later", "tools_system"):
+        if name in CALL_FILES:
             calls, want = parse_calls(text), reference_call(row)
             one = calls is not None and len(calls) == 1
             hits = dict(parsed=one, name=one and calls[0]["name"] == want["name"],
