@@ -237,3 +237,35 @@ def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
     assert allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": 2}}\n', end)
     assert not allowed("Let me add.\n", start, '\n{"name": "add", "arguments": {"a": "two"}}\n', end)
     assert not allowed(start, '\n{"name": "sub", "arguments": {"a": 2}}\n', end)
+
+
+def test_objects_that_list_their_properties_take_no_other_keys(demo):
+    """A schema that lists properties and says nothing of others decodes as if it said
+    "additionalProperties": false (vLLM's and xgrammar's default; OpenAI's strict schemas must): a small
+    model ran on writing keys nobody asked for until the budget. Allowing others stays possible; data (const,
+    enum) is left alone; tool arguments too."""
+    from refusion_mlx.decode.grammar import closed_objects, compile_constraint
+
+    model, tokenizer = demo
+    inner = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": inner},
+                                               "c": {"const": {"properties": {"x": 1}}}},
+              "$defs": {"d": {"anyOf": [inner]}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["items"]["items"]["additionalProperties"] \
+        is False and closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["c"] == {"const": {"properties": {"x": 1}}}  # a value, not a schema
+    assert "additionalProperties" not in schema and "additionalProperties" not in inner  # the caller's untouched
+    assert closed_objects({**inner, "additionalProperties": True})["additionalProperties"] is True
+
+    def takes(constraint, text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        matcher = compile_constraint(constraint, tokenizer, model.args.vocab_size, tokenizer.eos_token_id).matcher()
+        return matcher.valid_prefix(ids) == len(ids)
+
+    assert takes(Constraint.json_schema(inner), '{"a": 1}')
+    assert not takes(Constraint.json_schema(inner), '{"a": 1, "b": 2}')
+    assert takes(Constraint.json_schema({**inner, "additionalProperties": True}), '{"a": 1, "b": 2}')
+    call = Constraint.tool_calls([{"name": "f", "parameters": inner}], "<tool_call>", "</tool_call>")
+    assert takes(call, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    assert not takes(call, '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": 2}}\n</tool_call>')

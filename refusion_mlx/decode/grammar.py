@@ -8,7 +8,8 @@ its matcher gives, for the text decided so far in *position order*, the bitmask
 of tokens allowed next, the tokens the grammar forces, and rollback -- what the
 constrained mode (``constrain.py``) needs to check drafts like speculative
 decoding does. No JSON parsing or schema-to-grammar translation is done
-here (only ``format`` annotations the engine does not know are dropped).
+here (only ``format`` annotations the engine does not know are dropped, and
+objects that list their properties are closed to others: ``closed_objects``).
 
 * :class:`Constraint` -- the request's constraint as given: a JSON Schema, any
   JSON object, a grammar in llguidance's Lark format, or tool calls in
@@ -120,7 +121,8 @@ class Constraint:
         if self.kind == "tool_calls":
             return LLMatcher.grammar_from_lark(tool_call_lark(json.loads(self.source), one_token))
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.source, defaults=dict(JSON_STYLE))
+            return LLMatcher.grammar_from_json_schema(closed_objects(json.loads(self.source)),
+                                                      defaults=dict(JSON_STYLE))
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=dict(JSON_STYLE))
         if self.kind == "lark":
@@ -130,7 +132,8 @@ class Constraint:
 
 def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
     """The Lark grammar of forced calls (``Constraint.tool_calls``)."""
-    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                                        "arguments": closed_objects(t["parameters"])},
                        "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]],
             "x-guidance": JSON_STYLE}
 
@@ -146,25 +149,47 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
 
 
 UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)$")
-NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# where a schema holds schemas (the rest -- const, enum, default, examples, ... -- is data)
+NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # names -> schemas
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+ONE_SCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+              "contains", "not", "if", "then", "else", "propertyNames")
+
+
+def map_schemas(schema: Any, fn) -> Any:
+    """``schema`` with ``fn`` applied to it and to each schema inside it, innermost first (a copy)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in NAME_MAPS and isinstance(value, dict):
+            out[key] = {k: map_schemas(v, fn) for k, v in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [map_schemas(v, fn) for v in value]
+        elif key in ONE_SCHEMA:  # items may be a list (draft 7's tuples)
+            out[key] = [map_schemas(v, fn) for v in value] if isinstance(value, list) else map_schemas(value, fn)
+    return fn(out)
 
 
 def without_format(schema: Any, fmt: str) -> Any:
     """``schema`` without ``"format": fmt`` anywhere (a format only annotates
     unless a validator is told to assert it: the instances stay valid)."""
-    if isinstance(schema, list):
-        return [without_format(s, fmt) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "format" and value == fmt:
-            continue
-        if key in NAME_MAPS and isinstance(value, dict):  # names to schemas: a key here is a name
-            out[key] = {k: without_format(v, fmt) for k, v in value.items()}
-        else:
-            out[key] = without_format(value, fmt)
-    return out
+    return map_schemas(schema, lambda s: {k: v for k, v in s.items() if not (k == "format" and v == fmt)})
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` in every object schema
+    that lists its properties and says nothing of others (as OpenAI's strict
+    schemas must, and as vLLM and xgrammar decode by default): what it
+    accepts is valid under ``schema``, and a model cannot run on writing keys
+    nobody asked for. A schema that allows other keys says so
+    (``"additionalProperties": true`` or a schema)."""
+    def close(s: dict) -> dict:
+        if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
+                and "unevaluatedProperties" not in s:
+            return {**s, "additionalProperties": False}
+        return s
+    return map_schemas(schema, close)
 
 
 def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
