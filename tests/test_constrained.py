@@ -269,3 +269,25 @@ def test_objects_that_list_their_properties_take_no_other_keys(demo):
     call = Constraint.tool_calls([{"name": "f", "parameters": inner}], "<tool_call>", "</tool_call>")
     assert takes(call, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
     assert not takes(call, '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+
+
+def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
+    """An integer with no bound is written in at most 16 digits (llama.cpp's JSON grammars cap them so):
+    the demo ran on writing an age's digits until its budget ended. Given bounds are kept."""
+    from refusion_mlx.decode.grammar import bounded_integers, compile_constraint
+
+    model, tokenizer = demo
+    assert bounded_integers({"type": "integer"}) == {"type": "integer", "maximum": 10 ** 16 - 1,
+                                                     "minimum": -(10 ** 16 - 1)}
+    assert bounded_integers({"type": "integer", "minimum": 0}) == {"type": "integer", "minimum": 0,
+                                                                   "maximum": 10 ** 16 - 1}
+    assert bounded_integers({"type": "number"}) == {"type": "number"}
+
+    def takes(schema, text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        c = compile_constraint(Constraint.json_schema(schema), tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+        return c.matcher().valid_prefix(ids) == len(ids)
+
+    age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    assert takes(age, '{"age": ' + "9" * 16 + "}") and takes(age, '{"age": -' + "9" * 16 + "}")
+    assert not takes(age, '{"age": ' + "1" * 17)

@@ -9,7 +9,8 @@ of tokens allowed next, the tokens the grammar forces, and rollback -- what the
 constrained mode (``constrain.py``) needs to check drafts like speculative
 decoding does. No JSON parsing or schema-to-grammar translation is done
 here (only ``format`` annotations the engine does not know are dropped, and
-objects that list their properties are closed to others: ``closed_objects``).
+objects that list their properties are closed to others and integers without
+bounds held to 16 digits: ``for_decoding``).
 
 * :class:`Constraint` -- the request's constraint as given: a JSON Schema, any
   JSON object, a grammar in llguidance's Lark format, or tool calls in
@@ -121,7 +122,7 @@ class Constraint:
         if self.kind == "tool_calls":
             return LLMatcher.grammar_from_lark(tool_call_lark(json.loads(self.source), one_token))
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(closed_objects(json.loads(self.source)),
+            return LLMatcher.grammar_from_json_schema(for_decoding(json.loads(self.source)),
                                                       defaults=dict(JSON_STYLE))
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=dict(JSON_STYLE))
@@ -133,7 +134,7 @@ class Constraint:
 def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
     """The Lark grammar of forced calls (``Constraint.tool_calls``)."""
     body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                        "arguments": closed_objects(t["parameters"])},
+                                                        "arguments": for_decoding(t["parameters"])},
                        "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]],
             "x-guidance": JSON_STYLE}
 
@@ -190,6 +191,33 @@ def closed_objects(schema: Any) -> Any:
             return {**s, "additionalProperties": False}
         return s
     return map_schemas(schema, close)
+
+
+INTEGER_DIGITS = 16  # an integer with no bound in its schema is written in at most this many digits
+
+
+def bounded_integers(schema: Any) -> Any:
+    """``schema`` with integers that have no bound on a side held to
+    ``INTEGER_DIGITS`` digits there (llama.cpp's JSON grammars cap them so
+    too): a small model otherwise writes digits until its budget ends."""
+    top = 10 ** INTEGER_DIGITS - 1
+
+    def bound(s: dict) -> dict:
+        kind = s.get("type")
+        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+            return s
+        out = dict(s)
+        if "maximum" not in s and "exclusiveMaximum" not in s:
+            out["maximum"] = top
+        if "minimum" not in s and "exclusiveMinimum" not in s:
+            out["minimum"] = -top
+        return out
+    return map_schemas(schema, bound)
+
+
+def for_decoding(schema: Any) -> Any:
+    """The schema a request's answer is decoded under: its objects closed, its integers bounded."""
+    return bounded_integers(closed_objects(schema))
 
 
 def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
