@@ -244,7 +244,8 @@ def test_objects_that_list_their_properties_take_no_other_keys(demo):
     "additionalProperties": false (vLLM's and xgrammar's default; OpenAI's strict schemas must): a small
     model ran on writing keys nobody asked for until the budget. Allowing others stays possible; data (const,
     enum) is left alone; tool arguments too."""
-    from refusion_mlx.decode.grammar import closed_objects, compile_constraint
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.decode.json_schema import closed_objects
 
     model, tokenizer = demo
     inner = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -274,7 +275,8 @@ def test_objects_that_list_their_properties_take_no_other_keys(demo):
 def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     """An integer with no bound is written in at most 16 digits (llama.cpp's JSON grammars cap them so):
     the demo ran on writing an age's digits until its budget ended. Given bounds are kept."""
-    from refusion_mlx.decode.grammar import bounded_integers, compile_constraint
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.decode.json_schema import bounded_integers
 
     model, tokenizer = demo
     assert bounded_integers({"type": "integer"}) == {"type": "integer", "maximum": 10 ** 16 - 1,

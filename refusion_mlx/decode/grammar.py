@@ -8,9 +8,8 @@ its matcher gives, for the text decided so far in *position order*, the bitmask
 of tokens allowed next, the tokens the grammar forces, and rollback -- what the
 constrained mode (``constrain.py``) needs to check drafts like speculative
 decoding does. No JSON parsing or schema-to-grammar translation is done
-here (only ``format`` annotations the engine does not know are dropped, and
-objects that list their properties are closed to others and integers without
-bounds held to 16 digits: ``for_decoding``).
+here: a schema is narrowed first to what a small model can finish
+(:mod:`.json_schema`).
 
 * :class:`Constraint` -- the request's constraint as given: a JSON Schema, any
   JSON object, a grammar in llguidance's Lark format, or tool calls in
@@ -33,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DecodeError
+from .json_schema import check_schema, for_decoding, without_format
 
 # compact JSON as json.dumps writes it: ", " between items, ": " after keys
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -150,76 +150,6 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
 
 
 UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)$")
-# where a schema holds schemas (the rest -- const, enum, default, examples, ... -- is data)
-NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # names -> schemas
-SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-ONE_SCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
-              "contains", "not", "if", "then", "else", "propertyNames")
-
-
-def map_schemas(schema: Any, fn) -> Any:
-    """``schema`` with ``fn`` applied to it and to each schema inside it, innermost first (a copy)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key, value in schema.items():
-        if key in NAME_MAPS and isinstance(value, dict):
-            out[key] = {k: map_schemas(v, fn) for k, v in value.items()}
-        elif key in SCHEMA_LISTS and isinstance(value, list):
-            out[key] = [map_schemas(v, fn) for v in value]
-        elif key in ONE_SCHEMA:  # items may be a list (draft 7's tuples)
-            out[key] = [map_schemas(v, fn) for v in value] if isinstance(value, list) else map_schemas(value, fn)
-    return fn(out)
-
-
-def without_format(schema: Any, fmt: str) -> Any:
-    """``schema`` without ``"format": fmt`` anywhere (a format only annotates
-    unless a validator is told to assert it: the instances stay valid)."""
-    return map_schemas(schema, lambda s: {k: v for k, v in s.items() if not (k == "format" and v == fmt)})
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``"additionalProperties": false`` in every object schema
-    that lists its properties and says nothing of others (as OpenAI's strict
-    schemas must, and as vLLM and xgrammar decode by default): what it
-    accepts is valid under ``schema``, and a model cannot run on writing keys
-    nobody asked for. A schema that allows other keys says so
-    (``"additionalProperties": true`` or a schema)."""
-    def close(s: dict) -> dict:
-        if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
-                and "unevaluatedProperties" not in s:
-            return {**s, "additionalProperties": False}
-        return s
-    return map_schemas(schema, close)
-
-
-INTEGER_DIGITS = 16  # an integer with no bound in its schema is written in at most this many digits
-
-
-def bounded_integers(schema: Any) -> Any:
-    """``schema`` with integers that have no bound on a side held to
-    ``INTEGER_DIGITS`` digits there (llama.cpp's JSON grammars cap them so
-    too): a small model otherwise writes digits until its budget ends."""
-    top = 10 ** INTEGER_DIGITS - 1
-
-    def bound(s: dict) -> dict:
-        kind = s.get("type")
-        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
-            return s
-        out = dict(s)
-        if "maximum" not in s and "exclusiveMaximum" not in s:
-            out["maximum"] = top
-        if "minimum" not in s and "exclusiveMinimum" not in s:
-            out["minimum"] = -top
-        return out
-    return map_schemas(schema, bound)
-
-
-def for_decoding(schema: Any) -> Any:
-    """The schema a request's answer is decoded under: its objects closed, its integers bounded."""
-    return bounded_integers(closed_objects(schema))
-
-
 def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
                   json_object: bool = False) -> Optional[Constraint]:
     """The Python API's and the CLI's constraint keywords as one Constraint
@@ -232,18 +162,6 @@ def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar:
     if grammar is not None:
         return Constraint.lark(grammar)
     return Constraint.json_object() if json_object else None
-
-
-def check_schema(schema: Dict[str, Any], name: str) -> None:
-    """The schema is valid JSON Schema (its declared draft, else 2020-12)."""
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        raise DecodeError(f"{name}: not a valid JSON Schema: {e.message}" + (f" (at {where})" if where else "")) \
-            from None
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
