@@ -305,8 +305,21 @@ class Matcher:
         self.m.unsafe_compute_mask_ptr(out.ctypes.data + row * out.strides[0], out.strides[0])
 
     def forced(self) -> List[int]:
-        """The tokens the grammar forces next (may be empty)."""
-        return [int(t) for t in self.m.compute_ff_tokens()] if not self.m.is_stopped() else []
+        """The tokens the grammar forces next (may be empty): llguidance's
+        forced tokens, then the rest of the text it forces (a key and its
+        ``": "``, which several tokenizations could spell, so none is forced
+        as a token) in the tokenizer's own tokenization, as far as the
+        grammar takes it -- text a model does not choose costs no forward."""
+        if self.m.is_stopped():
+            return []
+        tokens = [int(t) for t in self.m.compute_ff_tokens()]
+        text = bytes(self.m.compute_ff_bytes())
+        lltok = self.compiled.tokenizer
+        done = len(lltok.decode_bytes(tokens)) if tokens else 0
+        if len(text) > done and text[:done] == (lltok.decode_bytes(tokens) if tokens else b""):
+            more = tokens + [int(t) for t in lltok.tokenize_bytes(text[done:])]
+            tokens = more[:int(self.m.validate_tokens(more))]
+        return tokens
 
     @property
     def stopped(self) -> bool:
