@@ -293,3 +293,26 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     assert takes(age, '{"age": ' + "9" * 16 + "}") and takes(age, '{"age": -' + "9" * 16 + "}")
     assert not takes(age, '{"age": ' + "1" * 17)
+
+
+def test_forced_text_is_committed_even_where_several_tokenizations_could_spell_it(demo):
+    """llguidance forces a token only where one tokenization is possible; the demo's vocabulary spells a key's
+    '": "' as one token or as three, so none is forced there. Matcher.forced gives the whole forced text, in
+    the tokenizer's own tokenization (a forward saved at every key), and only what the grammar takes."""
+    from refusion_mlx.decode.grammar import compile_constraint
+
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+              "required": ["name", "city"]}
+    m = compile_constraint(Constraint.json_schema(schema), tokenizer, model.args.vocab_size,
+                           tokenizer.eos_token_id).matcher()
+    engine_forced = [int(t) for t in m.m.compute_ff_tokens()]
+    forced = m.forced()
+    assert tokenizer.decode(forced) == '{"name": "' and len(tokenizer.decode(engine_forced)) < len('{"name": "')
+    assert forced[:len(engine_forced)] == engine_forced
+    assert m.consume(forced) == len(forced)
+    value = tokenizer.encode('Sven', add_special_tokens=False)
+    assert m.consume(value) == len(value) and m.forced() == []  # inside a string nothing is forced
+    close = tokenizer.encode('"', add_special_tokens=False)
+    assert m.consume(close) == len(close)
+    assert tokenizer.decode(m.forced()) == ', "city": "'
