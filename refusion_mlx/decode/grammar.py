@@ -315,9 +315,9 @@ class Matcher:
         tokens = [int(t) for t in self.m.compute_ff_tokens()]
         text = bytes(self.m.compute_ff_bytes())
         lltok = self.compiled.tokenizer
-        done = len(lltok.decode_bytes(tokens)) if tokens else 0
-        if len(text) > done and text[:done] == (lltok.decode_bytes(tokens) if tokens else b""):
-            more = tokens + [int(t) for t in lltok.tokenize_bytes(text[done:])]
+        head = lltok.decode_bytes(tokens) if tokens else b""
+        if len(text) > len(head) and text.startswith(head):
+            more = tokens + [int(t) for t in lltok.tokenize_bytes(text[len(head):])]
             tokens = more[:int(self.m.validate_tokens(more))]
         return tokens
 

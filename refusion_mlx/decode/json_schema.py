@@ -38,6 +38,13 @@ def without_format(schema: Any, fmt: str) -> Any:
     return map_schemas(schema, lambda s: {k: v for k, v in s.items() if not (k == "format" and v == fmt)})
 
 
+def _closed(s: dict) -> dict:
+    if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
+            and "unevaluatedProperties" not in s:
+        return {**s, "additionalProperties": False}
+    return s
+
+
 def closed_objects(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` in every object schema
     that lists its properties and says nothing of others (as OpenAI's strict
@@ -45,39 +52,35 @@ def closed_objects(schema: Any) -> Any:
     accepts is valid under ``schema``, and a model cannot run on writing keys
     nobody asked for. A schema that allows other keys says so
     (``"additionalProperties": true`` or a schema)."""
-    def close(s: dict) -> dict:
-        if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
-                and "unevaluatedProperties" not in s:
-            return {**s, "additionalProperties": False}
-        return s
-    return map_schemas(schema, close)
+    return map_schemas(schema, _closed)
 
 
 INTEGER_DIGITS = 16  # an integer with no bound in its schema is written in at most this many digits
+_TOP = 10 ** INTEGER_DIGITS - 1
+
+
+def _bounded(s: dict) -> dict:
+    kind = s.get("type")
+    if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+        return s
+    out = dict(s)
+    if "maximum" not in s and "exclusiveMaximum" not in s:
+        out["maximum"] = _TOP
+    if "minimum" not in s and "exclusiveMinimum" not in s:
+        out["minimum"] = -_TOP
+    return out
 
 
 def bounded_integers(schema: Any) -> Any:
     """``schema`` with integers that have no bound on a side held to
     ``INTEGER_DIGITS`` digits there (llama.cpp's JSON grammars cap them so
     too): a small model otherwise writes digits until its budget ends."""
-    top = 10 ** INTEGER_DIGITS - 1
-
-    def bound(s: dict) -> dict:
-        kind = s.get("type")
-        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
-            return s
-        out = dict(s)
-        if "maximum" not in s and "exclusiveMaximum" not in s:
-            out["maximum"] = top
-        if "minimum" not in s and "exclusiveMinimum" not in s:
-            out["minimum"] = -top
-        return out
-    return map_schemas(schema, bound)
+    return map_schemas(schema, _bounded)
 
 
 def for_decoding(schema: Any) -> Any:
-    """The schema a request's answer is decoded under: its objects closed, its integers bounded."""
-    return bounded_integers(closed_objects(schema))
+    """The schema a request's answer is decoded under: its objects closed, its integers bounded (one walk)."""
+    return map_schemas(schema, lambda s: _bounded(_closed(s)))
 
 
 def check_schema(schema: Dict[str, Any], name: str) -> None:
