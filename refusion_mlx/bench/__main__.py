@@ -83,6 +83,10 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--prompts", type=positive_int, default=4,
                         help="with --shape: how many of the suite's prompts to record (default 4; "
                              "--max-tokens defaults to 64 there)")
+    parser.add_argument("--batch", type=positive_int, metavar="N",
+                        help="with --shape: also time each profile as N requests decoded at once (their "
+                             "forwards packed step by step, as the server's continuous batching runs them) "
+                             "against the same N one at a time")
     return parser
 
 
@@ -93,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
         parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
-    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only"):
+    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch"):
         if getattr(args, flag) and args.shape is None:
             parser.error(f"--{flag.replace('_', '-')} goes with --shape")
     if args.shape is not None:

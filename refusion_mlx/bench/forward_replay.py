@@ -150,17 +150,31 @@ class BareWrite:
         def __init__(self, w: "BareWrite", i: int):
             self.w, self.store = w, w.cache.stores[i]
 
-        def attend(self, q, k, v, mask):
-            """Write the pass's rows to the layer's store, then attend over the
-            rows it sees; the rows before the pass's first count as committed
-            (a quantized store keeps them as codes, as the decoder's would)."""
+        def update(self, k, v):
+            """Write the pass's rows to the layer's store; the rows before the
+            pass's first count as committed (a quantized store keeps them as
+            codes, as the decoder's would)."""
             w = self.w
             self.store.set_committed(w.start)
             if w.rows is None:
                 self.store.write(k, v, w.start)
             else:
                 self.store.write_rows(k, v, w.rows, w.visible)
-            return self.store.attend(q, mask, w.visible)
+
+        def fetch(self, length):
+            """The first ``length`` rows (zeros past the capacity), as a
+            packed batch reads them (``cache._LayerWrite.fetch``)."""
+            capacity = self.store.capacity
+            keys, values = self.store.read(min(length, capacity))
+            if length > capacity:
+                pad = [(0, 0), (0, 0), (0, length - capacity), (0, 0)]
+                keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+            return keys, values
+
+        def attend(self, q, k, v, mask):
+            """Write the pass's rows, then attend over the rows it sees."""
+            self.update(k, v)
+            return self.store.attend(q, mask, self.w.visible)
 
 
 @dataclass
@@ -210,6 +224,67 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
         mx.eval(out)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def split_requests(shapes: Sequence[ForwardShape]) -> List[List[ForwardShape]]:
+    """A profile's forwards request by request: each request's first forward
+    writes from row 0."""
+    out: List[List[ForwardShape]] = []
+    for s in shapes:
+        if s.rows is None and s.start == 0 or not out:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def replay_batched(model, requests: Sequence[Sequence[ForwardShape]], head_chunk: Optional[int] = None,
+                   storage: Optional[Storage] = None, seed: int = 0) -> List[float]:
+    """The requests decoded at once, as continuous batching runs them: step i
+    packs every request's i-th forward into one forward
+    (``decode.packed.PackedWrite``: the weights read once, each request
+    attending to its own cache), the LM head over all their head rows; each
+    request has its own stores. Returns each step's seconds, after the first
+    step run once untimed."""
+    from ..decode.packed import PackedWrite
+
+    prepared = [prepare(model, list(req), seed + i, storage) for i, req in enumerate(requests)]
+    runner = Runner.of(model)
+    steps = max(len(req) for req in requests)
+
+    def step(i: int) -> float:
+        active = [(p.shapes[i], p.inputs[i]) for p in prepared if i < len(p.shapes)]
+        tokens = mx.concatenate([inp[0] for _, inp in active])
+        positions = mx.concatenate([inp[1] for _, inp in active])
+        mx.eval(tokens, positions)
+        t0 = time.perf_counter()
+        write = PackedWrite([inp[2] for _, inp in active], [s.tokens for s, _ in active])
+        h = runner.hidden(tokens, positions, write)
+        rows = sum(s.head_rows for s, _ in active)
+        step_rows = head_chunk or rows or 1
+        out = [model.head(h[-rows:][j:j + step_rows]).astype(mx.float32) for j in range(0, rows, step_rows)]
+        mx.eval(out or h)
+        return time.perf_counter() - t0
+
+    step(0)
+    return [step(i) for i in range(steps)]
+
+
+def time_batched(model, forwards: Sequence[ForwardShape], generated: Sequence[int], batch: int,
+                 head_chunk: Optional[int] = None, storage: Optional[Storage] = None) -> dict:
+    """``batch`` requests of a profile (its requests in turn; ``generated``:
+    the tokens each one decodes) one at a time and all at once
+    (:func:`replay_batched`): seconds and aggregate tokens/s of each."""
+    reqs = split_requests(forwards)
+    chosen = [reqs[i % len(reqs)] for i in range(batch)]
+    tokens = sum(generated[i % len(reqs)] for i in range(batch))
+    serial_shapes = [s for r in chosen for s in r]
+    prepared = prepare(model, serial_shapes, storage=storage)
+    replay(model, Replay(serial_shapes[:2], prepared.inputs[:2], prepared.cache), head_chunk)  # warm-up
+    serial = sum(replay(model, prepared, head_chunk))
+    together = sum(replay_batched(model, chosen, head_chunk, storage))
+    return {"requests": batch, "tokens": tokens, "serial_seconds": round(serial, 6),
+            "batched_seconds": round(together, 6), "serial_tok_s": round(tokens / serial, 3),
+            "batched_tok_s": round(tokens / together, 3), "speedup": round(serial / together, 4)}
 
 
 def by_phase(shapes: Sequence[ForwardShape], seconds: Sequence[float]) -> dict:

@@ -141,6 +141,6 @@ def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
     result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log,
                        record_model=args.record_with, tokens_per_forward=args.tokens_per_forward,
-                       measure=not args.forecast_only, show=show, kv=_kv(args))
+                       measure=not args.forecast_only, show=show, kv=_kv(args), batch=args.batch or 1)
     result["report"] = format_shape_report(result, shown=bool(shown))
     return result

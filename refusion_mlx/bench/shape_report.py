@@ -61,6 +61,16 @@ def _measured_rows(r: dict, gpu: bool) -> List[list]:
     return rows
 
 
+def format_batched(r: dict) -> str:
+    """Each profile's requests at once against one at a time (``--batch``)."""
+    rows = [[row_label(p), p["batched"]["requests"], p["batched"]["serial_tok_s"], p["batched"]["batched_tok_s"],
+             f"{p['batched']['speedup']:.2f}x"] for p in r["profiles"] if p.get("batched")]
+    if not rows:
+        return ""
+    return "\n" + format_table(["profile", "requests", "one at a time tok/s", "at once tok/s", "at once / one"],
+                               rows)
+
+
 def format_measured(r: dict) -> str:
     gpu = r["measured_on"] == "gpu"
     if gpu:
@@ -81,7 +91,7 @@ def format_measured(r: dict) -> str:
             f"ReFusion / AR measured here: {r['ratio']:.3f}x, with {whose}; LM head: {r['head_rows_per_chunk']} "
             f"rows per read on these paths, {r['head_reads_per_step']} reads per step (max "
             f"{r['head_reads_per_step_max']})", width=110, subsequent_indent="    ")
-    return "\n".join(lines)
+    return "\n".join(lines) + format_batched(r)
 
 
 def _forecast(r: dict) -> str:

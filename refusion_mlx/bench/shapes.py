@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten
 from ..decode.forward import head_chunk_rows
 from ..models import backend
 from .forecast import MEASURED_ON_H100, NOTE, gap, price
-from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay
+from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay, time_batched
 from .kv_memory import kv_memory
 from .profiles import DEFAULT_TOKENS_PER_FORWARD, Profile, derive, derived_range, requests
 from .report import device_description
@@ -300,14 +300,17 @@ def _measured(profile: Profile, seconds: float, ar_tok_s: Optional[float], forec
 def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: Optional[int] = None,
               ar: bool = True, log=None, record_model: Optional[str] = None,
               tokens_per_forward: Optional[float] = None, measure: bool = True,
-              measure_profiles: Optional[bool] = None, show=None, kv: Optional[dict] = None) -> dict:
+              measure_profiles: Optional[bool] = None, show=None, kv: Optional[dict] = None,
+              batch: int = 1) -> dict:
     """The --shape report. ``record_model``: the folder whose forwards are
     recorded (None: the demo model's); ``tokens_per_forward``: one derived
     profile instead of the default range; ``measure=False``: no timing (the
     weights are never computed); ``measure_profiles``: replay the derived
     profiles too (default: on a GPU); ``show(report)``: called with the
     report so far before timing on the CPU, where timing a large shape is slow;
-    ``kv``: the KV cache's settings (``bits``, ``group_size``; None: float)."""
+    ``kv``: the KV cache's settings (``bits``, ``group_size``; None: float);
+    ``batch``: above 1, each profile timed also as that many requests at
+    once against the same one at a time (``forward_replay.time_batched``)."""
     from .runs import storage_of
 
     say = log or (lambda _m: None)
@@ -378,6 +381,10 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         seconds = time_refusion(model, p.forwards, costs.per_chunk, storage_of(kv, model))
         say(f"replayed {d['label']}: {len(seconds)} forwards in {sum(seconds):.2f} s")
         d["measured"] = _measured(p, sum(seconds), ar_tok_s, d["bandwidth_bound_ratio"])
+        if batch > 1:
+            d["batched"] = time_batched(model, p.forwards, rec.generated, batch, costs.per_chunk,
+                                        storage_of(kv, model))
+            say(f"{d['label']}: {batch} requests at once {d['batched']['speedup']:.2f}x one at a time")
     m = mine["measured"]
     result.update(replayed_forwards=len(rec.shapes), refusion_seconds=m["seconds"], refusion_tok_s=m["tok_s"],
                   ratio=m["ratio"])

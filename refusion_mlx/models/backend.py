@@ -7,7 +7,11 @@ and nothing else, which side it is on:
 ========================  ==================================  =====================================
 choice                    GPU paths                           CPU paths
 ========================  ==================================  =====================================
-RMSNorm, attention        ``mx.fast`` fused kernels           compiled / regrouped ops (cpu_paths)
+RMSNorm                   ``mx.fast.rms_norm``                compiled ops (cpu_paths)
+attention                 ``mx.fast`` fused kernel, or the    grouped-query matmuls, one softmax
+                          unfused one where the backend       (cpu_paths.attend)
+                          plans per shape
+                          (:func:`fused_attention`)
 exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
 LM-head log-sum-exp                                           kernels.exp)
 Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in, out) row-major at
@@ -49,6 +53,10 @@ from ..errors import RefusionError
 
 ENV = "REFUSION_MLX_PATHS"
 MODES = ("auto", "gpu", "cpu")
+# How the GPU paths attend: MLX's fused kernel, the unfused matmuls, or as
+# measured for the backend (:func:`fused_attention`)
+ATTENTION_ENV = "REFUSION_MLX_ATTENTION"
+ATTENTION_MODES = ("auto", "fused", "unfused")
 
 # Without a memory size from the device: the logits budget of the GPU paths.
 FALLBACK_LOGITS_BUDGET_BYTES = 1 << 30
@@ -77,6 +85,7 @@ def mode() -> str:
     if value not in MODES:
         raise PathsError(f"{ENV}={raw!r} is not a mode: use one of {', '.join(MODES)}")
     _forced = None if value == "auto" else value == "gpu"
+    attention_mode()
     return value
 
 
@@ -95,6 +104,57 @@ def gpu_paths() -> bool:
 def cpu_paths() -> bool:
     """True: take the CPU paths (see the table above)."""
     return not gpu_paths()
+
+
+_attention_read = _UNREAD
+
+
+def attention_mode() -> str:
+    """``auto``, ``fused`` or ``unfused`` from ``REFUSION_MLX_ATTENTION``
+    (read again each call, and by :func:`mode`'s callers through model
+    loads; :class:`PathsError` for any other value)."""
+    global _attention_read
+    raw = os.environ.get(ATTENTION_ENV)
+    value = (raw or "auto").strip().lower()
+    if value not in ATTENTION_MODES:
+        raise PathsError(f"{ATTENTION_ENV}={raw!r} is not a mode: use one of {', '.join(ATTENTION_MODES)}")
+    _attention_read = value
+    return value
+
+
+def is_cuda() -> bool:
+    """Whether MLX computes on its CUDA backend here."""
+    return _is_cuda(str(mx.default_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_cuda(device: str) -> bool:
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except Exception:
+        return False
+
+
+def fused_attention(queries: int, array_mask: bool) -> bool:
+    """Whether the GPU paths attend through ``mx.fast.scaled_dot_product_attention``
+    for ``queries`` query rows, with a boolean array mask or not ("causal",
+    none). The CPU paths never do (``cpu_paths.attend``).
+
+    ``auto``: fused everywhere but on CUDA. There MLX sends a fused call
+    with more than one query row, or with an array mask, to cuDNN, which
+    builds a graph for every new shape of queries, keys and mask (and
+    raises "Cache thrashing" after 512 misses in a process); a ReFusion
+    pass attends over a new number of keys every time. One query without an
+    array mask takes MLX's vector kernel, which plans nothing. The unfused
+    matmuls cost what the lent H200 measured (docs/benchmarks.md, "A wide
+    forward on the H200"). ``REFUSION_MLX_ATTENTION=fused|unfused`` forces
+    either (benchmarks, tests)."""
+    mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
+    if mode_ != "auto":
+        return mode_ == "fused"
+    if not is_cuda():
+        return True
+    return queries == 1 and not array_mask
 
 
 def paths() -> str:

@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .backend import gpu_paths
+from .backend import fused_attention, gpu_paths
 from .kernels import softmax
 
 
@@ -59,20 +59,44 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     """Attention of (B, H, T, D) queries, already multiplied by the softmax
     scale, over (B, K, L, D) keys and values.
 
-    On the GPU: MLX's fused kernel, ``mask`` "causal" or (T, L). The CPU has
-    no fused kernel and MLX splits that call into ~16 ops per layer, rebuilding
-    the mask and broadcasting K/V over each query group; here the H/K query
-    heads that share a KV head are stacked as the rows of one matrix, against a
-    mask from :func:`grouped_mask` built once per forward. Same arithmetic,
-    half the ops.
+    On the GPU paths: MLX's fused kernel, ``mask`` None, "causal", (T, L) or
+    (B, 1, T, L) boolean, where ``backend.fused_attention`` says so, else
+    :func:`unfused_attend` on the same mask. The CPU has no fused kernel and
+    MLX splits that call into ~16 ops per layer, rebuilding the mask and
+    broadcasting K/V over each query group; here the H/K query heads that
+    share a KV head are stacked as the rows of one matrix, against a mask
+    from :func:`grouped_mask` built once per forward. Same arithmetic, half
+    the ops.
     """
     if gpu_paths():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        if fused_attention(q.shape[2], isinstance(mask, mx.array)):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return unfused_attend(q, k, v, mask)
     B, H, T, D = q.shape
     K = k.shape[1]
     scores = q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)
     probs = softmax(scores + mask)
     return (probs @ v).reshape(B, H, T, D)
+
+
+def unfused_attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+    """The GPU paths' attention as plain ops, where a fused call would cost
+    more (``backend.fused_attention``: on CUDA, cuDNN's graph per shape):
+    the H/K query heads of each KV head stacked as the rows of one matmul
+    (no K/V broadcast), the boolean mask applied in place (broadcast, never
+    materialised per head), one float32 softmax. ``mask``: as the fused
+    kernel takes it (None, "causal", (T, L), (B, 1, T, L))."""
+    B, H, T, D = q.shape
+    K, L = k.shape[1], k.shape[2]
+    scores = (q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)).reshape(B, K, H // K, T, L)
+    if isinstance(mask, str):
+        mask = mx.arange(L)[None, :] <= mx.arange(L - T, L)[:, None]
+    if mask is not None:
+        if mask.ndim == 4:  # (B, 1, T, L): one mask per request of a padded batch
+            mask = mask[:, :, None]
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs.reshape(B, K, H // K * T, L) @ v).reshape(B, H, T, D)
 
 
 def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:

@@ -1,0 +1,342 @@
+"""A forward's cost by width: what a ReFusion pass of 1 to 32 tokens costs
+against a one-token autoregressive (AR) forward of the same weights.
+
+    python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32
+    python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --json cost.json   # a GPU
+    python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \\
+        --attention fused,unfused --widths 1,4,8,16,32 --kv 256,1024,4096
+
+ReFusion is faster than AR only if a forward that feeds several tokens
+costs about what a one-token forward costs, and whether it does is decided
+by the backend's kernels. For every attention mode (``--attention``: how
+the GPU paths attend, ``backend.fused_attention``), decoder phase
+(``--phases``: ``plan`` and ``verify`` extend the cache causally,
+``infill`` writes scattered rows of slots under their block-diagonal mask,
+exactly as ``CommittedCache.extend`` / ``.infill`` make them), cache length
+(``--kv``) and width (``--widths``) it times, in one process, on a model of
+a real shape with random weights (``bench.shapes``; ``--q-bits`` quantizes
+it):
+
+* **the whole forward**, as the decoder runs it (``Runner.hidden``, the LM
+  head on every row, one evaluation): median of ``--repeat`` runs, each at
+  a cache one row longer than the last, as in decoding (a backend that
+  plans per shape pays for its plan every time; ``--fixed-kv``: the same
+  length every run);
+* **its parts by op class**, each timed alone over every layer with the
+  same shapes and weights: the q/k/v/o projections, the MLP, attention
+  (with its K/V write), the LM head; ``other`` is the whole minus the parts
+  (norms, RoPE, embedding, the mask, dispatch and the host sync). Each
+  part's own evaluation round trip (``sync_ms``, an empty evaluation) is
+  taken out of it;
+* with quantized weights, every quantized matmul of the layers again, in
+  one call (``qmm``) and in calls of at most 7 rows (``qmm_rows7``: MLX's
+  CUDA backend takes its mat-vec kernel below 8 rows, a tiled GEMM from 8),
+  in the JSON;
+* **AR's one-token forward** at the same cache length: mlx-lm's model on
+  the same arrays with its own KV cache (``--no-ar``: skip it).
+
+A table per run and ``--json`` (``forward_cost``: one row per forward
+timed, AR's as ``phase: "ar"``, width 1). On CUDA, run under ``nsys``
+for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
+hence the parts timed alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from refusion_mlx.bench.report import device_description, format_table, package_version
+from refusion_mlx.cli import OneLineParser, positive_ints, run
+from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.runner import Runner
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.models import backend
+
+from .speed_common import check_json_path, median, write_json
+
+PHASES = ("plan", "verify", "infill")
+PARTS = ("proj", "mlp", "attn", "head")
+SLOT_SIZE = 4
+
+
+def infill_layout(width: int, slot_size: int = SLOT_SIZE) -> tuple:
+    """(slots, cursor) of an infill pass ``width`` tokens wide: whole slots
+    from their first token when the width allows, else one slot's last
+    ``width`` tokens."""
+    if width % slot_size == 0:
+        return width // slot_size, 0
+    if width < slot_size:
+        return 1, slot_size - width
+    raise RefusionError(f"an infill pass of {width} tokens is neither whole slots of {slot_size} nor part of one")
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn()`` evaluated, after one untimed call."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeat):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+class Filled:
+    """One sequence's cache holding ``rows`` committed rows of random keys and
+    values, with room for ``extra`` more (the passes timed write after them)."""
+
+    def __init__(self, model, rows: int, extra: int, seed: int = 0):
+        self.cache = CommittedCache.for_model(model)
+        self.cache.reserve(rows + extra)
+        key = mx.random.key(seed)
+        for store in self.cache.stores:
+            if store is not None:
+                shape = store.keys.shape
+                store.keys = mx.random.normal(shape, key=key).astype(store.keys.dtype)
+                store.values = mx.random.normal(shape, key=key).astype(store.values.dtype)
+                mx.eval(store.keys, store.values)
+        self.cache.commit([0] * rows, list(range(rows)))
+
+    def grow_one(self) -> None:
+        """One more committed row (a decode moves on)."""
+        n = len(self.cache)
+        self.cache.commit([0], [n])
+
+    def write(self, phase: str, width: int):
+        if phase == "infill":
+            slots, cursor = infill_layout(width)
+            return self.cache.infill(slots, SLOT_SIZE, cursor)
+        return self.cache.extend(width)
+
+
+def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool) -> float:
+    """Median ms of a whole forward of ``width`` tokens (LM head on every row)."""
+    runner = Runner.of(model)
+    rng = np.random.default_rng(0)
+    times = []
+    for r in range(repeat + 1):
+        write = filled.write(phase, width)
+        start = len(filled.cache)
+        tokens = mx.array(rng.integers(0, model.args.vocab_size, width), dtype=mx.int32)
+        positions = mx.arange(start, start + width, dtype=mx.int32)
+        mx.eval(tokens, positions, *([write.mask] if isinstance(write.mask, mx.array) else []),
+                *([write.rows] if write.rows is not None else []))
+        mx.synchronize()
+        t0 = time.perf_counter()
+        h = runner.hidden(tokens, positions, write)
+        mx.eval(model.head(h).astype(mx.float32))
+        if r:
+            times.append(time.perf_counter() - t0)
+        if not fixed_kv:
+            filled.grow_one()
+    return 1000 * median(times)
+
+
+def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms: float) -> Dict[str, float]:
+    """Each op class of the forward timed alone over every layer (ms)."""
+    args = model.args
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    H, K, D = model.heads, model.kv_heads, args.head_dim
+    x = mx.random.normal((width, args.hidden_size)).astype(dtype)
+    y = mx.random.normal((width, H * D)).astype(dtype)
+    q = mx.random.normal((1, H, width, D)).astype(dtype)
+    kv = mx.random.normal((1, K, width, D)).astype(dtype)
+    mx.eval(x, y, q, kv)
+    layers = model.layers
+    write = filled.write(phase, width)
+    mask = model.attention_mask(write.mask, width, write.visible, dtype)
+
+    def proj():
+        return [[*a.qkv(a, x), a.o_proj(y)] for a in (layer.self_attn for layer in layers)]
+
+    def attn():
+        return [write.layer(i).attend(q, kv, kv, mask) for i in range(len(layers))]
+
+    fns = {"proj": proj, "mlp": lambda: [layer.mlp(x) for layer in layers],
+           "attn": attn, "head": lambda: model.head(x).astype(mx.float32)}
+    quantized = [m for layer in layers for _, m in layer.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    if quantized:  # every quantized matmul of the layers: in one call, and in calls of at most 7 rows
+        inputs = {}
+        for m in quantized:
+            k = m.scales.shape[-1] * m.group_size
+            inputs.setdefault(k, mx.random.normal((width, k)).astype(dtype))
+        mx.eval(list(inputs.values()))
+
+        def matmuls(rows: int):
+            def run():
+                out = []
+                for m in quantized:
+                    xm = inputs[m.scales.shape[-1] * m.group_size]
+                    out += [mx.quantized_matmul(xm[i:i + rows], m.weight, m.scales, m.get("biases"), transpose=True,
+                                                group_size=m.group_size, bits=m.bits) for i in range(0, width, rows)]
+                return out
+            return run
+
+        fns["qmm"] = matmuls(width)
+        fns["qmm_rows7"] = matmuls(7)
+    return {name: max(0.0, 1000 * timed(fn, repeat) - sync_ms) for name, fn in fns.items()}
+
+
+def ar_ms(ar_model, kv_len: int, repeat: int) -> float:
+    """Median ms of mlx-lm's one-token forward after ``kv_len`` cached rows
+    (random keys and values), the cache one row longer each time."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(ar_model)
+    args = ar_model.args
+    K, D = args.num_key_value_heads, args.head_dim
+    dtype = ar_model.model.norm.weight.dtype
+    for c in cache:
+        kv = mx.random.normal((1, K, kv_len, D)).astype(dtype)
+        c.update_and_fetch(kv, kv)
+    mx.eval([c.state for c in cache])
+    token = mx.array([[1]], dtype=mx.int32)
+    times = []
+    for r in range(repeat + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        logits = ar_model(token, cache=cache)
+        mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+        if r:
+            times.append(time.perf_counter() - t0)
+    return 1000 * median(times)
+
+
+def sync_cost_ms(repeat: int = 20) -> float:
+    a = mx.zeros((1,))
+    return 1000 * timed(lambda: a + 1, repeat)
+
+
+def measure(model, ar_model, attention: List[str], phases: List[str], widths: List[int], kv_lens: List[int],
+            repeat: int, fixed_kv: bool = False, split: bool = True, log=None) -> dict:
+    say = log or (lambda _m: None)
+    sync_ms = sync_cost_ms()
+    rows, ar_rows = [], []
+    if ar_model is not None:
+        for kv in kv_lens:
+            ar_rows.append({"phase": "ar", "width": 1, "kv_len": kv, "ms": round(ar_ms(ar_model, kv, repeat), 4)})
+            say(f"AR one-token forward at {kv} cached rows: {ar_rows[-1]['ms']:.3f} ms")
+    ar_by_kv = {r["kv_len"]: r["ms"] for r in ar_rows}
+    old = os.environ.get(backend.ATTENTION_ENV)
+    try:
+        for mode in attention:
+            os.environ[backend.ATTENTION_ENV] = mode
+            backend.attention_mode()
+            for kv in kv_lens:
+                filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
+                for phase in phases:
+                    for width in widths:
+                        infill_layout(width) if phase == "infill" else None
+                        ms = forward_ms(model, filled, phase, width, repeat, fixed_kv)
+                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, "ms": round(ms, 4)}
+                        if split:
+                            parts = parts_ms(model, filled, phase, width, repeat, sync_ms)
+                            row.update({k: round(v, 4) for k, v in parts.items()})
+                            row["other"] = round(ms - sum(parts[p] for p in PARTS), 4)
+                        if kv in ar_by_kv:
+                            row["x_ar"] = round(ms / ar_by_kv[kv], 3)
+                        rows.append(row)
+                        say(f"{mode} {phase} width {width} at {kv}: {ms:.3f} ms")
+                del filled
+    finally:
+        if old is None:
+            os.environ.pop(backend.ATTENTION_ENV, None)
+        else:
+            os.environ[backend.ATTENTION_ENV] = old
+        backend.attention_mode()
+    return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows}
+
+
+def print_tables(result: dict) -> None:
+    split = any("proj" in r for r in result["rows"])
+    headers = ["attention", "phase", "width", "kv", "ms"] + (list(PARTS) + ["other"] if split else []) + ["x AR"]
+    body = [[r["attention"], r["phase"], r["width"], r["kv_len"], f"{r['ms']:.3f}"]
+            + ([f"{r[p]:.3f}" for p in PARTS] + [f"{r['other']:.3f}"] if split else [])
+            + [f"{r['x_ar']:.2f}" if "x_ar" in r else "-"] for r in result["rows"]]
+    print(format_table(headers, body, left=[0, 1]))
+    if result["ar"]:
+        print()
+        print(format_table(["AR one-token forward", "kv", "ms"],
+                           [["mlx-lm", r["kv_len"], f"{r['ms']:.3f}"] for r in result["ar"]]))
+    print(f"\nms per forward, median; parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms)")
+
+
+def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
+    """The rows as a benchmark record's ``forward_cost`` list."""
+    out = [{**r, "dtype": dtype, "q_bits": q_bits} for r in result["rows"]]
+    return out + [{**r, "attention": None, "dtype": dtype, "q_bits": q_bits} for r in result["ar"]]
+
+
+def names(text: str, allowed) -> List[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in allowed for v in values):
+        raise ValueError(text)
+    return values
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from refusion_mlx.bench.shapes import HIDDEN_SHAPES, SHAPES
+
+    on_gpu = mx.default_device() == mx.gpu
+    parser = OneLineParser(prog="python -m benchmarks.forward_cost",
+                           description="A forward's cost by width, split by op class, against AR's one-token forward.")
+    parser.add_argument("--shape", choices=list(SHAPES) + list(HIDDEN_SHAPES), metavar="NAME",
+                        default="refusion-8b" if on_gpu else "qwen3-0.6b",
+                        help=f"model shape, random weights: {', '.join(SHAPES)} (default: refusion-8b on a GPU, "
+                             "qwen3-0.6b on the CPU)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        default="bfloat16" if on_gpu else "float32")
+    parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
+    parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32],
+                        help="tokens per forward (default 1,2,4,8,16,32)")
+    parser.add_argument("--kv", type=positive_ints, default=[256, 1024, 4096],
+                        help="cached rows before the pass (default 256,1024,4096)")
+    parser.add_argument("--phases", type=lambda t: names(t, PHASES), default=list(PHASES),
+                        help=f"of {', '.join(PHASES)} (default all)")
+    parser.add_argument("--attention", type=lambda t: names(t, backend.ATTENTION_MODES), default=["auto"],
+                        help="how the GPU paths attend, one run each: auto (as measured per backend), fused, "
+                             "unfused (default auto)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed forwards per row (median)")
+    parser.add_argument("--fixed-kv", action="store_true",
+                        help="every timed forward at the same cache length (default: one row longer each time)")
+    parser.add_argument("--no-split", action="store_true", help="time whole forwards only")
+    parser.add_argument("--no-ar", action="store_true", help="skip AR's one-token forward")
+    parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be positive")
+    if "infill" in args.phases:
+        for w in args.widths:
+            if w % SLOT_SIZE and w > SLOT_SIZE:
+                parser.error(f"--widths: an infill pass of {w} tokens is not whole slots of {SLOT_SIZE}")
+
+    def body() -> int:
+        from refusion_mlx.bench.shapes import build_models
+
+        check_json_path(args.json)
+        print(f"building {args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}) "
+              f"with random weights on {device_description()}, {backend.paths()} paths", flush=True)
+        model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
+        result = measure(model, ar_model, args.attention, args.phases, args.widths, args.kv, args.repeat,
+                         args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print_tables(result)
+        write_json(args.json, {
+            "device": device_description(), "mlx_version": package_version("mlx"),
+            "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "sync_ms": result["sync_ms"], "forward_cost": record_rows(result, args.dtype, args.q_bits)})
+        return 0
+
+    return run(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
