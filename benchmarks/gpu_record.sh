@@ -10,6 +10,7 @@
 #   1. the cost of a forward by width in bfloat16 at ReFusion-8B's shape,
 #      attention fused (the old way) and unfused, against mlx-lm's one-token
 #      forward (benchmarks.forward_cost);
+#      and once more at a fixed cache length (cuDNN's graphs planned once);
 #   2. bench --shape refusion-8b in bfloat16, attention fused ("before"),
 #      then as the runtime chooses ("after") with 8 requests at once;
 #   3. the golden cases in float32, alone and in one batch;
@@ -35,6 +36,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 step "forward cost, bfloat16"
 $PY -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --attention fused,unfused \
   --json "$OUT/fc-bf16.json" || echo "step failed: $?"
+step "forward cost, bfloat16, fused attention at one cache length (what cuDNN costs once planned)"
+$PY -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --attention fused,unfused --fixed-kv \
+  --phases plan,infill --widths 1,4,16,32 --kv 1024 --no-ar --no-split || echo "step failed: $?"
 bench_shape bf16 fused
 bench_shape bf16 auto --batch 8
 
