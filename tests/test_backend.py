@@ -23,11 +23,15 @@ def params_of(case):
                           slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu"])
-def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_paths, mode):
-    """Float32, T=0: each case alone, then all 32 in one batch."""
+@pytest.mark.parametrize("mode", ["gpu", "cpu", "gpu-unfused"])
+def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_paths, monkeypatch, mode):
+    """Float32, T=0: each case alone, then all 32 in one batch; the GPU paths
+    also with the unfused attention MLX's CUDA backend takes (``fused_attention``)."""
+    mode, _, attention = mode.partition("-")
+    monkeypatch.setenv(backend.ATTENTION_ENV, attention or "auto")
     set_paths(mode)
     assert backend.paths() == mode
+    assert backend.fused_attention(4) == (mode == "gpu" and not attention)
     model, tokenizer = demo
     wrong = []
     for i, case in enumerate(golden_cases):
@@ -137,3 +141,28 @@ def test_engine_clears_the_allocator_cache_when_the_batch_empties(monkeypatch):
     assert not cleared  # one request still decodes: its buffers are reused
     engine._close(jobs[1], "cancelled")
     assert cleared == [1]
+
+
+def test_attention_mode_is_read_from_the_environment(set_paths, monkeypatch):
+    monkeypatch.setenv(backend.ATTENTION_ENV, " Unfused ")
+    set_paths("gpu")
+    assert backend.attention_mode() == "unfused" and not backend.fused_attention(1)
+    monkeypatch.setenv(backend.ATTENTION_ENV, "fused")
+    assert backend.attention_mode() == "fused" and backend.fused_attention(16)
+    monkeypatch.setenv(backend.ATTENTION_ENV, "flash")
+    with pytest.raises(backend.PathsError) as e:
+        set_paths("gpu")  # a model load reads both settings: one line naming the bad one
+    assert "REFUSION_MLX_ATTENTION='flash'" in str(e.value) and "auto, fused, unfused" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_auto_attention_is_fused_off_cuda_and_one_query_row_on_it(set_paths, monkeypatch):
+    """On CUDA a fused call of several query rows goes to cuDNN, which plans
+    every new shape (docs/benchmarks.md): auto keeps fused for one row only."""
+    monkeypatch.delenv(backend.ATTENTION_ENV, raising=False)
+    set_paths("gpu")
+    monkeypatch.setattr(backend, "is_cuda", lambda: False)
+    assert all(backend.fused_attention(t) for t in (1, 2, 16, 64))
+    monkeypatch.setattr(backend, "is_cuda", lambda: True)
+    assert backend.fused_attention(1)
+    assert not any(backend.fused_attention(t) for t in (2, 3, 4, 16, 64))

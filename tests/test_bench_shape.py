@@ -201,3 +201,73 @@ def test_missing_record_folder_is_one_line(tmp_path, capsys):
     assert main(["--shape", "tiny", "--record-with", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such model folder" in err[0]
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_batch_times_requests_at_once_against_one_at_a_time(tmp_path, capsys, set_paths, paths):
+    """--batch N: each profile's requests (in turn) packed step by step, as
+    continuous batching runs them, against the same N one at a time."""
+    set_paths(paths)
+    out = tmp_path / "batch.json"
+    assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--batch", "3",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    generated = r["generated_tokens"]
+    for p in [p for p in r["profiles"] if p["measured"]]:
+        b = p["batched"]
+        assert b["requests"] == 3 and b["tokens"] == generated[0] + generated[1] + generated[0]
+        assert b["serial_seconds"] > 0 and b["batched_seconds"] > 0
+        assert b["speedup"] == pytest.approx(b["serial_seconds"] / b["batched_seconds"], rel=1e-3)
+    assert "at once / one" in capsys.readouterr().out
+
+
+def test_split_requests_follows_each_requests_forwards():
+    from refusion_mlx.bench.forward_replay import split_requests
+
+    params = make_params(gen_length=16, slot_size=4, block_length=8)
+    reqs = requests([20, 33, 7], [16, 9, 12], [params] * 3)
+    profile = derive(reqs, 2.0)
+    parts = split_requests(profile.forwards)
+    assert len(parts) == 3 and [s for part in parts for s in part] == profile.forwards
+    assert all(part[0].start == 0 and all(s.start > 0 for s in part[1:]) for part in parts)
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_packed_bare_writes_compute_what_each_request_computes_alone(set_paths, paths):
+    """The batched replay's packed forward (bare stores, PackedWrite) gives
+    each request the hidden states it gets alone."""
+    import mlx.core as mx
+    import numpy as np
+
+    from refusion_mlx.bench.forward_replay import BareCache, BareWrite, ForwardShape
+    from refusion_mlx.decode.packed import PackedWrite
+    from refusion_mlx.decode.runner import Runner
+
+    set_paths(paths)
+    model, _ = build_models("tiny", "float32", ar=False)
+    runner = Runner.of(model)
+    rng = np.random.default_rng(0)
+    mask = rng.random((4, 12)) < 0.5
+    mask[:, :8] = True
+    shapes = [ForwardShape(5, 7, 12, phase="plan"), ForwardShape(3, 9, 12, phase="verify"),
+              ForwardShape(4, 8, 12, np.arange(8, 12, dtype=np.int32), mask, phase="infill_draft")]
+    tokens = [mx.array(rng.integers(0, 4096, s.tokens), dtype=mx.int32) for s in shapes]
+    positions = [mx.arange(s.start, s.start + s.tokens, dtype=mx.int32) for s in shapes]
+    caches = [BareCache(model, 12) for _ in shapes]
+    for c in caches:  # the same committed rows before every pass
+        for store in c.stores:
+            store.keys = mx.random.normal(store.keys.shape, key=mx.random.key(1))
+            store.values = mx.random.normal(store.values.shape, key=mx.random.key(2))
+    alone = [runner.hidden(t, p, BareWrite(c, s)) for t, p, c, s in zip(tokens, positions, caches, shapes)]
+    mx.eval(alone)
+    packed = runner.hidden(mx.concatenate(tokens), mx.concatenate(positions),
+                           PackedWrite([BareWrite(c, s) for c, s in zip(caches, shapes)], [s.tokens for s in shapes]))
+    assert np.allclose(np.array(packed), np.array(mx.concatenate(alone)), atol=1e-5)
+
+
+@pytest.mark.parametrize("argv", [["--batch", "2"], ["--shape", "tiny", "--batch", "0"]])
+def test_bad_batch_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -178,6 +178,33 @@ def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
         assert np.allclose(np.array(got), np.array(expected), atol=1e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("queries", [1, 3, 16])
+def test_unfused_gpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
+    """The GPU paths' unfused attention (CUDA's choice for several query rows)
+    takes the fused kernel's masks as they are -- none, "causal", (T, L),
+    (B, 1, T, L) -- and computes what the kernel computes."""
+    from refusion_mlx.models.cpu_paths import unfused_attend
+
+    keys, D, B = 23, 16, 3
+    mx.random.seed(queries)
+    q = mx.random.normal((B, heads, queries, D))
+    k, v = mx.random.normal((B, kv_heads, keys, D)), mx.random.normal((B, kv_heads, keys, D))
+    rng = np.random.default_rng(queries)
+    block = rng.random((B, 1, queries, keys)) < 0.5
+    block[..., 0] = True
+    for mask in (None, "causal", mx.array(block[0, 0]), mx.array(block)):
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+        got = unfused_attend(q * D ** -0.5, k, v, mask)
+        assert got.shape == expected.shape
+        assert np.allclose(np.array(got), np.array(expected), atol=1e-5)
+    half = unfused_attend((q * D ** -0.5).astype(mx.bfloat16), k.astype(mx.bfloat16), v.astype(mx.bfloat16),
+                          "causal")
+    assert half.dtype == mx.bfloat16
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask="causal")
+    assert np.allclose(np.array(half.astype(mx.float32)), np.array(expected), atol=5e-2)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_rms_norm_matches_mlx(dtype):
     from refusion_mlx.models.cpu_paths import rms_norm

@@ -2,14 +2,18 @@
 .profile_decoder) run small on the demo model (no timing assertions), and
 the real-shape checkpoints they measure (convert.make_checkpoint)."""
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import constrained, grammar_engines, overhead, profile_decoder, scaling, soak, speed_common
+from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, overhead, profile_decoder, scaling, soak,
+                        speed_common)
 from refusion_mlx.bench import forward_replay
 
 
@@ -197,3 +201,92 @@ def test_tools_run_from_the_repository_root():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--help"], cwd=root, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m benchmarks.soak "), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cost_run(tmp_path_factory):
+    """The forward-cost instrument, small: the tiny shape on the GPU paths,
+    attention fused and unfused, every phase, two widths, one cache length."""
+    from refusion_mlx.models import backend
+
+    out = tmp_path_factory.mktemp("cost")
+    old = os.environ.get(backend.ENV)
+    os.environ[backend.ENV] = "gpu"
+    try:
+        backend.mode()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1",
+                                      "--attention", "fused,unfused", "--json", str(out / "fc-bf16.json")]) == 0
+            assert forward_cost.main(["--shape", "tiny", "--q-bits", "4", "--dtype", "bfloat16", "--widths", "8",
+                                      "--kv", "16", "--repeat", "1", "--phases", "plan",
+                                      "--json", str(out / "fc-q4.json")]) == 0
+    finally:
+        if old is None:
+            os.environ.pop(backend.ENV)
+        else:
+            os.environ[backend.ENV] = old
+        backend.mode()
+    return out, printed.getvalue()
+
+
+def test_forward_cost_rows_parts_and_ar(cost_run):
+    out, printed = cost_run
+    r = json.loads((out / "fc-bf16.json").read_text())
+    rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
+    assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
+        (a, p, w) for a in ("fused", "unfused") for p in ("plan", "verify", "infill") for w in (1, 4)}
+    ar = [x for x in r["forward_cost"] if x["phase"] == "ar"]
+    assert len(ar) == 1 and ar[0]["width"] == 1 and ar[0]["kv_len"] == 16 and ar[0]["ms"] > 0
+    for x in rows:
+        assert x["ms"] > 0 and x["kv_len"] == 16 and x["dtype"] == "float32" and x["q_bits"] is None
+        assert all(x[k] >= 0 for k in forward_cost.PARTS)
+        assert x["other"] == pytest.approx(x["ms"] - sum(x[k] for k in forward_cost.PARTS), abs=1e-3)
+        assert x["x_ar"] == pytest.approx(x["ms"] / ar[0]["ms"], rel=1e-2)
+    assert r["paths"] == "gpu" and r["shape"] == "tiny"
+    assert "x AR" in printed and "mlx-lm" in printed
+    q = json.loads((out / "fc-q4.json").read_text())["forward_cost"]
+    wide = [x for x in q if x["phase"] == "plan"][0]
+    assert wide["q_bits"] == 4 and wide["qmm"] > 0 and wide["qmm_rows7"] > 0
+
+
+def test_forward_cost_infill_layout():
+    assert forward_cost.infill_layout(1) == (1, 3) and forward_cost.infill_layout(2) == (1, 2)
+    assert forward_cost.infill_layout(4) == (1, 0) and forward_cost.infill_layout(32) == (8, 0)
+
+
+@pytest.mark.parametrize("argv", [["--widths", "6"], ["--phases", "decode"], ["--attention", "flash"],
+                                  ["--repeat", "0"], ["--kv", "0"]])
+def test_forward_cost_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        forward_cost.main(["--shape", "tiny"] + argv)
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
+    """The record's keys, from the instrument's and bench --shape's JSON."""
+    from refusion_mlx.bench.__main__ import main as bench_main
+
+    out, _ = cost_run
+    assert bench_main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--batch", "2",
+                       "--json", str(out / "shape-tiny-auto.json")]) == 0
+    (out / "log.txt").write_text("== golden cases, float32\n33 passed, 47 deselected in 40.16s\n")
+    path = tmp_path / "record.json"
+    assert gpu_record.main([str(out), "--commit", "abc", "--record", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert {"device", "mlx_version", "commit", "forward_cost", "vs_ar", "targets", "golden"} <= set(record)
+    assert record["commit"] == "abc" and record["golden"].startswith("33 passed")
+    assert any(x["phase"] == "ar" for x in record["forward_cost"])
+    for row in record["vs_ar"]:
+        assert {"tokens_per_forward", "dtype", "q_bits", "refusion_tok_s", "ar_tok_s", "ratio"} <= set(row)
+        assert row["attention"] == "auto" and row["batched"]["requests"] == 2
+    assert "wrote" in capsys.readouterr().out
+    assert gpu_record.record_name("gpu (NVIDIA H200)", "2026-11-28") == "nvidia-h200-2026-11-28.json"
+
+
+def test_gpu_record_without_runs_is_one_line(tmp_path, capsys):
+    assert gpu_record.main([str(tmp_path)]) == 1
+    assert gpu_record.main([str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no fc-*.json" in err[0] and "no such folder" in err[1]

@@ -135,26 +135,32 @@ def _is_cuda(device: str) -> bool:
         return False
 
 
-def fused_attention(queries: int, array_mask: bool) -> bool:
+def fused_attention(queries: int) -> bool:
     """Whether the GPU paths attend through ``mx.fast.scaled_dot_product_attention``
-    for ``queries`` query rows, with a boolean array mask or not ("causal",
-    none). The CPU paths never do (``cpu_paths.attend``).
+    for ``queries`` query rows (whatever the mask); else
+    ``cpu_paths.unfused_attend``. The CPU paths never do
+    (``cpu_paths.attend``).
 
-    ``auto``: fused everywhere but on CUDA. There MLX sends a fused call
-    with more than one query row, or with an array mask, to cuDNN, which
+    ``auto``: fused everywhere but on CUDA, where only one query row is.
+    There MLX sends a fused call of several query rows to cuDNN, which
     builds a graph for every new shape of queries, keys and mask (and
-    raises "Cache thrashing" after 512 misses in a process); a ReFusion
-    pass attends over a new number of keys every time. One query without an
-    array mask takes MLX's vector kernel, which plans nothing. The unfused
-    matmuls cost what the lent H200 measured (docs/benchmarks.md, "A wide
-    forward on the H200"). ``REFUSION_MLX_ATTENTION=fused|unfused`` forces
-    either (benchmarks, tests)."""
+    raises "Cache thrashing" after 512 of them in a process), and a ReFusion
+    pass attends over a new number of keys every time: on the lent H200 a
+    forward of 2-32 tokens of ReFusion-8B in bfloat16 took 61-99 ms fused
+    against 14-39 ms unfused (a new cache length each pass; 16-19 ms fused
+    where the length repeats). One query row takes MLX's vector kernel (or, with an
+    array mask, its own unfused ops), which plans nothing and measured
+    faster than ours (docs/benchmarks.md, "A wide forward on the H200").
+    ``REFUSION_MLX_ATTENTION=fused|unfused`` forces either (benchmarks,
+    tests)."""
+    if not gpu_paths():
+        return False
     mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
     if mode_ != "auto":
         return mode_ == "fused"
     if not is_cuda():
         return True
-    return queries == 1 and not array_mask
+    return queries == 1
 
 
 def paths() -> str:

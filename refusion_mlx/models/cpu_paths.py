@@ -69,7 +69,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     the ops.
     """
     if gpu_paths():
-        if fused_attention(q.shape[2], isinstance(mask, mx.array)):
+        if fused_attention(q.shape[2]):
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
         return unfused_attend(q, k, v, mask)
     B, H, T, D = q.shape
