@@ -271,3 +271,81 @@ def test_bad_batch_exits_2(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_weight_reads_follow_mlx_metal_kernels():
+    """gemv / gemv_wide / GEMM for bf16; qmv(_wide) below the chip's row limit, split-K GEMM from it."""
+    from refusion_mlx.bench.forecast import Chip, qmv_row_limit, weight_reads
+
+    m4, m2 = Chip("M4 Max", 546, 36.8, 16), Chip("M2", 100, 7, 14)
+    ultra = Chip("M3 Ultra", 819, 56.4, 15, ultra=True)
+    assert [weight_reads(r, 4096, 4096, None, m4) for r in (1, 2, 5, 6, 10, 11, 15, 16, 32)] == \
+        [1, 1, 1, 2, 2, 3, 3, 1, 1]
+    assert [weight_reads(r, 4096, 4096, None, m2) for r in (1, 6, 15)] == [1, 1, 1]
+    assert qmv_row_limit(4096, 4096, m4) == 15 and qmv_row_limit(4096, 24576, m4) == 13
+    assert qmv_row_limit(2048, 2048, m4) == 13 and qmv_row_limit(4096, 4096, ultra) == 18
+    assert qmv_row_limit(4096, 4096, m2) == 10 and qmv_row_limit(4096, 4096, Chip("M5", 1, 1, 17)) == 25
+    assert [weight_reads(r, 4096, 4096, 4, m4) for r in (1, 5, 6, 14, 15, 32)] == [1, 1, 2, 3, 1, 1]
+    assert [weight_reads(r, 4096, 4096, 4, m2) for r in (1, 5, 9, 10)] == [1, 5, 9, 1]
+
+
+def test_apple_forecast_prices_the_kernels_rereads():
+    """A 10-row forward of 4-bit weights streams each matrix twice on an M4 Max
+    (qmv_wide); a 1-row or 16-row bf16 one once."""
+    from refusion_mlx.bench.forecast import REFERENCE_CHIP, OnAppleGPU
+
+    model, _ = build_models("refusion-8b", "bfloat16", 4, materialize=False)
+    costs = Costs.of(model)
+    plain, apple = OnAppleGPU(costs, None), OnAppleGPU(costs, 4)
+    one_pass = plain.forward(10, 300, 10)[0]
+    matrices = sum(p for _, _, p in costs.matrices) * costs.body_bytes / costs.body_params
+    assert apple.forward(10, 300, 10, REFERENCE_CHIP)[0] == pytest.approx(one_pass + matrices + costs.head_bytes)
+    assert apple.forward(1, 300, 1, REFERENCE_CHIP)[0] == pytest.approx(plain.forward(1, 300, 1)[0])
+    assert OnAppleGPU(costs, None).forward(16, 300, 16, REFERENCE_CHIP)[0] == pytest.approx(
+        plain.forward(16, 300, 16)[0])
+
+
+def test_forecast_says_the_quantization_and_widths_it_assumes(tmp_path, capsys):
+    assert main(["--shape", "refusion-8b", "--dtype", "bfloat16", "--q-bits", "4", "--forecast-only",
+                 "--prompts", "1", "--max-tokens", "16"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[d] 4-bit weights (group size 64)" in text and "M4 Max qkv 13, o 15, gate_up 13, down 13" in text
+    assert main(["--shape", "tiny", "--forecast-only", "--prompts", "1", "--max-tokens", "16"]) == 0
+    assert "2-15 rows once per 5 rows on M3 and later" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
+    from refusion_mlx.bench.cost_curve import CostCurve
+
+    rows = [{"phase": "ar", "width": 1, "kv_len": kv, "ms": ms} for kv, ms in ((100, 8.0), (1000, 10.0))]
+    rows += [{"phase": p, "width": w, "kv_len": kv, "ms": base + w + kv / 100, "attention": a}
+             for p, base in (("plan", 10.0), ("verify", 11.0), ("infill", 20.0))
+             for a in ("fused", "unfused") for w in (1, 4, 16) for kv in (100, 1000)]
+    curve = CostCurve(rows)  # no auto rows: fused for one query row, unfused for more
+    assert curve.ms("verify", 4, 100) == pytest.approx(11 + 4 + 1)
+    assert curve.ms("plan", 10, 550) == pytest.approx(10 + 10 + 5.5)  # between widths and cache lengths
+    assert curve.ms("infill_draft", 32, 1000) == pytest.approx((20 + 16 + 10) * 2)  # past the widest: in proportion
+    assert curve.ms("prefill", 4, 5000) == pytest.approx(10 + 4 + 10)  # held past the longest cache
+    assert curve.ar_ms(550) == pytest.approx(9.0)
+    rows[-1] = {**rows[-1], "attention": "auto"}  # auto rows where there are some: only those
+    assert CostCurve(rows).table == {"infill": {1000: [(16, 20 + 16 + 10)]}}
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"shape": "tiny", "device": "gpu (test)", "forward_cost": [
+        {**r, "dtype": "float32", "q_bits": None} for r in rows[:-1]]}))
+    out = tmp_path / "shape.json"
+    assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--forecast-only",
+                 "--cost-curve", str(path), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["cost_curve"] == {"file": str(path), "device": "gpu (test)"}
+    for p in r["profiles"]:
+        c = p["from_curve"]
+        assert c["refusion_tok_s"] > 0 and c["ratio"] == pytest.approx(c["ar_seconds"] / c["refusion_seconds"], 1e-3)
+    assert "priced from the cost of a forward by width measured on gpu (test)" in capsys.readouterr().out
+    for argv, needle in ((["--dtype", "bfloat16"], "has no forwards in bfloat16"),
+                         (["--shape", "qwen3-0.6b"], "measured tiny, not qwen3-0.6b")):
+        argv = ["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)] + argv
+        assert main(argv) == 1
+        assert needle in capsys.readouterr().err
+    path.write_text("[1, 2]")
+    assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
+    assert "not a cost curve" in capsys.readouterr().err

@@ -87,6 +87,10 @@ def build_parser() -> OneLineParser:
                         help="with --shape: also time each profile as N requests decoded at once (their "
                              "forwards packed step by step, as the server's continuous batching runs them) "
                              "against the same N one at a time")
+    parser.add_argument("--cost-curve", metavar="FILE",
+                        help="with --shape: also price every profile from a device's measured cost of a forward "
+                             "by width (the JSON of python -m benchmarks.forward_cost, or a record of "
+                             "benchmarks/records), against AR's one-token forward measured beside it")
     return parser
 
 
@@ -97,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
         parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
-    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch"):
+    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch", "cost_curve"):
         if getattr(args, flag) and args.shape is None:
             parser.error(f"--{flag.replace('_', '-')} goes with --shape")
     if args.shape is not None:

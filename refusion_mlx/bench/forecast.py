@@ -9,8 +9,17 @@ ReFusion / AR ratio holds only if ReFusion's wide forwards run as close to
 the chip's limits as AR's one-token forwards. They did not on an H100 (the
 numbers in :data:`MEASURED_ON_H100`), so the ratio is printed as a ceiling
 with that evidence beside it. ReFusion / AR can never exceed the tokens per
-forward: a forward of several tokens reads the same weights as a forward
-of one and computes more.
+forward: a forward of several tokens reads the weights at least once and
+computes more.
+
+The weight bytes of a forward are what MLX's Metal kernels read, not one
+pass over the weights whatever the width (:func:`weight_reads`, from
+``mlx/backend/metal/matmul.cpp`` and ``quantized.cpp``): a forward of a
+few rows on an M3 or later streams each matrix once per tile of at most 5
+rows (``gemv_wide``, ``qmv_wide``) below the width where a GEMM takes
+over, 16 rows for bf16/fp16 and a per-chip, per-shape limit of 6-33 rows
+for quantized weights; on M1 and M2 a quantized matrix is streamed once
+per row below its limit.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ class Chip:
     name: str
     bandwidth_gb_s: float
     fp16_tflops: float
+    gen: int = 16  # Apple GPU family (M1 13, M2 14, M3 15, M4 16, M5 17): MLX's Metal kernels dispatch on it
+    ultra: bool = False  # two dies (MLX: an architecture name ending in 'd')
 
 
 # Memory bandwidth: Apple's published specifications (apple.com/macbook-pro/specs,
@@ -39,11 +50,42 @@ class Chip:
 # clock assumed), here taken x2 for fp16 matrix work (an assumption, and an
 # optimistic one: it only matters where a forward is compute bound).
 CHIPS = (
-    Chip("M3 Pro (18-core GPU)", 150.0, 2 * 7.4),
-    Chip("M4 Pro (20-core GPU)", 273.0, 2 * 9.2),
-    Chip("M4 Max (40-core GPU)", 546.0, 2 * 18.4),
-    Chip("M3 Ultra (80-core GPU)", 819.0, 2 * 28.2),
+    Chip("M3 Pro (18-core GPU)", 150.0, 2 * 7.4, 15),
+    Chip("M4 Pro (20-core GPU)", 273.0, 2 * 9.2, 16),
+    Chip("M4 Max (40-core GPU)", 546.0, 2 * 18.4, 16),
+    Chip("M3 Ultra (80-core GPU)", 819.0, 2 * 28.2, 15, ultra=True),
 )
+REFERENCE_CHIP = CHIPS[2]  # whose weight bytes the report's bandwidth-bound ratio uses
+
+
+def qmv_row_limit(k: int, n: int, chip: Chip) -> int:
+    """Rows from which MLX's Metal quantized matmul of a (k in, n out)
+    matrix takes its split-K GEMM (one pass over the weights) rather than
+    its mat-vec kernels (``get_qmv_batch_limit``, mlx/backend/metal/quantized.cpp)."""
+    small, mid = k <= 2048 and n <= 2048, k <= 4096 and n <= 4096
+    if chip.gen >= 17 and not chip.ultra:
+        return 33 if small else 25 if mid else 13
+    if chip.gen >= 15 and not chip.ultra:
+        return 13 if small else 15 if mid else 13
+    if chip.ultra:
+        return 32 if small else 18 if mid else 12
+    return 14 if small else 10 if mid else 6
+
+
+def weight_reads(rows: int, k: int, n: int, q_bits: Optional[int], chip: Chip) -> int:
+    """How many times MLX's Metal kernels stream a (k, n) weight matrix for
+    ``rows`` input rows. bf16/fp16: one row ``gemv``; 2-15 rows on an M3 or
+    later ``gemv_wide``, one pass per tile of at most 5 rows; else a GEMM,
+    one pass. Quantized (affine): from :func:`qmv_row_limit` rows a split-K
+    GEMM, one pass; below it ``qmv_wide`` on an M3 or later (a pass per 5
+    rows), ``qmv`` on M1/M2 (a pass per row)."""
+    if rows <= 1:
+        return 1 if rows == 1 else 0
+    if not q_bits:
+        return -(-rows // 5) if chip.gen >= 15 and rows <= 15 else 1
+    if rows >= qmv_row_limit(k, n, chip):
+        return 1
+    return -(-rows // 5) if chip.gen >= 15 else rows
 
 # What this roofline printed against what the same forwards measured on one
 # NVIDIA H100 with MLX's CUDA backend, refusion-8b, random weights
@@ -58,16 +100,27 @@ MEASURED_ON_H100 = (
 
 class OnAppleGPU:
     """``Costs`` as Apple GPUs pay them: the GPU paths run the LM head over a
-    step's rows in one read (``decode.forward.head_chunk_rows``), whatever
-    paths this process runs."""
+    step's rows in one call (``decode.forward.head_chunk_rows``), whatever
+    paths this process runs, and each matrix is streamed as often as MLX's
+    Metal kernels stream it for the forward's width (:func:`weight_reads`;
+    ``q_bits``: the weights' quantization). Without a chip: one pass."""
 
-    def __init__(self, costs):
-        self.costs = costs
+    def __init__(self, costs, q_bits: Optional[int] = None):
+        self.costs, self.q_bits = costs, q_bits
 
-    def forward(self, tokens: int, visible: int, head_rows: int) -> tuple:
-        b, f = self.costs.forward(tokens, visible, head_rows)
-        extra = self.costs.head_reads(head_rows) - (1 if head_rows else 0)
-        return b - extra * self.costs.head_bytes, f
+    def forward(self, tokens: int, visible: int, head_rows: int, chip: Optional[Chip] = None) -> tuple:
+        c = self.costs
+        b, f = c.forward(tokens, visible, head_rows)
+        extra = c.head_reads(head_rows) - (1 if head_rows else 0)
+        b -= extra * c.head_bytes
+        if chip is None:
+            return b, f
+        per_param = c.body_bytes / c.body_params
+        for k, n, params in c.matrices:
+            b += (weight_reads(tokens, k, n, self.q_bits, chip) - 1) * params * per_param
+        if head_rows:
+            b += (weight_reads(head_rows, c.hidden, c.vocab, self.q_bits, chip) - 1) * c.head_bytes
+        return b, f
 
 
 def seconds(costs, forwards: Sequence[tuple], chip: Chip) -> float:
@@ -75,7 +128,7 @@ def seconds(costs, forwards: Sequence[tuple], chip: Chip) -> float:
     every forward max(bytes / bandwidth, FLOPs / throughput)."""
     total = 0.0
     for f in forwards:
-        b, fl = costs.forward(*f)
+        b, fl = costs.forward(*f, chip=chip)
         total += max(b / (chip.bandwidth_gb_s * 1e9), fl / (chip.fp16_tflops * 1e12))
     return total
 
@@ -86,20 +139,21 @@ def tok_s(costs, forwards: Sequence[tuple], tokens: int, chip: Chip) -> float:
     return tokens / s if s > 0 else 0.0
 
 
-def bytes_and_flops(costs, forwards: Sequence[tuple]) -> tuple:
-    per = [costs.forward(*f) for f in forwards]
+def bytes_and_flops(costs, forwards: Sequence[tuple], chip: Optional[Chip] = None) -> tuple:
+    per = [costs.forward(*f, chip=chip) for f in forwards]
     return sum(b for b, _ in per), sum(f for _, f in per)
 
 
 def price(costs, forwards: Sequence[tuple], ar: Sequence[tuple], tokens: int,
-          chips: Sequence[Chip] = CHIPS) -> dict:
+          chips: Sequence[Chip] = CHIPS, q_bits: Optional[int] = None) -> dict:
     """A profile's forecast against AR's forwards for the same tokens: per chip
     the two ceilings and their ratio; the bandwidth-bound ratio (AR's weight
-    bytes per token over ReFusion's: what every chip gives when no forward is
-    compute bound); bytes and FLOPs per token. Priced as on Apple GPUs (:class:`OnAppleGPU`)."""
-    costs = OnAppleGPU(costs)
-    rf_bytes, rf_flops = bytes_and_flops(costs, forwards)
-    ar_bytes, ar_flops = bytes_and_flops(costs, ar)
+    bytes per token over ReFusion's on :data:`REFERENCE_CHIP`: what it gives
+    when no forward is compute bound); bytes and FLOPs per token there.
+    Priced as on Apple GPUs (:class:`OnAppleGPU`, ``q_bits``: the weights')."""
+    costs = OnAppleGPU(costs, q_bits)
+    rf_bytes, rf_flops = bytes_and_flops(costs, forwards, REFERENCE_CHIP)
+    ar_bytes, ar_flops = bytes_and_flops(costs, ar, REFERENCE_CHIP)
     rows = []
     for chip in chips:
         r, a = tok_s(costs, forwards, tokens, chip), tok_s(costs, ar, tokens, chip)
@@ -160,7 +214,7 @@ def format_forecast(r: dict) -> str:
     if recorded and len(recorded) < len(profiles):  # the recorded profile apart from the derived ones
         table.insert(len(table) - len(recorded), table[1])
     lines = ["forecast for Apple GPUs, AT MOST: tokens/s ceilings, ReFusion / AR in brackets "
-             "(a roofline model, not a measurement [c])"] + table
+             "(a roofline model, not a measurement [c], of MLX's Metal kernels [d])"] + table
     tpf = [p["tokens_per_forward"] for p in derived_or_all(profiles)]
     lines += _note(f"ReFusion beats AR only while one of its forwards costs less than tok/fwd times one of AR's "
                    f"({_span(tpf)} here); on an H100 they cost "
@@ -203,7 +257,26 @@ def format_forecast(r: dict) -> str:
         "ReFusion's wide forwards run as close to the chip's limits as AR's one-token ones (it can never "
         "exceed the tokens per forward). On an H100 (MLX's CUDA backend, refusion-8b) they did not: "
         f"{h} (docs/benchmarks.md).")
+    lines += _note(kernel_note(r["config"], r.get("q_bits"), _chips(chips)))
     return "\n".join(lines)
+
+
+def kernel_note(config: dict, q_bits: Optional[int], chips: Sequence[Chip]) -> str:
+    """Footnote [d]: the weights' form and the widths at which the forecast
+    has MLX's Metal kernels stream each matrix more than once."""
+    if not q_bits:
+        return ("[d] bfloat16/float16 weights, streamed as MLX's Metal kernels stream them: a 1-row forward "
+                "once (gemv), 2-15 rows once per 5 rows on M3 and later (gemv_wide: 2 passes from 6 rows, 3 from "
+                "11; M1/M2 take a GEMM), 16 rows and more once (GEMM).")
+    d, hd = config["hidden_size"], config["head_dim"]
+    H, K, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
+    mats = (("qkv", d, (H + 2 * K) * hd), ("o", H * hd, d), ("gate_up", d, 2 * inter), ("down", inter, d),
+            ("head", d, config["vocab_size"]))
+    limits = "; ".join(f"{c.name.split(' (')[0]} " + ", ".join(f"{m} {qmv_row_limit(k, n, c)}" for m, k, n in mats)
+                       for c in chips)
+    return (f"[d] {q_bits}-bit weights (group size 64), streamed as MLX's Metal kernels stream them: below a "
+            "matrix's GEMM row limit once per 5 rows on M3 and later (qmv_wide; once per row on M1/M2), from it "
+            f"once (split-K GEMM); the limits at this shape, in rows: {limits}.")
 
 
 def _chips(names: List[str]) -> List[Chip]:

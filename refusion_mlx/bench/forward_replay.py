@@ -226,6 +226,17 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
     return times
 
 
+def time_refusion(model, shapes: List[ForwardShape], head_chunk: Optional[int], storage=None) -> List[float]:
+    """Seconds of each forward of ``shapes`` replayed bare, after one untimed
+    forward of each phase (so a kernel compiled on first use is not timed);
+    ``storage``: how the bare stores keep keys and values (--kv-bits)."""
+    prepared = prepare(model, shapes, storage=storage)
+    first = sorted({s.phase: i for i, s in reversed(list(enumerate(shapes)))}.values())
+    warm = type(prepared)([shapes[i] for i in first], [prepared.inputs[i] for i in first], prepared.cache)
+    replay(model, warm, head_chunk=head_chunk)
+    return replay(model, prepared, head_chunk=head_chunk)
+
+
 def split_requests(shapes: Sequence[ForwardShape]) -> List[List[ForwardShape]]:
     """A profile's forwards request by request: each request's first forward
     writes from row 0."""
@@ -277,10 +288,7 @@ def time_batched(model, forwards: Sequence[ForwardShape], generated: Sequence[in
     reqs = split_requests(forwards)
     chosen = [reqs[i % len(reqs)] for i in range(batch)]
     tokens = sum(generated[i % len(reqs)] for i in range(batch))
-    serial_shapes = [s for r in chosen for s in r]
-    prepared = prepare(model, serial_shapes, storage=storage)
-    replay(model, Replay(serial_shapes[:2], prepared.inputs[:2], prepared.cache), head_chunk)  # warm-up
-    serial = sum(replay(model, prepared, head_chunk))
+    serial = sum(time_refusion(model, [s for r in chosen for s in r], head_chunk, storage))
     together = sum(replay_batched(model, chosen, head_chunk, storage))
     return {"requests": batch, "tokens": tokens, "serial_seconds": round(serial, 6),
             "batched_seconds": round(together, 6), "serial_tok_s": round(tokens / serial, 3),

@@ -139,8 +139,14 @@ def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
         print(before_timing(partial), flush=True)
         shown.append(True)
 
+    curve = None
+    if args.cost_curve:
+        from .cost_curve import CostCurve
+
+        curve = CostCurve.load(args.cost_curve, args.dtype, args.q_bits, args.shape)
     result = run_shape(args.shape, cases, params, args.dtype, args.q_bits, not args.no_ar, log,
                        record_model=args.record_with, tokens_per_forward=args.tokens_per_forward,
-                       measure=not args.forecast_only, show=show, kv=_kv(args), batch=args.batch or 1)
+                       measure=not args.forecast_only, show=show, kv=_kv(args), batch=args.batch or 1,
+                       cost_curve=curve)
     result["report"] = format_shape_report(result, shown=bool(shown))
     return result

@@ -94,9 +94,26 @@ def format_measured(r: dict) -> str:
     return "\n".join(lines) + format_batched(r)
 
 
+def format_curve(r: dict) -> str:
+    """Every profile priced from a device's measured cost curve (--cost-curve)."""
+    if not r.get("cost_curve"):
+        return ""
+    c = r["cost_curve"]
+    first = r["profiles"][0]["from_curve"]
+    rows = [["AR (mlx-lm), its one-token forward", "1.00", first["ar_seconds"], first["ar_tok_s"], ""]]
+    rows += [[row_label(p), f"{p['tokens_per_forward']:.2f}", p["from_curve"]["refusion_seconds"],
+              p["from_curve"]["refusion_tok_s"], f"{p['from_curve']['ratio']:.2f}x"] for p in r["profiles"]]
+    title = (f"priced from the cost of a forward by width measured on {c['device'] or 'the device'} ({c['file']}): "
+             "each forward at the measured milliseconds of its phase, width and cache length")
+    return "\n".join(textwrap.wrap(title, width=110, subsequent_indent="    ")
+                     + [format_table(["profile", "tok/fwd", "seconds", "tok/s", "ReFusion / AR"], rows)])
+
+
 def _forecast(r: dict) -> str:
-    """The forecast and what the KV cache costs (per token, per conversation)."""
-    return format_forecast(r) + "\n\n" + format_kv_memory(r["kv_memory"])
+    """The forecast (and the device curve's pricing, if given) and what the
+    KV cache costs (per token, per conversation)."""
+    curve = format_curve(r)
+    return format_forecast(r) + ("\n\n" + curve if curve else "") + "\n\n" + format_kv_memory(r["kv_memory"])
 
 
 def before_timing(r: dict) -> str:

@@ -45,8 +45,9 @@ from mlx.utils import tree_flatten
 
 from ..decode.forward import head_chunk_rows
 from ..models import backend
+from .cost_curve import price as curve_price
 from .forecast import MEASURED_ON_H100, NOTE, gap, price
-from .forward_replay import ForwardShape, RecordingModel, count_by_phase, prepare, replay, time_batched
+from .forward_replay import ForwardShape, RecordingModel, count_by_phase, time_batched, time_refusion
 from .kv_memory import kv_memory
 from .profiles import DEFAULT_TOKENS_PER_FORWARD, Profile, derive, derived_range, requests
 from .report import device_description
@@ -195,6 +196,9 @@ class Costs:
     heads: int
     head_dim: int
     vocab: int
+    hidden: int = 0
+    matrices: tuple = ()  # (in, out, parameters over all layers) of each matmul of a block, joined as run
+
 
     @classmethod
     def of(cls, model) -> "Costs":
@@ -206,8 +210,10 @@ class Costs:
         d, hd = a.hidden_size, a.head_dim
         per_layer = (2 * d * a.num_attention_heads * hd + 2 * d * a.num_key_value_heads * hd
                      + 3 * d * a.intermediate_size)
-        return cls(body_bytes, head_bytes, per_layer * a.num_hidden_layers, d * a.vocab_size,
-                   a.num_hidden_layers, a.num_attention_heads, hd, a.vocab_size)
+        L, H, K, inter = a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads, a.intermediate_size
+        shapes = ((d, (H + 2 * K) * hd), (H * hd, d), (d, 2 * inter), (inter, d))  # qkv, o, gate_up, down
+        return cls(body_bytes, head_bytes, per_layer * L, d * a.vocab_size, L, H, hd, a.vocab_size, d,
+                   tuple((k, n, k * n * L) for k, n in shapes))
 
     @property
     def per_chunk(self) -> int:
@@ -243,17 +249,6 @@ def ar_forwards(rec: Recorded) -> List[tuple]:
 
 # --------------------------------------------------------------------------
 # Timing
-
-
-def time_refusion(model, shapes: List[ForwardShape], head_chunk: int, storage=None) -> List[float]:
-    """Seconds of each forward of ``shapes`` replayed bare, after one untimed
-    forward of each phase (so a kernel compiled on first use is not timed);
-    ``storage``: how the bare stores keep keys and values (--kv-bits)."""
-    prepared = prepare(model, shapes, storage=storage)
-    first = sorted({s.phase: i for i, s in reversed(list(enumerate(shapes)))}.values())
-    warm = type(prepared)([shapes[i] for i in first], [prepared.inputs[i] for i in first], prepared.cache)
-    replay(model, warm, head_chunk=head_chunk)
-    return replay(model, prepared, head_chunk=head_chunk)
 
 
 def time_ar(ar_model, rec: Recorded, seed: int = 0) -> List[float]:
@@ -301,7 +296,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
               ar: bool = True, log=None, record_model: Optional[str] = None,
               tokens_per_forward: Optional[float] = None, measure: bool = True,
               measure_profiles: Optional[bool] = None, show=None, kv: Optional[dict] = None,
-              batch: int = 1) -> dict:
+              batch: int = 1, cost_curve=None) -> dict:
     """The --shape report. ``record_model``: the folder whose forwards are
     recorded (None: the demo model's); ``tokens_per_forward``: one derived
     profile instead of the default range; ``measure=False``: no timing (the
@@ -310,7 +305,9 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     report so far before timing on the CPU, where timing a large shape is slow;
     ``kv``: the KV cache's settings (``bits``, ``group_size``; None: float);
     ``batch``: above 1, each profile timed also as that many requests at
-    once against the same one at a time (``forward_replay.time_batched``)."""
+    once against the same one at a time (``forward_replay.time_batched``);
+    ``cost_curve``: a device's measured ``cost_curve.CostCurve``, which
+    prices every profile too."""
     from .runs import storage_of
 
     say = log or (lambda _m: None)
@@ -331,8 +328,10 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     for p in derived + [recorded]:
         d = p.describe()
         d["recorded_with"] = (record_model or "bundled demo model") if p.source == "recorded" else None
-        d.update(price(costs, priced(p.forwards), ar_fw, tokens))
+        d.update(price(costs, priced(p.forwards), ar_fw, tokens, q_bits=q_bits))
         d["measured"] = None
+        if cost_curve is not None:
+            d["from_curve"] = curve_price(cost_curve, p.forwards, rec.prompt_tokens, rec.generated, tokens)
         profiles.append(d)
     mine = profiles[-1]
     reads = [costs.head_reads(s.head_rows) for s in rec.shapes if s.head_rows]
@@ -360,6 +359,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         "weight_bytes_per_token": mine["weight_bytes_per_token"], "flops_per_token": mine["flops_per_token"],
         "forecast": mine["forecast"], "forecast_note": NOTE, "profiles": profiles,
         "kv_memory": kv_memory(shape_config(name), dtype, **(kv or {})),
+        "cost_curve": None if cost_curve is None else {"file": cost_curve.source, "device": cost_curve.device},
         "h100": [{"weights": w, "recorded_with": who, "tokens_per_forward": t, "measured_ratio": m,
                   "forecast_ratio": f} for w, who, t, m, f in MEASURED_ON_H100],
     }

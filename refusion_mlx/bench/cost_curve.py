@@ -1,0 +1,114 @@
+"""A device's measured cost of a forward by width (``benchmarks.forward_cost``),
+and the profiles of ``bench --shape`` priced from it (``--cost-curve FILE``).
+
+A roofline prices a forward by the bytes and FLOPs it needs; a backend's
+kernels decide what it costs (on MLX's CUDA backend a 16-token forward of
+ReFusion-8B cost 2-5x a one-token one where the roofline says 1x). The
+curve is what the device measured: milliseconds per forward by phase,
+width and cache length, and AR's one-token forward by cache length. Each
+forward of a profile is priced at the curve's value for its phase (a
+prefill or plan pass at ``plan``'s, a verify at ``verify``'s, an infill
+pass at ``infill``'s), interpolated linearly in width and cache length
+between the points measured and held at the ends (wider than measured: the
+widest's cost grown in proportion to the width past it, which is what a
+compute-bound forward does). AR's prompt is priced as a plan pass of its
+length, each token after it at AR's one-token forward.
+
+The curve's rows are the runtime's own choice of attention: ``auto`` rows
+where there are some, else what ``auto`` takes on CUDA (``fused`` for one
+query row, ``unfused`` for more: ``models.backend.fused_attention``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .suite import BenchError
+
+PHASE_OF = {"prefill": "plan", "plan": "plan", "verify": "verify", "infill_draft": "infill",
+            "infill_verify": "infill"}
+
+
+def _interpolate(points: Sequence[Tuple[float, float]], x: float, grow: bool = False) -> float:
+    """Linear between sorted (x, y) points, held at the ends; ``grow``: past
+    the last point y grows in proportion to x."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1] * (x / xs[-1] if grow else 1.0)
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class CostCurve:
+    """Milliseconds per forward as one device measured them."""
+
+    def __init__(self, rows: Sequence[dict], source: str = "", device: str = ""):
+        self.source, self.device = source, device
+        # (phase) -> kv -> [(width, ms)], and AR's kv -> ms
+        self.table: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
+        ar: Dict[int, float] = {}
+        auto = any(r.get("attention") == "auto" for r in rows if r["phase"] != "ar")
+        for r in rows:
+            if r["phase"] == "ar":
+                ar[r["kv_len"]] = r["ms"]
+                continue
+            wanted = "auto" if auto else ("fused" if r["width"] == 1 else "unfused")
+            if r.get("attention", "auto") != wanted:
+                continue
+            self.table.setdefault(r["phase"], {}).setdefault(r["kv_len"], []).append((r["width"], r["ms"]))
+        for by_kv in self.table.values():
+            for points in by_kv.values():
+                points.sort()
+        self.ar = sorted(ar.items())
+        if not self.table or not self.ar:
+            raise BenchError(f"{source or 'the cost curve'}: no forwards of the runtime's attention and no AR "
+                             "forward to price against (measure with python -m benchmarks.forward_cost)")
+
+    @classmethod
+    def load(cls, path: str, dtype: str, q_bits: Optional[int], shape: Optional[str] = None) -> "CostCurve":
+        """From a ``forward_cost`` JSON or a GPU record (``benchmarks/records``):
+        its rows of ``dtype`` and ``q_bits``; one line if none, or if the file
+        measured another shape."""
+        p = Path(path).expanduser()
+        try:
+            data = json.loads(p.read_text())
+            rows = data["forward_cost"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise BenchError(f"{path}: not a cost curve (the JSON of python -m benchmarks.forward_cost "
+                             "or a record of benchmarks/records)") from None
+        if shape and data.get("shape", shape) != shape:
+            raise BenchError(f"{path} measured {data['shape']}, not {shape}")
+        mine = [r for r in rows if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
+        if not mine:
+            weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
+            raise BenchError(f"{path} has no forwards in {weights}")
+        return cls(mine, str(path), data.get("device", ""))
+
+    def ms(self, phase: str, width: int, kv: int) -> float:
+        """One forward of ``width`` tokens after ``kv`` cached rows."""
+        by_kv = self.table.get(PHASE_OF.get(phase, phase)) or self.table.get("plan") or \
+            next(iter(self.table.values()))
+        per_kv = sorted((k, _interpolate(points, width, grow=True)) for k, points in by_kv.items())
+        return _interpolate(per_kv, kv)
+
+    def ar_ms(self, kv: int) -> float:
+        return _interpolate(self.ar, kv)
+
+
+def price(curve: CostCurve, forwards, prompt_tokens: Sequence[int], generated: Sequence[int],
+          tokens: int) -> dict:
+    """A profile's forwards and AR's for the same tokens, priced from the curve."""
+    refusion = sum(curve.ms(s.phase, s.tokens, s.visible - s.tokens) for s in forwards) / 1000
+    ar = 0.0
+    for p, n in zip(prompt_tokens, generated):
+        ar += curve.ms("plan", p, 0) + sum(curve.ar_ms(p + j) for j in range(1, n))
+    ar /= 1000
+    return {"refusion_seconds": round(refusion, 6), "ar_seconds": round(ar, 6),
+            "refusion_tok_s": round(tokens / refusion, 3), "ar_tok_s": round(tokens / ar, 3),
+            "ratio": round(ar / refusion, 4)}
