@@ -1,7 +1,7 @@
 """A forward's cost by width: what a ReFusion pass of 1 to 32 tokens costs
 against a one-token autoregressive (AR) forward of the same weights.
 
-    python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32
+    python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32, ~3 min
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --json cost.json   # a GPU
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \\
         --attention fused,unfused --widths 1,4,8,16,32 --kv 256,1024,4096
@@ -295,16 +295,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         default="bfloat16" if on_gpu else "float32")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
-    parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32],
-                        help="tokens per forward (default 1,2,4,8,16,32)")
-    parser.add_argument("--kv", type=positive_ints, default=[256, 1024, 4096],
-                        help="cached rows before the pass (default 256,1024,4096)")
+    parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32] if on_gpu else [1, 4, 16],
+                        help="tokens per forward (default 1,2,4,8,16,32 on a GPU, 1,4,16 on the CPU)")
+    parser.add_argument("--kv", type=positive_ints, default=[256, 1024, 4096] if on_gpu else [256, 1024],
+                        help="cached rows before the pass (default 256,1024,4096 on a GPU, 256,1024 on the CPU)")
     parser.add_argument("--phases", type=lambda t: names(t, PHASES), default=list(PHASES),
                         help=f"of {', '.join(PHASES)} (default all)")
     parser.add_argument("--attention", type=lambda t: names(t, backend.ATTENTION_MODES), default=["auto"],
                         help="how the GPU paths attend, one run each: auto (as measured per backend), fused, "
                              "unfused (default auto)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed forwards per row (median)")
+    parser.add_argument("--repeat", type=int, default=5 if on_gpu else 3,
+                        help="timed forwards per row (median; default 5 on a GPU, 3 on the CPU)")
     parser.add_argument("--fixed-kv", action="store_true",
                         help="every timed forward at the same cache length (default: one row longer each time)")
     parser.add_argument("--no-split", action="store_true", help="time whole forwards only")
