@@ -166,3 +166,42 @@ def test_auto_attention_is_fused_off_cuda_and_one_query_row_on_it(set_paths, mon
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     assert backend.fused_attention(1)
     assert not any(backend.fused_attention(t) for t in (2, 3, 4, 16, 64))
+
+
+def test_on_cuda_no_fused_call_has_several_query_rows(demo, golden_cases, set_paths, monkeypatch):
+    """With CUDA's policy, decoding alone and in a batch never calls the fused
+    kernel (cuDNN there: a graph per shape, "Cache thrashing" after 512) with
+    more than one query row, and stays token-exact."""
+    monkeypatch.delenv(backend.ATTENTION_ENV, raising=False)
+    set_paths("gpu")
+    monkeypatch.setattr(backend, "is_cuda", lambda: True)
+    rows = []
+    kernel = mx.fast.scaled_dot_product_attention
+
+    def counted(q, *args, **kwargs):
+        rows.append(q.shape[2])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    from refusion_mlx.models import cpu_paths
+
+    unfused = []
+    plain = cpu_paths.unfused_attend
+
+    def counted_unfused(q, *args):
+        unfused.append(q.shape[2])
+        return plain(q, *args)
+
+    monkeypatch.setattr(cpu_paths, "unfused_attend", counted_unfused)
+    model, tokenizer = demo
+    cases = golden_cases[:8]
+    for case in cases[:3]:
+        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+        for _ in decoder.steps():
+            pass
+        assert decoder.response() == case["output_ids"]
+    results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in cases], [params_of(c) for c in cases],
+                             max_batch=len(cases))
+    assert [r.output_ids for r in results] == [c["output_ids"] for c in cases]
+    assert all(r == 1 for r in rows) and unfused and max(unfused) > 1
