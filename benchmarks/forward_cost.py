@@ -234,7 +234,6 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
                 filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
                 for phase in phases:
                     for width in widths:
-                        infill_layout(width) if phase == "infill" else None
                         ms = forward_ms(model, filled, phase, width, repeat, fixed_kv)
                         row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, "ms": round(ms, 4)}
                         if split:

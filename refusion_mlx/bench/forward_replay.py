@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _blas
 from ..decode.kv_store import Storage
+from ..decode.packed import PackedWrite
 from ..decode.runner import Runner
 
 PHASE_ORDER = ("prefill", "plan", "verify", "infill_draft", "infill_verify")
@@ -162,14 +163,8 @@ class BareWrite:
                 self.store.write_rows(k, v, w.rows, w.visible)
 
         def fetch(self, length):
-            """The first ``length`` rows (zeros past the capacity), as a
-            packed batch reads them (``cache._LayerWrite.fetch``)."""
-            capacity = self.store.capacity
-            keys, values = self.store.read(min(length, capacity))
-            if length > capacity:
-                pad = [(0, 0), (0, 0), (0, length - capacity), (0, 0)]
-                keys, values = mx.pad(keys, pad), mx.pad(values, pad)
-            return keys, values
+            """The first ``length`` rows, as a packed batch reads them."""
+            return self.store.read_padded(length)
 
         def attend(self, q, k, v, mask):
             """Write the pass's rows, then attend over the rows it sees."""
@@ -256,8 +251,6 @@ def replay_batched(model, requests: Sequence[Sequence[ForwardShape]], head_chunk
     attending to its own cache), the LM head over all their head rows; each
     request has its own stores. Returns each step's seconds, after the first
     step run once untimed."""
-    from ..decode.packed import PackedWrite
-
     prepared = [prepare(model, list(req), seed + i, storage) for i, req in enumerate(requests)]
     runner = Runner.of(model)
     steps = max(len(req) for req in requests)

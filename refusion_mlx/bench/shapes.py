@@ -199,7 +199,6 @@ class Costs:
     hidden: int = 0
     matrices: tuple = ()  # (in, out, parameters over all layers) of each matmul of a block, joined as run
 
-
     @classmethod
     def of(cls, model) -> "Costs":
         a = model.args

@@ -303,13 +303,7 @@ class _LayerWrite:
         """The first ``length`` rows of keys and values (default: the rows this
         pass sees). Past ``visible`` they are stale scratch rows, and zeros past
         the cache's capacity: a padded batch (``decode.packed``) masks them."""
-        capacity = self.write.cache.capacity
-        length = self.write.visible if length is None else length
-        keys, values = self.store.read(min(length, capacity))
-        if length > capacity:
-            pad = [(0, 0), (0, 0), (0, length - capacity), (0, 0)]
-            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
-        return keys, values
+        return self.store.read_padded(self.write.visible if length is None else length)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.update(keys, values)

@@ -86,6 +86,16 @@ class KVStore:
         each (1, kv_heads, length, head_dim) in the model's dtype."""
         raise NotImplementedError
 
+    def read_padded(self, length: int) -> Tuple[mx.array, mx.array]:
+        """:meth:`read`, with zero rows past the capacity up to ``length``
+        (a padded batch reads every request's view as long as the widest,
+        and masks what is not its own: ``decode.packed``)."""
+        keys, values = self.read(min(length, self.capacity))
+        if length > self.capacity:
+            pad = [(0, 0), (0, 0), (0, length - self.capacity), (0, 0)]
+            keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+        return keys, values
+
     def attend(self, q: mx.array, mask, length: int) -> mx.array:
         """Attention of queries ``q`` (scaled) over the first ``length`` rows
         (``mask`` in the form ``cpu_paths.attend`` takes)."""

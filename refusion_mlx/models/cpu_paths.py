@@ -89,8 +89,8 @@ def unfused_attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     B, H, T, D = q.shape
     K, L = k.shape[1], k.shape[2]
     scores = (q.reshape(B, K, H // K * T, D) @ k.swapaxes(-1, -2)).reshape(B, K, H // K, T, L)
-    if isinstance(mask, str):
-        mask = mx.arange(L)[None, :] <= mx.arange(L - T, L)[:, None]
+    if isinstance(mask, str):  # attention_mask makes it once per forward; a direct call here
+        mask = causal_mask(T, L)
     if mask is not None:
         if mask.ndim == 4:  # (B, 1, T, L): one mask per request of a padded batch
             mask = mask[:, :, None]
@@ -99,12 +99,18 @@ def unfused_attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     return (probs.reshape(B, K, H // K * T, L) @ v).reshape(B, H, T, D)
 
 
+def causal_mask(queries: int, keys: int) -> mx.array:
+    """(queries, keys) boolean: query j sees the first keys - queries + j + 1
+    keys ("causal" with the queries last)."""
+    return mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
+
+
 def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:
     """The CPU :func:`attend`'s mask: "causal" or boolean (T, L) made additive
     (0 or -inf; adding 0 leaves a score as is) and laid out like its scores,
     (1, kv_heads, heads / kv_heads * T, L), so no layer has to broadcast it."""
     if isinstance(mask, str):
-        mask = mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
+        mask = causal_mask(queries, keys)
     mask = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
     groups = heads // kv_heads
     if mask.ndim == 3:  # one mask per row: (B, T, L) -> (B, 1, groups * T, L)
@@ -120,7 +126,9 @@ def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dty
     grouped and additive on the CPU. Made once per forward (or once per
     request of a packed batch)."""
     if gpu_paths():
-        return mask[:, None] if not isinstance(mask, str) and mask.ndim == 3 else mask
+        if isinstance(mask, str):  # the unfused attention takes it as an array, made here once
+            return mask if fused_attention(queries) else causal_mask(queries, keys)
+        return mask[:, None] if mask.ndim == 3 else mask
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
 
 
