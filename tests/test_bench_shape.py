@@ -346,6 +346,8 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
         argv = ["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)] + argv
         assert main(argv) == 1
         assert needle in capsys.readouterr().err
+    assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(tmp_path / "nowhere.json")]) == 1
+    assert "no such file" in capsys.readouterr().err
     path.write_text("[1, 2]")
     assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
     assert "not a cost curve" in capsys.readouterr().err

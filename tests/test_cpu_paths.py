@@ -15,7 +15,7 @@ from refusion_mlx.decode import runner
 from refusion_mlx.models import cpu_paths
 from refusion_mlx.models.projections import hf_parameters
 
-from tests.helpers import decode_hidden
+from tests.helpers import FIXTURE_MODEL, decode_hidden
 from tests.test_backend import params_of
 
 
@@ -206,7 +206,7 @@ def test_each_thread_splits_on_its_own_streams(demo, two_cores):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
+def test_cpu_paths_lay_linear_weights_out_in_by_out(set_paths):
     """``cpu_paths.store_weights_transposed`` (at load, CPU paths): each plain linear weight is
     the transposed view of a row-major (in, out) buffer, so ``x @ weight.T``
     reads it row by row; the values are unchanged, and mlx-lm's side of the
@@ -214,9 +214,11 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(demo):
     from mlx.utils import tree_flatten
 
     from refusion_mlx.bench.runs import share_weights
+    from refusion_mlx.models.loading import load
     from refusion_mlx.models.projections import Linear
 
-    model, _ = demo
+    set_paths("cpu")  # what the CPU paths do at load, whatever paths the run takes
+    model, _ = load(FIXTURE_MODEL, dtype="float32")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears
     for layer in linears:

@@ -373,9 +373,10 @@ def test_load_a_file_not_a_folder():
         load(DEMO_MODEL / "config.json")
 
 
-def test_default_dtype_is_float32_on_cpu():
+def test_default_dtype_is_float32_on_cpu(set_paths):
     import mlx.core as mx
 
+    set_paths("auto")  # the CPU paths' default, which a forced REFUSION_MLX_PATHS=gpu run would not take
     model, _ = load()
     if mx.default_device() == mx.cpu:
         assert model.model.norm.weight.dtype == mx.float32

@@ -161,9 +161,11 @@ def test_load_keeps_the_projections_apart_on_request():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("queries", [1, 5, 16])
-def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries):
+def test_cpu_attention_matches_the_mlx_kernel(heads, kv_heads, queries, set_paths):
     """The grouped CPU attention (queries pre-scaled) computes what mx.fast's attention computes."""
     from refusion_mlx.models.cpu_paths import attend, grouped_mask
+
+    set_paths("cpu")
 
     keys, D = 23, 16
     mx.random.seed(queries)

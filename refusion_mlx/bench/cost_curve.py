@@ -76,6 +76,8 @@ class CostCurve:
         its rows of ``dtype`` and ``q_bits``; one line if none, or if the file
         measured another shape."""
         p = Path(path).expanduser()
+        if not p.is_file():
+            raise BenchError(f"{path}: no such file (--cost-curve)")
         try:
             data = json.loads(p.read_text())
             rows = data["forward_cost"]
