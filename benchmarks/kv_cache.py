@@ -79,7 +79,7 @@ def golden_on_paths(path: str, cases: List[dict]) -> List[dict]:
     from refusion_mlx.decode.batch import BatchGenerator
     from refusion_mlx.decode.cache import CommittedCache
     from refusion_mlx.decode.decoder import RefusionDecoder
-    from refusion_mlx.decode.kv_quant import kv_storage
+    from refusion_mlx.decode.kv_store import KVStorage
     from refusion_mlx.decode.params import RefusionParams
     from refusion_mlx.models.loading import load
 
@@ -89,7 +89,7 @@ def golden_on_paths(path: str, cases: List[dict]) -> List[dict]:
                              token_threshold=c["token_threshold"]) for c in cases]
     rows = []
     for bits in FORMS:
-        storage = kv_storage(bits, model=model)
+        storage = KVStorage.of(bits, model=model)
         t0 = time.perf_counter()
         alone = []
         for c, p in zip(cases, params):
@@ -100,7 +100,7 @@ def golden_on_paths(path: str, cases: List[dict]) -> List[dict]:
                 pass
             alone.append(d.response())
         seconds = time.perf_counter() - t0
-        gen = BatchGenerator(model, tokenizer, max_batch=8, kv_bits=bits)
+        gen = BatchGenerator(model, tokenizer, max_batch=8, storage=KVStorage.of(bits))
         uids = [gen.insert(c["prompt_ids"], p) for c, p in zip(cases, params)]
         batched = {u: [] for u in uids}
         while gen.has_work:

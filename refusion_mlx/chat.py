@@ -52,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not 0 <= args.frame_time <= 10:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         params = params_from_args(args)
-        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
+        storage = storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
         trace = None
         if args.trace and (dist is None or dist.leader):
@@ -68,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if trace is not None:
             trace.tokenizer = tokenizer
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse,
-                              kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+                              storage=storage)
     except RefusionError as e:
         say_error(str(e))  # one line per problem
         return 1
@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = args.model or "tiny-refusion (demo)"
     term.note(f"refusion_mlx.chat · {name} · max tokens {params.gen_length} · slot {params.slot_size}"
               + (" · no cache reuse" if args.no_reuse else "")
-              + (f" · KV cache {args.kv_bits}-bit" if args.kv_bits else ""))
+              + (f" · KV cache {storage.bits}-bit" if storage.bits else ""))
     term.note(HELP)
     # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
     with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns

@@ -67,23 +67,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         params = params_from_args(args)
-        storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
+        storage = storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         constraint = constraint_from_args(args)
         dist = join(args)  # under mlx.launch: this rank's group; only rank 0 prints
         if dist is not None and "-" in (args.prompt, args.prompts_file):
             raise RefusionError("under mlx.launch standard input never ends (the launcher does not pass "
                                 "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
-            return run_prompts_file(args, params, dist, constraint)
+            return run_prompts_file(args, params, dist, constraint, storage)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
-        storage_from_args(args, model)  # the group size against the model's head dimension
+        storage.check(model)  # the group size against the model's head dimension
         ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
         text, tokens, last = "", [], None
         with watchdog.armed():
-            for last in stream_generate(model, tokenizer, ids, params=params, kv_bits=args.kv_bits,
-                                        kv_group_size=args.kv_group_size, **constraint):
+            for last in stream_generate(model, tokenizer, ids, params=params, storage=storage, **constraint):
                 text += last.text
                 tokens += last.tokens
                 if not args.json:
@@ -114,14 +113,14 @@ def constraint_from_args(args) -> dict:
     return {}
 
 
-def run_prompts_file(args, params, dist=None, constraint=None) -> int:
+def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> int:
     """Decode every prompt of ``--prompts-file`` in batches; print each
     answer (or one JSON object per line with ``--json``) in file order.
     Exit status 1 if any prompt failed alone (the others are still printed)."""
     text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
     items = parse_prompts(text, args.prompts_file, params)
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
-    storage_from_args(args, model)
+    storage = (storage or storage_from_args(args)).check(model)
     ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
@@ -129,8 +128,7 @@ def run_prompts_file(args, params, dist=None, constraint=None) -> int:
         one = (Constraint.json_schema(constraint["json_schema"]) if "json_schema" in (constraint or {}) else
                Constraint.lark(constraint["grammar"]) if "grammar" in (constraint or {}) else None)
         results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size,
-                                 constraints=[one] * len(ids), kv_bits=args.kv_bits,
-                                 kv_group_size=args.kv_group_size)
+                                 constraints=[one] * len(ids), storage=storage)
     for i, r in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,

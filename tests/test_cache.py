@@ -6,7 +6,7 @@ import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.kv_quant import QuantizedStore
-from refusion_mlx.decode.kv_store import KVStore, Storage
+from refusion_mlx.decode.kv_store import KVStore, KVStorage
 from refusion_mlx.models.base import CacheSpec
 
 from tests.helpers import decode_hidden, random_config, random_model
@@ -239,9 +239,9 @@ class StackedStore(KVStore):
         self.kv[:, :, :rows] = kv
 
 
-STORAGES = {"float": Storage(), "stacked": Storage(StackedStore),
-            "stacked-f16": Storage(StackedStore, dtype=mx.float16),
-            "q8": Storage(QuantizedStore, bits=8, group_size=64), "q4": Storage(QuantizedStore, bits=4, group_size=32)}
+STORAGES = {"float": KVStorage(), "stacked": KVStorage(StackedStore),
+            "stacked-f16": KVStorage(StackedStore, dtype=mx.float16),
+            "q8": KVStorage(QuantizedStore, bits=8, group_size=64), "q4": KVStorage(QuantizedStore, bits=4, group_size=32)}
 SPEC = CacheSpec(layers=1, kv_heads=2, head_dim=64, dtype=mx.float32, held=range(1))
 
 
@@ -340,7 +340,7 @@ def test_a_sibling_store_plugs_into_the_cache(demo, golden_cases, set_paths, pat
 
     set_paths(paths)
     model, tokenizer = demo
-    storage = Storage(StackedStore)
+    storage = KVStorage(StackedStore)
     cases = [golden_cases[i] for i in (0, 9, 17, 26)]
     alone = CommittedCache.for_model(model, storage=storage)
     decoder = RefusionDecoder(model, cases[0]["prompt_ids"], golden_params(cases[0]),
@@ -382,8 +382,8 @@ def test_a_sibling_store_plugs_into_the_cache(demo, golden_cases, set_paths, pat
 
     spec = model.cache_spec()  # admission counts every layer at the storage's row cost
     assert kv_row_bytes(model) == spec.layers * 2 * spec.kv_heads * spec.head_dim * 4
-    assert kv_row_bytes(model, Storage(StackedStore, dtype=mx.float16)) * 2 == kv_row_bytes(model)
-    half = CommittedCache.for_model(model, storage=Storage(StackedStore, dtype=mx.float16))
+    assert kv_row_bytes(model, KVStorage(StackedStore, dtype=mx.float16)) * 2 == kv_row_bytes(model)
+    half = CommittedCache.for_model(model, storage=KVStorage(StackedStore, dtype=mx.float16))
     with pytest.raises(ValueError):  # float32 rows are not a float16 store's
         half.load_arrays(arrays)
     assert len(half) == 0 and half.capacity == 0 and half.nbytes == 0
@@ -399,7 +399,7 @@ def test_prompt_cache_files_come_back_only_in_the_form_they_were_stored(demo, tm
     from refusion_mlx.serve.prompt_cache import PromptCache
 
     model, _ = demo
-    storage = Storage(StackedStore)
+    storage = KVStorage(StackedStore)
     writer = PromptCache(1 << 30)
     attach(writer, model, tmp_path, 1 << 30, storage=storage)
     cache = CommittedCache.for_model(model, storage=storage)

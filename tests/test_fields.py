@@ -16,7 +16,8 @@ from refusion_mlx.decode.prompts_file import parse_prompts
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.serve.anthropic_api import MessagesRequest
 from refusion_mlx.serve.responses_api import ResponsesRequest
-from refusion_mlx.serve.schemas import DECODING_FIELDS, ChatCompletionRequest, CompletionRequest
+from refusion_mlx.serve.bodies import DECODING_FIELDS
+from refusion_mlx.serve.schemas import ChatCompletionRequest, CompletionRequest
 
 SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
 NOT_DECODING = {"model", "stop", "stream", "stream_options", "user"}

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from refusion_mlx.decode.cache import CommittedCache
-from refusion_mlx.decode.kv_quant import QuantizedStore, kv_storage
-from refusion_mlx.decode.kv_store import Storage
+from refusion_mlx.decode.kv_quant import QuantizedStore
+from refusion_mlx.decode.kv_store import KVStorage
 from refusion_mlx.errors import DecodeError, RefusionError
 from refusion_mlx.models.base import CacheSpec
 
@@ -79,7 +79,7 @@ def test_quantized_decoding_alone_and_batched(demo, golden_cases, set_paths, pat
     set_paths(paths)
     model, tokenizer = demo
     cases = [golden_cases[i] for i in CASES]
-    storage = kv_storage(bits, model=model)
+    storage = KVStorage.of(bits, model=model)
     alone = []
     for c in cases:
         cache = CommittedCache.for_model(model, storage=storage)
@@ -90,7 +90,7 @@ def test_quantized_decoding_alone_and_batched(demo, golden_cases, set_paths, pat
         alone.append(d.response())
         held = [s for s in cache.stores if s is not None]
         assert all(isinstance(s, QuantizedStore) and s.committed == len(cache) for s in held)
-    gen = BatchGenerator(model, tokenizer, max_batch=len(cases), kv_bits=bits)
+    gen = BatchGenerator(model, tokenizer, max_batch=len(cases), storage=KVStorage.of(bits))
     uids = [gen.insert(c["prompt_ids"], golden_params(c)) for c in cases]
     out = {uid: [] for uid in uids}
     while gen.has_work:
@@ -129,7 +129,7 @@ def test_python_api_chat_and_prompt_cache(demo):
     (entry,) = entries.entries.values()
     spec = model.cache_spec()
     assert entries.nbytes == entry.nbytes == spec.layers * entry.capacity * chat.storage.row_bytes(spec)
-    assert entries.nbytes * 4 < entry.capacity * spec.layers * Storage().row_bytes(spec)  # under a quarter of the float rows
+    assert entries.nbytes * 4 < entry.capacity * spec.layers * KVStorage().row_bytes(spec)  # under a quarter of the float rows
 
 
 def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo, tmp_path):
@@ -141,7 +141,7 @@ def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo,
     from refusion_mlx.serve.prompt_cache import PromptCache
 
     model, _ = demo
-    q8 = kv_storage(8, model=model)
+    q8 = KVStorage.of(8, model=model)
     writer = PromptCache(1 << 30)
     attach(writer, model, tmp_path, 1 << 30, storage=q8)
     cache = CommittedCache.for_model(model, storage=q8)
@@ -150,14 +150,14 @@ def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo,
     arrays = mx.load(str(next(tmp_path.glob("*.safetensors"))))
     assert arrays["keys_packed.0"].dtype == mx.uint32 and "keys.0" not in arrays
     readers = {name: PromptCache(1 << 30) for name in ("q8", "float", "q4", "q8g32")}
-    for name, storage in (("q8", q8), ("float", None), ("q4", kv_storage(4)), ("q8g32", kv_storage(8, 32))):
+    for name, storage in (("q8", q8), ("float", None), ("q4", KVStorage.of(4)), ("q8g32", KVStorage.of(8, 32))):
         attach(readers[name], model, tmp_path, 1 << 30, storage=storage)
     assert {n: len(r) for n, r in readers.items()} == {"q8": 1, "float": 0, "q4": 0, "q8g32": 0}
     (entry,) = readers["q8"].entries.values()
     (held,) = writer.entries.values()
     for a, b in zip(entry.stores, held.stores):
         assert all(np.array_equal(np.array(x[:, :, :6]), np.array(y[:, :, :6])) for x, y in zip(a.codes, b.codes))
-    for other in (kv_storage(4, model=model), None):
+    for other in (KVStorage.of(4, model=model), None):
         fresh = CommittedCache.for_model(model, storage=other)
         with pytest.raises(ValueError):
             fresh.load_arrays(cache.to_arrays())
@@ -174,7 +174,7 @@ def test_admission_counts_quantized_bytes(demo):
     model, _ = demo
     spec = model.cache_spec()
     request = SimpleNamespace(prompt_ids=list(range(40)), params=make_params(max_tokens=200))
-    plain, q8 = KVCost.of(model, None), KVCost.of(model, kv_storage(8, model=model))
+    plain, q8 = KVCost.of(model, None), KVCost.of(model, KVStorage.of(8, model=model))
     assert (plain.row_bytes, plain.scratch_row_bytes) == (spec.layers * 2 * 2 * 64 * 4, 0)
     assert q8.row_bytes == spec.layers * 2 * 2 * (64 + 8) and q8.scratch_row_bytes == plain.row_bytes
     assert plain.need(request) == kv_rows(40, 200) * plain.row_bytes

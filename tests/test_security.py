@@ -385,9 +385,9 @@ def test_models_and_dtypes_sharing_a_folder_keep_to_their_own_files(models, tmp_
         again = attached(m, tmp_path)
         assert len(again) == 1  # each model reads back only its own entry
     # the same weights with an 8-bit KV cache (--kv-bits 8): another stored form, its own files
-    from refusion_mlx.decode.kv_quant import kv_storage
+    from refusion_mlx.decode.kv_store import KVStorage
 
-    eight = kv_storage(8, 32, models[0])
+    eight = KVStorage.of(8, 32, models[0])
     quantized = attached(models[0], tmp_path, storage=eight)
     assert len(quantized) == 0
     quantized.insert(entry(models[0], tokens, eight), "owner-a")
@@ -396,11 +396,11 @@ def test_models_and_dtypes_sharing_a_folder_keep_to_their_own_files(models, tmp_
 
 
 def test_a_fifo_in_the_folder_is_skipped_without_opening_it(models, tmp_path, caplog):
-    from refusion_mlx.decode.kv_store import Storage
+    from refusion_mlx.decode.kv_store import KVStorage
     from refusion_mlx.serve.cache_files import model_fingerprint
 
     model = models[0]
-    prefix = model_fingerprint(model.model_path, Storage().describe(model.cache_spec()))[:16]
+    prefix = model_fingerprint(model.model_path, KVStorage().describe(model.cache_spec()))[:16]
     attached(model, tmp_path).insert(entry(model, list(range(5, 25))), "o")
     os.mkfifo(tmp_path / f"{prefix}-{'0' * 32}.safetensors")
     os.mkfifo(tmp_path / "plain.safetensors")

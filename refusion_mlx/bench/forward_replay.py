@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _blas
-from ..decode.kv_store import Storage
+from ..decode.kv_store import KVStorage
 from ..decode.packed import PackedWrite
 from ..decode.runner import Runner
 
@@ -110,9 +110,9 @@ class BareCache:
     """The decoder's per-layer K/V stores (``decode.kv_store``), grown once
     to ``capacity`` rows and written in place, like any preallocated KV cache."""
 
-    def __init__(self, model, capacity: int, storage: Optional[Storage] = None):
+    def __init__(self, model, capacity: int, storage: Optional[KVStorage] = None):
         spec = model.cache_spec()
-        storage = storage or Storage()
+        storage = storage or KVStorage()
         self.stores = [storage.new(spec) if i in spec.held else None for i in range(spec.layers)]
         for store in self.stores:
             if store is not None:
@@ -181,7 +181,7 @@ class Replay:
     cache: Optional[BareCache] = None
 
 
-def prepare(model, shapes: List[ForwardShape], seed: int = 0, storage: Optional[Storage] = None) -> Replay:
+def prepare(model, shapes: List[ForwardShape], seed: int = 0, storage: Optional[KVStorage] = None) -> Replay:
     """Inputs for :func:`replay`; ``storage``: how the bare stores keep keys and values (--kv-bits)."""
     capacity = max(s.visible for s in shapes)
     cache = BareCache(model, capacity, storage)
@@ -244,7 +244,7 @@ def split_requests(shapes: Sequence[ForwardShape]) -> List[List[ForwardShape]]:
 
 
 def replay_batched(model, requests: Sequence[Sequence[ForwardShape]], head_chunk: Optional[int] = None,
-                   storage: Optional[Storage] = None, seed: int = 0) -> List[float]:
+                   storage: Optional[KVStorage] = None, seed: int = 0) -> List[float]:
     """The requests decoded at once, as continuous batching runs them: step i
     packs every request's i-th forward into one forward
     (``decode.packed.PackedWrite``: the weights read once, each request
@@ -274,7 +274,7 @@ def replay_batched(model, requests: Sequence[Sequence[ForwardShape]], head_chunk
 
 
 def time_batched(model, forwards: Sequence[ForwardShape], generated: Sequence[int], batch: int,
-                 head_chunk: Optional[int] = None, storage: Optional[Storage] = None) -> dict:
+                 head_chunk: Optional[int] = None, storage: Optional[KVStorage] = None) -> dict:
     """``batch`` requests of a profile (its requests in turn; ``generated``:
     the tokens each one decodes) one at a time and all at once
     (:func:`replay_batched`): seconds and aggregate tokens/s of each."""

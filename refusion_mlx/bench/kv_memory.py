@@ -21,7 +21,7 @@ def kv_memory(config: Dict[str, Any], dtype: str, kv_bits: Optional[int] = None,
     of ``tokens`` holds; ``pass_bytes``: what a request's widest decoding
     pass (a block of the default 16 tokens) holds besides in the model's
     dtype until committed, with a quantized cache."""
-    from ..decode.kv_quant import kv_storage
+    from ..decode.kv_store import KVStorage
     from ..decode.params import DEFAULT_BLOCK_TOKENS
     from ..models.base import CacheSpec
 
@@ -29,7 +29,7 @@ def kv_memory(config: Dict[str, Any], dtype: str, kv_bits: Optional[int] = None,
     spec = CacheSpec(layers, config["num_key_value_heads"], config["head_dim"], getattr(mx, dtype), range(layers))
     forms = []
     for bits in (None, 8, 4):
-        storage = kv_storage(bits, bits and (kv_group_size or 64))
+        storage = KVStorage.of(bits, bits and (kv_group_size or 64))
         if bits and spec.head_dim % storage.settings["group_size"]:
             continue  # a head too narrow for the group (the tests' tiny shape)
         per_token = layers * storage.row_bytes(spec)

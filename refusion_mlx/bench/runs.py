@@ -102,11 +102,11 @@ def _round(value: Optional[float], digits: int) -> Optional[float]:
 
 
 def storage_of(kv: Optional[dict], model):
-    """The caches' Storage of ``{"kv_bits", "kv_group_size"}`` (checked against ``model``)."""
-    from ..decode.kv_quant import kv_storage
+    """The caches' KVStorage of ``{"kv_bits", "kv_group_size"}`` (checked against ``model``)."""
+    from ..decode.kv_store import KVStorage
 
     kv = kv or {}
-    return kv_storage(kv.get("kv_bits"), kv.get("kv_group_size"), model)
+    return KVStorage.of(kv.get("kv_bits"), kv.get("kv_group_size"), model)
 
 
 def run_refusion(model, tokenizer, prompt_ids: Sequence[int], params: RefusionParams,

@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Callable, List, Optional
 
-from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, kv_storage
-from ..decode.kv_store import Storage
+from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
+from ..decode.kv_store import KVStorage
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
 from ..distributed import group as distributed_group
@@ -65,10 +65,10 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
                              f"must divide (default {DEFAULT_GROUP_SIZE})")
 
 
-def storage_from_args(args: argparse.Namespace, model=None) -> Storage:
-    """The ``Storage`` of --kv-bits / --kv-group-size (checked against the
+def storage_from_args(args: argparse.Namespace, model=None) -> KVStorage:
+    """The ``KVStorage`` of --kv-bits / --kv-group-size (checked against the
     model's head dimension when given); a bad pair is a one-line DecodeError."""
-    return kv_storage(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None), model)
+    return KVStorage.of(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None), model)
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
 from .grammar import Constraint, compile_constraint
-from .kv_quant import kv_storage
+from .kv_store import KVStorage
 from .params import RefusionParams, make_params
 from .stats import DecodeStats, SlotCommit
 
@@ -98,13 +98,13 @@ class BatchGenerator:
     ``insert`` validates a request and queues it; ``step`` runs one forward
     over every active request and returns their responses; ``remove``
     cancels one. One thread drives it (MLX is not shared across threads).
-    ``kv_bits`` (4 or 8) and ``kv_group_size``: the requests' committed
-    keys and values are kept quantized (``decode/kv_quant.py``); a bad
-    setting is a DecodeError here.
+    ``storage``: how the requests' caches keep keys and values (a
+    :class:`~.kv_store.KVStorage`, ``KVStorage.of(kv_bits, kv_group_size)``
+    for quantized ones, ``decode/kv_quant.py``; None: the model's dtype),
+    checked against the model here (a DecodeError).
     """
 
-    def __init__(self, model, tokenizer, max_batch: int = 8, *, kv_bits: Optional[int] = None,
-                 kv_group_size: Optional[int] = None):
+    def __init__(self, model, tokenizer, max_batch: int = 8, *, storage: Optional[KVStorage] = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
         mask_id = getattr(model.args, "mask_token_id", None)
@@ -112,7 +112,7 @@ class BatchGenerator:
             raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         # how the requests' caches keep keys and values (kv_bits: quantized, decode/kv_quant.py)
-        self.storage = kv_storage(kv_bits, kv_group_size, model)
+        self.storage = (storage or KVStorage()).check(model)
         self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)
         self.waiting: Deque[_Member] = deque()
         self.active: List[_Member] = []
@@ -133,7 +133,7 @@ class BatchGenerator:
         The answer holds at most ``params.gen_length`` ids besides EOS
         (finish "length" when cut there), though the last slot decoded may
         hold more. A ``cache`` keeps keys and values in its own form; a
-        new one is made in this generator's (``kv_bits``). ``constraint``: the
+        new one is made in this generator's (``storage``). ``constraint``: the
         answer must match it (a JSON Schema, any JSON object, a grammar:
         :class:`~.grammar.Constraint`); one it cannot compile raises
         ``DecodeError`` here. ``logprobs``: each
@@ -257,7 +257,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
                    params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
                    max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None, *,
                    kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
-                   **kwargs) -> List[BatchResult]:
+                   storage: Optional[KVStorage] = None, **kwargs) -> List[BatchResult]:
     """Decode many prompts together; one result per prompt, in order.
 
     ``prompts``: strings (tokenized as is) or token-id lists. ``params``: one
@@ -266,12 +266,14 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     cannot be decoded (over the context, bad settings) gets a result with
     ``finish_reason`` "error" and the message in ``error``; the rest finish.
     ``constraints``: one :class:`~.grammar.Constraint` (or None) per prompt.
-    ``kv_bits`` / ``kv_group_size``: quantized KV caches (``BatchGenerator``).
+    ``kv_bits`` / ``kv_group_size``: quantized KV caches, as mlx-lm takes
+    them (or ``storage``, a :class:`~.kv_store.KVStorage` already made).
     """
     ids = _prompt_ids(tokenizer, prompts)
     results = [BatchResult(prompt_ids=i) for i in ids]
-    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, constraints, kv_bits=kv_bits,
-                                        kv_group_size=kv_group_size, **kwargs):
+    storage = KVStorage.given(storage, kv_bits, kv_group_size)
+    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, constraints, storage=storage,
+                                        **kwargs):
         r = results[index]
         r.text += response.text
         r.output_ids += response.tokens
@@ -284,14 +286,15 @@ def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
                  max_batch: int = 8, constraints: Optional[Sequence[Optional[Constraint]]] = None, *,
                  kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
-                 **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
+                 storage: Optional[KVStorage] = None, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
     constraints = list(constraints) if constraints is not None else [None] * len(prompts)
     if len(constraints) != len(prompts):
         raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
-    gen = BatchGenerator(model, tokenizer, max_batch=max_batch, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    gen = BatchGenerator(model, tokenizer, max_batch=max_batch,
+                         storage=KVStorage.given(storage, kv_bits, kv_group_size, model))
     index: Dict[int, int] = {}
     for i, (ids, p, c) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt, constraints)):
         try:

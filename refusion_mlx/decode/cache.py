@@ -15,7 +15,7 @@ and values into the rows just after the committed ones (the *scratch* rows):
   are reused, not recomputed.
 
 Each layer's keys and values live in a :class:`~.kv_store.KVStore` (the
-float store unless a :class:`~.kv_store.Storage` says otherwise), made from
+float store unless a :class:`~.kv_store.KVStorage` says otherwise), made from
 the model's ``cache_spec()``; this object decides which rows exist and tells
 the stores. Stores are preallocated and grow in steps, so no pass
 concatenates.
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..models.base import CacheSpec
-from .kv_store import KVStore, Storage
+from .kv_store import KVStorage, KVStore
 
 GROWTH_ROWS = 256  # a cache's capacity grows in multiples of these rows
 
@@ -46,9 +46,9 @@ class CommittedCache:
     nothing. ``growth``: the capacity grows in multiples of these rows.
     ``storage``: how each layer's keys and values are kept."""
 
-    def __init__(self, spec: CacheSpec, growth: int = GROWTH_ROWS, storage: Optional[Storage] = None):
+    def __init__(self, spec: CacheSpec, growth: int = GROWTH_ROWS, storage: Optional[KVStorage] = None):
         self.spec = spec
-        self.storage = Storage() if storage is None else storage
+        self.storage = KVStorage() if storage is None else storage
         self.growth = growth
         self.tokens: List[int] = []
         self.positions: List[int] = []
@@ -57,7 +57,7 @@ class CommittedCache:
         self.capacity = 0
 
     @classmethod
-    def for_model(cls, model, growth: int = GROWTH_ROWS, storage: Optional[Storage] = None) -> "CommittedCache":
+    def for_model(cls, model, growth: int = GROWTH_ROWS, storage: Optional[KVStorage] = None) -> "CommittedCache":
         return cls(model.cache_spec(), growth, storage)
 
     def _empty_stores(self) -> List[Optional[KVStore]]:

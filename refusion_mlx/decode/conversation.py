@@ -45,15 +45,17 @@ class ChatSession:
     completes. A turn that fails or is interrupted leaves no trace: the user
     message is dropped and the cache cut back to what it held before.
     ``kv_bits`` / ``kv_group_size``: keep the conversation's keys and values
-    quantized (``decode/kv_quant.py``), turn after turn.
+    quantized (``decode/kv_quant.py``), turn after turn (or ``storage``, a
+    :class:`~.kv_store.KVStorage` already made).
     """
 
     def __init__(self, model, tokenizer, params=None, system: Optional[str] = None, reuse: bool = True, *,
-                 kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None):
-        from .kv_quant import kv_storage
+                 kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+                 storage=None):
+        from .kv_store import KVStorage
         from .params import RefusionParams
 
-        self.storage = kv_storage(kv_bits, kv_group_size, model)  # a bad setting fails here
+        self.storage = KVStorage.given(storage, kv_bits, kv_group_size, model)  # a bad setting fails here
         self.model = model
         self.tokenizer = tokenizer
         self.params = params or RefusionParams()

@@ -15,7 +15,7 @@ Attention over both: one softmax over the committed rows' scores and the
 scratch rows' scores. On the GPU paths the committed rows are read through
 MLX's quantized matmul (``mx.quantized_matmul`` for q·k and p·v, as
 mlx-lm's quantized attention does; :func:`split_attend`), a batch of
-requests in one call per layer (:func:`batched_attend`, used by
+requests in one call per layer (:meth:`QuantizedStore.attend_batch`, used by
 ``decode/packed.py``); on the CPU paths the visible committed rows are
 dequantized (:func:`dequantize`) and the float attention runs
 (docs/benchmarks.md: faster there than the quantized matmul).
@@ -23,7 +23,8 @@ dequantized (:func:`dequantize`) and the float attention runs
 What a row costs is known without a buffer (``row_bytes``, and
 ``scratch_row_bytes`` for the rows a pass holds in the model's dtype on
 top), so memory admission counts what is really held; ``describe`` names
-the form for the prompt-cache files. Choose it with :func:`kv_storage`.
+the form for the prompt-cache files. Choose it with
+``kv_store.KVStorage.of(bits, group_size)``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..errors import DecodeError
 from ..models import backend
 from ..models.base import CacheSpec
 from ..models.cpu_paths import attend
-from .kv_store import KVStore, Storage
+from .kv_store import KVStore
 
 KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize takes
@@ -54,27 +55,6 @@ def check_settings(bits, group_size, head_dim: Optional[int] = None) -> None:
         raise DecodeError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
     if head_dim is not None and head_dim % group_size:
         raise DecodeError(f"kv_group_size {group_size} does not divide the model's head dimension {head_dim}")
-
-
-def kv_storage(bits: Optional[int] = None, group_size: Optional[int] = None, model=None) -> Storage:
-    """How caches keep keys and values for ``kv_bits`` / ``kv_group_size``:
-    the float store without bits, else :class:`QuantizedStore` (group size
-    64 unless given). With ``model``, the group size is checked against its
-    head dimension too. A bad setting is one DecodeError."""
-    if bits is None:
-        if group_size is not None:
-            raise DecodeError("kv_group_size needs kv_bits (4 or 8)")
-        return Storage()
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    check_settings(bits, group_size, None if model is None else model.cache_spec().head_dim)
-    return Storage(QuantizedStore, bits=bits, group_size=group_size)
-
-
-def storage_settings(storage: Optional[Storage]) -> Dict[str, Optional[int]]:
-    """``{"bits", "group_size"}`` of a storage (None, None: the float store, or None), as /health shows them."""
-    if storage is not None and storage.kind is QuantizedStore:
-        return {"bits": storage.settings["bits"], "group_size": storage.settings["group_size"]}
-    return {"bits": None, "group_size": None}
 
 
 class QuantizedStore(KVStore):
@@ -117,6 +97,20 @@ class QuantizedStore(KVStore):
     @classmethod
     def describe(cls, spec: CacheSpec, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE) -> str:
         return f"{spec.dtype} quantized to {bits} bits in groups of {group_size}"
+
+    @classmethod
+    def check(cls, spec: Optional[CacheSpec], bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        check_settings(bits, group_size, None if spec is None else spec.head_dim)
+
+    @classmethod
+    def attend_batch(cls, q: mx.array, stores: List[KVStore], padding) -> Optional[mx.array]:
+        """One call per layer for a batch whose stores all keep codes of the
+        same settings and hold committed rows (:func:`batched_attend`); else None."""
+        kinds = {(s.bits, s.group_size) if isinstance(s, QuantizedStore) else None for s in stores}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        committed, spans, mask = padding.split([s.coded for s in stores])
+        return batched_attend(q, stores, committed, spans, mask) if spans[0] else None
 
     # -- rows -----------------------------------------------------------------
 
@@ -304,13 +298,6 @@ def split_attend(q: mx.array, keys: Codes, values: Codes, scratch_keys: Optional
     if scratch_values is not None:
         out = out + probs[..., C:] @ scratch_values[:, :, None]
     return out.reshape(B, H, T, D)
-
-
-def quantized_batch(stores: Sequence[Optional[KVStore]]) -> Optional[Tuple[int, int]]:
-    """(bits, group size) when every store is a QuantizedStore of the same
-    settings (a batch then attends through :func:`batched_attend`), else None."""
-    kinds = {(s.bits, s.group_size) if isinstance(s, QuantizedStore) else None for s in stores}
-    return next(iter(kinds)) if len(kinds) == 1 and None not in kinds else None
 
 
 def batched_attend(q: mx.array, stores: Sequence[QuantizedStore], committed: Sequence[int],

@@ -14,10 +14,14 @@ another form than the rows passes write; the float store keeps all alike.
 :class:`FloatStore` keeps keys and values as two arrays (1, kv_heads,
 capacity, head_dim) in the model's dtype: a pass's write is a slice
 assignment, attention reads a slice, and nothing is copied per pass or per
-slot. Another way of keeping them (quantized keys and values, say) is one
-more subclass, chosen by a :class:`Storage`, which also answers what a row
-costs and how the stored form is named without any buffer being made
-(memory admission, the prompt-cache files' fingerprint).
+slot. Another way of keeping them (quantized keys and values:
+``kv_quant.QuantizedStore``) is one more subclass, chosen by a
+:class:`KVStorage`: the one storage setting, made once (:meth:`KVStorage.of`
+from ``--kv-bits`` / ``--kv-group-size`` or a call's ``kv_bits``) and
+carried whole, which also answers what a row costs and how the stored form
+is named without any buffer being made (memory admission, the prompt-cache
+files' fingerprint). A kind that can attend for a whole padded batch in one
+call per layer says so with :meth:`KVStore.attend_batch`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Dict, List, Optional, Tuple, Type
 
 import mlx.core as mx
 
+from ..errors import DecodeError
 from ..models.base import CacheSpec
 from ..models.cpu_paths import attend
 
@@ -62,6 +67,20 @@ class KVStore:
         """The stored form's name (its dtype, and any settings): files
         written in another form must not be read back as this one."""
         raise NotImplementedError
+
+    @classmethod
+    def check(cls, spec: Optional[CacheSpec], **settings) -> None:
+        """A one-line DecodeError for settings this kind cannot keep (for
+        ``spec``'s layers, when given); the base takes what its constructor takes."""
+
+    @classmethod
+    def attend_batch(cls, q: mx.array, stores: List["KVStore"], padding) -> Optional[mx.array]:
+        """(B, H, maxN, D) padded queries over each of a batch's ``stores``
+        (one per request, this pass's rows written) in one call, with the
+        batch's ``padding`` (``decode.packed.PackedWrite``); None: this kind
+        has no such call, and the batch reads each store's rows
+        (:meth:`fetch` through the cache layer) into one float attention."""
+        return None
 
     # -- rows -----------------------------------------------------------------
 
@@ -213,14 +232,53 @@ class FloatStore(KVStore):
         self.values[:, :, :rows, :] = values
 
 
-class Storage:
+class KVStorage:
     """How a cache keeps each layer's keys and values: ``kind``, a KVStore
     subclass (FloatStore by default), made with ``settings`` (keyword
-    arguments of its constructor and classmethods; none for FloatStore)."""
+    arguments of its constructor and classmethods; none for FloatStore).
+    A value: two equal settings are one storage."""
 
     def __init__(self, kind: Optional[Type[KVStore]] = None, **settings):
         self.kind = FloatStore if kind is None else kind
         self.settings = settings
+
+    @classmethod
+    def of(cls, bits: Optional[int] = None, group_size: Optional[int] = None, model=None) -> "KVStorage":
+        """The storage of ``kv_bits`` / ``kv_group_size``: the float store
+        without bits, else quantized codes (group size 64 unless given); with
+        ``model``, checked against its head dimension too. A bad setting is
+        one DecodeError."""
+        if bits is None:
+            if group_size is not None:
+                raise DecodeError("kv_group_size needs kv_bits (4 or 8)")
+            return cls()
+        from .kv_quant import DEFAULT_GROUP_SIZE, QuantizedStore  # the quantized kind builds on this module
+
+        storage = cls(QuantizedStore, bits=bits, group_size=DEFAULT_GROUP_SIZE if group_size is None else group_size)
+        return storage.check(model)
+
+    @classmethod
+    def given(cls, storage: Optional["KVStorage"], bits: Optional[int], group_size: Optional[int],
+              model=None) -> "KVStorage":
+        """A call's storage: ``storage`` as made (by ``cli.storage_from_args``, a server's config), or
+        made of ``kv_bits`` / ``kv_group_size``, not both; checked against ``model`` when given."""
+        if storage is not None and (bits is not None or group_size is not None):
+            raise DecodeError("give storage or kv_bits / kv_group_size, not both")
+        return storage.check(model) if storage is not None else cls.of(bits, group_size, model)
+
+    @property
+    def bits(self) -> Optional[int]:
+        """Bits per kept key and value (None: the model's dtype), as ``/health`` and ``/metrics`` show them."""
+        return self.settings.get("bits")
+
+    @property
+    def group_size(self) -> Optional[int]:
+        return self.settings.get("group_size")
+
+    def check(self, model=None) -> "KVStorage":
+        """Itself, once its kind takes its settings (for ``model``'s layers, when given); else a DecodeError."""
+        self.kind.check(None if model is None else model.cache_spec(), **self.settings)
+        return self
 
     def new(self, spec: CacheSpec) -> KVStore:
         """An empty store for one layer of ``spec``."""
@@ -238,6 +296,12 @@ class Storage:
         """The stored form's name, as the prompt-cache files' fingerprint takes it."""
         return self.kind.describe(spec, **self.settings)
 
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KVStorage) and (self.kind, self.settings) == (other.kind, other.settings)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, tuple(sorted(self.settings.items()))))
+
     def __repr__(self) -> str:
         settings = "".join(f", {k}={v!r}" for k, v in self.settings.items())
-        return f"Storage({self.kind.__name__}{settings})"
+        return f"KVStorage({self.kind.__name__}{settings})"

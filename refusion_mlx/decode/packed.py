@@ -29,7 +29,7 @@ to one request, write into its cache and attend to it alone. Two ways:
 Quantized caches (``decode/kv_quant.py``): the padded batch gathers each
 request's committed rows as codes (padded to the batch's most committed
 rows) and its scratch rows in float (padded to the widest scratch), and one
-``kv_quant.batched_attend`` call per layer reads the codes through MLX's
+``KVStore.attend_batch`` call per layer (the quantized kind's) reads the codes through MLX's
 quantized matmul; the mask is the same per-request mask, its columns laid
 out as codes then scratch rows.
 
@@ -46,7 +46,6 @@ import numpy as np
 from ..models import backend
 from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
-from .kv_quant import batched_attend, quantized_batch
 
 
 class PackedWrite:
@@ -198,10 +197,9 @@ class _PackedLayer:
         for layer, (_, start, end) in zip(layers, self.packed.segments):
             layer.update(k[:, :, start:end], v[:, :, start:end])
         stores = [layer.store for layer in layers]
-        if quantized_batch(stores) is not None:
-            committed, spans, mask = padding.split([s.coded for s in stores])
-            if spans[0]:
-                return padding.unpad(batched_attend(padding.pad(q), stores, committed, spans, mask))
+        out = type(stores[0]).attend_batch(padding.pad(q), stores, padding)  # one call, where the kind has it
+        if out is not None:
+            return padding.unpad(out)
         keys, values = zip(*(layer.fetch(padding.max_visible) for layer in layers))
         out = attend(padding.pad(q), mx.concatenate(keys), mx.concatenate(values), padding.mask)
         return padding.unpad(out)

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from ..errors import DecodeError
 from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
+from .kv_store import KVStorage
 from .grammar import constraint_of
 from .params import RefusionParams, make_params
 from .stats import DecodeStats
@@ -44,7 +45,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
                     cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
                     json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
                     json_object: bool = False, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
-                    **kwargs) -> Iterator[GenerationResponse]:
+                    storage: Optional[KVStorage] = None, **kwargs) -> Iterator[GenerationResponse]:
     """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
 
     Decoding parameters come as ``params`` or as keywords: ``max_tokens``
@@ -53,8 +54,9 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
     CommittedCache to continue (chat). ``kv_bits`` (4 or 8) and
     ``kv_group_size`` (default 64): keep the committed keys and values
-    quantized; a ``cache`` keeps its own form (given with them, it must be
-    theirs, else DecodeError).
+    quantized, as mlx-lm takes them (or ``storage``, a
+    :class:`~.kv_store.KVStorage` already made); a ``cache`` keeps its own
+    form (given with them, it must be theirs, else DecodeError).
     A batch of one: the same loop as
     :func:`refusion_mlx.decode.batch.batch_generate` runs.
 
@@ -66,8 +68,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     constraint = constraint_of(json_schema, grammar, json_object)
     if params is not None and kwargs:
         raise TypeError("give params or decoding keywords, not both")
-    gen = BatchGenerator(model, tokenizer, max_batch=1, kv_bits=kv_bits, kv_group_size=kv_group_size)
-    if cache is not None and (kv_bits is not None or kv_group_size is not None):
+    gen = BatchGenerator(model, tokenizer, max_batch=1, storage=KVStorage.given(storage, kv_bits, kv_group_size))
+    if cache is not None and (storage is not None or kv_bits is not None or kv_group_size is not None):
         check_form(cache, gen.storage)
     gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint)
     while gen.has_work:

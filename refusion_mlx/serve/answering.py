@@ -1,8 +1,8 @@
 """Answering a request, whichever API asked: done once for all of them.
 
 An API's route validates its body (pydantic), then :meth:`Answering.answer`
-makes the engine's request on a worker thread (the API's adapter, then
-``engine_request.resolve``), queues it, waits until the decoder has taken
+makes the engine's request on a worker thread (the API's adapter makes a
+draft, ``engine_request.finish`` the request), queues it, waits until the decoder has taken
 it -- so a refusal is still a plain 4xx, never a half-written stream -- and
 either collects the whole answer or streams it. The engine's events (final
 text in answer order, tool calls, a step's commits, the end or an error)
@@ -18,7 +18,6 @@ before uvicorn's graceful shutdown (``GRACEFUL_SHUTDOWN`` s) would cancel it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -31,11 +30,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .engine_request import ChatPrompt, EngineRequest
+from .engine_request import ChatPrompt, Draft, EngineRequest, RequestTerms, finish
 from .job import Job
+from .outcome import Outcome
 from .refusal import Reason, Refusal
 from .security import KEY_SCOPE
-from .structured import with_call_grammar
 from .tool_calls import ToolCall
 
 log = logging.getLogger("refusion_mlx.server")
@@ -51,12 +50,12 @@ class ClientGone(Exception):
 
 @dataclass
 class Answer:
-    """A whole answer: its text, its calls, and the engine's "done" event
-    (``finish_reason``, ``stop_sequence``, ``usage``, ``stats``)."""
+    """A whole answer: its text, its calls, and how it ended (the engine's
+    "done" event, an :class:`~.outcome.Outcome`)."""
 
     text: str = ""
     calls: List[ToolCall] = field(default_factory=list)
-    done: dict = field(default_factory=dict)
+    done: Optional[Outcome] = None
     logprobs: list = field(default_factory=list)  # the tokens' entries (serve/logprobs.py), when asked
 
 
@@ -86,7 +85,7 @@ class Writer:
         """Text with its tokens' log-probabilities (an API that shows them overrides this)."""
         return self.text(text) if text else ""
 
-    def done(self, outcome: dict) -> str:
+    def done(self, outcome: Outcome) -> str:
         raise NotImplementedError
 
     def error(self, refusal: Refusal) -> str:
@@ -114,9 +113,10 @@ class Answering:
         self.server, self.engine, self.config = server, server.engine, server.config
 
     @property
-    def takes_tools(self) -> bool:
-        """Whether the model's template renders tools and has a call format (known once it is loaded)."""
-        return self.engine.tool_format is not None
+    def terms(self) -> RequestTerms:
+        """What every request is made under (known once the model is loaded)."""
+        return RequestTerms(self.tokenize, self.vocab_size, self.context, self.config.decoding,
+                            takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar)
 
     @property
     def context(self) -> int:
@@ -152,15 +152,15 @@ class Answering:
         key = request.scope.get(KEY_SCOPE, "")
         return hashlib.sha256(f"{key}|{user or ''}".encode()).hexdigest()[:24]
 
-    async def answer(self, request: Request, make: Callable[[], EngineRequest], writer: Writer, stream: bool,
+    async def answer(self, request: Request, make: Callable[[], Draft], writer: Writer, stream: bool,
                      user: Optional[str] = None):
-        """Make the engine's request (``make``, on a worker thread), run it, and
+        """Make the engine's request (``make``, the API's adapter, on a worker thread), run it, and
         answer with ``writer``: the whole answer, or its stream when ``stream``.
         ``user``: the request's own name of its end user (OpenAI's ``user``,
         Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
         t0 = time.perf_counter()
-        made = await run_in_threadpool(lambda: with_call_grammar(make(), self.config.call_grammar))
-        writer.request = dataclasses.replace(made, cache_owner=self.cache_owner(request, user))
+        owner = self.cache_owner(request, user)
+        writer.request = await run_in_threadpool(lambda: finish(make(), self.terms, owner))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
             await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
@@ -209,7 +209,7 @@ async def next_event(job: Job, engine, request: Request) -> tuple:
 async def collect(job: Job, engine, request: Request) -> Answer:
     """A job's whole answer, gathered from its events (a request that does not stream)."""
     answer = Answer()
-    while not answer.done:
+    while answer.done is None:
         what, payload = await next_event(job, engine, request)
         if what in ("text", "commits", "logprobs"):
             answer.text += payload if what == "text" else payload[0]
@@ -269,9 +269,6 @@ class JobStream(StreamingResponse):
 
 
 def _log(what: str, t0: float, note: Optional[Any]) -> None:
-    if isinstance(note, dict):
-        u, s = note["usage"], note["stats"]
-        note = (f"prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
-                f"completion={u['completion_tokens']} finish={note['finish_reason']}"
-                + (f" steps={s['steps']} tokens/forward={s['tokens_per_forward']:.2f}" if s else ""))
+    if isinstance(note, Outcome):
+        note = note.brief()
     log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)

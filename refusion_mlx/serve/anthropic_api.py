@@ -18,14 +18,14 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, Field, create_model, field_validator
+from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from .anthropic_events import MessagesWriter
 from .answering import Answering
-from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
+from .bodies import MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+from .engine_request import ChatPrompt, Draft, RequestTerms
 from .refusal import Reason, Refusal, invalid
-from .schemas import MAX_STOP, STRICT, StreamOptions, _decoding_fields, _invalid, decoding_fields
 from .structured import forced_calls
 from .tool_calls import check_results, function_tool, template_tools
 
@@ -57,13 +57,12 @@ class _MessagesBase(_CountBase):
     @classmethod
     def _stops(cls, value):
         if value is not None and (len(value) > MAX_STOP or not all(value)):
-            raise _invalid(f"takes up to {MAX_STOP} non-empty strings")
+            raise field_error(f"takes up to {MAX_STOP} non-empty strings")
         return value or None
 
 
 # The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own.
-MessagesRequest = create_model("MessagesRequest", __base__=_MessagesBase, __module__=__name__,
-                               **{k: v for k, v in _decoding_fields().items() if k != "max_tokens"})
+MessagesRequest = with_decoding("MessagesRequest", _MessagesBase, __name__, without=("max_tokens",))
 
 
 def _text_blocks(content: Any, param: str) -> str:
@@ -175,30 +174,24 @@ def chat_prompt_of(body, takes_tools: bool) -> tuple:
     return ChatPrompt(messages, tools), parallel
 
 
-def messages_request(body, tokenize, *, defaults, context: int, vocab_size: int,
-                     takes_tools: bool) -> EngineRequest:
-    """The body as the engine's request."""
+def messages_request(body, terms: RequestTerms) -> Draft:
+    """The body in the engine's terms."""
     if (body.thinking or {}).get("type") not in (None, "disabled"):
         raise Refusal(Reason.UNSUPPORTED, "thinking: extended thinking is not supported by this model", "thinking")
-    prompt, parallel = chat_prompt_of(body, takes_tools)
-    ids = prompt_ids(prompt, tokenize, vocab_size, "messages")
-    options = body.stream_options
-    return resolve(ids, max_tokens=body.max_tokens, fields=decoding_fields(body), defaults=defaults,
-                   context=context, stop=body.stop_sequences or (), prompt_param="messages",
-                   include_commits=bool(body.stream and options and options.include_commits),
-                   tools=prompt.tools, parallel_tool_calls=parallel, api="messages",
-                   constraint=forced_calls(prompt.tools, body.tool_choice, parallel))
+    prompt, parallel = chat_prompt_of(body, terms.takes_tools)
+    ids = terms.prompt_ids(prompt, "messages")
+    return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
+                 include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
+                 parallel_tool_calls=parallel, constraint=forced_calls(prompt.tools, body.tool_choice, parallel))
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
     """``POST /v1/messages`` and ``/v1/messages/count_tokens``."""
-    config = answering.config
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        def make() -> EngineRequest:
-            return messages_request(body, answering.tokenize, defaults=config.decoding, context=answering.context,
-                                    vocab_size=answering.vocab_size, takes_tools=answering.takes_tools)
+        def make() -> Draft:
+            return messages_request(body, answering.terms)
 
         user = (body.metadata or {}).get("user_id")
         return await answering.answer(request, make, MessagesWriter(answering.server), bool(body.stream),
@@ -207,8 +200,9 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         def count() -> int:
-            prompt, _ = chat_prompt_of(body, answering.takes_tools)
-            return len(prompt_ids(prompt, answering.tokenize, answering.vocab_size, "messages"))
+            terms = answering.terms
+            prompt, _ = chat_prompt_of(body, terms.takes_tools)
+            return len(terms.prompt_ids(prompt, "messages"))
 
         return {"input_tokens": await run_in_threadpool(count)}
 

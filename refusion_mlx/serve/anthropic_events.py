@@ -19,6 +19,7 @@ from typing import Optional
 
 from .answering import Answer, Writer, event
 from .http_errors import refusal_error
+from .outcome import Outcome
 from .refusal import Refusal
 from .slots import answer_blocks
 from .tool_calls import ToolCall
@@ -26,19 +27,16 @@ from .tool_calls import ToolCall
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def usage(done: dict) -> dict:
-    u = dict(done["usage"])
-    prompt, completion = u.pop("prompt_tokens"), u.pop("completion_tokens")
-    cached = u.pop("prompt_tokens_details")["cached_tokens"]
-    u.pop("total_tokens")
-    return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, **u}
+def usage(done: Outcome) -> dict:
+    u = done.usage
+    return {"input_tokens": u.prompt - u.cached, "output_tokens": u.completion, "cache_read_input_tokens": u.cached,
+            "cache_creation_input_tokens": 0, **u.refusion()}
 
 
-def stop_reason(done: dict) -> str:
-    if done["finish_reason"] == "stop" and done.get("stop_sequence") is not None:
+def stop_reason(done: Outcome) -> str:
+    if done.finish_reason == "stop" and done.stop_sequence is not None:
         return "stop_sequence"
-    return STOP_REASONS[done["finish_reason"]]
+    return STOP_REASONS[done.finish_reason]
 
 
 def tool_use(call: ToolCall, streaming: bool = False) -> dict:
@@ -56,11 +54,11 @@ class MessagesWriter(Writer):
         self.index = -1  # the content block being streamed
         self.open: Optional[str] = None  # its type
 
-    def message(self, content: list, done: Optional[dict]) -> dict:
+    def message(self, content: list, done: Optional[Outcome]) -> dict:
         prompt = len(self.request.prompt_ids)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason(done) if done else None,
-                "stop_sequence": done.get("stop_sequence") if done else None,
+                "stop_sequence": done.stop_sequence if done else None,
                 "usage": usage(done) if done else {"input_tokens": prompt, "output_tokens": 0,
                                                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
 
@@ -103,8 +101,8 @@ class MessagesWriter(Writer):
                                              "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
         return out + self.close_block()
 
-    def done(self, outcome: dict) -> str:
-        delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.get("stop_sequence")}
+    def done(self, outcome: Outcome) -> str:
+        delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
         return (self.close_block()
                 + event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(outcome)})
                 + event("message_stop", {"type": "message_stop"}))

@@ -17,6 +17,7 @@ from typing import Callable
 
 from .http_errors import anthropic_route
 from .metrics import CONTENT_TYPE
+from .protocols import GENERATING
 from .security import PUBLIC
 
 NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
@@ -41,7 +42,6 @@ WHY = {
     500: "the generation failed",
     503: "the queue is full, or the server is stopping or its engine has stopped: retry later",
 }
-GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 def _error(status: int, path: str) -> dict:

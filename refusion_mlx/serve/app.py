@@ -16,18 +16,21 @@ type, size and arrival (415, 411, 413, 408).
 
 from __future__ import annotations
 
+import importlib
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
-from . import anthropic_api, openai_api, responses_api, tokenizer_api
+from . import tokenizer_api
 from .answering import Answering
 from .api_schema import schema_maker
 from .http_errors import APIError, as_api_error, error_response
-from .metrics import CONTENT_TYPE, exposition, gauges
+from .metrics import exposition, gauges
 from .page import add_page
+from .protocols import ROUTE_MODULES
 from .refusal import Refusal
 from .security import RequestGuard, SiteGuard
 
@@ -83,14 +86,16 @@ def create_app(server) -> FastAPI:
         return JSONResponse({"status": status, "model": config.model_id, **engine.snapshot()}, 200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        """The Prometheus text format (names prefixed ``refusion_``)."""
-        return PlainTextResponse(exposition(engine.metrics, gauges(engine.snapshot(), engine.health()[0])), media_type=CONTENT_TYPE)
+    async def metrics(request: Request):
+        """Prometheus' text format, or OpenMetrics when the scraper's Accept asks for it (names prefixed
+        ``refusion_``)."""
+        body, kind = exposition(engine.metrics, gauges(engine.snapshot(), engine.health()[0]),
+                                request.headers.get("accept"))
+        return Response(body, media_type=kind)
 
     answering = Answering(server)
-    openai_api.add_routes(app, answering)  # chat and text completions
-    responses_api.add_routes(app, answering)  # the Responses API
-    anthropic_api.add_routes(app, answering)  # Anthropic's Messages API
+    for module in ROUTE_MODULES:  # each API's routes (protocols.PROTOCOLS)
+        importlib.import_module(f"{__package__}.{module}").add_routes(app, answering)
     tokenizer_api.add_routes(app, answering)  # /tokenize, /detokenize, /tokenizer_info (evaluation tools)
 
     add_page(app, server)  # the web chat at /

@@ -7,7 +7,7 @@ and ``values.{layer}`` of shape ``(1, kv_heads, rows, head_dim)``), its
 ``tokens`` and ``positions`` (int32), and in its metadata the format, the
 model's fingerprint (a hash of the model's config -- its quantization
 included --, the form its keys and values are stored in
-(``Storage.describe``: the float store's dtype), and the size, head and
+(``KVStorage.describe``: the float store's dtype), and the size, head and
 tail of its weight and adapter files) and the entry's owner (a hash of the
 API key and ``user`` that made it, :mod:`.prompt_cache`). Its name is the
 fingerprint's first 16 characters, then a hash of the fingerprint, the
@@ -48,7 +48,7 @@ _SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
 def model_fingerprint(model_path, stored_as: str, adapter_path=None) -> str:
     """A short hash that changes with the model's config, weights or adapters,
     or the form its keys and values are stored in (``stored_as``:
-    ``Storage.describe``, the dtype for the float store)."""
+    ``KVStorage.describe``, the dtype for the float store)."""
     h = hashlib.sha256(f"{FORMAT}|{stored_as}".encode())
     for folder in (model_path, adapter_path):
         if folder is None:
@@ -199,13 +199,13 @@ class CacheDir:
 def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None, storage=None) -> None:
     """Back ``prompt_cache`` with the folder ``path`` (this model's files,
     ``max_bytes`` in all) and reload the entries it holds. ``storage``: how
-    the caches keep keys and values (a ``decode.kv_store.Storage``; the float
+    the caches keep keys and values (a ``decode.kv_store.KVStorage``; the float
     store by default), whose stored form is part of the fingerprint."""
     from ..decode.cache import CommittedCache
-    from ..decode.kv_store import Storage
+    from ..decode.kv_store import KVStorage
     from ..errors import RefusionError
 
-    storage = storage or Storage()
+    storage = storage or KVStorage()
     fingerprint = model_fingerprint(model.model_path, storage.describe(model.cache_spec()), adapter_path)
     try:
         store = CacheDir(path, max_bytes, fingerprint)

@@ -14,54 +14,51 @@ their chunks come, each chunk naming its choice's index.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .answering import ClientGone, JobStream, _log, collect, data, job_event, next_event
-from .engine_request import EngineRequest
+from .engine_request import EngineRequest, finish
+from .outcome import Outcome
 from .refusal import Reason, Refusal
 from .schemas import MAX_PROMPTS
-from .structured import with_call_grammar
 
 
-def nth_sample(request: EngineRequest, sample: int) -> EngineRequest:
-    """Answer ``sample`` of a prompt: with a seed, seed + sample, so the samples differ."""
-    seed = request.params.seed
-    if sample == 0 or seed is None:
-        return request
-    return dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + sample))
-
-
-def usage_of(outcomes: List[dict], n: int) -> dict:
+def usage_of(outcomes: List[Outcome], n: int) -> dict:
     """The request's usage: completion tokens of every choice; each prompt's tokens once (n samples share it)."""
-    usages = [o["usage"] for o in outcomes]
-    prompt = sum(u["prompt_tokens"] for u in usages[::n])
-    completion = sum(u["completion_tokens"] for u in usages)
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
+    usages = [o.usage for o in outcomes]
+    prompt = sum(u.prompt for u in usages[::n])
+    completion = sum(u.completion for u in usages)
+    cached = sum(u.cached for u in usages[::n])
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": cached}}
-    if all("forwards" in u for u in usages):
-        out["forwards"] = sum(u["forwards"] for u in usages)
+    if all(u.forwards is not None for u in usages):
+        out["forwards"] = sum(u.forwards for u in usages)
     return out
 
 
 async def answer_choices(answering, request: Request, body, kind: str, make: Callable, prompts: int, n: int,
                          writer_class):
-    """Answer ``prompts`` x ``n`` choices: ``make(index, sample)`` makes each
-    one's engine request; ``writer_class`` shapes each choice (its index)."""
+    """Answer ``prompts`` x ``n`` choices: ``make(index)`` makes each prompt's
+    draft (its ``n`` samples' requests differ in their seeds: seed + sample);
+    ``writer_class`` shapes each choice (its index)."""
     if prompts * n > MAX_PROMPTS:
         raise Refusal(Reason.INVALID_VALUE, f"n: {prompts} prompts x n {n} is over {MAX_PROMPTS} choices", "n")
     t0 = time.perf_counter()
-    setting = answering.config.call_grammar
-    requests = await run_in_threadpool(lambda: [with_call_grammar(make(p, k), setting) for p in range(prompts)
-                                                for k in range(n)])
     owner = answering.cache_owner(request, body.user)  # whose prompt-cache entries they may use (as one request)
-    requests = [dataclasses.replace(r, cache_owner=owner) for r in requests]
+
+    def made() -> List[EngineRequest]:
+        terms, out = answering.terms, []
+        for p in range(prompts):
+            draft = make(p)
+            out += [finish(draft, terms, owner, k) for k in range(n)]
+        return out
+
+    requests = await run_in_threadpool(made)
     engine, loop = answering.engine, asyncio.get_running_loop()
     jobs = []
     try:
@@ -117,7 +114,7 @@ async def _stream(jobs, writers, engine, n: int, t0: float):
                 return
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-    outcomes: List[dict] = [{} for _ in jobs]
+    outcomes: List[Optional[Outcome]] = [None for _ in jobs]
     note = "client went away"
     try:
         for w in writers:
@@ -134,7 +131,7 @@ async def _stream(jobs, writers, engine, n: int, t0: float):
                 return
             if what == "done":
                 outcomes[i], left = payload, left - 1
-                yield w.scored(payload) + data(w.chunk(None, payload["finish_reason"]))
+                yield w.scored(payload) + data(w.chunk(None, payload.finish_reason))
             elif what == "text":
                 yield w.text(payload)
             elif what == "commits" and payload[0]:

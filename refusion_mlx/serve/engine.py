@@ -42,13 +42,12 @@ from ..distributed.group import is_link_failure, lost_ranks, say_error
 from ..errors import RefusionError
 from .engine_request import EngineRequest
 from .job import Job, StepPlan
-from . import loglikelihood, logprobs
+from .loglikelihood import score_jobs
 from .memory import KVCost, check_kv_budget, default_max_kv_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
 from .refusal import Reason, Refusal
 from .server_config import ServerConfig
-from .slots import step_commits
 from .tool_calls import ToolFormat
 
 log = logging.getLogger("refusion_mlx.server")
@@ -68,7 +67,7 @@ class Engine:
         self.dist = dist
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
-        self.storage = config.storage()  # how the caches keep keys and values (--kv-bits)
+        self.storage = config.storage  # how the caches keep keys and values (--kv-bits)
         self.kv_cost = KVCost.of(None, self.storage)  # KV bytes per token as they are kept, once the model is loaded
         self.kv_reserved = 0  # by the requests in the batch
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
@@ -185,8 +184,7 @@ class Engine:
             self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
-                                      kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-            self.storage = self.gen.storage
+                                      storage=self.storage)  # checked against the model's head dimension
             self._plan_memory()
             self._open_cache_dir()
         except BaseException as e:  # reported by start() on the caller's thread
@@ -281,7 +279,16 @@ class Engine:
         for uid in plan.cancelled:
             if uid in self.running:
                 self._close(self.running[uid], "cancelled")
-        for i, job in loglikelihood.run_scoring(self, plan.admitted):  # scores echo + logprobs; the rest decode
+        scoring = [j for j in plan.admitted if j.request.scoring is not None]  # scored (echo + logprobs), not decoded
+        for job, result in score_jobs(self.model, self.tokenizer, scoring) if scoring else ():
+            if isinstance(result, Refusal):
+                self._close(job, "failed", result)
+            else:
+                job.post("start")
+                self._finish(job, result)
+        for i, job in enumerate(plan.admitted):
+            if job.request.scoring is not None:
+                continue
             try:
                 self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
@@ -337,22 +344,21 @@ class Engine:
             return
         if r.finish_reason == "error":
             return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
-        released = job.shaper.completion_tokens
-        items, reason = job.take(r.text, r.tokens, finished=r.finish_reason is not None)
-        self.metrics.add("generated_tokens", job.shaper.completion_tokens - released)
-        if job.request.include_commits and r.commits:
-            first = items.pop(0) if items and isinstance(items[0], str) else ""
-            job.post("commits", (first, step_commits(self.tokenizer, job.request, r)))
-        for kind, payload in logprobs.step_events(self.tokenizer, job, items, r):  # text (with its logprobs), calls
+        events, reason, released = job.step(r, self.tokenizer)  # text (with its logprobs), commits, calls
+        self.metrics.add("generated_tokens", released)
+        for kind, payload in events:
             job.post(kind, payload)
-        reason = reason or r.finish_reason
-        if reason is None:
-            return
+        if reason is not None:
+            self._finish(job, job.outcome(reason, r.stats, self.dist))
+
+    def _finish(self, job: Job, outcome) -> None:
+        """The one place a request ends with its answer: counted, its cache kept for its next turn, closed."""
         if job.calls is not None:
             self.metrics.tool_calls(job.calls.calls, job.calls.failed)
-        self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far, for its next turn
+        if job.cache is not None:
+            self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far
         self._close(job, "completed")
-        job.post("done", job.outcome(reason, r.stats, self.dist))
+        job.post("done", outcome)
 
     def _close(self, job: Job, outcome: str, error: Optional[Refusal] = None) -> None:
         """Take a request out of the batch and free its cache now."""

@@ -1,17 +1,19 @@
-"""The one request shape inside the server, and where it is made.
+"""The one request shape inside the server, and the one place it is made.
 
 :class:`EngineRequest` is what the engine runs, whichever API asked for it.
 Each API's adapter at the edge (OpenAI's chat and text completions:
 :func:`.schemas.openai_request`; the Responses API: :mod:`.responses_api`;
-Anthropic's Messages API: :mod:`.anthropic_api`) only translates its body --
-the prompt's source (messages and tools for the chat template, text or ids),
-the most tokens and the name its API gives them, the decoding fields given,
-stop strings, the tools whose calls to look for -- and
-hands it to :func:`prompt_ids` and :func:`resolve`, which do the rest once:
-the vocabulary and context checks, the default ``max_tokens``, the server's
-decoding settings under the request's own, and the block layout (resolved
-here and carried by the request's ``params``). A bad request is one
-:class:`~.refusal.Refusal` naming the field as that API calls it.
+Anthropic's Messages API: :mod:`.anthropic_api`) only translates its body
+into a :class:`Draft` -- the prompt's ids (:meth:`RequestTerms.prompt_ids`
+tokenizes its source: messages and tools for the chat template, text or
+ids), the most tokens and the name its API gives them, the decoding fields
+given, stop strings, the tools whose calls to look for, its constraint,
+logprobs or scoring -- and :func:`finish` does the rest, once, for every
+API: the context checks, the default ``max_tokens``, the server's decoding
+settings under the request's own and the block layout (:func:`resolve`),
+the server's call grammar, the sample's seed and the prompt cache's owner.
+A bad request is one :class:`~.refusal.Refusal` naming the field as that
+API calls it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..decode.grammar import Constraint
 from ..decode.params import BlockLayout, RefusionParams
 from ..errors import DecodeError
 from .refusal import Reason, Refusal
+from .structured import with_call_grammar
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class EngineRequest:
     cache_owner: Optional[str] = ""
     constraint: Optional[Constraint] = None
     scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
-    logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (serve/logprobs.py)
+    logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (job.token_entries)
 
     @property
     def max_tokens(self) -> int:
@@ -74,6 +77,77 @@ class ChatPrompt:
 
     messages: List[dict]
     tools: Tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What an API's adapter makes of a body, in the engine's terms: the
+    prompt's ``ids``, ``max_tokens`` (None: the server's default), the
+    decoding ``fields`` given (by their ``RefusionParams`` names), the
+    ``api`` that asked, and what :func:`resolve` carries as given. The
+    ``*_param`` names are those fields' names in the request's API, for its
+    errors."""
+
+    ids: List[int]
+    max_tokens: Optional[int]
+    fields: Dict[str, Any]
+    api: str
+    stop: Sequence[str] = ()
+    include_commits: bool = False
+    prompt_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+    tools: Sequence[dict] = ()
+    parallel_tool_calls: bool = True
+    constraint: Optional[Constraint] = None
+    logprobs: Optional[int] = None
+    scoring: Any = None
+
+
+@dataclass(frozen=True)
+class RequestTerms:
+    """What every request is made under, whichever API asked: the model's
+    ``context`` and ``vocab_size``, whether its template ``takes_tools``, the
+    server's decoding ``defaults`` and ``call_grammar``, and ``tokenize``
+    (a prompt's source to its ids)."""
+
+    tokenize: Callable[[Any], List[int]]
+    vocab_size: int
+    context: int
+    defaults: RefusionParams
+    takes_tools: bool = False
+    call_grammar: str = "all"
+
+    def prompt_ids(self, source: Any, param: str) -> List[int]:
+        """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
+        return prompt_ids(source, self.tokenize, self.vocab_size, param)
+
+
+def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", sample: int = 0) -> EngineRequest:
+    """The engine's request of an adapter's ``draft``: resolved against the
+    ``terms``, under the server's call grammar, owned by ``cache_owner``;
+    ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k)."""
+    made = {"fields": draft.fields, "defaults": terms.defaults, "context": terms.context}
+    if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
+        ids, extra = draft.ids, draft.scoring.extra
+        if len(ids) + extra > terms.context:
+            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + max_tokens ({extra}) "
+                          f"exceeds the model's context of {terms.context}", draft.prompt_param)
+        request = dataclasses.replace(resolve(ids[:1], max_tokens=1, **made), prompt_ids=list(ids), api=draft.api,
+                                      scoring=draft.scoring)
+    else:
+        request = resolve(draft.ids, max_tokens=draft.max_tokens, stop=draft.stop,
+                          include_commits=draft.include_commits, prompt_param=draft.prompt_param,
+                          max_tokens_param=draft.max_tokens_param, tools=draft.tools,
+                          parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint,
+                          **made)
+        if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
+            raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
+                                              "tool_choice required or a named function)", "logprobs")
+        request = dataclasses.replace(request, logprobs=draft.logprobs)
+    seed = request.params.seed
+    if sample and seed is not None:
+        request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + sample))
+    return dataclasses.replace(with_call_grammar(request, terms.call_grammar), cache_owner=cache_owner)
 
 
 def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:

@@ -17,6 +17,7 @@ from typing import Optional
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from .protocols import error_shape
 from .refusal import Refusal
 
 
@@ -45,8 +46,8 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 
 
 def anthropic_route(path: str) -> bool:
-    """The routes whose errors take Anthropic's shape: the Messages API's."""
-    return path.startswith(("/v1/messages", "/messages"))
+    """The routes whose errors take Anthropic's shape (:func:`.protocols.error_shape`): the Messages API's."""
+    return error_shape(path) == "anthropic"
 
 
 # A refusal's HTTP status, by the kind of its reason: the client's to fix, retry later, the server's fault.

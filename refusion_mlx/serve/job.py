@@ -1,5 +1,12 @@
 """A request in flight (:class:`Job`) and what one turn of the engine's loop
-does (:class:`StepPlan`, decided by rank 0 and broadcast under ``mlx.launch``)."""
+does (:class:`StepPlan`, decided by rank 0 and broadcast under ``mlx.launch``).
+
+A Job shapes its decoder's responses into the answer's events
+(:meth:`Job.step`: final text through the stop strings and the tool-call
+splitter, a step's commits, the tokens' log-probabilities) and its end into
+an :class:`~.outcome.Outcome`; the engine only posts them. Neither knows
+any API: each protocol's writer formats the events.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,11 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from .engine_request import EngineRequest
+from .outcome import Outcome, Usage
+from .slots import step_commits
 from .text import TextShaper
 from .tool_calls import ToolCallSplitter, ToolFormat
 
@@ -17,8 +26,9 @@ from .tool_calls import ToolCallSplitter, ToolFormat
 class Job:
     """A request in flight: the engine thread posts events to the HTTP side's
     asyncio queue: ("start", None), ("text", str), ("tool_call", ToolCall),
-    ("done", dict), ("error", Refusal); with ``include_commits``, a step's
-    first text comes as ("commits", (text, its commits)).
+    ("done", Outcome), ("error", Refusal); with ``include_commits``, a step's
+    first text comes as ("commits", (text, its commits)); with ``logprobs``,
+    text comes as ("logprobs", (text, its tokens' entries)).
 
     Made whole by the engine (``Engine.job``: on rank 0 when the request is
     submitted, on the other ranks from the plan): the request, where its
@@ -56,23 +66,40 @@ class Job:
         items = self.calls.feed(text, final=finished or reason is not None)
         return items, reason or ("stop" if self.calls.done else None)
 
-    def outcome(self, reason: str, stats, dist=None) -> dict:
+    def step(self, response, tokenizer) -> Tuple[list, Optional[str], int]:
+        """One step's response shaped: (the events to post in order, the
+        finish reason when the answer ends here else None, the answer tokens
+        it released)."""
+        released = self.shaper.completion_tokens
+        items, reason = self.take(response.text, response.tokens, finished=response.finish_reason is not None)
+        events = []
+        if self.request.include_commits and response.commits:
+            first = items.pop(0) if items and isinstance(items[0], str) else ""
+            events.append(("commits", (first, step_commits(tokenizer, self.request, response))))
+        if self.request.logprobs is None or response.logprobs is None:
+            events += [("text" if isinstance(i, str) else "tool_call", i) for i in items]
+        else:  # the step's text with its tokens' entries, then its calls
+            text = "".join(i for i in items if isinstance(i, str))
+            entries = token_entries(tokenizer, response.tokens, response.logprobs)
+            events += [("logprobs", (text, entries))] if text or entries else []
+            events += [("tool_call", i) for i in items if not isinstance(i, str)]
+        return events, reason or response.finish_reason, self.shaper.completion_tokens - released
+
+    def outcome(self, reason: str, stats, dist=None) -> Outcome:
         """The "done" event: finish reason ("tool_calls" for an answer that
-        ended after making calls), the stop string that cut it, the decoder's
-        stats (with the group's under ``mlx.launch``) and the OpenAI usage,
-        with ReFusion's own figures."""
+        ended after making calls), the stop string that cut it, the token
+        counts and the decoder's stats (with the group's under ``mlx.launch``)."""
         if reason == "stop" and self.calls is not None and self.calls.calls:
             reason = "tool_calls"
-        prompt, completion = len(self.request.prompt_ids), self.shaper.completion_tokens
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                 "prompt_tokens_details": {"cached_tokens": self.cached}}
+        usage = Usage(len(self.request.prompt_ids), self.shaper.completion_tokens, self.cached)
+        info = None
         if stats is not None:  # the block layout used and the forwards it took
-            usage.update(layout=dict(stats.layout), forwards=stats.forwards,
-                         tokens_per_forward=round(stats.tokens_per_forward, 4))
-        info = stats.as_dict() if stats is not None else None
-        if info is not None and dist is not None:
-            info["distributed"] = dist.as_dict()
-        return {"finish_reason": reason, "stop_sequence": self.shaper.hit, "stats": info, "usage": usage}
+            usage = Usage(usage.prompt, usage.completion, usage.cached, dict(stats.layout), stats.forwards,
+                          round(stats.tokens_per_forward, 4))
+            info = stats.as_dict()
+            if dist is not None:
+                info["distributed"] = dist.as_dict()
+        return Outcome(reason, usage, self.shaper.hit, info)
 
     def post(self, kind: str, payload=None) -> None:
         if self.loop is None:  # a rank other than 0: nobody listens
@@ -81,6 +108,22 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
+
+
+def token_entries(tokenizer, tokens, scores) -> List[dict]:
+    """Per final token with text (EOS and ids past the tokenizer left out):
+    its text, log-probability (the probability the decoder accepted it
+    under, :mod:`refusion_mlx.decode.token_scores`, as a natural log) and
+    top tokens ((text, log-probability) pairs of the same row of logits)."""
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    out = []
+    for t, score in zip(tokens, scores):
+        if t == eos or t >= vocab or score is None:
+            continue
+        lp, top = score
+        out.append({"token": tokenizer.decode([t]), "logprob": lp,
+                    "top": [(tokenizer.decode([i]), v) for i, v in top]})
+    return out
 
 
 @dataclass

@@ -6,38 +6,13 @@ Each number is the probability under which the decoder accepted the token
 token, the verification's for the others), as a natural log; the top
 tokens are the most likely ones of the same row of logits. They come in
 answer order with the text they belong to: the engine posts a step's text
-and its final tokens' entries as one ``("logprobs", (text, entries))`` event.
+and its final tokens' entries (:func:`.job.token_entries`) as one
+``("logprobs", (text, entries))`` event, which these functions shape.
 """
 
 from __future__ import annotations
 
 from typing import List
-
-
-def token_entries(tokenizer, tokens, scores) -> List[dict]:
-    """Per final token with text (EOS and ids past the tokenizer left out):
-    its text, log-probability and top tokens."""
-    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
-    out = []
-    for t, score in zip(tokens, scores):
-        if t == eos or t >= vocab or score is None:
-            continue
-        lp, top = score
-        out.append({"token": tokenizer.decode([t]), "logprob": lp,
-                    "top": [(tokenizer.decode([i]), v) for i, v in top]})
-    return out
-
-
-def step_events(tokenizer, job, items, response) -> list:
-    """The (kind, payload) events of a step's released items: strings are text,
-    others tool calls; a request that asked for logprobs gets its text with
-    the step's token entries."""
-    if job.request.logprobs is None or response.logprobs is None:
-        return [("text" if isinstance(i, str) else "tool_call", i) for i in items]
-    text = "".join(i for i in items if isinstance(i, str))
-    entries = token_entries(tokenizer, response.tokens, response.logprobs)
-    calls = [("tool_call", i) for i in items if not isinstance(i, str)]
-    return ([("logprobs", (text, entries))] if text or entries else []) + calls
 
 
 def _utf8(text: str) -> List[int]:

@@ -43,11 +43,11 @@ def kv_rows(prompt_tokens: int, budget: int) -> int:
 def kv_row_bytes(model, storage=None) -> int:
     """Bytes of one cached token: keys and values of every layer of the model
     (a pipeline's ranks count the same), as ``storage`` (a
-    ``decode.kv_store.Storage``; the float store by default) keeps them."""
-    from ..decode.kv_store import Storage
+    ``decode.kv_store.KVStorage``; the float store by default) keeps them."""
+    from ..decode.kv_store import KVStorage
 
     spec = model.cache_spec()
-    return spec.layers * (storage or Storage()).row_bytes(spec)
+    return spec.layers * (storage or KVStorage()).row_bytes(spec)
 
 
 def device_memory() -> Tuple[int, str]:
@@ -85,10 +85,10 @@ def kv_scratch_row_bytes(model, storage=None) -> int:
     every layer: 0 for the float store (its passes write into the rows
     reserved), the model's dtype for a quantized one (``--kv-bits``: a pass's
     rows stay in float until committed)."""
-    from ..decode.kv_store import Storage
+    from ..decode.kv_store import KVStorage
 
     spec = model.cache_spec()
-    return spec.layers * (storage or Storage()).scratch_row_bytes(spec)
+    return spec.layers * (storage or KVStorage()).scratch_row_bytes(spec)
 
 
 def widest_pass(request) -> int:
@@ -121,10 +121,8 @@ class KVCost:
 
     @classmethod
     def of(cls, model, storage) -> "KVCost":
-        """Of ``model`` (None: not loaded yet, no bytes known) with ``storage`` (a ``decode.kv_store.Storage``)."""
-        from ..decode.kv_quant import storage_settings
-
-        settings = storage_settings(storage)
+        """Of ``model`` (None: not loaded yet, no bytes known) with ``storage`` (a ``decode.kv_store.KVStorage``)."""
+        settings = {"bits": storage.bits, "group_size": storage.group_size} if storage is not None else {}
         if model is None:
             return cls(**settings)
         return cls(kv_row_bytes(model, storage), kv_scratch_row_bytes(model, storage), **settings)

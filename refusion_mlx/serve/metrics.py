@@ -1,25 +1,33 @@
-"""The server's numbers in the Prometheus text format (``GET /metrics``).
+"""The server's numbers for Prometheus (``GET /metrics``).
 
 The engine thread records into a :class:`ServerMetrics` (counters by
-outcome, token counts, two histograms); :func:`exposition` writes them, with
-the gauges of the moment (:func:`gauges`: queue, batch, prompt cache, KV
-reservations, MLX memory), as version 0.0.4 of the exposition format.
-Every name starts with ``refusion_``. No client library: the format is a few
-lines of text per metric.
+outcome and API, token counts, two histograms), which ``/health`` also
+reads as one consistent snapshot; :func:`exposition` hands them, with the
+gauges of the moment (:func:`gauges`: queue, batch, prompt cache, KV
+reservations, MLX memory), to ``prometheus_client``, the format's reference
+implementation, which writes Prometheus' text format or OpenMetrics, as the
+scraper's ``Accept`` asks. Every name starts with ``refusion_``.
+
+The counts are kept here, under one lock, rather than in the library's
+metric objects: ``/health`` needs them read together, and the library's
+values are read back only through private fields.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import math
 import threading
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
+from prometheus_client.parser import text_string_to_metric_families
+
+from .protocols import APIS
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # Prometheus' text format (OpenMetrics when the scraper asks for it)
 OUTCOMES = ("completed", "cancelled", "failed", "refused")
-# the APIs a request can come through (EngineRequest.api), as /metrics labels them
-APIS = ("chat.completions", "completions", "responses", "messages")
 STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKENS_PER_FORWARD = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -37,12 +45,12 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def lines(self, name: str) -> List[str]:
-        out, running = [], 0
-        for bound, n in zip(self.bounds + (math.inf,), self.counts):
+    def family(self, name: str, text: str) -> HistogramMetricFamily:
+        running, buckets = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
             running += n
-            out.append(f'{name}_bucket{{le="{_number(bound)}"}} {running}')
-        return out + [f"{name}_sum {_number(self.sum)}", f"{name}_count {self.count}"]
+            buckets.append((_bound(bound), running))
+        return HistogramMetricFamily(name, text, buckets=buckets, sum_value=self.sum)
 
 
 class ServerMetrics:
@@ -95,6 +103,10 @@ class ServerMetrics:
             self.tokens_per_forward.observe(tokens)
 
 
+# the plain counters: name -> ServerMetrics' count
+COUNTS = {"refusion_kv_waits_total": "kv_waits", "refusion_steps_total": "steps",
+          "refusion_generated_tokens_total": "generated_tokens", "refusion_prefilled_tokens_total": "prefill_tokens",
+          "refusion_cached_prompt_tokens_total": "cached_tokens"}
 # (name, type, help) of each metric, in the order written
 METRICS: Tuple[Tuple[str, str, str], ...] = (
     ("refusion_requests_total", "counter", "Requests that ended, by outcome (refused: over --max-kv-bytes)."),
@@ -125,39 +137,61 @@ METRICS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
-def exposition(metrics: ServerMetrics, gauges: Dict[str, float]) -> str:
-    """The text ``/metrics`` answers: ``metrics``' counters and histograms and
-    the ``gauges`` given (by name, as in METRICS)."""
+def families(metrics: ServerMetrics, gauges: Dict[str, float]) -> list:
+    """``metrics``' counters and histograms and the ``gauges`` given (by name,
+    as in METRICS; those not given are left out), in METRICS' order."""
+    def counter(name, text, label, rows):
+        family = CounterMetricFamily(name, text, labels=[label] if label else None)
+        for value, n in rows:
+            family.add_metric([value] if label else [], n)
+        return family
+
     with metrics.lock:
-        samples: Dict[str, Iterable[str]] = {
-            "refusion_requests_total": [f'refusion_requests_total{{outcome="{o}"}} {metrics.counts[o]}'
-                                        for o in OUTCOMES],
-            "refusion_api_requests_total": [f'refusion_api_requests_total{{api="{a}",outcome="{o}"}} '
-                                            f'{metrics.apis[a, o]}' for a in APIS for o in OUTCOMES],
-            "refusion_tool_calls_total": [f'refusion_tool_calls_total{{result="parsed"}} {metrics.counts["tool_calls"]}',
-                                          f'refusion_tool_calls_total{{result="unparsed"}} '
-                                          f'{metrics.counts["tool_call_failures"]}'],
-            "refusion_http_errors_total": [f'refusion_http_errors_total{{status="{s}"}} {n}'
-                                           for s, n in sorted(metrics.http_errors.items())],
-            "refusion_kv_waits_total": [f"refusion_kv_waits_total {metrics.counts['kv_waits']}"],
-            "refusion_steps_total": [f"refusion_steps_total {metrics.counts['steps']}"],
-            "refusion_generated_tokens_total": [
-                f"refusion_generated_tokens_total {metrics.counts['generated_tokens']}"],
-            "refusion_prefilled_tokens_total": [f"refusion_prefilled_tokens_total {metrics.counts['prefill_tokens']}"],
-            "refusion_cached_prompt_tokens_total": [
-                f"refusion_cached_prompt_tokens_total {metrics.counts['cached_tokens']}"],
-            "refusion_step_seconds": metrics.step_seconds.lines("refusion_step_seconds"),
-            "refusion_tokens_per_forward": metrics.tokens_per_forward.lines("refusion_tokens_per_forward"),
+        c = metrics.counts
+        made = {
+            "refusion_requests_total": lambda t: counter("refusion_requests", t, "outcome", [(o, c[o]) for o in OUTCOMES]),
+            "refusion_api_requests_total": lambda t: _api_family(metrics, t),
+            "refusion_tool_calls_total": lambda t: counter("refusion_tool_calls", t, "result", [
+                ("parsed", c["tool_calls"]), ("unparsed", c["tool_call_failures"])]),
+            "refusion_http_errors_total": lambda t: counter("refusion_http_errors", t, "status", [
+                (str(s), n) for s, n in sorted(metrics.http_errors.items())]),
+            "refusion_step_seconds": lambda t: metrics.step_seconds.family("refusion_step_seconds", t),
+            "refusion_tokens_per_forward": lambda t: metrics.tokens_per_forward.family("refusion_tokens_per_forward", t),
         }
-    lines = []
-    for name, kind, text in METRICS:
-        rows = samples.get(name)
-        if rows is None:
-            if name not in gauges:
-                continue
-            rows = [f"{name} {_number(gauges[name])}"]
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *rows]
-    return "\n".join(lines) + "\n"
+        for name, key in COUNTS.items():
+            made[name] = lambda t, name=name, key=key: counter(name, t, None, [(None, c[key])])
+        out = []
+        for name, kind, text in METRICS:
+            if name in made:
+                out.append(made[name](text))
+            elif name in gauges:
+                out.append(GaugeMetricFamily(name, text, value=gauges[name]))
+    return out
+
+
+def _api_family(metrics: ServerMetrics, text: str) -> CounterMetricFamily:
+    family = CounterMetricFamily("refusion_api_requests", text, labels=["api", "outcome"])
+    for api in APIS:
+        for outcome in OUTCOMES:
+            family.add_metric([api, outcome], metrics.apis[api, outcome])
+    return family
+
+
+class _Families:
+    """The families of one scrape, as prometheus_client's collector interface."""
+
+    def __init__(self, made: list):
+        self.made = made
+
+    def collect(self):
+        return iter(self.made)
+
+
+def exposition(metrics: ServerMetrics, gauges: Dict[str, float], accept: Optional[str] = None) -> Tuple[bytes, str]:
+    """What ``/metrics`` answers -- (body, content type) -- in the format the
+    scraper's ``accept`` header asks for (Prometheus' text format by default)."""
+    encode, content_type = choose_encoder(accept or "")
+    return encode(_Families(families(metrics, gauges))), content_type
 
 
 def gauges(state: dict, up: bool) -> dict:
@@ -178,14 +212,14 @@ def gauges(state: dict, up: bool) -> dict:
 def parse(text: str) -> Dict[str, float]:
     """The samples of an exposition, ``name{labels}`` -> value (for tests and the soak)."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
 
 
-def _number(x: float) -> str:
-    if x == math.inf:
+def _bound(x: float) -> str:
+    if x == float("inf"):
         return "+Inf"
     return str(int(x)) if float(x).is_integer() else repr(float(x))

@@ -17,9 +17,11 @@ from typing import Optional
 from fastapi import FastAPI, Request
 
 from .answering import Answer, Answering, Writer, data
-from .choices import answer_choices, nth_sample
+from .choices import answer_choices
+from .echo import legacy_logprobs
 from .http_errors import refusal_error
 from .logprobs import chat_logprobs, completion_logprobs
+from .outcome import Outcome
 from .refusal import Refusal
 from .schemas import ChatCompletionRequest, CompletionRequest, openai_request
 from .slots import answer_blocks
@@ -30,6 +32,13 @@ def tool_call_json(call: ToolCall, index: Optional[int] = None) -> dict:
     """A call as OpenAI's ``tool_calls`` entry (with ``index`` in a stream)."""
     out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     return {"index": index, **out} if index is not None else out
+
+
+def openai_usage(done: Outcome) -> dict:
+    """OpenAI's ``usage``, with ReFusion's figures (layout, forwards, tokens_per_forward) after it."""
+    u = done.usage
+    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.total,
+            "prompt_tokens_details": {"cached_tokens": u.cached}, **u.refusion()}
 
 
 class CompletionWriter(Writer):
@@ -80,16 +89,16 @@ class CompletionWriter(Writer):
         self.calls += 1
         return data(self.chunk(None, calls=[tool_call_json(call, self.calls - 1)]))
 
-    def scored(self, outcome: dict) -> str:
+    def scored(self, outcome: Outcome) -> str:
         """A scored prompt's chunk (echo): its text and ``logprobs``; "" for an answer."""
-        if "logprobs" not in outcome:
+        if outcome.scored is None:
             return ""
-        out = self.chunk(outcome["text"])
-        out["choices"][0]["logprobs"] = outcome["logprobs"]
+        out = self.chunk(outcome.scored.text)
+        out["choices"][0]["logprobs"] = legacy_logprobs(outcome.scored)
         return data(out)
 
-    def done(self, outcome: dict) -> str:
-        usage, last = outcome["usage"], self.chunk(None, outcome["finish_reason"])
+    def done(self, outcome: Outcome) -> str:
+        usage, last = openai_usage(outcome), self.chunk(None, outcome.finish_reason)
         if self.include_usage:  # OpenAI's shape: usage in a chunk of its own
             return self.scored(outcome) + data(last) + data({**self.head, "choices": [], "usage": usage}) + \
                 "data: [DONE]\n\n"
@@ -99,8 +108,9 @@ class CompletionWriter(Writer):
         return data(refusal_error(refusal).body()) + "data: [DONE]\n\n"
 
     def answer(self, answer: Answer) -> dict:
-        choice = {"index": self.index, "finish_reason": answer.done["finish_reason"],
-                  "logprobs": answer.done.get("logprobs")}
+        scored = answer.done.scored
+        choice = {"index": self.index, "finish_reason": answer.done.finish_reason,
+                  "logprobs": legacy_logprobs(scored) if scored is not None else None}
         if self.request is not None and self.request.logprobs is not None:
             choice["logprobs"] = (chat_logprobs if self.kind == "chat" else completion_logprobs)(answer.logprobs)
         if self.kind == "chat":
@@ -109,13 +119,13 @@ class CompletionWriter(Writer):
                 message["tool_calls"] = [tool_call_json(c) for c in answer.calls]
             choice["message"] = message
         else:
-            choice["text"] = answer.done.get("text", "") if "logprobs" in answer.done else answer.text
-        return {**self.head, "choices": [choice], "usage": answer.done["usage"]}
+            choice["text"] = scored.text if scored is not None else answer.text
+        return {**self.head, "choices": [choice], "usage": openai_usage(answer.done)}
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
     """``POST /v1/chat/completions`` and ``/v1/completions`` (also without ``/v1``)."""
-    server, config = answering.server, answering.config
+    server = answering.server
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
@@ -128,11 +138,8 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         return await complete(request, body, "text")
 
     async def complete(request: Request, body, kind: str):
-        def make(index: int = 0, sample: int = 0):
-            made = openai_request(body, kind, answering.tokenize, defaults=config.decoding,
-                                  context=answering.context, vocab_size=answering.vocab_size,
-                                  takes_tools=answering.takes_tools, index=index)
-            return nth_sample(made, sample)
+        def make(index: int = 0):
+            return openai_request(body, kind, answering.terms, index)
 
         prompts, n = len(body.prompt) if kind == "text" else 1, body.n or 1
         if prompts * n == 1:

@@ -18,16 +18,15 @@ import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import FastAPI, Query, Request
-from pydantic import BaseModel, Field, create_model, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from .answering import Answering
-from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
+from .bodies import STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+from .engine_request import ChatPrompt, Draft, RequestTerms
 from .http_errors import APIError
 from .refusal import Reason, Refusal, invalid, unsupported
 from .response_store import ResponseStore, input_items, item_page
 from .responses_events import ResponsesWriter
-from .schemas import STRICT, StreamOptions, _decoding_fields, decoding_fields
-from .schemas import _invalid as _not_input
 from .security import KEY_SCOPE
 from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
@@ -63,12 +62,11 @@ class _ResponsesBase(BaseModel):
     def _input(cls, value):
         if isinstance(value, str) or isinstance(value, list) and all(isinstance(i, dict) for i in value):
             return value
-        raise _not_input("must be a string or a list of items (objects)")
+        raise field_error("must be a string or a list of items (objects)")
 
 
 # The decoding fields of chat, but max_tokens: the Responses API's is max_output_tokens.
-ResponsesRequest = create_model("ResponsesRequest", __base__=_ResponsesBase, __module__=__name__,
-                                **{k: v for k, v in _decoding_fields().items() if k != "max_tokens"})
+ResponsesRequest = with_decoding("ResponsesRequest", _ResponsesBase, __name__, without=("max_tokens",))
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -159,9 +157,8 @@ def check_unsupported(body) -> None:
         raise invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
 
 
-def responses_request(body, store: ResponseStore, tokenize, *, defaults, context: int, vocab_size: int,
-                      takes_tools: bool, owner: str = "") -> tuple:
-    """The body as the engine's request, and the conversation to store with its answer;
+def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: str = "") -> tuple:
+    """The body in the engine's terms, and the conversation to store with its answer;
     ``owner``: the API key's hash, whose stored responses it may continue."""
     check_unsupported(body)
     history: List[dict] = []
@@ -175,24 +172,21 @@ def responses_request(body, store: ResponseStore, tokenize, *, defaults, context
     conversation = history + new
     check_results(conversation, ["previous_response_id"] * len(history) + params)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    tools = response_tools(body, takes_tools)
-    ids = prompt_ids(ChatPrompt(system + conversation, tools), tokenize, vocab_size, "input")
-    options = body.stream_options
+    tools = response_tools(body, terms.takes_tools)
+    ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
     parallel = body.parallel_tool_calls is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
                                     response_format((body.text or {}).get("format"), "text.format", nested=False))
-    request = resolve(ids, max_tokens=body.max_output_tokens, fields=decoding_fields(body), defaults=defaults,
-                      context=context, prompt_param="input", max_tokens_param="max_output_tokens", tools=tools,
-                      include_commits=bool(body.stream and options and options.include_commits),
-                      parallel_tool_calls=parallel, api="responses", constraint=constraint)
-    return request, conversation
+    draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
+                  max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
+                  parallel_tool_calls=parallel, constraint=constraint)
+    return draft, conversation
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
     ``GET /v1/responses/{id}/input_items``."""
-    config = answering.config
-    store = ResponseStore(config.max_stored_responses)
+    store = ResponseStore(answering.config.max_stored_responses)
 
     @app.post("/v1/responses")
     @app.post("/responses", include_in_schema=False)
@@ -200,12 +194,10 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         writer = ResponsesWriter(answering.server, body, store)
         writer.owner = request.scope.get(KEY_SCOPE, "")  # another key's responses are not there for it
 
-        def make() -> EngineRequest:
-            engine_request, writer.conversation = responses_request(
-                body, store, answering.tokenize, defaults=config.decoding, context=answering.context,
-                vocab_size=answering.vocab_size, takes_tools=answering.takes_tools, owner=writer.owner)
+        def make() -> Draft:
+            draft, writer.conversation = responses_request(body, store, answering.terms, writer.owner)
             writer.input_items = input_items(body.input)
-            return engine_request
+            return draft
 
         return await answering.answer(request, make, writer, bool(body.stream), body.user)
 

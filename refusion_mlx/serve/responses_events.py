@@ -16,6 +16,7 @@ import uuid
 from typing import List, Optional
 
 from .answering import Answer, Writer, event
+from .outcome import Outcome
 from .refusal import Refusal
 from .response_store import ResponseStore
 from .slots import answer_blocks
@@ -26,15 +27,12 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(done: dict) -> dict:
-    """The Responses API's usage, with ReFusion's figures (layout, forwards, tokens_per_forward) kept."""
-    u = dict(done["usage"])
-    prompt, completion = u.pop("prompt_tokens"), u.pop("completion_tokens")
-    cached = u.pop("prompt_tokens_details")["cached_tokens"]
-    u.pop("total_tokens")
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion, **u}
+def usage(done: Outcome) -> dict:
+    """The Responses API's usage, with ReFusion's figures (layout, forwards, tokens_per_forward) after it."""
+    u = done.usage
+    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached},
+            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.total, **u.refusion()}
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
@@ -66,7 +64,7 @@ class ResponsesWriter(Writer):
 
     # -- the response object --------------------------------------------------
 
-    def response(self, status: str, done: Optional[dict] = None, error: Optional[dict] = None) -> dict:
+    def response(self, status: str, done: Optional[Outcome] = None, error: Optional[dict] = None) -> dict:
         body, params = self.body, self.request.params if self.request is not None else None
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -80,9 +78,9 @@ class ResponsesWriter(Writer):
                 "truncation": body.truncation or "disabled", "usage": usage(done) if done else None,
                 "user": body.user, "metadata": body.metadata or {}}
 
-    def finish(self, done: dict) -> dict:
+    def finish(self, done: Outcome) -> dict:
         """The finished response (completed, or incomplete at max_output_tokens), stored."""
-        status = "incomplete" if done["finish_reason"] == "length" else "completed"
+        status = "incomplete" if done.finish_reason == "length" else "completed"
         response = self.response(status, done)
         if self.body.store is not False:
             text = "".join(self.text_parts)
@@ -155,7 +153,7 @@ class ResponsesWriter(Writer):
         self.output.append(item)
         return out + self.emit("response.output_item.done", output_index=index, item=item)
 
-    def done(self, outcome: dict) -> str:
+    def done(self, outcome: Outcome) -> str:
         out = self.close_message()
         response = self.finish(outcome)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"

@@ -1,39 +1,32 @@
-"""The OpenAI request bodies as pydantic models (they make the schema at
-``/docs``; ``ChatCompletionRequest`` and ``CompletionRequest`` as OpenAI names
-them, on the shared ``_Body``), and their adapter into the engine's request,
-the one request shape inside (:func:`openai_request` makes an
-:class:`~.engine_request.EngineRequest`).
+"""OpenAI's chat and text completion bodies as pydantic models (they make
+the schema at ``/docs``; ``ChatCompletionRequest`` and ``CompletionRequest``
+as OpenAI names them, on the shared ``_Body``), and their adapter into the
+engine's terms (:func:`openai_request` makes a
+:class:`~.engine_request.Draft`).
 
-Types are strict (``"12"`` is not a number, ``true`` not an integer) and
-ranges are checked here; what needs the tokenizer or the model's context is
-checked where the engine's request is made (:mod:`.engine_request`). Fields
-that would change an answer's meaning but cannot be honoured are refused,
-never ignored; other unknown fields are.
+The pieces every API's body shares are :mod:`.bodies`'. Ranges are checked
+here; what needs the tokenizer or the model's context is checked where the
+engine's request is made (:mod:`.engine_request`). Fields that would change
+an answer's meaning but cannot be honoured are refused, never ignored;
+other unknown fields are.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..decode.params import FIELDS, RefusionParams
-from .engine_request import ChatPrompt, EngineRequest, prompt_ids, resolve
-from .loglikelihood import context_tokens, scoring_of
+from ..decode.params import FIELDS
+from .bodies import (MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits,
+                     refuse_process_settings, with_decoding)
+from .engine_request import ChatPrompt, Draft, RequestTerms
+from .echo import context_tokens, scoring_of
 from .refusal import Reason, Refusal
 from .structured import any_strict, request_constraint, response_format
 from .tool_calls import check_results, function_tool, template_tools
-
-MAX_STOP = 16
-STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-
-
-def _invalid(message: str):
-    return PydanticCustomError("invalid_value", message)
-
 
 # Fields refused unless they hold a value that changes nothing.
 HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
@@ -42,18 +35,11 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "response_format": (None, {"type": "text"})}
 
 
-# Settings of the server's process, not of a request: refused in a body whatever their value.
-PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
-
-
 def refuse_unsupported(body, taken=()):
-    """Before validation: a field of PROCESS_SETTINGS, or the first field of
-    HARMLESS holding another value, is refused (its name in ctx), but for the
-    fields the body ``taken``."""
-    for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
-        if name in body:
-            raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
-                                      "not per request", {"field": name, "flag": flag})
+    """Before validation: a server-wide setting (:data:`.bodies.PROCESS_SETTINGS`),
+    or the first field of HARMLESS holding another value, is refused (its
+    name in ctx), but for the fields the body ``taken``."""
+    refuse_process_settings(body)
     for name, values in HARMLESS.items() if isinstance(body, dict) else ():
         if name in taken:
             continue
@@ -74,16 +60,8 @@ def refusing(*taken):
 MAX_N = 16  # samples per prompt (n)
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
-    include_usage: Optional[bool] = None
-    include_commits: Optional[bool] = Field(
-        None, description="ReFusion: each chunk also carries the slots its decoding step committed "
-                          "(answer positions, token ids and their text), out of answer order")
-
-
 class _BodyBase(BaseModel):
-    """A request body's fields besides the decoding settings (which :func:`_decoding_fields` adds)."""
+    """A request body's fields besides the decoding settings (which :func:`.bodies.with_decoding` adds)."""
 
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
@@ -102,22 +80,14 @@ class _BodyBase(BaseModel):
         if items is None:
             return None
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise _invalid("must be a string or a list of strings")
+            raise field_error("must be a string or a list of strings")
         if len(items) > MAX_STOP or not all(items):
-            raise _invalid(f"takes 1 to {MAX_STOP} non-empty strings")
+            raise field_error(f"takes 1 to {MAX_STOP} non-empty strings")
         return items
 
 
-def _decoding_fields() -> Dict[str, Any]:
-    """The request's decoding fields, one per setting of ``FIELDS`` with a
-    request name: optional (null: the server's default), typed, bounded and
-    described as the table says."""
-    return {f.request: (Optional[f.type], Field(None, description=f.request_description(), **f.bounds()))
-            for f in FIELDS if f.request is not None}
-
-
 # The body fields common to both endpoints: _BodyBase's and the decoding settings.
-_Body = create_model("_Body", __base__=_BodyBase, __module__=__name__, **_decoding_fields())
+_Body = with_decoding("_Body", _BodyBase, __name__)
 
 
 class TextPart(BaseModel):
@@ -156,7 +126,7 @@ class Message(BaseModel):
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                               and isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
-        raise _invalid('must be a string or a list of text parts ({"type": "text", "text": ...})')
+        raise field_error('must be a string or a list of text parts ({"type": "text", "text": ...})')
 
 
 class ChatCompletionRequest(_Body):
@@ -224,22 +194,12 @@ class CompletionRequest(_Body):
                 (isinstance(p, str) and p) or (isinstance(p, list) and p and all(type(t) is int for t in p))
                 for p in prompts):
             return prompts
-        raise _invalid("must be a non-empty string or list of token ids, or a list of 1 to "
+        raise field_error("must be a non-empty string or list of token ids, or a list of 1 to "
                        f"{MAX_PROMPTS} of those")
 
 
 # --------------------------------------------------------------------------
 # Into the engine's terms
-
-
-# The request fields that are RefusionParams' settings under the same name
-# (max_tokens, gen_length's request name, is resolve's own argument).
-DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
-
-
-def decoding_fields(body: _Body) -> Dict[str, Any]:
-    """The decoding settings a body gives (those not null), by their RefusionParams names."""
-    return {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
 
 
 def chat_messages(messages: List[Message]) -> List[dict]:
@@ -297,37 +257,22 @@ def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
     return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
 
 
-def openai_request(body: _Body, kind: str, tokenize: Callable[[Any], List[int]], *, defaults: RefusionParams,
-                   context: int, vocab_size: int, takes_tools: bool = False, index: int = 0) -> EngineRequest:
+def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) -> Draft:
     """A chat (``kind`` "chat") or text ("text") completion body as the
-    engine's request; ``takes_tools``: the model has a tool-call format;
-    ``index``: which of a text completion's prompts."""
+    engine's draft request; ``index``: which of a text completion's prompts."""
     param = "messages" if kind == "chat" else "prompt"
-    tools = chat_tools(body, takes_tools) if kind == "chat" else ()
+    tools = chat_tools(body, terms.takes_tools) if kind == "chat" else ()
     source = ChatPrompt(chat_messages(body.messages), tools) if kind == "chat" else body.prompt[index]
-    ids = prompt_ids(source, tokenize, vocab_size, param)
+    ids = terms.prompt_ids(source, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
         body.response_format, "response_format")) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-    options = body.stream_options
     scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
-    if scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
-        if len(ids) + scoring.extra > context:
-            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + max_tokens "
-                          f"({scoring.extra}) exceeds the model's context of {context}", param)
-        settings = resolve(ids[:1], max_tokens=1, fields=decoding_fields(body), defaults=defaults, context=context)
-        return dataclasses.replace(settings, prompt_ids=list(ids), api="completions", scoring=scoring)
-    made = resolve(ids, max_tokens=getattr(body, name), fields=decoding_fields(body), defaults=defaults,
-                   context=context, stop=body.stop or (), prompt_param=param, max_tokens_param=name,
-                   include_commits=bool(body.stream and options and options.include_commits), tools=tools,
-                   parallel_tool_calls=parallel, api="chat.completions" if kind == "chat" else "completions",
-                   constraint=constraint)
-    logprobs = answer_logprobs(body, kind)
-    if logprobs is not None and constraint is not None:  # the constrained mode decodes without slots' scores
-        raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
-                                          "tool_choice required or a named function)", "logprobs")
-    return made if logprobs is None else dataclasses.replace(made, logprobs=logprobs)
+    return Draft(ids, getattr(body, name), decoding_given(body), "chat.completions" if kind == "chat" else
+                 "completions", stop=body.stop or (), include_commits=include_commits(body), prompt_param=param,
+                 max_tokens_param=name, tools=tools, parallel_tool_calls=parallel, constraint=constraint,
+                 logprobs=None if scoring is not None else answer_logprobs(body, kind), scoring=scoring)
 
 
 def answer_logprobs(body, kind: str):

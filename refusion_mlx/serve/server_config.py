@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..cli import add_kv_args, byte_size, params_from_args
-from ..decode.kv_quant import kv_storage
-from ..decode.kv_store import Storage
+from ..decode.kv_store import KVStorage
 from ..decode.params import RefusionParams
 from ..errors import RefusionError
 
@@ -55,9 +54,11 @@ class ServerConfig:
     device's memory when the model is loaded (``memory.default_max_kv_bytes``).
     ``kv_bits`` (4 or 8; None: the model's dtype) and ``kv_group_size``
     (None: 64): how every cache keeps its committed keys and values
-    (``decode/kv_quant.py``). A setting of the process, not of a request:
-    the prompt cache, its files and memory admission then count one kind of
-    row, and a request's ``kv_bits`` is refused.
+    (``decode/kv_quant.py``), made once into ``storage`` (a
+    ``decode.kv_store.KVStorage``, carried whole from here). A setting of
+    the process, not of a request: the prompt cache, its files and memory
+    admission then count one kind of row, and a request's ``kv_bits`` is
+    refused.
     """
 
     model: Optional[str] = None
@@ -86,6 +87,7 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     prompt_cache_scope: str = "user"
     call_grammar: str = "all"
+    storage: KVStorage = dataclasses.field(init=False, repr=False, compare=False)  # of kv_bits, kv_group_size
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_body_bytes"):
@@ -100,8 +102,8 @@ class ServerConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
             raise RefusionError(f"watchdog_seconds must be a positive number of seconds, got {self.watchdog_seconds!r}")
         self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
-        kv_storage(self.kv_bits, self.kv_group_size)  # the head dimension is checked once the model loads
         fill = object.__setattr__  # frozen: the derived values are set once, here
+        fill(self, "storage", KVStorage.of(self.kv_bits, self.kv_group_size))  # the head dimension: at load
         fill(self, "allowed_origins", tuple(self.allowed_origins))
         fill(self, "allowed_hosts", tuple(self.allowed_hosts))
         fill(self, "api_keys", (self.api_keys,) if isinstance(self.api_keys, str) else tuple(self.api_keys))
@@ -123,15 +125,11 @@ class ServerConfig:
         if self.prompt_cache_dir_bytes is None:
             fill(self, "prompt_cache_dir_bytes", self.prompt_cache_bytes)
 
-    def storage(self, model=None) -> Storage:
-        """How the caches keep keys and values (checked against ``model``'s head dimension when given)."""
-        return kv_storage(self.kv_bits, self.kv_group_size, model)
-
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         """The config of parsed flags: the model's (``cli.add_model_args``),
         the decoding flags, and :func:`add_server_args`' (each its field's name)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("decoding", "api_keys")]
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("decoding", "api_keys")]
         keys = tuple(args.api_keys or ()) or tuple(
             k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
         return cls(decoding=params_from_args(args), api_keys=keys, **{n: getattr(args, n) for n in names})

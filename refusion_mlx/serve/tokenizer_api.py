@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 from .refusal import Reason, Refusal
-from .schemas import STRICT
+from .bodies import STRICT
 
 
 class TokenizeRequest(BaseModel):
