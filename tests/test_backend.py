@@ -136,7 +136,7 @@ def test_engine_clears_the_allocator_cache_when_the_batch_empties(monkeypatch):
     engine.gen = SimpleNamespace(remove=lambda uid: True)
     jobs = [SimpleNamespace(uid=uid, cache=None, kv_bytes=0, post=lambda *a: None,
                             request=SimpleNamespace(api="chat.completions")) for uid in (1, 2)]
-    engine.running = {job.uid: job for job in jobs}
+    engine.running.update({job.uid: job for job in jobs})
     engine._close(jobs[0], "completed")
     assert not cleared  # one request still decodes: its buffers are reused
     engine._close(jobs[1], "cancelled")

@@ -1,16 +1,20 @@
 """The engine: the one thread that uses MLX.
 
 It loads the model and drives one :class:`BatchGenerator`. Each turn of its
-loop drops requests whose client has gone, admits waiting requests up to
-``max_batch`` -- each from the longest prefix of its prompt the prompt cache
-holds (its own copy); a prefix several admitted or waiting requests share is
-prefilled once and cached -- then one ``step()`` runs one batched forward,
-and each response goes, as final in-order text, to its request's asyncio
-queue. A finished request's cache joins the prompt cache for its next turn.
+loop takes a :class:`StepPlan` from the :class:`~.scheduler.Scheduler` --
+requests whose client has gone leave, waiting requests are admitted up to
+``max_batch`` within ``max_kv_bytes`` -- starts each admitted request from
+the longest prefix of its prompt the prompt cache holds (its own copy; a
+prefix several admitted or waiting requests share is prefilled once and
+cached), scores the scoring ones (:mod:`.loglikelihood`), then one
+``step()`` runs one batched forward. Each request's :class:`~.job.Job`
+shapes its responses into events -- final in-order text, calls, the end
+as an :class:`~.outcome.Outcome` -- which go to its asyncio queue; a
+finished request's cache joins the prompt cache for its next turn.
 
 Admission is memory-aware: a request reserves the KV rows its decoder can
-write (:mod:`.memory`) against ``max_kv_bytes``; one that could never fit is
-refused at once, one that fits waits for memory. A step that raises fails
+write (:mod:`.memory`); one that could never fit is refused at once, one
+that fits waits for memory. A step that raises fails
 its requests and the engine goes on; ``health()`` reports an engine that
 died or whose turn runs past ``watchdog_seconds``. The engine knows no HTTP:
 it refuses or ends a request with a :class:`~.refusal.Refusal` (a reason and
@@ -27,14 +31,12 @@ watchdog (``distributed.watchdog``) can tell a quiet server from a dead link.
 
 from __future__ import annotations
 
-import collections
 import gc
-import itertools
 import logging
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ..distributed import watchdog
 from ..distributed.broadcast import barrier, broadcast
@@ -46,13 +48,13 @@ from .loglikelihood import score_jobs
 from .memory import KVCost, check_kv_budget, default_max_kv_bytes
 from .metrics import ServerMetrics
 from .prompt_cache import PromptCache
+from .scheduler import Scheduler
 from .refusal import Reason, Refusal
 from .server_config import ServerConfig
 from .tool_calls import ToolFormat
 
 log = logging.getLogger("refusion_mlx.server")
 
-PEERS = 64  # waiting requests compared with one being admitted
 IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
 
 
@@ -69,14 +71,11 @@ class Engine:
         self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
         self.storage = config.storage  # how the caches keep keys and values (--kv-bits)
         self.kv_cost = KVCost.of(None, self.storage)  # KV bytes per token as they are kept, once the model is loaded
-        self.kv_reserved = 0  # by the requests in the batch
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
         self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
-        self.waiting: "collections.deque[Job]" = collections.deque()
-        self.running: Dict[int, Job] = {}
-        self.starting = 0  # taken from the queue, not yet in the batch (counted as queued)
-        self.wake = threading.Condition()  # guards waiting, running, starting, kv_reserved
         self.metrics = ServerMetrics()
+        self.queue = Scheduler(config.max_batch, config.max_queue, self.metrics)  # the queue, the batch, admission
+        self.running = self.queue.running  # the batch's jobs by uid (the scheduler's)
         self.busy_since: Optional[float] = None  # when the round in progress (admission, step) began
         self.model = self.tokenizer = self.gen = None
         self.args = None  # the model's config, read by the HTTP side
@@ -106,8 +105,8 @@ class Engine:
             self.stopping_since = time.monotonic()
             watchdog.hurry()
         self._stopping.set()
-        with self.wake:
-            self.wake.notify()
+        with self.queue.wake:
+            self.queue.wake.notify()
         if timeout and self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -143,27 +142,22 @@ class Engine:
         if job.kv_bytes > self.max_kv_bytes:
             self.metrics.outcome(request.api, "refused")
             raise self.kv_cost.refusal(request, job.kv_bytes, self.max_kv_bytes)
-        with self.wake:
+        with self.queue.wake:
             if self._failed:
                 raise Refusal(Reason.ENGINE_DEAD, "the model engine has stopped (see the server's log); "
                                                   "restart the server")
             if self._stopping.is_set():
                 raise Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
-            if len(self.waiting) >= self.config.max_queue:
-                raise Refusal(Reason.SERVER_BUSY, f"the server is busy ({self.config.max_queue} requests "
-                                                  "waiting); retry later")
-            self.waiting.append(job)
-            self.wake.notify()
+            self.queue.put(job)
         return job
 
     def snapshot(self) -> dict:
         names = ("completed", "cancelled", "failed", "refused", "kv_waits", "steps", "step_rows",
                  "prefill_tokens", "cached_tokens", "generated_tokens")
-        with self.wake:  # one consistent view: a request leaving the batch is counted as it leaves
-            state = {"active": len(self.running), "queued": len(self.waiting) + self.starting,
-                     "max_batch": self.config.max_batch, **self.metrics.read(names),
-                     "kv": {"reserved_bytes": self.kv_reserved, "max_bytes": self.max_kv_bytes,
-                            **self.kv_cost.as_dict()}}
+        with self.queue.wake:  # one consistent view: a request leaving the batch is counted as it leaves
+            batch, numbers = self.queue.counts(self.max_kv_bytes), self.metrics.read(names)
+        kv = batch.pop("kv")
+        state = {**batch, **numbers, "kv": {**kv, **self.kv_cost.as_dict()}}
         return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
                                           "max_bytes": self.prompt_cache.max_bytes}}
 
@@ -237,41 +231,15 @@ class Engine:
                 self._apply(plan)
 
     def _plan(self) -> StepPlan:
-        """Rank 0: this turn's plan, from the queue and the clients (waits up
-        to ``IDLE_WAIT`` s for a request when nothing runs). Queued requests
-        are admitted in order while a batch row and their KV reservation are
-        free; the first that does not fit waits for memory, those behind it too."""
+        """Rank 0: this turn's plan (:meth:`.scheduler.Scheduler.plan`), from the
+        queue and the clients; waits up to ``IDLE_WAIT`` s for a request when nothing runs."""
         if not self.running:
             self.busy_since = None
-            with self.wake:
-                if not self.waiting and not self._stopping.is_set():
-                    self.wake.wait(IDLE_WAIT)
+            self.queue.idle_wait(IDLE_WAIT, self._stopping)
         if self._stopping.is_set():
             return StepPlan(stop=True)
         self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
-        # a client that left: its request leaves the batch, its memory goes
-        plan = StepPlan(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
-        room = self.config.max_batch - len(self.running) + len(plan.cancelled)
-        freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
-        with self.wake:
-            while self.waiting and len(plan.admitted) < room:
-                job = self.waiting[0]
-                if job.cancelled.is_set():  # its client left while it waited
-                    self.waiting.popleft()
-                    self.metrics.outcome(job.request.api, "cancelled")
-                    continue
-                if self.kv_reserved - freed + job.kv_bytes > self.max_kv_bytes:
-                    if not job.waited:
-                        job.waited = True
-                        self.metrics.add("kv_waits")
-                    break
-                self.waiting.popleft()
-                self.kv_reserved += job.kv_bytes
-                plan.admitted.append(job)
-            self.starting = len(plan.admitted)
-            peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
-        plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
-        return plan
+        return self.queue.plan(self.max_kv_bytes)
 
     def _apply(self, plan: StepPlan) -> None:
         """One turn, the same on every rank: cancel, admit, step. A step that
@@ -333,9 +301,7 @@ class Engine:
             return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
         self.metrics.add("prefill_tokens", len(ids) - n)
         self.metrics.add("cached_tokens", job.cached)
-        with self.wake:
-            self.running[job.uid] = job
-            self.starting -= 1
+        self.queue.started(job)
         job.post("start")
 
     def _route(self, r) -> None:
@@ -369,22 +335,14 @@ class Engine:
         if job.cache is not None:  # a removed request's decoder loop is held in a reference cycle
             job.cache.free()  # only the garbage collector would break: its cache's memory goes now
         job.cache = None
-        with self.wake:  # leaves the batch and is counted in one view of /health
-            if job.uid is None or self.running.pop(job.uid, None) is None:
-                self.starting -= 1  # it never reached the batch
-            self.kv_reserved -= job.kv_bytes
-            job.kv_bytes = 0
-            self.metrics.outcome(job.request.api, outcome)
-        if not self.running:  # the batch is empty: hand the allocator's cached buffers back
+        if self.queue.left(job, outcome):  # the batch is empty: hand the allocator's cached buffers back
             import mlx.core as mx
 
             mx.clear_cache()
 
     def _end_all(self, error: Refusal) -> None:
         self._fail_running(error)
-        with self.wake:
-            waiting, self.waiting = list(self.waiting), collections.deque()
-        for job in waiting:
+        for job in self.queue.drain():
             job.post("error", error)
 
     def _release(self) -> None:
