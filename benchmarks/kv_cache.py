@@ -140,7 +140,7 @@ def admission_section(args) -> List[dict]:
 
     from refusion_mlx.decode.params import make_params
     from refusion_mlx.serve.http_server import RefusionServer
-    from refusion_mlx.serve.memory import KVCost
+    from refusion_mlx.serve.core.memory import KVCost
 
     prompt = " ".join(str(i % 10) for i in range(args.prompt_tokens // 2))  # a digit and a space: 2 tokens
     dtype = {"dtype": args.dtype} if args.dtype else {}

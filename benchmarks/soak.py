@@ -260,7 +260,7 @@ def settle(client: Client, seconds: float = 60.0) -> dict:
 
 
 def scrape(client: Client) -> Dict[str, float]:
-    from refusion_mlx.serve.metrics import parse
+    from refusion_mlx.serve.core.metrics import parse
 
     status, text = client.get("/metrics")
     if status != 200:

@@ -16,14 +16,14 @@ from ._callable import make_callable
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, positive_int,
                   read_text, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
-from .distributed import watchdog
-from .errors import RefusionError
+from .decode.answer import AnswerText
 from .decode.batch import batch_generate
 from .decode.grammar import Constraint
-from .decode.prompts_file import parse_prompts
-from .decode.answer import AnswerText
-from .decode.stream import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
 from .decode.params import PARAM_NAMES, make_params
+from .decode.prompts_file import parse_prompts
+from .decode.stream import GenerationResponse, chat_prompt, format_stats, generate, stream_generate
+from .distributed import watchdog
+from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
 

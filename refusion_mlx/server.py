@@ -13,7 +13,7 @@ from .cli.launch import add_distributed_args, join
 from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
-from .serve.engine import Engine
+from .serve.core.engine import Engine
 from .serve.http_server import RefusionServer
 from .serve.server_config import ServerConfig, add_server_args
 

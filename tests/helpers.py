@@ -41,7 +41,7 @@ def random_config(vocab_size=806, hidden=64, layers=2, heads=4, kv_heads=2, head
 def random_model(config: dict, seed: int = 0, scale: float = 1.0, layer_std: float = 0.08):
     """A float32 model of the config's family with peaky outputs (so decisions are not coin flips)."""
     mx.random.seed(seed)
-    model = registry.build(registry.model_args(config))
+    model = registry.build(registry.family_args(config))
     params = []
     for name, p in tree_flatten(model.parameters()):
         if name.endswith("norm.weight"):

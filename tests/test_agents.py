@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from refusion_mlx.decode.params import make_params
-from refusion_mlx.serve.metrics import parse
+from refusion_mlx.serve.core.metrics import parse
 from tests.agent_server import TOOLS, scripted_server
 
 MAX_TOKENS = 64  # a call is 45-52 tokens

@@ -128,7 +128,7 @@ def test_wired_limit_sets_and_restores_on_metal(monkeypatch):
 def test_engine_clears_the_allocator_cache_when_the_batch_empties(monkeypatch):
     from types import SimpleNamespace
 
-    from refusion_mlx.serve.engine import Engine
+    from refusion_mlx.serve.core.engine import Engine
 
     cleared = []
     monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))

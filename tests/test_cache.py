@@ -378,7 +378,7 @@ def test_a_sibling_store_plugs_into_the_cache(demo, golden_cases, set_paths, pat
     assert np.array_equal(np.array(fork.stores[1].read(len(fork))[1]),
                           np.array(loaded.stores[1].read(len(loaded))[1])[:, :, ::-1])
 
-    from refusion_mlx.serve.memory import kv_row_bytes
+    from refusion_mlx.serve.core.memory import kv_row_bytes
 
     spec = model.cache_spec()  # admission counts every layer at the storage's row cost
     assert kv_row_bytes(model) == spec.layers * 2 * spec.kv_heads * spec.head_dim * 4
@@ -395,8 +395,8 @@ def test_prompt_cache_files_come_back_only_in_the_form_they_were_stored(demo, tm
     """The files' fingerprint names the stored form: entries written by
     StackedStores reload as such, and a float-store server skips them."""
     from refusion_mlx.decode.prefill import prefill as run_prefill
-    from refusion_mlx.serve.cache_files import attach
-    from refusion_mlx.serve.prompt_cache import PromptCache
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
 
     model, _ = demo
     storage = KVStorage(StackedStore)

@@ -245,8 +245,6 @@ def test_long_prompts_prefill_in_chunks():
     assert runs[64][2] == runs[1000][2] == [int(t) for t in prompt]
     assert runs[64][1] == runs[1000][1] + 4  # 300 = 4 chunks of 64 + a 44-token tail with the masks
     assert runs[64][0] == runs[1000][0]
-    # prefill_step, the old name, still sets it
-    assert RefusionDecoder(model, prompt, params, mask_id=63, eos_id=62, prefill_step=64).prefill_chunk == 64
 
 
 def test_steps_decide_and_only_the_state_commits():

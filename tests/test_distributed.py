@@ -270,16 +270,16 @@ def test_step_plan_crosses_to_the_other_ranks():
     import pickle
 
     from refusion_mlx.decode.params import RefusionParams
-    from refusion_mlx.serve.engine_request import EngineRequest
-    from refusion_mlx.serve.job import Job, StepPlan
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.job import Job, Turn
 
     request = EngineRequest([5, 6, 7], RefusionParams(gen_length=8), ("\n",))
-    plan = StepPlan(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
-    copy = StepPlan.from_wire(pickle.loads(pickle.dumps(plan.wire())), lambda r: Job(r, loop=None))
+    plan = Turn(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
+    copy = Turn.from_wire(pickle.loads(pickle.dumps(plan.wire())), lambda r: Job(r, loop=None))
     assert copy.cancelled == [3] and copy.peers == plan.peers and not copy.stop
     assert [j.request for j in copy.admitted] == [request] and copy.admitted[0].uid is None
     copy.admitted[0].post("text", "x")  # nobody listens on the other ranks: a no-op
-    assert StepPlan.from_wire(StepPlan(stop=True).wire(), Job).stop
+    assert Turn.from_wire(Turn(stop=True).wire(), Job).stop
 
 
 def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):

@@ -225,7 +225,7 @@ def test_n_samples_share_the_prefilled_prompt(server, demo):
     _, tok = demo
     question = "Please count from 3 up to 9, then tell me who Sven is and where he lives."
     ids = chat_prompt(tok, question)
-    assert len(ids) > 17  # long enough to share (serve/prompt_cache.py SHARED_PREFIX)
+    assert len(ids) > 17  # long enough to share (serve/caches/prompt_cache.py SHARED_PREFIX)
     before = json.loads(raw(server, "GET", "/health")[1])["prefill_tokens"]
     body = {"messages": [{"role": "user", "content": question}], "n": 4, "max_tokens": 8}
     out = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])

@@ -14,10 +14,10 @@ from refusion_mlx.cli import add_decoding_args
 from refusion_mlx.decode.params import ALIASES, FIELDS, PARAM_NAMES, RefusionParams, make_params
 from refusion_mlx.decode.prompts_file import parse_prompts
 from refusion_mlx.errors import RefusionError
-from refusion_mlx.serve.anthropic_api import MessagesRequest
-from refusion_mlx.serve.responses_api import ResponsesRequest
-from refusion_mlx.serve.bodies import DECODING_FIELDS
-from refusion_mlx.serve.schemas import ChatCompletionRequest, CompletionRequest
+from refusion_mlx.serve.protocols.anthropic_api import MessagesRequest
+from refusion_mlx.serve.protocols.responses_api import ResponsesRequest
+from refusion_mlx.serve.protocols.bodies import DECODING_FIELDS
+from refusion_mlx.serve.protocols.openai_bodies import ChatCompletionRequest, CompletionRequest
 
 SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
 NOT_DECODING = {"model", "stop", "stream", "stream_options", "user"}
@@ -62,8 +62,8 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
     tools = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured output: not FIELDS
-    scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/loglikelihood.py
-    answers = {"n", "logprobs", "top_logprobs"}  # serve/choices.py, serve/logprobs.py
+    scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/core/loglikelihood.py
+    answers = {"n", "logprobs", "top_logprobs"}  # serve/protocols/openai_choices.py, serve/protocols/openai_logprobs.py
     for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools),
                          (CompletionRequest, {"prompt", "n", "logprobs"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)

@@ -110,7 +110,7 @@ def test_python_api_chat_and_prompt_cache(demo):
     quantized bytes its entries hold."""
     from refusion_mlx.decode.conversation import ChatSession
     from refusion_mlx.decode.stream import generate, stream_generate
-    from refusion_mlx.serve.prompt_cache import PromptCache
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
 
     model, tokenizer = demo
     assert generate(model, tokenizer, "Who is Sven?", max_tokens=16, kv_bits=8)
@@ -137,8 +137,8 @@ def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo,
     server keeping another form (float, other bits or groups) skips them, and
     a store of another form refuses the arrays rather than misreading them."""
     from refusion_mlx.decode.prefill import prefill
-    from refusion_mlx.serve.cache_files import attach
-    from refusion_mlx.serve.prompt_cache import PromptCache
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
 
     model, _ = demo
     q8 = KVStorage.of(8, model=model)
@@ -169,7 +169,7 @@ def test_admission_counts_quantized_bytes(demo):
     of its widest decoding pass (a block: plan, verify, infill) in float: at
     8 bits the demo's request costs about a third of the float one."""
     from refusion_mlx.decode.params import make_params
-    from refusion_mlx.serve.memory import KVCost, kv_rows
+    from refusion_mlx.serve.core.memory import KVCost, kv_rows
 
     model, _ = demo
     spec = model.cache_spec()

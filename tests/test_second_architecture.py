@@ -52,12 +52,12 @@ def converted(checkpoint, tmp_path_factory):
 
 def test_the_registry_chooses_the_family_by_model_type():
     assert registry.family("llama") is llama
-    assert type(registry.model_args(CONFIG)) is llama.ModelArgs
-    assert type(registry.build(registry.model_args(CONFIG))) is llama.Model
+    assert type(registry.family_args(CONFIG)) is llama.ModelArgs
+    assert type(registry.build(registry.family_args(CONFIG))) is llama.Model
     with pytest.raises(ConfigError, match=r"model_type is 'gpt2'.*\(known: llama, qwen3\)"):
-        registry.model_args({**CONFIG, "model_type": "gpt2"})
+        registry.family_args({**CONFIG, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="rope_scaling type 'llama3' is not supported"):
-        registry.model_args({**CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+        registry.family_args({**CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
 def test_logits_match_transformers_from_both_folders(checkpoint, converted):

@@ -28,7 +28,7 @@ import pytest
 from refusion_mlx.decode.params import make_params
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.serve.http_server import RefusionServer
-from refusion_mlx.serve.security import RequestGuard, SiteGuard, exposure_warning
+from refusion_mlx.serve.edge.security import RequestGuard, SiteGuard, exposure_warning
 
 KEYS = ("key-one-1234", "key-two-5678")
 APP = "http://app.example"
@@ -245,7 +245,7 @@ def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.count("error: ") == 1 and "--max-kv-bytes 524288 is less than" in err
     # with --kv-bits the smallest request also holds one slot's rows in float until they are committed
-    from refusion_mlx.serve.memory import KVCost, check_kv_budget
+    from refusion_mlx.serve.core.memory import KVCost, check_kv_budget
 
     with pytest.raises(RefusionError, match=r"\(256 rows of 1152 bytes \+ 4 rows of 4096 bytes a pass holds in "
                                             r"float = 311296\)"):
@@ -320,8 +320,8 @@ def test_a_stored_response_belongs_to_its_key(server):
 
 
 def test_cache_owner_by_scope():
-    from refusion_mlx.serve.answering import Answering
-    from refusion_mlx.serve.security import KEY_SCOPE
+    from refusion_mlx.serve.edge.answering import Answering
+    from refusion_mlx.serve.edge.security import KEY_SCOPE
 
     class Request:
         def __init__(self, key=None):
@@ -352,8 +352,8 @@ def models():
 
 
 def attached(model, folder, budget=1 << 30, storage=None):
-    from refusion_mlx.serve.cache_files import attach
-    from refusion_mlx.serve.prompt_cache import PromptCache
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
 
     cache = PromptCache(1 << 30)
     attach(cache, model, folder, budget, storage=storage)
@@ -397,7 +397,7 @@ def test_models_and_dtypes_sharing_a_folder_keep_to_their_own_files(models, tmp_
 
 def test_a_fifo_in_the_folder_is_skipped_without_opening_it(models, tmp_path, caplog):
     from refusion_mlx.decode.kv_store import KVStorage
-    from refusion_mlx.serve.cache_files import model_fingerprint
+    from refusion_mlx.serve.caches.cache_files import model_fingerprint
 
     model = models[0]
     prefix = model_fingerprint(model.model_path, KVStorage().describe(model.cache_spec()))[:16]

@@ -335,7 +335,7 @@ def test_eight_streams_share_forwards(server):
 
 
 def test_lru_eviction_under_a_tiny_budget():
-    from refusion_mlx.serve.prompt_cache import PromptCache
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
 
     class Fake:  # what PromptCache uses of a CommittedCache: rows by position, fork, nbytes
         def __init__(self, tokens):

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer
-from refusion_mlx.serve.metrics import parse
+from refusion_mlx.serve.core.metrics import parse
 from tests.helpers import FIXTURE_MODEL
 
 CHAT = "/v1/chat/completions"
@@ -83,6 +83,13 @@ def test_metrics_move_with_the_load():
             results.append(slow.result())
         wait_idle(srv)
         after = metrics(srv)
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)  # a scraper that asks for OpenMetrics
+        conn.request("GET", "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        resp = conn.getresponse()
+        open_metrics, open_type = resp.read().decode(), resp.getheader("Content-Type")
+        conn.close()
+    assert open_type.startswith("application/openmetrics-text") and open_metrics.endswith("# EOF\n")
+    assert "# TYPE refusion_requests counter" in open_metrics and "# TYPE refusion_requests_total" not in open_metrics
     usages = [r[1]["usage"] for r in results] + streams
     assert all(r[0] == 200 for r in results) and bad == [400, 400]
     d = {k: after[k] - before.get(k, 0) for k in after}
@@ -224,7 +231,7 @@ def test_health_is_503_when_a_step_is_stuck_or_the_engine_is_dead(monkeypatch):
         def bug():  # outside any step: the engine thread fails
             raise ValueError("a bug")
 
-        monkeypatch.setattr(engine, "_plan", bug)
+        monkeypatch.setattr(engine, "_decide", bug)
         status, err = ask(srv)
         engine._thread.join(5)
         health = call(srv, "GET", "/health")
@@ -344,9 +351,9 @@ def test_a_client_that_leaves_is_noticed_while_events_keep_coming():
     import asyncio
 
     from refusion_mlx.decode.params import make_params
-    from refusion_mlx.serve.answering import CLIENT_CHECK, ClientGone, collect
-    from refusion_mlx.serve.engine_request import EngineRequest
-    from refusion_mlx.serve.job import Job
+    from refusion_mlx.serve.edge.answering import CLIENT_CHECK, ClientGone, collect
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.job import Job
 
     class Gone:
         async def is_disconnected(self):

@@ -51,13 +51,13 @@ def checkpoint(folder: Path, **changes) -> Path:
 ])
 def test_each_bad_config_value_is_one_line(changes, line):
     with pytest.raises(ConfigError) as e:
-        registry.model_args({**BASE, **changes})
+        registry.family_args({**BASE, **changes})
     assert str(e.value) == f"config.json: {line}"
 
 
 def test_every_bad_value_gets_its_own_line():
     with pytest.raises(ConfigError) as e:
-        registry.model_args({**BASE, "num_hidden_layers": True, "rope_theta": -1, "head_dim": 2 ** 40,
+        registry.family_args({**BASE, "num_hidden_layers": True, "rope_theta": -1, "head_dim": 2 ** 40,
                              "vocab_size": 1e12})
     assert str(e.value).splitlines() == [
         "config.json: num_hidden_layers must be an integer, got true",

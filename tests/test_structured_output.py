@@ -1,4 +1,4 @@
-"""Structured output through the server's three APIs (serve/structured.py), on
+"""Structured output through the server's three APIs (serve/core/structured.py), on
 the demo model: chat completions' ``response_format`` (the openai SDK's
 ``.parse`` too) and forced ``tool_choice``, the Responses API's
 ``text.format``, the Messages API's forced ``tool_choice`` -- alone and eight
@@ -162,9 +162,9 @@ def test_call_grammar_constrains_auto_calls_in_one_place():
 
     from refusion_mlx.decode.params import RefusionParams
     from refusion_mlx.errors import RefusionError
-    from refusion_mlx.serve.engine_request import EngineRequest
+    from refusion_mlx.serve.core.engine_request import EngineRequest
     from refusion_mlx.serve.server_config import ServerConfig
-    from refusion_mlx.serve.structured import with_call_grammar
+    from refusion_mlx.serve.core.structured import with_call_grammar
 
     plain = EngineRequest([1, 2], RefusionParams(), tools=tuple(TOOLS), parallel_tool_calls=False)
     made = with_call_grammar(plain, "all")
@@ -189,7 +189,7 @@ def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
     stay text and are counted unparsed; under the default every call it opens parses and validates."""
     import urllib.request
 
-    from refusion_mlx.serve.metrics import parse
+    from refusion_mlx.serve.core.metrics import parse
 
     def unparsed(srv):
         with urllib.request.urlopen(srv.url.removesuffix("/v1") + "/metrics", timeout=30) as r:

@@ -1,4 +1,4 @@
-"""The model's tool calls read out of its answer text (serve/tool_calls.py), without a server.
+"""The model's tool calls read out of its answer text (serve/core/tool_calls.py), without a server.
 
 The format and the parser are mlx-lm's choice for the tokenizer: the demo
 model's tokenizer, whose chat template renders tools as Qwen3's does, gets
@@ -16,8 +16,8 @@ import random
 import pytest
 
 from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
-from refusion_mlx.serve.refusal import Refusal
-from refusion_mlx.serve.tool_calls import (ToolCall, ToolCallSplitter, ToolFormat, check_results, function_tool,
+from refusion_mlx.serve.core.refusal import Refusal
+from refusion_mlx.serve.core.tool_calls import (ToolCall, ToolCallSplitter, ToolFormat, check_results, function_tool,
                                            template_tools)
 from tests.agent_server import TOOLS
 from tests.helpers import FIXTURE_MODEL
@@ -123,7 +123,7 @@ def test_tool_choice_and_results():
     tools = [function_tool(t["function"], "t") for t in TOOLS]
     assert template_tools(tools, "auto", True, "tools", "tool_choice") == tuple(tools)
     assert template_tools(tools, "none", False, "tools", "tool_choice") == ()  # none: nothing to render or read
-    for choice in ("required", "calculator"):  # forced calls: decoded under a grammar (serve/structured.py)
+    for choice in ("required", "calculator"):  # forced calls: decoded under a grammar (serve/core/structured.py)
         assert template_tools(tools, choice, True, "tools", "tool_choice") == tuple(tools)
     for choice, given in (("nope", tools), ("required", [])):
         with pytest.raises(Refusal) as e:

@@ -12,8 +12,8 @@ from typing import List, Optional
 from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, positive_int, positive_ints, run,
                    storage_from_args)
 from ..cli.launch import add_distributed_args, join
-from ..distributed import watchdog
 from ..decode.params import PARAM_NAMES
+from ..distributed import watchdog
 from ..errors import DecodeError
 from ..models.backend import wired_limit
 from . import modes

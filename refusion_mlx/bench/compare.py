@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from ..decode.params import RefusionParams
+from ..decode.stream import chat_prompt
+from ..errors import DecodeError
 from .report import environment, format_table, header_lines
 from .runs import RunResult, median_run, run_ar, run_refusion, share_weights, storage_of
 from .suite import BenchError, Suite, load_suite, resolve_params
-from ..decode.params import RefusionParams
-from ..errors import DecodeError
-from ..decode.stream import chat_prompt
 
 SIDES = ("refusion", "ar")
 LABELS = {"refusion": "ReFusion", "ar": "AR"}

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..decode.batch import BatchGenerator
 from ..decode.params import RefusionParams
+from .runs import storage_of
 from .suite import BenchError
 
 
@@ -57,7 +58,7 @@ def run_level(model, tokenizer, prompts: Sequence[List[int]], params: Sequence[R
               clients: int, rounds: int, kv: Optional[dict] = None) -> LevelResult:
     """The workload (``prompts`` x ``rounds``) through ``clients`` concurrent
     clients (``kv``: ``kv_bits`` and ``kv_group_size`` of their caches)."""
-    gen = BatchGenerator(model, tokenizer, max_batch=clients, **(kv or {}))
+    gen = BatchGenerator(model, tokenizer, max_batch=clients, storage=storage_of(kv, model))
     work = [i for _ in range(rounds) for i in range(len(prompts))]
     owner: Dict[int, list] = {}  # uid -> [start time, first text time]
 

@@ -25,9 +25,9 @@ import argparse
 import dataclasses
 from typing import Callable, List, Optional, Sequence
 
-from ..decode.stream import chat_prompt, stream_generate
-from ..decode.params import RefusionParams, default_block_length
 from ..cli import positive_int, positive_ints
+from ..decode.params import RefusionParams, default_block_length
+from ..decode.stream import chat_prompt, stream_generate
 from ..train.accuracy import read_rows
 from .report import format_table
 from .suite import BenchError

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .._version import __version__
 from .._blas import blas_in_use, reference_warning, threads
+from .._version import __version__
 
 
 def blas_threads() -> Optional[int]:

@@ -151,7 +151,7 @@ def build_models(name: str, dtype: str = "float32", q_bits: Optional[int] = None
 
     config = shape_config(name)
     mx.random.seed(0)
-    model = registry.build(registry.model_args(config))
+    model = registry.build(registry.family_args(config))
     model.set_dtype(getattr(mx, dtype))
     model.eval()
     if q_bits:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from ..decode.params import PARAM_NAMES, RefusionParams, make_params
-from ..errors import DecodeError, RefusionError
 from ..decode.presets import PRESETS, preset
+from ..errors import DecodeError, RefusionError
 
 DEFAULT_SUITE = Path(__file__).with_name("suite.json")
 

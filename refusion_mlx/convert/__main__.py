@@ -18,17 +18,17 @@ from .converter import convert, format_summary
 from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
 
 
-class Terminated(BaseException):
+class Signalled(BaseException):
     """SIGTERM/SIGHUP turned into an exception, so the staging folder is removed."""
 
 
 def _terminate(signum, frame):
-    raise Terminated(signum)
+    raise Signalled(signum)
 
 
 @contextmanager
 def termination_raises() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ``Terminated`` for the duration (main thread only)."""
+    """SIGTERM and SIGHUP raise ``Signalled`` for the duration (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -42,7 +42,8 @@ def termination_raises() -> Iterator[None]:
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.convert",
-                           description="Convert a ReFusion (Qwen3, Hugging Face format) checkpoint to MLX.")
+                           description="Convert a ReFusion checkpoint (a Qwen3 or Llama architecture, Hugging Face "
+                                       "format) to MLX.")
     parser.add_argument("--hf-path", "--model", required=True,
                         help="source: a local folder or a Hugging Face repo id")
     parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")
@@ -76,7 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)
         return 130
-    except Terminated as e:
+    except Signalled as e:
         print(f"terminated: {args.mlx_path} left as it was", file=sys.stderr)
         return 128 + e.args[0]
     except OSError as e:

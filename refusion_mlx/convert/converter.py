@@ -26,11 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
 from ..errors import ConfigError, LoadError, RefusionError
 from ..models import registry
 from ..models.config_checks import Tensor, check_memory, weight_problems
-from .quant_plan import DTYPES, Plan, make_plan, quant_settings
+from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
+from .quant_plan import DTYPES, QuantPlan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
@@ -180,7 +180,7 @@ def convert_leaf(module: nn.Module, weights: Dict[str, mx.array], dtype: mx.Dtyp
     return dict(tree_flatten(leaf.parameters()))
 
 
-def converted_tensors(ckpt: Checkpoint, plan: Plan, dtype: str,
+def converted_tensors(ckpt: Checkpoint, plan: QuantPlan, dtype: str,
                       progress: bool) -> Iterator[Tuple[str, mx.array]]:
     """Output tensors one module at a time, each evaluated, then forgotten by the caller."""
     from tqdm import tqdm
@@ -200,7 +200,7 @@ def converted_tensors(ckpt: Checkpoint, plan: Plan, dtype: str,
     ckpt.close()
 
 
-def write_weights(folder: Path, ckpt: Checkpoint, plan: Plan, dtype: str,
+def write_weights(folder: Path, ckpt: Checkpoint, plan: QuantPlan, dtype: str,
                   progress: bool) -> Dict[str, str]:
     """Stream every tensor into shards of at most 5 GB; return the index's weight map."""
     from mlx_lm.utils import make_shards

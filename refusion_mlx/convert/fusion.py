@@ -23,12 +23,12 @@ from typing import Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .converter import COPIED_FILES, declared_dtype, output_config
-from .shards import shard_names
-from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..errors import RefusionError
 from ..models.adapters import fuse_adapter_folder, read_adapter_config
 from ..models.projections import hf_parameters
+from .converter import COPIED_FILES, declared_dtype, output_config
+from .shards import shard_names
+from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
                              resolve_model_path)
 
@@ -56,7 +56,7 @@ def dequantize(model) -> int:
     return count
 
 
-def write_weights(folder: Path, weights: dict) -> None:
+def write_fused(folder: Path, weights: dict) -> None:
     """Shards of at most 5 GB and their index, mlx-lm's names and sharding."""
     from mlx_lm.utils import make_shards
 
@@ -101,7 +101,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     weights = hf_parameters(model_obj)
     mx.eval(list(weights.values()))
     with staging_folder(dst, force) as tmp:
-        write_weights(tmp, weights)
+        write_fused(tmp, weights)
         copy_side_files(src, tmp, COPIED_FILES)
         (tmp / "README.md").write_text(
             f"# {dst.name}\n\n`{src.name}` with the adapters of `{Path(adapter_path).name}` fused in "

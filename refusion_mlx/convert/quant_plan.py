@@ -93,7 +93,7 @@ def recipe_predicate(qs: QuantSettings, model: nn.Module) -> Optional[Callable]:
 
 
 @dataclass
-class Plan:
+class QuantPlan:
     leaves: List[Tuple[str, nn.Module]]          # unquantized modules, in model order
     quant: Dict[str, dict]                       # leaf path -> to_quantized kwargs
     specs: Dict[str, Spec]                       # output tensor -> (shape, dtype)
@@ -102,7 +102,7 @@ class Plan:
     notes: List[str]
 
 
-def make_plan(args, dtype: str, qs: Optional[QuantSettings]) -> Plan:
+def make_plan(args, dtype: str, qs: Optional[QuantSettings]) -> QuantPlan:
     """Quantize a lazy, never-evaluated copy of the model to learn the output tensors.
 
     mlx-lm's ``quantize_model`` decides per layer exactly as it would for
@@ -128,7 +128,7 @@ def make_plan(args, dtype: str, qs: Optional[QuantSettings]) -> Plan:
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             quant[path] = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
     specs = {k: Spec(tuple(v.shape), v.dtype) for k, v in tree_flatten(shaped.parameters())}
-    return Plan(leaves, quant, specs, config_quant, get_total_parameters(shaped), notes)
+    return QuantPlan(leaves, quant, specs, config_quant, get_total_parameters(shaped), notes)
 
 
 def unquantized_notes(leaves, group_size: int) -> List[str]:

@@ -35,7 +35,11 @@ from typing import Generator, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DecodeError
-from . import commit, constrain, plan, prefill, verify
+from . import commit
+from . import constrain
+from . import plan
+from . import prefill
+from . import verify
 from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
@@ -52,8 +56,7 @@ class RefusionDecoder:
 
     ``cache``: a CommittedCache to continue (a conversation so far); the
     prompt is then only the new tokens after it. ``prefill_chunk``: the most
-    prompt tokens one prefill pass feeds (``prefill_step``, its old name,
-    still works). ``eos_id`` None: no token ends the answer, the whole budget
+    prompt tokens one prefill pass feeds. ``eos_id`` None: no token ends the answer, the whole budget
     is decoded (the speed benchmarks' ``--ignore-eos``). ``grammar``: a
     compiled constraint (:func:`~refusion_mlx.decode.grammar.compile_constraint`):
     the answer is decoded in the constrained mode (``constrain.py``). ``logprobs``: keep the
@@ -63,7 +66,7 @@ class RefusionDecoder:
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
-                 prefill_chunk: int = prefill.PREFILL_CHUNK, prefill_step: Optional[int] = None,
+                 prefill_chunk: int = prefill.PREFILL_CHUNK,
                  grammar=None, logprobs: Optional[int] = None):
         self.model = model
         layout = params.layout()
@@ -86,7 +89,7 @@ class RefusionDecoder:
         bad = [t for t in self.prompt if not 0 <= t < vocab]
         if bad:
             raise DecodeError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
-        self.prefill_chunk = max(int(prefill_chunk if prefill_step is None else prefill_step), 1)
+        self.prefill_chunk = max(int(prefill_chunk), 1)
         self.state = DecodeState(
             params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
             start=len(cache), response_start=response_start,

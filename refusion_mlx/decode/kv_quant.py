@@ -37,7 +37,7 @@ from ..errors import DecodeError
 from ..models import backend
 from ..models.base import CacheSpec
 from ..models.cpu_paths import attend
-from .kv_store import KVStore
+from .kv_base import KVStore
 
 KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize takes

@@ -13,8 +13,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from ..errors import DecodeError
 from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
-from .kv_store import KVStorage
 from .grammar import constraint_of
+from .kv_store import KVStorage
 from .params import RefusionParams, make_params
 from .stats import DecodeStats
 

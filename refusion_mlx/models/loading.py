@@ -12,7 +12,11 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend, cpu_paths, projections, registry, sharding
+from . import backend
+from . import cpu_paths
+from . import projections
+from . import registry
+from . import sharding
 from .config_checks import check_memory, quantization_problems, read_headers, weight_bytes, weight_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
@@ -73,7 +77,7 @@ def model_args(config: Dict[str, Any]):
     if missing:
         raise LoadError(f"config.json lacks {', '.join(missing)}")
     try:
-        return registry.model_args(config)
+        return registry.family_args(config)
     except ConfigError as e:
         raise LoadError(str(e)) from None
 

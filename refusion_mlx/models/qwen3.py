@@ -20,8 +20,8 @@ from ..errors import ConfigError
 from .base import TensorParallel
 from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend, rms_norm
-from .projections import Derived, Linear, Projections
 from .kernels import silu_gate
+from .projections import Derived, Linear, Projections
 from .rope import apply_rope
 
 

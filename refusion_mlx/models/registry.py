@@ -30,7 +30,7 @@ def family(model_type: Any) -> ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def model_args(config: Dict[str, Any]):
+def family_args(config: Dict[str, Any]):
     """The family's ``ModelArgs`` from a config dict (ConfigError, one line)."""
     args_class = family(config.get("model_type")).ModelArgs
     try:

@@ -1,16 +1,17 @@
 """The HTTP layer: FastAPI routes over the engine.
 
 Handlers run on uvicorn's event loop: pydantic validates the body, a worker
-thread makes the engine's request of it (the API's adapter -- OpenAI's
-completions ``schemas.openai_request``, :mod:`.responses_api`,
-:mod:`.anthropic_api` -- then ``engine_request.resolve``), the engine queues
-it as a Job and the handler awaits its events (:mod:`.answering`, the same
-for every API). Every error -- a refusal of the request's resolution or of
+thread makes the engine's request of it (the API's adapter makes a draft --
+:mod:`.protocols.openai_bodies`, :mod:`.protocols.responses_api`,
+:mod:`.protocols.anthropic_api` -- and ``core.engine_request.finish`` the
+request), the engine queues it as a Job and the handler awaits its events
+(:mod:`.edge.answering`, the same for every API). Each API's routes are
+added from its line of :data:`.core.apis.PROTOCOLS`. Every error -- a refusal of the request's resolution or of
 the engine included -- is answered in the shape of the route's API
-(:mod:`.http_errors`: OpenAI's envelope ``{"error": {message, type, param,
+(:mod:`.edge.http_errors`: OpenAI's envelope ``{"error": {message, type, param,
 code}}``, Anthropic's on ``/v1/messages``); a stream carries only final
 text, in answer order, as server-sent events. Before any route:
-:mod:`.security`'s Host and Origin checks, the API key, and the body's
+:mod:`.edge.security`'s Host and Origin checks, the API key, and the body's
 type, size and arrival (415, 411, 413, 408).
 """
 
@@ -24,15 +25,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .._version import __version__
-from . import tokenizer_api
-from .answering import Answering
-from .api_schema import schema_maker
-from .http_errors import APIError, as_api_error, error_response
-from .metrics import exposition, gauges
-from .page import add_page
-from .protocols import ROUTE_MODULES
-from .refusal import Refusal
-from .security import RequestGuard, SiteGuard
+from .core.apis import ROUTE_MODULES
+from .core.metrics import exposition, gauges
+from .core.refusal import Refusal
+from .edge.answering import Answering
+from .edge.api_schema import schema_maker
+from .edge.http_errors import APIError, as_api_error, error_response
+from .edge.page import add_page
+from .edge.security import RequestGuard, SiteGuard
+from .protocols import tokenizer_api
 
 
 def create_app(server) -> FastAPI:

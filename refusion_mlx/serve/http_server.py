@@ -2,10 +2,10 @@
 command line): OpenAI's chat and text completions and Responses API,
 Anthropic's Messages API, tool calls on all three.
 
-FastAPI on uvicorn (routes in :mod:`.app` and each API's module, request models in :mod:`.schemas`,
+FastAPI on uvicorn (routes in :mod:`.app` and each API's module, request models in :mod:`.protocols.openai_bodies`,
 the schema at ``/docs``) over one engine thread that owns MLX and decodes up
-to ``--max-batch`` requests per forward (:mod:`.engine`), continuing
-conversations and shared prompts from a prompt cache (:mod:`.prompt_cache`).
+to ``--max-batch`` requests per forward (:mod:`.core.engine`), continuing
+conversations and shared prompts from a prompt cache (:mod:`.caches.prompt_cache`).
 One :class:`ServerConfig` (:mod:`.server_config`), made once, holds every
 setting; the server, its app and its engine read it.
 """
@@ -22,10 +22,10 @@ from typing import Optional
 
 import uvicorn
 
-from .engine import Engine
-from .security import exposure_warning
+from .core.engine import Engine
+from .core.text import TextShaper
+from .edge.security import exposure_warning
 from .server_config import ServerConfig
-from .text import TextShaper
 
 __all__ = ["RefusionServer", "ServerConfig", "TextShaper"]
 
@@ -47,7 +47,7 @@ class RefusionServer:
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[ServerConfig] = None, dist=None,
                  **settings):
-        from .answering import GRACEFUL_SHUTDOWN
+        from .edge.answering import GRACEFUL_SHUTDOWN
         from .app import create_app
 
         if config is None:

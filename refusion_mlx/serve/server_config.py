@@ -80,7 +80,7 @@ class ServerConfig:
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
-    # who may use the server, and whose prompt cache a request shares (serve/security.py, docs: Security)
+    # who may use the server, and whose prompt cache a request shares (serve/edge/security.py, docs: Security)
     api_keys: Tuple[str, ...] = dataclasses.field(default=(), repr=False)
     allowed_hosts: Tuple[str, ...] = ()
     metrics_public: bool = False

@@ -1,0 +1,1 @@
+"""The prompt cache kept across requests, and its files on disk."""

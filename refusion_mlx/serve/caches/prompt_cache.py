@@ -1,0 +1,129 @@
+"""Committed caches kept across requests: a conversation's next turn, or a
+system prompt many requests share, continues from cached keys and values
+instead of prefilling them again.
+
+An entry is a CommittedCache compacted to its rows in position order (the
+conversation: prompt, then answer). A lookup finds the entry with the
+longest common prefix with a new prompt and hands the request its own copy
+of those rows (``CommittedCache.fork``), so entries are never written to and
+any number of requests can start from one. Entries are evicted least
+recently used first, beyond a byte budget (``CommittedCache.nbytes``).
+With a ``store`` (:class:`.cache_files.CacheDir`), every new entry is also
+written to disk, an entry replaced by its extension is deleted there, and a
+hit marks its file used; entries evicted from memory stay on disk.
+
+Every entry has an ``owner`` (``EngineRequest.cache_owner``: a hash of the
+API key and ``user`` of the request that left it; "" is everyone's): a
+request only ever continues -- and a shared prefix is only ever prefilled
+once for -- requests of its own owner, so the ``cached_tokens`` it is told
+say nothing of anyone else's prompts. An owner of None reads and leaves
+nothing. The cache holds one model's entries (the server's);
+``fingerprint`` names it (the files carry it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence, Tuple
+
+from ...decode.prefix import ordered, prefix_length
+
+# tokens requests must share (beyond the cache) to prefill them once for all
+SHARED_PREFIX = 16
+
+
+class PromptCache:
+    """An LRU of committed caches keyed by their owner and their tokens in position order."""
+
+    def __init__(self, max_bytes: int, store=None, fingerprint: str = ""):
+        self.max_bytes, self.store, self.fingerprint = max_bytes, store, fingerprint
+        # (owner, tokens) -> compact cache, oldest use first
+        self.entries: "OrderedDict[Tuple[str, tuple], object]" = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, ids: Sequence[int], owner: Optional[str] = "",
+               running: Iterable = ()) -> Tuple[int, Optional[object]]:
+        """(n, cache): a copy of the rows of ``ids[:n]`` that ``owner``'s entries hold (None when n is 0).
+
+        ``running``: (owner, cache) of requests still decoding, whose committed
+        rows (a prompt prefilled a step ago) count too when the owner is the
+        same. At least one token of ``ids`` is left to prefill: the decoder's
+        first pass needs one.
+        """
+        if owner is None:
+            return 0, None
+        sources = [(key, cache, None) for key, cache in self.entries.items() if key[0] == owner]
+        sources += [((owner, tokens), c, rows) for o, c in running if o == owner for tokens, rows in [ordered(c)]]
+        best, n = None, 0
+        for source in sources:
+            m = prefix_length(source[0][1], ids)
+            if m > n:
+                best, n = source, m
+        n = min(n, len(ids) - 1)
+        if best is None or n <= 0:
+            return 0, None
+        key, cache, rows = best
+        if rows is None:  # an entry: rows in position order
+            self.entries.move_to_end(key)
+            if self.store is not None:
+                self.store.touch(*key)
+        return n, cache.fork(range(n) if rows is None else rows[:n])
+
+    def start(self, model, ids: Sequence[int], owner: Optional[str], running: Iterable,
+              peers: Sequence[Tuple[Optional[str], Sequence[int]]], new_cache) -> Tuple[int, int, object]:
+        """Where a new request's prompt ``ids`` starts: ``(cached, n, cache)``,
+        the rows ``owner``'s entries held for it, the rows its cache holds now
+        and that cache (its own; ``new_cache()`` makes an empty one). When
+        ``peers`` ((owner, prompt) of the requests admitted or waiting beside
+        it) of the same owner share ``SHARED_PREFIX`` more tokens with it than
+        the cache held, they are prefilled now and kept here, once for all."""
+        cached, cache = self.lookup(ids, owner, running)
+        n = cached
+        mine = [p for o, p in peers if o == owner] if owner is not None else []
+        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in mine), default=0))
+        if shared - n >= SHARED_PREFIX and self.max_bytes > 0:
+            from ...decode.prefill import prefill  # imported on first use, as mlx is
+
+            cache = cache or new_cache()
+            prefill(model, cache, ids[n:shared])
+            self.insert(cache, owner)
+            n = shared
+        return cached, n, cache or new_cache()
+
+    def insert(self, cache, owner: Optional[str] = "") -> None:
+        """Keep a compact copy of ``cache`` (a finished request's, or a prefix
+        prefilled for many) as ``owner``'s; entries of that owner it extends are
+        dropped, then the least recently used ones beyond the byte budget."""
+        tokens, rows = ordered(cache)
+        if self.max_bytes <= 0 or not tokens or owner is None:
+            return
+        key = (owner, tuple(tokens))
+        known = key in self.entries
+        entry = cache.fork(rows)
+        for old in self._add(key, entry):
+            self.store is None or self.store.remove(*old)
+        if self.store is not None:
+            self.store.touch(*key) if known else self.store.save(owner, tokens, entry)
+
+    def restore(self, owner: str, tokens: Sequence[int], entry) -> None:
+        """Take back an entry read from the store (compact, in position order); the
+        store's files of entries it extends go."""
+        if self.max_bytes > 0:
+            for old in self._add((owner, tuple(tokens)), entry):
+                self.store is None or self.store.remove(*old)
+
+    def _add(self, key: Tuple[str, tuple], entry) -> list:
+        """Keep ``entry``; drop its owner's entries it extends (returned), then the least recently used
+        beyond budget."""
+        owner, tokens = key
+        extended = [k for k in self.entries if k[0] == owner and k[1] == tokens[:len(k[1])] and k != key]
+        for old in extended + [key] * (key in self.entries):
+            self.nbytes -= self.entries.pop(old).nbytes
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+        return extended

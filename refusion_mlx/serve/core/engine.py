@@ -1,0 +1,364 @@
+"""The engine: the one thread that uses MLX.
+
+It loads the model and drives one :class:`BatchGenerator`. Each turn of its
+loop takes a :class:`Turn` from the :class:`~.scheduler.Scheduler` --
+requests whose client has gone leave, waiting requests are admitted up to
+``max_batch`` within ``max_kv_bytes`` -- starts each admitted request from
+the longest prefix of its prompt the prompt cache holds (its own copy; a
+prefix several admitted or waiting requests share is prefilled once and
+cached), scores the scoring ones (:mod:`.loglikelihood`), then one
+``step()`` runs one batched forward. Each request's :class:`~.job.Job`
+shapes its responses into events -- final in-order text, calls, the end
+as an :class:`~.outcome.Outcome` -- which go to its asyncio queue; a
+finished request's cache joins the prompt cache for its next turn.
+
+Admission is memory-aware: a request reserves the KV rows its decoder can
+write (:mod:`.memory`); one that could never fit is refused at once, one
+that fits waits for memory. A step that raises fails
+its requests and the engine goes on; ``health()`` reports an engine that
+died or whose turn runs past ``watchdog_seconds``. The engine knows no HTTP:
+it refuses or ends a request with a :class:`~.refusal.Refusal` (a reason and
+a message), and the HTTP edge answers it with its API's status and shape.
+
+Its settings are the server's one :class:`~..server_config.ServerConfig`.
+
+Under ``mlx.launch`` every rank runs an engine; rank 0's takes the HTTP
+requests, decides each turn's :class:`Turn` and broadcasts it, and every
+rank applies it, so all ranks run the same forwards. Idle, rank 0 still
+broadcasts an empty plan every ``IDLE_WAIT`` s, so the collectives'
+watchdog (``distributed.watchdog``) can tell a quiet server from a dead link.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+from typing import List, Optional, Tuple
+
+from ...distributed import watchdog
+from ...distributed.broadcast import barrier, broadcast
+from ...distributed.group import is_link_failure, lost_ranks, say_error
+from ...errors import RefusionError
+from ..caches.prompt_cache import PromptCache
+from ..server_config import ServerConfig
+from .engine_request import EngineRequest
+from .job import Job, Turn
+from .loglikelihood import score_jobs
+from .memory import KVCost, check_kv_budget, default_max_kv_bytes
+from .metrics import ServerMetrics
+from .refusal import Reason, Refusal
+from .scheduler import Scheduler
+from .tool_calls import ToolFormat
+
+log = logging.getLogger("refusion_mlx.server")
+
+IDLE_WAIT = 0.25  # seconds the loop sleeps with nothing to do (then, on several ranks, a heartbeat)
+
+
+class Engine:
+    """Loads the model and runs every generation, batched, on one thread.
+
+    ``dist``: the group under ``mlx.launch`` (``distributed.group.init``);
+    rank 0's engine decides each step and the others follow (``Turn``)."""
+
+    def __init__(self, config: Optional[ServerConfig] = None, dist=None):
+        self.config = config = config or ServerConfig()
+        self.dist = dist
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
+        self.storage = config.storage  # how the caches keep keys and values (--kv-bits)
+        self.kv_cost = KVCost.of(None, self.storage)  # KV bytes per token as they are kept, once the model is loaded
+        self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
+        self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
+        self.metrics = ServerMetrics()
+        self.queue = Scheduler(config.max_batch, config.max_queue, self.metrics)  # the queue, the batch, admission
+        self.running = self.queue.running  # the batch's jobs by uid (the scheduler's)
+        self.busy_since: Optional[float] = None  # when the round in progress (admission, step) began
+        self.model = self.tokenizer = self.gen = None
+        self.args = None  # the model's config, read by the HTTP side
+        self.http_tokenizer = None  # the HTTP side's, behind tokenizer_lock
+        self.tokenizer_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
+        self._error: Optional[BaseException] = None
+        self._failed = False  # the engine thread ended on an error (not a shutdown)
+        self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
+
+    # -- life cycle and the HTTP side's calls ----------------------------------
+
+    def start(self) -> None:
+        """Load the model on the engine thread; raise its RefusionError if it fails."""
+        self._thread.start()
+        while not self._ready.wait(0.1):
+            pass
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """End every request (shutting down) after the step in progress; wait ``timeout`` s for the thread.
+        Under mlx.launch a step that cannot end (a rank died mid-collective) ends the process, in one line."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+            watchdog.hurry()
+        self._stopping.set()
+        with self.queue.wake:
+            self.queue.wake.notify()
+        if timeout and self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def health(self) -> Tuple[bool, str]:
+        """(healthy, status): "ok", "stopping", "dead" (the engine thread ended) or
+        "stuck" (the step in progress has run past the watchdog)."""
+        if self._failed or (self._thread.ident is not None and not self._thread.is_alive()):
+            return False, "dead"
+        if self._stopping.is_set():
+            return False, "stopping"
+        since = self.busy_since
+        if since is not None and time.monotonic() - since > self.config.watchdog_seconds:
+            return False, "stuck"
+        return True, "ok"
+
+    def follow(self) -> None:
+        """A rank other than 0: load, then run rank 0's plans until it stops."""
+        self.start()
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def job(self, request: EngineRequest, loop=None) -> Job:
+        """The request's Job, as every rank makes it (``loop``: where its events go)."""
+        return Job(request, loop, self.kv_cost.need(request), self.eos_id, self.tool_format)
+
+    def submit(self, request: EngineRequest, loop) -> Job:
+        """Queue a request; its Job posts the answer's events to ``loop``. A
+        :class:`Refusal` when it can never fit in KV memory or cannot wait."""
+        job = self.job(request, loop)
+        if job.kv_bytes > self.max_kv_bytes:
+            self.metrics.outcome(request.api, "refused")
+            raise self.kv_cost.refusal(request, job.kv_bytes, self.max_kv_bytes)
+        with self.queue.wake:
+            if self._failed:
+                raise Refusal(Reason.ENGINE_DEAD, "the model engine has stopped (see the server's log); "
+                                                  "restart the server")
+            if self._stopping.is_set():
+                raise Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
+            self.queue.put(job)
+        return job
+
+    def snapshot(self) -> dict:
+        names = ("completed", "cancelled", "failed", "refused", "kv_waits", "steps", "step_rows",
+                 "prefill_tokens", "cached_tokens", "generated_tokens")
+        with self.queue.wake:  # one consistent view: a request leaving the batch is counted as it leaves
+            batch, numbers = self.queue.counts(self.max_kv_bytes), self.metrics.read(names)
+        kv = batch.pop("kv")
+        state = {**batch, **numbers, "kv": {**kv, **self.kv_cost.as_dict()}}
+        return {**state, "prompt_cache": {"entries": len(self.prompt_cache), "bytes": self.prompt_cache.nbytes,
+                                          "max_bytes": self.prompt_cache.max_bytes}}
+
+    # -- the thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            from ...decode.batch import BatchGenerator
+            from ...models.loading import load, load_tokenizer
+
+            config = self.config
+            self.model, self.tokenizer = load(config.model, dtype=config.dtype, adapter_path=config.adapter_path,
+                                              dist=self.dist)
+            if self.dist is not None:
+                barrier(self.dist)
+            self.args = self.model.args
+            self.eos_id = self.tokenizer.eos_token_id
+            self.tool_format = ToolFormat.of(self.tokenizer)
+            self.http_tokenizer = load_tokenizer(self.model.model_path)
+            self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
+                                      storage=self.storage)  # checked against the model's head dimension
+            self._plan_memory()
+            self._open_cache_dir()
+        except BaseException as e:  # reported by start() on the caller's thread
+            self._error = e if isinstance(e, RefusionError) else RefusionError(
+                f"cannot load the model: {type(e).__name__}: {e}")
+            self._ready.set()
+            self._release()
+            return
+        self._ready.set()
+        try:
+            self._serve()
+        except BaseException as e:  # a bug: requests get a 500 rather than hang
+            if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
+                say_error(lost_ranks(e))
+                os._exit(1)
+            log.exception("the engine failed")
+            self._failed = True
+            self._end_all(Refusal(Reason.ENGINE_FAILED, "the model engine failed"))
+        finally:
+            self._stopping.set()  # no request is taken from now on
+            self._end_all(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
+            self._release()
+
+    def _plan_memory(self) -> None:
+        """The KV bytes per token of the loaded model as its caches keep them, and --max-kv-bytes when not given."""
+        self.kv_cost = KVCost.of(self.model, self.storage)
+        if self.max_kv_bytes is None:
+            self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_cost.row_bytes)
+        check_kv_budget(self.max_kv_bytes, self.kv_cost, self.config.decoding)  # refuses what refuses all
+
+    def _open_cache_dir(self) -> None:
+        """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
+        config = self.config
+        if config.prompt_cache_dir:
+            from ..caches.cache_files import attach
+
+            attach(self.prompt_cache, self.model, config.prompt_cache_dir, config.prompt_cache_dir_bytes,
+                   config.adapter_path, storage=self.storage)
+
+    def _serve(self) -> None:
+        leader = self.dist is None or self.dist.leader
+        with watchdog.armed():
+            while True:
+                plan = self._decide() if leader else None
+                if self.dist is not None:
+                    wire = broadcast(self.dist, plan.wire() if leader else None)
+                    plan = plan if leader else Turn.from_wire(wire, self.job)
+                if plan.stop:
+                    return
+                self._apply(plan)
+
+    def _decide(self) -> Turn:
+        """Rank 0: this turn's plan (:meth:`.scheduler.Scheduler.next_turn`), from the
+        queue and the clients; waits up to ``IDLE_WAIT`` s for a request when nothing runs."""
+        if not self.running:
+            self.busy_since = None
+            self.queue.idle_wait(IDLE_WAIT, self._stopping)
+        if self._stopping.is_set():
+            return Turn(stop=True)
+        self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
+        return self.queue.next_turn(self.max_kv_bytes)
+
+    def _apply(self, plan: Turn) -> None:
+        """One turn, the same on every rank: cancel, admit, step. A step that
+        raises fails the requests in it; the engine goes on (a lost rank ends it)."""
+        for uid in plan.cancelled:
+            if uid in self.running:
+                self._close(self.running[uid], "cancelled")
+        scoring = [j for j in plan.admitted if j.request.scoring is not None]  # scored (echo + logprobs), not decoded
+        for job, result in score_jobs(self.model, self.tokenizer, scoring) if scoring else ():
+            if isinstance(result, Refusal):
+                self._close(job, "failed", result)
+            else:
+                job.post("start")
+                self._finish(job, result)
+        for i, job in enumerate(plan.admitted):
+            if job.request.scoring is not None:
+                continue
+            try:
+                self._start(job, plan.peers[:i] + plan.peers[i + 1:])
+            except Exception as e:  # a bug or out of memory: this request fails, the server stays up
+                if is_link_failure(e):
+                    raise
+                log.exception("cannot start a request")
+                self._close(job, "failed", Refusal(Reason.START_FAILED, f"cannot start the request: {_brief(e)}"))
+        if not self.running:
+            return
+        t0 = time.monotonic()
+        rows = len(self.running)
+        try:
+            responses = self.gen.step()
+        except Exception as e:  # a bug or out of memory outside one request: the step's requests fail
+            if is_link_failure(e):
+                raise
+            log.exception("a step failed")
+            self._fail_running(Refusal(Reason.STEP_FAILED, f"the step failed: {_brief(e)}"))
+            return
+        self.metrics.step(time.monotonic() - t0, rows, sum(len(c.tokens) for r in responses for c in r.commits))
+        for response in responses:
+            self._route(response)
+
+    def _fail_running(self, error: Refusal) -> None:
+        for job in list(self.running.values()):
+            self._close(job, "failed", error)
+
+    def _start(self, job: Job, peers: List[tuple]) -> None:
+        """Start a request; ``peers``: (cache owner, prompt ids) of the others admitted
+        or waiting (a prefix they share with one of its owner is prefilled once)."""
+        from ...decode.cache import CommittedCache
+
+        ids, owner = job.request.prompt_ids, job.request.cache_owner
+        running = [(j.request.cache_owner, j.cache) for j in self.running.values()]
+        new_cache = lambda: CommittedCache.for_model(self.model, storage=self.storage)  # noqa: E731
+        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
+        self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
+        try:
+            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint,
+                                      logprobs=job.request.logprobs)
+        except RefusionError as e:
+            return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
+        self.metrics.add("prefill_tokens", len(ids) - n)
+        self.metrics.add("cached_tokens", job.cached)
+        self.queue.started(job)
+        job.post("start")
+
+    def _route(self, r) -> None:
+        job = self.running.get(r.uid)
+        if job is None:  # ended earlier in this step
+            return
+        if r.finish_reason == "error":
+            return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
+        events, reason, released = job.step(r, self.tokenizer)  # text (with its logprobs), commits, calls
+        self.metrics.add("generated_tokens", released)
+        for kind, payload in events:
+            job.post(kind, payload)
+        if reason is not None:
+            self._finish(job, job.outcome(reason, r.stats, self.dist))
+
+    def _finish(self, job: Job, outcome) -> None:
+        """The one place a request ends with its answer: counted, its cache kept for its next turn, closed."""
+        if job.calls is not None:
+            self.metrics.tool_calls(job.calls.calls, job.calls.failed)
+        if job.cache is not None:
+            self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far
+        self._close(job, "completed")
+        job.post("done", outcome)
+
+    def _close(self, job: Job, outcome: str, error: Optional[Refusal] = None) -> None:
+        """Take a request out of the batch and free its cache now."""
+        if job.uid is not None:
+            self.gen.remove(job.uid)
+        if error is not None:
+            job.post("error", error)
+        if job.cache is not None:  # a removed request's decoder loop is held in a reference cycle
+            job.cache.free()  # only the garbage collector would break: its cache's memory goes now
+        job.cache = None
+        if self.queue.left(job, outcome):  # the batch is empty: hand the allocator's cached buffers back
+            import mlx.core as mx
+
+            mx.clear_cache()
+
+    def _end_all(self, error: Refusal) -> None:
+        self._fail_running(error)
+        for job in self.queue.drain():
+            job.post("error", error)
+
+    def _release(self) -> None:
+        """Free this thread's arrays and MLX streams before it ends (left for
+        interpreter exit, they can abort the process)."""
+        import mlx.core as mx
+
+        self.prompt_cache.entries.clear()
+        self.model = self.tokenizer = self.gen = None
+        gc.collect()
+        try:
+            mx.synchronize()
+            mx.clear_streams()
+        except Exception:  # pragma: no cover - older MLX without clear_streams
+            pass
+
+
+def _brief(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"

@@ -1,0 +1,210 @@
+"""The one request shape inside the server, and the one place it is made.
+
+:class:`EngineRequest` is what the engine runs, whichever API asked for it.
+Each API's adapter at the edge (OpenAI's chat and text completions:
+:func:`..protocols.openai_bodies.openai_request`; the Responses API: :mod:`..protocols.responses_api`;
+Anthropic's Messages API: :mod:`..protocols.anthropic_api`) only translates its body
+into a :class:`Draft` -- the prompt's ids (:meth:`RequestTerms.prompt_ids`
+tokenizes its source: messages and tools for the chat template, text or
+ids), the most tokens and the name its API gives them, the decoding fields
+given, stop strings, the tools whose calls to look for, its constraint,
+logprobs or scoring -- and :func:`finish` does the rest, once, for every
+API: the context checks, the default ``max_tokens``, the server's decoding
+settings under the request's own and the block layout (:func:`resolve`),
+the server's call grammar, the sample's seed and the prompt cache's owner.
+A bad request is one :class:`~.refusal.Refusal` naming the field as that
+API calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ...decode.grammar import Constraint
+from ...decode.params import BlockLayout, RefusionParams
+from ...errors import DecodeError
+from .refusal import Reason, Refusal
+from .structured import with_call_grammar
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A generation as the engine runs it: the prompt's ids, the decoding
+    settings (``params``; its ``gen_length`` is ``max_tokens``), the stop
+    strings, whether each step's commits are wanted (the web page's slot
+    view: ``stream_options.include_commits``), the ``tools`` (in the chat
+    template's form) whose calls the answer is read for (none: its text is
+    only text), whether it may make several (``parallel_tool_calls``; no:
+    it ends after the first), the ``api`` that asked (``/metrics``),
+    whose prompt-cache entries it may continue and leave (``cache_owner``:
+    a hash of its API key and ``user``, set at the edge by
+    ``Answering.answer``; "" is everyone's, None: it neither reads nor
+    leaves any), and the ``constraint`` its answer is decoded under
+    (structured output, a forced call: :mod:`.structured`; None:
+    unconstrained)."""
+
+    prompt_ids: List[int]
+    params: RefusionParams
+    stop: Tuple[str, ...] = ()
+    include_commits: bool = False
+    tools: Tuple[dict, ...] = ()
+    parallel_tool_calls: bool = True
+    api: str = "chat.completions"
+    cache_owner: Optional[str] = ""
+    constraint: Optional[Constraint] = None
+    scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
+    logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (job.token_entries)
+
+    @property
+    def max_tokens(self) -> int:
+        """The answer's most tokens besides EOS: it is cut there exactly."""
+        return self.params.gen_length
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The decoder's budget (``max_tokens`` in whole slots) in blocks, resolved once by :func:`resolve`."""
+        return self.params.layout()
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation as the chat template takes it: ``messages`` (OpenAI's
+    chat form: system, user, assistant with ``tool_calls`` whose arguments
+    are objects, tool with ``tool_call_id``) and the function ``tools`` it
+    renders. Every chat-shaped API's adapter makes one."""
+
+    messages: List[dict]
+    tools: Tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What an API's adapter makes of a body, in the engine's terms: the
+    prompt's ``ids``, ``max_tokens`` (None: the server's default), the
+    decoding ``fields`` given (by their ``RefusionParams`` names), the
+    ``api`` that asked, and what :func:`resolve` carries as given. The
+    ``*_param`` names are those fields' names in the request's API, for its
+    errors."""
+
+    ids: List[int]
+    max_tokens: Optional[int]
+    fields: Dict[str, Any]
+    api: str
+    stop: Sequence[str] = ()
+    include_commits: bool = False
+    prompt_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+    tools: Sequence[dict] = ()
+    parallel_tool_calls: bool = True
+    constraint: Optional[Constraint] = None
+    logprobs: Optional[int] = None
+    scoring: Any = None
+
+
+@dataclass(frozen=True)
+class RequestTerms:
+    """What every request is made under, whichever API asked: the model's
+    ``context`` and ``vocab_size``, whether its template ``takes_tools``, the
+    server's decoding ``defaults`` and ``call_grammar``, and ``tokenize``
+    (a prompt's source to its ids)."""
+
+    tokenize: Callable[[Any], List[int]]
+    vocab_size: int
+    context: int
+    defaults: RefusionParams
+    takes_tools: bool = False
+    call_grammar: str = "all"
+
+    def prompt_ids(self, source: Any, param: str) -> List[int]:
+        """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
+        return prompt_ids(source, self.tokenize, self.vocab_size, param)
+
+
+def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", sample: int = 0) -> EngineRequest:
+    """The engine's request of an adapter's ``draft``: resolved against the
+    ``terms``, under the server's call grammar, owned by ``cache_owner``;
+    ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k)."""
+    made = {"fields": draft.fields, "defaults": terms.defaults, "context": terms.context}
+    if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
+        ids, extra = draft.ids, draft.scoring.extra
+        if len(ids) + extra > terms.context:
+            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + max_tokens ({extra}) "
+                          f"exceeds the model's context of {terms.context}", draft.prompt_param)
+        request = dataclasses.replace(resolve(ids[:1], max_tokens=1, **made), prompt_ids=list(ids), api=draft.api,
+                                      scoring=draft.scoring)
+    else:
+        request = resolve(draft.ids, max_tokens=draft.max_tokens, stop=draft.stop,
+                          include_commits=draft.include_commits, prompt_param=draft.prompt_param,
+                          max_tokens_param=draft.max_tokens_param, tools=draft.tools,
+                          parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint,
+                          **made)
+        if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
+            raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
+                                              "tool_choice required or a named function)", "logprobs")
+        request = dataclasses.replace(request, logprobs=draft.logprobs)
+    seed = request.params.seed
+    if sample and seed is not None:
+        request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + sample))
+    return dataclasses.replace(with_call_grammar(request, terms.call_grammar), cache_owner=cache_owner)
+
+
+def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:
+    """The prompt's ids from ``source`` (what ``tokenize`` takes: a
+    :class:`ChatPrompt`, text, or ids, which are checked against the
+    vocabulary); ``param``: the field that holds the prompt in the request's API."""
+    outside = [t for t in source if isinstance(t, int) and not 0 <= t < vocab_size] if isinstance(source, list) else []
+    if outside:
+        raise Refusal(Reason.INVALID_VALUE, f"prompt token id {outside[0]} is outside the vocabulary of "
+                                            f"{vocab_size}", param)
+    try:
+        ids = list(tokenize(source))
+    except Exception as e:  # a chat template that refuses the conversation
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise Refusal(Reason.INVALID_PROMPT, f"cannot build the prompt: {detail}", param) from None
+    if not ids:
+        raise Refusal(Reason.INVALID_VALUE, "the prompt is empty after tokenization", param)
+    return ids
+
+
+def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any], defaults: RefusionParams,
+            context: int, stop: Sequence[str] = (), include_commits: bool = False,
+            prompt_param: str = "prompt", max_tokens_param: str = "max_tokens", tools: Sequence[dict] = (),
+            parallel_tool_calls: bool = True, api: str = "chat.completions",
+            constraint: Optional[Constraint] = None) -> EngineRequest:
+    """The request the engine runs, checked against the model's ``context``.
+
+    ``max_tokens``: the answer's most tokens (None: the server's default,
+    ``defaults.gen_length``, shrunk to the whole slots the context leaves, as
+    OpenAI shrinks its default). ``fields``: the decoding settings the request
+    gives, by their ``RefusionParams`` names, over the server's ``defaults``
+    (a request's block choice replaces the server's). ``prompt_param`` and
+    ``max_tokens_param``: those fields' names in the request's API;
+    ``tools``, ``parallel_tool_calls``, ``api``, ``constraint``: carried as given.
+    """
+    name = max_tokens_param
+    if len(ids) >= context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
+                                                      f"is {context}", prompt_param)
+    if max_tokens is not None and max_tokens > context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"{name} must be at most the model's context of "
+                                                      f"{context}, got {max_tokens}", name)
+    slot = fields.get("slot_size") or defaults.slot_size
+    if max_tokens is None:
+        max_tokens = min(defaults.gen_length, ((context - len(ids)) // slot) * slot)
+        if max_tokens < 1:
+            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
+                          f"of {context} leaves no whole slot of {slot} for an answer", prompt_param)
+    blocks = {"block_length": None, "serial_num_blocks": None}
+    changes = {**(blocks if blocks.keys() & fields.keys() else {}), **fields, "gen_length": max_tokens}
+    try:
+        params = dataclasses.replace(defaults, **changes)
+        budget = params.layout().gen_length  # resolved here, once: the request carries it
+    except DecodeError as e:
+        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+    if len(ids) + budget > context:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
+                      f"{budget} in whole slots) exceeds the model's context of {context}", name)
+    return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
+                         constraint=constraint)

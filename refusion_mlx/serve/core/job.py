@@ -1,0 +1,148 @@
+"""A request in flight (:class:`Job`) and what one turn of the engine's loop
+does (:class:`Turn`, decided by rank 0 and broadcast under ``mlx.launch``).
+
+A Job shapes its decoder's responses into the answer's events
+(:meth:`Job.step`: final text through the stop strings and the tool-call
+splitter, a step's commits, the tokens' log-probabilities) and its end into
+an :class:`~.outcome.Outcome`; the engine only posts them. Neither knows
+any API: each protocol's writer formats the events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+from .engine_request import EngineRequest
+from .outcome import Outcome, Usage
+from .slots import step_commits
+from .text import TextShaper
+from .tool_calls import ToolCallSplitter, ToolFormat
+
+
+class Job:
+    """A request in flight: the engine thread posts events to the HTTP side's
+    asyncio queue: ("start", None), ("text", str), ("tool_call", ToolCall),
+    ("done", Outcome), ("error", Refusal); with ``include_commits``, a step's
+    first text comes as ("commits", (text, its commits)); with ``logprobs``,
+    text comes as ("logprobs", (text, its tokens' entries)).
+
+    Made whole by the engine (``Engine.job``: on rank 0 when the request is
+    submitted, on the other ranks from the plan): the request, where its
+    events go (``loop``; None: nobody listens), the KV bytes it reserves
+    while it runs, its text's stop strings (``shaper``) and, when the request
+    gives tools and the model has a call format (``tool_format``), the
+    splitter that reads its calls (``calls``). Only its decoding's handles
+    change after: ``uid``, ``cache`` and ``cached`` are set when the engine
+    starts it.
+    """
+
+    def __init__(self, request: EngineRequest, loop, kv_bytes: int = 0, eos_id: Optional[int] = None,
+                 tool_format: Optional[ToolFormat] = None):
+        self.request, self.loop = request, loop
+        self.events: "asyncio.Queue[tuple]" = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.kv_bytes = kv_bytes  # reserved against the engine's max_kv_bytes while it runs
+        self.waited = False  # it waited in the queue for KV memory
+        self.shaper = TextShaper(request.stop, eos_id)
+        self.calls = (ToolCallSplitter(tool_format, request.tools, single=not request.parallel_tool_calls)
+                      if request.tools and tool_format is not None else None)
+        self.uid: Optional[int] = None  # in the BatchGenerator, once started
+        self.cache = None  # its CommittedCache, once started
+        self.cached = 0  # prompt tokens the prompt cache held
+        self.client_seen = time.monotonic()  # when the HTTP side last found its client there
+
+    def take(self, text: str, tokens, finished: bool) -> tuple:
+        """A response's new final text and ids, through the stop strings and the
+        tool-call splitter: (the items now certain -- strings and ToolCalls --,
+        "stop" when the answer ends here, else None). With ``parallel_tool_calls``
+        false the first call ends the answer."""
+        text, reason = self.shaper.feed(text, tokens, final=finished)
+        if self.calls is None:
+            return ([text] if text else []), reason
+        items = self.calls.feed(text, final=finished or reason is not None)
+        return items, reason or ("stop" if self.calls.done else None)
+
+    def step(self, response, tokenizer) -> Tuple[list, Optional[str], int]:
+        """One step's response shaped: (the events to post in order, the
+        finish reason when the answer ends here else None, the answer tokens
+        it released)."""
+        released = self.shaper.completion_tokens
+        items, reason = self.take(response.text, response.tokens, finished=response.finish_reason is not None)
+        events = []
+        if self.request.include_commits and response.commits:
+            first = items.pop(0) if items and isinstance(items[0], str) else ""
+            events.append(("commits", (first, step_commits(tokenizer, self.request, response))))
+        if self.request.logprobs is None or response.logprobs is None:
+            events += [("text" if isinstance(i, str) else "tool_call", i) for i in items]
+        else:  # the step's text with its tokens' entries, then its calls
+            text = "".join(i for i in items if isinstance(i, str))
+            entries = token_entries(tokenizer, response.tokens, response.logprobs)
+            events += [("logprobs", (text, entries))] if text or entries else []
+            events += [("tool_call", i) for i in items if not isinstance(i, str)]
+        return events, reason or response.finish_reason, self.shaper.completion_tokens - released
+
+    def outcome(self, reason: str, stats, dist=None) -> Outcome:
+        """The "done" event: finish reason ("tool_calls" for an answer that
+        ended after making calls), the stop string that cut it, the token
+        counts and the decoder's stats (with the group's under ``mlx.launch``)."""
+        if reason == "stop" and self.calls is not None and self.calls.calls:
+            reason = "tool_calls"
+        usage = Usage(len(self.request.prompt_ids), self.shaper.completion_tokens, self.cached)
+        info = None
+        if stats is not None:  # the block layout used and the forwards it took
+            usage = Usage(usage.prompt, usage.completion, usage.cached, dict(stats.layout), stats.forwards,
+                          round(stats.tokens_per_forward, 4))
+            info = stats.as_dict()
+            if dist is not None:
+                info["distributed"] = dist.as_dict()
+        return Outcome(reason, usage, self.shaper.hit, info)
+
+    def post(self, kind: str, payload=None) -> None:
+        if self.loop is None:  # a rank other than 0: nobody listens
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+
+def token_entries(tokenizer, tokens, scores) -> List[dict]:
+    """Per final token with text (EOS and ids past the tokenizer left out):
+    its text, log-probability (the probability the decoder accepted it
+    under, :mod:`refusion_mlx.decode.token_scores`, as a natural log) and
+    top tokens ((text, log-probability) pairs of the same row of logits)."""
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    out = []
+    for t, score in zip(tokens, scores):
+        if t == eos or t >= vocab or score is None:
+            continue
+        lp, top = score
+        out.append({"token": tokenizer.decode([t]), "logprob": lp,
+                    "top": [(tokenizer.decode([i]), v) for i, v in top]})
+    return out
+
+
+@dataclass
+class Turn:
+    """What one turn of the engine's loop does, decided by rank 0: close the
+    ``cancelled`` running requests (by uid), start the ``admitted`` ones
+    (``peers``: the (cache owner, prompt) they are compared with for a shared
+    prefix, the admitted first, in order), then step the batch; or ``stop``."""
+
+    cancelled: List[int] = field(default_factory=list)
+    admitted: List[Job] = field(default_factory=list)
+    peers: List[tuple] = field(default_factory=list)
+    stop: bool = False
+
+    def wire(self) -> tuple:
+        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
+
+    @classmethod
+    def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "Turn":
+        """The plan rank 0 broadcast; ``job`` makes each admitted request's Job (``Engine.job``)."""
+        cancelled, requests, peers, stop = wire
+        return cls(cancelled, [job(r) for r in requests], peers, stop)

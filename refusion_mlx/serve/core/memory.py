@@ -1,0 +1,172 @@
+"""How much KV memory the engine's requests may reserve (``--max-kv-bytes``).
+
+A request's decoder reserves every row it can write when it starts: the
+prompt plus the budget in whole slots, in multiples of the cache's growth rows
+(:func:`kv_rows`), at the model's KV bytes per token as its caches keep
+them (:func:`kv_row_bytes`; ``--kv-bits`` quantizes them), and with a
+quantized cache the rows its widest pass holds in float until they are
+committed (:func:`kv_scratch_row_bytes`, :func:`widest_pass`).
+Without ``--max-kv-bytes`` the budget is 90% of the device's memory --
+Metal's recommended working set on a Mac, the physical memory otherwise --
+less the weights and the prompt cache's budget (:func:`default_max_kv_bytes`);
+the rest is left to a step's activations and transient copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ...errors import RefusionError
+
+log = logging.getLogger("refusion_mlx.server")
+
+MEMORY_FRACTION = 0.9  # of the device's memory, the rest left to activations and the system
+
+
+def growth_rows() -> int:
+    """CommittedCache's growth: a cache holds a multiple of these rows."""
+    from ...decode.cache import GROWTH_ROWS
+
+    return GROWTH_ROWS
+
+
+def kv_rows(prompt_tokens: int, budget: int) -> int:
+    """The KV rows a request's cache can hold: its decoder reserves prompt +
+    budget (whole slots) at once, in multiples of the cache's growth rows."""
+    growth = growth_rows()
+    return -(-(prompt_tokens + budget) // growth) * growth
+
+
+def kv_row_bytes(model, storage=None) -> int:
+    """Bytes of one cached token: keys and values of every layer of the model
+    (a pipeline's ranks count the same), as ``storage`` (a
+    ``decode.kv_store.KVStorage``; the float store by default) keeps them."""
+    from ...decode.kv_store import KVStorage
+
+    spec = model.cache_spec()
+    return spec.layers * (storage or KVStorage()).row_bytes(spec)
+
+
+def device_memory() -> Tuple[int, str]:
+    """(bytes, what they are): Metal's recommended working set on a Mac, else the physical memory."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+
+
+def default_max_kv_bytes(model, prompt_cache_bytes: int, row_bytes: int) -> int:
+    """--max-kv-bytes when not given (logged with its derivation); a RefusionError
+    when the weights and the prompt cache leave no room for one request."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    total, what = device_memory()
+    value = int(total * MEMORY_FRACTION) - weights - prompt_cache_bytes
+    how = (f"{MEMORY_FRACTION:.0%} of {what} ({gib(total)}) - weights ({gib(weights)}) - "
+           f"prompt cache ({gib(prompt_cache_bytes)}) = {gib(value)}")
+    if value < growth_rows() * row_bytes:
+        raise RefusionError(f"no memory left for requests: {how}; lower --prompt-cache-bytes or set --max-kv-bytes")
+    log.info("KV memory for requests: %s (--max-kv-bytes)", how)
+    return value
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def kv_scratch_row_bytes(model, storage=None) -> int:
+    """Bytes one row a pass writes costs besides :func:`kv_row_bytes`, over
+    every layer: 0 for the float store (its passes write into the rows
+    reserved), the model's dtype for a quantized one (``--kv-bits``: a pass's
+    rows stay in float until committed)."""
+    from ...decode.kv_store import KVStorage
+
+    spec = model.cache_spec()
+    return spec.layers * (storage or KVStorage()).scratch_row_bytes(spec)
+
+
+def widest_pass(request) -> int:
+    """The most rows one of the request's decoding passes keeps in float
+    until they are committed, with a quantized cache: a block's (plan,
+    verify and infill passes stay within one; its prompt's rows are kept as
+    codes as they are written)."""
+    return max(request.params.layout().block_lengths)
+
+
+def kv_need(request, row_bytes: int, scratch_row_bytes: int = 0) -> int:
+    """The KV bytes a request reserves while it runs: :func:`kv_rows` at
+    ``row_bytes``, and with a quantized cache its widest pass's rows at
+    ``scratch_row_bytes`` (:func:`kv_scratch_row_bytes`)."""
+    need = kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * row_bytes
+    return need + (widest_pass(request) * scratch_row_bytes if scratch_row_bytes else 0)
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """What one cached token costs (``row_bytes``, every layer), and one row
+    a pass holds besides until committed (``scratch_row_bytes``), as the
+    engine's caches keep them (``bits`` and ``group_size``: --kv-bits'; None:
+    the model's dtype); the bytes are known once the model is loaded (:meth:`of`)."""
+
+    row_bytes: int = 0
+    scratch_row_bytes: int = 0
+    bits: Optional[int] = None
+    group_size: Optional[int] = None
+
+    @classmethod
+    def of(cls, model, storage) -> "KVCost":
+        """Of ``model`` (None: not loaded yet, no bytes known) with ``storage`` (a ``decode.kv_store.KVStorage``)."""
+        settings = {"bits": storage.bits, "group_size": storage.group_size} if storage is not None else {}
+        if model is None:
+            return cls(**settings)
+        return cls(kv_row_bytes(model, storage), kv_scratch_row_bytes(model, storage), **settings)
+
+    def as_dict(self) -> dict:
+        """As /health shows it."""
+        return {"bytes_per_token": self.row_bytes, "scratch_bytes_per_token": self.scratch_row_bytes,
+                "bits": self.bits, "group_size": self.group_size}
+
+    def need(self, request) -> int:
+        """The KV bytes ``request`` reserves (:func:`kv_need`)."""
+        return kv_need(request, self.row_bytes, self.scratch_row_bytes)
+
+    def refusal(self, request, need: int, max_bytes: int):
+        """The refusal of a request that can never fit, naming the numbers."""
+        from .refusal import Reason, Refusal
+
+        rows = kv_rows(len(request.prompt_ids), request.params.layout().gen_length)
+        scratch = (f", and {widest_pass(request)} rows of {self.scratch_row_bytes} bytes its widest pass holds "
+                   "until they are committed (--kv-bits)" if self.scratch_row_bytes else "")
+        return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
+                       f"{self.row_bytes} bytes: prompt + max_tokens in whole slots, in multiples of "
+                       f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", "max_tokens")
+
+
+def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
+    """At start-up: a RefusionError when ``max_bytes`` is less than the smallest
+    request reserves (a one-token prompt and one slot: one growth step of rows,
+    and with --kv-bits one slot's rows in float), which would refuse every
+    request; a warning when it is less than a one-token prompt with the
+    server's default budget (``decoding``) reserves, which refuses every
+    request that does not set a smaller max_tokens."""
+    from types import SimpleNamespace
+
+    rows = growth_rows() * cost.row_bytes
+    smallest = rows + decoding.slot_size * cost.scratch_row_bytes
+    if max_bytes < smallest:
+        scratch = (f" + {decoding.slot_size} rows of {cost.scratch_row_bytes} bytes a pass holds in float"
+                   if cost.scratch_row_bytes else "")
+        raise RefusionError(f"--max-kv-bytes {max_bytes} is less than the smallest request reserves "
+                            f"({growth_rows()} rows of {cost.row_bytes} bytes{scratch} = {smallest}): every "
+                            f"request would be refused; give at least {smallest}")
+    default = cost.need(SimpleNamespace(prompt_ids=[0], params=decoding))
+    if max_bytes < default:
+        log.warning("--max-kv-bytes %d is less than a request with the default max_tokens (%d) reserves (%d): "
+                    "such requests will be refused; lower --max-tokens or raise --max-kv-bytes",
+                    max_bytes, decoding.gen_length, default)

@@ -1,0 +1,274 @@
+"""Answering a request, whichever API asked: done once for all of them.
+
+An API's route validates its body (pydantic), then :meth:`Answering.answer`
+makes the engine's request on a worker thread (the API's adapter makes a
+draft, ``engine_request.finish`` the request), queues it, waits until the decoder has taken
+it -- so a refusal is still a plain 4xx, never a half-written stream -- and
+either collects the whole answer or streams it. The engine's events (final
+text in answer order, tool calls, a step's commits, the end or an error)
+reach the client through the API's :class:`Writer`, which only shapes them.
+A client that leaves cancels its request.
+
+On a stop the engine ends every request after the step in progress; a
+handler whose request it has not ended ``STOP_WAIT`` s later (a step that
+cannot end: a rank died mid-collective) answers "shutting down" itself,
+before uvicorn's graceful shutdown (``GRACEFUL_SHUTDOWN`` s) would cancel it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..core.engine_request import ChatPrompt, Draft, EngineRequest, RequestTerms, finish
+from ..core.job import Job
+from ..core.outcome import Outcome
+from ..core.refusal import Reason, Refusal
+from ..core.tool_calls import ToolCall
+from .security import KEY_SCOPE
+
+log = logging.getLogger("refusion_mlx.server")
+
+GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then cancels them
+STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
+CLIENT_CHECK = 0.25  # seconds between two looks at whether a request's client is still there
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer."""
+
+
+@dataclass
+class Answer:
+    """A whole answer: its text, its calls, and how it ended (the engine's
+    "done" event, an :class:`~..core.outcome.Outcome`)."""
+
+    text: str = ""
+    calls: List[ToolCall] = field(default_factory=list)
+    done: Optional[Outcome] = None
+    logprobs: list = field(default_factory=list)  # the tokens' entries (serve/protocols/openai_logprobs.py), when asked
+
+
+class Writer:
+    """One API's shape of an answer. A stream is ``start()``, then for each
+    event ``text``, ``tool_call`` or ``commits`` (a step's first text and the
+    slots it committed), then ``done`` or ``error``: each returns the
+    server-sent events to write (maybe none). ``answer`` is the body of a
+    whole answer. Subclasses shape; they hold whatever state their events
+    need. ``request``: the engine's request, set once it is made."""
+
+    request: Optional[EngineRequest] = None
+
+    def start(self) -> str:
+        return ""
+
+    def text(self, text: str) -> str:
+        raise NotImplementedError
+
+    def tool_call(self, call: ToolCall) -> str:
+        raise NotImplementedError
+
+    def commits(self, text: str, commits: dict) -> str:
+        return self.text(text) if text else ""
+
+    def logprobs(self, text: str, entries: list) -> str:
+        """Text with its tokens' log-probabilities (an API that shows them overrides this)."""
+        return self.text(text) if text else ""
+
+    def done(self, outcome: Outcome) -> str:
+        raise NotImplementedError
+
+    def error(self, refusal: Refusal) -> str:
+        raise NotImplementedError
+
+    def answer(self, answer: Answer) -> Any:
+        raise NotImplementedError
+
+
+def data(obj) -> str:
+    """A server-sent event with only data (OpenAI's chat and text completions)."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def event(name: str, obj) -> str:
+    """A named server-sent event (the Responses and Messages APIs)."""
+    return f"event: {name}\ndata: {json.dumps(obj)}\n\n"
+
+
+class Answering:
+    """What the routes of every API share: the prompt's tokenization on the
+    HTTP side, and the way from a request to its answer or stream."""
+
+    def __init__(self, server):
+        self.server, self.engine, self.config = server, server.engine, server.config
+
+    @property
+    def terms(self) -> RequestTerms:
+        """What every request is made under (known once the model is loaded)."""
+        return RequestTerms(self.tokenize, self.vocab_size, self.context, self.config.decoding,
+                            takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar)
+
+    @property
+    def context(self) -> int:
+        return self.engine.args.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.args.vocab_size
+
+    def tokenize(self, source) -> List[int]:
+        """A prompt's ids: a ChatPrompt through the chat template, text as is, ids unchanged."""
+        from ...decode.stream import chat_prompt
+
+        if isinstance(source, list) and source and isinstance(source[0], int):
+            return source
+        with self.engine.tokenizer_lock:
+            tokenizer = self.engine.http_tokenizer
+            if isinstance(source, ChatPrompt):
+                return chat_prompt(tokenizer, source.messages, tools=list(source.tools) or None)
+            if isinstance(source, list):
+                return chat_prompt(tokenizer, source)
+            return list(tokenizer.encode(source))
+
+    def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:
+        """Whose prompt-cache entries a request continues and leaves (``--prompt-cache-scope``): the
+        API key it presented and its ``user`` field, hashed; "" (everyone's) when the scope is
+        shared; None (none at all) when it is private and the request names no user."""
+        scope = self.config.prompt_cache_scope
+        if scope == "shared":
+            return ""
+        if not user and scope == "private":
+            return None
+        key = request.scope.get(KEY_SCOPE, "")
+        return hashlib.sha256(f"{key}|{user or ''}".encode()).hexdigest()[:24]
+
+    async def answer(self, request: Request, make: Callable[[], Draft], writer: Writer, stream: bool,
+                     user: Optional[str] = None):
+        """Make the engine's request (``make``, the API's adapter, on a worker thread), run it, and
+        answer with ``writer``: the whole answer, or its stream when ``stream``.
+        ``user``: the request's own name of its end user (OpenAI's ``user``,
+        Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
+        t0 = time.perf_counter()
+        owner = self.cache_owner(request, user)
+        writer.request = await run_in_threadpool(lambda: finish(make(), self.terms, owner))
+        job = self.engine.submit(writer.request, asyncio.get_running_loop())
+        try:
+            await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
+            if stream:
+                events = sse(job, self.engine, writer, t0)
+                weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
+                response = JobStream(job, events)
+                job = None  # the stream owns it now
+                return response
+            answer = await collect(job, self.engine, request)
+            _log(request.url.path, t0, answer.done)
+            return writer.answer(answer)
+        except ClientGone:
+            _log(request.url.path, t0, "client went away")
+            return Response(status_code=499)
+        finally:
+            if job is not None:
+                job.cancelled.set()  # no-op once it finished; frees the generation when the client left
+
+
+async def job_event(job: Job, engine, request: Optional[Request] = None) -> tuple:
+    """The job's next event; a client that leaves meanwhile (``request``)
+    cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it."""
+    while True:
+        # looked at every CLIENT_CHECK s, also while events keep coming (a fast decode never times out below)
+        if request is not None and time.monotonic() - job.client_seen >= CLIENT_CHECK:
+            job.client_seen = time.monotonic()
+            if await request.is_disconnected():
+                raise ClientGone()
+        try:
+            return await asyncio.wait_for(job.events.get(), CLIENT_CHECK)
+        except asyncio.TimeoutError:
+            since = engine.stopping_since
+            if since is not None and time.monotonic() - since > STOP_WAIT:
+                return "error", Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
+
+
+async def next_event(job: Job, engine, request: Request) -> tuple:
+    """The job's next event (an error raised)."""
+    item = await job_event(job, engine, request)
+    if item[0] == "error":
+        raise item[1]
+    return item
+
+
+async def collect(job: Job, engine, request: Request) -> Answer:
+    """A job's whole answer, gathered from its events (a request that does not stream)."""
+    answer = Answer()
+    while answer.done is None:
+        what, payload = await next_event(job, engine, request)
+        if what in ("text", "commits", "logprobs"):
+            answer.text += payload if what == "text" else payload[0]
+            answer.logprobs += payload[1] if what == "logprobs" else []
+        elif what == "tool_call":
+            answer.calls.append(payload)
+        elif what == "done":
+            answer.done = payload
+    return answer
+
+
+async def sse(job: Job, engine, writer: Writer, t0: float):
+    """The job's events as the writer shapes them, until the end or an error."""
+    note: Any = "client went away"
+    try:
+        first = writer.start()
+        if first:
+            yield first
+        while True:
+            what, payload = await job_event(job, engine)
+            if what == "error":
+                note = payload.message
+                out = writer.error(payload)
+            elif what == "done":
+                note = payload
+                out = writer.done(payload)
+            elif what == "commits":
+                out = writer.commits(*payload)
+            elif what == "logprobs":
+                out = writer.logprobs(*payload)
+            else:
+                out = writer.text(payload) if what == "text" else writer.tool_call(payload)
+            if out:
+                yield out
+            if what in ("error", "done"):
+                break
+    finally:
+        job.cancelled.set()
+        _log("stream", t0, note)
+
+
+class JobStream(StreamingResponse):
+    """A job's server-sent events; however the response ends -- finished, or the
+    client gone before the first chunk (its generator never started, so only
+    the garbage collector would run its ``finally``) -- the job is cancelled
+    (a no-op once it finished)."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
+
+
+def _log(what: str, t0: float, note: Optional[Any]) -> None:
+    if isinstance(note, Outcome):
+        note = note.brief()
+    log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)

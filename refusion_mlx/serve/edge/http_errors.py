@@ -1,0 +1,93 @@
+"""Errors at the HTTP edge, in the shape of the route's API: OpenAI's
+``{"error": {message, type, param, code}}`` (chat and text completions, the
+Responses API, everything else), Anthropic's ``{"type": "error", "error":
+{type, message}}`` on ``/v1/messages`` (:func:`anthropic_route`).
+
+Whatever refused a request -- the body's schema (pydantic), the route, the
+request's resolution or the engine (a :class:`~..core.refusal.Refusal`) -- reaches
+the client as one :class:`APIError`; :func:`as_api_error` is the one mapping
+(a refusal's status comes from its reason: :data:`STATUS`), and
+:func:`error_response` writes it in the route's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..core.apis import error_shape
+from ..core.refusal import Refusal
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, type: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's error shape: its error type by status (:data:`ANTHROPIC_TYPES`)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+# Anthropic's error types by HTTP status (its docs' table; 503 is our "retry later", its overloaded_error).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_route(path: str) -> bool:
+    """The routes whose errors take Anthropic's shape (:func:`..core.apis.error_shape`): the Messages API's."""
+    return error_shape(path) == "anthropic"
+
+
+# A refusal's HTTP status, by the kind of its reason: the client's to fix, retry later, the server's fault.
+STATUS = {"request": 400, "server": 503, "failure": 500}
+
+
+def refusal_error(refusal: Refusal) -> APIError:
+    """A refusal as OpenAI's error: status by its reason, the reason as ``code``."""
+    return APIError(STATUS[refusal.reason.kind], refusal.message, refusal.param, refusal.reason.value)
+
+
+def as_api_error(request, exc: Exception) -> APIError:
+    """Any error of a request as an APIError: pydantic's first complaint names its field
+    (``messages[0].role: ...``); a route that does not exist is 404, a method it does not take 405."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Refusal):
+        return refusal_error(exc)
+    if isinstance(exc, HTTPException):
+        path, method = request.url.path, request.method
+        status = exc.status_code
+        message = {404: f"no route for {method} {path}", 405: f"{path} does not take {method}"}.get(status)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        return APIError(status, message or str(exc.detail), code=code)
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
+                        code="invalid_json")
+    param = ""
+    for part in err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    kind = err["type"]
+    code = {"missing": "missing_required_parameter", "unsupported_parameter": kind}.get(kind) or (
+        "invalid_type" if kind.endswith("_type") else "invalid_value")
+    message = " ".join(err["msg"].removeprefix("Value error, ").split())
+    param = err.get("ctx", {}).get("field") or param  # a field refused before validation
+    return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API whose route ``path`` is."""
+    body = error.anthropic_body() if anthropic_route(path) else error.body()
+    return JSONResponse(body, error.status, headers={"Retry-After": "1"} if error.status == 503 else None)

@@ -1,0 +1,208 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` -- the body, its adapter into the engine's
+request, and the routes. The answer's shape (the message, the stream's
+events) is :mod:`.anthropic_events`; errors on these routes take
+Anthropic's shape (:func:`..edge.http_errors.anthropic_route`).
+
+``system`` and ``messages`` (text, ``tool_use`` and ``tool_result`` blocks)
+become the chat template's messages (:class:`~..core.engine_request.ChatPrompt`):
+an assistant's ``tool_use`` blocks its calls, a user's ``tool_result``
+blocks tool messages; ``tools`` (``input_schema``) the template's function
+tools. The ``x-api-key`` and ``anthropic-version`` headers are accepted and
+not checked (a local server). ReFusion's decoding fields are extra body
+fields, as on chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from ..core.engine_request import ChatPrompt, Draft, RequestTerms
+from ..core.refusal import Reason, Refusal, invalid
+from ..core.structured import forced_calls
+from ..core.tool_calls import check_results, function_tool, template_tools
+from ..edge.answering import Answering
+from .anthropic_events import MessagesWriter
+from .bodies import MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+
+
+class _CountBase(BaseModel):
+    """What count_tokens reads: the conversation and its tools."""
+
+    model_config = STRICT
+    model: Optional[str] = Field(None, description="any name; one model is served")
+    messages: List[Dict[str, Any]] = Field(min_length=1)
+    system: Union[str, List[Dict[str, Any]], None] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Dict[str, Any]] = None
+
+
+class CountTokensRequest(_CountBase):
+    pass
+
+
+class _MessagesBase(_CountBase):
+    max_tokens: int = Field(ge=1, description="the answer's most tokens")
+    stop_sequences: Optional[List[str]] = Field(None, description=f"up to {MAX_STOP} strings")
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
+    metadata: Optional[Dict[str, Any]] = None
+    thinking: Optional[Dict[str, Any]] = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, value):
+        if value is not None and (len(value) > MAX_STOP or not all(value)):
+            raise field_error(f"takes up to {MAX_STOP} non-empty strings")
+        return value or None
+
+
+# The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own.
+MessagesRequest = with_decoding("MessagesRequest", _MessagesBase, __name__, without=("max_tokens",))
+
+
+def _text_blocks(content: Any, param: str) -> str:
+    """A string, or a list of text blocks, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(param, "must be a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise invalid(f"{param}[{j}]", 'must be a text block ({"type": "text", "text": ...})')
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
+    """One message's content as blocks, each checked."""
+    content, param = message.get("content"), f"messages[{i}].content"
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise invalid(param, "must be a string or a list of content blocks")
+    role = message["role"]
+    for j, block in enumerate(content):
+        where = f"{param}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise invalid(f"{where}.text", "must be a string")
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str):
+                raise invalid(where, "a tool_use block needs id and name (strings)")
+            if not isinstance(block.get("input"), dict):
+                raise invalid(f"{where}.input", "must be an object")
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise invalid(f"{where}.tool_use_id", "must name the tool_use block it answers")
+            _text_blocks(block.get("content", ""), f"{where}.content")
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            pass  # an earlier answer's reasoning: not part of the prompt (this model does not think aloud)
+        elif kind in ("image", "document", "search_result"):
+            raise Refusal(Reason.UNSUPPORTED, f"{where}.type: {kind} blocks are not supported: the model reads "
+                                              "text only", f"{where}.type")
+        else:
+            allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
+            raise invalid(f"{where}.type", f"must be one of {allowed} in a {role} message, got {kind!r}")
+    return content
+
+
+def anthropic_messages(body) -> tuple:
+    """The system prompt and messages as the chat template's messages, and each one's field."""
+    out: List[dict] = []
+    params: List[str] = []
+    if body.system:
+        out.append({"role": "system", "content": _text_blocks(body.system, "system")})
+        params.append("system")
+    for i, message in enumerate(body.messages):
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise invalid(f"messages[{i}].role", f"must be user or assistant, got {role!r}")
+        blocks, param = _blocks(message, i), f"messages[{i}]"
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        if role == "assistant":
+            calls = [{"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b["input"]}}
+                     for b in blocks if b["type"] == "tool_use"]
+            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            params.append(param)
+            continue
+        for j, b in enumerate(blocks):  # the results first, as the API has them
+            if b["type"] == "tool_result":
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                            "content": _text_blocks(b.get("content", ""), f"{param}.content[{j}].content")})
+                params.append(f"{param}.content[{j}]")
+        if text or not any(b["type"] == "tool_result" for b in blocks):
+            out.append({"role": "user", "content": text})
+            params.append(param)
+    check_results(out, params)
+    return out, params
+
+
+def anthropic_tools(body, takes_tools: bool) -> tuple:
+    """The tools (``input_schema``) in the template's form, checked; (tools, parallel calls allowed)."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict):
+            raise invalid(f"tools[{i}]", "must be an object")
+        if tool.get("type") not in (None, "custom"):
+            raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only custom (client) tools are supported, got "
+                                              f"{tool.get('type')!r}", f"tools[{i}].type")
+        if "input_schema" not in tool:
+            raise invalid(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
+        tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
+                                    "parameters": tool["input_schema"]}, f"tools[{i}]", "input_schema"))
+    choice = body.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
+        raise invalid("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
+                                            '{"type": "tool", "name": ...}')
+    named = {"auto": "auto", "none": "none", "any": "required"}.get(kind, choice.get("name"))
+    return template_tools(tools, named, takes_tools, "tools", "tool_choice"), not choice.get(
+        "disable_parallel_tool_use", False)
+
+
+def chat_prompt_of(body, takes_tools: bool) -> tuple:
+    """(the ChatPrompt, whether calls may be parallel)."""
+    messages, _ = anthropic_messages(body)
+    tools, parallel = anthropic_tools(body, takes_tools)
+    return ChatPrompt(messages, tools), parallel
+
+
+def messages_request(body, terms: RequestTerms) -> Draft:
+    """The body in the engine's terms."""
+    if (body.thinking or {}).get("type") not in (None, "disabled"):
+        raise Refusal(Reason.UNSUPPORTED, "thinking: extended thinking is not supported by this model", "thinking")
+    prompt, parallel = chat_prompt_of(body, terms.takes_tools)
+    ids = terms.prompt_ids(prompt, "messages")
+    return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
+                 include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
+                 parallel_tool_calls=parallel, constraint=forced_calls(prompt.tools, body.tool_choice, parallel))
+
+
+def add_routes(app: FastAPI, answering: Answering) -> None:
+    """``POST /v1/messages`` and ``/v1/messages/count_tokens``."""
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        def make() -> Draft:
+            return messages_request(body, answering.terms)
+
+        user = (body.metadata or {}).get("user_id")
+        return await answering.answer(request, make, MessagesWriter(answering.server), bool(body.stream),
+                                      user if isinstance(user, str) else None)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        def count() -> int:
+            terms = answering.terms
+            prompt, _ = chat_prompt_of(body, terms.takes_tools)
+            return len(terms.prompt_ids(prompt, "messages"))
+
+        return {"input_tokens": await run_in_threadpool(count)}
+

@@ -1,0 +1,76 @@
+"""The request-body pieces every API shares (pydantic): strict types, the
+stop strings' bound, ``stream_options``, the server-wide settings no body
+may set, and ReFusion's decoding fields, added to any API's body by
+:func:`with_decoding` and read back by :func:`decoding_given`.
+
+Each API's own body is its protocol's (OpenAI's completions:
+:mod:`.openai_bodies`; :mod:`.responses_api`; :mod:`.anthropic_api`). Types are
+strict (``"12"`` is not a number, ``true`` not an integer); unknown fields
+are ignored unless a protocol refuses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
+
+from ...decode.params import FIELDS
+
+MAX_STOP = 16
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+# Settings of the server's process, not of a request: refused in a body whatever their value.
+PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
+
+# The request fields that are RefusionParams' settings under the same name
+# (max_tokens, gen_length's request name, is each API's own).
+DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
+
+
+def field_error(message: str) -> PydanticCustomError:
+    """A body field's bad value, raised in a pydantic validator (the edge words it "FIELD: MESSAGE")."""
+    return PydanticCustomError("invalid_value", message)
+
+
+def refuse_process_settings(body) -> None:
+    """Before validation: a field of PROCESS_SETTINGS is refused (its name in ctx)."""
+    for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
+        if name in body:
+            raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
+                                      "not per request", {"field": name, "flag": flag})
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: Optional[bool] = None
+    include_commits: Optional[bool] = Field(
+        None, description="ReFusion: each chunk also carries the slots its decoding step committed "
+                          "(answer positions, token ids and their text), out of answer order")
+
+
+def _decoding_specs() -> Dict[str, Any]:
+    """The request's decoding fields, one per setting of ``FIELDS`` with a
+    request name: optional (null: the server's default), typed, bounded and
+    described as the table says."""
+    return {f.request: (Optional[f.type], Field(None, description=f.request_description(), **f.bounds()))
+            for f in FIELDS if f.request is not None}
+
+
+def with_decoding(name: str, base: type, module: str, without: Sequence[str] = ()) -> type:
+    """``base``, an API's body, with the decoding fields but those ``without``
+    (an API with its own name for the most tokens leaves ``max_tokens`` out)."""
+    return create_model(name, __base__=base, __module__=module,
+                        **{k: v for k, v in _decoding_specs().items() if k not in without})
+
+
+def decoding_given(body) -> Dict[str, Any]:
+    """The decoding settings a body gives (those not null), by their RefusionParams names."""
+    return {f: getattr(body, f) for f in DECODING_FIELDS if getattr(body, f) is not None}
+
+
+def include_commits(body) -> bool:
+    """Whether a streamed answer carries each step's commits (``stream_options.include_commits``)."""
+    options = body.stream_options
+    return bool(body.stream and options and options.include_commits)

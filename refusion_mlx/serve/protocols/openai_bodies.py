@@ -1,0 +1,284 @@
+"""OpenAI's chat and text completion bodies as pydantic models (they make
+the schema at ``/docs``; ``ChatCompletionRequest`` and ``CompletionRequest``
+as OpenAI names them, on the shared ``_Body``), and their adapter into the
+engine's terms (:func:`openai_request` makes a
+:class:`~..core.engine_request.Draft`).
+
+The pieces every API's body shares are :mod:`.bodies`'. Ranges are checked
+here; what needs the tokenizer or the model's context is checked where the
+engine's request is made (:mod:`..core.engine_request`). Fields that would change
+an answer's meaning but cannot be honoured are refused, never ignored;
+other unknown fields are.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ...decode.params import FIELDS
+from .bodies import (MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits,
+                     refuse_process_settings, with_decoding)
+from ..core.engine_request import ChatPrompt, Draft, RequestTerms
+from ..core.refusal import Reason, Refusal
+from ..core.structured import any_strict, request_constraint, response_format
+from ..core.tool_calls import check_results, function_tool, template_tools
+from .openai_echo import context_tokens, scoring_of
+
+# Fields refused unless they hold a value that changes nothing.
+HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
+            "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
+            "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
+            "response_format": (None, {"type": "text"})}
+
+
+def refuse_unsupported(body, taken=()):
+    """Before validation: a server-wide setting (:data:`.bodies.PROCESS_SETTINGS`),
+    or the first field of HARMLESS holding another value, is refused (its
+    name in ctx), but for the fields the body ``taken``."""
+    refuse_process_settings(body)
+    for name, values in HARMLESS.items() if isinstance(body, dict) else ():
+        if name in taken:
+            continue
+        value = body.get(name)
+        if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
+            why = "not supported by this server"
+            if name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+                why = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
+            raise PydanticCustomError("unsupported_parameter", why, {"field": name})
+    return body
+
+
+def refusing(*taken):
+    """``refuse_unsupported`` for a body that handles the fields ``taken`` itself."""
+    return lambda body: refuse_unsupported(body, taken)
+
+
+MAX_N = 16  # samples per prompt (n)
+
+
+class _BodyBase(BaseModel):
+    """A request body's fields besides the decoding settings (which :func:`.bodies.with_decoding` adds)."""
+
+    model_config = STRICT
+    model: Optional[str] = Field(None, description="any name; one model is served")
+    stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} strings")
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
+                                "(a request continues only the cached prompts of its own user and API key)")
+
+    _refuse = model_validator(mode="before")(refuse_unsupported)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value):
+        items = [value] if isinstance(value, str) else value
+        if items is None:
+            return None
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise field_error("must be a string or a list of strings")
+        if len(items) > MAX_STOP or not all(items):
+            raise field_error(f"takes 1 to {MAX_STOP} non-empty strings")
+        return items
+
+
+# The body fields common to both endpoints: _BodyBase's and the decoding settings.
+_Body = with_decoding("_Body", _BodyBase, __name__)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as JSON text (an object)")
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made."""
+
+    model_config = STRICT
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[TextPart], None] = None
+    tool_calls: Optional[List[ToolCallIn]] = Field(None, description="assistant: the calls it made")
+    tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, content):
+        """A string, null, or a list of ``{"type": "text", "text": ...}`` parts, joined."""
+        if content is None or isinstance(content, str):
+            return content  # null or absent: only an assistant's message with calls may have none
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                              and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        raise field_error('must be a string or a list of text parts ({"type": "text", "text": ...})')
+
+
+class ChatCompletionRequest(_Body):
+    messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="as max_tokens (and over it)")
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", '
+                                                  '"function": {"name", "description", "parameters"}}')
+    tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = Field(
+        None, description='"auto" (the default with tools), "none", "required" or {"type": "function", "function": '
+                          '{"name": ...}}: a forced call is decoded under its tools\' parameters schemas')
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: the answer ends after its first call")
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers, decoded together "
+                             "(with a seed, answer k uses seed + k)")
+    logprobs: Optional[bool] = Field(None, description="each answer token's log-probability: the probability "
+                                     "the decoder accepted it under (docs/serving.md)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens "
+                                        "of the row that scored each token")
+    response_format: Optional[Dict[str, Any]] = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
+
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs", "response_format"))
+
+
+def refuse_tools(body):
+    """Before validation: a text completion takes no tools."""
+    for name in ("tools", "tool_choice") if isinstance(body, dict) else ():
+        if body.get(name) not in (None, [], "none", "auto"):
+            raise PydanticCustomError("unsupported_parameter", "not supported by /v1/completions (a chat "
+                                      "completion takes tools)", {"field": name})
+    return body
+
+
+MAX_PROMPTS = 128  # prompts (times n) in one text completion request
+
+
+class CompletionRequest(_Body):
+    prompt: List[Union[str, List[int]]] = Field(description="a string (used as is), a list of token ids, or a "
+                                                f"list of up to {MAX_PROMPTS} of those (one choice each)")
+    max_tokens: Optional[int] = Field(None, ge=0, description=next(
+        f.request_description() for f in FIELDS if f.request == "max_tokens") + "; 0 only with echo")
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="independent answers per prompt, decoded "
+                             "together (with a seed, answer k uses seed + k)")
+    echo: Optional[bool] = Field(None, description="the prompt back before the answer; with max_tokens 0 or 1 "
+                                 "and logprobs, each prompt token's log-probability (scoring, docs/serving.md)")
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="the answer tokens' log-probabilities and this "
+                                    "many most likely tokens per token; with echo: the prompt's")
+    logprob_estimator: Optional[Literal["ar", "mc"]] = Field(
+        None, description='with echo: "ar" (default) the prompt read autoregressively, one forward; "mc" the '
+                          "authors' masked-diffusion Monte Carlo estimator of the tokens after context_tokens")
+    mc_num: Optional[int] = Field(None, ge=1, le=1024, description='samples of the "mc" estimator (128)')
+    context_tokens: Union[int, List[int], None] = Field(
+        None, description='"mc": the prompt\'s first tokens that are context (one per prompt, or one for all)')
+
+    _no_tools = model_validator(mode="before")(refuse_tools)
+    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "echo"))
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, prompt):
+        one = (isinstance(prompt, str) and prompt) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt))
+        prompts = [prompt] if one else prompt
+        if isinstance(prompts, list) and 0 < len(prompts) <= MAX_PROMPTS and all(
+                (isinstance(p, str) and p) or (isinstance(p, list) and p and all(type(t) is int for t in p))
+                for p in prompts):
+            return prompts
+        raise field_error("must be a non-empty string or list of token ids, or a list of 1 to "
+                       f"{MAX_PROMPTS} of those")
+
+
+# --------------------------------------------------------------------------
+# Into the engine's terms
+
+
+def openai_messages(messages: List[Message]) -> List[dict]:
+    """The messages in the chat template's form: developer as system, text
+    parts joined, a call's arguments as an object; tool results answer calls made."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: a {m.role} message needs content (a "
+                                                "string or text parts)", f"messages[{i}].content")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_calls: only an assistant message makes "
+                                                    "calls", f"messages[{i}].tool_calls")
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_call_id: a tool message names the call "
+                                                    "it answers", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    check_results(out, [f"messages[{i}]" for i in range(len(out))])
+    return out
+
+
+def _arguments(text: str, i: int, j: int) -> dict:
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+    try:
+        args = json.loads(text or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON object as text", param)
+    return args
+
+
+def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
+    """The request's function tools in the template's form, checked (none with tool_choice "none")."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if tool.get("type") != "function":
+            raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only function tools are supported, got "
+                                              f"{tool.get('type')!r}", f"tools[{i}].type")
+        tools.append(function_tool(tool.get("function"), f"tools[{i}].function"))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise Refusal(Reason.INVALID_VALUE, 'tool_choice: "none", "auto", "required" or {"type": "function", '
+                                                '"function": {"name": ...}}', "tool_choice")
+        choice = name
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+
+
+def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) -> Draft:
+    """A chat (``kind`` "chat") or text ("text") completion body as the
+    engine's draft request; ``index``: which of a text completion's prompts."""
+    param = "messages" if kind == "chat" else "prompt"
+    tools = chat_tools(body, terms.takes_tools) if kind == "chat" else ()
+    source = ChatPrompt(openai_messages(body.messages), tools) if kind == "chat" else body.prompt[index]
+    ids = terms.prompt_ids(source, param)
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
+        body.response_format, "response_format")) if kind == "chat" else None
+    name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
+    return Draft(ids, getattr(body, name), decoding_given(body), "chat.completions" if kind == "chat" else
+                 "completions", stop=body.stop or (), include_commits=include_commits(body), prompt_param=param,
+                 max_tokens_param=name, tools=tools, parallel_tool_calls=parallel, constraint=constraint,
+                 logprobs=None if scoring is not None else answer_logprobs(body, kind), scoring=scoring)
+
+
+def answer_logprobs(body, kind: str):
+    """The top tokens per answer token a body asks for (None: no logprobs)."""
+    if kind == "text":
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise Refusal(Reason.INVALID_VALUE, "top_logprobs: needs logprobs true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None

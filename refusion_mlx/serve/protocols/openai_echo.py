@@ -1,0 +1,80 @@
+"""Scoring a prompt on ``/v1/completions``: ``echo`` with ``logprobs``.
+
+What lm-evaluation-harness's ``local-completions`` sends for its
+``loglikelihood`` requests (``"echo": true, "logprobs": 1, "max_tokens":
+1``, the prompt being context + continuation): the prompt's own tokens come
+back with their log-probabilities in OpenAI's legacy ``logprobs`` object
+(``tokens``, ``token_logprobs`` -- the first null --, ``top_logprobs``,
+``text_offset``), followed by ``max_tokens`` (0 or 1) drafted tokens.
+:func:`scoring_of` reads a body's :class:`~..core.loglikelihood.Scoring`; the
+engine scores it (:mod:`..core.loglikelihood`); :func:`legacy_logprobs` writes it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ..core.loglikelihood import MC_NUM, Scoring
+from ..core.outcome import ScoredPrompt
+from ..core.refusal import Reason, Refusal
+
+
+def context_tokens(body, index: int) -> Optional[int]:
+    """The request's ``context_tokens`` for its prompt ``index`` (one for all, or one per prompt)."""
+    given = body.context_tokens
+    if isinstance(given, list):
+        if len(given) != len(body.prompt):
+            raise Refusal(Reason.INVALID_VALUE, f"context_tokens: {len(given)} values for {len(body.prompt)} "
+                                                "prompts", "context_tokens")
+        return given[index]
+    return given
+
+
+def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[Scoring]:
+    """The request's Scoring (None: a plain generation), checked against its prompt ``ids``."""
+    echo, estimator = bool(body.echo), body.logprob_estimator
+    for name in ("logprob_estimator", "mc_num", "context_tokens"):
+        if getattr(body, name) is not None and not echo:
+            raise Refusal(Reason.UNSUPPORTED, f"{name}: only with echo (scoring the prompt)", name)
+    if not echo:  # a generation (its logprobs: the generated tokens')
+        if body.max_tokens == 0:
+            raise Refusal(Reason.INVALID_VALUE, "max_tokens: 0 only with echo", "max_tokens")
+        return None
+    extra = body.max_tokens or 0  # echo without max_tokens: the prompt alone
+    if extra > 1:
+        raise Refusal(Reason.UNSUPPORTED, "echo: supported with max_tokens 0 or 1 (scoring the prompt)", "echo")
+    estimator = estimator or "ar"
+    if estimator == "mc":
+        if context_tokens is None:
+            raise Refusal(Reason.INVALID_VALUE, 'context_tokens: logprob_estimator "mc" scores the continuation '
+                                                "after the prompt's first context_tokens tokens; give it",
+                          "context_tokens")
+        if not 0 < context_tokens < len(ids):
+            raise Refusal(Reason.INVALID_VALUE, f"context_tokens: must leave 1 to {len(ids) - 1} of the prompt's "
+                                                f"{len(ids)} tokens to score, got {context_tokens}", "context_tokens")
+    elif body.mc_num is not None or context_tokens is not None:
+        name = "mc_num" if body.mc_num is not None else "context_tokens"
+        raise Refusal(Reason.UNSUPPORTED, f'{name}: only with logprob_estimator "mc"', name)
+    return Scoring(estimator, body.logprobs or 0, extra, body.mc_num or MC_NUM, context_tokens,
+                   body.seed if body.seed is not None else 0, body.logprobs is not None)
+
+
+def legacy_logprobs(scored: ScoredPrompt) -> Optional[dict]:
+    """OpenAI's legacy ``logprobs`` of a scored prompt (None when not asked)."""
+    if not scored.shown:
+        return None
+    offsets, at = [], 0
+    for p in scored.pieces:
+        offsets.append(at)
+        at += len(p)
+    tops = []
+    for piece, value, pairs in zip(scored.pieces, scored.values, scored.top):
+        if pairs is None:
+            tops.append(None)
+            continue
+        entry = {}
+        for s, lp in pairs:
+            entry.setdefault(s, lp)
+        tops.append(entry or {piece: value})  # mc: no alternatives, the token itself
+    return {"tokens": list(scored.pieces), "token_logprobs": list(scored.values), "top_logprobs": tops,
+            "text_offset": offsets}

@@ -1,0 +1,229 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}`` -- the body, its adapter into the engine's request, and
+the routes. The answer's shape (the response object, the typed stream
+events) is :mod:`.responses_events`.
+
+``input`` is a string or a list of items -- messages (``input_text`` /
+``output_text`` parts), ``function_call`` and ``function_call_output`` --
+which become the chat template's messages (:class:`~..core.engine_request.ChatPrompt`);
+``instructions`` is the system message. With ``previous_response_id`` the
+stored conversation (:mod:`.responses_store`) comes first, so the prompt
+continues the earlier one and the prompt cache prefills only what is new.
+ReFusion's decoding fields are extra body fields, as on chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import FastAPI, Query, Request
+from pydantic import BaseModel, Field, field_validator
+
+from ..core.engine_request import ChatPrompt, Draft, RequestTerms
+from ..core.refusal import Reason, Refusal, invalid, unsupported
+from ..core.structured import any_strict, request_constraint, response_format
+from ..core.tool_calls import check_results, function_tool, template_tools
+from ..edge.answering import Answering
+from ..edge.http_errors import APIError
+from ..edge.security import KEY_SCOPE
+from .bodies import STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+from .responses_events import ResponsesWriter
+from .responses_store import ResponseStore, input_items, item_page
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+class _ResponsesBase(BaseModel):
+    model_config = STRICT
+    model: Optional[str] = Field(None, description="any name; one model is served")
+    input: Union[str, List[Dict[str, Any]]] = Field(description="a string, or message, function_call and "
+                                                                "function_call_output items")
+    instructions: Optional[str] = Field(None, description="the system message (not carried to a follow-up)")
+    previous_response_id: Optional[str] = Field(None, description="continue a stored response's conversation")
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='function tools: {"type": "function", "name", '
+                                                                    '"description", "parameters"}')
+    tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
+    store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
+    metadata: Optional[Dict[str, str]] = None
+    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition")
+    text: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "text"}}, {"format": {"type": '
+                                           '"json_object"}} or {"format": {"type": "json_schema", "name", "schema", '
+                                           '"strict"}}: the answer is decoded under the schema (constrained)')
+    background: Optional[bool] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, value):
+        if isinstance(value, str) or isinstance(value, list) and all(isinstance(i, dict) for i in value):
+            return value
+        raise field_error("must be a string or a list of items (objects)")
+
+
+# The decoding fields of chat, but max_tokens: the Responses API's is max_output_tokens.
+ResponsesRequest = with_decoding("ResponsesRequest", _ResponsesBase, __name__, without=("max_tokens",))
+
+
+def _text_of(content: Any, param: str) -> str:
+    """A message's content: a string or a list of text parts, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(param, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_image", "input_file", "input_audio"):
+                raise unsupported(f"{where}.type", f"{kind} parts are not supported: the model reads text only")
+            raise invalid(f"{where}.type", f"must be one of {', '.join(TEXT_PARTS[:2])}, got {kind!r}")
+        text = part.get("refusal") if part["type"] == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
+    """The input as the chat template's messages, and each one's field (for errors)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], ["input"]
+    messages: List[dict] = []
+    params: List[str] = []
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise invalid(f"{param}.role", f"must be user, assistant, system or developer, got {role!r}")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+                raise invalid(param, "a function_call item needs call_id and name (strings)")
+            try:
+                args = json.loads(arguments) if isinstance(arguments, str) else None
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise invalid(f"{param}.arguments", "must be a JSON object as text")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the calls of one turn, in one message
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{param}.call_id", "must name the function_call it answers")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
+        else:
+            raise unsupported(f"{param}.type", f"item type {kind!r} is not supported (message, function_call, "
+                                           "function_call_output)")
+        params.append(param)
+    return messages, params
+
+
+def response_tools(body, takes_tools: bool) -> tuple:
+    """The function tools (flat, as the Responses API gives them) in the template's form, checked."""
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise unsupported(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
+        tools.append(function_tool(tool, f"tools[{i}]"))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
+        choice = choice["name"]
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+
+
+def check_unsupported(body) -> None:
+    if body.background:
+        raise unsupported("background", "background responses are not supported")
+    if body.text is not None and not isinstance(body.text, dict):
+        raise invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
+
+
+def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: str = "") -> tuple:
+    """The body in the engine's terms, and the conversation to store with its answer;
+    ``owner``: the API key's hash, whose stored responses it may continue."""
+    check_unsupported(body)
+    history: List[dict] = []
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id, owner)
+        if previous is None:
+            raise Refusal(Reason.PREVIOUS_RESPONSE_NOT_FOUND, f"previous_response_id: no stored response "
+                          f"{body.previous_response_id!r} (unknown, deleted or no longer kept)", "previous_response_id")
+        history = [dict(m) for m in previous.conversation]
+    new, params = input_messages(body.input)
+    conversation = history + new
+    check_results(conversation, ["previous_response_id"] * len(history) + params)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    tools = response_tools(body, terms.takes_tools)
+    ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
+    parallel = body.parallel_tool_calls is not False
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
+                                    response_format((body.text or {}).get("format"), "text.format", nested=False))
+    draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
+                  max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
+                  parallel_tool_calls=parallel, constraint=constraint)
+    return draft, conversation
+
+
+def add_routes(app: FastAPI, answering: Answering) -> None:
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+    ``GET /v1/responses/{id}/input_items``."""
+    store = ResponseStore(answering.config.max_stored_responses)
+
+    @app.post("/v1/responses")
+    @app.post("/responses", include_in_schema=False)
+    async def create(body: ResponsesRequest, request: Request):
+        writer = ResponsesWriter(answering.server, body, store)
+        writer.owner = request.scope.get(KEY_SCOPE, "")  # another key's responses are not there for it
+
+        def make() -> Draft:
+            draft, writer.conversation = responses_request(body, store, answering.terms, writer.owner)
+            writer.input_items = input_items(body.input)
+            return draft
+
+        return await answering.answer(request, make, writer, bool(body.stream), body.user)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get(response_id: str, request: Request):
+        entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
+        if entry is None:
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        return entry.response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                    order: Literal["asc", "desc"] = "desc", after: Optional[str] = None,
+                    before: Optional[str] = None):
+        entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
+        if entry is None:
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        page = item_page(entry.input_items, limit, order, after, before)
+        if page is None:
+            ids = {i["id"] for i in entry.input_items}
+            name, cursor = ("after", after) if after is not None and after not in ids else ("before", before)
+            raise APIError(400, f"{name}: no input item {cursor!r} in response {response_id!r}", name)
+        return page
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        if not store.delete(response_id, request.scope.get(KEY_SCOPE, "")):
+            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,165 @@
+"""The Responses API's answer: the response object and its typed stream
+events (``response.created``, ``response.output_item.added``,
+``response.output_text.delta``, ``response.function_call_arguments.delta`` /
+``.done``, ``response.completed``, ...), each with its ``sequence_number``.
+
+The answer's text is one ``message`` output item, its calls one
+``function_call`` item each, in the order the model wrote them. A finished
+response is stored (unless ``store`` is false) with its conversation, for
+``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import List, Optional
+
+from ..core.outcome import Outcome
+from ..core.refusal import Refusal
+from ..core.slots import answer_blocks
+from ..core.tool_calls import ToolCall
+from ..edge.answering import Answer, Writer, event
+from .responses_store import ResponseStore
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(done: Outcome) -> dict:
+    """The Responses API's usage, with ReFusion's figures (layout, forwards, tokens_per_forward) after it."""
+    u = done.usage
+    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached},
+            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.total, **u.refusion()}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+class ResponsesWriter(Writer):
+    """A response, whole or as typed events; stored when it finishes."""
+
+    def __init__(self, server, body, store: ResponseStore):
+        self.body, self.store = body, store
+        self.conversation: List[dict] = []  # set by the adapter: the messages, without instructions
+        self.owner = ""  # set by the adapter: the hash of the API key the request presented
+        self.input_items: List[dict] = []  # set by the adapter: the input as items, for GET .../input_items
+        self.id, self.created = _id("resp"), int(time.time())
+        self.model = server.config.model_id
+        self.seq = 0
+        self.output: List[dict] = []
+        self.open: Optional[dict] = None  # the message item being streamed
+        self.open_text: List[str] = []  # its text so far
+        self.calls: List[ToolCall] = []
+        self.text_parts: List[str] = []
+
+    # -- the response object --------------------------------------------------
+
+    def response(self, status: str, done: Optional[Outcome] = None, error: Optional[dict] = None) -> dict:
+        body, params = self.body, self.request.params if self.request is not None else None
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
+                "max_output_tokens": body.max_output_tokens, "model": self.model, "output": list(self.output),
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": body.store is not False, "temperature": params.temperature if params else body.temperature,
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+                "tools": body.tools or [], "top_p": params.top_p if params else body.top_p,
+                "truncation": body.truncation or "disabled", "usage": usage(done) if done else None,
+                "user": body.user, "metadata": body.metadata or {}}
+
+    def finish(self, done: Outcome) -> dict:
+        """The finished response (completed, or incomplete at max_output_tokens), stored."""
+        status = "incomplete" if done.finish_reason == "length" else "completed"
+        response = self.response(status, done)
+        if self.body.store is not False:
+            text = "".join(self.text_parts)
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}
+                     for c in self.calls]
+            answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            self.store.put(response, self.conversation + [answer], self.owner, self.input_items)
+        return response
+
+    def answer(self, answer: Answer) -> dict:
+        if answer.text:
+            self.output.append(message_item(_id("msg"), answer.text))
+        self.output += [call_item(_id("fc"), c) for c in answer.calls]
+        self.text_parts, self.calls = [answer.text], list(answer.calls)
+        return self.finish(answer.done)
+
+    # -- the stream -----------------------------------------------------------
+
+    def emit(self, kind: str, **fields) -> str:
+        self.seq += 1
+        return event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
+
+    def start(self) -> str:
+        out = self.emit("response.created", response=self.response("in_progress"))
+        out += self.emit("response.in_progress", response=self.response("in_progress"))
+        if self.request.include_commits:  # the answer's blocks, nothing committed yet
+            out += self.emit("response.commits", commits={"step": 0, "phase": "", "slots": [],
+                                                           "blocks": answer_blocks(self.request)})
+        return out
+
+    def text(self, text: str) -> str:
+        out = ""
+        if self.open is None:
+            self.open = message_item(_id("msg"), "", "in_progress")
+            out += self.emit("response.output_item.added", output_index=len(self.output), item=self.open)
+            out += self.emit("response.content_part.added", item_id=self.open["id"], output_index=len(self.output),
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        self.text_parts.append(text)
+        self.open_text.append(text)
+        return out + self.emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                               content_index=0, delta=text, logprobs=[])
+
+    def commits(self, text: str, commits: dict) -> str:
+        return self.emit("response.commits", commits=commits) + (self.text(text) if text else "")
+
+    def close_message(self) -> str:
+        if self.open is None:
+            return ""
+        text, index, item_id = "".join(self.open_text), len(self.output), self.open["id"]
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item = message_item(item_id, text)
+        self.output.append(item)
+        self.open, self.open_text = None, []
+        return (self.emit("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                          text=text, logprobs=[])
+                + self.emit("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                            part=part)
+                + self.emit("response.output_item.done", output_index=index, item=item))
+
+    def tool_call(self, call: ToolCall) -> str:
+        out = self.close_message()
+        self.calls.append(call)
+        index, item_id = len(self.output), _id("fc")
+        out += self.emit("response.output_item.added", output_index=index, item=call_item(item_id, call, "in_progress"))
+        out += self.emit("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                         delta=call.arguments)
+        out += self.emit("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                         name=call.name, arguments=call.arguments)
+        item = call_item(item_id, call)
+        self.output.append(item)
+        return out + self.emit("response.output_item.done", output_index=index, item=item)
+
+    def done(self, outcome: Outcome) -> str:
+        out = self.close_message()
+        response = self.finish(outcome)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + self.emit(kind, response=response)
+
+    def error(self, refusal: Refusal) -> str:
+        error = {"code": refusal.reason.value, "message": refusal.message}
+        return self.emit("response.failed", response=self.response("failed", error=error))
+

@@ -1,0 +1,111 @@
+"""The Responses API's stored responses, for ``previous_response_id`` and
+``GET``/``DELETE /v1/responses/{id}``: in memory, at most
+``ServerConfig.max_stored_responses`` of them, least recently used out.
+
+An entry keeps the response as it was answered and its conversation in the
+chat template's form (the input's messages, without ``instructions``, and
+the answer as an assistant message), so that a follow-up renders the same
+conversation again and the prompt cache finds its prefix: it prefills only
+what is new. With ``--api-key`` an entry belongs to the key that made it
+(``owner``: the key's hash, :data:`..edge.security.KEY_SCOPE`): another key
+neither reads, continues nor deletes it -- it is not there for that key.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict  # the response object as answered
+    conversation: List[dict]  # its messages and the answer, for the next turn's prompt
+    owner: str = ""  # the hash of the API key that made it ("": none given)
+    input_items: tuple = ()  # the request's own input as items, with ids (GET .../input_items)
+
+
+class ResponseStore:
+    """Responses by id, bounded (``max_entries``; 0 keeps none)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self.entries: "collections.OrderedDict[str, StoredResponse]" = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def put(self, response: dict, conversation: List[dict], owner: str = "", input_items=()) -> None:
+        with self.lock:
+            if self.max_entries <= 0:
+                return
+            self.entries[response["id"]] = StoredResponse(response, conversation, owner, tuple(input_items))
+            self.entries.move_to_end(response["id"])
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)
+
+    def get(self, response_id: str, owner: str = "") -> Optional[StoredResponse]:
+        with self.lock:
+            entry = self.entries.get(response_id)
+            if entry is not None and entry.owner != owner:
+                return None
+            if entry is not None:
+                self.entries.move_to_end(response_id)
+            return entry
+
+    def delete(self, response_id: str, owner: str = "") -> bool:
+        with self.lock:
+            entry = self.entries.get(response_id)
+            if entry is None or entry.owner != owner:
+                return False
+            del self.entries[response_id]
+            return True
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def input_items(value: Union[str, List[Dict[str, Any]]]) -> List[dict]:
+    """A request's ``input`` as the items ``GET /v1/responses/{id}/input_items``
+    lists: a string is one user message; a message's string content becomes
+    one text part; every item has an id (its own, or a new one) and messages a
+    status."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", f"{ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
+        out.append(item)
+    return out
+
+
+def item_page(items: Sequence[dict], limit: int = 20, order: str = "desc", after: Optional[str] = None,
+              before: Optional[str] = None) -> Optional[dict]:
+    """OpenAI's list object over ``items`` (in input order): ``order`` desc
+    from the last; ``after``/``before`` an item id the page starts after or
+    ends before; None when such an id is not among the items."""
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    ids = [i["id"] for i in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            return None
+        if name == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    window = ordered[start:end]
+    data = window[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(window) > limit}
