@@ -35,11 +35,7 @@ from typing import Generator, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import DecodeError
-from . import commit
-from . import constrain
-from . import plan
-from . import prefill
-from . import verify
+from . import commit, constrain, plan, prefill, verify
 from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill

@@ -12,11 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend
-from . import cpu_paths
-from . import projections
-from . import registry
-from . import sharding
+from . import backend, cpu_paths, projections, registry, sharding
 from .config_checks import check_memory, quantization_problems, read_headers, weight_bytes, weight_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
