@@ -76,7 +76,7 @@ def openai_error(payload, code=None):
 
 
 def completed(server) -> int:
-    return json.loads(call(server, "GET", "/health", key=None)[2])["completed"]
+    return json.loads(call(server, "GET", "/health")[2])["completed"]
 
 
 # --------------------------------------------------------------------------
@@ -143,6 +143,12 @@ def test_every_route_but_health_and_the_page_needs_the_key(server):
     assert status == 401 and "not valid" in openai_error(payload)["message"]
     for path in ("/health", "/", "/web/app.js", "/web/style.css"):
         assert call(server, "GET", path, key=None)[0] == 200, path
+    status, _, payload = call(server, "GET", "/health", key=None)  # up or not, and nothing of the traffic
+    assert json.loads(payload) == {"status": "ok", "model": json.loads(payload)["model"]}
+    assert {"completed", "prefill_tokens", "prompt_cache"} <= set(json.loads(call(server, "GET", "/health")[2]))
+    for path in ("/", "/web/app.js"):  # no other site may frame the page
+        headers = call(server, "GET", path, key=None)[1]
+        assert headers["x-frame-options"] == "DENY" and headers["content-security-policy"] == "frame-ancestors 'none'"
     assert call(server, "GET", "/v1/models", key=None, headers={"x-api-key": KEYS[1]})[0] == 200
     assert call(server, "GET", "/metrics", key=KEYS[1])[0] == 200
     client = openai.OpenAI(base_url=server.url, api_key=KEYS[0], max_retries=0)

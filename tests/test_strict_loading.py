@@ -24,11 +24,11 @@ BASE = json.loads((DEMO_MODEL / "config.json").read_text())
 
 
 def checkpoint(folder: Path, **changes) -> Path:
-    """The demo model's folder (its files linked) with config.json changed."""
+    """The demo model's folder (its files copied: links out of a model folder are refused) with config.json changed."""
     folder.mkdir(parents=True, exist_ok=True)
     for f in DEMO_MODEL.iterdir():
         if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
+            shutil.copy(f, folder / f.name)
     (folder / "config.json").write_text(json.dumps({**BASE, **changes}))
     return folder
 
@@ -44,7 +44,8 @@ def checkpoint(folder: Path, **changes) -> Path:
     ({"tie_word_embeddings": "no"}, 'tie_word_embeddings must be true or false, got "no"'),
     ({"use_sliding_window": 0}, "use_sliding_window must be true or false, got 0"),
     ({"rms_norm_eps": 0}, "rms_norm_eps must be a number in (0, 1), got 0"),
-    ({"rope_scaling": {"type": "linear", "factor": "x"}}, 'rope_scaling.factor must be a positive number, got "x"'),
+    ({"rope_scaling": {"type": "linear", "factor": "x"}}, 'rope_scaling.factor must be a number in (0, 1024], got "x"'),
+    ({"rope_scaling": {"type": "linear", "factor": 1e308}}, "rope_scaling.factor must be a number in (0, 1024], got 1e+308"),
     ({"rope_scaling": "linear"}, 'rope_scaling must be an object or null, got "linear"'),
     ({"mask_token_id": -1}, "mask_token_id must be a token id (an integer >= 0), got -1"),
     ({"max_position_embeddings": -5}, "max_position_embeddings must be within 1..16777216, got -5"),

@@ -232,6 +232,10 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     probe = LLMatcher(lltok, grammar, log_level=0)
     if probe.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(probe.get_error())}")
+    ahead = probe.deep_copy()  # what the grammar forces first (a schema's opening brace and key), taken:
+    ahead.consume_tokens(ahead.compute_ff_tokens())  # a lexer or parser past its limits fails here, not mid-answer
+    if ahead.is_error():
+        raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(ahead.get_error())}")
     return Compiled(constraint, grammar, lltok, vocab, eos_id, probe)
 
 

@@ -21,13 +21,15 @@ host synchronisation for the whole request list):
   training's MDM task lays it out (§8): the context, the continuation's
   unmasked tokens, then its masked tokens as the mask id, each at its true
   position and scored by its own logits (§1). ``mc_num`` rows of the
-  sequence's length: ``mc_num`` times the AR estimator's work.
+  sequence's length: ``mc_num`` times the AR estimator's work, done a few
+  samples at a time (:class:`MCScorer`: the server interleaves them with
+  decoding), each step evaluated, so memory stays flat in ``mc_num``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -128,13 +130,86 @@ def mc_masks(target_len: int, mc_num: int, rng: np.random.Generator) -> np.ndarr
     As the authors' ``_forward_process``: the counts are stratified over
     1..target_len from one random start, then each sample's masked positions
     are a random subset of that size."""
+    samples = mc_samples(target_len, mc_num, rng)
+    return np.stack([next(samples) for _ in range(mc_num)])
+
+
+def mc_samples(target_len: int, mc_num: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """:func:`mc_masks`' rows one at a time, drawn from ``rng`` in the same
+    order (so a sample's mask is the same whether drawn alone or with all)."""
     k = int(rng.integers(1, target_len + 1))
     counts = np.round(np.linspace(k, k + (mc_num - 1) * (target_len / mc_num), mc_num)).astype(int)
     counts = ((counts - 1) % target_len) + 1
-    masks = np.zeros((mc_num, target_len), bool)
-    for b, c in enumerate(counts):
-        masks[b, rng.permutation(target_len)[:c]] = True
-    return masks
+    for c in counts:
+        mask = np.zeros(target_len, bool)
+        mask[rng.permutation(target_len)[:c]] = True
+        yield mask
+
+
+class MCScorer:
+    """The Monte Carlo estimator of :func:`score_mc`, a few samples at a time:
+    :meth:`step` scores the next ``rows`` samples (one forward, evaluated:
+    the memory held does not grow with ``mc_num``), :meth:`result` the
+    estimate once every sample is in. The same numbers as :func:`score_mc`
+    for the same chunks of samples."""
+
+    def __init__(self, model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
+                 seed: int = 0, draft_top: Optional[int] = None):
+        self.model, self.ids, self.context, self.mask_id = model, [int(t) for t in ids], context, mask_id
+        self.mc_num, self.draft_top = mc_num, draft_top
+        n = len(self.ids)
+        if not 0 < context < n:
+            raise ValueError(f"the context must leave 1 to {n - 1} tokens to score, got {context}")
+        self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed))
+        self.done, self.total = 0, None
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.mc_num
+
+    def step(self, rows: int = MC_ROWS) -> None:
+        """Score the next ``rows`` samples (fewer at the end)."""
+        rows = min(rows, self.mc_num - self.done)
+        ids, context, n = self.ids, self.context, len(self.ids)
+        target, seq = n - context, np.array(ids, np.int32)
+        masks = np.stack([next(self.samples) for _ in range(rows)])
+        ratio = masks.sum(axis=1) / target  # p of each sample
+        masked = np.arange(n)[None, :] >= n - masks.sum(axis=1)[:, None]  # the masks come last in each row
+        tokens, positions = np.empty((rows, n), np.int32), np.empty((rows, n), np.int32)
+        for b in range(rows):
+            m = masks[b]
+            order = np.concatenate([np.arange(context), context + np.flatnonzero(~m), context + np.flatnonzero(m)])
+            positions[b] = order  # unmasked first, then the masks
+            tokens[b] = np.where(masked[b], self.mask_id, seq[order])
+        h = self.model.hidden(mx.array(tokens), mx.array(positions))
+        at = np.flatnonzero(masked.reshape(-1))
+        flat = h.reshape(-1, h.shape[-1])[mx.array(at, dtype=mx.int32)]
+        truth = seq[positions.reshape(-1)[at]]
+        lp, _, _ = _head_stats(self.model, flat, mx.array(truth, dtype=mx.int32), 0)
+        weight = 1.0 / ratio[at // n]
+        where = positions.reshape(-1)[at] - context  # each masked row's continuation offset
+        onehot = mx.array((where[:, None] == np.arange(target)[None, :]).astype(np.float32) * weight[:, None])
+        share = (lp[:, None] * onehot).sum(axis=0)
+        self.total = share if self.total is None else self.total + share
+        mx.eval(self.total)  # one host synchronisation per step; nothing of the step is held after it
+        self.done += rows
+
+    def result(self) -> Scored:
+        """The estimate (and the draft after the sequence, when asked), once :attr:`finished`."""
+        ids, n = self.ids, len(self.ids)
+        total = self.total / self.mc_num
+        draft = None
+        if self.draft_top is not None:
+            h = self.model.hidden(mx.array([ids + [self.mask_id]], dtype=mx.int32),
+                                  mx.arange(n + 1, dtype=mx.int32))[0, -1:]
+            draft = _head_stats(self.model, h, mx.zeros((1,), mx.int32), max(self.draft_top, 1))[1:]
+        mx.eval(total, *(draft or ()))
+        out = Scored([None] * self.context + [float(x) for x in np.array(total)])
+        if draft is not None:
+            top_ids, top_values = np.array(draft[0])[0], np.array(draft[1])[0]
+            out.next_token, out.next_logprob = int(top_ids[0]), float(top_values[0])
+            out.next_top = _pairs(top_ids, top_values, self.draft_top)
+        return out
 
 
 def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
@@ -144,47 +219,9 @@ def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int 
     samples of its weighted cross-entropy where masked, negated); they sum to
     the estimate. Context tokens are not scored (None). ``draft_top``: also
     draft the token after ``ids`` (a mask at the next position, as
-    :func:`score_ar`), with this many top tokens, in the same evaluation."""
-    ids = [int(t) for t in ids]
-    n, target = len(ids), len(ids) - context
-    if not 0 < context < n:
-        raise ValueError(f"the context must leave 1 to {n - 1} tokens to score, got {context}")
-    masks = mc_masks(target, mc_num, np.random.default_rng(seed))
-    ratio = masks.sum(axis=1) / target  # p of each sample
-    seq = np.array(ids, np.int32)
-    tokens, positions = np.empty((mc_num, n), np.int32), np.empty((mc_num, n), np.int32)
-    masked = np.arange(n)[None, :] >= n - masks.sum(axis=1)[:, None]  # the masks come last in each row
-    for b in range(mc_num):
-        m = masks[b]
-        rest = context + np.flatnonzero(~m)
-        hidden = context + np.flatnonzero(m)
-        order = np.concatenate([np.arange(context), rest, hidden])  # unmasked first, then the masks
-        positions[b] = order
-        tokens[b] = np.where(masked[b], mask_id, seq[order])
-    shares = []
-    for a in range(0, mc_num, MC_ROWS):
-        t, p = tokens[a:a + MC_ROWS], positions[a:a + MC_ROWS]
-        h = model.hidden(mx.array(t), mx.array(p))
-        at = np.flatnonzero(masked[a:a + MC_ROWS].reshape(-1))
-        flat = h.reshape(-1, h.shape[-1])[mx.array(at, dtype=mx.int32)]
-        truth = seq[p.reshape(-1)[at]]
-        lp, _, _ = _head_stats(model, flat, mx.array(truth, dtype=mx.int32), 0)
-        weight = 1.0 / ratio[a + at // n]
-        where = p.reshape(-1)[at] - context  # each masked row's continuation offset
-        onehot = mx.array((where[:, None] == np.arange(target)[None, :]).astype(np.float32) * weight[:, None])
-        shares.append((lp[:, None] * onehot).sum(axis=0))
-    total = shares[0]
-    for s in shares[1:]:
-        total = total + s
-    total = total / mc_num
-    draft = None
-    if draft_top is not None:
-        h = model.hidden(mx.array([ids + [mask_id]], dtype=mx.int32), mx.arange(n + 1, dtype=mx.int32))[0, -1:]
-        draft = _head_stats(model, h, mx.zeros((1,), mx.int32), max(draft_top, 1))[1:]
-    mx.eval(total, *(draft or ()))  # the one host synchronisation
-    out = Scored([None] * context + [float(x) for x in np.array(total)])
-    if draft is not None:
-        top_ids, top_values = np.array(draft[0])[0], np.array(draft[1])[0]
-        out.next_token, out.next_logprob = int(top_ids[0]), float(top_values[0])
-        out.next_top = _pairs(top_ids, top_values, draft_top)
-    return out
+    :func:`score_ar`), with this many top tokens. :data:`MC_ROWS` samples
+    per forward (:class:`MCScorer`)."""
+    scorer = MCScorer(model, ids, context, mask_id, mc_num, seed, draft_top)
+    while not scorer.finished:
+        scorer.step(MC_ROWS)
+    return scorer.result()

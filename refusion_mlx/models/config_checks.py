@@ -49,6 +49,7 @@ TAGS = {"F64": (8, True), "F32": (4, True), "F16": (2, True), "BF16": (2, True),
         "I32": (4, False), "U32": (4, False), "I16": (2, False), "U16": (2, False), "I8": (1, False),
         "U8": (1, False), "BOOL": (1, False), "F8_E4M3": (1, True), "F8_E5M2": (1, True)}
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_ROPE_FACTOR = 1024  # a RoPE scaling factor (published ones: up to 64)
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -124,8 +125,13 @@ def _rope_problems(name: str, value: Any) -> List[str]:
     if not isinstance(kind, str):
         out.append(f"{name}.rope_type must be a string, got {_shown(kind)}")
     factor = value.get("factor", 1.0)
-    if not (_is_number(factor) and factor > 0):
-        out.append(f"{name}.factor must be a positive number, got {_shown(factor)}")
+    if not (_is_number(factor) and 0 < factor <= MAX_ROPE_FACTOR):
+        out.append(f"{name}.factor must be a number in (0, {MAX_ROPE_FACTOR}], got {_shown(factor)}")
+    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "original_max_position_embeddings"):
+        given = value.get(key)
+        if given is not None and not (_is_number(given) and 0 < given <= 1 << 24):
+            out.append(f"{name}.{key} must be a positive number up to {1 << 24}, got {_shown(given)}")
     theta = value.get("rope_theta")
     if theta is not None and not (_is_number(theta) and theta > 0):
         out.append(f"{name}.rope_theta must be a positive number, got {_shown(theta)}")
@@ -264,3 +270,62 @@ def check_memory(need: int, what: str, hint: str = "") -> None:
     if have and need > have:
         raise LoadError(f"{what} need {need / (1 << 30):.1f} GiB, more than this machine's "
                         f"{have / (1 << 30):.1f} GiB of memory{hint}")
+
+
+def folder_problems(folder: Path) -> List[str]:
+    """A model folder's entries that must not be opened, one line each:
+    anything but regular files and folders (a FIFO would block the first
+    read for ever, a device read without end), and links that lead out of
+    the folder (in the hub's cache, ``REPO/snapshots/REV``, out of ``REPO``:
+    its files are links to ``REPO/blobs``). Nothing is opened: the entries
+    are only looked at."""
+    out = []
+    root = folder.resolve()
+    if root.parent.name == "snapshots":
+        root = root.parent.parent
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        return [f"{folder}: cannot list the folder: {e.strerror or e}"]
+    for entry in entries:
+        try:
+            if entry.is_symlink() and not Path(entry.path).resolve().is_relative_to(root):
+                out.append(f"{entry.name}: a link to {os.readlink(entry.path)}, outside the model folder (copy "
+                           "the file in, or link the whole folder)")
+                continue
+            if not (entry.is_file() or entry.is_dir()) and os.path.lexists(entry.path):
+                out.append(f"{entry.name}: not a regular file (a pipe, socket or device); remove it")
+        except OSError as e:
+            out.append(f"{entry.name}: {e.strerror or e}")
+    return out
+
+
+def shard_problems(folder: Path, names: Iterable[Any]) -> List[str]:
+    """Shard names from ``model.safetensors.index.json`` that would leave the
+    folder: not a plain string, absolute, with ``..``, or resolving outside."""
+    out = []
+    root = folder.resolve()
+    for name in names:
+        if not isinstance(name, str) or not name:
+            out.append(f"model.safetensors.index.json names a shard {_shown(name)}: not a file name")
+        elif Path(name).is_absolute() or ".." in Path(name).parts or not (folder / name).resolve().is_relative_to(root):
+            out.append(f"model.safetensors.index.json names the shard {name!r}, outside the model folder")
+    return out
+
+
+TOKEN_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def token_id_problems(configs: Iterable[Dict[str, Any]], ids: Iterable[Any], vocab_size: int) -> List[str]:
+    """Token ids outside ``[0, vocab_size)``: those of :data:`TOKEN_FIELDS` in
+    ``configs`` (config.json, generation_config.json; an id or a list of ids)
+    and the tokenizer's own ``ids``, one line each."""
+    out = []
+    named = [(f, c.get(f)) for c in configs for f in TOKEN_FIELDS if c.get(f) is not None]
+    for name, value in named + [("the tokenizer's eos token id", i) for i in ids]:
+        for t in value if isinstance(value, list) else [value]:
+            if not (_is_int(t) and 0 <= t < vocab_size):
+                what = name.replace("_token_id", " token id").replace("_", " ")
+                out.append(f"{what} {_shown(t)} is outside the vocabulary of {vocab_size}")
+    return out
+

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
-from . import backend, cpu_paths, projections, registry, sharding
+from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import check_memory, quantization_problems, read_headers, weight_bytes, weight_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
@@ -84,6 +84,9 @@ def weight_files(model_path: Path) -> List[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            outside = config_checks.shard_problems(model_path, weight_map.values())
+            if outside:
+                raise LoadError("\n".join(outside))
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise LoadError(f"{index} is malformed: {e}") from None
@@ -140,7 +143,11 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
 
     ``dist`` (a ``distributed.group.Distributed`` of two or more ranks): the
     model is split over its group (tensor or pipeline, its ``mode``) before
-    any weight is read, then only this rank's share is read (``_load_split``)."""
+    any weight is read, then only this rank's share is read (``_load_split``).
+    Nothing of a folder holding a pipe, a device or a link out of it is opened."""
+    problems = config_checks.folder_problems(model_path)
+    if problems:
+        raise LoadError(f"{model_path}: " + "\n".join(problems))
     config = read_config(model_path)
     args = model_args(config)
     if dtype is not None and dtype not in DTYPES:
@@ -316,6 +323,11 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {model.args.vocab_size}")
     if tokenizer.eos_token_id is None:
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
+    given = [config] + ([read_json_object(model_path / "generation_config.json")]
+                        if (model_path / "generation_config.json").is_file() else [])
+    problems = config_checks.token_id_problems(given, [tokenizer.eos_token_id], model.args.vocab_size)
+    if problems:  # an end the model could never write, or one past what it holds
+        raise LoadError(f"{model_path}: " + "\n".join(problems))
     model.args.mask_token_id = mask_id
     model.model_path = model_path
     if backend.cpu_paths():

@@ -28,11 +28,11 @@ from .._version import __version__
 from .core.apis import ROUTE_MODULES
 from .core.metrics import exposition, gauges
 from .core.refusal import Refusal
-from .edge.answering import Answering
+from .edge.answering import Answering, ClientGone
 from .edge.api_schema import schema_maker
 from .edge.http_errors import APIError, as_api_error, error_response
 from .edge.page import add_page
-from .edge.security import RequestGuard, SiteGuard
+from .edge.security import KEY_SCOPE, RequestGuard, SiteGuard
 from .protocols import tokenizer_api
 
 
@@ -63,6 +63,17 @@ def create_app(server) -> FastAPI:
     for exc in (APIError, Refusal, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
 
+    async def client_gone(request: Request, exc: Exception):  # nobody reads the answer: nothing to log
+        return Response(status_code=499)
+
+    async def bug(request: Request, exc: Exception):  # a bug: logged by the server, answered in the API's shape
+        engine.metrics.http_error(500)
+        return error_response(APIError(500, "the server failed on this request (see its log)",
+                                       code="internal_error"), request.url.path)
+
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, bug)
+
     def card() -> dict:
         return {"id": config.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
 
@@ -80,11 +91,14 @@ def create_app(server) -> FastAPI:
 
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
-    async def health():
-        """Queue, batch, counters, KV reservations and the prompt cache's size; 503 when the
-        engine is stopping, dead, or stuck in a step past the watchdog."""
+    async def health(request: Request):
+        """Whether the server is up: 503 when the engine is stopping, dead, or stuck in a step past the
+        watchdog. With --api-key, only to a request with a key (or with --metrics-public) also the
+        queue, batch, counters, KV reservations and the prompt cache's size, as /metrics guards them."""
         ok, status = engine.health()
-        return JSONResponse({"status": status, "model": config.model_id, **engine.snapshot()}, 200 if ok else 503)
+        shown = not config.api_keys or config.metrics_public or KEY_SCOPE in request.scope
+        return JSONResponse({"status": status, "model": config.model_id, **(engine.snapshot() if shown else {})},
+                            200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request):

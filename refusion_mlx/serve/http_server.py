@@ -24,6 +24,7 @@ import uvicorn
 
 from .core.engine import Engine
 from .core.text import TextShaper
+from .edge.connections import OncePerInterval, default_max_connections, protocol
 from .edge.security import exposure_warning
 from .server_config import ServerConfig
 
@@ -70,9 +71,11 @@ class RefusionServer:
         if warning:  # other machines can reach it, and nothing asks them for a key: said whatever --log-level
             log.warning("%s", warning) if log.isEnabledFor(logging.WARNING) else print(warning, file=sys.stderr)
         self.engine = Engine(config, dist=dist)
+        bounded = protocol(config.header_timeout, config.max_connections or default_max_connections())
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
                                         backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
-                                        timeout_keep_alive=30)
+                                        timeout_keep_alive=30, http=bounded)
+        _quiet_repeats()
         self.uvicorn = _Uvicorn(uvicorn_config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None
@@ -123,3 +126,15 @@ class _Uvicorn(uvicorn.Server):
             log.info("shutting down")
         self.engine.stop()
         super().handle_exit(sig, frame)
+
+
+_QUIETED = OncePerInterval(10.0)
+
+
+def _quiet_repeats() -> None:
+    """asyncio's accept error (out of descriptors) and uvicorn's protocol warnings: once per 10 s each."""
+    for name in ("asyncio", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if _QUIETED not in logger.filters:
+            logger.addFilter(_QUIETED)
+

@@ -33,6 +33,8 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a step running longer makes /health answer 503
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a long chat history, not an upload
 DEFAULT_MAX_STORED_RESPONSES = 1024  # the Responses API's, for previous_response_id (text, a few KiB each)
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20  # and their JSON size, all together
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (then it is closed)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive after its headers (then 408)
 API_KEY_ENV = "REFUSION_MLX_API_KEY"  # the API key(s), comma-separated, when --api-key is not given
 # whose cached prompts a request may continue: the same (key, user); the same, and never without a user; anyone's
@@ -78,6 +80,7 @@ class ServerConfig:
     max_kv_bytes: Optional[int] = None
     watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES
     kv_bits: Optional[int] = None
     kv_group_size: Optional[int] = None
     # who may use the server, and whose prompt cache a request shares (serve/edge/security.py, docs: Security)
@@ -85,6 +88,8 @@ class ServerConfig:
     allowed_hosts: Tuple[str, ...] = ()
     metrics_public: bool = False
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_connections: Optional[int] = None  # None: the descriptor limit less a reserve (edge/connections.py)
     prompt_cache_scope: str = "user"
     call_grammar: str = "all"
     storage: KVStorage = dataclasses.field(init=False, repr=False, compare=False)  # of kv_bits, kv_group_size
@@ -95,6 +100,7 @@ class ServerConfig:
         _check("port", self.port, 0, 65535)
         _check("prompt_cache_bytes", self.prompt_cache_bytes, 0)
         _check("max_stored_responses", self.max_stored_responses, 0)
+        _check("max_stored_response_bytes", self.max_stored_response_bytes, 0)
         for name in ("prompt_cache_dir_bytes", "max_kv_bytes"):
             if getattr(self, name) is not None:
                 _check(name, getattr(self, name), 0 if name == "prompt_cache_dir_bytes" else 1)
@@ -117,9 +123,12 @@ class ServerConfig:
                                 f"got {self.prompt_cache_scope!r}")
         if self.call_grammar not in CALL_GRAMMARS:
             raise RefusionError(f"call_grammar must be one of {', '.join(CALL_GRAMMARS)}, got {self.call_grammar!r}")
-        seconds = self.body_timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
-            raise RefusionError(f"body_timeout must be a positive number of seconds, got {seconds!r}")
+        for name in ("body_timeout", "header_timeout"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
+                raise RefusionError(f"{name} must be a positive number of seconds, got {seconds!r}")
+        if self.max_connections is not None:
+            _check("max_connections", self.max_connections, 1)
         if self.model_id is None:
             fill(self, "model_id", str(self.model).rstrip("/") if self.model else "tiny-refusion")
         if self.prompt_cache_dir_bytes is None:
@@ -217,6 +226,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="responses of the Responses API kept in memory for previous_response_id and GET "
                              f"/v1/responses/ID, least recently used out; 0 keeps none "
                              f"(default {DEFAULT_MAX_STORED_RESPONSES})")
+    parser.add_argument("--max-stored-response-bytes", type=byte_size, default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
+                        metavar="SIZE", help="and the JSON size they may hold all together, least recently used "
+                                             f"out (default {DEFAULT_MAX_STORED_RESPONSE_BYTES >> 20}M)")
     parser.add_argument("--allowed-origins", type=_origins, default=(),
                         help="comma-separated origins whose pages may call the server (CORS), or '*' "
                              "(default: none, only the server's own page)")
@@ -232,6 +244,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                         help="a request body must arrive within this long of its headers, else 408 "
                              f"(default {DEFAULT_BODY_TIMEOUT:g})")
+    parser.add_argument("--header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                        help="a connection whose request headers have not all come within this long is closed "
+                             f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--max-connections", type=_positive, metavar="N",
+                        help="open connections taken at once; more are closed as they come (default: the "
+                             "process's file-descriptor limit less 128, at most 4096)")
     parser.add_argument("--prompt-cache-scope", choices=CACHE_SCOPES, default="user",
                         help="whose cached prompts a request continues: user (default) those of its own API key "
                              "and `user` field; private: the same, and nothing for a request without a user; "

@@ -46,8 +46,8 @@ from ..caches.prompt_cache import PromptCache
 from ..server_config import ServerConfig
 from .engine_request import EngineRequest
 from .job import Job, Turn
-from .loglikelihood import score_jobs
-from .memory import KVCost, check_kv_budget, default_max_kv_bytes
+from .loglikelihood import ScoringTask
+from .memory import KVCost, admission_budget
 from .metrics import ServerMetrics
 from .refusal import Reason, Refusal
 from .scheduler import Scheduler
@@ -86,6 +86,7 @@ class Engine:
         self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
+        self._scored = 0  # scoring requests started (their uids: -1, -2, ...)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
     # -- life cycle and the HTTP side's calls ----------------------------------
@@ -173,14 +174,18 @@ class Engine:
                                               dist=self.dist)
             if self.dist is not None:
                 barrier(self.dist)
-            self.args = self.model.args
-            self.eos_id = self.tokenizer.eos_token_id
+            self.args, self.eos_id = self.model.args, self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizer = load_tokenizer(self.model.model_path)
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
                                       storage=self.storage)  # checked against the model's head dimension
-            self._plan_memory()
-            self._open_cache_dir()
+            self.kv_cost, self.max_kv_bytes = admission_budget(self.model, self.storage, config.max_kv_bytes,
+                                                               self.prompt_cache.max_bytes, config.decoding)
+            if config.prompt_cache_dir:  # the files of this model back the prompt cache, reloaded now
+                from ..caches.cache_files import attach
+
+                attach(self.prompt_cache, self.model, config.prompt_cache_dir, config.prompt_cache_dir_bytes,
+                       config.adapter_path, storage=self.storage)
         except BaseException as e:  # reported by start() on the caller's thread
             self._error = e if isinstance(e, RefusionError) else RefusionError(
                 f"cannot load the model: {type(e).__name__}: {e}")
@@ -201,22 +206,6 @@ class Engine:
             self._stopping.set()  # no request is taken from now on
             self._end_all(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
             self._release()
-
-    def _plan_memory(self) -> None:
-        """The KV bytes per token of the loaded model as its caches keep them, and --max-kv-bytes when not given."""
-        self.kv_cost = KVCost.of(self.model, self.storage)
-        if self.max_kv_bytes is None:
-            self.max_kv_bytes = default_max_kv_bytes(self.model, self.prompt_cache.max_bytes, self.kv_cost.row_bytes)
-        check_kv_budget(self.max_kv_bytes, self.kv_cost, self.config.decoding)  # refuses what refuses all
-
-    def _open_cache_dir(self) -> None:
-        """With --prompt-cache-dir: the files of this model back the prompt cache, reloaded now."""
-        config = self.config
-        if config.prompt_cache_dir:
-            from ..caches.cache_files import attach
-
-            attach(self.prompt_cache, self.model, config.prompt_cache_dir, config.prompt_cache_dir_bytes,
-                   config.adapter_path, storage=self.storage)
 
     def _serve(self) -> None:
         leader = self.dist is None or self.dist.leader
@@ -239,24 +228,16 @@ class Engine:
         if self._stopping.is_set():
             return Turn(stop=True)
         self.busy_since = time.monotonic()  # the watchdog's clock: admission (prefills) and the step
-        return self.queue.next_turn(self.max_kv_bytes)
+        return self.queue.next_turn(self.max_kv_bytes, decoding=self.gen is not None and self.gen.has_work)
 
     def _apply(self, plan: Turn) -> None:
-        """One turn, the same on every rank: cancel, admit, step. A step that
-        raises fails the requests in it; the engine goes on (a lost rank ends it)."""
+        """One turn, the same on every rank: cancel, admit, a piece of each
+        scoring request's work, one decoding step. A step that raises fails
+        the requests in it; the engine goes on (a lost rank ends it)."""
         for uid in plan.cancelled:
             if uid in self.running:
                 self._close(self.running[uid], "cancelled")
-        scoring = [j for j in plan.admitted if j.request.scoring is not None]  # scored (echo + logprobs), not decoded
-        for job, result in score_jobs(self.model, self.tokenizer, scoring) if scoring else ():
-            if isinstance(result, Refusal):
-                self._close(job, "failed", result)
-            else:
-                job.post("start")
-                self._finish(job, result)
         for i, job in enumerate(plan.admitted):
-            if job.request.scoring is not None:
-                continue
             try:
                 self._start(job, plan.peers[:i] + plan.peers[i + 1:])
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
@@ -264,7 +245,9 @@ class Engine:
                     raise
                 log.exception("cannot start a request")
                 self._close(job, "failed", Refusal(Reason.START_FAILED, f"cannot start the request: {_brief(e)}"))
-        if not self.running:
+        if plan.score:
+            self._score()
+        if not self.gen.has_work:
             return
         t0 = time.monotonic()
         rows = len(self.running)
@@ -286,23 +269,45 @@ class Engine:
 
     def _start(self, job: Job, peers: List[tuple]) -> None:
         """Start a request; ``peers``: (cache owner, prompt ids) of the others admitted
-        or waiting (a prefix they share with one of its owner is prefilled once)."""
+        or waiting (a prefix they share with one of its owner is prefilled once).
+        A scoring request gets its task, and a uid below 0 (the generator knows it not)."""
         from ...decode.cache import CommittedCache
 
+        if job.request.scoring is not None:
+            self._scored += 1
+            job.task, job.uid = ScoringTask(job.request, int(self.model.args.mask_token_id)), -self._scored
+            self.queue.started(job)
+            return job.post("start")
+
         ids, owner = job.request.prompt_ids, job.request.cache_owner
-        running = [(j.request.cache_owner, j.cache) for j in self.running.values()]
+        running = [(j.request.cache_owner, j.cache) for j in self.running.values() if j.cache is not None]
         new_cache = lambda: CommittedCache.for_model(self.model, storage=self.storage)  # noqa: E731
         job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
             job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint,
                                       logprobs=job.request.logprobs)
-        except RefusionError as e:
-            return self._close(job, "failed", Refusal(Reason.INVALID_REQUEST, str(e)))
+        except RefusionError as e:  # a constraint the engine cannot compile names its field
+            constraint = job.request.constraint
+            param = constraint.name if constraint is not None and str(e).startswith(f"{constraint.name}:") else None
+            return self._close(job, "failed", Refusal(Reason.INVALID_VALUE if param else Reason.INVALID_REQUEST,
+                                                      str(e), param))
         self.metrics.add("prefill_tokens", len(ids) - n)
         self.metrics.add("cached_tokens", job.cached)
         self.queue.started(job)
         job.post("start")
+
+    def _score(self) -> None:
+        """A piece of each scoring request's work (:meth:`.loglikelihood.ScoringTask.step`); the finished end.
+        Decoding then has the engine for as long as the pieces took (``Scheduler.scored``)."""
+        t0 = time.monotonic()
+        for job in [j for j in self.running.values() if j.task is not None]:
+            result = job.task.step(self.model, self.tokenizer)
+            if isinstance(result, Refusal):
+                self._close(job, "failed", result)
+            elif result is not None:
+                self._finish(job, result)
+        self.queue.scored(time.monotonic() - t0)
 
     def _route(self, r) -> None:
         job = self.running.get(r.uid)
@@ -328,7 +333,7 @@ class Engine:
 
     def _close(self, job: Job, outcome: str, error: Optional[Refusal] = None) -> None:
         """Take a request out of the batch and free its cache now."""
-        if job.uid is not None:
+        if job.uid is not None and job.uid >= 0:  # in the generator (a scoring request's is below 0)
             self.gen.remove(job.uid)
         if error is not None:
             job.post("error", error)

@@ -107,8 +107,10 @@ class Draft:
 class RequestTerms:
     """What every request is made under, whichever API asked: the model's
     ``context`` and ``vocab_size``, whether its template ``takes_tools``, the
-    server's decoding ``defaults`` and ``call_grammar``, and ``tokenize``
-    (a prompt's source to its ids)."""
+    server's decoding ``defaults`` and ``call_grammar``, ``tokenize`` (a
+    prompt's source to its ids) and ``compile`` (a request's constraint
+    compiled against the tokenizer, as the engine will: a DecodeError for
+    one it cannot; None: not checked here)."""
 
     tokenize: Callable[[Any], List[int]]
     vocab_size: int
@@ -116,6 +118,7 @@ class RequestTerms:
     defaults: RefusionParams
     takes_tools: bool = False
     call_grammar: str = "all"
+    compile: Optional[Callable[[Constraint], None]] = None
 
     def prompt_ids(self, source: Any, param: str) -> List[int]:
         """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
@@ -144,6 +147,11 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
             raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
                                               "tool_choice required or a named function)", "logprobs")
         request = dataclasses.replace(request, logprobs=draft.logprobs)
+    if draft.constraint is not None and terms.compile is not None:  # here, on the request's thread, not the engine's
+        try:
+            terms.compile(request.constraint)
+        except DecodeError as e:
+            raise Refusal(Reason.INVALID_VALUE, str(e), request.constraint.name) from None
     seed = request.params.seed
     if sample and seed is not None:
         request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + sample))

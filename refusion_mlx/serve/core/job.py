@@ -53,6 +53,7 @@ class Job:
         self.uid: Optional[int] = None  # in the BatchGenerator, once started
         self.cache = None  # its CommittedCache, once started
         self.cached = 0  # prompt tokens the prompt cache held
+        self.task = None  # a scoring request's ScoringTask, once started
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
 
     def take(self, text: str, tokens, finished: bool) -> tuple:
@@ -131,18 +132,20 @@ class Turn:
     """What one turn of the engine's loop does, decided by rank 0: close the
     ``cancelled`` running requests (by uid), start the ``admitted`` ones
     (``peers``: the (cache owner, prompt) they are compared with for a shared
-    prefix, the admitted first, in order), then step the batch; or ``stop``."""
+    prefix, the admitted first, in order), do a piece of the scoring
+    requests' work when ``score``, then step the batch; or ``stop``."""
 
     cancelled: List[int] = field(default_factory=list)
     admitted: List[Job] = field(default_factory=list)
     peers: List[tuple] = field(default_factory=list)
     stop: bool = False
+    score: bool = True
 
     def wire(self) -> tuple:
-        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop
+        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop, self.score
 
     @classmethod
     def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "Turn":
         """The plan rank 0 broadcast; ``job`` makes each admitted request's Job (``Engine.job``)."""
-        cancelled, requests, peers, stop = wire
-        return cls(cancelled, [job(r) for r in requests], peers, stop)
+        cancelled, requests, peers, stop, score = wire
+        return cls(cancelled, [job(r) for r in requests], peers, stop, score)

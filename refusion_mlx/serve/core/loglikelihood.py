@@ -1,22 +1,29 @@
-"""Scoring prompts: the engine's side of log-likelihood requests.
+"""Scoring prompts: the engine's side of log-likelihood requests, scheduled
+like decoding.
 
-A scoring request (OpenAI's ``echo`` with ``logprobs``, :mod:`..protocols.openai_echo`)
-carries a :class:`Scoring` and runs no decoder: the engine hands every
-scoring request it admits in a turn to :func:`score_jobs`, which scores them
-with :mod:`refusion_mlx.decode.scoring` -- the AR estimator (``"ar"``, the
-default) for all of them with one host synchronisation, the Monte Carlo
-estimator (``"mc"``, ``mc_num`` samples, the continuation after
-``context_tokens``) one request at a time -- and returns each one's
-:class:`~.outcome.Outcome` (its :class:`~.outcome.ScoredPrompt`) or the
-:class:`~.refusal.Refusal` it failed with. The engine ends them.
+A scoring request (OpenAI's ``echo`` with ``logprobs``,
+:mod:`..protocols.openai_echo`) carries a :class:`Scoring` and runs no
+decoder. The engine admits it like any request -- a batch row, and its
+memory (:func:`scoring_rows`: the rows of its widest forward) against
+``--max-kv-bytes`` -- and gives it a :class:`ScoringTask`, which does a
+bounded piece of work each turn beside the batch's decoding step: the AR
+estimator (``logprob_estimator: "ar"``, the default: one causal forward of
+the prompt, :func:`~refusion_mlx.decode.scoring.score_ar`), or
+:data:`SCORE_TOKENS` worth of the Monte Carlo estimator's samples
+(``"mc"``: :class:`~refusion_mlx.decode.scoring.MCScorer`, each step
+evaluated, so memory stays flat in ``mc_num``). A client that leaves stops
+it at the next turn. When done, the task gives the job's
+:class:`~.outcome.Outcome` (its :class:`~.outcome.ScoredPrompt`); a failure
+is the :class:`~.refusal.Refusal` the engine ends it with.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Union
 
+from ...decode.scoring import MC_ROWS, MCScorer, score_ar
 from ...distributed.group import is_link_failure
 from .outcome import Outcome, ScoredPrompt, Usage
 from .refusal import Reason, Refusal
@@ -24,6 +31,8 @@ from .refusal import Reason, Refusal
 log = logging.getLogger("refusion_mlx.server")
 
 MC_NUM = 128  # the authors' eval.py default
+SCORE_TOKENS = 2048  # tokens one Monte Carlo step feeds (at least one sample: a whole prompt)
+MAX_SCORE_WORK = 1 << 22  # token-forwards one request may ask: prompt tokens x mc_num (x 1 for "ar"), summed
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,55 @@ class Scoring:
     seed: int = 0
     logprobs: bool = True
 
+    def work(self, tokens: int) -> int:
+        """Token-forwards scoring a prompt of ``tokens`` takes (bounded by :data:`MAX_SCORE_WORK`)."""
+        return tokens * (self.mc_num if self.estimator == "mc" else 1)
+
+    def rows_per_step(self, tokens: int) -> int:
+        """Samples one Monte Carlo step takes for a prompt of ``tokens`` (at most ``decode.scoring``'s
+        MC_ROWS: the same chunks, so the same numbers, as ``score_mc`` for short prompts)."""
+        return max(1, min(self.mc_num, MC_ROWS, SCORE_TOKENS // max(tokens, 1)))
+
+
+def scoring_rows(request) -> int:
+    """The token rows a scoring request's widest forward holds: what admission reserves for it."""
+    spec, n = request.scoring, len(request.prompt_ids)
+    if spec.estimator == "mc":
+        return max(spec.rows_per_step(n) * n, n + 1)
+    return n + spec.extra
+
+
+class ScoringTask:
+    """One scoring job's work, a piece per turn (:meth:`step`)."""
+
+    def __init__(self, request, mask_id: int):
+        self.request, self.spec, self.mask_id = request, request.scoring, mask_id
+        self.scorer = None  # the Monte Carlo estimator's, made at the first step
+
+    def step(self, model, tokenizer) -> Optional[Union[Outcome, Refusal]]:
+        """This turn's piece: None while work is left, then the Outcome (or
+        the Refusal it failed with: a bug or out of memory fails this request,
+        the server stays up; a lost rank is raised)."""
+        spec, ids = self.spec, self.request.prompt_ids
+        try:
+            if spec.estimator == "mc":
+                if self.scorer is None:
+                    self.scorer = MCScorer(model, ids, spec.context_tokens, self.mask_id, spec.mc_num, spec.seed,
+                                           spec.top if spec.extra else None)
+                self.scorer.step(spec.rows_per_step(len(ids)))
+                if not self.scorer.finished:
+                    return None
+                scored = self.scorer.result()
+            else:
+                scored = score_ar(model, [ids], spec.top, self.mask_id)[0]
+            prompt = scored_prompt(tokenizer, ids, scored, spec)
+        except Exception as e:
+            if is_link_failure(e):
+                raise
+            log.exception("scoring failed")
+            return Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}")
+        return Outcome("length", Usage(len(ids), spec.extra), scored=prompt)
+
 
 def scored_prompt(tokenizer, ids: List[int], scored, spec: Scoring) -> ScoredPrompt:
     """The prompt ``ids`` and the ``spec.extra`` drafted token after it, from a ``decode.scoring.Scored``."""
@@ -56,39 +114,3 @@ def scored_prompt(tokenizer, ids: List[int], scored, spec: Scoring) -> ScoredPro
                     for value, pairs in zip(values, tops)]
     text = tokenizer.decode(list(ids)) + (pieces[-1] if extra else "")
     return ScoredPrompt(text, pieces, values, alternatives, spec.logprobs)
-
-
-def score_jobs(model, tokenizer, jobs: list) -> List[Tuple[object, Union[Outcome, Refusal]]]:
-    """Score the scoring ``jobs`` (on every rank): each job with its Outcome,
-    or the Refusal it failed with (a bug or out of memory fails the jobs it
-    touches; the server stays up)."""
-    from ...decode.scoring import score_ar, score_mc
-
-    mask_id = int(model.args.mask_token_id)
-    ar = [j for j in jobs if j.request.scoring.estimator == "ar"]
-    results, out = {}, []
-    try:
-        if ar:
-            top = max(j.request.scoring.top for j in ar)
-            for job, s in zip(ar, score_ar(model, [j.request.prompt_ids for j in ar], top, mask_id)):
-                results[id(job)] = s
-    except Exception as e:
-        if is_link_failure(e):
-            raise
-        log.exception("scoring failed")
-        out += [(job, Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}")) for job in ar]
-        jobs = [j for j in jobs if j not in ar]
-    for job in jobs:
-        spec, ids = job.request.scoring, job.request.prompt_ids
-        try:
-            scored = results.get(id(job)) or score_mc(model, ids, spec.context_tokens, mask_id, spec.mc_num,
-                                                     spec.seed, spec.top if spec.extra else None)
-            prompt = scored_prompt(tokenizer, ids, scored, spec)
-        except Exception as e:
-            if is_link_failure(e):
-                raise
-            log.exception("scoring failed")
-            out.append((job, Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}")))
-            continue
-        out.append((job, Outcome("length", Usage(len(ids), spec.extra), scored=prompt)))
-    return out

@@ -103,6 +103,10 @@ def kv_need(request, row_bytes: int, scratch_row_bytes: int = 0) -> int:
     """The KV bytes a request reserves while it runs: :func:`kv_rows` at
     ``row_bytes``, and with a quantized cache its widest pass's rows at
     ``scratch_row_bytes`` (:func:`kv_scratch_row_bytes`)."""
+    if getattr(request, "scoring", None) is not None:  # no cache kept: its widest forward's rows, while it runs
+        from .loglikelihood import scoring_rows
+
+        return scoring_rows(request) * (row_bytes + scratch_row_bytes)
     need = kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * row_bytes
     return need + (widest_pass(request) * scratch_row_bytes if scratch_row_bytes else 0)
 
@@ -170,3 +174,14 @@ def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
         log.warning("--max-kv-bytes %d is less than a request with the default max_tokens (%d) reserves (%d): "
                     "such requests will be refused; lower --max-tokens or raise --max-kv-bytes",
                     max_bytes, decoding.gen_length, default)
+
+
+def admission_budget(model, storage, given: Optional[int], prompt_cache_bytes: int, decoding) -> Tuple["KVCost", int]:
+    """(the loaded ``model``'s :class:`KVCost` as ``storage`` keeps its rows,
+    ``--max-kv-bytes``: ``given``, else :func:`default_max_kv_bytes`), once
+    :func:`check_kv_budget` found it takes the server's own default request."""
+    cost = KVCost.of(model, storage)
+    budget = given if given is not None else default_max_kv_bytes(model, prompt_cache_bytes, cost.row_bytes)
+    check_kv_budget(budget, cost, decoding)  # refuses what refuses all
+    return cost, budget
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from typing import Dict, List, Optional
 
 from .job import Job, Turn
@@ -32,6 +33,7 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, metrics):
         self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        self.score_after = 0.0  # when decoding has had its share after the last piece of scoring
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
         self.starting = 0
@@ -51,12 +53,15 @@ class Scheduler:
             if not self.waiting and not stopping.is_set():
                 self.wake.wait(seconds)
 
-    def next_turn(self, max_kv_bytes: int) -> Turn:
+    def next_turn(self, max_kv_bytes: int, decoding: bool = False) -> Turn:
         """This turn's plan: the running requests whose client left, then the
         queued ones admitted in order within a batch row and ``max_kv_bytes``
         (their reservations made now), and the peers they are compared with
-        for a shared prefix (the admitted first, then up to PEERS waiting)."""
-        plan = Turn(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
+        for a shared prefix (the admitted first, then up to PEERS waiting);
+        whether the scoring requests do a piece of work: while others are
+        ``decoding``, scoring gets at most half the engine's time (:meth:`scored`)."""
+        plan = Turn(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()],
+                    score=not decoding or time.monotonic() >= self.score_after)
         room = self.max_batch - len(self.running) + len(plan.cancelled)
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
@@ -78,6 +83,10 @@ class Scheduler:
             peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
         plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
         return plan
+
+    def scored(self, seconds: float) -> None:
+        """A piece of scoring took ``seconds``: decoding has the engine as long before the next."""
+        self.score_after = time.monotonic() + seconds
 
     def started(self, job: Job) -> None:
         """An admitted job is in the batch (its ``uid`` set)."""

@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 from ...decode.grammar import Constraint
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
+from .tool_calls import check_schema_size
 
 # Qwen3's call markers (mlx-lm's json_tools parser reads them); forced calls are written in this format
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -57,6 +58,7 @@ def response_format(value: Any, param: str, nested: bool = True) -> Optional[Con
     if name is not None and not isinstance(name, str):
         raise Refusal(Reason.INVALID_VALUE, f"{where}.name: must be a string", f"{where}.name")
     schema = spec.get("schema", {"type": "object"})  # OpenAI: the schema is optional
+    check_schema_size(schema, f"{where}.schema")
     return _checked(lambda: Constraint.json_schema(schema, f"{where}.schema"), f"{where}.schema")
 
 

@@ -116,7 +116,16 @@ class Answering:
     def terms(self) -> RequestTerms:
         """What every request is made under (known once the model is loaded)."""
         return RequestTerms(self.tokenize, self.vocab_size, self.context, self.config.decoding,
-                            takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar)
+                            takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar,
+                            compile=self.compile)
+
+    def compile(self, constraint) -> None:
+        """A request's constraint compiled against the tokenizer (a DecodeError naming its field)."""
+        from ...decode.grammar import compile_constraint
+
+        with self.engine.tokenizer_lock:
+            compile_constraint(constraint, self.engine.http_tokenizer, self.vocab_size,
+                               self.engine.http_tokenizer.eos_token_id)
 
     @property
     def context(self) -> int:
@@ -127,17 +136,20 @@ class Answering:
         return self.engine.args.vocab_size
 
     def tokenize(self, source) -> List[int]:
-        """A prompt's ids: a ChatPrompt through the chat template, text as is, ids unchanged."""
+        """A prompt's ids: a ChatPrompt through the chat template (within its
+        step limit: ``models.template_steps``), text as is, ids unchanged."""
         from ...decode.stream import chat_prompt
+        from ...models.template_steps import step_limit
 
         if isinstance(source, list) and source and isinstance(source[0], int):
             return source
         with self.engine.tokenizer_lock:
             tokenizer = self.engine.http_tokenizer
-            if isinstance(source, ChatPrompt):
-                return chat_prompt(tokenizer, source.messages, tools=list(source.tools) or None)
-            if isinstance(source, list):
-                return chat_prompt(tokenizer, source)
+            if isinstance(source, (ChatPrompt, list)):
+                messages, tools = (source.messages, list(source.tools) or None) if isinstance(
+                    source, ChatPrompt) else (source, None)
+                with step_limit(tokenizer):
+                    return chat_prompt(tokenizer, messages, tools=tools)
             return list(tokenizer.encode(source))
 
     def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:

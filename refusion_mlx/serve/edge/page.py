@@ -13,6 +13,8 @@ from fastapi.responses import HTMLResponse, Response
 from ...decode.params import FIELDS
 from .http_errors import APIError
 
+# no other site may frame the page (clickjacking): the old header and CSP's, for every browser
+NO_FRAMES = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                ".css": "text/css; charset=utf-8"}
 
@@ -42,7 +44,7 @@ def add_page(app: FastAPI, server) -> None:
 
     @app.get("/", include_in_schema=False)
     async def index():
-        return HTMLResponse(files["index.html"], headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(files["index.html"], headers={"Cache-Control": "no-cache", **NO_FRAMES})
 
     @app.get("/web/settings.json", include_in_schema=False)
     async def settings():
@@ -53,4 +55,4 @@ def add_page(app: FastAPI, server) -> None:
         if name not in files:
             raise APIError(404, f"no file {name!r} in the web page", code="not_found")
         kind = next(t for ext, t in MEDIA_TYPES.items() if name.endswith(ext))
-        return Response(files[name], media_type=kind, headers={"Cache-Control": "no-cache"})
+        return Response(files[name], media_type=kind, headers={"Cache-Control": "no-cache", **NO_FRAMES})

@@ -151,16 +151,19 @@ class RequestGuard:
         return key.strip().encode("latin-1") if key is not None else None
 
     def authorized(self, scope) -> bool:
-        """Whether the request may pass, its key's hash left in its scope."""
+        """Whether the request may pass, its key's hash left in its scope (on a
+        public route too: ``/health`` shows its counts only to a key)."""
         path = scope["path"]
-        if not self.keys or path in self.public or (scope["method"] in ("GET", "HEAD") and path in PUBLIC_PAGE):
+        if not self.keys:
             return True
-        if scope["method"] == "OPTIONS":
-            return True  # a CORS preflight carries no credentials; the request after it does
         given = self.presented(scope)
         match = [k for k in self.keys if given is not None and hmac.compare_digest(given, k)]
         if match:
             scope[KEY_SCOPE] = key_id(match[0].decode())
+        if path in self.public or (scope["method"] in ("GET", "HEAD") and path in PUBLIC_PAGE):
+            return True
+        if scope["method"] == "OPTIONS":
+            return True  # a CORS preflight carries no credentials; the request after it does
         return bool(match)
 
     async def __call__(self, scope, receive, send):

@@ -26,6 +26,7 @@ from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
 from ..edge.answering import ClientGone, JobStream, _log, collect, data, job_event, next_event
 from .openai_bodies import MAX_PROMPTS
+from .openai_echo import check_work
 
 
 def usage_of(outcomes: List[Outcome], n: int) -> dict:
@@ -56,6 +57,9 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
         for p in range(prompts):
             draft = make(p)
             out += [finish(draft, terms, owner, k) for k in range(n)]
+        scored = [r for r in out if r.scoring is not None]
+        check_work([r.scoring.work(len(r.prompt_ids)) for r in scored],
+                   "mc_num" if any(r.scoring.estimator == "mc" for r in scored) else "prompt")
         return out
 
     requests = await run_in_threadpool(made)
@@ -66,9 +70,12 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
             jobs.append(engine.submit(r, loop))
         for job in jobs:
             await next_event(job, engine, request)  # admitted: the decoder (or the scorer) took it
-    except BaseException:
+    except BaseException as e:
         for job in jobs:
             job.cancelled.set()
+        if isinstance(e, ClientGone):  # it left while its choices waited in the queue
+            _log(request.url.path, t0, "client went away")
+            return Response(status_code=499)
         raise
     first = writer_class(answering.server, body, kind)
     writers = [writer_class(answering.server, body, kind, i, first.head) for i in range(len(jobs))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ..core.loglikelihood import MC_NUM, Scoring
+from ..core.loglikelihood import MAX_SCORE_WORK, MC_NUM, Scoring
 from ..core.outcome import ScoredPrompt
 from ..core.refusal import Reason, Refusal
 
@@ -55,8 +55,19 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[
     elif body.mc_num is not None or context_tokens is not None:
         name = "mc_num" if body.mc_num is not None else "context_tokens"
         raise Refusal(Reason.UNSUPPORTED, f'{name}: only with logprob_estimator "mc"', name)
-    return Scoring(estimator, body.logprobs or 0, extra, body.mc_num or MC_NUM, context_tokens,
+    spec = Scoring(estimator, body.logprobs or 0, extra, body.mc_num or MC_NUM, context_tokens,
                    body.seed if body.seed is not None else 0, body.logprobs is not None)
+    check_work([spec.work(len(ids))], "mc_num" if estimator == "mc" else "prompt")
+    return spec
+
+
+def check_work(work, param: str) -> None:
+    """A 400 when scoring would take more than :data:`MAX_SCORE_WORK` token-forwards
+    (prompt tokens x ``mc_num``, summed over a request's prompts)."""
+    if sum(work) > MAX_SCORE_WORK:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: scoring this request takes {sum(work)} token-forwards (prompt "
+                                            f"tokens x mc_num, summed over its prompts); the most is {MAX_SCORE_WORK}",
+                      param)
 
 
 def legacy_logprobs(scored: ScoredPrompt) -> Optional[dict]:

@@ -186,7 +186,7 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
 def add_routes(app: FastAPI, answering: Answering) -> None:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
     ``GET /v1/responses/{id}/input_items``."""
-    store = ResponseStore(answering.config.max_stored_responses)
+    store = ResponseStore(answering.config.max_stored_responses, answering.config.max_stored_response_bytes)
 
     @app.post("/v1/responses")
     @app.post("/responses", include_in_schema=False)

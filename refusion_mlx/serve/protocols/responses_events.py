@@ -11,6 +11,7 @@ response is stored (unless ``store`` is false) with its conversation, for
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import List, Optional
@@ -21,6 +22,8 @@ from ..core.slots import answer_blocks
 from ..core.tool_calls import ToolCall
 from ..edge.answering import Answer, Writer, event
 from .responses_store import ResponseStore
+
+log = logging.getLogger("refusion_mlx.server")
 
 
 def _id(prefix: str) -> str:
@@ -87,7 +90,9 @@ class ResponsesWriter(Writer):
             calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}
                      for c in self.calls]
             answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            self.store.put(response, self.conversation + [answer], self.owner, self.input_items)
+            if not self.store.put(response, self.conversation + [answer], self.owner, self.input_items):
+                log.warning("response %s not stored: over --max-stored-response-bytes (%d)", self.id,
+                            self.store.max_bytes)
         return response
 
     def answer(self, answer: Answer) -> dict:

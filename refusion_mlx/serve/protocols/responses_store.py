@@ -1,6 +1,9 @@
 """The Responses API's stored responses, for ``previous_response_id`` and
 ``GET``/``DELETE /v1/responses/{id}``: in memory, at most
-``ServerConfig.max_stored_responses`` of them, least recently used out.
+``ServerConfig.max_stored_responses`` of them holding at most
+``max_stored_response_bytes`` of JSON all together, least recently used
+out. An input item keeps only the fields the API defines for its type
+(unknown ones never reach the prompt, and are not kept either).
 
 An entry keeps the response as it was answered and its conversation in the
 chat template's form (the input's messages, without ``instructions``, and
@@ -14,12 +17,18 @@ neither reads, continues nor deletes it -- it is not there for that key.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+# the fields an input item keeps, by its type (the rest is dropped), and a content part's
+ITEM_FIELDS = {"message": ("type", "id", "role", "content", "status"),
+               "function_call": ("type", "id", "call_id", "name", "arguments", "status"),
+               "function_call_output": ("type", "id", "call_id", "output", "status")}
+PART_FIELDS = ("type", "text", "refusal")
 
 
 @dataclass(frozen=True)
@@ -28,24 +37,32 @@ class StoredResponse:
     conversation: List[dict]  # its messages and the answer, for the next turn's prompt
     owner: str = ""  # the hash of the API key that made it ("": none given)
     input_items: tuple = ()  # the request's own input as items, with ids (GET .../input_items)
+    nbytes: int = 0  # the JSON size of all of it, counted against the store's max_bytes
 
 
 class ResponseStore:
-    """Responses by id, bounded (``max_entries``; 0 keeps none)."""
+    """Responses by id, bounded by count (``max_entries``; 0 keeps none) and
+    by the JSON size of what they hold (``max_bytes``)."""
 
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int, max_bytes: int = 64 << 20):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
         self.entries: "collections.OrderedDict[str, StoredResponse]" = collections.OrderedDict()
+        self.nbytes = 0
         self.lock = threading.Lock()
 
-    def put(self, response: dict, conversation: List[dict], owner: str = "", input_items=()) -> None:
+    def put(self, response: dict, conversation: List[dict], owner: str = "", input_items=()) -> bool:
+        """Keep a response (least recently used ones out to make room); False
+        when it alone is over ``max_bytes`` (it is not kept)."""
+        size = sum(len(json.dumps(part)) for part in (response, conversation, list(input_items)))
         with self.lock:
-            if self.max_entries <= 0:
-                return
-            self.entries[response["id"]] = StoredResponse(response, conversation, owner, tuple(input_items))
-            self.entries.move_to_end(response["id"])
-            while len(self.entries) > self.max_entries:
-                self.entries.popitem(last=False)
+            if self.max_entries <= 0 or size > self.max_bytes:
+                return False
+            old = self.entries.pop(response["id"], None)
+            self.nbytes += size - (old.nbytes if old is not None else 0)
+            self.entries[response["id"]] = StoredResponse(response, conversation, owner, tuple(input_items), size)
+            while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
+                self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+            return True
 
     def get(self, response_id: str, owner: str = "") -> Optional[StoredResponse]:
         with self.lock:
@@ -61,7 +78,7 @@ class ResponseStore:
             entry = self.entries.get(response_id)
             if entry is None or entry.owner != owner:
                 return False
-            del self.entries[response_id]
+            self.nbytes -= self.entries.pop(response_id).nbytes
             return True
 
     def __len__(self) -> int:
@@ -72,12 +89,16 @@ def input_items(value: Union[str, List[Dict[str, Any]]]) -> List[dict]:
     """A request's ``input`` as the items ``GET /v1/responses/{id}/input_items``
     lists: a string is one user message; a message's string content becomes
     one text part; every item has an id (its own, or a new one) and messages a
-    status."""
+    status; only the fields of its type are kept (:data:`ITEM_FIELDS`)."""
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     out = []
     for item in items:
-        item = dict(item)
-        kind = item.setdefault("type", "message")
+        kind = item.get("type", "message")
+        item = {k: v for k, v in item.items() if k in ITEM_FIELDS.get(kind, ("type", "id"))}
+        item["type"] = kind
+        if isinstance(item.get("content"), list):
+            item["content"] = [{k: v for k, v in p.items() if k in PART_FIELDS} if isinstance(p, dict) else p
+                               for p in item["content"]]
         if kind == "message":
             if isinstance(item.get("content"), str):
                 part = "output_text" if item.get("role") == "assistant" else "input_text"

@@ -14,6 +14,7 @@ from typing import List
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from ..core.refusal import Reason, Refusal
 from .bodies import STRICT
@@ -43,8 +44,11 @@ def add_routes(app: FastAPI, answering) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        with engine.tokenizer_lock:
-            tokens = list(engine.http_tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        def encode():
+            with engine.tokenizer_lock:
+                return list(engine.http_tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+
+        tokens = await run_in_threadpool(encode)  # a long text takes seconds: never on the event loop
         return {"tokens": tokens, "count": len(tokens), "max_model_len": answering.context}
 
     @app.post("/detokenize")
@@ -53,5 +57,8 @@ def add_routes(app: FastAPI, answering) -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise Refusal(Reason.INVALID_VALUE, f"token id {bad[0]} is outside the vocabulary of {vocab}", "tokens")
-        with engine.tokenizer_lock:
-            return {"prompt": engine.http_tokenizer.decode(body.tokens)}
+        def decode():
+            with engine.tokenizer_lock:
+                return engine.http_tokenizer.decode(body.tokens)
+
+        return {"prompt": await run_in_threadpool(decode)}

@@ -1,0 +1,97 @@
+"""Connections that hold the server without a request are cut.
+
+uvicorn times out an idle keep-alive connection, but not one that opens and
+never finishes its headers; and it takes every connection it can accept, so
+a few thousand such sockets use up the process's file descriptors and the
+accept error is logged without end. :func:`protocol` makes uvicorn's h11
+protocol with two bounds (``ServerConfig``):
+
+* ``header_timeout`` -- a connection whose request headers have not all
+  arrived this many seconds after it opened (or after the first bytes of
+  its next request) is closed; an idle keep-alive connection is uvicorn's
+  to time out;
+* ``max_connections`` -- past this many open connections, the oldest one
+  still waiting for its headers is closed to make room (a new one, when
+  every other is being answered); the default leaves room under the
+  process's descriptor limit (:func:`default_max_connections`).
+
+:class:`OncePerInterval` keeps a repeated log line (asyncio's accept error)
+to one per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
+RESERVED_FDS = 128  # descriptors kept free of connections: model files, the prompt cache's, logs
+
+
+def default_max_connections() -> int:
+    """Open connections the server takes: its descriptor limit less :data:`RESERVED_FDS`, at most 4096."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = 4096 if soft == resource.RLIM_INFINITY else soft - RESERVED_FDS
+    return max(16, min(4096, limit))
+
+
+def protocol(header_timeout: float, max_connections: int):
+    """uvicorn's h11 protocol, bounded: see the module's text."""
+
+    class Bounded(H11Protocol):
+        header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:  # over the cap: the oldest still without headers goes
+                waiting = [c for c in self.connections if c is not self and c.header_timer is not None]
+                oldest = min(waiting, key=lambda c: c.header_timer.when(), default=self)
+                oldest.transport.close()
+                if oldest is self:  # every other one is being answered: this one waits for none of them
+                    return
+            self._time_headers()
+
+        def _time_headers(self) -> None:
+            self.header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self.header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # its request's headers never all came
+
+        def data_received(self, data: bytes) -> None:
+            before = getattr(self, "scope", None)
+            super().data_received(data)
+            if getattr(self, "scope", None) is not before:  # a request's headers are in
+                if self.header_timer is not None:
+                    self.header_timer.cancel()
+                    self.header_timer = None
+            elif self.header_timer is None and self.conn.their_state is h11.IDLE:
+                self._time_headers()  # the next request's first bytes, after a keep-alive pause
+
+        def connection_lost(self, exc) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+            super().connection_lost(exc)
+
+    return Bounded
+
+
+class OncePerInterval(logging.Filter):
+    """Lets a message through once per ``seconds``; its repeats meanwhile are dropped."""
+
+    def __init__(self, seconds: float = 10.0):
+        super().__init__()
+        self.seconds, self.last = seconds, {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key, now = (record.name, record.msg), time.monotonic()
+        if now - self.last.get(key, -self.seconds) < self.seconds:
+            return False
+        self.last[key] = now
+        return True

@@ -1,0 +1,303 @@
+"""No single request holds the server (issue 50): each hostile or careless
+request next to a well-behaved client, on the demo model.
+
+Scoring shares the engine with decoding and stops when its client leaves;
+stored responses are bounded in bytes; connections that never finish their
+headers are cut; tokenization leaves the event loop free; schemas past the
+limits and grammars the engine cannot compile are 400s naming the field; a
+queued client that leaves logs nothing; hostile model folders are refused.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from refusion_mlx.models.loading import DEMO_MODEL
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    srv = RefusionServer(str(DEMO_MODEL), model_id="demo", port=0, header_timeout=1.0, max_connections=24,
+                         max_stored_response_bytes=200_000, max_batch=2).start()
+    yield srv
+    srv.close()
+
+
+def call(srv, method, path, body=None, timeout=60):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
+    conn.request(method, path, body=None if body is None else json.dumps(body),
+                 headers={"Content-Type": "application/json"} if body is not None else {})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload) if payload else None
+
+
+def timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def in_thread(fn, *args):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(out=timed(fn, *args)))
+    thread.start()
+    return thread, box
+
+
+def wait_for(check, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def long_prompt(n: int, seed: int = 0) -> list:
+    return [int(t) for t in np.random.default_rng(seed).integers(20, 700, n)]
+
+
+def scoring(n: int, mc_num: int, seed: int = 0) -> dict:
+    return {"prompt": long_prompt(n, seed), "echo": True, "logprobs": 1, "max_tokens": 0,
+            "logprob_estimator": "mc", "mc_num": mc_num, "context_tokens": 10}
+
+
+def active(srv) -> int:
+    return call(srv, "GET", "/health")[1]["active"]
+
+
+def test_scoring_shares_the_engine_with_a_chat(server):
+    """A long Monte Carlo scoring request runs in pieces between decoding steps:
+    a short chat sent while it scores answers long before it ends."""
+    scorer, box = in_thread(call, server, "POST", "/v1/completions", scoring(1200, 8))
+    assert wait_for(lambda: active(server) >= 1)
+    (status, chat), chat_seconds = timed(call, server, "POST", CHAT,
+                                         {"messages": [{"role": "user", "content": "Who is Sven?"}], "max_tokens": 16})
+    scorer.join()
+    (score_status, scored), score_seconds = box["out"]
+    assert status == 200 and chat["choices"][0]["message"]["content"]
+    assert score_status == 200 and len(scored["choices"][0]["logprobs"]["token_logprobs"]) == 1200
+    print(f"chat {chat_seconds:.2f} s while scoring took {score_seconds:.2f} s")
+    assert chat_seconds < score_seconds / 2, (chat_seconds, score_seconds)
+
+
+def test_scoring_stops_when_its_client_leaves(server):
+    sock = socket.create_connection((server.host, server.port))
+    body = json.dumps(scoring(1500, 256, seed=1)).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert wait_for(lambda: active(server) >= 1)
+    sock.close()  # 256 samples of 1,500 tokens would take minutes here
+    assert wait_for(lambda: active(server) == 0, 10.0)
+    status, health = call(server, "GET", "/health")
+    assert status == 200 and health["cancelled"] >= 1
+
+
+def test_scoring_past_its_bound_is_a_400_and_admission_counts_its_memory(server):
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.loglikelihood import MAX_SCORE_WORK, Scoring
+    from refusion_mlx.decode.params import RefusionParams
+
+    body = {**scoring(1500, 1024), "prompt": [long_prompt(1500, s) for s in range(3)]}
+    status, err = call(server, "POST", "/v1/completions", body)
+    assert status == 400 and err["error"]["param"] == "mc_num" and str(MAX_SCORE_WORK) in err["error"]["message"]
+    cost = server.engine.kv_cost
+
+    def need(mc_num):
+        return cost.need(EngineRequest(long_prompt(1500), RefusionParams(), scoring=Scoring("mc", 1, 0, mc_num, 10)))
+
+    assert need(32) == need(1024) > 1500 * cost.row_bytes  # the widest forward's rows, flat in mc_num
+
+
+def test_stored_responses_are_bounded_in_bytes_and_keep_no_unknown_fields(server):
+    from refusion_mlx.serve.protocols.responses_store import ResponseStore, input_items
+
+    store = ResponseStore(100, max_bytes=2000)
+    for i in range(5):
+        assert store.put({"id": f"r{i}", "text": "x" * 500}, [], "", [])
+    assert store.nbytes <= 2000 and "r4" in store.entries and "r0" not in store.entries
+    assert not store.put({"id": "big", "text": "x" * 5000}, [], "", []) and "big" not in store.entries
+    assert store.delete("r4") and store.nbytes == sum(e.nbytes for e in store.entries.values())
+    items = input_items([{"role": "user", "content": [{"type": "input_text", "text": "hi", "junk": [1] * 9}],
+                          "x": [[]] * 1000}])
+    assert items[0].keys() == {"type", "role", "content", "status", "id"} and "junk" not in items[0]["content"][0]
+    junk = {"input": [{"role": "user", "content": "Who is Sven?", "x": [[]] * 20000}], "max_output_tokens": 4}
+    status, answer = call(server, "POST", "/v1/responses", junk)
+    assert status == 200
+    status, listed = call(server, "GET", f"/v1/responses/{answer['id']}/input_items")
+    assert status == 200 and "x" not in listed["data"][0]
+    status, too_big = call(server, "POST", "/v1/responses", {"input": "Z" * 300_000, "max_output_tokens": 1,
+                                                             "truncation": "disabled"})
+    if status == 200:  # answered, but over --max-stored-response-bytes: not kept
+        assert call(server, "GET", f"/v1/responses/{too_big['id']}")[0] == 404
+
+
+def test_connections_that_never_finish_their_headers_are_cut(server):
+    socks = []
+    for _ in range(40):  # over --max-connections 24: the oldest waiting ones make room
+        s = socket.create_connection((server.host, server.port))
+        s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n")
+        socks.append(s)
+    (status, _), seconds = timed(call, server, "GET", "/health")
+    assert status == 200 and seconds < 2
+    time.sleep(1.5)  # --header-timeout 1
+    cut = 0
+    for s in socks:
+        s.settimeout(2)
+        try:
+            cut += s.recv(64) == b""
+        except OSError:  # reset: closed to make room
+            cut += 1
+        s.close()
+    assert cut == len(socks)
+
+
+def test_tokenizing_a_long_text_leaves_the_event_loop_free(server):
+    text = "Sven lives in Hanoi and works as a baker. " * 20000  # 840 KB
+    tokenizer, box = in_thread(call, server, "POST", "/tokenize", {"prompt": text})
+    time.sleep(0.05)
+    (status, _), seconds = timed(call, server, "GET", "/v1/models")
+    tokenizer.join()
+    (tok_status, tokens), tok_seconds = box["out"]
+    assert status == 200 and tok_status == 200 and tokens["count"] > 100_000
+    assert seconds < max(0.5, tok_seconds / 3), (seconds, tok_seconds)
+
+
+def deep_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_schemas_past_the_limits_are_400s_naming_the_field(server):
+    deep = deep_schema(100)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    user = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (CHAT, {"messages": user, "tools": [tool]}, "tools[0].function.parameters"),
+        ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}},
+         "text.format.schema"),
+        ("/v1/messages", {"messages": user, "max_tokens": 4, "tools": [{"name": "f", "input_schema": deep}]},
+         "tools[0].input_schema"),
+        ("/v1/messages/count_tokens", {"messages": user, "tools": [{"name": "f", "input_schema": deep}]},
+         "tools[0].input_schema"),
+    ]
+    for path, body, param in cases:
+        status, err = call(server, "POST", path, body)
+        assert status == 400, (path, err)
+        message = err["error"]["message"]
+        assert param in message and "nested over" in message, (path, message)
+    for schema in ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                    "required": ["a"]},
+                   {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}):
+        body = {"messages": user, "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        status, err = call(server, "POST", CHAT, body)
+        assert status == 400 and err["error"]["param"] == "response_format.json_schema.schema", err
+
+
+def test_a_queued_client_that_leaves_logs_no_traceback(server, caplog):
+    slow = {"prompt": "1 2 3 4 5 6 7 8 9 10", "max_tokens": 64, "slot_threshold": 1.0, "token_threshold": 1.0}
+    threads = [in_thread(call, server, "POST", "/v1/completions", slow)[0] for _ in range(2)]  # the batch is full
+    assert wait_for(lambda: active(server) == 2)
+    body = json.dumps({"prompt": ["a", "b", "c"], "max_tokens": 4}).encode()
+    with caplog.at_level(logging.INFO):
+        sock = socket.create_connection((server.host, server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)
+        sock.close()
+        for t in threads:
+            t.join()
+        assert wait_for(lambda: active(server) == 0)
+        time.sleep(0.5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert "client went away" in caplog.text
+
+
+def folder(tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL, out)
+    return out
+
+
+def test_hostile_model_folders_are_refused_in_one_line(tmp_path):
+    from refusion_mlx.errors import LoadError
+    from refusion_mlx.models import config_checks
+    from refusion_mlx.models.loading import load
+
+    def refused(path, match):
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(error=_error(load, path)), daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "loading hung"
+        assert isinstance(box["error"], LoadError) and match in str(box["error"]), box["error"]
+
+    fifo = folder(tmp_path / "fifo")
+    os.remove(fifo / "tokenizer.json")
+    os.mkfifo(fifo / "tokenizer.json")
+    refused(fifo, "tokenizer.json: not a regular file")
+    link = folder(tmp_path / "link")
+    os.symlink("/etc/hostname", link / "notes.txt")
+    refused(link, "outside the model folder")
+    shards = folder(tmp_path / "shards")
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../model.safetensors"}}))
+    refused(shards, "outside the model folder")
+    eos = folder(tmp_path / "eos")
+    (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": 10 ** 9}))
+    refused(eos, "eos token id 1000000000 is outside the vocabulary")
+    hub = tmp_path / "hub" / "models--x--y"  # the hub's cache: a snapshot's files link to the repo's blobs
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "blobs" / "abc").write_text("{}")
+    (hub / "snapshots" / "rev").mkdir(parents=True)
+    (hub / "snapshots" / "rev" / "config.json").symlink_to("../../blobs/abc")
+    assert config_checks.folder_problems(hub / "snapshots" / "rev") == []
+    assert config_checks.folder_problems(link) == [
+        "notes.txt: a link to /etc/hostname, outside the model folder (copy the file in, or link the whole folder)"]
+    rope = folder(tmp_path / "rope")
+    config = json.loads((rope / "config.json").read_text())
+    (rope / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 1e308}}))
+    refused(rope, "rope_scaling.factor")
+
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # what the test checks
+        return e
+    return None
+
+
+def test_a_chat_template_that_never_ends_fails_its_request(tmp_path):
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    hostile = folder(tmp_path)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                               "{{ messages[0]['content'] }}")
+    (hostile / "tokenizer_config.json").write_text(json.dumps(config))
+    (hostile / "chat_template.jinja").unlink(missing_ok=True)
+    with RefusionServer(str(hostile), port=0) as srv:
+        (status, err), seconds = timed(call, srv, "POST", CHAT, {"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 4})
+        assert status == 400 and "ran past" in err["error"]["message"] and seconds < 10
+        assert call(srv, "GET", "/health")[0] == 200
+        assert call(srv, "POST", "/v1/completions", {"prompt": "1 2 3", "max_tokens": 4})[0] == 200
