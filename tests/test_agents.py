@@ -346,7 +346,7 @@ BAD = [
         {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": "6*7"}]}]},
      "messages[0].content[0].input"),
     ("/v1/messages", {"messages": user(SVEN)}, "max_tokens"),  # required
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
      "messages[0].content[0].type"),
 ]

@@ -408,8 +408,6 @@ BAD = [
     (CHAT, {"messages": ["hi"]}, 400, "messages[0]"),
     (CHAT, user(max_tokens=-1), 400, "max_tokens"),
     (CHAT, user(max_tokens=0), 400, "max_tokens"),
-    (CHAT, user(max_tokens=10 ** 12), 400, "max_tokens"),
-    (CHAT, user(max_tokens=2040), 400, "max_tokens"),  # fits alone, not after the prompt
     (CHAT, user(max_tokens="12"), 400, "max_tokens"),
     (CHAT, user(max_tokens=True), 400, "max_tokens"),
     (CHAT, user(max_tokens=2.5), 400, "max_tokens"),

@@ -259,12 +259,16 @@ def load_tokenizer(model_path: Path):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return mlx_lm_load_tokenizer(model_path)
+        tokenizer = mlx_lm_load_tokenizer(model_path)
     except Exception as e:
         detail = " ".join(str(e).split())[:300] or type(e).__name__
         raise LoadError(f"{model_path}: cannot load the tokenizer: {detail}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # a prompt over the context is this project's to say, in one line:
+    if isinstance(getattr(hf, "deprecation_warnings", None), dict):  # not transformers' "Token indices ..." warning
+        hf.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:

@@ -18,6 +18,7 @@ type, size and arrival (415, 411, 413, 408).
 from __future__ import annotations
 
 import importlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +33,10 @@ from .edge.answering import Answering, ClientGone
 from .edge.api_schema import schema_maker
 from .edge.http_errors import APIError, as_api_error, error_response
 from .edge.page import add_page
-from .edge.security import KEY_SCOPE, RequestGuard, SiteGuard
+from .edge.security import KEY_SCOPE, HeadAsGet, RequestGuard, SiteGuard
 from .protocols import tokenizer_api
+
+log = logging.getLogger("refusion_mlx.server")
 
 
 def create_app(server) -> FastAPI:
@@ -42,9 +45,16 @@ def create_app(server) -> FastAPI:
     app = FastAPI(title="refusion-mlx", version=__version__,
                   description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
     # outermost last: the Host and Origin checks, CORS (with --allowed-origins), then the key and the body
+    def refused(error: APIError, scope) -> None:  # every error answered: counted, and a 4xx logged in one line
+        engine.metrics.http_error(error.status)
+        if error.status < 500:
+            named = error.param and not error.message.startswith(error.param)
+            log.info("%d %s %s: %s%s", error.status, scope["method"], scope["path"],
+                     f"{error.param}: " if named else "", error.message)
+
+    app.add_middleware(HeadAsGet)  # innermost: the guards see the HEAD, the routes a GET
     app.add_middleware(RequestGuard, keys=config.api_keys, max_bytes=config.max_body_bytes,
-                       body_timeout=config.body_timeout, metrics_public=config.metrics_public,
-                       on_error=engine.metrics.http_error)
+                       body_timeout=config.body_timeout, metrics_public=config.metrics_public, on_error=refused)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -53,11 +63,11 @@ def create_app(server) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
                                           "anthropic-beta"])
     app.add_middleware(SiteGuard, bound=server.host, allowed_hosts=config.allowed_hosts,
-                       allowed_origins=config.allowed_origins, on_error=engine.metrics.http_error)
+                       allowed_origins=config.allowed_origins, on_error=refused)
 
     async def on_error(request: Request, exc: Exception):
         error = as_api_error(request, exc)
-        engine.metrics.http_error(error.status)
+        refused(error, request.scope)
         return error_response(error, request.url.path)
 
     for exc in (APIError, Refusal, HTTPException, RequestValidationError):
@@ -67,7 +77,7 @@ def create_app(server) -> FastAPI:
         return Response(status_code=499)
 
     async def bug(request: Request, exc: Exception):  # a bug: logged by the server, answered in the API's shape
-        engine.metrics.http_error(500)
+        refused(APIError(500, "internal error"), request.scope)
         return error_response(APIError(500, "the server failed on this request (see its log)",
                                        code="internal_error"), request.url.path)
 

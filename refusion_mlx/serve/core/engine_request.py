@@ -19,6 +19,7 @@ API calls it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -27,6 +28,8 @@ from ...decode.params import BlockLayout, RefusionParams
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
+
+log = logging.getLogger("refusion_mlx.server")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EngineRequest:
     constraint: Optional[Constraint] = None
     scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
     logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (job.token_entries)
+    asked_max_tokens: Optional[int] = None  # the max_tokens asked, when more than the context left (then cut)
 
     @property
     def max_tokens(self) -> int:
@@ -185,7 +189,9 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
 
     ``max_tokens``: the answer's most tokens (None: the server's default,
     ``defaults.gen_length``, shrunk to the whole slots the context leaves, as
-    OpenAI shrinks its default). ``fields``: the decoding settings the request
+    OpenAI shrinks its default); more than the context leaves is cut to
+    what fits, as llama.cpp's server does (the request's
+    ``asked_max_tokens`` says so; the answer then ends at ``length``). ``fields``: the decoding settings the request
     gives, by their ``RefusionParams`` names, over the server's ``defaults``
     (a request's block choice replaces the server's). ``prompt_param`` and
     ``max_tokens_param``: those fields' names in the request's API;
@@ -195,24 +201,30 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     if len(ids) >= context:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
                                                       f"is {context}", prompt_param)
-    if max_tokens is not None and max_tokens > context:
-        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"{name} must be at most the model's context of "
-                                                      f"{context}, got {max_tokens}", name)
     slot = fields.get("slot_size") or defaults.slot_size
-    if max_tokens is None:
-        max_tokens = min(defaults.gen_length, ((context - len(ids)) // slot) * slot)
+    asked, room = max_tokens, ((context - len(ids)) // slot) * slot  # the whole slots the context leaves
+    if max_tokens is None or max_tokens > room:
+        max_tokens = min(defaults.gen_length if max_tokens is None else max_tokens, room)
         if max_tokens < 1:
             raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
                           f"of {context} leaves no whole slot of {slot} for an answer", prompt_param)
     blocks = {"block_length": None, "serial_num_blocks": None}
-    changes = {**(blocks if blocks.keys() & fields.keys() else {}), **fields, "gen_length": max_tokens}
-    try:
-        params = dataclasses.replace(defaults, **changes)
-        budget = params.layout().gen_length  # resolved here, once: the request carries it
-    except DecodeError as e:
-        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+    while True:
+        changes = {**(blocks if blocks.keys() & fields.keys() else {}), **fields, "gen_length": max_tokens}
+        try:
+            params = dataclasses.replace(defaults, **changes)
+            budget = params.layout().gen_length  # resolved here, once: the request carries it
+        except DecodeError as e:
+            raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+        if len(ids) + budget <= context or asked is None or max_tokens <= slot:
+            break
+        max_tokens -= slot  # a layout of whole blocks past the context: a slot less, until it fits
     if len(ids) + budget > context:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
                       f"{budget} in whole slots) exceeds the model's context of {context}", name)
+    cut = asked if asked is not None and asked != max_tokens else None
+    if cut is not None:
+        log.info("%s %d cut to %d: the prompt's %d tokens leave that much of the model's context of %d", name, asked,
+                 max_tokens, len(ids), context)
     return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
-                         constraint=constraint)
+                         constraint=constraint, asked_max_tokens=cut)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import ChatPrompt, Draft, EngineRequest, RequestTerms, finish
@@ -176,15 +176,17 @@ class Answering:
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
             await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
+            headers = cut_header(writer.request)
             if stream:
                 events = sse(job, self.engine, writer, t0)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
-                response = JobStream(job, events)
+                response = JobStream(job, events, headers)
                 job = None  # the stream owns it now
                 return response
             answer = await collect(job, self.engine, request)
             _log(request.url.path, t0, answer.done)
-            return writer.answer(answer)
+            body = writer.answer(answer)
+            return JSONResponse(body, headers=headers) if headers else body
         except ClientGone:
             _log(request.url.path, t0, "client went away")
             return Response(status_code=499)
@@ -263,14 +265,24 @@ async def sse(job: Job, engine, writer: Writer, t0: float):
         _log("stream", t0, note)
 
 
+CUT_HEADER = "X-Max-Tokens-Cut"
+
+
+def cut_header(request: EngineRequest) -> dict:
+    """``{CUT_HEADER: "ASKED -> GIVEN"}`` for a request whose max_tokens was cut to fit the context, else {}."""
+    if request.asked_max_tokens is None:
+        return {}
+    return {CUT_HEADER: f"{request.asked_max_tokens} -> {request.max_tokens}"}
+
+
 class JobStream(StreamingResponse):
     """A job's server-sent events; however the response ends -- finished, or the
     client gone before the first chunk (its generator never started, so only
     the garbage collector would run its ``finally``) -- the job is cancelled
     (a no-op once it finished)."""
 
-    def __init__(self, job: Job, events):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, job: Job, events, headers: Optional[dict] = None):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
         self.job = job
 
     async def __call__(self, scope, receive, send):

@@ -84,7 +84,7 @@ class SiteGuard:
     sent it (a browser's) must be the server's own, or allowed; else 403."""
 
     def __init__(self, app, bound: str, allowed_hosts: Tuple[str, ...] = (),
-                 allowed_origins: Tuple[str, ...] = (), on_error: Optional[Callable[[int], None]] = None):
+                 allowed_origins: Tuple[str, ...] = (), on_error: Optional[Callable[[APIError, dict], None]] = None):
         self.app, self.on_error = app, on_error
         self.any_host = "*" in allowed_hosts
         self.wildcard = bound in WILDCARDS
@@ -124,7 +124,7 @@ class SiteGuard:
         else:
             return await self.app(scope, receive, send)
         if self.on_error is not None:
-            self.on_error(error.status)
+            self.on_error(error, scope)
         await error_response(error, scope["path"])(scope, receive, send)
 
 
@@ -138,7 +138,7 @@ class RequestGuard:
     Content-Length (411, 413) and a body that arrives in time (408)."""
 
     def __init__(self, app, keys: Tuple[str, ...] = (), max_bytes: int = 1 << 20, body_timeout: float = 30.0,
-                 metrics_public: bool = False, on_error: Optional[Callable[[int], None]] = None):
+                 metrics_public: bool = False, on_error: Optional[Callable[[APIError, dict], None]] = None):
         self.app, self.max_bytes, self.body_timeout, self.on_error = app, max_bytes, body_timeout, on_error
         self.keys = tuple(k.encode() for k in keys)
         self.public = PUBLIC + (("/metrics",) if metrics_public else ())
@@ -200,7 +200,7 @@ class RequestGuard:
 
     async def refuse(self, error: APIError, scope, receive, send, headers=None):
         if self.on_error is not None:
-            self.on_error(error.status)
+            self.on_error(error, scope)
         response = error_response(error, scope["path"])
         response.headers.update(headers or {})
         if error.status == 408:
@@ -243,3 +243,23 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replay
+
+
+class HeadAsGet:
+    """ASGI middleware: ``HEAD`` answered wherever ``GET`` is -- the route runs as
+    a GET, its headers go out, its body does not (clients probe with HEAD)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+

@@ -7,10 +7,13 @@ Anthropic's shape (:func:`..edge.http_errors.anthropic_route`).
 ``system`` and ``messages`` (text, ``tool_use`` and ``tool_result`` blocks)
 become the chat template's messages (:class:`~..core.engine_request.ChatPrompt`):
 an assistant's ``tool_use`` blocks its calls, a user's ``tool_result``
-blocks tool messages; ``tools`` (``input_schema``) the template's function
-tools. The ``x-api-key`` and ``anthropic-version`` headers are accepted and
-not checked (a local server). ReFusion's decoding fields are extra body
-fields, as on chat.
+blocks tool messages, a ``system`` message inside the conversation a
+system message in its place; ``tools`` (``input_schema``) the template's
+function tools. ``thinking`` is accepted (:func:`check_thinking`: this model
+writes no thinking blocks); ``output_format`` / ``output_config.format``
+constrain the answer to a schema. The ``x-api-key``, ``anthropic-version``
+and ``anthropic-beta`` headers are accepted and not checked (a local
+server). ReFusion's decoding fields are extra body fields, as on chat.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid
-from ..core.structured import forced_calls
+from ..core.structured import forced_calls, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from .anthropic_events import MessagesWriter
@@ -39,6 +42,10 @@ class _CountBase(BaseModel):
     system: Union[str, List[Dict[str, Any]], None] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Dict[str, Any]] = None
+    output_format: Optional[Dict[str, Any]] = Field(
+        None, description='{"type": "json_schema", "schema": {...}}: the answer is decoded under the schema '
+                          "(constrained, as chat's response_format)")
+    output_config: Optional[Dict[str, Any]] = Field(None, description="its format: as output_format")
 
 
 class CountTokensRequest(_CountBase):
@@ -122,8 +129,12 @@ def anthropic_messages(body) -> tuple:
         params.append("system")
     for i, message in enumerate(body.messages):
         role = message.get("role")
+        if role == "system":  # a system message inside the conversation (Claude Code's reminders): in its place
+            out.append({"role": "system", "content": _text_blocks(message.get("content"), f"messages[{i}].content")})
+            params.append(f"messages[{i}]")
+            continue
         if role not in ("user", "assistant"):
-            raise invalid(f"messages[{i}].role", f"must be user or assistant, got {role!r}")
+            raise invalid(f"messages[{i}].role", f"must be user, assistant or system, got {role!r}")
         blocks, param = _blocks(message, i), f"messages[{i}]"
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
         if role == "assistant":
@@ -174,15 +185,41 @@ def chat_prompt_of(body, takes_tools: bool) -> tuple:
     return ChatPrompt(messages, tools), parallel
 
 
+def check_thinking(body) -> None:
+    """``thinking``: ``disabled``, ``adaptive`` (the model may choose not to
+    think: this one never writes thinking blocks) or ``enabled`` with a
+    ``budget_tokens`` of at least 1,024 and under ``max_tokens`` (Anthropic's
+    own rule; accepted, and answered without thinking blocks)."""
+    thinking = body.thinking or {}
+    kind = thinking.get("type")
+    if kind not in (None, "disabled", "adaptive", "enabled"):
+        raise invalid("thinking.type", f"must be disabled, adaptive or enabled, got {kind!r}")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and not (isinstance(budget, int) and not isinstance(budget, bool)
+                                  and 1024 <= budget < body.max_tokens):
+        raise invalid("thinking.budget_tokens", f"must be an integer of at least 1024 and under max_tokens "
+                                                f"({body.max_tokens}), got {budget!r}")
+
+
+def output_format(body):
+    """The answer's format (``output_format``, or ``output_config.format``) as a constraint (None: text)."""
+    if body.output_format is not None:
+        return response_format(body.output_format, "output_format", nested=False)
+    config = body.output_config
+    if config is not None and not isinstance(config.get("format", {}), dict):
+        raise invalid("output_config.format", 'must be an object such as {"type": "json_schema", "schema": {...}}')
+    return response_format((config or {}).get("format"), "output_config.format", nested=False)
+
+
 def messages_request(body, terms: RequestTerms) -> Draft:
     """The body in the engine's terms."""
-    if (body.thinking or {}).get("type") not in (None, "disabled"):
-        raise Refusal(Reason.UNSUPPORTED, "thinking: extended thinking is not supported by this model", "thinking")
+    check_thinking(body)
     prompt, parallel = chat_prompt_of(body, terms.takes_tools)
     ids = terms.prompt_ids(prompt, "messages")
+    constraint = forced_calls(prompt.tools, body.tool_choice, parallel) or output_format(body)
     return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
                  include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
-                 parallel_tool_calls=parallel, constraint=forced_calls(prompt.tools, body.tool_choice, parallel))
+                 parallel_tool_calls=parallel, constraint=constraint)
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
@@ -202,6 +239,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         def count() -> int:
             terms = answering.terms
             prompt, _ = chat_prompt_of(body, terms.takes_tools)
+            output_format(body)  # checked as a request would be (it adds no prompt tokens)
             return len(terms.prompt_ids(prompt, "messages"))
 
         return {"input_tokens": await run_in_threadpool(count)}

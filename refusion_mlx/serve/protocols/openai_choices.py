@@ -18,13 +18,13 @@ import time
 from typing import Callable, List, Optional
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import EngineRequest, finish
 from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
-from ..edge.answering import ClientGone, JobStream, _log, collect, data, job_event, next_event
+from ..edge.answering import ClientGone, JobStream, _log, collect, cut_header, data, job_event, next_event
 from .openai_bodies import MAX_PROMPTS
 from .openai_echo import check_work
 
@@ -82,7 +82,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     for w, r in zip(writers, requests):
         w.request = r
     if body.stream:
-        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0))
+        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0), cut_header(requests[0]))
     try:
         answers = await asyncio.gather(*(collect(job, engine, request) for job in jobs))
     except ClientGone:
@@ -93,8 +93,9 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
             job.cancelled.set()
     bodies = [w.answer(a) for w, a in zip(writers, answers)]
     _log(request.url.path, t0, f"{len(jobs)} choices")
-    return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
-            "usage": usage_of([a.done for a in answers], n)}
+    body = {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage_of([a.done for a in answers], n)}
+    headers = cut_header(requests[0])
+    return JSONResponse(body, headers=headers) if headers else body
 
 
 class _Jobs:

@@ -32,6 +32,10 @@ from .responses_events import ResponsesWriter
 from .responses_store import ResponseStore, input_items, item_page
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# tools OpenAI runs itself: a local server cannot, so they are left out of the prompt (a client that sends them
+# by default -- Codex's web_search -- still gets answers); a tool_choice that names one is refused
+HOSTED = ("web_search", "web_search_preview", "file_search", "computer_use", "computer_use_preview",
+          "code_interpreter", "image_generation", "local_shell", "mcp", "tool_search")
 
 
 class _ResponsesBase(BaseModel):
@@ -135,19 +139,40 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
 
 
 def response_tools(body, takes_tools: bool) -> tuple:
-    """The function tools (flat, as the Responses API gives them) in the template's form, checked."""
-    tools = []
+    """The function tools in the template's form, checked: (tools, each
+    namespaced one's name -> its namespace). A ``namespace`` tool (a named
+    group of function tools, as Codex sends its sub-agent tools) gives its
+    functions, their calls answered with the namespace (``namespaces``);
+    hosted tools the server cannot run (:data:`HOSTED`: web search, file
+    search, ...) are left out of the prompt, unless ``tool_choice`` names one."""
+    tools, namespaces = [], {}
     for i, tool in enumerate(body.tools or ()):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise unsupported(f"tools[{i}].type", f"only function tools are supported, got {kind!r}")
-        tools.append(function_tool(tool, f"tools[{i}]"))
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            tools.append(function_tool(tool, f"tools[{i}]"))
+        elif kind == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(tool.get("name"), str) or not isinstance(inner, list):
+                raise invalid(f"tools[{i}]", "a namespace tool needs name and tools (a list of function tools)")
+            for j, fn in enumerate(inner):
+                if not isinstance(fn, dict) or fn.get("type", "function") != "function":
+                    raise unsupported(f"tools[{i}].tools[{j}].type", "a namespace holds function tools")
+                tools.append(function_tool(fn, f"tools[{i}].tools[{j}]"))
+                namespaces[fn["name"]] = tool["name"]
+        elif kind == "custom":
+            continue  # a freeform tool (its input plain text): this model writes JSON calls only; left out
+        elif kind not in HOSTED:
+            raise unsupported(f"tools[{i}].type", f"only function and namespace tools, and hosted tools left out "
+                                                 f"of the prompt ({', '.join(HOSTED)}), are supported; got {kind!r}")
     choice = body.tool_choice
     if isinstance(choice, dict):
+        if choice.get("type") in HOSTED:
+            raise unsupported("tool_choice", f"names the hosted tool {choice['type']!r}, which this server cannot "
+                                             "run")
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
         choice = choice["name"]
-    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice"), namespaces
 
 
 def check_unsupported(body) -> None:
@@ -158,7 +183,8 @@ def check_unsupported(body) -> None:
 
 
 def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: str = "") -> tuple:
-    """The body in the engine's terms, and the conversation to store with its answer;
+    """The body in the engine's terms, the conversation to store with its
+    answer, and the namespaces of its namespaced tools (by function name);
     ``owner``: the API key's hash, whose stored responses it may continue."""
     check_unsupported(body)
     history: List[dict] = []
@@ -172,7 +198,7 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
     conversation = history + new
     check_results(conversation, ["previous_response_id"] * len(history) + params)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    tools = response_tools(body, terms.takes_tools)
+    tools, namespaces = response_tools(body, terms.takes_tools)
     ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
     parallel = body.parallel_tool_calls is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
@@ -180,7 +206,7 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
     draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
                   max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
                   parallel_tool_calls=parallel, constraint=constraint)
-    return draft, conversation
+    return draft, conversation, namespaces
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
@@ -195,7 +221,8 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         writer.owner = request.scope.get(KEY_SCOPE, "")  # another key's responses are not there for it
 
         def make() -> Draft:
-            draft, writer.conversation = responses_request(body, store, answering.terms, writer.owner)
+            draft, writer.conversation, writer.namespaces = responses_request(body, store, answering.terms,
+                                                                              writer.owner)
             writer.input_items = input_items(body.input)
             return draft
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..core.outcome import Outcome
 from ..core.refusal import Refusal
@@ -43,9 +43,11 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+def call_item(item_id: str, call: ToolCall, status: str = "completed", namespace: Optional[str] = None) -> dict:
+    """A call as a ``function_call`` item; a namespaced tool's carries its ``namespace``."""
+    item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else "", "status": status}
+    return {**item, "namespace": namespace} if namespace else item
 
 
 class ResponsesWriter(Writer):
@@ -56,6 +58,7 @@ class ResponsesWriter(Writer):
         self.conversation: List[dict] = []  # set by the adapter: the messages, without instructions
         self.owner = ""  # set by the adapter: the hash of the API key the request presented
         self.input_items: List[dict] = []  # set by the adapter: the input as items, for GET .../input_items
+        self.namespaces: Dict[str, str] = {}  # set by the adapter: a namespaced function's namespace
         self.id, self.created = _id("resp"), int(time.time())
         self.model = server.config.model_id
         self.seq = 0
@@ -98,7 +101,7 @@ class ResponsesWriter(Writer):
     def answer(self, answer: Answer) -> dict:
         if answer.text:
             self.output.append(message_item(_id("msg"), answer.text))
-        self.output += [call_item(_id("fc"), c) for c in answer.calls]
+        self.output += [call_item(_id("fc"), c, namespace=self.namespaces.get(c.name)) for c in answer.calls]
         self.text_parts, self.calls = [answer.text], list(answer.calls)
         return self.finish(answer.done)
 
@@ -149,12 +152,14 @@ class ResponsesWriter(Writer):
         out = self.close_message()
         self.calls.append(call)
         index, item_id = len(self.output), _id("fc")
-        out += self.emit("response.output_item.added", output_index=index, item=call_item(item_id, call, "in_progress"))
+        namespace = self.namespaces.get(call.name)
+        out += self.emit("response.output_item.added", output_index=index,
+                         item=call_item(item_id, call, "in_progress", namespace))
         out += self.emit("response.function_call_arguments.delta", item_id=item_id, output_index=index,
                          delta=call.arguments)
         out += self.emit("response.function_call_arguments.done", item_id=item_id, output_index=index,
                          name=call.name, arguments=call.arguments)
-        item = call_item(item_id, call)
+        item = call_item(item_id, call, namespace=namespace)
         self.output.append(item)
         return out + self.emit("response.output_item.done", output_index=index, item=item)
 

@@ -1,0 +1,142 @@
+"""What the stock coding agents send, answered as the APIs define it (issue
+51), on the demo model: the Responses API's ``namespace`` and hosted tools
+(Codex), the Messages API's ``thinking``, system messages inside the
+conversation and structured output (Claude Code, the ``anthropic`` SDK's
+``messages.parse``), a ``max_tokens`` past the context cut to fit on all
+three APIs, ``HEAD`` wherever ``GET`` is, every 4xx in the server's log, and
+no transformers warning on stderr."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+from typing import Literal
+
+import anthropic
+import pytest
+from pydantic import BaseModel
+
+from refusion_mlx.models.loading import DEMO_MODEL
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    srv = RefusionServer(str(DEMO_MODEL), model_id="demo", port=0).start()
+    yield srv
+    srv.close()
+
+
+def call(srv, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    conn.request(method, path, body=None if body is None else json.dumps(body),
+                 headers={**({"Content-Type": "application/json"} if body is not None else {}), **(headers or {})})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), json.loads(payload) if payload else None
+
+
+def test_responses_tools_as_codex_sends_them(server):
+    namespace = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.", "tools": [WEATHER]}
+    body = {"input": "Weather in Bern?", "max_output_tokens": 32, "tools": [namespace, {"type": "web_search"}],
+            "tool_choice": "required", "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "store": False, "prompt_cache_key": "k", "client_metadata": {"thread_id": "t"}}
+    status, _, answer = call(server, "POST", "/v1/responses", body, {"x-codex-beta-features": "x"})
+    assert status == 200, answer
+    calls = [item for item in answer["output"] if item["type"] == "function_call"]
+    assert calls and all(c["name"] == "get_weather" and c["namespace"] == "weather_v1" for c in calls)
+    status, _, err = call(server, "POST", "/v1/responses", {**body, "tool_choice": {"type": "web_search"}})
+    assert status == 400 and err["error"]["param"] == "tool_choice" and "web_search" in err["error"]["message"]
+    status, _, err = call(server, "POST", "/v1/responses", {**body, "tools": [{"type": "spreadsheet"}]})
+    assert status == 400 and err["error"]["param"] == "tools[0].type"
+
+
+def test_messages_as_claude_code_sends_them(server):
+    user = [{"role": "user", "content": "Who is Sven?"}]
+    status, headers, answer = call(server, "POST", "/v1/messages", {
+        "messages": user + [{"role": "assistant", "content": "Sven?"},
+                            {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Yes."}],
+        "max_tokens": 32000, "thinking": {"type": "adaptive"}, "stream": False},
+        {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"})
+    assert status == 200 and answer["stop_reason"] in ("end_turn", "max_tokens"), answer
+    assert headers["x-max-tokens-cut"].startswith("32000 -> ")
+    assert all(block["type"] != "thinking" for block in answer["content"])
+    with_system = call(server, "POST", "/v1/messages/count_tokens", {
+        "messages": user + [{"role": "system", "content": "Answer briefly."}]})[2]["input_tokens"]
+    assert with_system > call(server, "POST", "/v1/messages/count_tokens", {"messages": user})[2]["input_tokens"]
+    status, _, err = call(server, "POST", "/v1/messages", {"messages": user, "max_tokens": 64,
+                                                           "thinking": {"type": "enabled", "budget_tokens": 10}})
+    assert status == 400 and "thinking.budget_tokens" in err["error"]["message"]
+    status, _, _ = call(server, "POST", "/v1/messages", {"messages": user, "max_tokens": 2048,
+                                                         "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert status == 200
+
+
+def test_max_tokens_past_the_context_is_cut_on_every_api(server):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 100000}),
+                       ("/v1/responses", {"input": "Hi", "max_output_tokens": 100000}),
+                       ("/v1/completions", {"prompt": "1 2 3", "max_tokens": 5000, "stream": True})):
+        status, headers, _ = call(server, "POST", path, body) if not body.get("stream") else _streamed(server, path,
+                                                                                                      body)
+        asked = body.get("max_tokens") or body.get("max_output_tokens")
+        given = int(headers["x-max-tokens-cut"].split(" -> ")[1])
+        assert status == 200 and headers["x-max-tokens-cut"].startswith(f"{asked} -> ") and given <= 2048, path
+
+
+def _streamed(srv, path, body):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), None
+
+
+class Person(BaseModel):
+    name: Literal["Sven", "Zoe", "Max"]  # the demo model's words run on inside a free string
+    age: int
+
+
+def test_anthropic_structured_output_is_decoded_under_the_schema(server):
+    client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0)
+    parsed = client.messages.parse(model="demo", max_tokens=64, output_format=Person,
+                                   messages=[{"role": "user", "content": "Tell me about Zoe."}])
+    assert isinstance(parsed.parsed_output, Person), parsed.content
+    schema = {"type": "object", "properties": {"city": {"enum": ["Hanoi", "Bern", "Perth"]}}, "required": ["city"],
+              "additionalProperties": False}
+    status, _, answer = call(server, "POST", "/v1/messages", {
+        "messages": [{"role": "user", "content": "Where does Sven live?"}], "max_tokens": 48,
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert status == 200 and set(json.loads(answer["content"][0]["text"])) == {"city"}, answer
+    status, _, counted = call(server, "POST", "/v1/messages/count_tokens", {
+        "messages": [{"role": "user", "content": "Hi"}], "output_format": {"type": "json_schema", "schema": schema}})
+    assert status == 200 and counted["input_tokens"] > 0
+
+
+def test_head_is_answered_wherever_get_is_and_every_4xx_is_logged(server, caplog):
+    for path in ("/", "/v1/models", "/health"):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("HEAD", path)
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read() == b"", path
+        conn.close()
+    with caplog.at_level(logging.INFO, logger="refusion_mlx.server"):
+        status, _, _ = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                     "temperature": -1})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("400 POST /v1/chat/completions")]
+    assert status == 400 and len(lines) == 1 and "temperature" in lines[0], caplog.text
+
+
+def test_a_prompt_over_the_tokenizers_length_warns_nothing(capfd, caplog):
+    from refusion_mlx.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_MODEL)
+    assert len(tokenizer.encode("Sven lives in Hanoi. " * 3000)) > 10000
+    assert "Token indices" not in capfd.readouterr().err + caplog.text
