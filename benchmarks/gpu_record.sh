@@ -51,4 +51,8 @@ $PY -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \
   --json "$OUT/fc-q4.json" || echo "step failed: $?"
 bench_shape q4 fused --q-bits 4
 bench_shape q4 auto --q-bits 4 --batch 8
+
+step "forward cost, 4-bit, narrow passes not padded (REFUSION_MLX_QMM_PAD=off: the width policy's before)"
+REFUSION_MLX_QMM_PAD=off $PY -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \
+  --widths 1,2,4,7,8 --kv 1024 --no-ar --no-split --json "$OUT/fc-q4-unpadded.json" || echo "step failed: $?"
 step "done"

@@ -205,3 +205,34 @@ def test_on_cuda_no_fused_call_has_several_query_rows(demo, golden_cases, set_pa
                              max_batch=len(cases))
     assert [r.output_ids for r in results] == [c["output_ids"] for c in cases]
     assert all(r == 1 for r in rows) and unfused and max(unfused) > 1
+
+
+def test_narrow_quantized_passes_are_padded_where_the_kernels_read_once(monkeypatch):
+    """CUDA's quantized matmul streams the weights once a row under 8 rows and
+    once from 8: 2-7 rows are padded to 8 there (elsewhere, or with the
+    setting off, as given); the real rows' outputs are what they were."""
+    import mlx.nn as nn
+
+    from refusion_mlx.models.projections import PaddedQuantizedLinear, pad_quantized
+
+    monkeypatch.setattr(backend, "is_cuda", lambda: True)
+    assert [backend.quantized_rows(r) for r in (1, 2, 7, 8, 17)] == [1, 8, 8, 8, 17]
+    monkeypatch.setenv(backend.PAD_ENV, "off")
+    assert backend.quantized_rows(3) == 3
+    monkeypatch.setattr(backend, "is_cuda", lambda: False)
+    monkeypatch.setenv(backend.PAD_ENV, "auto")
+    assert backend.quantized_rows(3) == 3  # the CPU, and Metal until measured there
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64))
+    nn.quantize(model, group_size=32, bits=4)
+    x = mx.random.normal((1, 5, 128))
+    before = model(x)
+    assert pad_quantized(model) == 0  # here: the layers stay mlx's own
+    monkeypatch.setenv(backend.PAD_ENV, "on")
+    assert pad_quantized(model) == 2 and all(isinstance(m, PaddedQuantizedLinear) for m in model.layers)
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda a, *r, **k: calls.append(a.shape) or real(a, *r, **k))
+    after = model(x)
+    assert calls == [(8, 128), (8, 96)] and after.shape == before.shape  # each layer: 5 rows padded to 8
+    assert mx.allclose(after, before, atol=1e-5).item()

@@ -166,10 +166,11 @@ def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
     twin on the same arrays when ``ar``: ``(model, ar_model or None)``."""
     import importlib
 
-    from ..models.projections import join_projections
+    from ..models.projections import join_projections, pad_quantized
     from .runs import share_weights
 
     join_projections(model)  # computes each joined group's weights
+    pad_quantized(model)  # as loading does: narrow quantized passes padded where the kernels charge less
     flat = [v for _, v in tree_flatten(model.parameters())]
     for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
         mx.eval(flat[i:i + 8])

@@ -122,6 +122,28 @@ def attention_mode() -> str:
     return value
 
 
+# Rows from which MLX's CUDA quantized matmul reads each weight once (qmm_sm80, mlx/backend/cuda/quantized):
+# under them its qmv streams the weights once per row. Measured on an H200 (benchmarks/records/
+# nvidia-h200-2026-11-28.json, the 8B shape, 4-bit): 1 row 5.4 ms, 4 rows 17.2 ms, 8 rows 5.3 ms.
+CUDA_QMM_ROWS = 8
+PAD_ENV = "REFUSION_MLX_QMM_PAD"  # "auto" (default), "on" (pad wherever quantized), "off"
+
+
+def quantized_rows(rows: int) -> int:
+    """The rows a quantized matmul of ``rows`` input rows runs with: on CUDA,
+    2 to 7 rows are padded to :data:`CUDA_QMM_ROWS` (one read of the weights
+    instead of one a row; the padding rows are zeros, sliced off); elsewhere
+    (Metal's kernels: unmeasured here; the CPU) as given. ``REFUSION_MLX_QMM_PAD``:
+    ``off`` never pads, ``on`` pads on every device (tests)."""
+    return CUDA_QMM_ROWS if 2 <= rows < CUDA_QMM_ROWS and pads_quantized() else rows
+
+
+def pads_quantized() -> bool:
+    """Whether narrow quantized matmuls are padded here (:func:`quantized_rows`)."""
+    setting = os.environ.get(PAD_ENV, "auto").strip().lower()
+    return setting != "off" and (setting == "on" or is_cuda())
+
+
 def is_cuda() -> bool:
     """Whether MLX computes on its CUDA backend here."""
     return _is_cuda(str(mx.default_device()))

@@ -321,6 +321,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         join_projections = fuse
     if join_projections and not lazy:
         projections.join_projections(model)
+    projections.pad_quantized(model)  # narrow passes of a quantized model: one read of each weight on CUDA
     tokenizer = load_tokenizer(model_path)
     mask_id = resolve_mask_id(config, tokenizer)
     if not 0 <= mask_id < model.args.vocab_size:

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .backend import gpu_paths
+from .backend import gpu_paths, pads_quantized, quantized_rows
 
 
 class Derived:
@@ -68,6 +68,37 @@ class Linear(nn.Linear):
         if "bias" in self:
             return mx.addmm(self["bias"], x, weight_t)
         return x @ weight_t
+
+
+class PaddedQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose input rows are padded with zeros to the
+    count the backend's kernels read the weights once for
+    (:func:`.backend.quantized_rows`), the padding's outputs sliced off: each
+    real row is computed as before, by a kernel that streams the weights once
+    for the whole pass instead of once per row."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        padded = quantized_rows(rows)
+        if padded == rows:
+            return super().__call__(x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = super().__call__(mx.concatenate([flat, mx.zeros((padded - rows, x.shape[-1]), x.dtype)]))
+        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def pad_quantized(model: nn.Module) -> int:
+    """Where the backend pads narrow quantized matmuls (CUDA: :func:`.backend.pads_quantized`),
+    every ``nn.QuantizedLinear`` of ``model`` made a :class:`PaddedQuantizedLinear`
+    in place (the same arrays); how many (elsewhere none: the layers stay as they are)."""
+    if not pads_quantized():
+        return 0
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear:
+            module.__class__ = PaddedQuantizedLinear
+            count += 1
+    return count
 
 
 class Projections:
