@@ -22,6 +22,18 @@ def blas_lines():
     return [f"BLAS: {_blas.describe()}"] + ([f"WARNING: {warning}"] if warning else [])
 
 
+AGENTS_SKIPPED = "the coding agents' tests did not run"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line when the coding agents' tests skipped (``-q`` shows no skip reasons), with how to run them."""
+    reasons = [r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
+               for r in terminalreporter.stats.get("skipped", [])]
+    missing = [r for r in reasons if "npm install --prefix .ci/agents" in r]
+    if missing:
+        terminalreporter.write_line(f"{AGENTS_SKIPPED}: {missing[0].removeprefix('Skipped: ')}")
+
+
 def pytest_sessionstart(session):
     """Written at the top of every run, ``-q`` included (which hides pytest's own header)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
