@@ -649,6 +649,9 @@ def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
     (["--max-active", "0"], "must be >= 1"),
     (["--max-kv-bytes", "0"], "must be more than 0 bytes"),
     (["--watchdog-seconds", "soon"], "must be a positive number of seconds"),
+    (["--header-timeout", "-1"], "--header-timeout: must be a positive number of seconds"),
+    (["--max-connections", "0"], "--max-connections: must be >= 1"),
+    (["--max-stored-response-bytes", "lots"], "invalid size"),
 ])
 def test_cli_bad_flags_one_line(flags, needle):
     r = subprocess.run([sys.executable, "-m", "refusion_mlx.server", *flags], capture_output=True,
