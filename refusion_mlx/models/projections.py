@@ -82,8 +82,7 @@ class PaddedQuantizedLinear(nn.QuantizedLinear):
         padded = quantized_rows(rows)
         if padded == rows:
             return super().__call__(x)
-        flat = x.reshape(rows, x.shape[-1])
-        out = super().__call__(mx.concatenate([flat, mx.zeros((padded - rows, x.shape[-1]), x.dtype)]))
+        out = super().__call__(mx.pad(x.reshape(rows, x.shape[-1]), [(0, padded - rows), (0, 0)]))
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
