@@ -4,7 +4,7 @@ against a one-token autoregressive (AR) forward of the same weights.
     python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32, ~3 min
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --json cost.json   # a GPU
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \\
-        --attention fused,unfused --widths 1,4,8,16,32 --kv 256,1024,4096
+        --attention unfused,bucketed --widths 1,4,8,16,32 --kv 256,1024,4096
 
 ReFusion is faster than AR only if a forward that feeds several tokens
 costs about what a one-token forward costs, and whether it does is decided
@@ -55,6 +55,7 @@ import numpy as np
 from refusion_mlx.bench.report import device_description, format_table, package_version
 from refusion_mlx.cli import OneLineParser, positive_ints, run
 from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.packed import padded
 from refusion_mlx.decode.runner import Runner
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.models import backend
@@ -151,8 +152,8 @@ def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms
     kv = mx.random.normal((1, K, width, D)).astype(dtype)
     mx.eval(x, y, q, kv)
     layers = model.layers
-    write = filled.write(phase, width)
-    mask = model.attention_mask(write.mask, width, write.visible, dtype)
+    write = padded(filled.write(phase, width), width)  # a padded batch of one where shapes are bucketed
+    mask = None if write.mask is None else model.attention_mask(write.mask, width, write.visible, dtype)
 
     def proj():
         return [[*a.qkv(a, x), a.o_proj(y)] for a in (layer.self_attn for layer in layers)]
@@ -302,7 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"of {', '.join(PHASES)} (default all)")
     parser.add_argument("--attention", type=lambda t: names(t, backend.ATTENTION_MODES), default=["auto"],
                         help="how the GPU paths attend, one run each: auto (as measured per backend), fused, "
-                             "unfused (default auto)")
+                             "unfused, bucketed (fused at a few padded shapes) (default auto)")
     parser.add_argument("--repeat", type=int, default=5 if on_gpu else 3,
                         help="timed forwards per row (median; default 5 on a GPU, 3 on the CPU)")
     parser.add_argument("--fixed-kv", action="store_true",

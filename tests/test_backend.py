@@ -23,15 +23,17 @@ def params_of(case):
                           slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu", "gpu-unfused"])
+@pytest.mark.parametrize("mode", ["gpu", "cpu", "gpu-unfused", "gpu-bucketed"])
 def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_paths, monkeypatch, mode):
     """Float32, T=0: each case alone, then all 32 in one batch; the GPU paths
-    also with the unfused attention MLX's CUDA backend takes (``fused_attention``)."""
+    also with the unfused attention MLX's CUDA backend takes (``fused_attention``)
+    and at bucketed shapes (``bucketed_attention``: every pass a padded batch)."""
     mode, _, attention = mode.partition("-")
     monkeypatch.setenv(backend.ATTENTION_ENV, attention or "auto")
     set_paths(mode)
     assert backend.paths() == mode
-    assert backend.fused_attention(4) == (mode == "gpu" and not attention)
+    assert backend.fused_attention(4) == (mode == "gpu" and attention != "unfused")
+    assert backend.bucketed_attention(4) == (attention == "bucketed")
     model, tokenizer = demo
     wrong = []
     for i, case in enumerate(golden_cases):
@@ -152,7 +154,7 @@ def test_attention_mode_is_read_from_the_environment(set_paths, monkeypatch):
     monkeypatch.setenv(backend.ATTENTION_ENV, "flash")
     with pytest.raises(backend.PathsError) as e:
         set_paths("gpu")  # a model load reads both settings: one line naming the bad one
-    assert "REFUSION_MLX_ATTENTION='flash'" in str(e.value) and "auto, fused, unfused" in str(e.value)
+    assert "REFUSION_MLX_ATTENTION='flash'" in str(e.value) and "auto, fused, unfused, bucketed" in str(e.value)
     assert "\n" not in str(e.value)
 
 

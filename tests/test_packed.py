@@ -102,3 +102,100 @@ def test_gpu_paths_batch_of_equal_passes_needs_no_padding(demo, golden_cases, se
     n = len(passes[0])
     np.testing.assert_allclose(np.array(packed[:n]), np.array(alone), atol=2e-5)
     np.testing.assert_allclose(np.array(packed[n:]), np.array(alone), atol=2e-5)
+
+
+def test_bucket_ladders():
+    """Keys read in steps of 256 up to 512, then two lengths an octave (at
+    most half as many again as seen); query rows padded to a power of two."""
+    from refusion_mlx.models import backend
+
+    assert [backend.key_bucket(n) for n in (1, 256, 257, 512, 513, 768, 769, 1025, 1537, 3000, 4097)] == \
+        [256, 256, 512, 512, 768, 768, 1024, 1536, 2048, 3072, 6144]
+    for n in range(1, 20000, 7):
+        b = backend.key_bucket(n)
+        assert n <= b <= max(512, 1.5 * n) and b % 256 == 0 and backend.key_bucket(b) == b
+    assert [backend.row_bucket(n) for n in (1, 2, 3, 5, 16, 17, 33)] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def decode_cases(model, tokenizer, cases, batch: bool):
+    from refusion_mlx.decode.batch import batch_generate
+
+    params = [RefusionParams(gen_length=c["gen_length"], slot_size=c["slot_size"],
+                             serial_num_blocks=c["serial_num_blocks"], slot_threshold=c["slot_threshold"],
+                             token_threshold=c["token_threshold"]) for c in cases]
+    if batch:
+        return [r.output_ids for r in batch_generate(model, tokenizer, [c["prompt_ids"] for c in cases], params,
+                                                     max_batch=len(cases))]
+    out = []
+    for case, p in zip(cases, params):
+        decoder = RefusionDecoder(model, case["prompt_ids"], p, mask_id=model.args.mask_token_id,
+                                  eos_id=tokenizer.eos_token_id)
+        for _ in decoder.steps():
+            pass
+        out.append(decoder.response())
+    return out
+
+
+def fused_shapes(monkeypatch):
+    """(query shape, key shape, mask dtype) of every fused call of several query rows."""
+    calls = []
+    kernel = mx.fast.scaled_dot_product_attention
+
+    def counted(q, k, v, **kwargs):
+        if q.shape[2] > 1:
+            mask = kwargs.get("mask")
+            calls.append((q.shape, k.shape, getattr(mask, "dtype", mask)))
+        return kernel(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    return calls
+
+
+def test_bucketed_attention_plans_a_few_shapes_and_stays_token_exact(demo, golden_cases, set_paths, monkeypatch):
+    """REFUSION_MLX_ATTENTION=bucketed: every fused call of several rows (each
+    lone request's passes too) has power-of-two query rows, a bucketed key
+    length and an additive mask in the queries' dtype; a whole decode plans
+    a handful of shapes, and the answers are the golden ones, alone and batched."""
+    from refusion_mlx.models import backend
+
+    monkeypatch.setenv(backend.ATTENTION_ENV, "bucketed")
+    set_paths("gpu")
+    model, tokenizer = demo
+    cases = golden_cases[:6]
+    calls = fused_shapes(monkeypatch)
+    assert decode_cases(model, tokenizer, cases, batch=False) == [c["output_ids"] for c in cases]
+    layers = model.args.num_hidden_layers
+    lone = set(calls)
+    assert len(calls) >= 10 * layers and len(lone) <= len(calls) // (3 * layers)
+    for (B, H, T, D), (_, K, L, _), mask_dtype in lone:
+        assert B == 1 and T == backend.row_bucket(T) and L == backend.key_bucket(L) and mask_dtype == mx.float32
+    calls.clear()
+    assert decode_cases(model, tokenizer, cases, batch=True) == [c["output_ids"] for c in cases]
+    assert calls and {c[0][0] for c in calls} > {1}  # batches of several requests, bucketed alike
+    assert all(T == backend.row_bucket(T) and L == backend.key_bucket(L) for (_, _, T, _), (_, _, L, _), _ in calls)
+
+
+def test_bucketed_shapes_past_the_budget_attend_unfused(demo, golden_cases, set_paths, monkeypatch):
+    """A thread plans at most half of MLX's SDPA cache (MLX_CUDA_SDPA_CACHE_SIZE)
+    in new shapes, so cuDNN never evicts and never reaches its thrashing
+    error; past that, new shapes attend unfused, with the same answers."""
+    import threading
+
+    from refusion_mlx.models import backend, cpu_paths
+
+    monkeypatch.setenv(backend.ATTENTION_ENV, "bucketed")
+    monkeypatch.setenv(backend.SDPA_CACHE_ENV, "4")
+    set_paths("gpu")
+    model, tokenizer = demo
+    cases = golden_cases[6:9]
+    calls = fused_shapes(monkeypatch)
+    unfused = []
+    plain = cpu_paths.unfused_attend
+    monkeypatch.setattr(cpu_paths, "unfused_attend", lambda q, *a: unfused.append(q.shape) or plain(q, *a))
+    got = []
+    worker = threading.Thread(target=lambda: got.append(decode_cases(model, tokenizer, cases, batch=False)))
+    worker.start()  # a new thread: nothing planned on it yet
+    worker.join()
+    assert got == [[c["output_ids"] for c in cases]]
+    assert len({(q, k) for q, k, _ in calls}) == 2 and unfused
+    assert all(T == backend.row_bucket(T) for _, _, T, _ in unfused)  # still padded, only not fused

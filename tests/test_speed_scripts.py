@@ -206,7 +206,7 @@ def test_tools_run_from_the_repository_root():
 @pytest.fixture(scope="module")
 def cost_run(tmp_path_factory):
     """The forward-cost instrument, small: the tiny shape on the GPU paths,
-    attention fused and unfused, every phase, two widths, one cache length."""
+    attention fused, unfused and bucketed, every phase, two widths, one cache length."""
     from refusion_mlx.models import backend
 
     out = tmp_path_factory.mktemp("cost")
@@ -217,7 +217,7 @@ def cost_run(tmp_path_factory):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1",
-                                      "--attention", "fused,unfused", "--json", str(out / "fc-bf16.json")]) == 0
+                                      "--attention", "fused,unfused,bucketed", "--json", str(out / "fc-bf16.json")]) == 0
             assert forward_cost.main(["--shape", "tiny", "--q-bits", "4", "--dtype", "bfloat16", "--widths", "8",
                                       "--kv", "16", "--repeat", "1", "--phases", "plan",
                                       "--json", str(out / "fc-q4.json")]) == 0
@@ -235,7 +235,7 @@ def test_forward_cost_rows_parts_and_ar(cost_run):
     r = json.loads((out / "fc-bf16.json").read_text())
     rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
     assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
-        (a, p, w) for a in ("fused", "unfused") for p in ("plan", "verify", "infill") for w in (1, 4)}
+        (a, p, w) for a in ("fused", "unfused", "bucketed") for p in ("plan", "verify", "infill") for w in (1, 4)}
     ar = [x for x in r["forward_cost"] if x["phase"] == "ar"]
     assert len(ar) == 1 and ar[0]["width"] == 1 and ar[0]["kv_len"] == 16 and ar[0]["ms"] > 0
     for x in rows:

@@ -35,6 +35,12 @@ class KVStore:
     A subclass is made as ``Kind(spec, **settings)`` and answers the
     classmethods with the same settings."""
 
+    # A padded batch attends over this kind's rows read back in the model's
+    # dtype (``fetch``), so MLX's fused kernel can take them at bucketed
+    # shapes (``backend.bucketed_attention``); False for a kind whose batch
+    # attends through its own call (:meth:`attend_batch`).
+    FLOAT_ROWS = True
+
     def __init__(self, spec: CacheSpec):
         self.spec = spec
         self.capacity = 0  # rows held, committed and scratch

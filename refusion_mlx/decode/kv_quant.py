@@ -72,6 +72,8 @@ class QuantizedStore(KVStore):
     dropped when rows are committed or kept: every pass writes the scratch
     rows it reads (the decoder's passes do)."""
 
+    FLOAT_ROWS = False  # a batch attends through the codes (attend_batch)
+
     def __init__(self, spec: CacheSpec, bits: int = 8, group_size: int = DEFAULT_GROUP_SIZE):
         check_settings(bits, group_size, spec.head_dim)
         super().__init__(spec)

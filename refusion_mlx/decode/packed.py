@@ -34,6 +34,17 @@ quantized matmul; the mask is the same per-request mask, its columns laid
 out as codes then scratch rows.
 
 The padding, masks and index arrays are made once per forward, on first use.
+
+**Bucketed shapes** (``REFUSION_MLX_ATTENTION=bucketed``,
+``backend.bucketed_attention``): a backend that plans per exact shape
+(cuDNN, behind MLX's fused attention on CUDA) would plan again for every
+pass, since every pass sees a new number of keys. There a pass of two or
+more rows -- a lone request's too (:func:`padded`) -- attends as a padded
+batch whose query rows are padded to a power of two and whose keys are read
+to a length of ``backend.key_bucket``, the extra keys masked (the mask made
+additive once per forward): one shape serves a whole run of passes, and
+``backend.plans_shape`` keeps the shapes a thread plans under MLX's
+cache, new ones past it attending unfused.
 """
 
 from __future__ import annotations
@@ -46,6 +57,21 @@ import numpy as np
 from ..models import backend
 from ..models.cpu_paths import attend, attention_mask
 from .cache import KVWrite
+
+
+def padded(write, tokens: int):
+    """The write a pass of ``tokens`` rows attends through: a lone request's
+    write (a ``KVWrite``, or the bench's stand-in) as a padded batch of one
+    where its shapes are bucketed (``backend.bucketed_attention``, a store
+    kind whose rows are read as floats), else ``write`` itself."""
+    if write.mask is not None and backend.bucketed_attention(tokens) and _float_rows([write]):
+        return PackedWrite([write], [tokens], batched=True)
+    return write
+
+
+def _float_rows(writes) -> bool:
+    """Whether every write's stores are of a kind read back as float rows (``KVStore.FLOAT_ROWS``)."""
+    return all(type(store).FLOAT_ROWS for w in writes for store in w.cache.stores if store is not None)
 
 
 class PackedWrite:
@@ -91,21 +117,27 @@ class PackedWrite:
                            for w, start, end in self.segments]
         return self._masks
 
-    def padding(self, heads: int, kv_heads: int, dtype: mx.Dtype) -> "_Padding":
-        """The padded batch's shape, index arrays and mask (the batched way)."""
+    def padding(self, heads: int, kv_heads: int, dtype: mx.Dtype, bucketed: bool = False) -> "_Padding":
+        """The padded batch's shape, index arrays and mask (the batched way);
+        ``bucketed``: at bucketed shapes (this module's docstring)."""
         if self._padding is None:
-            self._padding = _Padding(self.segments, heads, kv_heads, dtype)
+            self._padding = _Padding(self.segments, heads, kv_heads, dtype, bucketed)
         return self._padding
 
 
 class _Padding:
     """Where each packed row sits in the padded batch, and the batch's mask."""
 
-    def __init__(self, segments, heads: int, kv_heads: int, dtype: mx.Dtype):
+    def __init__(self, segments, heads: int, kv_heads: int, dtype: mx.Dtype, bucketed: bool = False):
         lengths = [end - start for _, start, end in segments]
         self.batch = len(segments)
         self.max_rows = max(lengths)
         self.max_visible = max(w.visible for w, _, _ in segments)
+        self.bucketed = bucketed
+        if bucketed:
+            self.max_rows = backend.row_bucket(self.max_rows)
+            self.max_visible = backend.key_bucket(self.max_visible)
+        self._fused: Optional[tuple] = None  # (fused or not, the mask it takes), on first use
         if all(n == self.max_rows for n in lengths):
             self.pad_index = self.unpad_index = None  # nothing to pad: reshapes do
         else:
@@ -139,6 +171,24 @@ class _Padding:
                 out.append(mx.take(mask, mx.array(cols), axis=1) & mx.array(valid)[None])
             self._split = (committed, (max_c, max_s), mx.stack(out)[:, None])
         return self._split
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """The padded batch's attention over the keys and values read for it.
+        Bucketed: fused where ``backend.plans_shape`` allows this shape (the
+        mask made additive in the queries' dtype once, so no layer converts
+        it), else unfused; the keys contiguous so their strides follow from
+        their shape."""
+        if not self.bucketed:
+            return attend(q, keys, values, self.mask)
+        if self._fused is None:
+            B, H, T, D = q.shape
+            fused = backend.plans_shape((B, H, keys.shape[1], T, keys.shape[2], D, str(q.dtype)))
+            mask = mx.where(self.mask, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype)) if fused else self.mask
+            self._fused = (fused, mask)
+        fused, mask = self._fused
+        if fused and keys.shape[0] == 1:
+            keys, values = mx.contiguous(keys), mx.contiguous(values)
+        return attend(q, keys, values, mask, fused=fused)
 
     def _segment_mask(self, write: KVWrite, rows: int) -> mx.array:
         """(maxN, maxV) bool: the request's own mask, padded. Padding keys are
@@ -192,14 +242,16 @@ class _PackedLayer:
         return mx.concatenate(outs, axis=2)
 
     def _attend_batched(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        padding = self.packed.padding(q.shape[1], k.shape[1], q.dtype)
-        layers = [write.layer(self.index) for write, _, _ in self.packed.segments]
-        for layer, (_, start, end) in zip(layers, self.packed.segments):
-            layer.update(k[:, :, start:end], v[:, :, start:end])
+        segments = self.packed.segments
+        layers = [write.layer(self.index) for write, _, _ in segments]
         stores = [layer.store for layer in layers]
+        bucketed = (backend.bucketed_attention(max(end - start for _, start, end in segments))
+                    and all(type(store).FLOAT_ROWS for store in stores))
+        padding = self.packed.padding(q.shape[1], k.shape[1], q.dtype, bucketed)
+        for layer, (_, start, end) in zip(layers, segments):
+            layer.update(k[:, :, start:end], v[:, :, start:end])
         out = type(stores[0]).attend_batch(padding.pad(q), stores, padding)  # one call, where the kind has it
         if out is not None:
             return padding.unpad(out)
         keys, values = zip(*(layer.fetch(padding.max_visible) for layer in layers))
-        out = attend(padding.pad(q), mx.concatenate(keys), mx.concatenate(values), padding.mask)
-        return padding.unpad(out)
+        return padding.unpad(padding.attend(padding.pad(q), mx.concatenate(keys), mx.concatenate(values)))

@@ -33,6 +33,7 @@ import mlx.core as mx
 from .. import _blas
 from ..distributed import group as distributed_group
 from ..models import backend
+from .packed import padded
 
 # A decode pass of a small model (one BLAS thread, ``_blas.fit_threads``) at
 # least this wide is computed as two row groups, each on its own CPU stream
@@ -171,6 +172,7 @@ class Runner:
         T = h.shape[0]
         runs = []  # per group: its rows' hidden states, rope, mask, write, stream
         for lo, hi, group_write, stream in groups or self.row_groups(write, T):
+            group_write = padded(group_write, hi - lo)  # a lone pass at bucketed shapes, where they apply
             with on(stream):
                 mask = group_write.mask
                 if mask is not None:  # None: a packed batch, whose requests bring their own masks

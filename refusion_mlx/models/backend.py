@@ -11,7 +11,9 @@ RMSNorm                   ``mx.fast.rms_norm``                compiled ops (cpu_
 attention                 ``mx.fast`` fused kernel, or the    grouped-query matmuls, one softmax
                           unfused one where the backend       (cpu_paths.attend)
                           plans per shape
-                          (:func:`fused_attention`)
+                          (:func:`fused_attention`), or fused
+                          at a few padded shapes
+                          (:func:`bucketed_attention`)
 exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
 LM-head log-sum-exp                                           kernels.exp)
 Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in, out) row-major at
@@ -45,7 +47,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Iterator, Optional
+import threading
+from typing import Hashable, Iterator, Optional
 
 import mlx.core as mx
 
@@ -56,7 +59,7 @@ MODES = ("auto", "gpu", "cpu")
 # How the GPU paths attend: MLX's fused kernel, the unfused matmuls, or as
 # measured for the backend (:func:`fused_attention`)
 ATTENTION_ENV = "REFUSION_MLX_ATTENTION"
-ATTENTION_MODES = ("auto", "fused", "unfused")
+ATTENTION_MODES = ("auto", "fused", "unfused", "bucketed")
 
 # Without a memory size from the device: the logits budget of the GPU paths.
 FALLBACK_LOGITS_BUDGET_BYTES = 1 << 30
@@ -174,15 +177,79 @@ def fused_attention(queries: int) -> bool:
     array mask, its own unfused ops), which plans nothing and measured
     faster than ours (docs/benchmarks.md, "A wide forward on the H200").
     ``REFUSION_MLX_ATTENTION=fused|unfused`` forces either (benchmarks,
-    tests)."""
+    tests); ``bucketed`` is auto's rule for a pass attended on its own, and
+    :func:`bucketed_attention` for the padded passes."""
     if not gpu_paths():
         return False
     mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
-    if mode_ != "auto":
+    if mode_ in ("fused", "unfused"):
         return mode_ == "fused"
     if not is_cuda():
         return True
     return queries == 1
+
+
+def bucketed_attention(queries: int) -> bool:
+    """Whether a pass of ``queries`` rows attends as a padded batch at
+    bucketed shapes (``decode/packed.py``), fused where
+    :func:`plans_shape` allows: ``REFUSION_MLX_ATTENTION=bucketed``, the
+    GPU paths, two rows or more (one row takes MLX's vector kernel, which
+    plans nothing). A backend that plans per exact shape (cuDNN on CUDA:
+    one graph per shape of queries, keys and mask) then sees a few shapes
+    over a whole decode instead of a new one every pass."""
+    if queries < 2 or not gpu_paths():
+        return False
+    mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
+    return mode_ == "bucketed"
+
+
+# Keys are read in lengths of KEY_STEP rows up to 2 * KEY_STEP, then at
+# 2**k and 1.5 * 2**k (at most a third more rows than visible): about two
+# shapes an octave of cache length.
+KEY_STEP = 256
+
+
+def key_bucket(rows: int) -> int:
+    """The key length a bucketed pass that sees ``rows`` keys reads (the rest masked)."""
+    if rows <= 2 * KEY_STEP:
+        return max(1, -(-rows // KEY_STEP)) * KEY_STEP
+    power = 1 << (rows - 1).bit_length()  # the power of two at or above rows
+    return power * 3 // 4 if rows <= power * 3 // 4 else power
+
+
+def row_bucket(rows: int) -> int:
+    """The query rows a bucketed pass of ``rows`` rows is padded to: the next power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+# MLX's CUDA backend keeps cuDNN's attention graphs in an LRU cache per thread
+# (MLX_CUDA_SDPA_CACHE_SIZE, 256 by default) and raises "Cache thrashing" once
+# it has missed twice its capacity in the life of the thread.
+SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
+SDPA_CACHE_DEFAULT = 256
+_planned = threading.local()
+
+
+def plans_shape(key: Hashable) -> bool:
+    """Whether a fused call of this bucketed shape may be made on this thread:
+    a shape made before, or a new one while fewer than half of the SDPA
+    cache's capacity have been made here (the other half is left to the
+    graphs MLX makes for one-row decoding). So no graph is ever evicted, a
+    thread misses at most that many times, and MLX's thrashing error cannot
+    be reached; past it, new shapes attend unfused."""
+    shapes = getattr(_planned, "shapes", None)
+    if shapes is None:
+        shapes = _planned.shapes = set()
+    if key in shapes:
+        return True
+    try:
+        capacity = int(os.environ.get(SDPA_CACHE_ENV) or SDPA_CACHE_DEFAULT)
+    except ValueError:
+        capacity = SDPA_CACHE_DEFAULT
+    if len(shapes) >= capacity // 2:
+        return False
+    shapes.add(key)
+    return True
 
 
 def paths() -> str:

@@ -10,6 +10,7 @@ every few layers, BLAS threads) is ``decode/runner.py``'s."""
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,7 +56,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _scale_rows(x, weight, _inverse_rms(x, eps, 1.0 / x.shape[-1]))
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+def attend(q: mx.array, k: mx.array, v: mx.array, mask, fused: Optional[bool] = None) -> mx.array:
     """Attention of (B, H, T, D) queries, already multiplied by the softmax
     scale, over (B, K, L, D) keys and values.
 
@@ -66,10 +67,12 @@ def attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
     broadcasting K/V over each query group; here the H/K query heads that
     share a KV head are stacked as the rows of one matrix, against a mask
     from :func:`grouped_mask` built once per forward. Same arithmetic, half
-    the ops.
+    the ops. ``fused`` (GPU paths): fused or not as the caller decided (a
+    bucketed batch, ``decode/packed.py``; a fused call's mask may then be
+    additive), instead of ``backend.fused_attention``.
     """
     if gpu_paths():
-        if fused_attention(q.shape[2]):
+        if fused_attention(q.shape[2]) if fused is None else fused:
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
         return unfused_attend(q, k, v, mask)
     B, H, T, D = q.shape
