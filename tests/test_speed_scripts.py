@@ -290,3 +290,34 @@ def test_gpu_record_without_runs_is_one_line(tmp_path, capsys):
     assert gpu_record.main([str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no fc-*.json" in err[0] and "no such folder" in err[1]
+
+
+def test_gpu_record_targets_for_each_attention_measured():
+    """The runtime's choice (unfused rows stand in for auto on CUDA) and the
+    bucketed candidate each get the issue's targets, named apart."""
+    def row(attention, width, ms, q_bits=None):
+        return {"attention": attention, "phase": "plan", "width": width, "kv_len": 1024, "dtype": "bfloat16",
+                "q_bits": q_bits, "ms": ms}
+
+    fc = [{"phase": "ar", "width": 1, "kv_len": 1024, "dtype": "bfloat16", "q_bits": None, "ms": 10.0},
+          row("fused", 1, 12.0), row("unfused", 16, 26.0), row("bucketed", 16, 14.0)]
+    vs = [{"tokens_per_forward": 2.5, "dtype": "bfloat16", "q_bits": None, "attention": a, "refusion_tok_s": 1,
+           "ar_tok_s": 1, "ratio": r} for a, r in (("auto", 0.9), ("bucketed", 1.6))]
+    got = [t for mode in ("auto", *gpu_record.CANDIDATES) for t in gpu_record.targets(fc, vs, mode)]
+    by_name = {t["target"]: t for t in got}
+    assert len(got) == 4
+    plain = by_name["a 16-token forward at most 1.5x AR's one-token forward (bf16), every phase and KV length"]
+    assert plain["measured_worst"] == 2.6 and not plain["met"]
+    bucketed = by_name["a 16-token forward at most 1.5x AR's one-token forward (bf16, attention bucketed), "
+                       "every phase and KV length"]
+    assert bucketed["measured_worst"] == 1.4 and bucketed["met"]
+    assert not by_name["ReFusion / AR at least 1.5x at 2.5 tokens per forward (bf16)"]["met"]
+    assert by_name["ReFusion / AR at least 1.5x at 2.5 tokens per forward (bf16, attention bucketed)"]["met"]
+
+
+def test_gpu_record_golden_line_per_attention(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("== 1 golden cases, float32 (attention auto)\n...\n33 passed in 3s\n"
+                   "== 2 golden cases, float32 (attention bucketed)\n1 failed, 32 passed in 4s\n== done\n")
+    assert gpu_record.golden_line(log) == "auto: 33 passed in 3s; bucketed: 1 failed, 32 passed in 4s"
+    assert gpu_record.golden_line(tmp_path / "none.txt") is None
