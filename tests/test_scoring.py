@@ -69,6 +69,49 @@ def test_mc_estimator_sums_its_shares_and_is_deterministic(demo):
     assert [v for _, v in drafted.next_top] == pytest.approx([v for _, v in ar.next_top], abs=1e-4)
 
 
+def direct_mc(model, ids, context, mask_id, mc_num, seed):
+    """The Monte Carlo estimate as the authors' eval.py computes it: every
+    sample a whole causal forward of the context, the continuation's
+    unmasked tokens and its masked ones (REFUSION.md §8), no cache."""
+    n, target = len(ids), len(ids) - context
+    total = np.zeros(target)
+    for m in mc_masks(target, mc_num, np.random.default_rng(seed)):
+        order = np.concatenate([np.arange(context), context + np.flatnonzero(~m), context + np.flatnonzero(m)])
+        masked = np.arange(n) >= n - m.sum()
+        tokens = np.where(masked, mask_id, np.array(ids)[order])
+        logits = model(mx.array(tokens[None].astype(np.int32)), mx.array(order[None].astype(np.int32))).astype(mx.float32)[0]
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        for row in np.flatnonzero(masked):
+            total[order[row] - context] += lp[row, ids[order[row]]] / (m.sum() / target)
+    return total / mc_num
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_mc_estimator_feeds_the_context_once_and_is_the_whole_forward_estimate(demo, set_paths, paths):
+    """The context goes into a cache once (in chunks: 7 tokens here), each
+    step's samples are the slots of one infill pass over it: the same
+    estimate as a whole forward per sample, token by token."""
+    from refusion_mlx.decode.scoring import MCScorer
+
+    set_paths(paths)
+    model, tok = demo
+    context = chat_prompt(tok, "Where does Jonas live?") + tok.encode("Jonas lives in")
+    ids = context + tok.encode(" Oslo, in the north.")
+    scorer = MCScorer(model, ids, len(context), model.args.mask_token_id, mc_num=12, seed=5, chunk=7)
+    steps = 0
+    while not scorer.fed:
+        scorer.step(5)
+        steps += 1
+    assert steps == -(-len(context) // 7) and scorer.done == 0 and len(scorer.cache) == len(context)
+    while not scorer.finished:
+        scorer.step(5)  # 5, 5, then 2 samples
+        steps += 1
+    assert steps == -(-len(context) // 7) + 3
+    got = scorer.result().logprobs[len(context):]
+    want = direct_mc(model, ids, len(context), model.args.mask_token_id, 12, 5)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
 def demo_questions():
     return [json.loads(line) for line in TASK.read_text().splitlines()]
 

@@ -20,10 +20,16 @@ host synchronisation for the whole request list):
   samples, is the negative log-likelihood bound. Each sample is laid out as
   training's MDM task lays it out (§8): the context, the continuation's
   unmasked tokens, then its masked tokens as the mask id, each at its true
-  position and scored by its own logits (§1). ``mc_num`` rows of the
-  sequence's length: ``mc_num`` times the AR estimator's work, done a few
-  samples at a time (:class:`MCScorer`: the server interleaves them with
-  decoding), each step evaluated, so memory stays flat in ``mc_num``.
+  position and scored by its own logits (§1). Attention is causal in
+  sequence order and every sample starts with the same context at the same
+  positions, so the context's keys and values are the same in every sample:
+  :class:`MCScorer` feeds the context once into a committed cache (in
+  chunks, as a prompt's prefill), then each step feeds a few samples'
+  continuations as the slots of one infill pass over it (each slot sees the
+  context and its own rows, as in the decoder's infill): the context once
+  and ``mc_num`` continuations, not ``mc_num`` whole sequences. Each step is
+  evaluated, so memory stays flat in ``mc_num``; the server interleaves the
+  steps with decoding.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.kernels import logsumexp
+from .cache import CommittedCache
 from .forward import head_chunk_rows
+from .prefill import PREFILL_CHUNK, chunks
+from .runner import Runner
 
 MC_ROWS = 16  # samples per forward of the Monte Carlo estimator (built lazily, evaluated together)
 
@@ -147,47 +156,63 @@ def mc_samples(target_len: int, mc_num: int, rng: np.random.Generator) -> Iterat
 
 
 class MCScorer:
-    """The Monte Carlo estimator of :func:`score_mc`, a few samples at a time:
-    :meth:`step` scores the next ``rows`` samples (one forward, evaluated:
-    the memory held does not grow with ``mc_num``), :meth:`result` the
-    estimate once every sample is in. The same numbers as :func:`score_mc`
-    for the same chunks of samples."""
+    """The Monte Carlo estimator of :func:`score_mc`, a piece at a time:
+    :meth:`step` feeds the next chunk of the context into the scorer's
+    cache until all of it is there, then scores the next ``rows`` samples
+    (one infill pass over the cache, evaluated: the memory held does not
+    grow with ``mc_num``); :meth:`result` gives the estimate once every
+    sample is in."""
 
     def __init__(self, model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
-                 seed: int = 0, draft_top: Optional[int] = None):
+                 seed: int = 0, draft_top: Optional[int] = None, chunk: int = PREFILL_CHUNK):
         self.model, self.ids, self.context, self.mask_id = model, [int(t) for t in ids], context, mask_id
         self.mc_num, self.draft_top = mc_num, draft_top
         n = len(self.ids)
         if not 0 < context < n:
             raise ValueError(f"the context must leave 1 to {n - 1} tokens to score, got {context}")
         self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed))
+        self.cache = CommittedCache.for_model(model)
+        self._context = chunks(self.ids[:context], 0, chunk)
         self.done, self.total = 0, None
 
     @property
     def finished(self) -> bool:
         return self.done >= self.mc_num
 
+    @property
+    def fed(self) -> bool:
+        """Whether the whole context is in the cache."""
+        return len(self.cache) == self.context
+
+    def _forward(self, tokens, positions, write) -> mx.array:
+        return Runner.of(self.model).hidden(mx.array(tokens, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
+                                            write)
+
     def step(self, rows: int = MC_ROWS) -> None:
-        """Score the next ``rows`` samples (fewer at the end)."""
+        """The next piece: a chunk of the context, or (the context fed) the
+        next ``rows`` samples (fewer at the end)."""
+        if not self.fed:
+            part, positions = next(self._context)
+            self._forward(part, positions, self.cache.extend(len(part), settled=len(part)))
+            mx.eval(self.cache.state())  # the context's keys and values: nothing else of the pass is kept
+            self.cache.commit(part, positions)
+            return
         rows = min(rows, self.mc_num - self.done)
         ids, context, n = self.ids, self.context, len(self.ids)
         target, seq = n - context, np.array(ids, np.int32)
         masks = np.stack([next(self.samples) for _ in range(rows)])
         ratio = masks.sum(axis=1) / target  # p of each sample
-        masked = np.arange(n)[None, :] >= n - masks.sum(axis=1)[:, None]  # the masks come last in each row
-        tokens, positions = np.empty((rows, n), np.int32), np.empty((rows, n), np.int32)
-        for b in range(rows):
-            m = masks[b]
-            order = np.concatenate([np.arange(context), context + np.flatnonzero(~m), context + np.flatnonzero(m)])
-            positions[b] = order  # unmasked first, then the masks
-            tokens[b] = np.where(masked[b], self.mask_id, seq[order])
-        h = self.model.hidden(mx.array(tokens), mx.array(positions))
+        # slot b: the continuation's unmasked tokens, then its masked ones as the mask id
+        masked = np.arange(target)[None, :] >= target - masks.sum(axis=1)[:, None]
+        order = np.stack([context + np.concatenate([np.flatnonzero(~m), np.flatnonzero(m)]) for m in masks])
+        tokens = np.where(masked, self.mask_id, seq[order])
+        h = self._forward(tokens.reshape(-1), order.reshape(-1), self.cache.infill(rows, target, 0))
         at = np.flatnonzero(masked.reshape(-1))
-        flat = h.reshape(-1, h.shape[-1])[mx.array(at, dtype=mx.int32)]
-        truth = seq[positions.reshape(-1)[at]]
+        flat = h[mx.array(at, dtype=mx.int32)]
+        truth = seq[order.reshape(-1)[at]]
         lp, _, _ = _head_stats(self.model, flat, mx.array(truth, dtype=mx.int32), 0)
-        weight = 1.0 / ratio[at // n]
-        where = positions.reshape(-1)[at] - context  # each masked row's continuation offset
+        weight = 1.0 / ratio[at // target]
+        where = order.reshape(-1)[at] - context  # each masked row's continuation offset
         onehot = mx.array((where[:, None] == np.arange(target)[None, :]).astype(np.float32) * weight[:, None])
         share = (lp[:, None] * onehot).sum(axis=0)
         self.total = share if self.total is None else self.total + share
@@ -199,11 +224,12 @@ class MCScorer:
         ids, n = self.ids, len(self.ids)
         total = self.total / self.mc_num
         draft = None
-        if self.draft_top is not None:
-            h = self.model.hidden(mx.array([ids + [self.mask_id]], dtype=mx.int32),
-                                  mx.arange(n + 1, dtype=mx.int32))[0, -1:]
+        if self.draft_top is not None:  # the continuation and a mask after it, over the cached context
+            tail = ids[self.context:] + [self.mask_id]
+            h = self._forward(tail, list(range(self.context, n + 1)), self.cache.extend(len(tail)))[-1:]
             draft = _head_stats(self.model, h, mx.zeros((1,), mx.int32), max(self.draft_top, 1))[1:]
         mx.eval(total, *(draft or ()))
+        self.cache.free()
         out = Scored([None] * self.context + [float(x) for x in np.array(total)])
         if draft is not None:
             top_ids, top_values = np.array(draft[0])[0], np.array(draft[1])[0]
@@ -219,8 +245,8 @@ def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int 
     samples of its weighted cross-entropy where masked, negated); they sum to
     the estimate. Context tokens are not scored (None). ``draft_top``: also
     draft the token after ``ids`` (a mask at the next position, as
-    :func:`score_ar`), with this many top tokens. :data:`MC_ROWS` samples
-    per forward (:class:`MCScorer`)."""
+    :func:`score_ar`), with this many top tokens. The context fed once,
+    then :data:`MC_ROWS` samples per forward (:class:`MCScorer`)."""
     scorer = MCScorer(model, ids, context, mask_id, mc_num, seed, draft_top)
     while not scorer.finished:
         scorer.step(MC_ROWS)

@@ -4,14 +4,15 @@ like decoding.
 A scoring request (OpenAI's ``echo`` with ``logprobs``,
 :mod:`..protocols.openai_echo`) carries a :class:`Scoring` and runs no
 decoder. The engine admits it like any request -- a batch row, and its
-memory (:func:`scoring_rows`: the rows of its widest forward) against
+memory (:func:`scoring_rows`: the rows its forwards hold) against
 ``--max-kv-bytes`` -- and gives it a :class:`ScoringTask`, which does a
 bounded piece of work each turn beside the batch's decoding step: the AR
 estimator (``logprob_estimator: "ar"``, the default: one causal forward of
-the prompt, :func:`~refusion_mlx.decode.scoring.score_ar`), or
-:data:`SCORE_TOKENS` worth of the Monte Carlo estimator's samples
-(``"mc"``: :class:`~refusion_mlx.decode.scoring.MCScorer`, each step
-evaluated, so memory stays flat in ``mc_num``). A client that leaves stops
+the prompt, :func:`~refusion_mlx.decode.scoring.score_ar`), or a piece of
+the Monte Carlo estimator (``"mc"``:
+:class:`~refusion_mlx.decode.scoring.MCScorer`): a chunk of the context
+into its cache, then :data:`SCORE_TOKENS` worth of samples' continuations
+over it, each step evaluated, so memory stays flat in ``mc_num``. A client that leaves stops
 it at the next turn. When done, the task gives the job's
 :class:`~.outcome.Outcome` (its :class:`~.outcome.ScoredPrompt`); a failure
 is the :class:`~.refusal.Refusal` the engine ends it with.
@@ -31,8 +32,10 @@ from .refusal import Reason, Refusal
 log = logging.getLogger("refusion_mlx.server")
 
 MC_NUM = 128  # the authors' eval.py default
-SCORE_TOKENS = 2048  # tokens one Monte Carlo step feeds (at least one sample: a whole prompt)
-MAX_SCORE_WORK = 1 << 22  # token-forwards one request may ask: prompt tokens x mc_num (x 1 for "ar"), summed
+SCORE_TOKENS = 2048  # tokens one Monte Carlo step feeds (at least one sample's continuation)
+# token-forwards one request may ask, summed over its prompts: "ar" the prompt's tokens, "mc" the
+# context once and the scored tokens mc_num times
+MAX_SCORE_WORK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -53,19 +56,25 @@ class Scoring:
 
     def work(self, tokens: int) -> int:
         """Token-forwards scoring a prompt of ``tokens`` takes (bounded by :data:`MAX_SCORE_WORK`)."""
-        return tokens * (self.mc_num if self.estimator == "mc" else 1)
+        if self.estimator != "mc":
+            return tokens
+        return self.context_tokens + self.mc_num * (tokens - self.context_tokens)
 
     def rows_per_step(self, tokens: int) -> int:
         """Samples one Monte Carlo step takes for a prompt of ``tokens`` (at most ``decode.scoring``'s
-        MC_ROWS: the same chunks, so the same numbers, as ``score_mc`` for short prompts)."""
-        return max(1, min(self.mc_num, MC_ROWS, SCORE_TOKENS // max(tokens, 1)))
+        MC_ROWS: the same chunks, so the same numbers, as ``score_mc`` for short continuations)."""
+        return max(1, min(self.mc_num, MC_ROWS, SCORE_TOKENS // max(tokens - (self.context_tokens or 0), 1)))
 
 
 def scoring_rows(request) -> int:
-    """The token rows a scoring request's widest forward holds: what admission reserves for it."""
+    """The KV rows a scoring request holds while it runs, what admission
+    reserves for it: "ar", its one forward's; "mc", its cache's: the
+    context, then a step's samples' continuations (or the continuation and
+    the drafted token) after it."""
     spec, n = request.scoring, len(request.prompt_ids)
     if spec.estimator == "mc":
-        return max(spec.rows_per_step(n) * n, n + 1)
+        target = n - spec.context_tokens
+        return spec.context_tokens + max(spec.rows_per_step(n) * target, target + 1)
     return n + spec.extra
 
 

@@ -63,10 +63,11 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[
 
 def check_work(work, param: str) -> None:
     """A 400 when scoring would take more than :data:`MAX_SCORE_WORK` token-forwards
-    (prompt tokens x ``mc_num``, summed over a request's prompts)."""
+    (``Scoring.work``, summed over a request's prompts)."""
     if sum(work) > MAX_SCORE_WORK:
-        raise Refusal(Reason.INVALID_VALUE, f"{param}: scoring this request takes {sum(work)} token-forwards (prompt "
-                                            f"tokens x mc_num, summed over its prompts); the most is {MAX_SCORE_WORK}",
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: scoring this request takes {sum(work)} token-forwards (the "
+                                            "prompt's tokens; with mc, the context once and the scored tokens x "
+                                            f"mc_num; summed over its prompts); the most is {MAX_SCORE_WORK}",
                       param)
 
 
