@@ -125,6 +125,26 @@ def test_scoring_past_its_bound_is_a_400_and_admission_counts_its_memory(server)
     assert need(32) == need(1024) > 1500 * cost.row_bytes  # the widest forward's rows, flat in mc_num
 
 
+def test_scoring_pieces_are_bounded_chunks(demo):
+    """A scoring job's turn is one chunk of 512 tokens at most: a 1,100-token
+    AR request takes three turns (the last with the drafted token's mask), a
+    Monte Carlo one a turn per chunk of its context, then its samples."""
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.loglikelihood import Scoring, ScoringTask
+    from refusion_mlx.serve.core.outcome import Outcome
+
+    model, tok = demo
+    turns = {}
+    for name, spec in (("ar", Scoring("ar", 1, 1)), ("mc", Scoring("mc", 0, 0, 8, 1000))):
+        task = ScoringTask(EngineRequest(long_prompt(1100), RefusionParams(), scoring=spec), model.args.mask_token_id)
+        turns[name] = 1
+        while (out := task.step(model, tok)) is None:
+            turns[name] += 1
+        assert isinstance(out, Outcome) and len(out.scored.values) == 1100 + spec.extra
+    assert turns == {"ar": 3, "mc": 2 + 1}  # mc: context chunks of 512 and 488, then the 8 samples of 100 at once
+
+
 def test_stored_responses_are_bounded_in_bytes_and_keep_no_unknown_fields(server):
     from refusion_mlx.serve.protocols.responses_store import ResponseStore, input_items
 

@@ -44,6 +44,29 @@ def test_ar_estimator_is_the_causal_pass_read_one_token_ahead(demo):
     assert drafted.next_token == first[0] and drafted.next_logprob < 0
 
 
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_ar_estimator_in_chunks_is_the_whole_pass(demo, set_paths, paths):
+    """Fed in chunks of 6 tokens through its cache (the server's pieces),
+    the AR estimator scores every token and drafts the next as one pass does."""
+    from refusion_mlx.decode.scoring import ARScorer
+
+    set_paths(paths)
+    model, tok = demo
+    ids = chat_prompt(tok, "Where does Jonas live?") + tok.encode("Jonas lives in Oslo.")
+    scorer = ARScorer(model, ids, top=2, next_mask=model.args.mask_token_id, chunk=6)
+    steps = 0
+    while not scorer.finished:
+        scorer.step()
+        steps += 1
+    assert steps == -(-(len(ids) + 1) // 6)
+    chunked = scorer.result()
+    whole = score_ar(model, [ids], top=2, next_mask=model.args.mask_token_id)[0]
+    np.testing.assert_allclose(chunked.logprobs[1:], whole.logprobs[1:], atol=1e-5)
+    np.testing.assert_allclose(chunked.logprobs[1:], direct_logprobs(model, ids), atol=2e-4)
+    assert [[t for t, _ in top] for top in chunked.top] == [[t for t, _ in top] for top in whole.top]
+    assert chunked.next_token == whole.next_token and chunked.next_logprob == pytest.approx(whole.next_logprob, abs=1e-5)
+
+
 def test_mc_masks_are_stratified_and_seeded():
     masks = mc_masks(7, 32, np.random.default_rng(0))
     counts = masks.sum(axis=1)

@@ -9,8 +9,9 @@ host synchronisation for the whole request list):
   task; the verification's reading of §4b): the sequence is fed once,
   causal, every token at its true position, and token i is scored by the
   softmax of the logits at token i-1 (a real token's logits predict the next
-  token). One forward per row (its numbers never depend on the rows beside
-  it), all evaluated together. Optionally one mask token after the
+  token). :class:`ARScorer` feeds it into a cache in chunks, as a prompt's
+  prefill, scoring each chunk's rows as it goes (a row's numbers never
+  depend on the rows scored beside it). Optionally one mask token after the
   sequence at the next position gives the greedy draft of the answer's first
   token, as the plan pass would draw it at temperature 0 (§4a).
 * :func:`score_mc` -- the masked-diffusion Monte Carlo estimator of the
@@ -88,45 +89,74 @@ def _head_stats(model, hidden: mx.array, tokens: mx.array, top: int):
                  for col in zip(*parts))
 
 
+class ARScorer:
+    """The AR estimator of one sequence a chunk at a time: :meth:`step`
+    feeds the next chunk (at most ``chunk`` tokens) into the scorer's cache
+    and scores its rows (evaluated: nothing but the cache is held after
+    it); :meth:`result` once :attr:`finished`. ``top`` and ``next_mask``
+    as :func:`score_ar`."""
+
+    def __init__(self, model, ids: Sequence[int], top: int = 0, next_mask: Optional[int] = None,
+                 chunk: int = PREFILL_CHUNK):
+        self.model, self.ids, self.top = model, [int(t) for t in ids], top
+        self.extra = next_mask is not None
+        self.k = max(top, 1 if self.extra else 0)
+        sequence = self.ids + ([next_mask] if self.extra else [])
+        self.cache = CommittedCache.for_model(model)
+        # one token, nothing drafted: nothing to score
+        self._chunks = chunks(sequence if len(sequence) >= 2 else [], 0, chunk)
+        self._parts: List[tuple] = []
+        self.finished = len(sequence) < 2
+
+    def step(self) -> None:
+        """Feed and score the next chunk."""
+        part, positions = next(self._chunks)
+        start, n = positions[0], len(self.ids)
+        h = Runner.of(self.model).hidden(mx.array(part, dtype=mx.int32), mx.array(positions, dtype=mx.int32),
+                                         self.cache.extend(len(part), settled=len(part)))
+        # the rows scored: a real token's before the last (it predicts the next), the mask's (the draft)
+        rows = [p for p in positions if p < n - 1 or p == n]
+        follow = [self.ids[p + 1] if p < n - 1 else 0 for p in rows]
+        if rows:
+            wanted = h[mx.array([p - start for p in rows], dtype=mx.int32)]
+            stats = _head_stats(self.model, wanted, mx.array(follow, dtype=mx.int32), self.k)
+            mx.eval(*[a for a in stats if a is not None], self.cache.state())
+            self._parts.append(tuple(None if a is None else np.array(a) for a in stats))
+        else:
+            mx.eval(self.cache.state())
+        self.cache.commit(part, positions)
+        self.finished = positions[-1] == n - 1 + self.extra
+
+    def result(self) -> Scored:
+        """The sequence's scores once :attr:`finished`."""
+        self.cache.free()
+        r, top, n = self.ids, self.top, len(self.ids) - 1
+        if not self._parts:
+            return Scored([None] * len(r))
+        lp, ids, vals = (None if col[0] is None else np.concatenate(col) for col in zip(*self._parts))
+        s = Scored([None] + [float(x) for x in lp[:n]])
+        if top > 0:
+            s.top = [[]] + [_pairs(ids[i], vals[i], top) for i in range(n)]
+        if self.extra:
+            s.next_token, s.next_logprob = int(ids[n][0]), float(vals[n][0])
+            s.next_top = _pairs(ids[n], vals[n], top)
+        return s
+
+
 def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Optional[int] = None) -> List[Scored]:
     """The AR estimator over ``rows`` (token-id lists): token i of a row
     scored under the logits at i-1. ``top``: also the ``top`` most likely
     tokens at every scored position. ``next_mask``: the mask id, to draft the
     token after each row (a mask at the next position, which sees the whole
-    row: the plan's greedy first draft).
-
-    Each row is its own forward -- the same shapes whatever rows come with
-    it, so a row's numbers do not depend on its neighbours (lm-eval's scores
-    are the same alone and concurrent, on every device) -- all built lazily
-    and evaluated together: one host synchronisation for the list."""
-    extra = next_mask is not None
-    k = max(top, 1 if extra else 0)
-    parts = []
-    for r in rows:
-        ids = list(r) + ([next_mask] if extra else [])
-        if len(ids) < 2:  # one token, nothing drafted: nothing to score
-            parts.append(None)
-            continue
-        hidden = model.hidden(mx.array([ids], dtype=mx.int32), mx.arange(len(ids), dtype=mx.int32))[0]
-        # head rows: tokens 0..n-2 (predicting 1..n-1), then the mask's (the draft: its argmax)
-        follow = mx.array(list(r[1:]) + ([0] if extra else []), dtype=mx.int32)
-        rows_wanted = hidden[:len(r) - 1] if not extra else mx.concatenate([hidden[:len(r) - 1], hidden[-1:]])
-        parts.append(_head_stats(model, rows_wanted, follow, k))
-    mx.eval(*[a for part in parts if part is not None for a in part if a is not None])  # the one host sync
+    row: the plan's greedy first draft). Each row on its own
+    (:class:`ARScorer`), so its numbers do not depend on the rows beside
+    it: lm-eval's scores are the same alone and concurrent."""
     out = []
-    for r, part in zip(rows, parts):
-        n = len(r) - 1
-        if part is None:
-            out.append(Scored([None] * len(r)))
-            continue
-        lp, ids, vals = (None if a is None else np.array(a) for a in part)
-        s = Scored([None] + [float(x) for x in lp[:n]])
-        if top > 0:
-            s.top = [[]] + [_pairs(ids[i], vals[i], top) for i in range(n)]
-        if extra:
-            s.next_token, s.next_logprob = int(ids[n][0]), float(vals[n][0])
-            s.next_top = _pairs(ids[n], vals[n], top)
-        out.append(s)
+    for r in rows:
+        scorer = ARScorer(model, r, top, next_mask)
+        while not scorer.finished:
+            scorer.step()
+        out.append(scorer.result())
     return out
 
 

@@ -6,9 +6,9 @@ A scoring request (OpenAI's ``echo`` with ``logprobs``,
 decoder. The engine admits it like any request -- a batch row, and its
 memory (:func:`scoring_rows`: the rows its forwards hold) against
 ``--max-kv-bytes`` -- and gives it a :class:`ScoringTask`, which does a
-bounded piece of work each turn beside the batch's decoding step: the AR
-estimator (``logprob_estimator: "ar"``, the default: one causal forward of
-the prompt, :func:`~refusion_mlx.decode.scoring.score_ar`), or a piece of
+bounded piece of work each turn beside the batch's decoding step: a chunk
+of the AR estimator's causal pass over the prompt (``logprob_estimator:
+"ar"``, the default: :class:`~refusion_mlx.decode.scoring.ARScorer`), or a piece of
 the Monte Carlo estimator (``"mc"``:
 :class:`~refusion_mlx.decode.scoring.MCScorer`): a chunk of the context
 into its cache, then :data:`SCORE_TOKENS` worth of samples' continuations
@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-from ...decode.scoring import MC_ROWS, MCScorer, score_ar
+from ...decode.scoring import MC_ROWS, ARScorer, MCScorer
 from ...distributed.group import is_link_failure
 from .outcome import Outcome, ScoredPrompt, Usage
 from .refusal import Reason, Refusal
@@ -75,7 +75,7 @@ def scoring_rows(request) -> int:
     if spec.estimator == "mc":
         target = n - spec.context_tokens
         return spec.context_tokens + max(spec.rows_per_step(n) * target, target + 1)
-    return n + spec.extra
+    return n + 1  # the prompt and the drafted token's mask, in its cache
 
 
 class ScoringTask:
@@ -83,7 +83,7 @@ class ScoringTask:
 
     def __init__(self, request, mask_id: int):
         self.request, self.spec, self.mask_id = request, request.scoring, mask_id
-        self.scorer = None  # the Monte Carlo estimator's, made at the first step
+        self.scorer = None  # the estimator's, made at the first step
 
     def step(self, model, tokenizer) -> Optional[Union[Outcome, Refusal]]:
         """This turn's piece: None while work is left, then the Outcome (or
@@ -91,16 +91,15 @@ class ScoringTask:
         the server stays up; a lost rank is raised)."""
         spec, ids = self.spec, self.request.prompt_ids
         try:
-            if spec.estimator == "mc":
-                if self.scorer is None:
-                    self.scorer = MCScorer(model, ids, spec.context_tokens, self.mask_id, spec.mc_num, spec.seed,
-                                           spec.top if spec.extra else None)
-                self.scorer.step(spec.rows_per_step(len(ids)))
-                if not self.scorer.finished:
-                    return None
-                scored = self.scorer.result()
-            else:
-                scored = score_ar(model, [ids], spec.top, self.mask_id)[0]
+            if self.scorer is None:
+                self.scorer = (MCScorer(model, ids, spec.context_tokens, self.mask_id, spec.mc_num, spec.seed,
+                                        spec.top if spec.extra else None) if spec.estimator == "mc"
+                               else ARScorer(model, ids, spec.top, self.mask_id))
+            if not self.scorer.finished:
+                self.scorer.step(*([spec.rows_per_step(len(ids))] if spec.estimator == "mc" else []))
+            if not self.scorer.finished:
+                return None
+            scored = self.scorer.result()
             prompt = scored_prompt(tokenizer, ids, scored, spec)
         except Exception as e:
             if is_link_failure(e):
