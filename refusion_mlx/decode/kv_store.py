@@ -59,8 +59,10 @@ class FloatStore(KVStore):
         self.values[:, :, start:end, :] = values
 
     def write_rows(self, keys: mx.array, values: mx.array, rows: mx.array, end: Optional[int] = None) -> None:
-        self.keys[:, :, rows, :] = keys
-        self.values[:, :, rows, :] = values
+        # one scatter kernel each (an indexed assignment adds index arithmetic: ~6 more ops a call)
+        index = rows[None, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, index, values, axis=2)
 
     def read(self, length: int) -> Tuple[mx.array, mx.array]:
         return self.keys[:, :, :length, :], self.values[:, :, :length, :]

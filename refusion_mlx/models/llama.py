@@ -23,8 +23,8 @@ from .base import TensorParallel
 from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend
 from .kernels import silu_gate
-from .projections import Derived, Linear, Projections
-from .rope import apply_rope
+from .projections import Linear, Projections
+from .rope import apply_rope, head_scale
 
 
 @dataclass
@@ -56,7 +56,6 @@ class Attention(nn.Module):
         self.k_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
         self.v_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
         self.o_proj = Linear(self.n_heads * hd, dim, bias=bias)
-        self._head_scale = Derived()
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
         """``x``: one sequence (T, dim), or a batch (B, T, dim)."""
@@ -64,16 +63,13 @@ class Attention(nn.Module):
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(self, x)
         # one rotation for queries and keys, which also applies the softmax scale to the queries
-        qk = apply_rope(qk.reshape(B, T, H + K, D).transpose(0, 2, 1, 3), *rope, self.head_scale())
+        qk = apply_rope(qk.reshape(B, T, H + K, D).transpose(0, 2, 1, 3), *rope,
+                        head_scale(self.scale, H, K, qk.dtype))
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
         out = attend(q, k, v, mask) if kv is None else kv.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
-    def head_scale(self) -> mx.array:
-        """(H + K, 1, 1): the softmax scale for query heads, 1 for key heads."""
-        return self._head_scale.get((), lambda: mx.array(
-            [self.scale] * self.n_heads + [1.0] * self.n_kv_heads, mx.float32).reshape(-1, 1, 1))
 
 
 class MLP(nn.Module):

@@ -22,7 +22,7 @@ from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend, rms_norm
 from .kernels import silu_gate
 from .projections import Derived, Linear, Projections
-from .rope import apply_rope
+from .rope import apply_rope, head_scale
 
 
 @dataclass
@@ -58,7 +58,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self._qk_norm_weight = Derived()
-        self._head_scale = Derived()
 
     def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
         """``x``: one sequence kept 2-D (T, dim), or a batch (B, T, dim)."""
@@ -69,7 +68,7 @@ class Attention(nn.Module):
         # the same arithmetic as two calls, with half the ops to dispatch
         qk = rms_norm(qk.reshape(B, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
         # the rotation also applies the softmax scale to the queries (keys x 1)
-        qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, self.head_scale())
+        qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, head_scale(self.scale, H, K, qk.dtype))
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
         # with a cache, the layer's write keeps this pass's keys and values and
@@ -77,10 +76,6 @@ class Attention(nn.Module):
         out = attend(q, k, v, mask) if kv is None else kv.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
-    def head_scale(self) -> mx.array:
-        """(H + K, 1, 1): the softmax scale for query heads, 1 for key heads."""
-        return self._head_scale.get((), lambda: mx.array(
-            [self.scale] * self.n_heads + [1.0] * self.n_kv_heads, mx.float32).reshape(-1, 1, 1))
 
     def qk_norm_weight(self) -> mx.array:
         """q_norm's weight for every query head, then k_norm's for every KV head."""

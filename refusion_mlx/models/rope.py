@@ -3,6 +3,7 @@ each token is rotated by its own position, not its place in the sequence."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -40,13 +41,24 @@ class PositionalRoPE:
         inv_freq = inv_freq / np.float32(rope_scale(scaling))
         self.inv_freq = mx.array(inv_freq)
 
-    def angles(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
+    def angles(self, positions: mx.array, dtype: mx.Dtype = mx.float32) -> Tuple[mx.array, mx.array]:
         """cos and sin for positions (T,) -> (T, head_dim/2), or for a batch
-        (B, T) -> (B, 1, T, head_dim/2), broadcasting over the heads."""
+        (B, T) -> (B, 1, T, head_dim/2), broadcasting over the heads; computed
+        in float32 and given in ``dtype`` (the rotation's: cast once per
+        forward, not in every layer)."""
         theta = positions.astype(mx.float32)[..., None] * self.inv_freq
         if positions.ndim == 2:
             theta = theta[:, None]
-        return mx.cos(theta), mx.sin(theta)
+        return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def head_scale(scale: float, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:
+    """(heads + kv_heads, 1, 1) in ``dtype``: the softmax ``scale`` for the
+    query heads, 1 for the key heads (what :func:`apply_rope` multiplies a
+    joined q/k rotation by). One array per setting, shared by every layer, in
+    the dtype the rotation computes in, so no layer casts it."""
+    return mx.array([scale] * heads + [1.0] * kv_heads, mx.float32).reshape(-1, 1, 1).astype(dtype)
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
