@@ -335,3 +335,45 @@ def test_scoring_benchmark_rows(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         scoring.main(["--shapes", "30:0"])
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("attention", ["auto", "unfused", "bucketed"])
+def test_kernels_per_forward_stay_few(monkeypatch, attention):
+    """benchmarks.kernel_count on the tiny shape (2 layers): an infill pass
+    launches no more kernels a layer than a plan pass of its width (its K/V
+    rows one scatter each, its mask made on the host), the unfused or padded
+    attention at most 4 a layer more than the fused kernel, and every
+    forward fewer than mlx-lm's one-token forward; mx.fast is left as it was."""
+    from benchmarks import kernel_count
+    from refusion_mlx.bench.shapes import build_models
+    from refusion_mlx.models import backend
+
+    monkeypatch.setenv(backend.ATTENTION_ENV, attention)
+    fast = mx_fast_functions()
+    model, ar_model = build_models("tiny", "bfloat16")
+    rows = kernel_count.count(model, ar_model, ["plan", "verify", "infill"], [1, 8], 40)
+    assert mx_fast_functions() == fast
+    got = {(r["phase"], r["width"]): r["kernels"] for r in rows}
+    fused = 45  # a plan pass with the fused kernel: 2 layers and what a forward makes once
+    for width in (1, 8):
+        # (a padded batch pads an infill pass's own mask: two kernels a forward)
+        assert got[("infill", width)] <= got[("plan", width)] + 2 == got[("verify", width)] + 2, got
+        assert got[("plan", width)] <= fused + 4 * len(model.layers), got
+    assert max(v for (phase, _), v in got.items() if phase != "ar") < got[("ar", 1)], got
+
+
+def test_kernel_count_prints_its_table(capsys):
+    from benchmarks import kernel_count
+
+    assert kernel_count.main(["--shape", "tiny", "--widths", "1,4", "--kv", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels / layer" in out and "mx.fast" in out and out.count("\nplan ") == 2
+    with pytest.raises(SystemExit) as e:
+        kernel_count.main(["--shape", "tiny", "--widths", "6"])
+    assert e.value.code == 2
+
+
+def mx_fast_functions():
+    import mlx.core as mx
+
+    return [getattr(mx.fast, n) for n in ("rms_norm", "rope", "scaled_dot_product_attention")]

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..models.base import CacheSpec
 from .kv_store import KVStorage, KVStore
@@ -107,14 +108,14 @@ class CommittedCache:
         S, a, L = slot_size, cursor, len(self)
         self.reserve(num_slots * S)
         window = S - a
-        slot = mx.arange(num_slots * window) // window
-        offset = mx.arange(num_slots * window) % window
-        rows = L + slot * S + a + offset
-        keys = mx.arange(L + num_slots * S)[None, :]
+        # made on the host: a few small arrays, not a dozen kernels in every infill forward
+        slot = np.arange(num_slots * window) // window
+        rows = L + slot * S + a + np.arange(num_slots * window) % window
+        keys = np.arange(L + num_slots * S)[None, :]
         own_start = (L + slot * S)[:, None]
         mask = (keys < L) | ((keys >= own_start) & (keys <= rows[:, None]))
-        return KVWrite(self, start=L, rows=rows, visible=L + num_slots * S, mask=mask,
-                       slots=(num_slots, S, window))
+        return KVWrite(self, start=L, rows=mx.array(rows.astype(np.int32)), visible=L + num_slots * S,
+                       mask=mx.array(mask), slots=(num_slots, S, window))
 
     def commit(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         """Adopt the first len(tokens) scratch rows as committed."""

@@ -14,6 +14,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .backend import fused_attention, gpu_paths
 from .kernels import softmax
@@ -104,8 +105,8 @@ def unfused_attend(q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
 
 def causal_mask(queries: int, keys: int) -> mx.array:
     """(queries, keys) boolean: query j sees the first keys - queries + j + 1
-    keys ("causal" with the queries last)."""
-    return mx.arange(keys)[None, :] <= mx.arange(keys - queries, keys)[:, None]
+    keys ("causal" with the queries last). Made on the host (no kernels)."""
+    return mx.array(np.arange(keys)[None, :] <= np.arange(keys - queries, keys)[:, None])
 
 
 def grouped_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:

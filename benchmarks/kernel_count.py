@@ -1,0 +1,177 @@
+"""Kernels per layer of a forward on the GPU paths, counted in its graph,
+against mlx-lm's one-token forward.
+
+    python -m benchmarks.kernel_count                      # qwen3-0.6b shape, bfloat16, widths 1 and 16
+    python -m benchmarks.kernel_count --shape refusion-8b --widths 1,4,16 --q-bits 4 --json kernels.json
+
+On MLX's CUDA backend a forward of a real model is bound by the host work
+per op (docs/benchmarks.md, "A wide forward on the H200"), so the number of
+ops a forward launches is a cost of its own, and it can be counted on any
+machine: the lazy graph of one forward (``mx.export_to_dot``) holds every
+op it will run. Each ``mx.fast`` call (RMSNorm, RoPE, attention) is counted
+as the one kernel it is on a GPU -- on the CPU MLX splits it into its
+reference ops -- by standing in a single op for it while the graph is built
+(nothing is evaluated). Ops that only make views (reshape, transpose,
+slice, broadcast, split...) launch no kernel and are counted apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import os
+import re
+import sys
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+
+from refusion_mlx.bench.report import format_table
+from refusion_mlx.cli import OneLineParser, positive_ints, run
+from refusion_mlx.decode.runner import Runner
+from refusion_mlx.models import backend
+
+from .forward_cost import PHASES, SLOT_SIZE, Filled
+from .speed_common import check_json_path, write_json
+
+# primitives that make a view of their input (no kernel on a GPU)
+VIEWS = frozenset({"Reshape", "Transpose", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Split", "AsStrided",
+                   "Unflatten", "Flatten", "StopGradient", "Depends"})
+
+
+@contextlib.contextmanager
+def fast_ops_as_one() -> Iterator[None]:
+    """While the block builds a graph: each ``mx.fast`` op one node that
+    depends on all of its inputs, as its one GPU kernel does."""
+    saved = {name: getattr(mx.fast, name) for name in ("rms_norm", "rope", "scaled_dot_product_attention")}
+
+    def one(x, *inputs):  # ArcTanh: a primitive no model here uses, reported as FAST
+        return mx.depends([mx.arctanh(x)], [a for a in inputs if isinstance(a, mx.array)])[0]
+
+    mx.fast.rms_norm = lambda x, weight, eps, **_: one(x, weight)
+    mx.fast.rope = lambda x, *args, offset=None, freqs=None, **_: one(x, offset, freqs)
+    mx.fast.scaled_dot_product_attention = lambda q, k, v, *, scale, mask=None, **_: one(q, k, v, mask)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mx.fast, name, fn)
+
+
+FAST = "mx.fast"  # how the stand-ins are reported
+
+
+def ops_of(*outputs: mx.array) -> collections.Counter:
+    """Every op in the graph of ``outputs``, by primitive."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    names = re.findall(r'label ="([^"]*)", shape=rectangle', dot.getvalue())
+    return collections.Counter(FAST if name == "ArcTanh" else name.split(" ")[0] for name in names)
+
+
+def kernels(ops: collections.Counter) -> int:
+    return sum(n for name, n in ops.items() if name not in VIEWS)
+
+
+def forward_ops(model, filled: Filled, phase: str, width: int) -> collections.Counter:
+    """The ops of one decoding forward of ``width`` tokens (LM head on every row)."""
+    write = filled.write(phase, width)
+    start = len(filled.cache)
+    with fast_ops_as_one():
+        h = Runner.of(model).hidden(mx.zeros((width,), mx.int32), mx.arange(start, start + width, dtype=mx.int32),
+                                    write)
+        ops = ops_of(model.head(h))
+    filled.cache.free()  # the graph was never evaluated: the next forward starts from fresh stores
+    return ops
+
+
+def ar_ops(ar_model, kv_len: int) -> collections.Counter:
+    """The ops of mlx-lm's one-token forward after ``kv_len`` cached rows (no growth step)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(ar_model)
+    args = ar_model.args
+    kv = mx.zeros((1, args.num_key_value_heads, kv_len, args.head_dim), ar_model.model.norm.weight.dtype)
+    for c in cache:
+        c.update_and_fetch(kv, kv)
+    mx.eval([c.state for c in cache])
+    with fast_ops_as_one():
+        return ops_of(ar_model(mx.array([[1]], dtype=mx.int32), cache=cache))
+
+
+def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int) -> List[dict]:
+    """One row per forward counted: kernels and views per layer, and the kernels by primitive."""
+    layers = len(model.layers)
+    rows = []
+    old = os.environ.get(backend.ENV)
+    os.environ[backend.ENV] = "gpu"  # the GPU paths' graph, whatever device this is
+    try:
+        backend.mode()
+        # one forward evaluated first: what a model makes once (joined norm weights) is then made
+        warm = Filled(model, kv_len, 8)
+        mx.eval(model.head(Runner.of(model).hidden(mx.zeros((2,), mx.int32), mx.arange(kv_len, kv_len + 2,
+                                                                                       dtype=mx.int32),
+                                                   warm.write("plan", 2))))
+        for phase in phases:
+            for width in widths:
+                filled = Filled(model, kv_len, 4 * SLOT_SIZE * max(widths) + 8)
+                rows.append(_row(phase, width, forward_ops(model, filled, phase, width), layers))
+        if ar_model is not None:
+            rows.append(_row("ar", 1, ar_ops(ar_model, kv_len + 1), layers))
+    finally:
+        if old is None:
+            os.environ.pop(backend.ENV, None)
+        else:
+            os.environ[backend.ENV] = old
+        backend.mode()
+    return rows
+
+
+def _row(phase: str, width: int, ops: collections.Counter, layers: int) -> dict:
+    kernel_ops: Dict[str, int] = {k: v for k, v in ops.most_common() if k not in VIEWS}
+    return {"phase": phase, "width": width, "kernels": kernels(ops), "ops": sum(ops.values()),
+            "kernels_per_layer": round(kernels(ops) / layers, 2), "by_primitive": kernel_ops}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from refusion_mlx.bench.shapes import HIDDEN_SHAPES, SHAPES
+
+    parser = OneLineParser(prog="python -m benchmarks.kernel_count",
+                           description="Kernels per layer of a GPU-paths forward, against mlx-lm's one-token one.")
+    parser.add_argument("--shape", choices=list(SHAPES) + list(HIDDEN_SHAPES), metavar="NAME", default="qwen3-0.6b",
+                        help=f"model shape, random weights: {', '.join(SHAPES)} (default qwen3-0.6b)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
+    parser.add_argument("--widths", type=positive_ints, default=[1, 16], help="tokens per forward (default 1,16)")
+    parser.add_argument("--kv", type=int, default=256, help="cached rows before the pass (default 256)")
+    parser.add_argument("--json", metavar="OUT", help="write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.kv < 1:
+        parser.error("--kv must be positive")
+    for w in args.widths:
+        if w % SLOT_SIZE and w > SLOT_SIZE:
+            parser.error(f"--widths: an infill pass of {w} tokens is not whole slots of {SLOT_SIZE}")
+
+    def body() -> int:
+        from refusion_mlx.bench.shapes import build_models
+
+        check_json_path(args.json)
+        model, ar_model = build_models(args.shape, args.dtype, args.q_bits)
+        rows = count(model, ar_model, list(PHASES), args.widths, args.kv)
+        print(f"{args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}), GPU paths, attention "
+              f"{backend.attention_mode()} (REFUSION_MLX_ATTENTION), {args.kv} cached rows; {FAST}: each fused "
+              "op counted as its one kernel")
+        print(format_table(["phase", "width", "kernels / layer", "kernels", "all ops", "most launched"],
+                           [[r["phase"], r["width"], f"{r['kernels_per_layer']:.1f}", r["kernels"], r["ops"],
+                             ", ".join(f"{k} {v}" for k, v in list(r["by_primitive"].items())[:4])]
+                            for r in rows], left=[0, 5]))
+        write_json(args.json, {"shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "kv_len": args.kv,
+                               "attention": backend.attention_mode(), "rows": rows})
+        return 0
+
+    return run(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
