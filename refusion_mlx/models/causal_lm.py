@@ -147,10 +147,11 @@ class CausalLM(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.embed_tokens(tokens)
 
-    def rope(self, positions: mx.array) -> Tuple[mx.array, mx.array]:
-        """cos and sin per token: (T, head_dim/2) for positions (T,), (B, 1, T,
-        head_dim/2) for (B, T), in the model's dtype (what the rotation computes in)."""
-        return self.rotary.angles(positions, self.model.norm.weight.dtype)
+    def rope(self, positions: mx.array):
+        """What every layer takes as ``rope`` for tokens at ``positions`` (T,)
+        or (B, T) (``rope.PositionalRoPE.for_pass``: cos and sin in the
+        model's dtype, or the positions for MLX's fused kernel)."""
+        return self.rotary.for_pass(positions, self.model.norm.weight.dtype)
 
     def attention_mask(self, mask, queries: int, keys: int, dtype: mx.Dtype):
         """``mask`` in the form the attention takes on this device (``cpu_paths.attention_mask``)."""

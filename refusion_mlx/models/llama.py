@@ -13,7 +13,7 @@ Face's, so a converted folder also loads in ``mlx_lm.load``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,13 +57,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
         self.o_proj = Linear(self.n_heads * hd, dim, bias=bias)
 
-    def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
+    def __call__(self, x: mx.array, rope, mask, kv=None) -> mx.array:
         """``x``: one sequence (T, dim), or a batch (B, T, dim)."""
         B, T = (1, x.shape[0]) if x.ndim == 2 else x.shape[:2]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(self, x)
         # one rotation for queries and keys, which also applies the softmax scale to the queries
-        qk = apply_rope(qk.reshape(B, T, H + K, D).transpose(0, 2, 1, 3), *rope,
+        qk = apply_rope(qk.reshape(B, T, H + K, D).transpose(0, 2, 1, 3), rope,
                         head_scale(self.scale, H, K, qk.dtype))
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)

@@ -11,7 +11,6 @@ also loads in ``mlx_lm.load`` (which decodes the same weights left to right).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +21,7 @@ from .causal_lm import CausalLM, DecoderArgs
 from .cpu_paths import RMSNorm, attend, rms_norm
 from .kernels import silu_gate
 from .projections import Derived, Linear, Projections
-from .rope import apply_rope, head_scale
+from .rope import TokenPositions, apply_rope, head_scale
 
 
 @dataclass
@@ -58,17 +57,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=args.rms_norm_eps)
         self._qk_norm_weight = Derived()
+        self._qk_norm_scaled = Derived()
 
-    def __call__(self, x: mx.array, rope: Tuple[mx.array, mx.array], mask, kv=None) -> mx.array:
+    def __call__(self, x: mx.array, rope, mask, kv=None) -> mx.array:
         """``x``: one sequence kept 2-D (T, dim), or a batch (B, T, dim)."""
         B, T = (1, x.shape[0]) if x.ndim == 2 else x.shape[:2]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(self, x)
         # queries and keys share one norm call and one rotation: per head it is
         # the same arithmetic as two calls, with half the ops to dispatch
-        qk = rms_norm(qk.reshape(B, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
-        # the rotation also applies the softmax scale to the queries (keys x 1)
-        qk = apply_rope(qk.transpose(0, 2, 1, 3), *rope, head_scale(self.scale, H, K, qk.dtype))
+        if isinstance(rope, TokenPositions):  # MLX's fused rotation: the softmax scale folded into q's norm weight
+            qk = rms_norm(qk.reshape(B, T, H + K, D), self.qk_norm_weight(scaled=True), self.q_norm.eps)
+            qk = apply_rope(qk.transpose(0, 2, 1, 3), rope, None)
+        else:  # the rotation also applies the softmax scale to the queries (keys x 1)
+            qk = rms_norm(qk.reshape(B, T, H + K, D), self.qk_norm_weight(), self.q_norm.eps)
+            qk = apply_rope(qk.transpose(0, 2, 1, 3), rope, head_scale(self.scale, H, K, qk.dtype))
         q, k = mx.split(qk, [H], axis=1)
         v = v.reshape(B, T, K, D).transpose(0, 2, 1, 3)
         # with a cache, the layer's write keeps this pass's keys and values and
@@ -76,14 +79,17 @@ class Attention(nn.Module):
         out = attend(q, k, v, mask) if kv is None else kv.attend(q, k, v, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:-1], H * D))
 
-
-    def qk_norm_weight(self) -> mx.array:
-        """q_norm's weight for every query head, then k_norm's for every KV head."""
+    def qk_norm_weight(self, scaled: bool = False) -> mx.array:
+        """q_norm's weight for every query head, then k_norm's for every KV
+        head; ``scaled``: q_norm's times the softmax scale."""
         def make(q_weight, k_weight):
             D = self.head_dim
+            if scaled:
+                q_weight = q_weight * self.scale
             return mx.concatenate([mx.broadcast_to(q_weight, (self.n_heads, D)),
                                    mx.broadcast_to(k_weight, (self.n_kv_heads, D))])
-        return self._qk_norm_weight.get((self.q_norm["weight"], self.k_norm["weight"]), make)
+        cached = self._qk_norm_scaled if scaled else self._qk_norm_weight
+        return cached.get((self.q_norm["weight"], self.k_norm["weight"]), make)
 
 
 class MLP(nn.Module):

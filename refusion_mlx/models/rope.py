@@ -1,9 +1,19 @@
 """RoPE from a per-token position id: ReFusion commits slots out of order, so
-each token is rotated by its own position, not its place in the sequence."""
+each token is rotated by its own position, not its place in the sequence.
+
+Three rotations, one arithmetic: float32 (and the CPU paths) rotate by cos
+and sin formed exactly as Hugging Face forms them (:class:`PositionalRoPE`),
+in a compiled kernel; half precision on the GPU paths uses MLX's fused
+``mx.fast.rope`` (one kernel a layer instead of three), every token its own
+batch entry so that each turns by its own position (:class:`TokenPositions`),
+which computes the angles and the turn in float32 and rounds once -- closer
+to the float32 rotation than rounding cos, sin and each product to half
+precision is."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -28,6 +38,16 @@ def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
     raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (none or linear)")
 
 
+@dataclass(frozen=True)
+class TokenPositions:
+    """What every layer takes as ``rope`` for ``mx.fast.rope``: each token's
+    position (``offsets``, (N,) int32 for N tokens) and the rotation's
+    periods (``freqs``: 1 / the inverse frequencies)."""
+
+    offsets: mx.array
+    freqs: mx.array
+
+
 class PositionalRoPE:
     """RoPE from a per-token position array (non-interleaved halves).
 
@@ -40,6 +60,15 @@ class PositionalRoPE:
         inv_freq = (1.0 / (np.float64(base) ** exponents.astype(np.float64))).astype(np.float32)
         inv_freq = inv_freq / np.float32(rope_scale(scaling))
         self.inv_freq = mx.array(inv_freq)
+        self.freqs = mx.array(np.float32(1.0) / inv_freq)
+
+    def for_pass(self, positions: mx.array, dtype: mx.Dtype):
+        """What every layer of a pass takes as ``rope``: :class:`TokenPositions`
+        where the fused kernel rotates (half precision on the GPU paths),
+        else cos and sin (:meth:`angles`)."""
+        if backend.gpu_paths() and dtype in (mx.bfloat16, mx.float16):
+            return TokenPositions(positions.reshape(-1).astype(mx.int32), self.freqs)
+        return self.angles(positions, dtype)
 
     def angles(self, positions: mx.array, dtype: mx.Dtype = mx.float32) -> Tuple[mx.array, mx.array]:
         """cos and sin for positions (T,) -> (T, head_dim/2), or for a batch
@@ -61,18 +90,35 @@ def head_scale(scale: float, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.a
     return mx.array([scale] * heads + [1.0] * kv_heads, mx.float32).reshape(-1, 1, 1).astype(dtype)
 
 
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
+def apply_rope(x: mx.array, rope, head_scale: Optional[mx.array]) -> mx.array:
     """Rotate (B, H, T, D) by per-token angles (halves convention, as HF Qwen3),
-    then multiply each head by ``head_scale`` (H, 1, 1).
+    then multiply each head by ``head_scale`` (H, 1, 1; None: nothing to
+    multiply, the caller folded it in before).
 
-    GPU paths: :func:`rotate_shapeless`, one trace for every pass length.
-    CPU paths: :func:`rotate_halves`, traced per shape (measured a little
-    faster there). Both do the same arithmetic in the same order, so they
-    agree bit for bit.
+    ``rope`` as :meth:`PositionalRoPE.for_pass` made it: :class:`TokenPositions`,
+    MLX's fused kernel (:func:`rotate_fused`); or cos and sin: on the GPU
+    paths :func:`rotate_shapeless`, one trace for every pass length, on the
+    CPU paths :func:`rotate_halves`, traced per shape (measured a little
+    faster there). Those two do the same arithmetic in the same order, so
+    they agree bit for bit.
     """
+    if isinstance(rope, TokenPositions):
+        return rotate_fused(x, rope, head_scale)
+    scale = mx.ones((x.shape[1], 1, 1), x.dtype) if head_scale is None else head_scale
     if backend.gpu_paths():
-        return rotate_shapeless(x, cos, sin, head_scale)
-    return rotate_halves(x, cos, sin, head_scale)
+        return rotate_shapeless(x, *rope, scale)
+    return rotate_halves(x, *rope, scale)
+
+
+def rotate_fused(x: mx.array, rope: TokenPositions, head_scale: Optional[mx.array]) -> mx.array:
+    """:func:`apply_rope` through ``mx.fast.rope``: (B, H, T, D) laid out as
+    B*T batch entries of one token each (views of the (B, T, H, D) rows the
+    projections made), each offset by its own position."""
+    B, H, T, D = x.shape
+    rows = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
+    out = mx.fast.rope(rows, D, traditional=False, base=None, scale=1.0, offset=rope.offsets, freqs=rope.freqs)
+    out = out.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    return out if head_scale is None else out * head_scale
 
 
 @mx.compile
