@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, overhead, profile_decoder, scaling,
-                        scoring, soak, speed_common)
+                        mc_scoring, soak, speed_common)
 from refusion_mlx.bench import forward_replay
 
 
@@ -324,16 +324,16 @@ def test_gpu_record_golden_line_per_attention(tmp_path):
 
 
 def test_scoring_benchmark_rows(tmp_path, capsys):
-    """benchmarks.scoring, small: the estimator and the whole-forward
+    """benchmarks.mc_scoring, small: the estimator and the whole-forward
     reference give the same estimate; a malformed shape is one line."""
     out = tmp_path / "scoring.json"
-    assert scoring.main(["--shapes", "30:4,12:6", "--mc-num", "6", "--json", str(out)]) == 0
+    assert mc_scoring.main(["--shapes", "30:4,12:6", "--mc-num", "6", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["scored"], r["mc_num"]) for r in rows] == [(30, 4, 6), (12, 6, 6)]
     assert all(r["max_difference"] < 1e-4 and r["context_once_s"] > 0 and r["whole_forwards_s"] > 0 for r in rows)
     assert "speed-up" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        scoring.main(["--shapes", "30:0"])
+        mc_scoring.main(["--shapes", "30:0"])
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
 
 

@@ -1,8 +1,8 @@
 """Scoring speed: the Monte Carlo log-likelihood estimator (``decode/scoring.py``)
 against the same estimate with a whole forward per sample.
 
-    python -m benchmarks.scoring                        # the bundled demo model, three shapes, mc_num 128
-    python -m benchmarks.scoring --shapes 500:5,2000:10 --mc-num 32 --json scoring.json
+    python -m benchmarks.mc_scoring                        # the bundled demo model, three shapes, mc_num 128
+    python -m benchmarks.mc_scoring --shapes 500:5,2000:10 --mc-num 32 --json scoring.json
 
 Each shape is ``context:scored`` tokens of a random prompt. The runtime's
 estimator feeds the context once into a cache and then every sample's
@@ -67,7 +67,7 @@ def shapes_arg(text: str) -> List[tuple]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m benchmarks.scoring",
+    parser = base_parser("python -m benchmarks.mc_scoring",
                          "The Monte Carlo estimator, context fed once, against a whole forward per sample.")
     parser.add_argument("--shapes", type=shapes_arg, default=[(100, 20), (500, 5), (1000, 10)],
                         help="CONTEXT:SCORED token counts, comma-separated (default 100:20,500:5,1000:10)")
