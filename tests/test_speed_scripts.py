@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, overhead, profile_decoder, scaling,
-                        mc_scoring, soak, speed_common)
+from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, mc_scoring, overhead, profile_decoder,
+                        scaling, soak, speed_common)
 from refusion_mlx.bench import forward_replay
 
 
