@@ -11,7 +11,10 @@
 #   fc-bf16     the cost of a forward by width in bfloat16 at ReFusion-8B's
 #               shape, attention as the runtime takes it on CUDA (unfused for
 #               several query rows) and bucketed (fused at a few padded
-#               shapes), against mlx-lm's one-token forward (benchmarks.forward_cost)
+#               shapes), against mlx-lm's one-token forward (benchmarks.forward_cost);
+#               then whole forwards with REFUSION_MLX_OVERLAP=on (the first
+#               layers computing while Python builds the rest), into
+#               overlap-bf16.json (read from the log; not a record row)
 #   golden      the golden cases in float32, alone and in one batch, as the
 #               runtime attends and bucketed
 #   shape-bf16  bench --shape refusion-8b in bfloat16 with 8 requests at once:
@@ -46,7 +49,10 @@ for s in $STEPS; do
   case $s in
     fc-bf16)
       step "forward cost, bfloat16"
-      fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json" ;;
+      fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json"
+      step "forward cost, bfloat16, REFUSION_MLX_OVERLAP=on"
+      REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
+        --no-split --json "$OUT/overlap-bf16.json" ;;
     golden)
       for mode in auto bucketed; do
         step "golden cases, float32 (attention $mode)"

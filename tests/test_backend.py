@@ -238,3 +238,39 @@ def test_narrow_quantized_passes_are_padded_where_the_kernels_read_once(monkeypa
     after = model(x)
     assert calls == [(8, 128), (8, 96)] and after.shape == before.shape  # each layer: 5 rows padded to 8
     assert mx.allclose(after, before, atol=1e-5).item()
+
+
+def test_overlap_is_the_cpu_paths_unless_asked(set_paths, monkeypatch):
+    for setting, gpu, cpu in (("", False, True), ("on", True, True), (" OFF ", False, False)):
+        monkeypatch.setenv(backend.OVERLAP_ENV, setting)
+        set_paths("gpu")
+        assert backend.overlaps() == gpu
+        set_paths("cpu")
+        assert backend.overlaps() == cpu
+    monkeypatch.setenv(backend.OVERLAP_ENV, "sometimes")
+    with pytest.raises(RefusionError) as e:
+        backend.overlap_mode()
+    assert "REFUSION_MLX_OVERLAP='sometimes'" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.delenv(backend.OVERLAP_ENV)
+    backend.overlap_mode()
+
+
+def test_gpu_paths_overlap_when_asked_and_stay_token_exact(demo, golden_cases, set_paths, monkeypatch):
+    """REFUSION_MLX_OVERLAP=on: a GPU-paths pass starts evaluating every L/8
+    layers while the rest is built; the answers are the golden ones."""
+    monkeypatch.setenv(backend.OVERLAP_ENV, "on")
+    set_paths("gpu")
+    started = []
+    plain = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(len(a)) or plain(*a))
+    model, tokenizer = demo
+    layers = model.args.num_hidden_layers
+    forwards = 0
+    for case in golden_cases[:3]:
+        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+        for _ in decoder.steps():
+            pass
+        assert decoder.response() == case["output_ids"]
+        forwards += decoder.stats.forwards
+    assert len(started) >= forwards * (layers // max(1, layers // 8))  # at least every L/8 layers of each

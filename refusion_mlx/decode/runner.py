@@ -93,8 +93,9 @@ def overlap(h: List[mx.array], layer: int, layers: int) -> None:
     Python builds the next ones:
     ReFusion syncs at each decision, so this is where graph building can
     overlap with compute (+6% tokens/s on the demo model, CPU). On the GPU
-    paths the pass stays one graph, evaluated once."""
-    if (layer + 1) % max(1, layers // 8) == 0 and not backend.gpu_paths():
+    paths the pass stays one graph, evaluated once, unless
+    ``REFUSION_MLX_OVERLAP=on`` (``backend.overlaps``)."""
+    if (layer + 1) % max(1, layers // 8) == 0 and backend.overlaps():
         mx.async_eval(*h)
 
 

@@ -21,7 +21,8 @@ Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in
                                                               store_weights_transposed), multiplied
                                                               through a transposed view made once
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
-                                                              (decode/runner.py: overlap)
+                          (``REFUSION_MLX_OVERLAP=on``: as     (decode/runner.py: overlap)
+                          the CPU paths; :func:`overlaps`)
 wide decode passes        one group of rows                   two row groups on two CPU streams
                                                               (small models; runner.row_groups)
 LM head                   all head rows in one matmul while   chunks of ``probs.LOGITS_BUDGET_BYTES``
@@ -89,6 +90,7 @@ def mode() -> str:
         raise PathsError(f"{ENV}={raw!r} is not a mode: use one of {', '.join(MODES)}")
     _forced = None if value == "auto" else value == "gpu"
     attention_mode()
+    overlap_mode()
     return value
 
 
@@ -123,6 +125,39 @@ def attention_mode() -> str:
         raise PathsError(f"{ATTENTION_ENV}={raw!r} is not a mode: use one of {', '.join(ATTENTION_MODES)}")
     _attention_read = value
     return value
+
+
+# Whether a decode pass starts computing its first layers while Python builds
+# the rest: "auto" (the CPU paths only, as measured), "on" (the GPU paths too:
+# a candidate for backends whose forward is bound by host work, measured by
+# benchmarks/gpu_record.sh), "off"
+OVERLAP_ENV = "REFUSION_MLX_OVERLAP"
+OVERLAP_MODES = ("auto", "on", "off")
+
+
+_overlap_read = _UNREAD
+
+
+def overlap_mode() -> str:
+    """``auto``, ``on`` or ``off`` from ``REFUSION_MLX_OVERLAP``, read again
+    each call and whenever :func:`mode` is (:class:`PathsError`, one line,
+    for any other value)."""
+    global _overlap_read
+    raw = os.environ.get(OVERLAP_ENV)
+    value = (raw or "auto").strip().lower()
+    if value not in OVERLAP_MODES:
+        raise PathsError(f"{OVERLAP_ENV}={raw!r} is not a mode: use one of {', '.join(OVERLAP_MODES)}")
+    _overlap_read = value
+    return value
+
+
+def overlaps() -> bool:
+    """Whether a decode pass is evaluated asynchronously every few layers
+    while the rest is built (``decode/runner.py: overlap``): the CPU paths
+    by default, the GPU paths with ``REFUSION_MLX_OVERLAP=on``, neither with
+    ``off``. Cheap: the mode as last read."""
+    value = _overlap_read if _overlap_read is not _UNREAD else overlap_mode()
+    return value == "on" or (value == "auto" and not gpu_paths())
 
 
 # Rows from which MLX's CUDA quantized matmul reads each weight once (qmm_sm80, mlx/backend/cuda/quantized):
