@@ -19,7 +19,7 @@
 #               runtime attends and bucketed
 #   shape-bf16  bench --shape refusion-8b in bfloat16 with 8 requests at once:
 #               the runtime's attention, then bucketed
-#   fc-q4       the forward cost with 4-bit weights (bucketed), and narrow
+#   fc-q4       the forward cost with 4-bit weights (both attentions), and narrow
 #               widths with the 4-bit padding off (REFUSION_MLX_QMM_PAD=off,
 #               the width policy's before) and on
 #   shape-q4    bench --shape refusion-8b with 4-bit weights, both attentions
@@ -64,7 +64,7 @@ for s in $STEPS; do
       bench_shape bf16 bucketed ;;
     fc-q4)
       step "forward cost, 4-bit"
-      fc --q-bits 4 --attention bucketed --phases plan,infill --widths 1,4,8,16,32 --kv 256,4096 \
+      fc --q-bits 4 --attention auto,bucketed --phases plan,infill --widths 1,4,8,16,32 --kv 256,4096 \
         --json "$OUT/fc-q4.json"
       for pad in off on; do
         step "forward cost, 4-bit, narrow passes (REFUSION_MLX_QMM_PAD=$pad)"
