@@ -24,20 +24,22 @@
 #               the width policy's before) and on
 #   shape-q4    bench --shape refusion-8b with 4-bit weights, both attentions
 # Then python -m benchmarks.gpu_record OUT makes benchmarks/records/<device>-<date>.json.
+# SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
 set -u
 OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
 shift
 STEPS=${*:-fc-bf16 golden shape-bf16 fc-q4 shape-q4}
 PY=${PYTHON:-python3}
+SHAPE=${SHAPE:-refusion-8b}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 step() { echo "== $(date +%T) $*"; }
-fc() { $PY -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 "$@" || echo "step failed: $?"; }
+fc() { $PY -m benchmarks.forward_cost --shape "$SHAPE" --dtype bfloat16 "$@" || echo "step failed: $?"; }
 bench_shape() {  # $1: label, $2: attention mode, then extra flags
   local label=$1 mode=$2
   shift 2
-  step "bench --shape refusion-8b $label (attention $mode)"
-  REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape refusion-8b --dtype bfloat16 --batch 8 "$@" \
+  step "bench --shape $SHAPE $label (attention $mode)"
+  REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape "$SHAPE" --dtype bfloat16 --batch 8 "$@" \
     --json "$OUT/shape-$label-$mode.json" || echo "step failed: $?"
 }
 

@@ -377,3 +377,15 @@ def mx_fast_functions():
     import mlx.core as mx
 
     return [getattr(mx.fast, n) for n in ("rms_norm", "rope", "scaled_dot_product_attention")]
+
+
+def test_gpu_record_script_parses_and_names_its_steps(tmp_path):
+    """benchmarks/gpu_record.sh: valid bash; an unknown step is one line and exit 2
+    (a lent GPU's minutes are not spent on a typo)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_record.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "fc-bf17"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": sys.executable, "SHAPE": "tiny"}, timeout=120)
+    assert run.returncode == 2 and "unknown step fc-bf17" in run.stdout
+    for step in ("fc-bf16", "golden", "shape-bf16", "fc-q4", "shape-q4"):
+        assert f"    {step})" in script.read_text()
