@@ -198,6 +198,39 @@ def test_answer_logprobs_chat_and_text_whole_and_streamed(server):
     assert plain["text"] == text["text"] and plain["logprobs"] is None  # asking changes no token
 
 
+def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):
+    """include "message.output_text.logprobs" (and top_logprobs): the output
+    text's logprobs as chat completions' content, on the delta events as they
+    come; the tokens are those of chat with the same settings; a constrained
+    answer refuses them naming the field that asked."""
+    ask = {"input": "Who is Sven?", "max_output_tokens": 12, "include": [LOGPROBS], "top_logprobs": 2}
+    status, payload = raw(server, "POST", "/v1/responses", ask)
+    assert status == 200
+    part = json.loads(payload)["output"][0]["content"][0]
+    entries = part["logprobs"]
+    assert entries and "".join(e["token"] for e in entries) == part["text"]
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"]
+               for e in entries)
+    chat = {"messages": [{"role": "user", "content": "Who is Sven?"}], "max_tokens": 12, "logprobs": True,
+            "top_logprobs": 2}
+    assert entries == json.loads(raw(server, "POST", "/v1/chat/completions", chat)[1])["choices"][0]["logprobs"]["content"]
+    status, payload = raw(server, "POST", "/v1/responses", {**ask, "stream": True})
+    events = [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: {")]
+    deltas = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    done = [ev for ev in events if ev["type"] == "response.output_text.done"]
+    assert deltas == entries and done[0]["logprobs"] == entries
+    only_include = json.loads(raw(server, "POST", "/v1/responses", {**ask, "top_logprobs": None})[1])
+    assert [e["top_logprobs"] for e in only_include["output"][0]["content"][0]["logprobs"]] == [[]] * len(entries)
+    plain = json.loads(raw(server, "POST", "/v1/responses", {**ask, "include": ["reasoning.encrypted_content"],
+                                                             "top_logprobs": None})[1])
+    assert plain["output"][0]["content"][0] == {**part, "logprobs": []}  # other include values add nothing
+    status, payload = raw(server, "POST", "/v1/responses", {**ask, "text": {"format": {"type": "json_object"}}})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "top_logprobs"
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

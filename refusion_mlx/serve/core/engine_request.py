@@ -104,6 +104,7 @@ class Draft:
     parallel_tool_calls: bool = True
     constraint: Optional[Constraint] = None
     logprobs: Optional[int] = None
+    logprobs_param: str = "logprobs"  # the field that asked for them, as the API names it
     scoring: Any = None
 
 
@@ -148,8 +149,9 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
                           parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint,
                           **made)
         if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
-            raise Refusal(Reason.UNSUPPORTED, "logprobs: not supported with a constrained answer (response_format, "
-                                              "tool_choice required or a named function)", "logprobs")
+            raise Refusal(Reason.UNSUPPORTED, f"{draft.logprobs_param}: not supported with a constrained answer "
+                                              "(response_format, tool_choice required or a named function)",
+                          draft.logprobs_param)
         request = dataclasses.replace(request, logprobs=draft.logprobs)
     if draft.constraint is not None and terms.compile is not None:  # here, on the request's thread, not the engine's
         try:

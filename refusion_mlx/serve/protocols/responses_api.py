@@ -60,6 +60,11 @@ class _ResponsesBase(BaseModel):
                                            '"strict"}}: the answer is decoded under the schema (constrained)')
     background: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
+    include: Optional[List[str]] = Field(None, description='"message.output_text.logprobs": the answer\'s tokens\' '
+                                                           "log-probabilities; other values are accepted and "
+                                                           "add nothing")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="the most likely tokens beside each answer "
+                                                                       "token's log-probability (implies them)")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -205,8 +210,20 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
                                     response_format((body.text or {}).get("format"), "text.format", nested=False))
     draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
                   max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
-                  parallel_tool_calls=parallel, constraint=constraint)
+                  parallel_tool_calls=parallel, constraint=constraint, logprobs=answer_logprobs(body),
+                  logprobs_param="include" if body.top_logprobs is None else "top_logprobs")
     return draft, conversation, namespaces
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def answer_logprobs(body) -> Optional[int]:
+    """The top tokens per answer token the body asks for (``include`` of
+    ``message.output_text.logprobs``, or ``top_logprobs``); None: no logprobs."""
+    if body.top_logprobs is not None:
+        return body.top_logprobs
+    return 0 if LOGPROBS_INCLUDE in (body.include or []) else None
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:

@@ -21,6 +21,7 @@ from ..core.refusal import Refusal
 from ..core.slots import answer_blocks
 from ..core.tool_calls import ToolCall
 from ..edge.answering import Answer, Writer, event
+from .openai_logprobs import chat_logprobs
 from .responses_store import ResponseStore
 
 log = logging.getLogger("refusion_mlx.server")
@@ -38,9 +39,20 @@ def usage(done: Outcome) -> dict:
             "total_tokens": u.total, **u.refusion()}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: Optional[list] = None) -> dict:
+    """An assistant ``message`` item; ``logprobs``: its tokens' entries (``openai_logprobs``), when asked."""
+    content = [output_text(text, logprobs)] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def output_text(text: str, logprobs: Optional[list] = None) -> dict:
+    """An ``output_text`` part: its ``logprobs`` those of chat completions' ``content`` (empty unless asked)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": shaped(logprobs)}
+
+
+def shaped(entries: Optional[list]) -> list:
+    """Token entries as the Responses API shows them: ``{token, logprob, bytes, top_logprobs}``, as chat does."""
+    return chat_logprobs(entries)["content"] if entries else []
 
 
 def call_item(item_id: str, call: ToolCall, status: str = "completed", namespace: Optional[str] = None) -> dict:
@@ -67,6 +79,7 @@ class ResponsesWriter(Writer):
         self.open_text: List[str] = []  # its text so far
         self.calls: List[ToolCall] = []
         self.text_parts: List[str] = []
+        self.open_logprobs: List[dict] = []  # the open message's token entries, when asked
 
     # -- the response object --------------------------------------------------
 
@@ -100,7 +113,7 @@ class ResponsesWriter(Writer):
 
     def answer(self, answer: Answer) -> dict:
         if answer.text:
-            self.output.append(message_item(_id("msg"), answer.text))
+            self.output.append(message_item(_id("msg"), answer.text, logprobs=answer.logprobs))
         self.output += [call_item(_id("fc"), c, namespace=self.namespaces.get(c.name)) for c in answer.calls]
         self.text_parts, self.calls = [answer.text], list(answer.calls)
         return self.finish(answer.done)
@@ -119,7 +132,7 @@ class ResponsesWriter(Writer):
                                                            "blocks": answer_blocks(self.request)})
         return out
 
-    def text(self, text: str) -> str:
+    def text(self, text: str, entries: Optional[list] = None) -> str:
         out = ""
         if self.open is None:
             self.open = message_item(_id("msg"), "", "in_progress")
@@ -128,8 +141,12 @@ class ResponsesWriter(Writer):
                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
         self.text_parts.append(text)
         self.open_text.append(text)
+        self.open_logprobs += entries or []
         return out + self.emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
-                               content_index=0, delta=text, logprobs=[])
+                               content_index=0, delta=text, logprobs=shaped(entries))
+
+    def logprobs(self, text: str, entries: list) -> str:
+        return self.text(text, entries) if text or entries else ""
 
     def commits(self, text: str, commits: dict) -> str:
         return self.emit("response.commits", commits=commits) + (self.text(text) if text else "")
@@ -138,12 +155,13 @@ class ResponsesWriter(Writer):
         if self.open is None:
             return ""
         text, index, item_id = "".join(self.open_text), len(self.output), self.open["id"]
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        item = message_item(item_id, text)
+        entries, self.open_logprobs = self.open_logprobs, []
+        part = output_text(text, entries)
+        item = message_item(item_id, text, logprobs=entries)
         self.output.append(item)
         self.open, self.open_text = None, []
         return (self.emit("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                          text=text, logprobs=[])
+                          text=text, logprobs=part["logprobs"])
                 + self.emit("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                             part=part)
                 + self.emit("response.output_item.done", output_index=index, item=item))
