@@ -302,3 +302,29 @@ def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):
     assert mx.array_equal(slices.read(stored["b"], (6,), 1), full["b"])  # whole
     with pytest.raises(LoadError, match="stored with shape"):
         slices.read(stored["w"], (3, 4), 0)  # two axes cannot both be split
+
+
+def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
+    """Echo scoring under two ranks (each running its layers of every scoring
+    piece): the AR and the Monte Carlo estimates are those of one process."""
+    from refusion_mlx.decode.scoring import score_ar, score_mc
+    from refusion_mlx.models.loading import load
+
+    port, _ = pipeline_server
+    model, tok = load(FIXTURE_MODEL)
+    ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
+    context = len(ids) - 3
+    want_ar = score_ar(model, [ids])[0].logprobs[1:]
+    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2).logprobs[context:]
+    for body, want, skip in (({}, want_ar, 1),
+                             ({"logprob_estimator": "mc", "mc_num": 8, "seed": 2, "context_tokens": context},
+                              want_mc, context)):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": ids, "echo": True, "logprobs": 0,
+                                                            "max_tokens": 0, **body}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+        assert response.status == 200, payload
+        got = payload["choices"][0]["logprobs"]["token_logprobs"][skip:]
+        assert got == pytest.approx(want, abs=1e-4)
