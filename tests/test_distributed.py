@@ -213,6 +213,32 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_serv
     assert (kv["bits"], kv["bytes_per_token"]) == (8, spec.layers * 2 * 2 * (64 + 2 * spec.dtype.size))
 
 
+def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
+    """Echo scoring under two ranks (each running its layers of every scoring
+    piece): the AR and the Monte Carlo estimates are those of one process."""
+    from refusion_mlx.decode.scoring import score_ar, score_mc
+    from refusion_mlx.models.loading import load
+
+    port, _ = pipeline_server
+    model, tok = load(FIXTURE_MODEL)
+    ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
+    context = len(ids) - 3
+    want_ar = score_ar(model, [ids])[0].logprobs[1:]
+    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2).logprobs[context:]
+    for body, want, skip in (({}, want_ar, 1),
+                             ({"logprob_estimator": "mc", "mc_num": 8, "seed": 2, "context_tokens": context},
+                              want_mc, context)):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": ids, "echo": True, "logprobs": 0,
+                                                            "max_tokens": 0, **body}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+        assert response.status == 200, payload
+        got = payload["choices"][0]["logprobs"]["token_logprobs"][skip:]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_a_server_whose_rank_died_mid_step_stops_with_one_line(pipeline_server):
     """When a rank of a server dies, mlx.launch sends rank 0 SIGTERM; if the
     peer died mid-evaluation, rank 0's collective never ends. Rank 1 stopped
@@ -303,28 +329,3 @@ def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):
     with pytest.raises(LoadError, match="stored with shape"):
         slices.read(stored["w"], (3, 4), 0)  # two axes cannot both be split
 
-
-def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
-    """Echo scoring under two ranks (each running its layers of every scoring
-    piece): the AR and the Monte Carlo estimates are those of one process."""
-    from refusion_mlx.decode.scoring import score_ar, score_mc
-    from refusion_mlx.models.loading import load
-
-    port, _ = pipeline_server
-    model, tok = load(FIXTURE_MODEL)
-    ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
-    context = len(ids) - 3
-    want_ar = score_ar(model, [ids])[0].logprobs[1:]
-    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2).logprobs[context:]
-    for body, want, skip in (({}, want_ar, 1),
-                             ({"logprob_estimator": "mc", "mc_num": 8, "seed": 2, "context_tokens": context},
-                              want_mc, context)):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": ids, "echo": True, "logprobs": 0,
-                                                            "max_tokens": 0, **body}),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        payload = json.loads(response.read())
-        assert response.status == 200, payload
-        got = payload["choices"][0]["logprobs"]["token_logprobs"][skip:]
-        assert got == pytest.approx(want, abs=1e-4)
