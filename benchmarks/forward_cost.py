@@ -43,7 +43,6 @@ hence the parts timed alone.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -226,11 +225,8 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
             ar_rows.append({"phase": "ar", "width": 1, "kv_len": kv, "ms": round(ar_ms(ar_model, kv, repeat), 4)})
             say(f"AR one-token forward at {kv} cached rows: {ar_rows[-1]['ms']:.3f} ms")
     ar_by_kv = {r["kv_len"]: r["ms"] for r in ar_rows}
-    old = os.environ.get(backend.ATTENTION_ENV)
-    try:
-        for mode in attention:
-            os.environ[backend.ATTENTION_ENV] = mode
-            backend.attention_mode()
+    for mode in attention:
+        with backend.setting(backend.ATTENTION_ENV, mode):
             for kv in kv_lens:
                 filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
                 for phase in phases:
@@ -246,12 +242,6 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
                         rows.append(row)
                         say(f"{mode} {phase} width {width} at {kv}: {ms:.3f} ms")
                 del filled
-    finally:
-        if old is None:
-            os.environ.pop(backend.ATTENTION_ENV, None)
-        else:
-            os.environ[backend.ATTENTION_ENV] = old
-        backend.attention_mode()
     return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows}
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
-import os
 import re
 import sys
 from typing import Dict, Iterator, List, Optional
@@ -104,10 +103,7 @@ def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int) ->
     """One row per forward counted: kernels and views per layer, and the kernels by primitive."""
     layers = len(model.layers)
     rows = []
-    old = os.environ.get(backend.ENV)
-    os.environ[backend.ENV] = "gpu"  # the GPU paths' graph, whatever device this is
-    try:
-        backend.mode()
+    with backend.setting(backend.ENV, "gpu"):  # the GPU paths' graph, whatever device this is
         # one forward evaluated first: what a model makes once (joined norm weights) is then made
         warm = Filled(model, kv_len, 8)
         mx.eval(model.head(Runner.of(model).hidden(mx.zeros((2,), mx.int32), mx.arange(kv_len, kv_len + 2,
@@ -119,12 +115,6 @@ def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int) ->
                 rows.append(_row(phase, width, forward_ops(model, filled, phase, width), layers))
         if ar_model is not None:
             rows.append(_row("ar", 1, ar_ops(ar_model, kv_len + 1), layers))
-    finally:
-        if old is None:
-            os.environ.pop(backend.ENV, None)
-        else:
-            os.environ[backend.ENV] = old
-        backend.mode()
     return rows
 
 

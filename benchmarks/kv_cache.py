@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import sys
 import threading
 import time
@@ -59,18 +58,9 @@ def golden_section(paths: List[str]) -> List[dict]:
 
     cases = json.loads((FIXTURES / "golden_outputs.json").read_text())
     rows: List[dict] = []
-    before = os.environ.get(backend.ENV)
-    try:
-        for path in paths:
-            os.environ[backend.ENV] = path  # read by the model's load
-            backend.mode()
+    for path in paths:  # restored after each: the other sections run on the paths the environment says
+        with backend.setting(backend.ENV, path):  # read by the model's load
             rows += golden_on_paths(path, cases)
-    finally:  # the other sections run on the paths the environment says
-        if before is None:
-            os.environ.pop(backend.ENV, None)
-        else:
-            os.environ[backend.ENV] = before
-        backend.mode()
     return rows
 
 

@@ -1,6 +1,7 @@
 """The one switch between GPU and CPU paths (models/backend.py): both decode
 every golden case token for token, alone and in one batch."""
 
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,15 @@ from refusion_mlx.errors import RefusionError
 from refusion_mlx.models import backend
 
 from tests.helpers import FIXTURE_MODEL
+
+
+def decoded(model, tokenizer, case) -> RefusionDecoder:
+    """A golden case decoded alone, to the end."""
+    decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
+                              mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+    for _ in decoder.steps():
+        pass
+    return decoder
 
 
 def params_of(case):
@@ -71,11 +81,7 @@ def test_gpu_paths_chunked_head_changes_nothing(demo, golden_cases, monkeypatch,
     model, tokenizer = demo
     case = golden_cases[i]
     monkeypatch.setattr(backend, "logits_budget", lambda: 4 * model.args.vocab_size * case["slot_size"])
-    decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
-                              mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
-    for _ in decoder.steps():
-        pass
-    assert decoder.response() == case["output_ids"]
+    assert decoded(model, tokenizer, case).response() == case["output_ids"]
 
 
 def test_auto_follows_the_default_device(set_paths):
@@ -198,11 +204,7 @@ def test_on_cuda_no_fused_call_has_several_query_rows(demo, golden_cases, set_pa
     model, tokenizer = demo
     cases = golden_cases[:8]
     for case in cases[:3]:
-        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
-                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
-        for _ in decoder.steps():
-            pass
-        assert decoder.response() == case["output_ids"]
+        assert decoded(model, tokenizer, case).response() == case["output_ids"]
     results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in cases], [params_of(c) for c in cases],
                              max_batch=len(cases))
     assert [r.output_ids for r in results] == [c["output_ids"] for c in cases]
@@ -267,10 +269,16 @@ def test_gpu_paths_overlap_when_asked_and_stay_token_exact(demo, golden_cases, s
     layers = model.args.num_hidden_layers
     forwards = 0
     for case in golden_cases[:3]:
-        decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
-                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
-        for _ in decoder.steps():
-            pass
+        decoder = decoded(model, tokenizer, case)
         assert decoder.response() == case["output_ids"]
         forwards += decoder.stats.forwards
     assert len(started) >= forwards * (layers // max(1, layers // 8))  # at least every L/8 layers of each
+
+
+def test_a_setting_holds_for_its_block_and_is_restored(set_paths, monkeypatch):
+    monkeypatch.delenv(backend.ATTENTION_ENV, raising=False)
+    set_paths("cpu")
+    with backend.setting(backend.ENV, "gpu"), backend.setting(backend.ATTENTION_ENV, "bucketed"):
+        assert backend.gpu_paths() and backend.bucketed_attention(4)
+    assert backend.cpu_paths() and backend.attention_mode() == "auto"
+    assert backend.ATTENTION_ENV not in os.environ

@@ -77,6 +77,34 @@ _UNREAD = object()
 _forced = _UNREAD
 
 
+def _setting(env: str, modes) -> str:
+    """The value of ``env``, one of ``modes`` (unset or empty: ``auto``); a
+    one-line :class:`PathsError` for any other."""
+    raw = os.environ.get(env)
+    value = (raw or "auto").strip().lower()
+    if value not in modes:
+        raise PathsError(f"{env}={raw!r} is not a mode: use one of {', '.join(modes)}")
+    return value
+
+
+@contextlib.contextmanager
+def setting(env: str, value: str) -> Iterator[None]:
+    """``env`` (this module's ``ENV``, ``ATTENTION_ENV``, ``OVERLAP_ENV``) set
+    to ``value`` while the block runs, read at once and read again after it
+    is restored (benchmarks that run under several settings)."""
+    before = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        mode()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = before
+        mode()
+
+
 def mode() -> str:
     """The mode asked for: ``auto``, ``gpu`` or ``cpu`` (unset or empty: ``auto``).
 
@@ -84,10 +112,7 @@ def mode() -> str:
     follow what it read. Raises :class:`PathsError` (one line) for any
     other value."""
     global _forced
-    raw = os.environ.get(ENV)
-    value = (raw or "auto").strip().lower()
-    if value not in MODES:
-        raise PathsError(f"{ENV}={raw!r} is not a mode: use one of {', '.join(MODES)}")
+    value = _setting(ENV, MODES)
     _forced = None if value == "auto" else value == "gpu"
     attention_mode()
     overlap_mode()
@@ -119,12 +144,8 @@ def attention_mode() -> str:
     (read again each call, and by :func:`mode`'s callers through model
     loads; :class:`PathsError` for any other value)."""
     global _attention_read
-    raw = os.environ.get(ATTENTION_ENV)
-    value = (raw or "auto").strip().lower()
-    if value not in ATTENTION_MODES:
-        raise PathsError(f"{ATTENTION_ENV}={raw!r} is not a mode: use one of {', '.join(ATTENTION_MODES)}")
-    _attention_read = value
-    return value
+    _attention_read = _setting(ATTENTION_ENV, ATTENTION_MODES)
+    return _attention_read
 
 
 # Whether a decode pass starts computing its first layers while Python builds
@@ -143,12 +164,8 @@ def overlap_mode() -> str:
     each call and whenever :func:`mode` is (:class:`PathsError`, one line,
     for any other value)."""
     global _overlap_read
-    raw = os.environ.get(OVERLAP_ENV)
-    value = (raw or "auto").strip().lower()
-    if value not in OVERLAP_MODES:
-        raise PathsError(f"{OVERLAP_ENV}={raw!r} is not a mode: use one of {', '.join(OVERLAP_MODES)}")
-    _overlap_read = value
-    return value
+    _overlap_read = _setting(OVERLAP_ENV, OVERLAP_MODES)
+    return _overlap_read
 
 
 def overlaps() -> bool:
