@@ -123,7 +123,7 @@ class ARScorer:
             mx.eval(*[a for a in stats if a is not None], self.cache.state())
             self._parts.append(tuple(None if a is None else np.array(a) for a in stats))
         else:
-            mx.eval(self.cache.state())
+            mx.eval(h, self.cache.state())  # h: every rank's sends run (see MCScorer.step)
         self.cache.commit(part, positions)
         self.finished = positions[-1] == n - 1 + self.extra
 
@@ -223,8 +223,10 @@ class MCScorer:
         next ``rows`` samples (fewer at the end)."""
         if not self.fed:
             part, positions = next(self._context)
-            self._forward(part, positions, self.cache.extend(len(part), settled=len(part)))
-            mx.eval(self.cache.state())  # the context's keys and values: nothing else of the pass is kept
+            h = self._forward(part, positions, self.cache.extend(len(part), settled=len(part)))
+            # the context's keys and values (nothing else of the pass is kept), and the pass's output: under a
+            # pipeline a rank's keys and values need none of its sends, which the next rank's wait for
+            mx.eval(h, self.cache.state())
             self.cache.commit(part, positions)
             return
         rows = min(rows, self.mc_num - self.done)
