@@ -33,11 +33,23 @@ def params_of(case):
                           slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
 
 
-@pytest.mark.parametrize("mode", ["gpu", "cpu", "gpu-unfused", "gpu-bucketed"])
+def suite_mode() -> str:
+    """The paths and attention the rest of the suite decodes on, as a mode below."""
+    attention = backend.attention_mode()
+    return backend.paths() + ("" if attention == "auto" else f"-{attention}")
+
+
+# test_golden.py and test_batch.py decode every case alone and in one batch on
+# the paths the suite runs on; here, on each of the others
+MODES = [m for m in ("gpu", "cpu", "gpu-unfused", "gpu-bucketed") if m != suite_mode()]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_every_golden_case_is_token_exact_on_both_paths(demo, golden_cases, set_paths, monkeypatch, mode):
     """Float32, T=0: each case alone, then all 32 in one batch; the GPU paths
     also with the unfused attention MLX's CUDA backend takes (``fused_attention``)
-    and at bucketed shapes (``bucketed_attention``: every pass a padded batch)."""
+    and at bucketed shapes (``bucketed_attention``: every pass a padded batch).
+    The suite's own mode is left to test_golden.py and test_batch.py."""
     mode, _, attention = mode.partition("-")
     monkeypatch.setenv(backend.ATTENTION_ENV, attention or "auto")
     set_paths(mode)
