@@ -21,7 +21,10 @@ it):
   head on every row, one evaluation): median of ``--repeat`` runs, each at
   a cache one row longer than the last, as in decoding (a backend that
   plans per shape pays for its plan every time; ``--fixed-kv``: the same
-  length every run);
+  length every run), and its ``build``: the host's time until the graph
+  is built, before it is evaluated (Python's work per op; with
+  ``REFUSION_MLX_OVERLAP=on`` or on the CPU paths it also starts the first
+  layers), which only overlapping can hide;
 * **its parts by op class**, each timed alone over every layer with the
   same shapes and weights: the q/k/v/o projections, the MLP, attention
   (with its K/V write), the LM head; ``other`` is the whole minus the parts
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -117,11 +120,13 @@ class Filled:
         return self.cache.extend(width)
 
 
-def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool) -> float:
-    """Median ms of a whole forward of ``width`` tokens (LM head on every row)."""
+def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool) -> Tuple[float, float]:
+    """Median ms of a whole forward of ``width`` tokens (LM head on every row),
+    and of the host's part before its evaluation: building the graph in
+    Python (with ``REFUSION_MLX_OVERLAP=on``, also starting its first layers)."""
     runner = Runner.of(model)
     rng = np.random.default_rng(0)
-    times = []
+    times, builds = [], []
     for r in range(repeat + 1):
         write = filled.write(phase, width)
         start = len(filled.cache)
@@ -131,13 +136,15 @@ def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed
                 *([write.rows] if write.rows is not None else []))
         mx.synchronize()
         t0 = time.perf_counter()
-        h = runner.hidden(tokens, positions, write)
-        mx.eval(model.head(h).astype(mx.float32))
+        logits = model.head(runner.hidden(tokens, positions, write)).astype(mx.float32)
+        built = time.perf_counter()
+        mx.eval(logits)
         if r:
             times.append(time.perf_counter() - t0)
+            builds.append(built - t0)
         if not fixed_kv:
             filled.grow_one()
-    return 1000 * median(times)
+    return 1000 * median(times), 1000 * median(builds)
 
 
 def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms: float) -> Dict[str, float]:
@@ -185,9 +192,10 @@ def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms
     return {name: max(0.0, 1000 * timed(fn, repeat) - sync_ms) for name, fn in fns.items()}
 
 
-def ar_ms(ar_model, kv_len: int, repeat: int) -> float:
+def ar_ms(ar_model, kv_len: int, repeat: int) -> Tuple[float, float]:
     """Median ms of mlx-lm's one-token forward after ``kv_len`` cached rows
-    (random keys and values), the cache one row longer each time."""
+    (random keys and values), the cache one row longer each time, and of
+    building its graph (as :func:`forward_ms`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(ar_model)
@@ -199,15 +207,17 @@ def ar_ms(ar_model, kv_len: int, repeat: int) -> float:
         c.update_and_fetch(kv, kv)
     mx.eval([c.state for c in cache])
     token = mx.array([[1]], dtype=mx.int32)
-    times = []
+    times, builds = [], []
     for r in range(repeat + 1):
         mx.synchronize()
         t0 = time.perf_counter()
-        logits = ar_model(token, cache=cache)
-        mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+        best = mx.argmax(ar_model(token, cache=cache)[:, -1, :], axis=-1)
+        built = time.perf_counter()
+        mx.eval(best)
         if r:
             times.append(time.perf_counter() - t0)
-    return 1000 * median(times)
+            builds.append(built - t0)
+    return 1000 * median(times), 1000 * median(builds)
 
 
 def sync_cost_ms(repeat: int = 20) -> float:
@@ -222,7 +232,8 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
     rows, ar_rows = [], []
     if ar_model is not None:
         for kv in kv_lens:
-            ar_rows.append({"phase": "ar", "width": 1, "kv_len": kv, "ms": round(ar_ms(ar_model, kv, repeat), 4)})
+            ms, build = ar_ms(ar_model, kv, repeat)
+            ar_rows.append({"phase": "ar", "width": 1, "kv_len": kv, "ms": round(ms, 4), "build_ms": round(build, 4)})
             say(f"AR one-token forward at {kv} cached rows: {ar_rows[-1]['ms']:.3f} ms")
     ar_by_kv = {r["kv_len"]: r["ms"] for r in ar_rows}
     for mode in attention:
@@ -231,8 +242,9 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
                 filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
                 for phase in phases:
                     for width in widths:
-                        ms = forward_ms(model, filled, phase, width, repeat, fixed_kv)
-                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, "ms": round(ms, 4)}
+                        ms, build = forward_ms(model, filled, phase, width, repeat, fixed_kv)
+                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, "ms": round(ms, 4),
+                               "build_ms": round(build, 4)}
                         if split:
                             parts = parts_ms(model, filled, phase, width, repeat, sync_ms)
                             row.update({k: round(v, 4) for k, v in parts.items()})
@@ -247,16 +259,18 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
 
 def print_tables(result: dict) -> None:
     split = any("proj" in r for r in result["rows"])
-    headers = ["attention", "phase", "width", "kv", "ms"] + (list(PARTS) + ["other"] if split else []) + ["x AR"]
-    body = [[r["attention"], r["phase"], r["width"], r["kv_len"], f"{r['ms']:.3f}"]
-            + ([f"{r[p]:.3f}" for p in PARTS] + [f"{r['other']:.3f}"] if split else [])
+    parts = list(PARTS) + ["other"] if split else []
+    headers = ["attention", "phase", "width", "kv", "ms", "build"] + parts + ["x AR"]
+    body = [[r["attention"], r["phase"], r["width"], r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"]
+            + [f"{r[p]:.3f}" for p in parts]
             + [f"{r['x_ar']:.2f}" if "x_ar" in r else "-"] for r in result["rows"]]
     print(format_table(headers, body, left=[0, 1]))
     if result["ar"]:
         print()
-        print(format_table(["AR one-token forward", "kv", "ms"],
-                           [["mlx-lm", r["kv_len"], f"{r['ms']:.3f}"] for r in result["ar"]]))
-    print(f"\nms per forward, median; parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms)")
+        print(format_table(["AR one-token forward", "kv", "ms", "build"],
+                           [["mlx-lm", r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"] for r in result["ar"]]))
+    print(f"\nms per forward, median; build: the host's part before the evaluation (Python building the "
+          f"graph); parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms)")
 
 
 def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:

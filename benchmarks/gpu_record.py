@@ -88,6 +88,15 @@ def _closest(rows: List[dict], key: str, value: float) -> List[dict]:
     return [r for r in rows if best is not None and abs(r[key] - value) == best]
 
 
+def _build_ms(wide: List[dict], ar: List[dict]) -> dict:
+    """Median ms of building the graphs in Python, for the 16-token forwards
+    and for AR's (records from before forward_cost timed it have none)."""
+    if not all("build_ms" in r for r in wide + ar) or not wide or not ar:
+        return {}
+    return {"build_ms_width_16": round(_median([r["build_ms"] for r in wide]), 3),
+            "build_ms_ar": round(_median([r["build_ms"] for r in ar]), 3)}
+
+
 # The attention modes whose targets a record reports: the runtime's own
 # choice (``auto``, or ``unfused`` where no ``auto`` row is: what ``auto``
 # takes on CUDA for several query rows), and each candidate measured beside it.
@@ -115,7 +124,8 @@ def targets(forward_cost: List[dict], vs_ar: List[dict], attention: str = "auto"
                                   f"({'bf16' if q_bits is None else f'{q_bits}-bit'}{named}), every phase and KV length",
                         "measured_worst": round(max(ratios), 3), "measured_median": round(_median(ratios), 3),
                         "met": max(ratios) <= limit, "parts_ms_width_16": wide, "parts_ms_width_1": one,
-                        "held_back_by": max(grew, key=grew.get) if grew else None, "growth_ms": grew})
+                        "held_back_by": max(grew, key=grew.get) if grew else None, "growth_ms": grew,
+                        **_build_ms(chosen, [r for r in forward_cost if r["phase"] == "ar" and r["q_bits"] == q_bits])})
     for q_bits, limit in ((None, 1.5), (4, 1.3)):
         rows = [r for r in vs_ar if r["q_bits"] == q_bits and r["attention"] == attention]
         at = _closest(rows, "tokens_per_forward", 2.5)

@@ -238,6 +238,8 @@ def test_forward_cost_rows_parts_and_ar(cost_run):
         (a, p, w) for a in ("fused", "unfused", "bucketed") for p in ("plan", "verify", "infill") for w in (1, 4)}
     ar = [x for x in r["forward_cost"] if x["phase"] == "ar"]
     assert len(ar) == 1 and ar[0]["width"] == 1 and ar[0]["kv_len"] == 16 and ar[0]["ms"] > 0
+    for x in rows + ar:  # the graph is built before it is evaluated: part of the forward's time
+        assert 0 < x["build_ms"] < x["ms"]
     for x in rows:
         assert x["ms"] > 0 and x["kv_len"] == 16 and x["dtype"] == "float32" and x["q_bits"] is None
         assert all(x[k] >= 0 for k in forward_cost.PARTS)
@@ -313,6 +315,10 @@ def test_gpu_record_targets_for_each_attention_measured():
     assert bucketed["measured_worst"] == 1.4 and bucketed["met"]
     assert not by_name["ReFusion / AR at least 1.5x at 2.5 tokens per forward (bf16)"]["met"]
     assert by_name["ReFusion / AR at least 1.5x at 2.5 tokens per forward (bf16, attention bucketed)"]["met"]
+    assert "build_ms_width_16" not in plain  # rows from before the instrument timed the graph's building
+    timed = [{**r, "build_ms": r["ms"] / 4} for r in fc]
+    plain = gpu_record.targets(timed, vs)[0]
+    assert plain["build_ms_width_16"] == 6.5 and plain["build_ms_ar"] == 2.5
 
 
 def test_gpu_record_golden_line_per_attention(tmp_path):
