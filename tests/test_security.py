@@ -28,7 +28,7 @@ import pytest
 from refusion_mlx.decode.params import make_params
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.serve.http_server import RefusionServer
-from refusion_mlx.serve.edge.security import RequestGuard, SiteGuard, exposure_warning
+from refusion_mlx.serve.edge.security import RequestGuard, SiteGuard, exposure_warning, unpaired_surrogate
 
 KEYS = ("key-one-1234", "key-two-5678")
 APP = "http://app.example"
@@ -234,6 +234,37 @@ def test_a_message_without_content_is_a_clear_400(server):
     fine = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls},
                          {"role": "tool", "tool_call_id": "c1", "content": "42"}], "max_tokens": 8}
     assert call(server, "POST", CHAT, fine)[0] == 200  # an assistant's calls need no content
+
+
+def test_an_unpaired_surrogate_is_a_400_naming_its_field(server):
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which is no text: no tokenizer takes it and
+    no answer echoing it can be written (a stored response's metadata was a 500). Every route
+    refuses it at the edge, in its API's shape, naming the field; a whole pair is one character."""
+    lone = '"\\ud800"'
+    cases = [(CHAT, '{"messages": [{"role": "user", "content": %s}], "max_tokens": 8}', "messages[0].content"),
+             ("/v1/responses", '{"model": "m", "input": "hi", "metadata": {"k": %s}, "max_output_tokens": 8}',
+              "metadata.k"),
+             ("/v1/completions", '{"prompt": ["hi", %s], "max_tokens": 8}', "prompt[1]"),
+             ("/v1/messages", '{"model": "m", "system": %s, "messages": [{"role": "user", "content": "hi"}], '
+                              '"max_tokens": 8}', "system")]
+    before = completed(server)
+    for path, body, param in cases:
+        status, _, payload = call(server, "POST", path, (body % lone).encode())
+        message = f"{param}: holds an unpaired UTF-16 surrogate (\\ud800), which is not Unicode text"
+        if path == "/v1/messages":
+            assert status == 400 and json.loads(payload)["error"] == {"type": "invalid_request_error",
+                                                                      "message": message}
+        else:
+            err = openai_error(payload, "invalid_value")
+            assert status == 400 and err["message"] == message and err["param"] == param
+    assert completed(server) == before  # refused before anything ran
+    low = call(server, "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}], "max_tokens": 8}')
+    assert low[0] == 400 and openai_error(low[2])["param"] == "messages[0].content"
+    pair = call(server, "POST", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 8}')
+    assert pair[0] == 200  # one character, U+1F600
+    assert unpaired_surrogate(b'{"a": "\\\\ud800"}') is None  # an escaped backslash, then the letters "ud800"
+    assert unpaired_surrogate(b'{"a": {"\\ud800": 1}}') == ("a", "\\ud800")  # a key: its object is named
+    assert unpaired_surrogate(b'"\\udfff"') == ("", "\\udfff") and unpaired_surrogate(b'{"a": "\\ud800') is None
 
 
 def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):

@@ -14,9 +14,10 @@ web page's own static files needs ``Authorization: Bearer KEY`` or
 ``x-api-key: KEY`` (401; ``/metrics`` too, unless ``--metrics-public``); a
 POST needs a JSON ``Content-Type`` (415: a cross-site form or ``text/plain``
 POST, which a browser sends without asking, never runs), a
-``Content-Length`` (411) within ``--max-body-bytes`` (413), and its whole
-body within ``--body-timeout`` seconds of its headers (408); the body is
-then handed to the app as read.
+``Content-Length`` (411) within ``--max-body-bytes`` (413), its whole
+body within ``--body-timeout`` seconds of its headers (408), and no string
+in it with an unpaired UTF-16 surrogate (400, naming the field); the body
+is then handed to the app as read.
 
 Every refusal is one line in the route's API error shape
 (:func:`.http_errors.error_response`). The key a request presented is left
@@ -30,6 +31,8 @@ import asyncio
 import hashlib
 import hmac
 import ipaddress
+import json
+import re
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
@@ -128,6 +131,43 @@ class SiteGuard:
         await error_response(error, scope["path"])(scope, receive, send)
 
 
+# A JSON escape of a UTF-16 surrogate that is not half of a pair: "\ud800" alone
+# (a pair, "\ud83d\ude00", is one character and passes)
+_LONE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                          rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unpaired_surrogate(body: bytes) -> Optional[Tuple[str, str]]:
+    """Where a JSON ``body`` holds a string with an unpaired UTF-16 surrogate
+    (``"\\ud800"``), which is no Unicode text: no tokenizer takes it, and
+    no answer echoing it can be written as UTF-8. The field's path
+    (``messages[0].content``; ``""`` for the body itself) and the surrogate,
+    first in the body's order; None when there is none, or when the body is
+    not JSON (the route says so)."""
+    if not _LONE_ESCAPE.search(body):  # the common case: one scan of the bytes, no parse
+        return None
+    try:
+        todo = [("", json.loads(body))]
+    except (ValueError, RecursionError):
+        return None
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                return path, f"\\u{ord(found.group()):04x}"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                found = _SURROGATE.search(key)
+                if found:  # the path would hold it too: the object's own path is named
+                    return path, f"\\u{ord(found.group()):04x}"
+                todo.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
+    return None
+
+
 def _json_type(value: Optional[str]) -> bool:
     media = (value or "").split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
@@ -135,7 +175,8 @@ def _json_type(value: Optional[str]) -> bool:
 
 class RequestGuard:
     """ASGI middleware: the API key (401), then a POST's Content-Type (415),
-    Content-Length (411, 413) and a body that arrives in time (408)."""
+    Content-Length (411, 413), a body that arrives in time (408) and holds
+    text only (400: :func:`unpaired_surrogate`)."""
 
     def __init__(self, app, keys: Tuple[str, ...] = (), max_bytes: int = 1 << 20, body_timeout: float = 30.0,
                  metrics_public: bool = False, on_error: Optional[Callable[[APIError, dict], None]] = None):
@@ -192,10 +233,15 @@ class RequestGuard:
             body = await self.read(receive, int(length))
             if body is None:  # the client left
                 return
-            if isinstance(body, bytes):
-                return await self.app(scope, _replay(body, receive), send)
-            error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
-                                  "headers", code="request_timeout")
+            if body is False:
+                error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
+                                      "headers", code="request_timeout")
+            else:
+                where = unpaired_surrogate(body)
+                if where is None:
+                    return await self.app(scope, _replay(body, receive), send)
+                error = APIError(400, f"{where[0] or 'the request body'}: holds an unpaired UTF-16 surrogate "
+                                      f"({where[1]}), which is not Unicode text", where[0] or None, "invalid_value")
         await self.refuse(error, scope, receive, send)
 
     async def refuse(self, error: APIError, scope, receive, send, headers=None):
