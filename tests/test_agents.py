@@ -329,6 +329,9 @@ BAD = [
      "input[0].content[0].type"),
     ("/v1/responses", {"input": [{"type": "reasoning"}]}, "input[0].type"),
     ("/v1/responses", {"input": SVEN, "previous_response_id": "resp_nope"}, "previous_response_id"),
+    # what the answer would depend on but is not kept here: refused, not answered without it
+    ("/v1/responses", {"input": SVEN, "conversation": "conv_1"}, "conversation"),
+    ("/v1/responses", {"input": SVEN, "prompt": {"id": "pmpt_1"}}, "prompt"),
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "string", "pattern": "(?<=a)b"}}}}, "text.format.schema"),
     ("/v1/responses", {"input": 5}, "input"),

@@ -59,6 +59,8 @@ class _ResponsesBase(BaseModel):
                                            '"json_object"}} or {"format": {"type": "json_schema", "name", "schema", '
                                            '"strict"}}: the answer is decoded under the schema (constrained)')
     background: Optional[bool] = None
+    conversation: Any = Field(None, description="not supported (continue with previous_response_id)")
+    prompt: Any = Field(None, description="not supported (stored prompt templates)")
     truncation: Optional[Literal["auto", "disabled"]] = None
     include: Optional[List[str]] = Field(None, description='"message.output_text.logprobs": the answer\'s tokens\' '
                                                            "log-probabilities; other values are accepted and "
@@ -183,6 +185,13 @@ def response_tools(body, takes_tools: bool) -> tuple:
 def check_unsupported(body) -> None:
     if body.background:
         raise unsupported("background", "background responses are not supported")
+    # what the answer depends on but this server does not keep: left out, the model would answer another prompt
+    if body.conversation is not None:
+        raise unsupported("conversation", "conversations are not kept here: continue one with "
+                                          "previous_response_id, or send it whole as input")
+    if body.prompt is not None:
+        raise unsupported("prompt", "stored prompt templates are not kept here: send the prompt as input and "
+                                    "instructions")
     if body.text is not None and not isinstance(body.text, dict):
         raise invalid("text", 'must be an object such as {"format": {"type": "json_schema", ...}}')
 
