@@ -29,6 +29,8 @@ from tests.helpers import random_config, random_model
     (dict(token_threshold=-0.1), r"within \[0, 1\]"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*64\)"),  # an MLX key is unsigned 64-bit
+    (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\*\*64\)"),
 ])
 def test_invalid_parameters_raise_clear_errors(kwargs, message):
     with pytest.raises(DecodeError, match=message):

@@ -137,6 +137,11 @@ def test_generate_until_prompt_lists_and_n(server):
     assert [c["text"] for c in sampled["choices"]] == [s["choices"][0]["text"] for s in seeded]
     assert sampled["usage"]["prompt_tokens"] == seeded[0]["usage"]["prompt_tokens"]  # the prompt counted once
     assert sampled["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in seeded)
+    top = 2 ** 64 - 1  # the largest seed: the next answer's wraps around to 0 (it was a 500)
+    wrapped = post(server, {"prompt": "Who is Sven?", "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": top})
+    assert [c["text"] for c in wrapped["choices"]] == [
+        post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "temperature": 1.0, "seed": s})["choices"][0]["text"]
+        for s in (top, 0)]
     status, payload = raw(server, "POST", COMPLETIONS, {"prompt": prompts, "n": 2, "max_tokens": 8, "stream": True,
                                                         "stream_options": {"include_usage": True}})
     chunks = [json.loads(line[6:]) for line in payload.decode().splitlines()

@@ -14,6 +14,7 @@ from ..errors import DecodeError
 # slots) is this very layout. Chosen by `python -m refusion_mlx.bench --layouts`
 # (docs/benchmarks.md, "Block layout").
 DEFAULT_BLOCK_TOKENS = 16
+SEEDS = 2 ** 64  # a seed is one of MLX's random keys: an unsigned 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,9 @@ class RefusionParams:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise DecodeError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEEDS):
+            raise DecodeError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         gen = budget(self.gen_length, S)
         if self.serial_num_blocks is not None and self.block_length is not None:
             raise DecodeError("give serial_num_blocks or block_length, not both")
@@ -200,7 +202,7 @@ FIELDS: Tuple[Field, ...] = (
           aliases=("temp",), default=f"default {_DEFAULTS.temperature:g}", request="temperature", openai=True,
           ge=0, le=2),
     Field("seed", int, "random seed for temperature > 0", flags=("--seed",), request="seed", openai=True,
-          ge=0, le=2 ** 64 - 1),
+          ge=0, le=SEEDS - 1),
     Field("top_p", float, "nucleus filter of the planning drafts (1: off)", request="top_p", openai=True,
           gt=0, le=1),
     Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", openai=True, ge=0),

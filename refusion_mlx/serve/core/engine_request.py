@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...decode.grammar import Constraint
-from ...decode.params import BlockLayout, RefusionParams
+from ...decode.params import SEEDS, BlockLayout, RefusionParams
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
@@ -133,7 +133,7 @@ class RequestTerms:
 def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", sample: int = 0) -> EngineRequest:
     """The engine's request of an adapter's ``draft``: resolved against the
     ``terms``, under the server's call grammar, owned by ``cache_owner``;
-    ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k)."""
+    ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k, modulo 2**64)."""
     made = {"fields": draft.fields, "defaults": terms.defaults, "context": terms.context}
     if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
         ids, extra = draft.ids, draft.scoring.extra
@@ -160,7 +160,8 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
             raise Refusal(Reason.INVALID_VALUE, str(e), request.constraint.name) from None
     seed = request.params.seed
     if sample and seed is not None:
-        request = dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed + sample))
+        request = dataclasses.replace(request, params=dataclasses.replace(request.params,
+                                                                          seed=(seed + sample) % SEEDS))
     return dataclasses.replace(with_call_grammar(request, terms.call_grammar), cache_owner=cache_owner)
 
 
