@@ -28,6 +28,8 @@ from tests.helpers import random_config, random_model
     (dict(slot_threshold=1.5), r"within \[0, 1\]"),
     (dict(token_threshold=-0.1), r"within \[0, 1\]"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0 and finite"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
     (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*64\)"),  # an MLX key is unsigned 64-bit
     (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\*\*64\)"),
