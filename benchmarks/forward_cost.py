@@ -337,6 +337,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "device": device_description(), "mlx_version": package_version("mlx"),
             "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},
             "sync_ms": result["sync_ms"], "forward_cost": record_rows(result, args.dtype, args.q_bits)})
         return 0
 

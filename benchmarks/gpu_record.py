@@ -15,7 +15,11 @@ refusion_tok_s, ar_tok_s, ratio}``, its attention mode, and with
 float32 golden cases' pytest summary line from the log) and ``targets``:
 the issue's three, each met or not with the numbers that decide it, for
 the runtime's own attention and for each candidate measured beside it
-(``bucketed``).
+(``bucketed``), the other switches as the runtime sets them; and
+``decisions``: for each switch measured both ways (bucketed attention,
+``REFUSION_MLX_OVERLAP=on``, the 4-bit padding; a run's ``switches``), the
+candidate's time against the other's over forwards alike in all else, and
+which of the two the numbers suggest for ``auto``.
 """
 
 from __future__ import annotations
@@ -42,11 +46,23 @@ def _load(path: Path) -> dict:
         raise RefusionError(f"{path}: not a JSON file of the GPU record ({e})") from None
 
 
+# The runtime's switches a forward_cost run records (``switches``), with their defaults: a row
+# measured under another value is a candidate's, compared in :func:`decisions`, not a target's.
+SWITCHES = {"overlap": "auto", "qmm_pad": "auto"}
+
+
 def forward_costs(out: Path) -> List[dict]:
+    """Every row of OUT's ``fc-*.json``, each with the switches its run had."""
     rows = []
     for path in sorted(out.glob("fc-*.json")):
-        rows += _load(path)["forward_cost"]
+        run = _load(path)
+        switches = {**SWITCHES, **run.get("switches", {})}
+        rows += [{**r, **switches} for r in run["forward_cost"]]
     return rows
+
+
+def _as_default(rows: List[dict]) -> List[dict]:
+    return [r for r in rows if all(r.get(k, v) == v for k, v in SWITCHES.items())]
 
 
 def versus_ar(out: Path) -> List[dict]:
@@ -105,8 +121,10 @@ CANDIDATES = ("bucketed",)
 
 def targets(forward_cost: List[dict], vs_ar: List[dict], attention: str = "auto") -> List[dict]:
     """The issue's targets against what was measured with ``attention``
-    (``auto``: the runtime's choice; or a candidate of :data:`CANDIDATES`)."""
+    (``auto``: the runtime's choice; or a candidate of :data:`CANDIDATES`),
+    the other switches as the runtime sets them."""
     out = []
+    forward_cost = _as_default(forward_cost)
     named = "" if attention == "auto" else f", attention {attention}"
     ar = {(r["dtype"], r["q_bits"], r["kv_len"]): r["ms"] for r in forward_cost if r["phase"] == "ar"}
     for q_bits, limit in ((None, 1.5), (4, 2.0)):
@@ -141,6 +159,48 @@ def targets(forward_cost: List[dict], vs_ar: List[dict], attention: str = "auto"
     return out
 
 
+# What each switch was measured against: (switch, candidate value, the value it would replace, the
+# forwards compared); a candidate that takes at most CHOOSE of the time is suggested for auto.
+COMPARED = (("attention", "bucketed", "auto", "forwards of 2 tokens or more"),
+            ("overlap", "on", "auto", "every forward"),
+            ("qmm_pad", "on", "off", "quantized forwards of 2 to 7 tokens"))
+CHOOSE = 0.95
+
+
+def _compared(row: dict, switch: str) -> bool:
+    """Whether ``row`` is a forward ``switch`` is compared on (:data:`COMPARED`)."""
+    if row["phase"] == "ar":
+        return False
+    if switch == "qmm_pad":  # its runs are made for it: the other switches as they were
+        return bool(row["q_bits"]) and 2 <= row["width"] < 8
+    if any(row.get(k, v) != v for k, v in SWITCHES.items() if k != switch):
+        return False  # a forward of another switch's candidate
+    return row["width"] >= 2 if switch == "attention" else True
+
+
+def decisions(forward_cost: List[dict]) -> List[dict]:
+    """For each switch of :data:`COMPARED` measured both ways: the ratio of the
+    candidate's ms to the other's over forwards alike in everything else
+    (median, best, worst, how many), and what the numbers suggest."""
+    out = []
+    for switch, candidate, other, which in COMPARED:
+        def key(r):
+            return tuple(r.get(k) for k in ("phase", "width", "kv_len", "dtype", "q_bits", "attention", "overlap",
+                                            "qmm_pad") if k != switch)
+
+        rows = [r for r in forward_cost if _compared(r, switch)]
+        against = {key(r): r["ms"] for r in rows if r.get(switch) == other}
+        ratios = sorted(r["ms"] / against[key(r)] for r in rows if r.get(switch) == candidate and key(r) in against)
+        if not ratios:
+            continue
+        median = _median(ratios)
+        out.append({"switch": switch, "candidate": candidate, "against": other, "forwards": which,
+                    "pairs": len(ratios), "median_ratio": round(median, 3), "best_ratio": round(ratios[0], 3),
+                    "worst_ratio": round(ratios[-1], 3),
+                    "suggests": candidate if median <= CHOOSE else other})
+    return out
+
+
 def golden_line(log: Optional[Path]) -> Optional[str]:
     """The golden cases' pytest summary from the log: the line itself, or
     ``mode: line`` for each attention mode the script ran them with, joined by "; "."""
@@ -167,7 +227,8 @@ def build(out: Path, log: Optional[Path] = None, commit: Optional[str] = None) -
     return {"device": device, "mlx_version": mlx_version, "commit": commit or _head(),
             "date": datetime.date.today().isoformat(), "golden": golden_line(log),
             "forward_cost": fc, "vs_ar": vs,
-            "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)]}
+            "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)],
+            "decisions": decisions(fc)}
 
 
 def _head() -> str:
@@ -208,6 +269,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{t.get('measured', t.get('measured_worst'))}"
                   + (f" (median {t['measured_median']}; held back by {t['held_back_by']}: {t['growth_ms']} ms "
                      "more than a 1-token forward)" if "measured_median" in t else ""))
+        for d in record["decisions"]:
+            print(f"{d['switch']} {d['candidate']} against {d['against']}: {d['median_ratio']}x the time "
+                  f"(median of {d['pairs']} {d['forwards']}; {d['best_ratio']}-{d['worst_ratio']}x): "
+                  f"suggests {d['suggests']}")
         print(f"wrote {path}")
         return 0
 

@@ -13,8 +13,7 @@
 #               several query rows) and bucketed (fused at a few padded
 #               shapes), against mlx-lm's one-token forward (benchmarks.forward_cost);
 #               then whole forwards with REFUSION_MLX_OVERLAP=on (the first
-#               layers computing while Python builds the rest), into
-#               overlap-bf16.json (read from the log; not a record row)
+#               layers computing while Python builds the rest)
 #   golden      the golden cases in float32, alone and in one batch, as the
 #               runtime attends and bucketed
 #   shape-bf16  bench --shape refusion-8b in bfloat16 with 8 requests at once:
@@ -23,7 +22,8 @@
 #               widths with the 4-bit padding off (REFUSION_MLX_QMM_PAD=off,
 #               the width policy's before) and on
 #   shape-q4    bench --shape refusion-8b with 4-bit weights, both attentions
-# Then python -m benchmarks.gpu_record OUT makes benchmarks/records/<device>-<date>.json.
+# Then python -m benchmarks.gpu_record OUT makes benchmarks/records/<device>-<date>.json
+# and prints, for each switch measured on and off, what the forwards say of it.
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
 set -u
 OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
@@ -54,7 +54,7 @@ for s in $STEPS; do
       fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json"
       step "forward cost, bfloat16, REFUSION_MLX_OVERLAP=on"
       REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
-        --no-split --json "$OUT/overlap-bf16.json" ;;
+        --no-split --json "$OUT/fc-bf16-overlap.json" ;;
     golden)
       for mode in auto bucketed; do
         step "golden cases, float32 (attention $mode)"

@@ -233,23 +233,28 @@ def test_narrow_quantized_passes_are_padded_where_the_kernels_read_once(monkeypa
 
     monkeypatch.setattr(backend, "is_cuda", lambda: True)
     assert [backend.quantized_rows(r) for r in (1, 2, 7, 8, 17)] == [1, 8, 8, 8, 17]
-    monkeypatch.setenv(backend.PAD_ENV, "off")
-    assert backend.quantized_rows(3) == 3
+    with backend.setting(backend.PAD_ENV, "off"):
+        assert backend.quantized_rows(3) == 3
     monkeypatch.setattr(backend, "is_cuda", lambda: False)
-    monkeypatch.setenv(backend.PAD_ENV, "auto")
     assert backend.quantized_rows(3) == 3  # the CPU, and Metal until measured there
+    monkeypatch.setenv(backend.PAD_ENV, "always")
+    with pytest.raises(RefusionError) as e:
+        backend.mode()  # read with the other switches, as a model load reads them
+    assert "REFUSION_MLX_QMM_PAD='always'" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.delenv(backend.PAD_ENV)
+    backend.mode()
     mx.random.seed(0)
     model = nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64))
     nn.quantize(model, group_size=32, bits=4)
     x = mx.random.normal((1, 5, 128))
     before = model(x)
     assert pad_quantized(model) == 0  # here: the layers stay mlx's own
-    monkeypatch.setenv(backend.PAD_ENV, "on")
-    assert pad_quantized(model) == 2 and all(isinstance(m, PaddedQuantizedLinear) for m in model.layers)
     calls = []
     real = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", lambda a, *r, **k: calls.append(a.shape) or real(a, *r, **k))
-    after = model(x)
+    with backend.setting(backend.PAD_ENV, "on"):
+        assert pad_quantized(model) == 2 and all(isinstance(m, PaddedQuantizedLinear) for m in model.layers)
+        after = model(x)
     assert calls == [(8, 128), (8, 96)] and after.shape == before.shape  # each layer: 5 rows padded to 8
     assert mx.allclose(after, before, atol=1e-5).item()
 

@@ -221,6 +221,10 @@ def cost_run(tmp_path_factory):
             assert forward_cost.main(["--shape", "tiny", "--q-bits", "4", "--dtype", "bfloat16", "--widths", "8",
                                       "--kv", "16", "--repeat", "1", "--phases", "plan",
                                       "--json", str(out / "fc-q4.json")]) == 0
+            with backend.setting(backend.OVERLAP_ENV, "on"):  # a candidate switch's run, as gpu_record.sh makes
+                assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1",
+                                          "--attention", "bucketed", "--no-split", "--no-ar",
+                                          "--json", str(out / "fc-bf16-overlap.json")]) == 0
     finally:
         if old is None:
             os.environ.pop(backend.ENV)
@@ -280,6 +284,10 @@ def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
     assert {"device", "mlx_version", "commit", "forward_cost", "vs_ar", "targets", "golden"} <= set(record)
     assert record["commit"] == "abc" and record["golden"].startswith("33 passed")
     assert any(x["phase"] == "ar" for x in record["forward_cost"])
+    # each row carries its run's switches; the overlap run is compared with the same forwards without it
+    assert {(x["overlap"], x["qmm_pad"]) for x in record["forward_cost"]} == {("auto", "auto"), ("on", "auto")}
+    (overlap,) = [d for d in record["decisions"] if d["switch"] == "overlap"]
+    assert overlap["pairs"] == 6 and overlap["suggests"] in ("on", "auto")  # 3 phases x 2 widths, bucketed
     for row in record["vs_ar"]:
         assert {"tokens_per_forward", "dtype", "q_bits", "refusion_tok_s", "ar_tok_s", "ratio"} <= set(row)
         assert row["attention"] == "auto" and row["batched"]["requests"] == 2
@@ -319,6 +327,31 @@ def test_gpu_record_targets_for_each_attention_measured():
     timed = [{**r, "build_ms": r["ms"] / 4} for r in fc]
     plain = gpu_record.targets(timed, vs)[0]
     assert plain["build_ms_width_16"] == 6.5 and plain["build_ms_ar"] == 2.5
+
+
+def test_gpu_record_decisions_compare_each_switch_on_like_forwards():
+    """Each switch measured both ways: its candidate's time over the other's for forwards alike in
+    all else; a candidate's rows never count toward the runtime's targets."""
+    def row(width, ms, attention="auto", overlap="auto", qmm_pad="auto", q_bits=None, kv=1024):
+        return {"attention": attention, "phase": "plan", "width": width, "kv_len": kv, "dtype": "bfloat16",
+                "q_bits": q_bits, "ms": ms, "overlap": overlap, "qmm_pad": qmm_pad}
+
+    fc = [{"phase": "ar", "width": 1, "kv_len": 1024, "dtype": "bfloat16", "q_bits": None, "ms": 10.0,
+           "overlap": "auto", "qmm_pad": "auto"},
+          row(1, 12.0), row(1, 12.0, "bucketed"),  # one row: not a comparison of attention
+          row(16, 30.0), row(16, 15.0, "bucketed"), row(32, 40.0), row(32, 30.0, "bucketed"),
+          row(16, 24.0, overlap="on"), row(16, 14.0, "bucketed", overlap="on"),  # overlap: 0.8x and 0.93x
+          row(4, 17.0, "bucketed", qmm_pad="off", q_bits=4), row(4, 5.0, "bucketed", qmm_pad="on", q_bits=4),
+          row(8, 5.0, "bucketed", qmm_pad="off", q_bits=4), row(8, 5.0, "bucketed", qmm_pad="on", q_bits=4)]
+    got = {d["switch"]: d for d in gpu_record.decisions(fc)}
+    assert got["attention"]["pairs"] == 2 and got["attention"]["median_ratio"] == 0.625  # (0.5 + 0.75) / 2
+    assert got["attention"]["best_ratio"] == 0.5 and got["attention"]["suggests"] == "bucketed"
+    assert got["overlap"]["pairs"] == 2 and got["overlap"]["suggests"] == "on"
+    assert got["qmm_pad"]["pairs"] == 1 and got["qmm_pad"]["median_ratio"] == 0.294  # 8 rows: not padded
+    slower = [dict(r, ms=r["ms"] * 3) if r.get("attention") == "bucketed" and r["width"] > 1 else r for r in fc]
+    assert {d["switch"]: d["suggests"] for d in gpu_record.decisions(slower)}["attention"] == "auto"
+    (plain,) = [t for t in gpu_record.targets(fc, []) if "bf16" in t["target"]]
+    assert plain["measured_median"] == 3.0  # the overlap run's faster 16-token forward is not the runtime's
 
 
 def test_gpu_record_golden_line_per_attention(tmp_path):

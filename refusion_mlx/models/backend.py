@@ -89,7 +89,7 @@ def _setting(env: str, modes) -> str:
 
 @contextlib.contextmanager
 def setting(env: str, value: str) -> Iterator[None]:
-    """``env`` (this module's ``ENV``, ``ATTENTION_ENV``, ``OVERLAP_ENV``) set
+    """``env`` (this module's ``ENV``, ``ATTENTION_ENV``, ``OVERLAP_ENV``, ``PAD_ENV``) set
     to ``value`` while the block runs, read at once and read again after it
     is restored (benchmarks that run under several settings)."""
     before = os.environ.get(env)
@@ -116,6 +116,7 @@ def mode() -> str:
     _forced = None if value == "auto" else value == "gpu"
     attention_mode()
     overlap_mode()
+    qmm_pad_mode()
     return value
 
 
@@ -136,16 +137,29 @@ def cpu_paths() -> bool:
     return not gpu_paths()
 
 
-_attention_read = _UNREAD
+class _Switch:
+    """A setting from the environment, one of ``modes``: read again by
+    :meth:`read` (and whenever :func:`mode` is, as a model load does;
+    :class:`PathsError`, one line, for any other value), else as last read
+    (:meth:`get`: cheap enough for the hot paths)."""
+
+    def __init__(self, env: str, modes):
+        self.env, self.modes, self.value = env, modes, _UNREAD
+
+    def read(self) -> str:
+        self.value = _setting(self.env, self.modes)
+        return self.value
+
+    def get(self) -> str:
+        return self.value if self.value is not _UNREAD else self.read()
+
+
+_ATTENTION = _Switch(ATTENTION_ENV, ATTENTION_MODES)
 
 
 def attention_mode() -> str:
-    """``auto``, ``fused`` or ``unfused`` from ``REFUSION_MLX_ATTENTION``
-    (read again each call, and by :func:`mode`'s callers through model
-    loads; :class:`PathsError` for any other value)."""
-    global _attention_read
-    _attention_read = _setting(ATTENTION_ENV, ATTENTION_MODES)
-    return _attention_read
+    """``REFUSION_MLX_ATTENTION``, read again (:class:`_Switch`)."""
+    return _ATTENTION.read()
 
 
 # Whether a decode pass starts computing its first layers while Python builds
@@ -156,16 +170,12 @@ OVERLAP_ENV = "REFUSION_MLX_OVERLAP"
 OVERLAP_MODES = ("auto", "on", "off")
 
 
-_overlap_read = _UNREAD
+_OVERLAP = _Switch(OVERLAP_ENV, OVERLAP_MODES)
 
 
 def overlap_mode() -> str:
-    """``auto``, ``on`` or ``off`` from ``REFUSION_MLX_OVERLAP``, read again
-    each call and whenever :func:`mode` is (:class:`PathsError`, one line,
-    for any other value)."""
-    global _overlap_read
-    _overlap_read = _setting(OVERLAP_ENV, OVERLAP_MODES)
-    return _overlap_read
+    """``REFUSION_MLX_OVERLAP``, read again (:class:`_Switch`)."""
+    return _OVERLAP.read()
 
 
 def overlaps() -> bool:
@@ -173,7 +183,7 @@ def overlaps() -> bool:
     while the rest is built (``decode/runner.py: overlap``): the CPU paths
     by default, the GPU paths with ``REFUSION_MLX_OVERLAP=on``, neither with
     ``off``. Cheap: the mode as last read."""
-    value = _overlap_read if _overlap_read is not _UNREAD else overlap_mode()
+    value = _OVERLAP.get()
     return value == "on" or (value == "auto" and not gpu_paths())
 
 
@@ -182,6 +192,7 @@ def overlaps() -> bool:
 # nvidia-h200-2026-11-28.json, the 8B shape, 4-bit): 1 row 5.4 ms, 4 rows 17.2 ms, 8 rows 5.3 ms.
 CUDA_QMM_ROWS = 8
 PAD_ENV = "REFUSION_MLX_QMM_PAD"  # "auto" (default), "on" (pad wherever quantized), "off"
+_PAD = _Switch(PAD_ENV, ("auto", "on", "off"))
 
 
 def quantized_rows(rows: int) -> int:
@@ -193,10 +204,16 @@ def quantized_rows(rows: int) -> int:
     return CUDA_QMM_ROWS if 2 <= rows < CUDA_QMM_ROWS and pads_quantized() else rows
 
 
+def qmm_pad_mode() -> str:
+    """``REFUSION_MLX_QMM_PAD``, read again (:class:`_Switch`)."""
+    return _PAD.read()
+
+
 def pads_quantized() -> bool:
-    """Whether narrow quantized matmuls are padded here (:func:`quantized_rows`)."""
-    setting = os.environ.get(PAD_ENV, "auto").strip().lower()
-    return setting != "off" and (setting == "on" or is_cuda())
+    """Whether narrow quantized matmuls are padded here (:func:`quantized_rows`):
+    the setting as last read."""
+    value = _PAD.get()
+    return value != "off" and (value == "on" or is_cuda())
 
 
 def is_cuda() -> bool:
@@ -233,7 +250,7 @@ def fused_attention(queries: int) -> bool:
     :func:`bucketed_attention` for the padded passes."""
     if not gpu_paths():
         return False
-    mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
+    mode_ = _ATTENTION.get()
     if mode_ in ("fused", "unfused"):
         return mode_ == "fused"
     if not is_cuda():
@@ -251,7 +268,7 @@ def bucketed_attention(queries: int) -> bool:
     over a whole decode instead of a new one every pass."""
     if queries < 2 or not gpu_paths():
         return False
-    mode_ = _attention_read if _attention_read is not _UNREAD else attention_mode()
+    mode_ = _ATTENTION.get()
     return mode_ == "bucketed"
 
 
