@@ -162,7 +162,7 @@ def targets(forward_cost: List[dict], vs_ar: List[dict], attention: str = "auto"
 # What each switch was measured against: (switch, candidate value, the value it would replace, the
 # forwards compared); a candidate that takes at most CHOOSE of the time is suggested for auto.
 COMPARED = (("attention", "bucketed", "auto", "forwards of 2 tokens or more"),
-            ("overlap", "on", "auto", "every forward"),
+            ("overlap", "on", "auto", "forwards of any width"),
             ("qmm_pad", "on", "off", "quantized forwards of 2 to 7 tokens"))
 CHOOSE = 0.95
 
