@@ -428,3 +428,7 @@ def test_gpu_record_script_parses_and_names_its_steps(tmp_path):
     assert run.returncode == 2 and "unknown step fc-bf17" in run.stdout
     for step in ("fc-bf16", "golden", "shape-bf16", "fc-q4", "shape-q4"):
         assert f"    {step})" in script.read_text()
+    wheels = script.with_name("gpu_wheels.sh")  # the CUDA wheels in two carryable pieces
+    assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
+    run = subprocess.run(["bash", str(wheels), "unpack"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip() == "usage: benchmarks/gpu_wheels.sh [prepare|install]"
