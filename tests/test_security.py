@@ -267,6 +267,15 @@ def test_an_unpaired_surrogate_is_a_400_naming_its_field(server):
     assert unpaired_surrogate(b'"\\udfff"') == ("", "\\udfff") and unpaired_surrogate(b'{"a": "\\ud800') is None
 
 
+def test_a_body_nested_too_deeply_is_one_line(server):
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, _, payload = call(server, "POST", CHAT, deep)
+    err = openai_error(payload, "invalid_json")
+    assert status == 400 and err["message"] == "the request body is nested too deeply to read as JSON"
+    status, _, payload = call(server, "POST", "/v1/messages", deep)
+    assert status == 400 and json.loads(payload)["error"]["message"] == err["message"]
+
+
 def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):
     with pytest.raises(RefusionError, match=r"--max-kv-bytes 1000 is less than the smallest request reserves "
                                             r"\(256 rows of 4096 bytes = 1048576\)"):

@@ -71,6 +71,8 @@ def as_api_error(request, exc: Exception) -> APIError:
         status = exc.status_code
         message = {404: f"no route for {method} {path}", 405: f"{path} does not take {method}"}.get(status)
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's parse of the body gave up
+            message, code = "the request body is nested too deeply to read as JSON", "invalid_json"
         return APIError(status, message or str(exc.detail), code=code)
     err = exc.errors()[0]
     if err["type"] == "json_invalid":
