@@ -219,7 +219,12 @@ def test_responses_function_call_round_trip_continues_from_the_cache(oai):
 def test_stored_responses_get_and_delete(server, oai):
     resp = oai.responses.create(model="m", input=SVEN)
     assert oai.responses.retrieve(resp.id).output_text == resp.output_text
+    with pytest.raises(openai.BadRequestError) as e:  # only a background response is cancelled; none runs here
+        oai.responses.cancel(resp.id)
+    assert "not a background response" in e.value.body["message"] and e.value.body["param"] == "response_id"
     oai.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.cancel(resp.id)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(resp.id)
     unstored = oai.responses.create(model="m", input=SVEN, store=False)

@@ -533,7 +533,7 @@ def test_a_fuzzer_driven_by_the_document_gets_only_documented_answers(server, do
             jsonschema.validate(json.loads(payload), resolved(media["application/json"]["schema"], components))
 
     posts = [(p, capped(resolved(ops["post"]["requestBody"]["content"]["application/json"]["schema"], components)))
-             for p, ops in document["paths"].items() if "post" in ops]
+             for p, ops in document["paths"].items() if "requestBody" in ops.get("post", {})]  # not .../cancel
     bodies = st.one_of(*[st.tuples(st.just(p), from_schema(s)) for p, s in posts],
                        st.tuples(st.sampled_from([p for p, _ in posts]), JSON))
     fast = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -237,7 +237,8 @@ def answer_logprobs(body) -> Optional[int]:
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
-    ``GET /v1/responses/{id}/input_items``."""
+    ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``
+    (a 400: no response here runs in the background)."""
     store = ResponseStore(answering.config.max_stored_responses, answering.config.max_stored_response_bytes)
 
     @app.post("/v1/responses")
@@ -254,20 +255,28 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
 
         return await answering.answer(request, make, writer, bool(body.stream), body.user)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get(response_id: str, request: Request):
+    def stored(response_id: str, request: Request):
+        """The stored response the request's key may see, or a 404."""
         entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
         if entry is None:
             raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
-        return entry.response
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def get(response_id: str, request: Request):
+        return stored(response_id, request).response
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request):
+        stored(response_id, request)  # OpenAI cancels background responses only, and this server runs none
+        raise APIError(400, f"response {response_id!r} is not a background response: only those can be "
+                            "cancelled, and this server runs none (background: true is refused)", "response_id")
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                     order: Literal["asc", "desc"] = "desc", after: Optional[str] = None,
                     before: Optional[str] = None):
-        entry = store.get(response_id, request.scope.get(KEY_SCOPE, ""))
-        if entry is None:
-            raise APIError(404, f"no stored response {response_id!r}", "response_id", "not_found")
+        entry = stored(response_id, request)
         page = item_page(entry.input_items, limit, order, after, before)
         if page is None:
             ids = {i["id"] for i in entry.input_items}
