@@ -344,6 +344,8 @@ BAD = [
         "type": "object", "required": 3}}]}, "tools[0].input_schema"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": ANTHROPIC_TOOLS,
                       "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "mcp_servers": [
+        {"type": "url", "url": "https://mcp.example/sse", "name": "x"}]}, "mcp_servers"),
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}]}]}, "messages[0].content[0]"),
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "text"}]}]},

@@ -46,6 +46,8 @@ class _CountBase(BaseModel):
         None, description='{"type": "json_schema", "schema": {...}}: the answer is decoded under the schema '
                           "(constrained, as chat's response_format)")
     output_config: Optional[Dict[str, Any]] = Field(None, description="its format: as output_format")
+    mcp_servers: Optional[List[Dict[str, Any]]] = Field(None, description="not supported (Anthropic's MCP "
+                                                                          "connector runs their tools)")
 
 
 class CountTokensRequest(_CountBase):
@@ -157,6 +159,9 @@ def anthropic_messages(body) -> tuple:
 
 def anthropic_tools(body, takes_tools: bool) -> tuple:
     """The tools (``input_schema``) in the template's form, checked; (tools, parallel calls allowed)."""
+    if body.mcp_servers:  # tools a server of Anthropic's would run, as its server tools (refused below)
+        raise Refusal(Reason.UNSUPPORTED, "mcp_servers: not supported: this server runs no MCP connector; give "
+                                          "the servers' tools as custom tools", "mcp_servers")
     tools = []
     for i, tool in enumerate(body.tools or ()):
         if not isinstance(tool, dict):
