@@ -230,7 +230,9 @@ def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):
                                                              "top_logprobs": None})[1])
     assert plain["output"][0]["content"][0] == {**part, "logprobs": []}  # other include values add nothing
     status, payload = raw(server, "POST", "/v1/responses", {**ask, "text": {"format": {"type": "json_object"}}})
-    assert status == 400 and json.loads(payload)["error"]["param"] == "top_logprobs"
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == "top_logprobs"
+    assert err["message"] == "top_logprobs: not supported with an answer constrained by text.format"  # its API's name
 
 
 LOGPROBS = "message.output_text.logprobs"

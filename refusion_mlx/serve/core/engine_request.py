@@ -149,9 +149,8 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
                           parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint,
                           **made)
         if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
-            raise Refusal(Reason.UNSUPPORTED, f"{draft.logprobs_param}: not supported with a constrained answer "
-                                              "(response_format, tool_choice required or a named function)",
-                          draft.logprobs_param)
+            raise Refusal(Reason.UNSUPPORTED, f"{draft.logprobs_param}: not supported with an answer constrained "
+                                              f"by {draft.constraint.name}", draft.logprobs_param)
         request = dataclasses.replace(request, logprobs=draft.logprobs)
     if draft.constraint is not None and terms.compile is not None:  # here, on the request's thread, not the engine's
         try:
