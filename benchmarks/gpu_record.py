@@ -1,10 +1,11 @@
 """A GPU record from what ``benchmarks/gpu_record.sh OUT`` wrote:
 
-    python -m benchmarks.gpu_record OUT [--log OUT/log.txt] [--commit SHA] [--record benchmarks/records/NAME.json]
+    python -m benchmarks.gpu_record OUT [OUT ...] [--log LOG] [--commit SHA] [--record benchmarks/records/NAME.json]
 
-Reads OUT's ``fc-*.json`` (``benchmarks.forward_cost``) and
-``shape-<weights>-<attention>.json`` (``bench --shape``) and writes one
-JSON record (default ``benchmarks/records/<device>-<date>.json``):
+Reads each OUT's ``fc-*.json`` (``benchmarks.forward_cost``),
+``shape-<weights>-<attention>.json`` (``bench --shape``) and ``log.txt``
+(one OUT per device call: each call's files come back in a folder of their
+own) and writes one JSON record (default ``benchmarks/records/<device>-<date>.json``):
 ``device``, ``mlx_version``, ``commit`` (the tree measured), ``date``,
 ``forward_cost`` (every forward timed: ``{phase, width, kv_len, dtype,
 q_bits, ms}`` and its attention mode and parts; AR's one-token forward as
@@ -51,10 +52,14 @@ def _load(path: Path) -> dict:
 SWITCHES = {"overlap": "auto", "qmm_pad": "auto"}
 
 
-def forward_costs(out: Path) -> List[dict]:
-    """Every row of OUT's ``fc-*.json``, each with the switches its run had."""
+def _files(outs: List[Path], pattern: str) -> List[Path]:
+    return [path for out in outs for path in sorted(out.glob(pattern))]
+
+
+def forward_costs(outs: List[Path]) -> List[dict]:
+    """Every row of the folders' ``fc-*.json``, each with the switches its run had."""
     rows = []
-    for path in sorted(out.glob("fc-*.json")):
+    for path in _files(outs, "fc-*.json"):
         run = _load(path)
         switches = {**SWITCHES, **run.get("switches", {})}
         rows += [{**r, **switches} for r in run["forward_cost"]]
@@ -65,9 +70,9 @@ def _as_default(rows: List[dict]) -> List[dict]:
     return [r for r in rows if all(r.get(k, v) == v for k, v in SWITCHES.items())]
 
 
-def versus_ar(out: Path) -> List[dict]:
+def versus_ar(outs: List[Path]) -> List[dict]:
     rows = []
-    for path in sorted(out.glob("shape-*.json")):
+    for path in _files(outs, "shape-*.json"):
         m = SHAPE_FILE.search(path.name)
         if not m:
             continue
@@ -201,12 +206,11 @@ def decisions(forward_cost: List[dict]) -> List[dict]:
     return out
 
 
-def golden_line(log: Optional[Path]) -> Optional[str]:
-    """The golden cases' pytest summary from the log: the line itself, or
+def golden_line(*logs: Path) -> Optional[str]:
+    """The golden cases' pytest summary from the logs: the line itself, or
     ``mode: line`` for each attention mode the script ran them with, joined by "; "."""
-    if log is None or not log.is_file():
-        return None
-    parts = re.split(r"golden cases, float32(?: \(attention (\w+)\))?", log.read_text(errors="replace"))
+    text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
+    parts = re.split(r"golden cases, float32(?: \(attention (\w+)\))?", text)
     found = []
     for mode, text in zip(parts[1::2], parts[2::2]):
         line = re.search(r"^\d+ passed.*$|^.*failed.*$", text, re.M)
@@ -215,17 +219,24 @@ def golden_line(log: Optional[Path]) -> Optional[str]:
     return "; ".join(found) or None
 
 
-def build(out: Path, log: Optional[Path] = None, commit: Optional[str] = None) -> dict:
-    fc = forward_costs(out)
-    shapes = [p for p in sorted(out.glob("shape-*.json")) if SHAPE_FILE.search(p.name)]
+def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = None) -> dict:
+    """The record of the runs in ``outs`` (the golden line from ``log``, else from each folder's log.txt)."""
+    fc = forward_costs(outs)
+    shapes = [p for p in _files(outs, "shape-*.json") if SHAPE_FILE.search(p.name)]
     if not fc and not shapes:
-        raise RefusionError(f"{out}: no fc-*.json or shape-*.json (run benchmarks/gpu_record.sh {out} first)")
-    first = _load(sorted(out.glob("fc-*.json"))[0]) if fc else _load(shapes[0])
+        where = " ".join(str(out) for out in outs)
+        raise RefusionError(f"{where}: no fc-*.json or shape-*.json (run benchmarks/gpu_record.sh OUT first)")
+    first = _load(_files(outs, "fc-*.json")[0]) if fc else _load(shapes[0])
+    devices = {_load(path)["device"] for path in _files(outs, "fc-*.json") + shapes}
+    if len(devices) > 1:
+        raise RefusionError(f"the runs were made on {len(devices)} devices ({', '.join(sorted(devices))}): "
+                            "one record is one device's")
     device = first["device"]
-    vs = versus_ar(out)
+    vs = versus_ar(outs)
     mlx_version = first.get("mlx_version") or "unknown"
+    logs = [log] if log else [out / "log.txt" for out in outs]
     return {"device": device, "mlx_version": mlx_version, "commit": commit or _head(),
-            "date": datetime.date.today().isoformat(), "golden": golden_line(log),
+            "date": datetime.date.today().isoformat(), "golden": golden_line(*logs),
             "forward_cost": fc, "vs_ar": vs,
             "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)],
             "decisions": decisions(fc)}
@@ -249,17 +260,18 @@ def record_name(device: str, date: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.gpu_record",
                            description="Make a GPU record from what benchmarks/gpu_record.sh wrote.")
-    parser.add_argument("out", help="the folder benchmarks/gpu_record.sh wrote")
-    parser.add_argument("--log", help="its log (default OUT/log.txt): the golden cases' line")
+    parser.add_argument("out", nargs="+", help="the folders benchmarks/gpu_record.sh wrote (one per device call)")
+    parser.add_argument("--log", help="the log with the golden cases' line (default: each OUT's log.txt)")
     parser.add_argument("--commit", help="the commit measured (default: this checkout's HEAD)")
     parser.add_argument("--record", help="where to write (default benchmarks/records/<device>-<date>.json)")
     args = parser.parse_args(argv)
 
     def body() -> int:
-        out = Path(args.out).expanduser()
-        if not out.is_dir():
-            raise RefusionError(f"{out}: no such folder")
-        record = build(out, Path(args.log) if args.log else out / "log.txt", args.commit)
+        outs = [Path(out).expanduser() for out in args.out]
+        for out in outs:
+            if not out.is_dir():
+                raise RefusionError(f"{out}: no such folder")
+        record = build(outs, Path(args.log) if args.log else None, args.commit)
         path = Path(args.record) if args.record else RECORDS / record_name(record["device"], record["date"])
         if not path.parent.is_dir():
             raise RefusionError(f"cannot write {path}: its folder does not exist")

@@ -6,8 +6,9 @@
 #     benchmarks/gpu_record.sh OUT [STEP ...]      # default: every step, in this order
 #
 # Each step writes into OUT (a step that fails is logged and the next one
-# runs). The steps, in order of what they decide; a lent GPU's 15 minutes
-# hold about two of them per call after the wheels are carried:
+# runs). The steps, in order of what they decide; on a lent GPU run one or
+# two a call (docs/benchmarks.md, "On a lent GPU"), so that each call's files
+# come back even if a later call's machine is lost:
 #   fc-bf16     the cost of a forward by width in bfloat16 at ReFusion-8B's
 #               shape, attention as the runtime takes it on CUDA (unfused for
 #               several query rows) and bucketed (fused at a few padded
@@ -22,7 +23,7 @@
 #               widths with the 4-bit padding off (REFUSION_MLX_QMM_PAD=off,
 #               the width policy's before) and on
 #   shape-q4    bench --shape refusion-8b with 4-bit weights, both attentions
-# Then python -m benchmarks.gpu_record OUT makes benchmarks/records/<device>-<date>.json
+# Then python -m benchmarks.gpu_record OUT [OUT ...] (each call's folder) makes benchmarks/records/<device>-<date>.json
 # and prints, for each switch measured on and off, what the forwards say of it.
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
 set -u

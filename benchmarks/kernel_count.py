@@ -13,6 +13,12 @@ as the one kernel it is on a GPU -- on the CPU MLX splits it into its
 reference ops -- by standing in a single op for it while the graph is built
 (nothing is evaluated). Ops that only make views (reshape, transpose,
 slice, broadcast, split...) launch no kernel and are counted apart.
+
+``build ms``: the host's time to build that graph (median of 21 builds from
+the same cache, the fused ops standing in as one node each as on a GPU):
+Python's part of a forward, which runs before the device starts unless
+``REFUSION_MLX_OVERLAP`` hides it, comparable between the runtime and mlx-lm
+on any machine (``forward_cost``'s ``build`` column is not, on a CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import contextlib
 import io
 import re
 import sys
-from typing import Dict, Iterator, List, Optional
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -33,6 +40,8 @@ from refusion_mlx.models import backend
 
 from .forward_cost import PHASES, SLOT_SIZE, Filled
 from .speed_common import check_json_path, write_json
+
+BUILDS = 21  # graphs built per forward timed (the median is reported)
 
 # primitives that make a view of their input (no kernel on a GPU)
 VIEWS = frozenset({"Reshape", "Transpose", "Slice", "Broadcast", "ExpandDims", "Squeeze", "Split", "AsStrided",
@@ -73,20 +82,53 @@ def kernels(ops: collections.Counter) -> int:
     return sum(n for name, n in ops.items() if name not in VIEWS)
 
 
-def forward_ops(model, filled: Filled, phase: str, width: int) -> collections.Counter:
-    """The ops of one decoding forward of ``width`` tokens (LM head on every row)."""
+def built(build: Callable[[], mx.array], reset: Callable[[], None], repeat: int) -> Tuple[mx.array, float]:
+    """One graph ``build`` makes (fused ops as one node each) and the median
+    ms the host took to build it, over ``repeat`` builds from the same state
+    (``reset`` restores it; the last graph is freed outside the timed part;
+    ``repeat`` 0: the first build alone)."""
+    times, out = [], None
+    for _ in range(repeat + 1):
+        out = None  # the last graph goes before the clock starts
+        reset()
+        with fast_ops_as_one():
+            start = time.perf_counter()
+            out = build()
+            times.append(time.perf_counter() - start)
+    return out, 1000 * sorted(times[1:] or times)[repeat // 2]
+
+
+def _stores(stores) -> Callable[[], None]:
+    """A reset that puts the stores' (evaluated) arrays back as they are now.
+    A write into a store updates its array objects in place (``a[i:j] = b``),
+    so each reset gives them fresh objects holding the saved values."""
+    saved = [(store, dict(vars(store))) for store in stores]
+
+    def reset():
+        for store, state in saved:
+            fresh = {k: mx.array(v) for k, v in state.items() if isinstance(v, mx.array)}
+            mx.eval(list(fresh.values()))
+            vars(store).update({**state, **fresh})
+    return reset
+
+
+def forward_ops(model, filled: Filled, phase: str, width: int, repeat: int = BUILDS
+                ) -> Tuple[collections.Counter, float]:
+    """The ops of one decoding forward of ``width`` tokens (LM head on every
+    row), and the ms its graph took to build."""
     write = filled.write(phase, width)
     start = len(filled.cache)
-    with fast_ops_as_one():
-        h = Runner.of(model).hidden(mx.zeros((width,), mx.int32), mx.arange(start, start + width, dtype=mx.int32),
-                                    write)
-        ops = ops_of(model.head(h))
+    tokens, positions = mx.zeros((width,), mx.int32), mx.arange(start, start + width, dtype=mx.int32)
+    out, ms = built(lambda: model.head(Runner.of(model).hidden(tokens, positions, write)),
+                    _stores([s for s in filled.cache.stores if s is not None]), repeat)
+    ops = ops_of(out)
     filled.cache.free()  # the graph was never evaluated: the next forward starts from fresh stores
-    return ops
+    return ops, ms
 
 
-def ar_ops(ar_model, kv_len: int) -> collections.Counter:
-    """The ops of mlx-lm's one-token forward after ``kv_len`` cached rows (no growth step)."""
+def ar_ops(ar_model, kv_len: int, repeat: int = BUILDS) -> Tuple[collections.Counter, float]:
+    """The ops of mlx-lm's one-token forward after ``kv_len`` cached rows (no
+    growth step), and the ms its graph took to build."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(ar_model)
@@ -95,12 +137,14 @@ def ar_ops(ar_model, kv_len: int) -> collections.Counter:
     for c in cache:
         c.update_and_fetch(kv, kv)
     mx.eval([c.state for c in cache])
-    with fast_ops_as_one():
-        return ops_of(ar_model(mx.array([[1]], dtype=mx.int32), cache=cache))
+    token = mx.array([[1]], dtype=mx.int32)
+    out, ms = built(lambda: ar_model(token, cache=cache), _stores(cache), repeat)
+    return ops_of(out), ms
 
 
-def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int) -> List[dict]:
-    """One row per forward counted: kernels and views per layer, and the kernels by primitive."""
+def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int, repeat: int = BUILDS) -> List[dict]:
+    """One row per forward counted: kernels and views per layer, the kernels
+    by primitive, and the ms its graph took to build (median of ``repeat``)."""
     layers = len(model.layers)
     rows = []
     with backend.setting(backend.ENV, "gpu"):  # the GPU paths' graph, whatever device this is
@@ -112,16 +156,17 @@ def count(model, ar_model, phases: List[str], widths: List[int], kv_len: int) ->
         for phase in phases:
             for width in widths:
                 filled = Filled(model, kv_len, 4 * SLOT_SIZE * max(widths) + 8)
-                rows.append(_row(phase, width, forward_ops(model, filled, phase, width), layers))
+                rows.append(_row(phase, width, *forward_ops(model, filled, phase, width, repeat), layers))
         if ar_model is not None:
-            rows.append(_row("ar", 1, ar_ops(ar_model, kv_len + 1), layers))
+            rows.append(_row("ar", 1, *ar_ops(ar_model, kv_len + 1, repeat), layers))
     return rows
 
 
-def _row(phase: str, width: int, ops: collections.Counter, layers: int) -> dict:
+def _row(phase: str, width: int, ops: collections.Counter, build_ms: float, layers: int) -> dict:
     kernel_ops: Dict[str, int] = {k: v for k, v in ops.most_common() if k not in VIEWS}
     return {"phase": phase, "width": width, "kernels": kernels(ops), "ops": sum(ops.values()),
-            "kernels_per_layer": round(kernels(ops) / layers, 2), "by_primitive": kernel_ops}
+            "kernels_per_layer": round(kernels(ops) / layers, 2), "build_ms": round(build_ms, 3),
+            "by_primitive": kernel_ops}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -152,10 +197,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}), GPU paths, attention "
               f"{backend.attention_mode()} (REFUSION_MLX_ATTENTION), {args.kv} cached rows; {FAST}: each fused "
               "op counted as its one kernel")
-        print(format_table(["phase", "width", "kernels / layer", "kernels", "all ops", "most launched"],
+        print(format_table(["phase", "width", "kernels / layer", "kernels", "all ops", "build ms", "most launched"],
                            [[r["phase"], r["width"], f"{r['kernels_per_layer']:.1f}", r["kernels"], r["ops"],
+                             f"{r['build_ms']:.2f}",
                              ", ".join(f"{k} {v}" for k, v in list(r["by_primitive"].items())[:4])]
-                            for r in rows], left=[0, 5]))
+                            for r in rows], left=[0, 6]))
         write_json(args.json, {"shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "kv_len": args.kv,
                                "attention": backend.attention_mode(), "rows": rows})
         return 0

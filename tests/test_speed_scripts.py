@@ -275,11 +275,13 @@ def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
     from refusion_mlx.bench.__main__ import main as bench_main
 
     out, _ = cost_run
+    call2 = tmp_path / "call2"  # a second device call's files come back in a folder of their own
+    call2.mkdir()
     assert bench_main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--batch", "2",
-                       "--json", str(out / "shape-tiny-auto.json")]) == 0
-    (out / "log.txt").write_text("== golden cases, float32\n33 passed, 47 deselected in 40.16s\n")
+                       "--json", str(call2 / "shape-tiny-auto.json")]) == 0
+    (call2 / "log.txt").write_text("== golden cases, float32\n33 passed, 47 deselected in 40.16s\n")
     path = tmp_path / "record.json"
-    assert gpu_record.main([str(out), "--commit", "abc", "--record", str(path)]) == 0
+    assert gpu_record.main([str(out), str(call2), "--commit", "abc", "--record", str(path)]) == 0
     record = json.loads(path.read_text())
     assert {"device", "mlx_version", "commit", "forward_cost", "vs_ar", "targets", "golden"} <= set(record)
     assert record["commit"] == "abc" and record["golden"].startswith("33 passed")
@@ -300,6 +302,13 @@ def test_gpu_record_without_runs_is_one_line(tmp_path, capsys):
     assert gpu_record.main([str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no fc-*.json" in err[0] and "no such folder" in err[1]
+    for name, device in (("a", "gpu (NVIDIA H100)"), ("b", "gpu (NVIDIA H200)")):  # one record, one device
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "fc-bf16.json").write_text(json.dumps({"device": device, "forward_cost": [
+            {"phase": "ar", "width": 1, "kv_len": 256, "dtype": "bfloat16", "q_bits": None, "ms": 8.0}]}))
+    assert gpu_record.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "2 devices" in err and "NVIDIA H100" in err
 
 
 def test_gpu_record_targets_for_each_attention_measured():
@@ -399,6 +408,11 @@ def test_kernels_per_forward_stay_few(monkeypatch, attention):
         assert got[("infill", width)] <= got[("plan", width)] + 2 == got[("verify", width)] + 2, got
         assert got[("plan", width)] <= fused + 4 * len(model.layers), got
     assert max(v for (phase, _), v in got.items() if phase != "ar") < got[("ar", 1)], got
+    # each graph is built 21 times from the same cache: the last one is the first one's (a build left in the cache
+    # would change it)
+    once = kernel_count.count(model, ar_model, ["plan", "infill"], [8], 40, repeat=0)
+    assert [r["kernels"] for r in once] == [got[("plan", 8)], got[("infill", 8)], got[("ar", 1)]]
+    assert all(r["build_ms"] > 0 for r in rows)
 
 
 def test_kernel_count_prints_its_table(capsys):
@@ -406,7 +420,7 @@ def test_kernel_count_prints_its_table(capsys):
 
     assert kernel_count.main(["--shape", "tiny", "--widths", "1,4", "--kv", "30"]) == 0
     out = capsys.readouterr().out
-    assert "kernels / layer" in out and "mx.fast" in out and out.count("\nplan ") == 2
+    assert "kernels / layer" in out and "build ms" in out and "mx.fast" in out and out.count("\nplan ") == 2
     with pytest.raises(SystemExit) as e:
         kernel_count.main(["--shape", "tiny", "--widths", "6"])
     assert e.value.code == 2
