@@ -251,6 +251,13 @@ def test_stored_response_lists_its_input_items(server, oai):
     assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?after=msg_nope")[0] == 400
     assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?limit=0")[0] == 400
     assert raw(server, "GET", "/v1/responses/resp_nope/input_items")[0] == 404
+    for bad in ({"x": 1}, ["l"], 5):  # an item's id is a string (it pages the list), or absent / null: a new one
+        status, _, payload = raw(server, "POST", "/v1/responses", {"max_output_tokens": 4, "input": [
+            {"id": bad, "role": "user", "content": SVEN}]})
+        error = json.loads(payload)["error"]
+        assert status == 400 and error["param"] == "input[0].id" and "must be a string" in error["message"]
+    null = oai.responses.create(model="m", max_output_tokens=4, input=[{"id": None, "role": "user", "content": SVEN}])
+    assert oai.responses.input_items.list(null.id).data[0].id.startswith("msg_")
 
 
 # --------------------------------------------------------------------------

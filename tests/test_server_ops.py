@@ -11,6 +11,7 @@ import http.client
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -381,3 +382,60 @@ def test_a_client_that_leaves_is_noticed_while_events_keep_coming():
 
     fed = asyncio.run(run())
     assert fed < 2000 and fed * 0.002 < CLIENT_CHECK * 8, fed
+
+
+def raw_post(srv, path, body):
+    """A client that sends a request and may hang up before its answer (close the socket)."""
+    s = socket.create_connection((srv.host, srv.port), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+    return s
+
+
+def until(srv, ok, seconds=20.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _, state = call(srv, "GET", "/health")
+        if ok(state):
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"/health never got there: {state}")
+
+
+def test_a_request_is_queued_whole_or_not_and_leaves_the_queue_when_its_client_does():
+    """A request's choices are queued all or none: one refused for a full queue
+    leaves nothing in it; one whose client hangs up frees its places at once."""
+    with serve(max_batch=1, max_queue=4) as srv:
+        runner = raw_post(srv, "/v1/completions", {**SLOW, "max_tokens": 200})  # holds the one row
+        until(srv, lambda s: s["active"] == 1)
+        waiting = raw_post(srv, "/v1/completions", {**SLOW, "prompt": ["a", "b", "c"], "max_tokens": 4})
+        until(srv, lambda s: s["queued"] == 3)
+        status, body = call(srv, "POST", "/v1/completions", {**SLOW, "prompt": ["d", "e"], "max_tokens": 4})
+        assert status == 503 and "3 requests waiting, and this one brings 2" in body["error"]["message"]
+        assert call(srv, "GET", "/health")[1]["queued"] == 3  # nothing of the refused one was left
+        waiting.close()  # its client leaves: its 3 places are free before it would have reached the batch
+        until(srv, lambda s: s["queued"] == 0)
+        with ThreadPoolExecutor(1) as pool:
+            four = pool.submit(call, srv, "POST", "/v1/completions", {**SLOW, "prompt": list("wxyz"), "max_tokens": 2})
+            until(srv, lambda s: s["queued"] == 4)
+            runner.close()
+            status, body = four.result()
+        assert status == 200 and len(body["choices"]) == 4
+
+
+def test_one_request_with_many_choices_does_not_hold_a_later_one_behind_them():
+    """Rows go to the request holding the fewest: a one-choice request sent
+    while a six-prompt one fills the batch starts at the next free row, ahead
+    of the six-prompt request's waiting choices."""
+    with serve(max_batch=2) as srv, ThreadPoolExecutor(2) as pool:
+        big = pool.submit(call, srv, "POST", "/v1/completions",
+                          {**SLOW, "prompt": [f"{i} {i + 1}" for i in range(6)], "max_tokens": 24})
+        until(srv, lambda s: s["active"] == 2 and s["queued"] == 4)
+        small = pool.submit(call, srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24})
+        status, _ = small.result()
+        state = call(srv, "GET", "/health")[1]
+        assert status == 200 and not big.done()
+        assert state["queued"] >= 1  # the big one's choices still wait: the small one went ahead of them
+        status, body = big.result()
+        assert status == 200 and len(body["choices"]) == 6

@@ -155,6 +155,26 @@ def test_a_schema_the_engine_cannot_take_is_one_400(oai, fields, param):
     assert err["param"] == param and err["message"].startswith(param + ": ") and "\n" not in err["message"]
 
 
+def test_stop_strings_are_refused_where_a_grammar_holds_the_whole_answer(server, oai):
+    """A stop string would cut a constrained answer short (and it would still say "stop"): one 400 naming the
+    API's own field, for a format and a forced call; strict tools under auto (text, then maybe calls) keep them."""
+    for fields, by in (({"response_format": json_schema(PERSON)}, "response_format"),
+                       ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(oai, stop=['"a'], **fields)
+        assert e.value.body["param"] == "stop" and e.value.body["message"].startswith(
+            f"stop: not supported with an answer constrained by {by}")
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    assert ask(oai, stop=["Sven"], tools=strict, max_tokens=24).choices[0].finish_reason in ("stop", "tool_calls")
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
+                                 timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny-refusion", max_tokens=32, stop_sequences=["{"], tool_choice={"type": "any"},
+                               tools=[{"name": "add", "description": "x", "input_schema": ADD}],
+                               messages=[{"role": "user", "content": "What is 2+3?"}])
+    assert e.value.body["error"]["message"].startswith("stop_sequences: not supported")
+
+
 def test_call_grammar_constrains_auto_calls_in_one_place():
     """``--call-grammar all`` (the default): a request with tools and no constraint of its own is decoded as
     text, then maybe calls under their tools' schemas; "strict", a format, a forced call, logprobs: as asked."""

@@ -97,6 +97,11 @@ class Constraint:
             raise DecodeError(f"{name}: forcing a call needs at least one tool")
         return cls("tool_calls", json.dumps(spec), name).checked()
 
+    @property
+    def whole_answer(self) -> bool:
+        """Whether the grammar holds the whole answer (not text that may end in calls)."""
+        return self.kind != "tool_calls" or not json.loads(self.source).get("optional")
+
     def checked(self) -> "Constraint":
         """Itself, once the engine has compiled it without a tokenizer: what
         it cannot compile is one ``DecodeError`` naming the constraint."""

@@ -139,18 +139,26 @@ class Engine:
     def submit(self, request: EngineRequest, loop) -> Job:
         """Queue a request; its Job posts the answer's events to ``loop``. A
         :class:`Refusal` when it can never fit in KV memory or cannot wait."""
-        job = self.job(request, loop)
-        if job.kv_bytes > self.max_kv_bytes:
-            self.metrics.outcome(request.api, "refused")
-            raise self.kv_cost.refusal(request, job.kv_bytes, self.max_kv_bytes)
+        return self.submit_all([request], loop)[0]
+
+    def submit_all(self, requests: List[EngineRequest], loop) -> List[Job]:
+        """Queue one HTTP request's choices, all or none, as one group (the
+        scheduler shares rows between groups): :meth:`submit` for each."""
+        jobs = [self.job(request, loop) for request in requests]
+        for job in jobs:
+            if job.kv_bytes > self.max_kv_bytes:
+                self.metrics.outcome(job.request.api, "refused")
+                raise self.kv_cost.refusal(job.request, job.kv_bytes, self.max_kv_bytes)
+        for job in jobs[1:]:
+            job.group = jobs[0]
         with self.queue.wake:
             if self._failed:
                 raise Refusal(Reason.ENGINE_DEAD, "the model engine has stopped (see the server's log); "
                                                   "restart the server")
             if self._stopping.is_set():
                 raise Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
-            self.queue.put(job)
-        return job
+            self.queue.put(jobs)
+        return jobs
 
     def snapshot(self) -> dict:
         names = ("completed", "cancelled", "failed", "refused", "kv_waits", "steps", "step_rows",

@@ -106,6 +106,7 @@ class Draft:
     logprobs: Optional[int] = None
     logprobs_param: str = "logprobs"  # the field that asked for them, as the API names it
     scoring: Any = None
+    stop_param: str = "stop"  # the field of the stop strings, as the API names it
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,10 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
         if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
             raise Refusal(Reason.UNSUPPORTED, f"{draft.logprobs_param}: not supported with an answer constrained "
                                               f"by {draft.constraint.name}", draft.logprobs_param)
+        if draft.stop and draft.constraint is not None and draft.constraint.whole_answer:
+            raise Refusal(Reason.UNSUPPORTED, f"{draft.stop_param}: not supported with an answer constrained by "
+                          f"{draft.constraint.name}: it ends where its grammar does, and a stop string would cut it "
+                          "short", draft.stop_param)
         request = dataclasses.replace(request, logprobs=draft.logprobs)
     if draft.constraint is not None and terms.compile is not None:  # here, on the request's thread, not the engine's
         try:

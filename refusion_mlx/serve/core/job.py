@@ -50,6 +50,7 @@ class Job:
         self.shaper = TextShaper(request.stop, eos_id)
         self.calls = (ToolCallSplitter(tool_format, request.tools, single=not request.parallel_tool_calls)
                       if request.tools and tool_format is not None else None)
+        self.group: object = self  # the HTTP request it is a choice of (Scheduler.put: queued with its group)
         self.uid: Optional[int] = None  # in the BatchGenerator, once started
         self.cache = None  # its CommittedCache, once started
         self.cached = 0  # prompt tokens the prompt cache held

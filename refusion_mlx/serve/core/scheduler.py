@@ -1,14 +1,19 @@
 """Who runs next: the engine's queue and batch, and each turn's admission.
 
-The :class:`Scheduler` holds the requests waiting (in arrival order) and
+The :class:`Scheduler` holds the jobs waiting (in arrival order) and
 those in the batch, with the KV bytes the batch has reserved, under one
-lock the HTTP side also takes (``put``, ``counts``). Rank 0's engine asks it
-for each turn's :class:`~.job.Turn` (:meth:`Scheduler.next_turn`): the
-running requests whose client left leave; queued requests are admitted in
-order while a batch row and their KV reservation (:mod:`.memory`) are free;
-the first that does not fit waits for memory, those behind it too. A
-request's start and its leaving are recorded here (:meth:`started`,
-:meth:`left`), so ``/health`` sees one consistent view.
+lock the HTTP side also takes (``put``, ``counts``). An HTTP request's
+jobs (its choices: ``n``, a list of prompts) are queued together or not at
+all, as one ``group``, and a job whose client left leaves the queue at once
+(it holds no place another request could have). Rank 0's engine asks it for
+each turn's :class:`~.job.Turn` (:meth:`Scheduler.next_turn`): the running
+jobs whose client left leave; queued jobs are admitted while a batch row
+and their KV reservation (:mod:`.memory`) are free, each time the first to
+arrive of the requests holding the fewest rows (so one request's many
+choices never keep a later request's one behind them); the job chosen that
+does not fit waits for memory, and the rest with it. A job's start and its
+leaving are recorded here (:meth:`started`, :meth:`left`), so ``/health``
+sees one consistent view.
 """
 
 from __future__ import annotations
@@ -40,12 +45,23 @@ class Scheduler:
         self.kv_reserved = 0
         self.wake = threading.Condition()
 
-    def put(self, job: Job) -> None:
-        """Queue a job (the caller holds ``wake``); a Refusal when ``max_queue`` already wait."""
-        if len(self.waiting) >= self.max_queue:
-            raise Refusal(Reason.SERVER_BUSY, f"the server is busy ({self.max_queue} requests waiting); retry later")
-        self.waiting.append(job)
+    def put(self, jobs: List[Job]) -> None:
+        """Queue one request's jobs, all or none (the caller holds ``wake``): a
+        Refusal when they would make more than ``max_queue`` wait (a request
+        is never refused for its own size while nothing else waits)."""
+        self._purge()
+        if self.waiting and len(self.waiting) + len(jobs) > self.max_queue:
+            raise Refusal(Reason.SERVER_BUSY, f"the server is busy ({len(self.waiting)} requests waiting"
+                          + (f", and this one brings {len(jobs)}" if len(jobs) > 1 else "") + "); retry later")
+        self.waiting.extend(jobs)
         self.wake.notify()
+
+    def _purge(self) -> None:
+        """Drop the waiting jobs whose client left (the caller holds ``wake``)."""
+        if any(job.cancelled.is_set() for job in self.waiting):
+            for job in [j for j in self.waiting if j.cancelled.is_set()]:
+                self.metrics.outcome(job.request.api, "cancelled")
+            self.waiting = collections.deque(j for j in self.waiting if not j.cancelled.is_set())
 
     def idle_wait(self, seconds: float, stopping: threading.Event) -> None:
         """With nothing running or waiting, wait up to ``seconds`` for a request (or a stop)."""
@@ -65,18 +81,17 @@ class Scheduler:
         room = self.max_batch - len(self.running) + len(plan.cancelled)
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
+            self._purge()  # jobs whose client left while they waited
+            held = collections.Counter(j.group for j in self.running.values() if not j.cancelled.is_set())
             while self.waiting and len(plan.admitted) < room:
-                job = self.waiting[0]
-                if job.cancelled.is_set():  # its client left while it waited
-                    self.waiting.popleft()
-                    self.metrics.outcome(job.request.api, "cancelled")
-                    continue
+                job = min(self.waiting, key=lambda j: held[j.group])  # the first among the least served
                 if self.kv_reserved - freed + job.kv_bytes > max_kv_bytes:
                     if not job.waited:
                         job.waited = True
                         self.metrics.add("kv_waits")
                     break
-                self.waiting.popleft()
+                self.waiting.remove(job)
+                held[job.group] += 1
                 self.kv_reserved += job.kv_bytes
                 plan.admitted.append(job)
             self.starting = len(plan.admitted)
@@ -113,5 +128,6 @@ class Scheduler:
 
     def counts(self, max_kv_bytes: Optional[int]) -> dict:
         """The batch and the queue as ``/health`` shows them (the caller holds ``wake``)."""
+        self._purge()
         return {"active": len(self.running), "queued": len(self.waiting) + self.starting,
                 "max_batch": self.max_batch, "kv": {"reserved_bytes": self.kv_reserved, "max_bytes": max_kv_bytes}}

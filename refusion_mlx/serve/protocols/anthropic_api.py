@@ -224,7 +224,7 @@ def messages_request(body, terms: RequestTerms) -> Draft:
     constraint = forced_calls(prompt.tools, body.tool_choice, parallel) or output_format(body)
     return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
                  include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
-                 parallel_tool_calls=parallel, constraint=constraint)
+                 parallel_tool_calls=parallel, constraint=constraint, stop_param="stop_sequences")
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:

@@ -64,10 +64,8 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
 
     requests = await run_in_threadpool(made)
     engine, loop = answering.engine, asyncio.get_running_loop()
-    jobs = []
+    jobs = engine.submit_all(requests, loop)  # all queued or none (a Refusal)
     try:
-        for r in requests:
-            jobs.append(engine.submit(r, loop))
         for job in jobs:
             await next_event(job, engine, request)  # admitted: the decoder (or the scorer) took it
     except BaseException as e:

@@ -110,6 +110,8 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message")
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise invalid(f"{param}.id", f"must be a string, got {type(item['id']).__name__}")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):

@@ -104,7 +104,8 @@ def input_items(value: Union[str, List[Dict[str, Any]]]) -> List[dict]:
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": item["content"]}]
             item.setdefault("status", "completed")
-        item.setdefault("id", f"{ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
+        if item.get("id") is None:  # absent or null: a new one
+            item["id"] = f"{ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}"
         out.append(item)
     return out
 
