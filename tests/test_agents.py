@@ -264,6 +264,29 @@ def test_stored_response_lists_its_input_items(server, oai):
 # Anthropic's Messages API (the anthropic SDK)
 
 
+def test_anthropic_final_assistant_message_is_a_prefill(server, oai, claude):
+    """A final assistant message starts the answer (Anthropic's prefill): the
+    prompt leaves that turn open, the answer holds only what follows (the
+    same as completing the rendered text), and its count says so; an empty one
+    is no message; one ending in whitespace is Anthropic's 400."""
+    prefill = user(SVEN) + [{"role": "assistant", "content": "Sven lives"}]
+    rendered = "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\nSven lives"  # the demo's template
+    plain = claude.messages.count_tokens(model="m", messages=user(SVEN)).input_tokens
+    count = claude.messages.count_tokens(model="m", messages=prefill).input_tokens
+    assert count == json.loads(raw(server, "POST", "/tokenize", {"prompt": rendered})[2])["count"] > plain
+    msg = claude.messages.create(model="m", max_tokens=16, messages=prefill)
+    assert msg.content[0].text == oai.completions.create(model="m", prompt=rendered, max_tokens=16).choices[0].text
+    assert msg.usage.input_tokens == count
+    empty = claude.messages.create(model="m", max_tokens=16, messages=user(SVEN) + [
+        {"role": "assistant", "content": ""}])
+    assert empty.content[0].text == claude.messages.create(model="m", max_tokens=16,
+                                                           messages=user(SVEN)).content[0].text
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=16, messages=user(SVEN) + [
+            {"role": "assistant", "content": "Sven lives "}])
+    assert "trailing whitespace" in e.value.body["error"]["message"]
+
+
 def test_anthropic_create_stream_and_count_tokens(oai, claude):
     chat = oai.chat.completions.create(model="m", messages=user(SVEN)).choices[0].message.content
     msg = claude.messages.create(model="m", max_tokens=MAX_TOKENS, messages=user(SVEN))

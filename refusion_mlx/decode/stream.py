@@ -22,10 +22,13 @@ __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "str
 
 
 def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Optional[str] = None,
-                chat_template: bool = True, tools: Optional[List[Dict[str, Any]]] = None) -> List[int]:
+                chat_template: bool = True, tools: Optional[List[Dict[str, Any]]] = None,
+                prefill: bool = False) -> List[int]:
     """Prompt ids as the reference builds them: chat template, then tokenize.
     ``tools``: function tools (``{"type": "function", "function": {...}}``)
-    given to the template, which renders them (and tool messages) its own way."""
+    given to the template, which renders them (and tool messages) its own way.
+    ``prefill``: the last message (the assistant's) is left open, for the
+    answer to continue it, instead of a new assistant turn after it."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -33,8 +36,9 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             enable_thinking=True, **({"tools": tools} if tools else {}))
+        opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **opening,
+                                             **({"tools": tools} if tools else {}))
     else:
         text = "\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text))

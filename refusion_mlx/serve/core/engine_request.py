@@ -77,10 +77,13 @@ class ChatPrompt:
     """A conversation as the chat template takes it: ``messages`` (OpenAI's
     chat form: system, user, assistant with ``tool_calls`` whose arguments
     are objects, tool with ``tool_call_id``) and the function ``tools`` it
-    renders. Every chat-shaped API's adapter makes one."""
+    renders; ``prefill``: the last message is the start of the answer, which
+    the model continues (Anthropic's final assistant message), not a turn of
+    its own. Every chat-shaped API's adapter makes one."""
 
     messages: List[dict]
     tools: Tuple[dict, ...] = ()
+    prefill: bool = False
 
 
 @dataclass(frozen=True)

@@ -146,10 +146,10 @@ class Answering:
         with self.engine.tokenizer_lock:
             tokenizer = self.engine.http_tokenizer
             if isinstance(source, (ChatPrompt, list)):
-                messages, tools = (source.messages, list(source.tools) or None) if isinstance(
-                    source, ChatPrompt) else (source, None)
+                prompt = source if isinstance(source, ChatPrompt) else ChatPrompt(source)
                 with step_limit(tokenizer):
-                    return chat_prompt(tokenizer, messages, tools=tools)
+                    return chat_prompt(tokenizer, prompt.messages, tools=list(prompt.tools) or None,
+                                       prefill=prompt.prefill)
             return list(tokenizer.encode(source))
 
     def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:

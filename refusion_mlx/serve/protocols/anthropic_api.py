@@ -184,10 +184,20 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
 
 
 def chat_prompt_of(body, takes_tools: bool) -> tuple:
-    """(the ChatPrompt, whether calls may be parallel)."""
+    """(the ChatPrompt, whether calls may be parallel). A final assistant
+    message of text is a prefill: the answer continues it (and holds only
+    what follows it); one that is empty starts the answer as no message would."""
     messages, _ = anthropic_messages(body)
     tools, parallel = anthropic_tools(body, takes_tools)
-    return ChatPrompt(messages, tools), parallel
+    last = messages[-1] if messages and body.messages and body.messages[-1].get("role") == "assistant" else None
+    prefill = last is not None and "tool_calls" not in last
+    if prefill and not last["content"]:
+        messages, prefill = messages[:-1], False
+    elif prefill and last["content"] != last["content"].rstrip():
+        where = f"messages[{len(body.messages) - 1}].content"
+        raise invalid(where, "the final assistant content (a prefill the answer continues) cannot end with "
+                             "trailing whitespace")
+    return ChatPrompt(messages, tools, prefill), parallel
 
 
 def check_thinking(body) -> None:
