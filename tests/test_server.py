@@ -471,6 +471,7 @@ def test_http_level_errors(server):
     check_error(*raw(server, "POST", "/v1/models", {}), 405)
     check_error(*raw(server, "DELETE", "/v1/models"), 405)
     check_error(*raw(server, "GET", "/v1/nothing"), 404)
+    check_error(*raw(server, "POST", CHAT + "/", {}), 404)  # not a bodiless redirect
     check_error(*raw(server, "GET", "/v1/models/other-model"), 404)
     check_error(*raw(server, "BREW", CHAT), 405)
     big = json.dumps(user("x" * (2 << 20))).encode()
@@ -487,6 +488,15 @@ def test_missing_content_length_and_garbage(server):
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\r\n")
         head = s.recv(4096).decode()
     assert head.startswith("HTTP/1.1 411")
+    for body in (b"{}", b"2\r\n{}\r\n0\r\n\r\n"):  # Content-Length and Transfer-Encoding both: 400 at once
+        with socket.create_connection((server.host, server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+            start, head = time.monotonic(), b""
+            while chunk := s.recv(4096):  # the answer closes the connection (its body was not read)
+                head += chunk
+        assert head.startswith(b"HTTP/1.1 400") and b"Transfer-Encoding is not accepted" in head
+        assert time.monotonic() - start < 5  # not the body timeout's 408
     with socket.create_connection((server.host, server.port), timeout=10) as s:
         s.sendall(b"\x00\x01 garbage\r\n\r\n")
         head = s.recv(4096).decode(errors="replace")

@@ -42,7 +42,8 @@ log = logging.getLogger("refusion_mlx.server")
 def create_app(server) -> FastAPI:
     """The FastAPI app of a RefusionServer (its engine and its ServerConfig: model id, defaults, limits)."""
     engine, config = server.engine, server.config
-    app = FastAPI(title="refusion-mlx", version=__version__,
+    app = FastAPI(title="refusion-mlx", version=__version__, redirect_slashes=False,  # a 404 in the API's shape,
+                  # not a bodiless 307 an SDK does not follow
                   description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
     # outermost last: the Host and Origin checks, CORS (with --allowed-origins), then the key and the body
     def refused(error: APIError, scope) -> None:  # every error answered: counted, and a 4xx logged in one line

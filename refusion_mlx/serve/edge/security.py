@@ -226,6 +226,8 @@ class RequestGuard:
             error = APIError(415, "the request body must be JSON, sent with Content-Type: application/json "
                                   f"(got {_header(scope, b'content-type') or 'none'})",
                              code="unsupported_media_type")
+        elif _header(scope, b"transfer-encoding") is not None:  # with a Content-Length too: a smuggling risk
+            error = APIError(400, "Transfer-Encoding is not accepted: send the body with a Content-Length alone")
         elif length is None:
             error = APIError(411, "a Content-Length header is required", code="length_required")
         elif int(length) > self.max_bytes:
@@ -252,7 +254,7 @@ class RequestGuard:
             self.on_error(error, scope)
         response = error_response(error, scope["path"])
         response.headers.update(headers or {})
-        if error.status == 408:
+        if error.status == 408 or _header(scope, b"transfer-encoding") is not None:  # a body left unread
             response.headers["Connection"] = "close"
         await response(scope, receive, send)
 

@@ -118,7 +118,8 @@ def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
                                               "text only", f"{where}.type")
         else:
             allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
-            raise invalid(f"{where}.type", f"must be one of {allowed} in a {role} message, got {kind!r}")
+            message = "an assistant message" if role == "assistant" else f"a {role} message"
+            raise invalid(f"{where}.type", f"must be one of {allowed} in {message}, got {kind!r}")
     return content
 
 
