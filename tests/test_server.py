@@ -243,6 +243,8 @@ def test_docs_and_openapi(server):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
     err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)

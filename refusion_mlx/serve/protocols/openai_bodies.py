@@ -32,7 +32,8 @@ from .openai_echo import context_tokens, scoring_of
 HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
             "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
             "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
-            "response_format": (None, {"type": "text"})}
+            "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+            "web_search_options": (None,)}  # spoken answers; a hosted search this server cannot run
 
 
 def refuse_unsupported(body, taken=()):
