@@ -14,6 +14,8 @@ def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict
         data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to read as JSON") from None
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict):

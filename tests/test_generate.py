@@ -186,6 +186,11 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     (["--json-schema", '{"type": "string", "pattern": "(?<=a)b"}'], "--json-schema: cannot be compiled"),
     (["--json-schema", "/nonexistent/schema.json"], "cannot read /nonexistent/schema.json"),
     (["--grammar", "/nonexistent/g.lark"], "cannot read /nonexistent/g.lark"),
+    (["--max-tokens", "99999999999"], "is over 16,777,216"),  # before any layout is built for it
+    (["--max-tokens", "99999999999999999999999"], "is over 16,777,216"),
+    (["--prompt", "abc\udcff"], "not valid UTF-8 text"),  # an undecodable byte of the command line
+    (["--system", "\udcff"], "a system message is not valid UTF-8 text"),
+    (["--json-schema", '{"a":' + "[" * 100000 + "]" * 100000 + "}"], "nested too deeply"),
 ])
 def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -257,6 +262,14 @@ def edit_config(folder, **changes):
         else:
             config[k] = v
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_chat_template_that_fails_is_one_line(demo_copy, capsys):
+    for template, fragment in (("{% for %}", "Expected an expression"), ('{{ raise_exception("nope") }}', "nope")):
+        (demo_copy / "chat_template.jinja").write_text(template)
+        code, out, err = run_main(capsys, "--model", str(demo_copy), "--prompt", "hi", "--max-tokens", "4")
+        assert code == 1 and err.startswith("error: the chat template failed: ") and fragment in err
+        assert err.count("\n") == 1
 
 
 def test_missing_config(demo_copy):

@@ -242,7 +242,8 @@ def test_a_queued_client_that_leaves_logs_no_traceback(server, caplog):
         sock = socket.create_connection((server.host, server.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(0.3)
+        # it leaves once queued, while the batch still runs (the slow ones take ~0.3 s on a fast CPU)
+        assert wait_for(lambda: call(server, "GET", "/health")[1]["queued"] == 3 and active(server) == 2)
         sock.close()
         for t in threads:
             t.join()

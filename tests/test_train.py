@@ -196,6 +196,30 @@ def test_batch_order_option(tmp_path, capsys):
     assert exit_.value.code == 2 and "--batch-order" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_run_that_fails_before_a_step_leaves_the_adapter_folder_as_it_was(tmp_path, capsys):
+    """adapter_config.json is written with the first weights, not before: a run
+    refused by its optimizer settings leaves an existing folder's config (whose
+    weights it describes) alone; infinite rates and out-of-range seeds are one line up front."""
+    data = Path(__file__).parent / "fixtures" / "train-data"
+    folder = tmp_path / "a"
+    base = ["--data", str(data), "--adapter-path", str(folder), "--iters", "1", "--batch-size", "2",
+            "--num-layers", "1", "--val-batches", "1"]
+    assert train_main(base + ["--rank", "8"]) == 0
+    config = (folder / "adapter_config.json").read_text()
+    (tmp_path / "c.yaml").write_text("lr_schedule: {name: bogus, arguments: [1]}\n")
+    capsys.readouterr()
+    assert train_main(base + ["--rank", "4", "-c", str(tmp_path / "c.yaml")]) == 1
+    assert (folder / "adapter_config.json").read_text() == config
+    for flags in (["--learning-rate", "inf"], ["--seed", "-1"], ["--ar-weight", "nan"]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            train_main(base + flags)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flags[0] in err[0], err
+    assert (folder / "adapter_config.json").read_text() == config
+
+
 # --------------------------------------------------------------------------
 # A LoRA run on the demo model
 

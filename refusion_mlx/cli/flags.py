@@ -161,6 +161,9 @@ def run(body: Callable[[], int]) -> int:
     except RefusionError as e:
         distributed_group.say_error(str(e))
         return 1
+    except RecursionError:  # (a RuntimeError) json and yaml parse nesting by recursion
+        print("error: an input (a JSON or YAML file, or a schema) is nested too deeply to read", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if not is_link_failure(e):
             raise

@@ -16,6 +16,7 @@ from ..errors import DecodeError
 # (docs/benchmarks.md, "Block layout").
 DEFAULT_BLOCK_TOKENS = 16
 SEEDS = 2 ** 64  # a seed is one of MLX's random keys: an unsigned 64-bit integer
+MAX_GEN_LENGTH = 2 ** 24  # most tokens an answer may ask for: past every model's context, and small enough to lay out
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class RefusionParams:
         S = self.slot_size
         _positive_int("slot_size", S)
         _positive_int("gen_length", self.gen_length)
+        if self.gen_length > MAX_GEN_LENGTH:  # before any layout is built for it
+            raise DecodeError(f"gen_length (max_tokens) {self.gen_length} is over {MAX_GEN_LENGTH:,}: more than "
+                              "any model's context")
         for name in ("slot_threshold", "token_threshold"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:

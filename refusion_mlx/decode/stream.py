@@ -37,11 +37,37 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **opening,
-                                             **({"tools": tools} if tools else {}))
+        text = render_chat(tokenizer, messages, **opening, **({"tools": tools} if tools else {}))
     else:
-        text = "\n".join(m["content"] for m in messages)
+        text = checked_text("\n".join(m["content"] for m in messages))
     return list(tokenizer.encode(text))
+
+
+def checked_text(text: str, what: str = "the prompt") -> str:
+    """``text``, or one DecodeError when it is not Unicode text a tokenizer
+    takes: a lone UTF-16 surrogate (an undecodable byte of a command line or
+    file, or half a pair escaped in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DecodeError(f"{what} is not valid UTF-8 text: it holds {text[e.start]!r} (an undecodable byte, or "
+                          "half a UTF-16 pair)") from None
+    return text
+
+
+def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
+    """The chat template's text of ``messages`` (``kwargs``: the template's
+    own, e.g. ``add_generation_prompt``, ``tools``), thinking enabled; a
+    message that is not text, or a template that fails (a syntax error, its
+    own ``raise_exception``), is one DecodeError."""
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            checked_text(m["content"], f"a {m.get('role', 'user')} message")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
+    except Exception as e:  # jinja2's errors, and what a template raises on purpose
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise DecodeError(f"the chat template failed: {detail}") from None
 
 
 

@@ -22,6 +22,7 @@ adapted ones).
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,8 +54,8 @@ def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
     """A checked ``lora_parameters`` block (keys: every projection when None)."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise RefusionError(f"LoRA rank must be a positive integer, got {rank!r}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise RefusionError(f"LoRA scale must be a number, got {scale!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise RefusionError(f"LoRA scale must be a finite number, got {scale!r}")
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
         raise RefusionError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     keys = list(LORA_KEYS if keys is None else keys)

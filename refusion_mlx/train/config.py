@@ -9,6 +9,7 @@ error, and so is a value of the wrong type or out of range.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,12 +199,14 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
     if not 0 <= v["draft_fraction"] <= 1:
         raise OptionError(f"--draft-fraction must be between 0 and 1, got {v['draft_fraction']}")
-    if not v["ar_weight"] > 0:
-        raise OptionError(f"--ar-weight must be positive, got {v['ar_weight']}")
+    if not 0 < v["ar_weight"] < math.inf:
+        raise OptionError(f"--ar-weight must be positive and finite, got {v['ar_weight']}")
+    if not 0 <= v["seed"] < 2 ** 32:  # numpy's seed too
+        raise OptionError(f"--seed must be within [0, 2**32), got {v['seed']}")
     if not v["replay_ratio"] >= 0:
         raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
-    if not v["learning_rate"] > 0:
-        raise OptionError(f"--learning-rate must be positive, got {v['learning_rate']}")
+    if not 0 < v["learning_rate"] < math.inf:
+        raise OptionError(f"--learning-rate must be positive and finite, got {v['learning_rate']}")
     if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):
         raise OptionError(f"--num-layers must be -1 (all) or at least 1, got {v['num_layers']}")
     lp = dict(LORA_DEFAULTS)

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ..decode.stream import checked_text, render_chat
 from ..errors import RefusionError
 from .batches import Record
 
@@ -35,17 +36,16 @@ def prompt_ids(tokenizer, messages: List[Dict[str, str]], tools=None) -> List[in
     if not messages and not getattr(tokenizer, "chat_template", None):
         return []
     if getattr(tokenizer, "chat_template", None):
-        kwargs = {"tools": tools} if tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             enable_thinking=True, **kwargs)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     else:
-        text = "\n".join(m["content"] for m in messages)
+        text = checked_text("\n".join(m["content"] for m in messages))
     return list(tokenizer.encode(text))
 
 
 def response_ids(tokenizer, text: str) -> List[int]:
     """The response's tokens (no special tokens added) and EOS."""
-    return list(tokenizer.encode(text, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
+    return list(tokenizer.encode(checked_text(text, "a response"), add_special_tokens=False)) + [
+        int(tokenizer.eos_token_id)]
 
 
 def response_text(tokenizer, messages: List[Dict], tools=None) -> str:
@@ -59,9 +59,8 @@ def response_text(tokenizer, messages: List[Dict], tools=None) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise RefusionError("a message with \"tool_calls\" needs a tokenizer with a chat template")
     kwargs = {"tools": tools} if tools else {}
-    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False,
-                                           enable_thinking=True, **kwargs)
-    whole = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
+    prompt = render_chat(tokenizer, messages[:-1], add_generation_prompt=True, **kwargs)
+    whole = render_chat(tokenizer, messages, **kwargs)
     end = whole.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
     if not whole.startswith(prompt) or end < len(prompt):
         raise RefusionError("the chat template does not render the tool-calling message after the "

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from .._blas import reference_warning
 from ..errors import RefusionError
-from ..models.adapters import add_adapters, read_weights, write_adapter_config
+from ..models.adapters import add_adapters, read_weights
 from ..models.backend import wired_limit
 from ..models.loading import load
 from .batches import fit_length
@@ -130,7 +130,6 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     mask_id, pad_id = model.args.mask_token_id, int(tokenizer.eos_token_id)
     result = None
     if training:
-        write_adapter_config(adapter_config(o, num_layers), adapter_dir)
         optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"])
         args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"],
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
@@ -138,7 +137,8 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
                          quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
                          draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
-                         draft_run=o["draft_run"], by_length=o["batch_order"] == "length")
+                         draft_run=o["draft_run"], by_length=o["batch_order"] == "length",
+                         adapter_config=adapter_config(o, num_layers))
         report("Training")
         with wired_limit(model):  # Metal: keep the weights resident while training
             result = train(model, optimizer, train_set, valid_set, args, adapter_dir, mask_id, pad_id,

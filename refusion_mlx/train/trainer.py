@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import RefusionError
 from ..models.adapters import (ADAPTER_FILE, make_adapter_folder, numbered_adapter_file, save_adapters,
-                               trainable_weights)
+                               trainable_weights, write_adapter_config)
 from .batches import Record, batch_tokens, iterate_batches
 from .examples import SLOT_SIZES
 from .objective import refusion_loss
@@ -60,6 +60,9 @@ class TrainArgs:
     # quantized layers: "kernel" (mx.quantized_matmul), "dequantize" (dequantize, then a
     # plain matmul) or "auto" (dequantize on the CPU, whose quantized matmul is slow)
     quantized_matmul: str = "auto"
+    # adapter_config.json, written with the first weights saved: a run that fails before
+    # any step leaves an existing adapter folder's config as it was
+    adapter_config: Optional[dict] = None
 
 
 @dataclass
@@ -212,6 +215,14 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     from tqdm import tqdm
 
     adapter_dir = make_adapter_folder(adapter_dir)
+    config_written = []
+
+    def save(weights, folder: Path, iteration: Optional[int] = None) -> Path:
+        if args.adapter_config is not None and not config_written:
+            write_adapter_config(args.adapter_config, folder)
+            config_written.append(True)
+        return save_adapters(weights, folder, iteration)
+
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
                               slot_sizes=args.slot_sizes, pad_id=pad_id, draft_fraction=args.draft_fraction,
@@ -298,13 +309,13 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
             if it % args.steps_per_eval == 0 or it == args.iters:
                 validate(it)
             if it % args.save_every == 0:
-                save_adapters(last_good, adapter_dir, it)
+                save(last_good, adapter_dir, it)
                 say(f"Iter {it}: Saved adapter weights to {adapter_dir / ADAPTER_FILE} and "
                     f"{adapter_dir / numbered_adapter_file(it)}.")
     except KeyboardInterrupt as interrupt:
         bar.close()
         result.interrupted = True
-        result.adapter_file = save_adapters(last_good, adapter_dir)
+        result.adapter_file = save(last_good, adapter_dir)
         print(f"Interrupted after iteration {result.iterations}: saved the adapters of the last "
               f"completed step to {result.adapter_file}", file=sys.stderr)
         interrupt.result = result
@@ -314,7 +325,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
         undo_checkpoint()
         undo_dequantize()
         model.eval()
-    result.adapter_file = save_adapters(last_good, adapter_dir)
+    result.adapter_file = save(last_good, adapter_dir)
     if total_time > 0:
         result.tokens_per_second = result.trained_tokens / total_time
         result.iterations_per_second = result.iterations / total_time
