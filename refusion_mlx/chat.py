@@ -51,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not 0 <= args.frame_time <= 10:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
+        if sys.stdin is None:
+            raise RefusionError("the chat reads its turns from standard input, which is closed")
         params = params_from_args(args)
         storage = storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
@@ -85,8 +87,12 @@ def main(argv: Optional[List[str]] = None) -> int:
               + (f" · KV cache {storage.bits}-bit" if storage.bits else ""))
     term.note(HELP)
     # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
-    with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
-        return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
+    try:
+        with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
+            return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
+    except OSError as e:  # the answer's reader went away (a closed pipe), or its disk is full
+        say_error(f"cannot write the answer: {e.strerror or e}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -254,6 +255,24 @@ def test_cli_bad_flags_one_line(flags, needle):
                        text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0 and needle in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_cli_leaves_files_alone_and_reads_no_closed_stdin(tmp_path):
+    """A trace is written once a turn is traced: a run that fails first leaves an older trace as it was, and
+    a trace that names a folder leaves nothing beside it; closed standard input is one line."""
+    old = tmp_path / "trace.json"
+    old.write_text("OLD")
+    for flags, needle in ((["--model", str(tmp_path / "none"), "--trace", str(old)], "no model folder"),
+                          (["--trace", str(tmp_path)], "Is a directory")):
+        r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", *flags], input="", capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 1 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert old.read_text() == "OLD" and sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+    assert not (tmp_path.parent / f"{tmp_path.name}.tmp").exists()
+    r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat"], stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, preexec_fn=lambda: os.close(0))
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: the chat reads its turns from standard input, which is closed"
 
 
 def test_chat_app_example(background):

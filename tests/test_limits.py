@@ -285,6 +285,19 @@ def test_hostile_model_folders_are_refused_in_one_line(tmp_path):
     eos = folder(tmp_path / "eos")
     (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": 10 ** 9}))
     refused(eos, "eos token id 1000000000 is outside the vocabulary")
+    loop = folder(tmp_path / "loop")
+    os.symlink("self", loop / "self")
+    refused(loop, "self: a link that leads back to itself")
+    dangling = folder(tmp_path / "dangling")
+    os.symlink("nothing", dangling / "notes.txt")
+    refused(dangling, "which does not exist")
+    index = folder(tmp_path / "index")
+    (index / "model.safetensors.index.json").write_bytes(b"\xff\xfe")
+    refused(index, "model.safetensors.index.json is malformed")
+    words = folder(tmp_path / "words")  # no vocabulary: the tokenizer would load with its special tokens alone
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        os.remove(words / name)
+    refused(words, "are its vocabulary files")
     hub = tmp_path / "hub" / "models--x--y"  # the hub's cache: a snapshot's files link to the repo's blobs
     (hub / "blobs").mkdir(parents=True)
     (hub / "blobs" / "abc").write_text("{}")

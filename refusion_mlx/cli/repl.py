@@ -25,7 +25,7 @@ class Terminal:
         self.read = read
         self.out = out or sys.stdout  # the streams of the moment it is made, not of the import
         self.err = err = err or sys.stderr
-        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.interactive = (sys.stdin is not None and sys.stdin.isatty()) if interactive is None else interactive
         self.color = hasattr(err, "isatty") and err.isatty() and "NO_COLOR" not in os.environ
 
     def note(self, text: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import List
@@ -15,7 +16,16 @@ class Trace:
         self.tokenizer = tokenizer
         self.steps: List[dict] = []
         self.turn = 0  # counts every turn of the run, /reset or not
-        self.write()  # fail now (bad path) rather than after the first answer
+        self.writable()  # fail now (bad path) rather than after the first answer
+
+    def writable(self) -> None:
+        """An OSError unless FILE can be written (FILE itself is left as it is until a turn is traced)."""
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w"):
+            pass
+        os.remove(tmp)
 
     def begin_turn(self) -> None:
         self.turn += 1

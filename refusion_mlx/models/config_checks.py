@@ -293,8 +293,12 @@ def folder_problems(folder: Path) -> List[str]:
                 out.append(f"{entry.name}: a link to {os.readlink(entry.path)}, outside the model folder (copy "
                            "the file in, or link the whole folder)")
                 continue
-            if not (entry.is_file() or entry.is_dir()) and os.path.lexists(entry.path):
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                out.append(f"{entry.name}: a link to {os.readlink(entry.path)}, which does not exist; remove it")
+            elif not (entry.is_file() or entry.is_dir()) and os.path.lexists(entry.path):
                 out.append(f"{entry.name}: not a regular file (a pipe, socket or device); remove it")
+        except RuntimeError:  # pathlib's "Symlink loop" (Python 3.11 and 3.12)
+            out.append(f"{entry.name}: a link that leads back to itself; remove it")
         except OSError as e:
             out.append(f"{entry.name}: {e.strerror or e}")
     return out

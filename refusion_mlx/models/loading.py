@@ -88,7 +88,7 @@ def weight_files(model_path: Path) -> List[Path]:
             if outside:
                 raise LoadError("\n".join(outside))
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise LoadError(f"{index} is malformed: {e}") from None
         missing = [n for n in names if not (model_path / n).is_file()]
         if missing:
@@ -124,8 +124,12 @@ def _quantize(model, config: Dict[str, Any], weights: Dict[str, mx.array]) -> No
             return overrides[path]
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
-    nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
-                mode=quant.get("mode", "affine"), class_predicate=predicate)
+    try:
+        nn.quantize(model, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
+                    mode=quant.get("mode", "affine"), class_predicate=predicate)
+    except (ValueError, TypeError) as e:  # MLX's refusal of a mode, bits or group size
+        detail = " ".join(str(e).split())
+        raise LoadError(f"config.json: quantization {quant!r} cannot be applied: {detail}") from None
 
 
 def default_dtype(stored: mx.Dtype) -> mx.Dtype:
@@ -328,6 +332,11 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {model.args.vocab_size}")
     if tokenizer.eos_token_id is None:
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
+    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    if 2 * size < model.args.vocab_size:  # real checkpoints pad the vocabulary by a few hundred ids at most
+        raise LoadError(f"{model_path}: the tokenizer holds {size} tokens for a vocabulary of "
+                        f"{model.args.vocab_size}: are its vocabulary files (tokenizer.json, or vocab.json "
+                        "and merges.txt) missing?")
     given = [config] + ([read_json_object(model_path / "generation_config.json")]
                         if (model_path / "generation_config.json").is_file() else [])
     problems = config_checks.token_id_problems(given, [tokenizer.eos_token_id], model.args.vocab_size)
