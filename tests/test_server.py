@@ -245,6 +245,7 @@ def test_docs_and_openapi(server):
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
     err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)

@@ -12,6 +12,7 @@ the client as one :class:`APIError`; :func:`as_api_error` is the one mapping
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from fastapi.responses import JSONResponse
@@ -19,6 +20,10 @@ from starlette.exceptions import HTTPException
 
 from ..core.apis import error_shape
 from ..core.refusal import Refusal
+
+# pydantic's names for the members of a union in an error's location (str, literal['a','b'],
+# list[...], function-after[...]): not fields, so never part of the parameter's name
+UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict|tuple|set)|[a-z-]+\[.*\]")
 
 
 class APIError(Exception):
@@ -80,6 +85,8 @@ def as_api_error(request, exc: Exception) -> APIError:
                         code="invalid_json")
     param = ""
     for part in err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]:
+        if isinstance(part, str) and UNION_MEMBER.fullmatch(part):  # which type of a union it was tried as
+            continue
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
     kind = err["type"]
     code = {"missing": "missing_required_parameter", "unsupported_parameter": kind}.get(kind) or (
