@@ -124,6 +124,10 @@ def test_responses_text_format(oai):
                              text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), PERSON)
+    with pytest.raises(openai.BadRequestError) as e:  # chat completions' nesting: the schema would go unread
+        oai.responses.create(model="tiny-refusion", input="Who is Sven?", max_output_tokens=8, text={
+            "format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+    assert e.value.body["param"] == "text.format.json_schema"
 
 
 def test_anthropic_forced_tool_choice(server):

@@ -52,6 +52,10 @@ def response_format(value: Any, param: str, nested: bool = True) -> Optional[Con
         raise Refusal(Reason.INVALID_VALUE, f'{param}: must be {{"type": "text"}}, {{"type": "json_object"}} or '
                                             f'{{"type": "json_schema", ...}}', param)
     spec, where = (value.get("json_schema"), f"{param}.json_schema") if nested else (value, param)
+    if not nested and "json_schema" in value:  # chat completions' shape: its schema would go unread
+        raise Refusal(Reason.INVALID_VALUE, f"{param}.json_schema: not a field here: {param} holds name and "
+                                            "schema itself (chat completions nests them under json_schema)",
+                      f"{param}.json_schema")
     if not isinstance(spec, dict):
         raise Refusal(Reason.INVALID_VALUE, f"{where}: must be an object with name and schema", where)
     name = spec.get("name")
