@@ -82,6 +82,12 @@ def test_read_rows_checks_the_format(tmp_path):
         read_rows(bad)
     with pytest.raises(RefusionError, match="no such file"):
         read_rows(tmp_path / "none.jsonl")
+    bad.write_text("\n\n")  # nothing to measure: not a table of 0/0
+    with pytest.raises(RefusionError, match="no rows"):
+        read_rows(bad)
+    bad.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(RefusionError, match="not UTF-8 text"):
+        read_rows(bad)
 
 
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):

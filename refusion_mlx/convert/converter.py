@@ -34,7 +34,7 @@ from .quant_plan import DTYPES, QuantPlan, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
-                    resolve_model_path)
+                    resolve_model_path, tokenizer_problems)
 
 TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
@@ -147,6 +147,9 @@ def check_tokenizer(src: Path, config: dict, args) -> int:
     if len(tokenizer) > args.vocab_size:
         raise LoadError(f"the embedding has {args.vocab_size} rows but the tokenizer has "
                         f"{len(tokenizer)} tokens")
+    problems = tokenizer_problems(src, config, tokenizer, args.vocab_size)
+    if problems:  # as loading refuses them: the converted folder would not load
+        raise LoadError("\n".join(problems))
     return mask_id
 
 

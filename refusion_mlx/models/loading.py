@@ -275,6 +275,21 @@ def load_tokenizer(model_path: Path):
     return tokenizer
 
 
+def tokenizer_problems(folder: Path, config: Dict[str, Any], tokenizer, vocab_size: int) -> List[str]:
+    """What makes a folder's tokenizer unfit for a vocabulary of ``vocab_size``,
+    one line each: too few tokens (its vocabulary files missing: real
+    checkpoints pad the vocabulary by a few hundred ids at most), or an end
+    token (config.json, generation_config.json, the tokenizer's) the model
+    could never write."""
+    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
+    out = [] if 2 * size >= vocab_size else [
+        f"the tokenizer holds {size} tokens for a vocabulary of {vocab_size}: are its vocabulary files "
+        "(tokenizer.json, or vocab.json and merges.txt) missing?"]
+    given = [config] + ([read_json_object(folder / "generation_config.json")]
+                        if (folder / "generation_config.json").is_file() else [])
+    return out + config_checks.token_id_problems(given, [tokenizer.eos_token_id], vocab_size)
+
+
 def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
     """config.json's mask_token_id, else the tokenizer's <|mask|> token."""
     mask_id = config.get("mask_token_id")
@@ -332,15 +347,8 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {model.args.vocab_size}")
     if tokenizer.eos_token_id is None:
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
-    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
-    if 2 * size < model.args.vocab_size:  # real checkpoints pad the vocabulary by a few hundred ids at most
-        raise LoadError(f"{model_path}: the tokenizer holds {size} tokens for a vocabulary of "
-                        f"{model.args.vocab_size}: are its vocabulary files (tokenizer.json, or vocab.json "
-                        "and merges.txt) missing?")
-    given = [config] + ([read_json_object(model_path / "generation_config.json")]
-                        if (model_path / "generation_config.json").is_file() else [])
-    problems = config_checks.token_id_problems(given, [tokenizer.eos_token_id], model.args.vocab_size)
-    if problems:  # an end the model could never write, or one past what it holds
+    problems = tokenizer_problems(model_path, config, tokenizer, model.args.vocab_size)
+    if problems:
         raise LoadError(f"{model_path}: " + "\n".join(problems))
     model.args.mask_token_id = mask_id
     model.model_path = model_path

@@ -85,12 +85,16 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise RefusionError(f"--data {path}: no such file")
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise RefusionError(f"--data {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise RefusionError(f"{path}:{n}: not valid JSON: {e}") from None
         messages = row.get("messages") if isinstance(row, dict) else None
         if (not isinstance(messages, list) or len(messages) < 2
@@ -102,6 +106,8 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
         rows.append(row)
         if limit is not None and len(rows) >= limit:
             break
+    if not rows:
+        raise RefusionError(f"--data {path}: no rows (a JSON object with \"messages\" a line)")
     return rows
 
 
