@@ -164,7 +164,22 @@ def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     assert state["kv_waits"] >= 1 and state["kv"]["reserved_bytes"] == 0
     assert status == 400 and err["error"]["code"] == "kv_memory_exceeded" and refused_in < 5
     assert str(3 * GROWTH_BYTES) in err["error"]["message"] and str(2 * GROWTH_BYTES) in err["error"]["message"]
-    assert state["refused"] == 1
+    assert state["refused"] == 1 and err["error"]["param"] == "max_tokens"
+
+
+def test_a_kv_refusal_names_the_field_of_its_api():
+    """The Responses API's budget is max_output_tokens; a scored prompt's need is its prompt's, in rows that
+    multiply out to the bytes named."""
+    with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
+        status, err = call(srv, "POST", "/v1/responses", {"input": "Who is Sven?", "max_output_tokens": 600})
+        assert status == 400 and err["error"]["param"] == "max_output_tokens" and "+ max_output_tokens" in \
+            err["error"]["message"]
+        status, err = call(srv, "POST", "/v1/completions", {"prompt": " ".join(["7"] * 1000), "max_tokens": 0,
+                                                            "echo": True, "logprobs": 1})
+        assert status == 400 and err["error"]["param"] == "prompt", err
+        need, rows, row = map(int, re.search(r"needs (\d+) bytes of KV cache \((\d+) rows of (\d+) bytes",
+                                             err["error"]["message"]).groups())
+        assert need == rows * row
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):

@@ -144,12 +144,20 @@ class KVCost:
         """The refusal of a request that can never fit, naming the numbers."""
         from .refusal import Reason, Refusal
 
+        if getattr(request, "scoring", None) is not None:  # scored: its widest forward's rows, no cache kept
+            from .loglikelihood import scoring_rows
+
+            rows = scoring_rows(request)
+            return Refusal(Reason.KV_MEMORY_EXCEEDED, f"scoring the prompt needs {need} bytes of KV cache ({rows} "
+                           f"rows of {self.row_bytes + self.scratch_row_bytes} bytes: its widest forward); the "
+                           f"server's --max-kv-bytes is {max_bytes}", "prompt")
+        param = "max_output_tokens" if request.api == "responses" else "max_tokens"  # as the request's API names it
         rows = kv_rows(len(request.prompt_ids), request.params.layout().gen_length)
         scratch = (f", and {widest_pass(request)} rows of {self.scratch_row_bytes} bytes its widest pass holds "
                    "until they are committed (--kv-bits)" if self.scratch_row_bytes else "")
         return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
-                       f"{self.row_bytes} bytes: prompt + max_tokens in whole slots, in multiples of "
-                       f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", "max_tokens")
+                       f"{self.row_bytes} bytes: prompt + {param} in whole slots, in multiples of "
+                       f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", param)
 
 
 def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
