@@ -151,7 +151,7 @@ class KVCost:
             return Refusal(Reason.KV_MEMORY_EXCEEDED, f"scoring the prompt needs {need} bytes of KV cache ({rows} "
                            f"rows of {self.row_bytes + self.scratch_row_bytes} bytes: its widest forward); the "
                            f"server's --max-kv-bytes is {max_bytes}", "prompt")
-        param = "max_output_tokens" if request.api == "responses" else "max_tokens"  # as the request's API names it
+        param = "max_output_tokens" if getattr(request, "api", "") == "responses" else "max_tokens"  # as its API names it
         rows = kv_rows(len(request.prompt_ids), request.params.layout().gen_length)
         scratch = (f", and {widest_pass(request)} rows of {self.scratch_row_bytes} bytes its widest pass holds "
                    "until they are committed (--kv-bits)" if self.scratch_row_bytes else "")
