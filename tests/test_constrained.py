@@ -196,6 +196,16 @@ def test_a_schema_the_engine_cannot_take_is_one_clear_error(schema, message):
     assert str(e.value).startswith("response_format: ") and "\n" not in str(e.value)
 
 
+def test_a_grammar_that_admits_no_text_is_refused_before_decoding(demo):
+    """A grammar whose every rule recurses without end compiles, but no token may start an answer: one
+    error, not an empty answer that finishes "stop"; a grammar of the empty string still answers."""
+    model, tokenizer = demo
+    with pytest.raises(DecodeError, match=r"^grammar: admits no text"):
+        rm.generate(model, tokenizer, "x", grammar='start: x\nx: x "a"', max_tokens=8)
+    assert rm.generate(model, tokenizer, "x", grammar='start: ""', max_tokens=8) == ""
+    assert rm.generate(model, tokenizer, "x", grammar='start: "yes" | "no"', max_tokens=8) in ("yes", "no")
+
+
 def test_a_format_the_engine_does_not_know_only_annotates(demo):
     """pydantic writes formats such as "binary": dropped (JSON Schema formats annotate); known ones kept."""
     model, tokenizer = demo

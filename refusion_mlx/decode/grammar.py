@@ -241,6 +241,10 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     ahead.consume_tokens(ahead.compute_ff_tokens())  # a lexer or parser past its limits fails here, not mid-answer
     if ahead.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(ahead.get_error())}")
+    first = np.zeros((vocab + 31) // 32, dtype=np.int32)  # what may come next: nothing, for a grammar
+    ahead.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)  # whose every rule recurses without end
+    if ahead.is_error() or not first.any():
+        raise DecodeError(f"{constraint.name}: admits no text (no answer can be written under it)")
     return Compiled(constraint, grammar, lltok, vocab, eos_id, probe)
 
 
