@@ -38,8 +38,10 @@ def checkpoint(folder: Path, **changes) -> Path:
     ({"vocab_size": 10 ** 12}, "vocab_size must be within 2..4194304, got 1000000000000"),
     ({"vocab_size": 1e12}, "vocab_size must be an integer, got 1000000000000.0"),
     ({"head_dim": 2 ** 40}, "head_dim must be within 2..4096, got 1099511627776"),
-    ({"rope_theta": -1}, "rope_theta must be a positive number, got -1"),
-    ({"rope_theta": "big"}, 'rope_theta must be a positive number, got "big"'),
+    ({"rope_theta": -1}, "rope_theta must be a number over 1 and at most 1e12, got -1"),
+    ({"rope_theta": "big"}, 'rope_theta must be a number over 1 and at most 1e12, got "big"'),
+    ({"rope_theta": 1e308}, "rope_theta must be a number over 1 and at most 1e12, got 1e+308"),  # numpy overflowed
+    ({"rope_theta": 1e-300}, "rope_theta must be a number over 1 and at most 1e12, got 1e-300"),
     ({"num_hidden_layers": True}, "num_hidden_layers must be an integer, got true"),
     ({"tie_word_embeddings": "no"}, 'tie_word_embeddings must be true or false, got "no"'),
     ({"use_sliding_window": 0}, "use_sliding_window must be true or false, got 0"),
@@ -64,7 +66,7 @@ def test_every_bad_value_gets_its_own_line():
         "config.json: num_hidden_layers must be an integer, got true",
         "config.json: head_dim must be within 2..4096, got 1099511627776",
         "config.json: vocab_size must be an integer, got 1000000000000.0",
-        "config.json: rope_theta must be a positive number, got -1"]
+        "config.json: rope_theta must be a number over 1 and at most 1e12, got -1"]
 
 
 def test_sizes_are_checked_against_the_safetensors_headers(tmp_path):
@@ -184,7 +186,7 @@ def test_every_command_says_each_bad_value_in_one_line(command, bad_model, lora_
     assert code == 1 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error: ")] == [
         "error: config.json: num_hidden_layers must be an integer, got true",
-        "error: config.json: rope_theta must be a positive number, got -1"], err
+        "error: config.json: rope_theta must be a number over 1 and at most 1e12, got -1"], err
     assert not any((tmp_path / name).exists() for name in ("t", "f", "c"))
 
 

@@ -96,8 +96,8 @@ def field_problems(args) -> List[str]:
     if not (_is_number(eps) and 0 < eps < 1):
         out.append(f"rms_norm_eps must be a number in (0, 1), got {_shown(eps)}")
     theta = args.rope_theta
-    if theta is not None and not (_is_number(theta) and theta > 0):
-        out.append(f"rope_theta must be a positive number, got {_shown(theta)}")
+    if theta is not None and not (_is_number(theta) and 1 < theta <= 1e12):  # a base past 1; real ones 1e4-1e7
+        out.append(f"rope_theta must be a number over 1 and at most 1e12, got {_shown(theta)}")
     for name in ("rope_scaling", "rope_parameters"):
         out += _rope_problems(name, getattr(args, name))
     for f in dataclasses.fields(args):
