@@ -215,12 +215,13 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     from tqdm import tqdm
 
     adapter_dir = make_adapter_folder(adapter_dir)
-    config_written = []
+    config_due = args.adapter_config is not None
 
     def save(weights, folder: Path, iteration: Optional[int] = None) -> Path:
-        if args.adapter_config is not None and not config_written:
+        nonlocal config_due
+        if config_due:
             write_adapter_config(args.adapter_config, folder)
-            config_written.append(True)
+            config_due = False
         return save_adapters(weights, folder, iteration)
 
     rng = np.random.default_rng(args.seed)
