@@ -201,6 +201,25 @@ def test_seeded_sampling_is_reproducible():
     assert len({tuple(run(s)) for s in range(6)}) > 1
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-50, 1e-7])
+def test_a_vanishing_temperature_draws_the_greedy_answer(temperature):
+    """1/T overflows float32 below ~3e-39 (1e-50 is 0 in float32): the draws
+    must still be the argmax, not NaN-driven garbage."""
+    config = random_config(vocab_size=64, mask_token_id=63)
+    model = random_model(config, seed=4, scale=0.5)
+
+    def run(temp, seed):
+        dec = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=24, slot_size=4, temperature=temp,
+                                                               seed=seed), mask_id=63, eos_id=7)
+        for _ in dec.steps():
+            pass
+        return dec.response()
+
+    greedy = run(0.0, 0)
+    assert len(greedy) > 4
+    assert run(temperature, 1) == greedy == run(temperature, 2)
+
+
 def test_threshold_one_still_progresses():
     """τs = τt = 1 can never be exceeded: one slot per step, infill accepts one token per round."""
     config = random_config(vocab_size=64, mask_token_id=63)

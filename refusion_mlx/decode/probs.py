@@ -27,6 +27,10 @@ from ..models.kernels import logsumexp
 # vocabulary-sized working set (151671 columns: ~55 rows per chunk).
 LOGITS_BUDGET_BYTES = 32 << 20
 
+# Below this temperature the draw is formed from the gaps to each row's best
+# logit (1/T overflows float32 near 1e-38; the draw is the argmax long before).
+TINY_TEMPERATURE = 1e-6
+
 
 @dataclass
 class Drafting:
@@ -58,6 +62,12 @@ class Drafting:
             x = logits - lse[:, None]  # mlx-lm's filters take log-probabilities
             for f in filters:
                 x = f(x)
+        if self.temperature < TINY_TEMPERATURE:
+            # 1/T would overflow float32 (inf * 0 is NaN): scale the gaps to the
+            # row's best instead, which keeps the best at 0 and the rest finite
+            # or -inf, so the draw is the argmax with noise breaking exact ties.
+            gap = x - mx.max(x, axis=-1, keepdims=True)
+            return mx.where(gap == 0, 0.0, gap / self.temperature) + noise
         return x * (1.0 / self.temperature) + noise
 
     def _filters(self, vocab: int) -> list:
