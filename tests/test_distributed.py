@@ -6,6 +6,7 @@ line, the server's too. Each start costs two interpreters' start: three
 in all (mlx.launch for generate; the others started as it starts ranks, so
 the test sees each rank's own exit status)."""
 
+import dataclasses
 import http.client
 import json
 import os
@@ -291,6 +292,23 @@ def test_tensor_parallel_checks_are_one_line():
     assert [layer_range(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
 
 
+def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_server):
+    """A request's constraint is compiled on rank 0's request thread; the plan carries the constraint,
+    not rank 0's compiled matcher, and each rank decodes under it: the answer parses."""
+    import openai
+
+    port, procs = pipeline_server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "turtle"]}}, "required": ["pet"],
+              "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Who is Sven?"}], max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+    assert answer.choices[0].finish_reason == "stop"
+    assert json.loads(answer.choices[0].message.content)["pet"] in ("cat", "turtle")
+    assert all(p.poll() is None for p in procs)
+
+
 def test_step_plan_crosses_to_the_other_ranks():
     """What rank 0 broadcasts each turn: requests, not its HTTP-side jobs."""
     import pickle
@@ -306,6 +324,19 @@ def test_step_plan_crosses_to_the_other_ranks():
     assert [j.request for j in copy.admitted] == [request] and copy.admitted[0].uid is None
     copy.admitted[0].post("text", "x")  # nobody listens on the other ranks: a no-op
     assert Turn.from_wire(Turn(stop=True).wire(), Job).stop
+
+    from mlx_lm.utils import load_tokenizer
+
+    from refusion_mlx.decode.grammar import Constraint, compile_constraint
+
+    tok = load_tokenizer(FIXTURE_MODEL)
+    constraint = Constraint.json_schema({"type": "object"}, "response_format")
+    vocab = json.loads((FIXTURE_MODEL / "config.json").read_text())["vocab_size"]
+    made = compile_constraint(constraint, tok, vocab, tok.eos_token_id)
+    shaped = dataclasses.replace(request, constraint=constraint, compiled=made)
+    copy = Turn.from_wire(pickle.loads(pickle.dumps(Turn(admitted=[Job(shaped, loop=None)]).wire())),
+                          lambda r: Job(r, loop=None))
+    assert copy.admitted[0].request == dataclasses.replace(shaped, compiled=None)
 
 
 def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):

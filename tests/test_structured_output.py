@@ -237,3 +237,40 @@ def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
             key = {"lookup_person": "name", "calculator": "expression"}[call.function.name]
             assert list(json.loads(call.function.arguments)) == [key]
     assert unparsed(server) == before
+
+
+def test_constraints_compile_once_on_the_requests_thread(server, oai, monkeypatch):
+    """A request's constraint (its format, or the call grammar of its tools) is compiled on the request's
+    thread, once for every request that repeats it; the engine's thread, which every running request
+    waits on, never compiles one."""
+    import threading
+    import uuid
+
+    import refusion_mlx.decode.batch as batch
+    import refusion_mlx.decode.grammar as grammar
+
+    compiled, engine = [], []
+    real = grammar.compile_constraint
+
+    def on_request_thread(constraint, *args):
+        compiled.append((constraint.kind, threading.current_thread().name))
+        return real(constraint, *args)
+
+    def on_engine_thread(constraint, *args):
+        engine.append(constraint.kind)
+        return real(constraint, *args)
+
+    monkeypatch.setattr(grammar, "compile_constraint", on_request_thread)
+    monkeypatch.setattr(batch, "compile_constraint", on_engine_thread)
+    tag = uuid.uuid4().hex  # a schema and tools no other test sent: not compiled yet
+    schema = {**PERSON, "description": tag}
+    tools = [{"type": "function", "function": {**t["function"], "parameters": {**t["function"]["parameters"],
+                                                                             "description": tag}}} for t in TOOLS]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    for _ in range(3):
+        jsonschema.validate(json.loads(ask(oai, response_format=fmt).choices[0].message.content), PERSON)
+        for call in ask(oai, "Add 4 and 5.", tools=tools, max_tokens=48).choices[0].message.tool_calls or ():
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert sorted(kind for kind, _ in compiled) == ["json_schema", "tool_calls"]
+    assert all(name != "refusion-engine" for _, name in compiled)
+    assert engine == []

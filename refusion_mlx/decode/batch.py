@@ -28,7 +28,7 @@ from .answer import AnswerText
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
-from .grammar import Constraint, compile_constraint
+from .grammar import Compiled, Constraint, compile_constraint
 from .kv_store import KVStorage
 from .params import RefusionParams, make_params
 from .stats import DecodeStats, SlotCommit
@@ -123,7 +123,7 @@ class BatchGenerator:
         return bool(self.active or self.waiting)
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
-               cache: Optional[CommittedCache] = None, constraint: Optional[Constraint] = None,
+               cache: Optional[CommittedCache] = None, constraint: Union[Constraint, Compiled, None] = None,
                logprobs: Optional[int] = None) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
@@ -135,14 +135,17 @@ class BatchGenerator:
         hold more. A ``cache`` keeps keys and values in its own form; a
         new one is made in this generator's (``storage``). ``constraint``: the
         answer must match it (a JSON Schema, any JSON object, a grammar:
-        :class:`~.grammar.Constraint`); one it cannot compile raises
+        :class:`~.grammar.Constraint`, or one compiled already:
+        :class:`~.grammar.Compiled`); one it cannot compile raises
         ``DecodeError`` here. ``logprobs``: each
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         grammar = None
-        if constraint is not None:
+        if isinstance(constraint, Compiled):  # compiled already (the server does it on the request's thread)
+            grammar = constraint
+        elif constraint is not None:
             grammar = compile_constraint(constraint, self.tokenizer, self.model.args.vocab_size, self.eos_id)
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -207,10 +208,17 @@ class Compiled:
     tokenizer: Any  # llguidance.LLTokenizer
     vocab: int
     eos_id: int
-    first: Any = None  # the matcher compile_constraint made to check it: the first request's
+    pristine: Any = None  # the matcher compile_constraint made to check it, never advanced
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
 
     def matcher(self) -> "Matcher":
-        made, self.first = self.first, None
+        """A fresh matcher: a copy of the pristine one (microseconds; compiling
+        the grammar again takes milliseconds to a tenth of a second), so one
+        compilation serves every request with this constraint, on any thread."""
+        with self._lock:
+            made = self.pristine.deep_copy() if self.pristine is not None else None
         return Matcher(self, made)
 
 

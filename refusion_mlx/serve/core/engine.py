@@ -293,8 +293,10 @@ class Engine:
         job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
         self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
         try:
-            job.uid = self.gen.insert(ids[n:], job.request.params, cache=job.cache, constraint=job.request.constraint,
-                                      logprobs=job.request.logprobs)
+            request = job.request
+            constraint = request.compiled if request.compiled is not None else request.constraint
+            job.uid = self.gen.insert(ids[n:], request.params, cache=job.cache, constraint=constraint,
+                                      logprobs=request.logprobs)
         except RefusionError as e:  # a constraint the engine cannot compile names its field
             constraint = job.request.constraint
             param = constraint.name if constraint is not None and str(e).startswith(f"{constraint.name}:") else None

@@ -46,7 +46,8 @@ class EngineRequest:
     ``Answering.answer``; "" is everyone's, None: it neither reads nor
     leaves any), and the ``constraint`` its answer is decoded under
     (structured output, a forced call: :mod:`.structured`; None:
-    unconstrained)."""
+    unconstrained), ``compiled`` on the request's thread (a
+    :class:`~refusion_mlx.decode.grammar.Compiled`; None: the engine compiles it)."""
 
     prompt_ids: List[int]
     params: RefusionParams
@@ -57,6 +58,7 @@ class EngineRequest:
     api: str = "chat.completions"
     cache_owner: Optional[str] = ""
     constraint: Optional[Constraint] = None
+    compiled: Any = None
     scoring: Any = None  # a loglikelihood.Scoring: the prompt is scored (echo + logprobs), not answered
     logprobs: Optional[int] = None  # the answer's tokens' logprobs, with this many top tokens (job.token_entries)
     asked_max_tokens: Optional[int] = None  # the max_tokens asked, when more than the context left (then cut)
@@ -118,8 +120,9 @@ class RequestTerms:
     ``context`` and ``vocab_size``, whether its template ``takes_tools``, the
     server's decoding ``defaults`` and ``call_grammar``, ``tokenize`` (a
     prompt's source to its ids) and ``compile`` (a request's constraint
-    compiled against the tokenizer, as the engine will: a DecodeError for
-    one it cannot; None: not checked here)."""
+    compiled against the tokenizer for the engine: a Compiled, or None when
+    there is nothing to constrain; a DecodeError for one it cannot; None:
+    the engine compiles it)."""
 
     tokenize: Callable[[Any], List[int]]
     vocab_size: int
@@ -127,7 +130,7 @@ class RequestTerms:
     defaults: RefusionParams
     takes_tools: bool = False
     call_grammar: str = "all"
-    compile: Optional[Callable[[Constraint], None]] = None
+    compile: Optional[Callable[[Constraint], Any]] = None
 
     def prompt_ids(self, source: Any, param: str) -> List[int]:
         """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
@@ -160,16 +163,30 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
                           f"{draft.constraint.name}: it ends where its grammar does, and a stop string would cut it "
                           "short", draft.stop_param)
         request = dataclasses.replace(request, logprobs=draft.logprobs)
-    if draft.constraint is not None and terms.compile is not None:  # here, on the request's thread, not the engine's
-        try:
-            terms.compile(request.constraint)
-        except DecodeError as e:
-            raise Refusal(Reason.INVALID_VALUE, str(e), request.constraint.name) from None
+    request = compiled(request, terms, asked=True)
     seed = request.params.seed
     if sample and seed is not None:
         request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                           seed=(seed + sample) % SEEDS))
-    return dataclasses.replace(with_call_grammar(request, terms.call_grammar), cache_owner=cache_owner)
+    request = compiled(with_call_grammar(request, terms.call_grammar), terms, asked=False)
+    return dataclasses.replace(request, cache_owner=cache_owner)
+
+
+def compiled(request: EngineRequest, terms: RequestTerms, asked: bool) -> EngineRequest:
+    """``request`` with its constraint compiled here, on the request's thread:
+    a large schema or many tools take up to a tenth of a second to compile,
+    which on the engine's thread would hold every running request. One the
+    request ``asked`` for and the tokenizer refuses is a Refusal naming its
+    field; the server's own call grammar is left off instead (nobody asked
+    for it: :func:`.structured.with_call_grammar`)."""
+    if request.constraint is None or request.compiled is not None or terms.compile is None:
+        return request
+    try:
+        return dataclasses.replace(request, compiled=terms.compile(request.constraint))
+    except DecodeError as e:
+        if not asked:
+            return dataclasses.replace(request, constraint=None)
+        raise Refusal(Reason.INVALID_VALUE, str(e), request.constraint.name) from None
 
 
 def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -143,7 +144,10 @@ class Turn:
     score: bool = True
 
     def wire(self) -> tuple:
-        return self.cancelled, [j.request for j in self.admitted], self.peers, self.stop, self.score
+        """What rank 0 broadcasts: the admitted requests without their compiled
+        constraints (a grammar's matcher stays in its process; the others compile their own)."""
+        requests = [dataclasses.replace(j.request, compiled=None) for j in self.admitted]
+        return self.cancelled, requests, self.peers, self.stop, self.score
 
     @classmethod
     def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "Turn":

@@ -21,7 +21,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
@@ -41,6 +43,7 @@ log = logging.getLogger("refusion_mlx.server")
 
 GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then cancels them
 STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
+COMPILED_KEPT = 16  # constraints kept compiled (tools, schemas, grammars), the most recently used
 CLIENT_CHECK = 0.25  # seconds between two looks at whether a request's client is still there
 
 
@@ -111,6 +114,8 @@ class Answering:
 
     def __init__(self, server):
         self.server, self.engine, self.config = server, server.engine, server.config
+        self._compiled: "OrderedDict[tuple, object]" = OrderedDict()  # constraints compiled, least recent first
+        self._compiled_lock = threading.Lock()
 
     @property
     def terms(self) -> RequestTerms:
@@ -119,13 +124,25 @@ class Answering:
                             takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar,
                             compile=self.compile)
 
-    def compile(self, constraint) -> None:
-        """A request's constraint compiled against the tokenizer (a DecodeError naming its field)."""
+    def compile(self, constraint):
+        """A request's constraint compiled against the tokenizer (a DecodeError
+        naming its field), once for its every request while it is among the
+        last :data:`COMPILED_KEPT` (an agent sends the same tools each turn)."""
         from ...decode.grammar import compile_constraint
 
+        key = (constraint.kind, constraint.source, constraint.name)
+        with self._compiled_lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         with self.engine.tokenizer_lock:
-            compile_constraint(constraint, self.engine.http_tokenizer, self.vocab_size,
-                               self.engine.http_tokenizer.eos_token_id)
+            made = compile_constraint(constraint, self.engine.http_tokenizer, self.vocab_size,
+                                      self.engine.http_tokenizer.eos_token_id)
+        with self._compiled_lock:
+            self._compiled[key] = made
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return made
 
     @property
     def context(self) -> int:
