@@ -101,6 +101,36 @@ def test_forced_tool_calls(oai):
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def test_tools_whose_schemas_refer_to_their_own_definitions(oai):
+    """A tool's ``$ref``s (pydantic's ``$defs`` for a nested model, ``#`` for itself) point into its own
+    parameters, wherever the calls' grammar places them: forced and strict calls decode under them."""
+    import openai as sdk
+
+    class Name(BaseModel):
+        name: Literal["Sven", "Dara", "Quinn"]
+
+    class Lookup(BaseModel):
+        person: Name
+
+    tool = sdk.pydantic_function_tool(Lookup, name="lookup")
+    params = tool["function"]["parameters"]
+    assert "$defs" in params and '"$ref": "#/$defs/Name"' in json.dumps(params)
+    for kw in ({"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "lookup"}}}):
+        message = ask(oai, "Who is Sven?", tools=[tool, TOOLS[0]], max_tokens=96, **kw).choices[0].message
+        assert message.tool_calls
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), params if call.function.name == "lookup"
+                                else ADD)
+    from refusion_mlx.decode.grammar import relocated
+
+    itself = {"type": "object", "properties": {"next": {"$ref": "#"}, "n": {"$ref": "#/$defs/N"},
+                                               "tag": {"const": {"$ref": "#"}}}, "$defs": {"N": {"type": "integer"}}}
+    moved = relocated(itself, "/anyOf/1/properties/arguments")
+    assert moved["properties"]["next"] == {"$ref": "#/anyOf/1/properties/arguments"}
+    assert moved["properties"]["n"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/N"}
+    assert moved["properties"]["tag"] == {"const": {"$ref": "#"}} and moved["$defs"] == itself["$defs"]
+
+
 def test_strict_tools_under_auto(oai):
     """Strict tools with tool_choice auto, and any tools under the default ``--call-grammar all``: text,
     then maybe calls under their schemas (the demo's call markers are tokens of its own, so the grammar
@@ -151,6 +181,8 @@ def test_anthropic_forced_tool_choice(server):
     ({"response_format": json_schema({"type": "nope"})}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}, "tools"),
 ])
 def test_a_schema_the_engine_cannot_take_is_one_400(oai, fields, param):
     with pytest.raises(openai.BadRequestError) as e:

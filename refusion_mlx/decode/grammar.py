@@ -139,9 +139,10 @@ class Constraint:
 
 def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
     """The Lark grammar of forced calls (``Constraint.tool_calls``)."""
-    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                        "arguments": for_decoding(t["parameters"])},
-                       "required": ["name", "arguments"], "additionalProperties": False} for t in spec["tools"]],
+    body = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t["name"]},
+        "arguments": relocated(for_decoding(t["parameters"]), f"/anyOf/{i}/properties/arguments")},
+        "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(spec["tools"])],
             "x-guidance": JSON_STYLE}
 
     def marker(text: str) -> str:
@@ -153,6 +154,24 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
         calls = f"TEXT? ({calls})?\nTEXT: /(?s:.+)/"
     return (f"start: {calls}\ncall: {marker(spec['start'])} \"\\n\" body \"\\n\" {marker(spec['end'])}\n"
             f"body: %json {json.dumps(body)}\n")
+
+
+_DATA = ("const", "enum", "default", "examples")  # values, not schemas: no reference in them is one
+
+
+def relocated(schema: Any, base: str) -> Any:
+    """``schema`` with its references to itself (``#``, ``#/$defs/...``)
+    pointing where it now sits, at JSON pointer ``base`` inside a larger
+    schema (a tool's parameters inside the calls' grammar)."""
+    if isinstance(schema, list):
+        return [relocated(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA else relocated(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + base + ref[1:]
+    return out
 
 
 UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)$")

@@ -94,7 +94,8 @@ def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str 
     if not functions:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: forcing a call needs the request's tools", param)
     spec = [{"name": f["name"], "parameters": f.get("parameters")} for f in functions]
-    return _checked(lambda: Constraint.tool_calls(spec, CALL_START, CALL_END, parallel and name is None, param,
+    named = "tools" if optional else param  # strict tools' calls, or the call tool_choice forces
+    return _checked(lambda: Constraint.tool_calls(spec, CALL_START, CALL_END, parallel and name is None, named,
                                                   optional), "tools")
 
 
