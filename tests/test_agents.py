@@ -172,7 +172,7 @@ def test_a_call_that_does_not_parse_stays_text_and_is_counted(server, oai):
 # The Responses API (the openai SDK)
 
 
-def test_responses_text_is_the_chat_answer(oai):
+def test_responses_text_is_the_chat_answer(server, oai):
     chat = oai.chat.completions.create(model="m", messages=user(SVEN)).choices[0].message.content
     resp = oai.responses.create(model="m", input=SVEN)
     assert resp.status == "completed" and resp.output_text == chat and resp.output[0].type == "message"
@@ -181,6 +181,11 @@ def test_responses_text_is_the_chat_answer(oai):
     short = oai.responses.create(model="m", input=SVEN, max_output_tokens=4, instructions="Be brief.")
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.instructions == "Be brief." and short.usage.output_tokens == 4
+    assert [(o.type, o.status) for o in short.output] == [("message", "incomplete")] and short.output_text
+    evs = events(server, "/v1/responses", {"input": SVEN, "max_output_tokens": 4, "stream": True})
+    done = [d["item"] for e, d in evs if e == "response.output_item.done"]
+    assert evs[-1][0] == "response.incomplete" and [i["status"] for i in done] == ["incomplete"]
+    assert evs[-1][1]["response"]["output"] == done and done[0]["content"][0]["text"] == short.output_text
 
 
 def test_responses_stream_events(server):  # scripted: text and two calls
@@ -389,6 +394,19 @@ BAD = [
     ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
      "messages[0].content[0].type"),
+    # Anthropic's own limits: content and text blocks non-empty (but a final assistant prefill), temperature
+    # from 0 to 1, metadata user_id alone
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN) + [{"role": "assistant", "content": [
+        {"type": "text", "text": ""}]}, {"role": "user", "content": "Go on."}]}, "messages[1].content[0].text"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "temperature": 1.5}, "temperature"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "metadata": {"user_id": "u", "foo": "x"}},
+     "metadata"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "metadata": {"user_id": 5}}, "metadata"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tool_choice": {"type": "any"}}, "tool_choice"),
 ]
 
 

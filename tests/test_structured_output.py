@@ -131,6 +131,26 @@ def test_tools_whose_schemas_refer_to_their_own_definitions(oai):
     assert moved["properties"]["tag"] == {"const": {"$ref": "#"}} and moved["$defs"] == itself["$defs"]
 
 
+def test_a_forced_call_cut_by_max_tokens_shows_no_markup(server, oai):
+    """A call max_tokens cut short is left out, on every API, streamed or not: the answer is what came
+    before it (nothing, when the call is forced), finishing "length" (Anthropic: "max_tokens")."""
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
+                                 timeout=120)
+    msgs = [{"role": "user", "content": "What is 29 * 3?"}]
+    chat = ask(oai, "What is 29 * 3?", tools=TOOLS, tool_choice="required", max_tokens=5).choices[0]
+    assert chat.finish_reason == "length" and not chat.message.content and not chat.message.tool_calls
+    streamed = [c.choices[0] for c in oai.chat.completions.create(
+        model="m", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=5, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in streamed) == "" and streamed[-1].finish_reason == "length"
+    r = oai.responses.create(model="m", input="What is 29 * 3?", max_output_tokens=5, tool_choice="required",
+                             tools=[{"type": "function", **t["function"]} for t in TOOLS])
+    assert r.status == "incomplete" and r.output_text == "" and not r.output
+    m = claude.messages.create(model="m", max_tokens=5, messages=msgs, tool_choice={"type": "any"},
+                               tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                      for t in TOOLS])
+    assert m.stop_reason == "max_tokens" and not any("<tool_call>" in getattr(b, "text", "") for b in m.content)
+
+
 def test_strict_tools_under_auto(oai):
     """Strict tools with tool_choice auto, and any tools under the default ``--call-grammar all``: text,
     then maybe calls under their schemas (the demo's call markers are tokens of its own, so the grammar

@@ -91,6 +91,21 @@ def test_a_stream_never_shows_markup_before_the_call_is_known(fmt):
     assert "".join(i for i in out[:-1]) == "Let me look."  # each character out as it came, the newline dropped
 
 
+def test_a_call_cut_short_by_the_budget_is_left_out(fmt):
+    """max_tokens ended the answer inside a call: its markup is neither text nor a call (the answer finishes
+    "length"); text before it stays, and a call that parses whole is still one; ended by EOS, it stays text."""
+    for before in ("", "Let me look.\n"):
+        text = before + SVEN[:30]
+        splitter = ToolCallSplitter(fmt, TOOLS)
+        items = splitter.feed(text, final=True, cut=True)
+        assert items == ([before.strip()] if before else []) and (splitter.cut, splitter.failed) == (1, 0)
+        said, ended = split(fmt, text)  # an EOS there: what the model wrote, as text
+        assert said == [before.strip() + SVEN[:30]] and ended.failed == 1
+    whole = ToolCallSplitter(fmt, TOOLS)
+    assert [i.name for i in whole.feed(SVEN.removesuffix("</tool_call>"), final=True, cut=True)] == ["lookup_person"]
+    assert whole.cut == 0
+
+
 def test_single_call_ends_the_answer(fmt):
     items, splitter = split(fmt, SVEN + "\n" + CALC, single=True, final=False)
     assert items == [("lookup_person", {"name": "Sven"})] and splitter.done

@@ -335,7 +335,7 @@ class Engine:
     def _finish(self, job: Job, outcome) -> None:
         """The one place a request ends with its answer: counted, its cache kept for its next turn, closed."""
         if job.calls is not None:
-            self.metrics.tool_calls(job.calls.calls, job.calls.failed)
+            self.metrics.tool_calls(job.calls.calls, job.calls.failed, job.calls.cut)
         if job.cache is not None:
             self.prompt_cache.insert(job.cache, job.request.cache_owner)  # the conversation so far
         self._close(job, "completed")

@@ -58,15 +58,15 @@ class Job:
         self.task = None  # a scoring request's ScoringTask, once started
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
 
-    def take(self, text: str, tokens, finished: bool) -> tuple:
+    def take(self, text: str, tokens, finished: bool, cut: bool = False) -> tuple:
         """A response's new final text and ids, through the stop strings and the
         tool-call splitter: (the items now certain -- strings and ToolCalls --,
         "stop" when the answer ends here, else None). With ``parallel_tool_calls``
-        false the first call ends the answer."""
+        false the first call ends the answer; ``cut``: the token budget ended it."""
         text, reason = self.shaper.feed(text, tokens, final=finished)
         if self.calls is None:
             return ([text] if text else []), reason
-        items = self.calls.feed(text, final=finished or reason is not None)
+        items = self.calls.feed(text, final=finished or reason is not None, cut=cut and reason is None)
         return items, reason or ("stop" if self.calls.done else None)
 
     def step(self, response, tokenizer) -> Tuple[list, Optional[str], int]:
@@ -74,7 +74,8 @@ class Job:
         finish reason when the answer ends here else None, the answer tokens
         it released)."""
         released = self.shaper.completion_tokens
-        items, reason = self.take(response.text, response.tokens, finished=response.finish_reason is not None)
+        items, reason = self.take(response.text, response.tokens, finished=response.finish_reason is not None,
+                                  cut=response.finish_reason == "length")
         events = []
         if self.request.include_commits and response.commits:
             first = items.pop(0) if items and isinstance(items[0], str) else ""

@@ -58,7 +58,7 @@ class ServerMetrics:
 
     ``counts``: requests by outcome (``OUTCOMES``), ``kv_waits``, ``steps``, ``step_rows``
     (requests summed over steps), ``generated_tokens``, ``prefill_tokens``,
-    ``cached_tokens``, ``tool_calls``, ``tool_call_failures``; ``apis``:
+    ``cached_tokens``, ``tool_calls``, ``tool_call_failures``, ``tool_calls_cut``; ``apis``:
     requests by (API, outcome); ``http_errors``: error responses by status.
     """
 
@@ -80,11 +80,13 @@ class ServerMetrics:
             self.counts[outcome] += 1
             self.apis[api, outcome] += 1
 
-    def tool_calls(self, parsed: int, failed: int) -> None:
-        """An answer's calls: those read as calls, and those that did not parse (left as text)."""
+    def tool_calls(self, parsed: int, failed: int, cut: int = 0) -> None:
+        """An answer's calls: those read as calls, those that did not parse
+        (left as text), and the one max_tokens cut short (left out)."""
         with self.lock:
             self.counts["tool_calls"] += parsed
             self.counts["tool_call_failures"] += failed
+            self.counts["tool_calls_cut"] += cut
 
     def read(self, names: Sequence[str]) -> Dict[str, int]:
         with self.lock:
@@ -112,7 +114,8 @@ METRICS: Tuple[Tuple[str, str, str], ...] = (
     ("refusion_requests_total", "counter", "Requests that ended, by outcome (refused: over --max-kv-bytes)."),
     ("refusion_api_requests_total", "counter", "Requests that ended, by API (chat.completions, completions, "
                                                "responses, messages) and outcome."),
-    ("refusion_tool_calls_total", "counter", "Tool calls in answers: parsed into calls, or unparsed (left as text)."),
+    ("refusion_tool_calls_total", "counter", "Tool calls in answers: parsed into calls, unparsed (left as text), "
+                                         "or cut short by max_tokens (left out)."),
     ("refusion_http_errors_total", "counter", "Error responses sent, by HTTP status."),
     ("refusion_requests_active", "gauge", "Requests in the batch."),
     ("refusion_requests_queued", "gauge", "Requests waiting for a batch row or KV memory."),
@@ -152,7 +155,7 @@ def families(metrics: ServerMetrics, gauges: Dict[str, float]) -> list:
             "refusion_requests_total": lambda t: counter("refusion_requests", t, "outcome", [(o, c[o]) for o in OUTCOMES]),
             "refusion_api_requests_total": lambda t: _api_family(metrics, t),
             "refusion_tool_calls_total": lambda t: counter("refusion_tool_calls", t, "result", [
-                ("parsed", c["tool_calls"]), ("unparsed", c["tool_call_failures"])]),
+                ("parsed", c["tool_calls"]), ("unparsed", c["tool_call_failures"]), ("cut", c["tool_calls_cut"])]),
             "refusion_http_errors_total": lambda t: counter("refusion_http_errors", t, "status", [
                 (str(s), n) for s, n in sorted(metrics.http_errors.items())]),
             "refusion_step_seconds": lambda t: metrics.step_seconds.family("refusion_step_seconds", t),

@@ -114,7 +114,9 @@ class ToolCallSplitter:
     and :class:`ToolCall`. Text that could begin ``start`` is held back until
     it is known not to; a call is held until its ``end``, then parsed; one
     that does not parse (or never ends) goes out as the text it was
-    (``failed`` counts them). Whitespace between text and a call, or after a
+    (``failed`` counts them), but for one the token budget cut short: it is
+    neither text nor a call (its markup is the template's, not an answer;
+    ``cut`` counts them). Whitespace between text and a call, or after a
     call, is dropped. With ``single`` (``parallel_tool_calls`` false) the
     answer ends after the first call: ``done`` turns true.
     """
@@ -126,9 +128,12 @@ class ToolCallSplitter:
         self.after_call = False  # the last item given out was a call
         self.calls = 0
         self.failed = 0
+        self.cut = 0
         self.done = False
 
-    def feed(self, text: str, final: bool) -> List[Union[str, ToolCall]]:
+    def feed(self, text: str, final: bool, cut: bool = False) -> List[Union[str, ToolCall]]:
+        """The items now certain; ``final``: the answer ends with ``text``,
+        ``cut``: because the token budget ran out."""
         if self.done:
             return []
         self.pending += text
@@ -149,7 +154,9 @@ class ToolCallSplitter:
         if self.done:
             self.pending = ""
         elif final:
-            if self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
+            if self.in_call and cut and as_calls_or_none(self.fmt, self.pending, self.tools) is None:
+                self.in_call, self.pending, self.cut = False, "", self.cut + 1  # cut short: left out
+            elif self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
                 body, self.pending = self.pending, ""
                 self._close(body, out, "")
             self._text(self.pending, out)
@@ -172,10 +179,7 @@ class ToolCallSplitter:
 
     def _close(self, body: str, out: list, end: str) -> None:
         self.in_call = False
-        try:
-            calls = as_calls(self.fmt.parse(body, self.tools))
-        except Exception:  # whatever the parser raises: the text was not a call
-            calls = None
+        calls = as_calls_or_none(self.fmt, body, self.tools)
         if calls is None:
             self.failed += 1
             self._text(self.fmt.start + body + end, out)
@@ -185,6 +189,14 @@ class ToolCallSplitter:
         out.extend(calls)
         self.calls += len(calls)
         self.after_call = True
+
+
+def as_calls_or_none(fmt: ToolFormat, body: str, tools: Sequence[dict]) -> Optional[List[ToolCall]]:
+    """The calls ``body`` (between the markers) makes; None: it is not a call."""
+    try:
+        return as_calls(fmt.parse(body, tools))
+    except Exception:  # whatever the parser raises: the text was not a call
+        return None
 
 
 def _partial_tail(text: str, marker: str) -> int:
@@ -278,7 +290,7 @@ def check_tool_choice(choice: Optional[str], names: Sequence[str], param: str) -
     if choice in (None, "auto", "none"):
         return
     if choice == "required" and not names:
-        raise Refusal(Reason.INVALID_VALUE, f"{param}: 'required' needs tools to call", param)
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: forcing a call needs tools to call", param)
     if choice != "required" and choice not in names:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: no tool named {choice!r} among the request's tools "
                                             f"({', '.join(names) or 'none'})", param)

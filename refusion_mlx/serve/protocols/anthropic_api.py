@@ -62,6 +62,14 @@ class _MessagesBase(_CountBase):
     metadata: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value):
+        user = (value or {}).get("user_id")
+        if value is not None and (set(value) - {"user_id"} or not isinstance(user, (str, type(None)))):
+            raise field_error('takes user_id alone (a string), as {"user_id": "..."}')
+        return value
+
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value):
@@ -123,6 +131,15 @@ def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
     return content
 
 
+def _not_empty(content: Any, param: str) -> None:
+    """Anthropic's rule: a message has content, and each of its text blocks text."""
+    if content == "" or content == []:
+        raise invalid(param, "must not be empty (only a final assistant message may be)")
+    for j, block in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(block, dict) and block.get("type") == "text" and block.get("text") == "":
+            raise invalid(f"{param}[{j}].text", "text content blocks must be non-empty")
+
+
 def anthropic_messages(body) -> tuple:
     """The system prompt and messages as the chat template's messages, and each one's field."""
     out: List[dict] = []
@@ -132,6 +149,8 @@ def anthropic_messages(body) -> tuple:
         params.append("system")
     for i, message in enumerate(body.messages):
         role = message.get("role")
+        if not (role == "assistant" and i == len(body.messages) - 1):  # but a final assistant message (a prefill)
+            _not_empty(message.get("content"), f"messages[{i}].content")
         if role == "system":  # a system message inside the conversation (Claude Code's reminders): in its place
             out.append({"role": "system", "content": _text_blocks(message.get("content"), f"messages[{i}].content")})
             params.append(f"messages[{i}]")
@@ -230,6 +249,8 @@ def output_format(body):
 def messages_request(body, terms: RequestTerms) -> Draft:
     """The body in the engine's terms."""
     check_thinking(body)
+    if body.temperature is not None and body.temperature > 1:
+        raise invalid("temperature", f"must be from 0 to 1 on the Messages API, got {body.temperature!r}")
     prompt, parallel = chat_prompt_of(body, terms.takes_tools)
     ids = terms.prompt_ids(prompt, "messages")
     constraint = forced_calls(prompt.tools, body.tool_choice, parallel) or output_format(body)

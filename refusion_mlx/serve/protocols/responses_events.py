@@ -40,8 +40,10 @@ def usage(done: Outcome) -> dict:
 
 
 def message_item(item_id: str, text: str, status: str = "completed", logprobs: Optional[list] = None) -> dict:
-    """An assistant ``message`` item; ``logprobs``: its tokens' entries (``openai_logprobs``), when asked."""
-    content = [output_text(text, logprobs)] if status == "completed" else []
+    """An assistant ``message`` item (``status``: "in_progress" while it is
+    written, "incomplete" when max_output_tokens cut it); ``logprobs``: its
+    tokens' entries (``openai_logprobs``), when asked."""
+    content = [output_text(text, logprobs)] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -113,7 +115,9 @@ class ResponsesWriter(Writer):
 
     def answer(self, answer: Answer) -> dict:
         if answer.text:
-            self.output.append(message_item(_id("msg"), answer.text, logprobs=answer.logprobs))
+            cut = answer.done.finish_reason == "length" and not answer.calls  # the message was last: cut short
+            self.output.append(message_item(_id("msg"), answer.text, "incomplete" if cut else "completed",
+                                            answer.logprobs))
         self.output += [call_item(_id("fc"), c, namespace=self.namespaces.get(c.name)) for c in answer.calls]
         self.text_parts, self.calls = [answer.text], list(answer.calls)
         return self.finish(answer.done)
@@ -151,13 +155,13 @@ class ResponsesWriter(Writer):
     def commits(self, text: str, commits: dict) -> str:
         return self.emit("response.commits", commits=commits) + (self.text(text) if text else "")
 
-    def close_message(self) -> str:
+    def close_message(self, status: str = "completed") -> str:
         if self.open is None:
             return ""
         text, index, item_id = "".join(self.open_text), len(self.output), self.open["id"]
         entries, self.open_logprobs = self.open_logprobs, []
         part = output_text(text, entries)
-        item = message_item(item_id, text, logprobs=entries)
+        item = message_item(item_id, text, status, entries)
         self.output.append(item)
         self.open, self.open_text = None, []
         return (self.emit("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
@@ -182,7 +186,7 @@ class ResponsesWriter(Writer):
         return out + self.emit("response.output_item.done", output_index=index, item=item)
 
     def done(self, outcome: Outcome) -> str:
-        out = self.close_message()
+        out = self.close_message("incomplete" if outcome.finish_reason == "length" else "completed")
         response = self.finish(outcome)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + self.emit(kind, response=response)
