@@ -308,6 +308,10 @@ def test_anthropic_create_stream_and_count_tokens(oai, claude):
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == "baker"
     assert cut.content[0].text == chat[:chat.index("baker")]
     assert claude.messages.create(model="m", max_tokens=3, messages=user(SVEN)).stop_reason == "max_tokens"
+    page = claude.models.list()  # Anthropic's model objects, from the same route as OpenAI's
+    (card,) = page.data
+    assert (card.type, card.display_name, page.has_more, page.first_id) == ("model", card.id, False, card.id)
+    assert card.created_at.year >= 2025 and oai.models.list().data[0].id == card.id
 
 
 def test_anthropic_stream_events(server):
@@ -321,6 +325,12 @@ def test_anthropic_stream_events(server):
     deltas = [d["delta"] for e, d in evs if e == "content_block_delta"]
     assert [json.loads(d["partial_json"]) for d in deltas if d["type"] == "input_json_delta"] == [
         {"name": "Sven"}, {"name": "Zoe"}]
+    again = events(server, "/v1/messages", {"max_tokens": MAX_TOKENS, "messages": user(BOTH), "stream": True,
+                                            "tools": ANTHROPIC_TOOLS})  # its prompt cached now
+    first, last = again[0][1]["message"]["usage"], again[-2][1]["usage"]
+    assert first["cache_read_input_tokens"] > 0 and first["output_tokens"] == 0
+    assert (first["input_tokens"], first["cache_read_input_tokens"]) == (last["input_tokens"],
+                                                                         last["cache_read_input_tokens"])
 
 
 def test_anthropic_tool_use_round_trip(oai, claude):

@@ -120,6 +120,7 @@ REQUESTS = [
 ]
 VARYING = [
     (re.compile(r'"(created|created_at)": ?\d+'), r'"\1": 0'),
+    (re.compile(r'"created_at": ?"[0-9T:+-]+"'), r'"created_at": "DATE"'),
     (re.compile(r"(chatcmpl|cmpl|msg|resp|fc|call|toolu)[-_][0-9a-f]{12,}"), r"\1-ID"),
     (re.compile(r"refusion-mlx-[0-9a-f]{8}"), "refusion-mlx-FP"),
 ]

@@ -201,6 +201,19 @@ def test_answer_logprobs_chat_and_text_whole_and_streamed(server):
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
     plain = post(server, {"prompt": "Who is Sven?", "max_tokens": 8})["choices"][0]
     assert plain["text"] == text["text"] and plain["logprobs"] is None  # asking changes no token
+    counting = {"messages": [{"role": "user", "content": "Count from 17 to 38."}], "max_tokens": 40,
+                "logprobs": True, "stop": ["9"]}
+    for stream in (False, True):  # a stop string cut the answer: no token past it (the one it cut, in part)
+        status, payload = raw(server, "POST", "/v1/chat/completions", {**counting, "stream": stream})
+        if stream:
+            chunks = [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: {")]
+            said = "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"])
+            tokens = [e["token"] for c in chunks for ch in c["choices"] if ch["logprobs"]
+                      for e in ch["logprobs"]["content"]]
+        else:
+            choice = json.loads(payload)["choices"][0]
+            said, tokens = choice["message"]["content"], [e["token"] for e in choice["logprobs"]["content"]]
+        assert said == "17 18 1" and "".join(tokens).startswith(said) and len("".join(tokens[:-1])) < len(said)
 
 
 def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):

@@ -17,6 +17,7 @@ type, size and arrival (415, 411, 413, 408).
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import logging
 
@@ -85,13 +86,16 @@ def create_app(server) -> FastAPI:
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, bug)
 
-    def card() -> dict:
-        return {"id": config.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx"}
+    def card() -> dict:  # OpenAI's model object and Anthropic's in one (each SDK reads its own fields)
+        created = datetime.datetime.fromtimestamp(server.created, datetime.timezone.utc)
+        return {"id": config.model_id, "object": "model", "created": server.created, "owned_by": "refusion-mlx",
+                "type": "model", "display_name": config.model_id, "created_at": created.isoformat()}
 
     @app.get("/v1/models")
     @app.get("/models", include_in_schema=False)
     async def models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card()], "has_more": False, "first_id": config.model_id,
+                "last_id": config.model_id}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):

@@ -57,6 +57,7 @@ class Job:
         self.cached = 0  # prompt tokens the prompt cache held
         self.task = None  # a scoring request's ScoringTask, once started
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
+        self.entry_chars = 0  # characters of the tokens whose logprobs went out
 
     def take(self, text: str, tokens, finished: bool, cut: bool = False) -> tuple:
         """A response's new final text and ids, through the stop strings and the
@@ -84,10 +85,24 @@ class Job:
             events += [("text" if isinstance(i, str) else "tool_call", i) for i in items]
         else:  # the step's text with its tokens' entries, then its calls
             text = "".join(i for i in items if isinstance(i, str))
-            entries = token_entries(tokenizer, response.tokens, response.logprobs)
+            entries = self._within_answer(token_entries(tokenizer, response.tokens, response.logprobs))
             events += [("logprobs", (text, entries))] if text or entries else []
             events += [("tool_call", i) for i in items if not isinstance(i, str)]
         return events, reason or response.finish_reason, self.shaper.completion_tokens - released
+
+    def _within_answer(self, entries: List[dict]) -> List[dict]:
+        """``entries`` but those of tokens wholly past a stop string that cut the
+        answer: the tokens' texts join into the answer's, as OpenAI's do."""
+        if self.shaper.hit is not None:
+            kept = []
+            for e in entries:
+                if self.entry_chars >= self.shaper.sent:
+                    break
+                kept.append(e)
+                self.entry_chars += len(e["token"])
+            return kept
+        self.entry_chars += sum(len(e["token"]) for e in entries)
+        return entries
 
     def outcome(self, reason: str, stats, dist=None) -> Outcome:
         """The "done" event: finish reason ("tool_calls" for an answer that

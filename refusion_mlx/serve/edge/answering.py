@@ -68,9 +68,11 @@ class Writer:
     slots it committed), then ``done`` or ``error``: each returns the
     server-sent events to write (maybe none). ``answer`` is the body of a
     whole answer. Subclasses shape; they hold whatever state their events
-    need. ``request``: the engine's request, set once it is made."""
+    need. ``request``: the engine's request, set once it is made; ``cached``:
+    the prompt tokens the prompt cache held, set once the engine started it."""
 
     request: Optional[EngineRequest] = None
+    cached: int = 0
 
     def start(self) -> str:
         return ""
@@ -193,6 +195,7 @@ class Answering:
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
             await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
+            writer.cached = job.cached
             headers = cut_header(writer.request)
             if stream:
                 events = sse(job, self.engine, writer, t0)

@@ -59,8 +59,9 @@ class MessagesWriter(Writer):
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason(done) if done else None,
                 "stop_sequence": done.stop_sequence if done else None,
-                "usage": usage(done) if done else {"input_tokens": prompt, "output_tokens": 0,
-                                                   "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+                "usage": usage(done) if done else {"input_tokens": prompt - self.cached, "output_tokens": 0,
+                                                   "cache_read_input_tokens": self.cached,
+                                                   "cache_creation_input_tokens": 0}}
 
     def answer(self, answer: Answer) -> dict:
         content = ([{"type": "text", "text": answer.text}] if answer.text else []) + [tool_use(c) for c in answer.calls]
