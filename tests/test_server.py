@@ -437,6 +437,9 @@ BAD = [
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 5}, 400, "echo"),
+    (CHAT, user(stream_options={"include_usage": True}), 400, "stream_options"),  # as OpenAI: only with stream
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CHAT, {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
 ]
 
 

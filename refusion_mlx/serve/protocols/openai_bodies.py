@@ -74,6 +74,13 @@ class _BodyBase(BaseModel):
 
     _refuse = model_validator(mode="before")(refuse_unsupported)
 
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("invalid_value", "only allowed when stream is true",
+                                      {"field": "stream_options"})
+        return self
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value):
@@ -124,7 +131,7 @@ class Message(BaseModel):
         """A string, null, or a list of ``{"type": "text", "text": ...}`` parts, joined."""
         if content is None or isinstance(content, str):
             return content  # null or absent: only an assistant's message with calls may have none
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+        if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text"
                                               and isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
         raise field_error('must be a string or a list of text parts ({"type": "text", "text": ...})')
