@@ -14,7 +14,8 @@ web page's own static files needs ``Authorization: Bearer KEY`` or
 ``x-api-key: KEY`` (401; ``/metrics`` too, unless ``--metrics-public``); a
 POST needs a JSON ``Content-Type`` (415: a cross-site form or ``text/plain``
 POST, which a browser sends without asking, never runs), a
-``Content-Length`` (411) within ``--max-body-bytes`` (413), its whole
+``Content-Length`` or a chunked body, not both (411, 400), within
+``--max-body-bytes`` (413), its whole
 body within ``--body-timeout`` seconds of its headers (408), and no string
 in it with an unpaired UTF-16 surrogate (400, naming the field); the body
 is then handed to the app as read.
@@ -222,25 +223,30 @@ class RequestGuard:
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         length = _header(scope, b"content-length")  # a number: h11 refuses others
+        chunked = _header(scope, b"transfer-encoding") is not None  # h11 takes chunked alone
         if not _json_type(_header(scope, b"content-type")):
             error = APIError(415, "the request body must be JSON, sent with Content-Type: application/json "
                                   f"(got {_header(scope, b'content-type') or 'none'})",
                              code="unsupported_media_type")
-        elif _header(scope, b"transfer-encoding") is not None:  # with a Content-Length too: a smuggling risk
-            error = APIError(400, "Transfer-Encoding is not accepted: send the body with a Content-Length alone")
-        elif length is None:
-            error = APIError(411, "a Content-Length header is required", code="length_required")
-        elif int(length) > self.max_bytes:
+        elif chunked and length is not None:  # both: a smuggling risk
+            error = APIError(400, "Transfer-Encoding with a Content-Length is not accepted: send one of them")
+        elif not chunked and length is None:
+            error = APIError(411, "a Content-Length header (or a chunked body) is required", code="length_required")
+        elif length is not None and int(length) > self.max_bytes:
             await self.drain(receive, int(length))  # read it, or the client sees a reset, not the 413
             error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
                              code="request_too_large")
         else:
-            body = await self.read(receive, int(length))
+            body = await self.read(receive)
             if body is None:  # the client left
                 return
             if body is False:
                 error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
                                       "headers", code="request_timeout")
+            elif len(body) > self.max_bytes:  # chunked: known only as it comes
+                await self.drain(receive, 64 << 20)  # read the rest, or the client sees a reset, not the 413
+                error = APIError(413, f"the request body is over the limit of {self.max_bytes} bytes",
+                                 code="request_too_large")
             else:
                 where = unpaired_surrogate(body)
                 if where is None:
@@ -258,9 +264,10 @@ class RequestGuard:
             response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
-    async def read(self, receive, length: int):
-        """The body (bytes), None when the client leaves, False when it stalls past the timeout."""
-        parts, deadline = [], time.monotonic() + self.body_timeout
+    async def read(self, receive):
+        """The body (bytes; once over the limit, what came so far), None when
+        the client leaves, False when it stalls past the timeout."""
+        parts, size, deadline = [], 0, time.monotonic() + self.body_timeout
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
@@ -269,7 +276,8 @@ class RequestGuard:
             if message["type"] == "http.disconnect":
                 return None
             parts.append(message.get("body", b""))
-            if not message.get("more_body"):
+            size += len(parts[-1])
+            if not message.get("more_body") or size > self.max_bytes:
                 return b"".join(parts)
 
     async def drain(self, receive, length: int) -> None:
