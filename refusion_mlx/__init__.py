@@ -1,7 +1,13 @@
 """ReFusion on MLX: slot-level plan-and-infill decoding with full KV-cache reuse."""
 
+import sys
+
 from . import _blas
 
+if sys.argv[:1] == ["-m"]:  # python -m refusion_mlx.<command>, while it imports: Ctrl-C is a quiet exit 130
+    from ._startup import quiet_interrupts
+
+    quiet_interrupts()
 _blas.preload()  # must run before mlx.core is imported
 
 from ._version import __version__  # noqa: E402

@@ -233,6 +233,52 @@ def test_module_entry_point_bad_input_has_no_traceback():
     assert proc.stderr.count("\n") == 1 and "invalid int value" in proc.stderr
 
 
+def test_module_entry_point_closed_streams_and_an_early_ctrl_c():
+    """A closed standard output is one line and exit 1 (the answer would be lost, exit 0); a closed standard
+    error is the null device (the chat answers); Ctrl-C while the command still imports is exit 130 and
+    "interrupted", as it is later: never a traceback."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for command in ("generate", "chat"):
+        proc = subprocess.run([sys.executable, "-m", f"refusion_mlx.{command}", "--max-tokens", "8"], input="hi\n",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                              preexec_fn=lambda: os.close(1))
+        assert proc.returncode == 1 and proc.stderr.strip().endswith("error: standard output is closed (where the "
+                                                                      "answer and messages go)"), proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", "--max-tokens", "8"], input="Who is Sven?\n",
+                          capture_output=True, text=True, env=env, timeout=120, preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0 and "Sven" in proc.stdout
+    for delay in (0.5, 1.0):  # while it imports, or waits for its prompts (standard input, never closed here)
+        proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
+
+
+def test_startup_ctrl_c_is_a_quiet_exit_until_the_command_starts():
+    import signal
+
+    from refusion_mlx import _startup
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _startup.quiet_interrupts()
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert stopped.value.code == 130
+        _startup.started()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_module_entry_point_json():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompt", "Who is Sven?",

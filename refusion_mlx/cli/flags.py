@@ -10,6 +10,7 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, List, Optional
 
@@ -19,11 +20,23 @@ from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS, preset
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
+from .._startup import started
 from ..errors import RefusionError, Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit 2."""
+    """argparse whose usage errors are one line and exit 2. Its parse is a
+    command's start: Ctrl-C is KeyboardInterrupt from then on (before, a
+    quiet exit 130: ``refusion_mlx._startup``), and a closed standard
+    output is one line and exit 1 (a closed standard error is the null device)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        started()
+        if sys.stderr is None:
+            sys.stderr = open(os.devnull, "w")
+        if sys.stdout is None:
+            self.exit(1, f"{self.prog}: error: standard output is closed (where the answer and messages go)\n")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -87,7 +87,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:  # a bug: still one line, and the staging folder is gone
         print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    print(format_summary(summary))
+    try:
+        print(format_summary(summary), flush=True)
+    except OSError as e:  # the folder is whole; only its summary could not be written
+        print(f"error: {args.mlx_path} was written, but not its summary: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 
