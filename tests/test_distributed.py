@@ -214,6 +214,23 @@ def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_serv
     assert (kv["bits"], kv["bytes_per_token"]) == (8, spec.layers * 2 * 2 * (64 + 2 * spec.dtype.size))
 
 
+def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_server):
+    """A request's constraint is compiled on rank 0's request thread; the plan carries the constraint,
+    not rank 0's compiled matcher, and each rank decodes under it: the answer parses."""
+    import openai
+
+    port, procs = pipeline_server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "turtle"]}}, "required": ["pet"],
+              "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Who is Sven?"}], max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+    assert answer.choices[0].finish_reason == "stop"
+    assert json.loads(answer.choices[0].message.content)["pet"] in ("cat", "turtle")
+    assert all(p.poll() is None for p in procs)
+
+
 def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
     """Echo scoring under two ranks (each running its layers of every scoring
     piece): the AR and the Monte Carlo estimates are those of one process."""
@@ -290,23 +307,6 @@ def test_tensor_parallel_checks_are_one_line():
     with pytest.raises(ConfigError, match="num_attention_heads \\(4\\) divisible by 3"):
         check_tensor_parallel(args, 3)
     assert [layer_range(7, r, 3) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
-
-
-def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_server):
-    """A request's constraint is compiled on rank 0's request thread; the plan carries the constraint,
-    not rank 0's compiled matcher, and each rank decodes under it: the answer parses."""
-    import openai
-
-    port, procs = pipeline_server
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
-    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "turtle"]}}, "required": ["pet"],
-              "additionalProperties": False}
-    answer = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Who is Sven?"}], max_tokens=32,
-        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
-    assert answer.choices[0].finish_reason == "stop"
-    assert json.loads(answer.choices[0].message.content)["pet"] in ("cat", "turtle")
-    assert all(p.poll() is None for p in procs)
 
 
 def test_step_plan_crosses_to_the_other_ranks():

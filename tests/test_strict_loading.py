@@ -82,6 +82,56 @@ def test_sizes_are_checked_against_the_safetensors_headers(tmp_path):
         "vocab_size is 900, but lm_head.weight has 816 rows"]
 
 
+def with_weight(folder: Path, name: str, make) -> Path:
+    """``folder``'s weights with ``name`` replaced by ``make(old)``."""
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights[name] = make(weights[name])
+    (folder / "model.safetensors").unlink()
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return folder
+
+
+Q = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda w: w.astype(mx.int32), f"config.json: {Q} is I32: weights are float32, float16 or bfloat16"),
+    (lambda w: w > 0, f"config.json: {Q} is BOOL: weights are float32, float16 or bfloat16"),
+    (lambda w: w * mx.array(float("nan")), f"{Q} holds values that are not finite (NaN or infinity)"),
+    (lambda w: mx.where(w > 0.01, mx.array(float("inf")), w),
+     f"{Q} holds values that are not finite (NaN or infinity)"),
+])
+def test_weights_that_are_not_floats_or_not_finite_are_refused(tmp_path, make, message):
+    """Before: int32 or bool weights loaded and decoded other text, NaN ones '!!!!', exit 0; convert too."""
+    from refusion_mlx.convert.converter import convert
+
+    folder = with_weight(checkpoint(tmp_path / "m"), Q, make)
+    with pytest.raises(LoadError) as e:
+        load(folder)
+    assert str(e.value).endswith(message) and "\n" not in str(e.value)
+    with pytest.raises(LoadError, match="not finite|not bf16/fp16/fp32"):
+        convert(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_adapters_that_are_not_finite_are_refused(lora_folder, tmp_path):
+    folder, weights = lora_folder
+    name = next(iter(weights))
+    bad = adapter_variant(folder, tmp_path / "nan", {**weights, name: weights[name] * float("nan")})
+    with pytest.raises(LoadError, match=f"^{bad}: .*lora.* holds values that are not finite"):
+        load(DEMO_MODEL, dtype="float32", adapter_path=str(bad))
+
+
+def test_a_cast_past_the_dtypes_range_is_refused_by_convert(tmp_path):
+    from refusion_mlx.convert.converter import convert
+
+    folder = with_weight(checkpoint(tmp_path / "m"), Q, lambda w: w.at[0, 0].add(1e6))  # float16's most: 65504
+    with pytest.raises(LoadError, match=f"{Q}: holds values that are not finite .* in float16"):
+        convert(folder, tmp_path / "out", dtype="float16")
+    assert not (tmp_path / "out").exists()
+    convert(folder, tmp_path / "out32", dtype="float32")  # in range there
+
+
 def sparse_checkpoint(folder: Path, vocab: int, hidden: int) -> Path:
     """A one-layer checkpoint whose embedding (vocab x hidden float32) is a hole
     in a sparse file: its header is true, its bytes cost no disk."""

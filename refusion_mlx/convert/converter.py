@@ -196,7 +196,11 @@ def converted_tensors(ckpt: Checkpoint, plan: QuantPlan, dtype: str,
             weights = {k: ckpt.read(f"{path}.{k}") for k in names}
             outputs = convert_leaf(module, weights, DTYPES[dtype], plan.quant.get(path))
             del weights
-            mx.eval(list(outputs.values()))
+            finite = {k: mx.all(mx.isfinite(v)) for k, v in outputs.items() if mx.issubdtype(v.dtype, mx.floating)}
+            mx.eval(list(outputs.values()), list(finite.values()))
+            bad = [k for k, ok in finite.items() if not ok.item()]
+            if bad:  # NaN in the source, or a value past the output dtype's range (float16: 65504)
+                raise LoadError(f"{path}.{bad[0]}: holds values that are not finite (NaN or infinity) in {dtype}")
             for k in list(outputs):
                 yield f"{path}.{k}", outputs.pop(k)
             bar.update(len(names))

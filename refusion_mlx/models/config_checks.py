@@ -213,6 +213,22 @@ def _read_header(file: Path) -> Dict[str, Tensor]:
     return out
 
 
+FLOAT_TAGS = ("F32", "F16", "BF16")
+PACKED_TAGS = ("U32", "U8")  # a quantized layer's packed weights; a float mode's scales
+
+
+def dtype_problems(tensors: Dict[str, Tensor], quantized: bool) -> List[str]:
+    """A weight that is no floating tensor (nor, in a quantized model, a
+    packed one): ints or booleans in a float's place decode garbage."""
+    allowed = FLOAT_TAGS + (PACKED_TAGS if quantized else ())
+    bad = sorted(n for n, t in tensors.items() if t.dtype not in allowed)
+    if not bad:
+        return []
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return [f"{bad[0]}{more} is {tensors[bad[0]].dtype}: weights are float32, float16 or bfloat16"
+            + (" (or packed, in a quantized model)" if quantized else "")]
+
+
 def weight_problems(args, tensors: Dict[str, Tensor]) -> List[str]:
     """The config's sizes that the tensors contradict, one line each. Rows
     only where a quantized layer packs its columns; Hugging Face's names."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,7 +13,8 @@ from .. import _blas
 from .._json import read_json_object
 from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
-from .config_checks import check_memory, quantization_problems, read_headers, weight_bytes, weight_problems
+from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
+                            weight_problems)
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
@@ -188,7 +189,8 @@ def check_weights(model_path: Path, config: Dict[str, Any], args, files: List[Pa
     bytes in the dtype they will be loaded in against this machine's memory
     (a rank's share under ``dist``)."""
     tensors = read_headers(files)
-    problems = quantization_problems(config) + weight_problems(args, tensors)
+    problems = (quantization_problems(config) + weight_problems(args, tensors)
+                + dtype_problems(tensors, "quantization" in config))
     if problems:
         raise LoadError("\n".join(f"{model_path}/config.json: {p}" for p in problems))
     stored = STORED_DTYPES.get(getattr(tensors.get("model.norm.weight"), "dtype", ""))
@@ -230,6 +232,33 @@ def _load_split(model, model_path: Path, config: Dict[str, Any], dtype: Optional
             mx.eval(layer.parameters())
         mx.eval(model.parameters())
     return model
+
+
+FINITE_CHECK_ELEMENTS = 1 << 28  # floating elements checked per evaluation (bounds the check's temporaries)
+
+
+def check_finite(model, where: str, skip: Set[str] = frozenset()) -> Set[str]:
+    """The names of the model's floating parameters (but those in ``skip``),
+    once each is found finite; a LoadError naming the first that holds NaN or
+    infinity (a broken checkpoint or adapter decodes garbage, "!!!!", with no
+    error). Quantized weights are checked through their scales and biases."""
+    from mlx.utils import tree_flatten
+
+    names, flags, pending = [], [], 0
+    for name, w in tree_flatten(model.parameters()):
+        if name in skip or not mx.issubdtype(w.dtype, mx.floating):
+            continue
+        names.append(name)
+        flags.append(mx.all(mx.isfinite(w)))
+        pending += w.size
+        if pending > FINITE_CHECK_ELEMENTS:
+            mx.eval(flags)
+            pending = 0
+    found = [n for n, ok in zip(names, mx.stack(flags).tolist() if flags else []) if not ok]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise LoadError(f"{where}: {found[0]}{more} holds values that are not finite (NaN or infinity)")
+    return set(names)
 
 
 def _cast_bytes(model, target: mx.Dtype) -> int:
@@ -329,6 +358,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         raise LoadError("adapters cannot be split over ranks: fold them into the weights first "
                         "(python -m refusion_mlx.fuse)")
     model, config = load_model(model_path, dtype=dtype, lazy=lazy, dist=dist)
+    checked = set() if lazy else check_finite(model, str(model_path))
     if adapter_path is not None:
         from .adapters import load_adapters
 
@@ -336,6 +366,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         model.eval()
         if not lazy:
             mx.eval(model.parameters())
+            check_finite(model, str(adapter_path), skip=checked)
     if fuse is not None:
         join_projections = fuse
     if join_projections and not lazy:
