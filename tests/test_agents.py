@@ -110,7 +110,7 @@ def test_tools_enter_the_prompt_through_the_chat_template(server, oai):
     renders none; the demo's answer to a question that needs no tool is the one it gives without tools."""
     from refusion_mlx.decode.stream import chat_prompt
 
-    tokenizer = server.engine.http_tokenizer
+    tokenizer = server.engine.http_tokenizers[0]
     plain = oai.chat.completions.create(model="m", messages=user(SVEN))
     with_tools = oai.chat.completions.create(model="m", messages=user(SVEN), tools=TOOLS)
     none = oai.chat.completions.create(model="m", messages=user(SVEN), tools=TOOLS, tool_choice="none")

@@ -79,8 +79,7 @@ class Engine:
         self.busy_since: Optional[float] = None  # when the round in progress (admission, step) began
         self.model = self.tokenizer = self.gen = None
         self.args = None  # the model's config, read by the HTTP side
-        self.http_tokenizer = None  # the HTTP side's, behind tokenizer_lock
-        self.tokenizer_lock = threading.Lock()
+        self.http_tokenizers = ()  # the HTTP side's two (edge/lanes.py), once the model is loaded
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.stopping_since: Optional[float] = None  # when stop() was first asked (the HTTP side's clock)
@@ -184,7 +183,7 @@ class Engine:
                 barrier(self.dist)
             self.args, self.eos_id = self.model.args, self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
-            self.http_tokenizer = load_tokenizer(self.model.model_path)
+            self.http_tokenizers = (load_tokenizer(self.model.model_path), load_tokenizer(self.model.model_path))
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
                                       storage=self.storage)  # checked against the model's head dimension
             self.kv_cost, self.max_kv_bytes = admission_budget(self.model, self.storage, config.max_kv_bytes,

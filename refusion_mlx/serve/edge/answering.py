@@ -30,13 +30,13 @@ from typing import Any, Callable, List, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import ChatPrompt, Draft, EngineRequest, RequestTerms, finish
 from ..core.job import Job
 from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
 from ..core.tool_calls import ToolCall
+from .lanes import Lanes
 from .security import KEY_SCOPE
 
 log = logging.getLogger("refusion_mlx.server")
@@ -118,6 +118,18 @@ class Answering:
         self.server, self.engine, self.config = server, server.engine, server.config
         self._compiled: "OrderedDict[tuple, object]" = OrderedDict()  # constraints compiled, least recent first
         self._compiled_lock = threading.Lock()
+        self._lanes: Optional[Lanes] = None
+
+    @property
+    def lanes(self) -> Lanes:
+        """The tokenizers' lanes (made from the engine's two once it has loaded them)."""
+        if self._lanes is None:
+            self._lanes = Lanes(*self.engine.http_tokenizers)
+        return self._lanes
+
+    async def off_loop(self, request: Request, work: Callable[[], Any]) -> Any:
+        """``work`` (templates, tokenizing, compiling) on a worker thread, in the request's lane."""
+        return await self.lanes.run(request.scope, work)
 
     @property
     def terms(self) -> RequestTerms:
@@ -137,9 +149,9 @@ class Answering:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        with self.engine.tokenizer_lock:
-            made = compile_constraint(constraint, self.engine.http_tokenizer, self.vocab_size,
-                                      self.engine.http_tokenizer.eos_token_id)
+        lane = self.lanes.current()
+        with lane.lock:
+            made = compile_constraint(constraint, lane.tokenizer, self.vocab_size, lane.tokenizer.eos_token_id)
         with self._compiled_lock:
             self._compiled[key] = made
             while len(self._compiled) > COMPILED_KEPT:
@@ -162,8 +174,9 @@ class Answering:
 
         if isinstance(source, list) and source and isinstance(source[0], int):
             return source
-        with self.engine.tokenizer_lock:
-            tokenizer = self.engine.http_tokenizer
+        lane = self.lanes.current()
+        with lane.lock:
+            tokenizer = lane.tokenizer
             if isinstance(source, (ChatPrompt, list)):
                 prompt = source if isinstance(source, ChatPrompt) else ChatPrompt(source)
                 with step_limit(tokenizer):
@@ -191,7 +204,7 @@ class Answering:
         Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
         t0 = time.perf_counter()
         owner = self.cache_owner(request, user)
-        writer.request = await run_in_threadpool(lambda: finish(make(), self.terms, owner))
+        writer.request = await self.off_loop(request, lambda: finish(make(), self.terms, owner))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
             await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it

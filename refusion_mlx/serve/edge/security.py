@@ -38,6 +38,7 @@ import time
 from typing import Callable, Iterable, Optional, Tuple
 
 from .http_errors import APIError, error_response
+from .lanes import BODY_BYTES
 
 KEY_SCOPE = "refusion.key"  # the scope entry holding the hash of the API key a request presented
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -250,6 +251,7 @@ class RequestGuard:
             else:
                 where = unpaired_surrogate(body)
                 if where is None:
+                    scope[BODY_BYTES] = len(body)  # which tokenizing lane it takes (lanes.py)
                     return await self.app(scope, _replay(body, receive), send)
                 error = APIError(400, f"{where[0] or 'the request body'}: holds an unpaired UTF-16 surrogate "
                                       f"({where[1]}), which is not Unicode text", where[0] or None, "invalid_value")

@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, field_validator
-from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid
@@ -272,12 +271,12 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
                                       user if isinstance(user, str) else None)
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
+    async def count_tokens(body: CountTokensRequest, request: Request):
         def count() -> int:
             terms = answering.terms
             prompt, _ = chat_prompt_of(body, terms.takes_tools)
             output_format(body)  # checked as a request would be (it adds no prompt tokens)
             return len(terms.prompt_ids(prompt, "messages"))
 
-        return {"input_tokens": await run_in_threadpool(count)}
+        return {"input_tokens": await answering.off_loop(request, count)}
 

@@ -19,7 +19,6 @@ from typing import Callable, List, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from ..core.engine_request import EngineRequest, finish
 from ..core.outcome import Outcome
@@ -62,7 +61,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
                    "mc_num" if any(r.scoring.estimator == "mc" for r in scored) else "prompt")
         return out
 
-    requests = await run_in_threadpool(made)
+    requests = await answering.off_loop(request, made)
     engine, loop = answering.engine, asyncio.get_running_loop()
     jobs = engine.submit_all(requests, loop)  # all queued or none (a Refusal)
     try:

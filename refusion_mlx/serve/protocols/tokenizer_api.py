@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import List
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from ..core.refusal import Reason, Refusal
 from .bodies import STRICT
@@ -32,33 +31,34 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_routes(app: FastAPI, answering) -> None:
-    engine = answering.engine
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         """The special tokens, the chat template and the context."""
-        tok = engine.http_tokenizer
+        tok = answering.lanes.small.tokenizer
         return {"eos_token": tok.eos_token, "bos_token": getattr(tok, "bos_token", None),
                 "pad_token": getattr(tok, "pad_token", None), "chat_template": getattr(tok, "chat_template", None),
                 "model_max_length": answering.context, "tokenizer_class": type(tok).__name__}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         def encode():
-            with engine.tokenizer_lock:
-                return list(engine.http_tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            lane = answering.lanes.current()
+            with lane.lock:
+                return list(lane.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
 
-        tokens = await run_in_threadpool(encode)  # a long text takes seconds: never on the event loop
+        tokens = await answering.off_loop(request, encode)  # a long text takes seconds: never on the event loop
         return {"tokens": tokens, "count": len(tokens), "max_model_len": answering.context}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeRequest, request: Request):
         vocab = answering.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise Refusal(Reason.INVALID_VALUE, f"token id {bad[0]} is outside the vocabulary of {vocab}", "tokens")
         def decode():
-            with engine.tokenizer_lock:
-                return engine.http_tokenizer.decode(body.tokens)
+            lane = answering.lanes.current()
+            with lane.lock:
+                return lane.tokenizer.decode(body.tokens)
 
-        return {"prompt": await run_in_threadpool(decode)}
+        return {"prompt": await answering.off_loop(request, decode)}
