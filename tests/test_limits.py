@@ -337,6 +337,49 @@ def _error(fn, *args):
     return None
 
 
+HOSTILE_TEMPLATES = [  # what each would do unchecked: loop for hours, or allocate gigabytes
+    ('{% for a in "x" * 100000 %}{% for b in "x" * 100000 %}{% endfor %}{% endfor %}', "ran past 1000000 steps"),
+    ('{{ "x" * 10**10 }}', "made a sequence of 10000000000 items"),
+    ("{{ [1, 2] * 10**9 }}", "made a sequence of 2000000000 items"),
+    ("{{ 2 ** (10 ** 9) }}", "made a number of over 65536 bits"),
+    ("{{ lipsum(10**7) }}", "asked lipsum for 10000000"),
+    ('{{ "x" | center(10**10) }}', "asked center for 10000000000"),
+    ("{{ messages[0]['content'] | indent(10**10) }}", "asked indent for 10000000000"),
+]
+
+
+@pytest.mark.parametrize("template,needle", HOSTILE_TEMPLATES)
+def test_a_hostile_chat_template_fails_in_one_line_at_once(tmp_path, template, needle):
+    """Every command renders through render_chat, inside the template limits (models/template_steps.py)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from refusion_mlx.decode.stream import render_chat
+    from refusion_mlx.errors import DecodeError
+
+    hostile = folder(tmp_path)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    (hostile / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (hostile / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = load_tokenizer(hostile)
+    t0 = time.monotonic()
+    with pytest.raises(DecodeError, match=f"^the chat template failed: the chat template {needle}"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_chat_template_past_its_size_is_refused_when_the_model_loads(tmp_path):
+    from refusion_mlx.errors import LoadError
+    from refusion_mlx.models.loading import load
+
+    hostile = folder(tmp_path)
+    (hostile / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}" + "x" * (2 << 20)
+    (hostile / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=r"the chat template is 2097180 characters long \(the most is 1048576\)"):
+        load(hostile)
+
+
 def test_a_chat_template_that_never_ends_fails_its_request(tmp_path):
     from refusion_mlx.serve.http_server import RefusionServer
 

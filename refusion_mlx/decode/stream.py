@@ -11,6 +11,7 @@ import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
+from ..models.template_steps import step_limit
 from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
 from .grammar import constraint_of
@@ -64,8 +65,9 @@ def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
         if isinstance(m.get("content"), str):
             checked_text(m["content"], f"a {m.get('role', 'user')} message")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
-    except Exception as e:  # jinja2's errors, and what a template raises on purpose
+        with step_limit(tokenizer):  # a model folder's template is code: bounded steps and sizes
+            return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
+    except Exception as e:  # jinja2's errors (a limit's too), and what a template raises on purpose
         detail = " ".join(str(e).split())[:200] or type(e).__name__
         raise DecodeError(f"the chat template failed: {detail}") from None
 

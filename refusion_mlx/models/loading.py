@@ -15,6 +15,7 @@ from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
                             weight_problems)
+from .template_steps import MAX_TEMPLATE_CHARS
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
@@ -309,13 +310,16 @@ def tokenizer_problems(folder: Path, config: Dict[str, Any], tokenizer, vocab_si
     one line each: too few tokens (its vocabulary files missing: real
     checkpoints pad the vocabulary by a few hundred ids at most), or an end
     token (config.json, generation_config.json, the tokenizer's) the model
-    could never write."""
+    could never write, or a chat template past its size (``template_steps``)."""
     size = len(getattr(tokenizer, "_tokenizer", tokenizer))
     out = [] if 2 * size >= vocab_size else [
         f"the tokenizer holds {size} tokens for a vocabulary of {vocab_size}: are its vocabulary files "
         "(tokenizer.json, or vocab.json and merges.txt) missing?"]
     given = [config] + ([read_json_object(folder / "generation_config.json")]
                         if (folder / "generation_config.json").is_file() else [])
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
+        out.append(f"the chat template is {len(template)} characters long (the most is {MAX_TEMPLATE_CHARS})")
     return out + config_checks.token_id_problems(given, [tokenizer.eos_token_id], vocab_size)
 
 

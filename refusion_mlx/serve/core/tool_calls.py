@@ -62,9 +62,12 @@ def renders_tools(tokenizer) -> bool:
     """Whether the chat template writes the tools it is given into the prompt."""
     tool = function_tool({"name": PROBE, "description": "", "parameters": {"type": "object", "properties": {}}},
                          "tools[0]")
+    from ...models.template_steps import step_limit
+
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
-                                             add_generation_prompt=True, tokenize=False)
+        with step_limit(tokenizer):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
+                                                 add_generation_prompt=True, tokenize=False)
     except Exception:
         return False
     return PROBE in text

@@ -168,9 +168,8 @@ class Answering:
 
     def tokenize(self, source) -> List[int]:
         """A prompt's ids: a ChatPrompt through the chat template (within its
-        step limit: ``models.template_steps``), text as is, ids unchanged."""
+        limits: ``models.template_steps``), text as is, ids unchanged."""
         from ...decode.stream import chat_prompt
-        from ...models.template_steps import step_limit
 
         if isinstance(source, list) and source and isinstance(source[0], int):
             return source
@@ -179,9 +178,8 @@ class Answering:
             tokenizer = lane.tokenizer
             if isinstance(source, (ChatPrompt, list)):
                 prompt = source if isinstance(source, ChatPrompt) else ChatPrompt(source)
-                with step_limit(tokenizer):
-                    return chat_prompt(tokenizer, prompt.messages, tools=list(prompt.tools) or None,
-                                       prefill=prompt.prefill)
+                return chat_prompt(tokenizer, prompt.messages, tools=list(prompt.tools) or None,
+                                   prefill=prompt.prefill)
             return list(tokenizer.encode(source))
 
     def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:
