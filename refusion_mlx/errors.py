@@ -17,6 +17,17 @@ class DecodeError(RefusionError):
     """Invalid decoding parameters or prompt."""
 
 
+class GrammarLimit(DecodeError):
+    """A request's constraint past the grammar engine's limits, found while
+    decoding under it (a schema whose alternatives grow a parser row past
+    its bound): the request's fault, not the decoder's. ``param``: the
+    constraint's name (its field)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM raised as the KeyboardInterrupt Ctrl-C raises, so that a command
     which saves its work on Ctrl-C (``train``) saves it on SIGTERM too; the

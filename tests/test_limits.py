@@ -248,6 +248,25 @@ def test_schemas_past_the_limits_are_400s_naming_the_field(server):
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
         status, err = call(server, "POST", CHAT, body)
         assert status == 400 and err["error"]["param"] == "response_format.json_schema.schema", err
+    # alternatives that grow the parser's rows past its bound once decoding starts: a 400 naming the field
+    # (it was a 500, "generation failed"), and the server goes on
+    wide = {"anyOf": [{"type": "object", "properties": {f"k{i}_{j}": {"type": "number"} for j in range(30)}}
+                      for i in range(30)]}
+    for stream in (False, True):
+        body = {"messages": user, "max_tokens": 32, "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}}
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        conn.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        payload = resp.read().decode()
+        conn.close()
+        if stream:  # started before the limit was met: the stream's error event
+            assert resp.status == 200 and "past the grammar engine's limits" in payload and "[DONE]" in payload
+        else:
+            err = json.loads(payload)["error"]
+            assert resp.status == 400 and err["param"] == "response_format.json_schema.schema", err
+            assert "past the grammar engine's limits" in err["message"] and "\n" not in err["message"]
+    assert call(server, "POST", CHAT, {"messages": user, "max_tokens": 4})[0] == 200
 
 
 def test_a_queued_client_that_leaves_logs_no_traceback(server, caplog):

@@ -58,6 +58,7 @@ class GenerationResponse:
     uid: int = 0
     cache: Optional[CommittedCache] = None
     error: Optional[str] = None
+    error_param: Optional[str] = None  # the request's field the error is about (its fault); None: the runtime's
     logprobs: Optional[List[tuple]] = None  # per token of ``tokens``: (logprob, top pairs) (``insert(logprobs=)``)
 
 
@@ -86,10 +87,10 @@ class _Member:
             r.cache = self.decoder.cache
         return r
 
-    def failure(self, message: str) -> GenerationResponse:
+    def failure(self, e: Exception) -> GenerationResponse:
         return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
-                                  self.answer.length, finish_reason="error",
-                                  stats=self.decoder.stats, uid=self.uid, error=message)
+                                  self.answer.length, finish_reason="error", stats=self.decoder.stats,
+                                  uid=self.uid, error=_message(e), error_param=getattr(e, "param", None))
 
 
 class BatchGenerator:
@@ -187,13 +188,13 @@ class BatchGenerator:
                 running.append(r)
             except Exception as e:  # a failure of this request's own loop: it fails alone
                 _fatal(e)
-                out.append(r.failure(_message(e)))
+                out.append(r.failure(e))
         t0 = time.perf_counter()
         try:
             results = run_passes(self.model, passes) if passes else []
         except Exception as e:  # the shared forward failed (e.g. out of memory): all of it fails
             _fatal(e)
-            out += [r.failure(_message(e)) for r in running]
+            out += [r.failure(e) for r in running]
             self.active = []
             return out
         seconds = time.perf_counter() - t0
@@ -202,7 +203,7 @@ class BatchGenerator:
                 out += self._advance(r, result, seconds)
             except Exception as e:
                 _fatal(e)
-                out.append(r.failure(_message(e)))
+                out.append(r.failure(e))
         done = {o.uid for o in out if o.finish_reason is not None}
         self.active = [r for r in self.active if r.uid not in done]
         return out

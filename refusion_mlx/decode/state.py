@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import mlx.core as mx
 import numpy as np
 
+from ..errors import GrammarLimit
 from .cache import CommittedCache
 from .params import BlockLayout, RefusionParams
 from .stats import DecodeStats, SlotCommit, Step
@@ -110,9 +111,11 @@ class DecodeState:
         everything decided before; the grammar matcher takes them (each was
         checked allowed before)."""
         taken = self.matcher.consume(tokens)
-        if taken != len(tokens):  # a broken invariant, never a user's error
-            raise RuntimeError(f"the grammar refused decided token {list(tokens)[taken]}: "
-                               f"{self.matcher.error() or 'not allowed'}")
+        if taken != len(tokens):
+            error, name = (self.matcher.error() or "").split("\n", 1)[0], self.matcher.compiled.constraint.name
+            if error:  # the engine gave up on the grammar (a limit): the constraint's fault
+                raise GrammarLimit(f"{name}: past the grammar engine's limits while decoding ({error})", name)
+            raise RuntimeError(f"the grammar refused decided token {list(tokens)[taken]}")  # a broken invariant
 
     def commit_run(self, tokens: Sequence[int], first: int) -> List[SlotCommit]:
         """Constrained mode: commit ``tokens`` at positions ``first, first+1, ...``

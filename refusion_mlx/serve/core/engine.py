@@ -322,6 +322,8 @@ class Engine:
         job = self.running.get(r.uid)
         if job is None:  # ended earlier in this step
             return
+        if r.finish_reason == "error" and r.error_param is not None:  # the request's fault (its schema)
+            return self._close(job, "failed", Refusal(Reason.INVALID_VALUE, r.error, r.error_param))
         if r.finish_reason == "error":
             return self._close(job, "failed", Refusal(Reason.GENERATION_FAILED, f"generation failed: {r.error}"))
         events, reason, released = job.step(r, self.tokenizer)  # text (with its logprobs), commits, calls
