@@ -76,8 +76,7 @@ class Scheduler:
         for a shared prefix (the admitted first, then up to PEERS waiting);
         whether the scoring requests do a piece of work: while others are
         ``decoding``, scoring gets at most half the engine's time (:meth:`scored`)."""
-        plan = Turn(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()],
-                    score=not decoding or time.monotonic() >= self.score_after)
+        plan = Turn(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
         room = self.max_batch - len(self.running) + len(plan.cancelled)
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
@@ -97,6 +96,9 @@ class Scheduler:
             self.starting = len(plan.admitted)
             peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
         plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
+        # a decoding request admitted now decodes this turn: it has its share before the next piece
+        decoding = decoding or any(j.request.scoring is None for j in plan.admitted)
+        plan.score = not decoding or time.monotonic() >= self.score_after
         return plan
 
     def scored(self, seconds: float) -> None:
