@@ -287,6 +287,36 @@ def test_prompt_cache_survives_a_restart(tmp_path, caplog):
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
+def test_a_prompt_cache_file_is_checked_before_anything_is_allocated_for_it():
+    """A file from the cache folder (anyone who can write there) holds one entry of at most the context's rows,
+    at positions 0, 1, ... with finite keys and values: a file that claims 2e8 rows took 1.5 GB before it was
+    skipped; positions near 2**31 made every request sharing its prefix a 400; NaN keys answered garbage."""
+    import mlx.core as mx
+
+    from refusion_mlx.decode.cache import CommittedCache
+    from refusion_mlx.decode.prefill import prefill
+    from refusion_mlx.models.loading import load
+    from refusion_mlx.serve.caches.cache_files import _entry_problem
+
+    model, _ = load(None)
+    cache = CommittedCache.for_model(model)
+    prefill(model, cache, list(range(5, 25)))
+    good = cache.to_arrays()
+    context = model.args.max_position_embeddings
+    assert _entry_problem(good, context) is None
+    keys = next(k for k in good if k.startswith("keys."))
+    bad = [({"positions": good["positions"] + ((1 << 31) - 30)}, "not 0, 1, 2"),
+           ({"positions": good["positions"] - 1}, "not 0, 1, 2"),
+           ({"positions": mx.zeros_like(good["positions"])}, "not 0, 1, 2"),
+           ({keys: good[keys] * float("nan")}, "not finite"),
+           ({keys: good[keys][:, :, :10]}, "one row per position"),
+           ({"positions": mx.zeros((2 * 10 ** 8,), mx.int32)}, f"1 to {context} rows")]
+    for change, needle in bad:
+        active = mx.get_active_memory()
+        assert needle in _entry_problem({**good, **change}, context), needle
+        assert mx.get_active_memory() - active < 1 << 20  # nothing of the claimed size was made
+
+
 def test_prompt_cache_dir_keeps_to_its_byte_budget(tmp_path):
     """Entries of 20-25 rows (80-100 KB) in a 120 KB budget: each new file evicts the older one."""
     folder = tmp_path / "cache"

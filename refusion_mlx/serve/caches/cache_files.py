@@ -153,13 +153,15 @@ class CacheDir:
             _unlink(f)
             total -= size
 
-    def load(self, new_cache) -> Iterator[Tuple[str, list, object]]:
+    def load(self, new_cache, max_rows: int) -> Iterator[Tuple[str, list, object]]:
         """(owner, tokens, cache) of each valid file, oldest first; ``new_cache()``
         makes the empty CommittedCache a file is read into, whose layers, shape
-        and stored form the file's arrays must match."""
+        and stored form the file's arrays must match; an entry holds at most
+        ``max_rows`` (the model's context), at positions 0, 1, ... in order,
+        and finite keys and values."""
         for _, _, f in self.files(warn=True):
             try:
-                entry = self._read(f, new_cache())
+                entry = self._read(f, new_cache(), max_rows)
             except Exception as e:  # noqa: BLE001 - any unreadable file is skipped, whatever broke
                 entry, why = None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
             else:
@@ -169,7 +171,7 @@ class CacheDir:
                 continue
             yield entry
 
-    def _read(self, f: Path, cache):
+    def _read(self, f: Path, cache, max_rows: int):
         import mlx.core as mx
 
         # no link followed, no wait on a FIFO or a device swapped in since it was listed: a regular file or nothing
@@ -186,6 +188,9 @@ class CacheDir:
         owner = meta.get("owner")
         if not isinstance(owner, str):
             return "it names no owner"
+        why = _entry_problem(arrays, max_rows)
+        if why is not None:
+            return why
         try:
             cache.load_arrays(arrays)
         except ValueError as e:
@@ -194,6 +199,25 @@ class CacheDir:
         if f.name != entry_name(self.fingerprint, owner, tokens):  # copied or renamed: not where its key is
             return "its name does not match its model, owner and tokens"
         return owner, tokens, cache
+
+
+def _entry_problem(arrays: dict, max_rows: int):
+    """What makes a file's arrays no prompt-cache entry, looked at before anything is
+    allocated for them: more rows than the context, positions other than 0, 1, ...,
+    or keys and values that are not finite. None: fine."""
+    import mlx.core as mx
+
+    positions = arrays.get("positions")
+    if positions is None or positions.ndim != 1 or not 0 < positions.shape[0] <= max_rows:
+        return f"its positions are not one list of 1 to {max_rows} rows (the model's context)"
+    if any(a.ndim >= 3 and a.shape[2] != positions.shape[0] for a in arrays.values()):
+        return "its arrays do not hold one row per position"
+    if positions.tolist() != list(range(positions.shape[0])):
+        return "its positions are not 0, 1, 2, ... in order"
+    floats = [mx.all(mx.isfinite(a)) for a in arrays.values() if mx.issubdtype(a.dtype, mx.floating)]
+    if floats and not mx.all(mx.stack(floats)).item():
+        return "its keys or values are not finite (NaN or infinity)"
+    return None
 
 
 def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None, storage=None) -> None:
@@ -214,7 +238,8 @@ def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None, storage
                             f"private, 0700): {e.strerror or e}") from None
     n = 0
     prompt_cache.store, prompt_cache.fingerprint = store, fingerprint
-    for owner, tokens, cache in store.load(lambda: CommittedCache.for_model(model, storage=storage)):
+    for owner, tokens, cache in store.load(lambda: CommittedCache.for_model(model, storage=storage),
+                                           model.args.max_position_embeddings):
         prompt_cache.restore(owner, tokens, cache)
         n += 1
     log.info("prompt cache: %d entries reloaded from %s (%d kept in memory)", n, path, len(prompt_cache))
