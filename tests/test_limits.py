@@ -241,6 +241,30 @@ def test_a_flood_of_long_prompts_holds_no_short_request(server):
     assert slowest > 2 and seconds + tok_seconds < slowest / 3, (seconds, tok_seconds, slowest)
 
 
+def test_lanes_pick_by_body_size_and_refuse_new_work_once_stopping():
+    """A body over 64 KB runs in the large lane, one at a time; once the server is stopping, work that has not
+    begun is a 503 at once (a dozen long prompts queued behind each other held the exit up 25 s)."""
+    import asyncio
+
+    from refusion_mlx.serve.core.refusal import Reason, Refusal
+    from refusion_mlx.serve.edge.lanes import BODY_BYTES, LARGE_BODY, Lanes
+
+    stopping = []
+    lanes = Lanes("small", "large", stopping=lambda: bool(stopping))
+    seen = []
+
+    async def main():
+        for size in (10, LARGE_BODY + 1):
+            seen.append(await lanes.run({BODY_BYTES: size}, lambda: lanes.current().tokenizer))
+        stopping.append(True)
+        with pytest.raises(Refusal) as refused:
+            await lanes.run({}, lambda: seen.append("ran"))
+        return refused.value.reason
+
+    assert asyncio.run(main()) == Reason.SHUTTING_DOWN and seen == ["small", "large"]
+    assert lanes.current() is lanes.small  # outside any request's thread
+
+
 def deep_schema(depth: int) -> dict:
     schema = {"type": "string"}
     for _ in range(depth):

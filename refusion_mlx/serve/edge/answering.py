@@ -124,7 +124,7 @@ class Answering:
     def lanes(self) -> Lanes:
         """The tokenizers' lanes (made from the engine's two once it has loaded them)."""
         if self._lanes is None:
-            self._lanes = Lanes(*self.engine.http_tokenizers)
+            self._lanes = Lanes(*self.engine.http_tokenizers, stopping=lambda: self.engine.stopping_since is not None)
         return self._lanes
 
     async def off_loop(self, request: Request, work: Callable[[], Any]) -> Any:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 import anyio
 
+from ..core.refusal import Reason, Refusal
+
 LARGE_BODY = 64 << 10  # bytes of request body from which a request takes the large lane
 BODY_BYTES = "refusion.body_bytes"  # the scope key where RequestGuard leaves a body's size
 
@@ -39,8 +41,11 @@ class Lane:
 
 
 class Lanes:
-    def __init__(self, small: Any, large: Any):
-        self.small, self.large = Lane(small, None), Lane(large, 1)
+    """The two lanes; ``stopping()``: whether the server is shutting down, when
+    work that has not begun is refused (503) instead of held up for."""
+
+    def __init__(self, small: Any, large: Any, stopping: Callable[[], bool] = lambda: False):
+        self.small, self.large, self.stopping = Lane(small, None), Lane(large, 1), stopping
 
     def current(self) -> Lane:
         """The lane of the request this thread runs (the small one outside any)."""
@@ -51,6 +56,8 @@ class Lanes:
         lane = self.large if scope.get(BODY_BYTES, 0) > LARGE_BODY else self.small
 
         def in_lane() -> T:
+            if self.stopping():  # queued behind others while the server began to stop: no work for nobody
+                raise Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
             _current.lane = lane
             try:
                 return work()
