@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, storage_from_args
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, output_file, params_from_args,
+                  storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
@@ -41,7 +42,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--frame-time", type=float, default=0.08, metavar="SECONDS",
                         help="with --visualize, the least time a step stays on screen (default 0.08; 0: as fast "
                              "as it decodes)")
-    parser.add_argument("--trace", metavar="FILE", help="write each step's commits as JSON to FILE")
+    parser.add_argument("--trace", metavar="FILE", type=output_file, help="write each step's commits as JSON to FILE")
     return parser
 
 

@@ -103,3 +103,10 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     assert "poetry" in printed and "spelling" in printed and "2 rows" in printed
     result = json.loads(out.read_text())
     assert result["total"] == 2 and result["families"]["poetry"]["correct"] == 0
+    assert main(["--data", str(data), "--json", str(tmp_path / "no" / "r.json")]) == 1  # before the evaluation
+    where = tmp_path / "no" / "r.json"
+    assert capsys.readouterr().err.strip() == f"error: cannot write {where}: No such file or directory"
+    for bad in (["--show-failures", "-1"], ["--json", ""]):
+        with pytest.raises(SystemExit) as e:
+            main(["--data", str(data), *bad])
+        assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -247,6 +247,7 @@ def test_cli_visualize_and_trace(background, tmp_path):
     (["--max-tokens", "-5"], "gen_length must be a positive integer"),
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--trace", "/nonexistent-dir/trace.json"], "cannot write the trace"),
+    (["--trace", ""], "must name a file, not an empty string"),
     (["--bogus"], "unrecognized arguments"),
     (["--frame-time", "-1"], "--frame-time must be within"),
 ])

@@ -591,6 +591,8 @@ def test_slot_sizes_reach_every_example(tmp_path, capsys, monkeypatch):
     (["--data", str(DATA), "--replay-ratio", "-0.5"], "--replay-ratio must be at least 0"),
     (["--data", str(DATA), "--slot-sizes", "4,0"], "slot_sizes must be positive integers"),
     (["--data", str(DATA), "--slot-sizes", "four"], "slot_sizes must be positive integers"),
+    (["--data", str(DATA), "--adapter-path", ""], "--adapter-path must name a folder, not an empty string"),
+    (["--data", str(DATA), "--resume-adapter-file", " "], "--resume-adapter-file must name a file"),
 ])
 def test_usage_errors(argv, message, capsys):
     code, err = cli(argv, capsys)
@@ -634,6 +636,7 @@ def test_input_errors(tmp_path, q4, capsys):
         (base + ["--resume-adapter-file", str(tmp_path / "nope.safetensors")], "no such file"),
         (base + ["--adapter-path", str(tmp_path / "file")], "is a file"),
         (base + ["--iters", "0"], "--iters 0 trains nothing"),
+        (base + ["--rank", "100000"], "--rank 100000 is over the smallest side of a layer it adapts (128)"),
         (base + ["--model", str(tmp_path / "nomodel")], "no model folder"),
     ]
     for argv, message in cases:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, positive_int, positive_ints, run,
-                   storage_from_args)
+from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, check_writable, output_file,
+                   positive_int, positive_ints, run, storage_from_args)
 from ..cli.launch import add_distributed_args, join
 from ..decode.params import PARAM_NAMES
 from ..distributed import watchdog
@@ -46,7 +46,7 @@ def build_parser() -> OneLineParser:
     add_kv_args(parser)  # ReFusion's caches, and mlx-lm's (from the first token) on the AR side
     parser.add_argument("--repeat", type=positive_int, default=1, help="timed runs per prompt and side (median shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
-    parser.add_argument("--json", metavar="OUT", help="also write the full report to this JSON file")
+    parser.add_argument("--json", metavar="OUT", type=output_file, help="also write the full report to this JSON file")
     parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
     parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
@@ -123,8 +123,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             resolve_all(suite, args.preset, overrides)
         except DecodeError as e:
             parser.error(str(e))
-        if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
-            raise BenchError(f"cannot write {args.json}: its folder does not exist")
+        if args.json:
+            try:
+                check_writable(args.json)  # before the benchmark, not after it
+            except OSError as e:
+                raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
         if args.http and not args.concurrency:
             parser.error("--http goes with --concurrency")

@@ -6,7 +6,9 @@ Nothing below the commands imports this package; the library works without it.
 """
 
 from .flags import (OneLineParser, add_adapter_arg, add_decoding_args, add_kv_args, add_model_args, byte_size,
-                    params_from_args, positive_int, positive_ints, read_text, run, storage_from_args)
+                    check_writable, count, output_file, params_from_args, positive_int, positive_ints, read_text, run,
+                    storage_from_args)
 
 __all__ = ["OneLineParser", "add_adapter_arg", "add_decoding_args", "add_kv_args", "add_model_args", "byte_size",
-           "params_from_args", "positive_int", "positive_ints", "read_text", "run", "storage_from_args"]
+           "check_writable", "count", "output_file", "params_from_args", "positive_int", "positive_ints", "read_text",
+           "run", "storage_from_args"]

@@ -10,6 +10,7 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Callable, List, Optional
@@ -129,6 +130,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number (0 or more), got {text!r}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """argparse type: bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2G, 0."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -151,6 +163,27 @@ def positive_ints(text: str) -> List[int]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
     return values
+
+
+def output_file(value: str) -> str:
+    """argparse type of a file a command writes: a name, not an empty string."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a file, not an empty string")
+    return value
+
+
+def check_writable(path: str) -> None:
+    """An OSError unless ``path`` can be written: checked before a command's
+    work, not after it (the file itself is left as it is)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w"):
+            pass
+    except OSError as e:  # named by the file asked for, not the probe
+        raise OSError(e.errno, e.strerror, path) from None
+    os.remove(tmp)
 
 
 def read_text(path: str) -> str:

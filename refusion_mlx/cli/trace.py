@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from typing import List
+
+from .flags import check_writable
 
 class Trace:
     """Records each step (turn, step, phase, positions, tokens) and rewrites FILE after each turn."""
@@ -20,12 +21,7 @@ class Trace:
 
     def writable(self) -> None:
         """An OSError unless FILE can be written (FILE itself is left as it is until a turn is traced)."""
-        if os.path.isdir(self.path):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", self.path)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w"):
-            pass
-        os.remove(tmp)
+        check_writable(self.path)
 
     def begin_turn(self) -> None:
         self.turn += 1

@@ -107,6 +107,7 @@ def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[d
             block.unfreeze()
     else:
         params = dict(params or lora_parameters())
+        _check_rank(blocks, params)
         try:
             linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
         except (KeyError, ValueError) as e:
@@ -117,6 +118,23 @@ def add_adapters(model, fine_tune_type: str, num_layers: int, params: Optional[d
                 raise RefusionError("train_embeddings needs an unquantized embedding and head "
                                     "(this model is quantized)")
             module.unfreeze()
+
+
+def _check_rank(blocks, params: dict) -> None:
+    """A rank past the smallest side of a layer it adapts is refused: it adds
+    no capacity, only memory (rank 100000 on the demo asked 1.9 G parameters)."""
+    from mlx.utils import tree_flatten
+
+    keys = params.get("keys")
+    sides = []
+    for block in blocks:
+        for name, m in tree_flatten(block.leaf_modules(), is_leaf=nn.Module.is_module):
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and (keys is None or name in keys):
+                out_dims, in_dims = m.weight.shape
+                sides.append(min(out_dims, in_dims * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1)))
+    if sides and params.get("rank", 0) > min(sides):
+        raise RefusionError(f"--rank {params['rank']} is over the smallest side of a layer it adapts "
+                            f"({min(sides)}): at most {min(sides)}")
 
 
 def embedding_modules(model) -> list:

@@ -219,7 +219,7 @@ def format_table(result: dict, before: Optional[dict] = None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import OneLineParser, add_decoding_args, add_kv_args, add_model_args, positive_int
+    from ..cli import OneLineParser, add_decoding_args, add_kv_args, add_model_args, count, output_file, positive_int
 
     parser = OneLineParser(prog="python -m refusion_mlx.train.accuracy",
                            description="Exact-match accuracy of a model's answers to the last user turn of "
@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(parser)  # --model, --adapter-path, --dtype
     parser.add_argument("--data", required=True, help="chat JSONL file (rows ending with the reference answer)")
     parser.add_argument("--limit", type=positive_int, help="evaluate the first N rows only")
-    parser.add_argument("--json", dest="json_out", help="write the result as JSON to this file")
-    parser.add_argument("--show-failures", type=int, default=0, metavar="N",
+    parser.add_argument("--json", dest="json_out", type=output_file, help="write the result as JSON to this file")
+    parser.add_argument("--show-failures", type=count, default=0, metavar="N",
                         help="print up to N wrong answers per family")
     add_decoding_args(parser)
     add_kv_args(parser)
@@ -260,10 +260,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(e))
 
     def body() -> int:
-        from ..cli import storage_from_args
+        from ..cli import check_writable, storage_from_args
         from ..models.loading import load
 
         storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before anything loads
+        if args.json_out:
+            try:
+                check_writable(args.json_out)  # before the evaluation, not after it
+            except OSError as e:
+                raise RefusionError(f"cannot write {args.json_out}: {e.strerror or e}") from None
         rows = read_rows(args.data, args.limit)
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path)
         kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}

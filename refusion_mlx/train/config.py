@@ -207,6 +207,10 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
         raise OptionError(f"--replay-ratio must be at least 0, got {v['replay_ratio']}")
     if not 0 < v["learning_rate"] < math.inf:
         raise OptionError(f"--learning-rate must be positive and finite, got {v['learning_rate']}")
+    for name in ("adapter_path", "resume_adapter_file"):
+        if v.get(name) is not None and not str(v[name]).strip():
+            raise OptionError(f"--{name.replace('_', '-')} must name a {'folder' if name == 'adapter_path' else 'file'}"
+                              ", not an empty string")
     if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):
         raise OptionError(f"--num-layers must be -1 (all) or at least 1, got {v['num_layers']}")
     lp = dict(LORA_DEFAULTS)
