@@ -106,11 +106,20 @@ def constraint_from_args(args) -> dict:
     """``--json-schema`` (a file or JSON text) or ``--grammar`` (a file) as
     ``stream_generate``'s keywords, checked before the model loads."""
     if args.json_schema is not None:
-        text = args.json_schema if args.json_schema.lstrip().startswith("{") else read_text(args.json_schema)
+        text = args.json_schema if _is_json(args.json_schema) else read_text(args.json_schema)
         return {"json_schema": Constraint.json_schema(text, "--json-schema").source}
     if args.grammar is not None:
         return {"grammar": Constraint.lark(read_text(args.grammar), "--grammar").source}
     return {}
+
+
+def _is_json(text: str) -> bool:
+    """Whether ``--json-schema``'s value is JSON text (``true`` is a schema too), not a file's name."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return text.lstrip().startswith("{")  # an object that does not parse: said so as one, not as a file
+    return True
 
 
 def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> int:

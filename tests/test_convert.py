@@ -300,7 +300,8 @@ def test_malformed_checkpoint_one_line_error_and_no_destination(tmp_path, capsys
 
 @pytest.mark.parametrize("flags", [["--q-bits", "5"], ["--q-group-size", "48"], ["--dtype", "int8"],
                                    ["--q-mode", "nvfp4", "--q-group-size", "64"],
-                                   ["--quant-predicate", "nonsense"], ["--q-mode", "mxfp4", "--quant-predicate", "mixed_3_6"]])
+                                   ["--quant-predicate", "nonsense"], ["--q-mode", "mxfp4", "--quant-predicate", "mixed_3_6"],
+                                   ["--quant-predicate", "mixed_2_6", "--q-bits", "8"]])  # its summary said 8-bit
 def test_invalid_flags_exit_2_in_one_line(tmp_path, capsys, flags):
     code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "out", *flags)
     assert code == 2 and len(err) == 1 and "error:" in err[0], err

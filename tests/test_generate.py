@@ -184,6 +184,7 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
     (["--json-schema", "{nope"], "--json-schema: not valid JSON"),
     (["--json-schema", '{"type": "string", "pattern": "(?<=a)b"}'], "--json-schema: cannot be compiled"),
+    (["--json-schema", "true"], "--json-schema: a JSON Schema must be an object, got bool"),  # JSON, not a file
     (["--json-schema", "/nonexistent/schema.json"], "cannot read /nonexistent/schema.json"),
     (["--grammar", "/nonexistent/g.lark"], "cannot read /nonexistent/g.lark"),
     (["--max-tokens", "99999999999"], "is over 16,777,216"),  # before any layout is built for it

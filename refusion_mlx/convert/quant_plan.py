@@ -73,6 +73,9 @@ def quant_settings(quantize: bool = False, q_bits: Optional[int] = None,
                                 f"got {quant_predicate!r}")
         if q_mode != "affine" and quant_predicate != "embed_fp":
             raise RefusionError(f"recipe {quant_predicate} needs --q-mode affine")
+        if quant_predicate in MLX_LM_RECIPES and q_bits is not None:  # the recipe sets every layer's bits
+            raise RefusionError(f"--q-bits does not go with --quant-predicate {quant_predicate}, which sets the "
+                                "bits of every layer (" + RECIPES[quant_predicate].split(": ", 1)[1] + ")")
     return QuantSettings(group, bits, q_mode, quant_predicate)
 
 
