@@ -12,8 +12,8 @@ def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict
     """The JSON object in ``path``; ``error`` for unreadable, invalid or non-object files."""
     try:
         data = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
+    except ValueError as e:  # not JSON, not UTF-8, or a number past Python's 4300 digits
+        raise error(f"{path} is not valid JSON: {' '.join(str(e).split())}") from None
     except RecursionError:
         raise error(f"{path} is nested too deeply to read as JSON") from None
     except OSError as e:

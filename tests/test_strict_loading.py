@@ -82,6 +82,15 @@ def test_sizes_are_checked_against_the_safetensors_headers(tmp_path):
         "vocab_size is 900, but lm_head.weight has 816 rows"]
 
 
+def test_a_number_past_pythons_digit_limit_is_one_line(tmp_path):
+    """json reads a 5000-digit integer as a ValueError that is no JSONDecodeError: it was a traceback."""
+    folder = checkpoint(tmp_path / "m")
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace('"vocab_size": 816', '"vocab_size": ' + "9" * 5000))
+    with pytest.raises(LoadError, match=r"config.json is not valid JSON: Exceeds the limit \(4300 digits\)"):
+        load(folder)
+
+
 def with_weight(folder: Path, name: str, make) -> Path:
     """``folder``'s weights with ``name`` replaced by ``make(old)``."""
     weights = mx.load(str(folder / "model.safetensors"))

@@ -57,7 +57,7 @@ def load_suite(spec: Union[str, Path, None] = "default") -> Suite:
         raise BenchError(f"no suite file at {path}")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:
         raise BenchError(f"{path} is not valid JSON: {e}") from None
     suite = parse_suite(data, source=str(path))
     if spec in (None, "default"):

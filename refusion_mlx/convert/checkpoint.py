@@ -91,7 +91,7 @@ def safetensors_header(file: Path) -> Dict[str, TensorInfo]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:
         raise LoadError(f"{file.name} has a corrupted safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise LoadError(f"{file.name} has a corrupted safetensors header (not a JSON object)")
@@ -298,7 +298,7 @@ def _index(path: Path, index_name: str) -> Tuple[List[Path], Dict[str, str]]:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
         names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise LoadError(f"{index_name} is malformed: {_first_line(e)}") from None
     for n in names:
         if not isinstance(n, str) or Path(n).name != n:

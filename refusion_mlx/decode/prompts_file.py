@@ -41,8 +41,9 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
     where = f"{source}:{n}"
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise RefusionError(f"{where}: not valid JSON ({e.msg})") from None
+    except ValueError as e:  # JSONDecodeError, or a number past Python's 4300 digits
+        detail = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
+        raise RefusionError(f"{where}: not valid JSON ({detail})") from None
     if not isinstance(obj, dict):
         raise RefusionError(f"{where}: expected a JSON object")
     prompt = obj.pop("prompt", None)

@@ -90,7 +90,7 @@ def weight_files(model_path: Path) -> List[Path]:
             if outside:
                 raise LoadError("\n".join(outside))
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise LoadError(f"{index} is malformed: {e}") from None
         missing = [n for n in names if not (model_path / n).is_file()]
         if missing:

@@ -94,7 +94,7 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
             continue
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:
             raise RefusionError(f"{path}:{n}: not valid JSON: {e}") from None
         messages = row.get("messages") if isinstance(row, dict) else None
         if (not isinstance(messages, list) or len(messages) < 2

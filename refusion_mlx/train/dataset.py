@@ -132,8 +132,9 @@ def read_jsonl(path: Path, tokenizer) -> List[Record]:
         where = f"{path}:{n}"
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RefusionError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # JSONDecodeError, or a number past Python's 4300 digits
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
+            raise RefusionError(f"{where}: not valid JSON ({detail})") from None
         records.append(encode_line(obj, tokenizer, where))
     return records
 
