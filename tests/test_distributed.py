@@ -228,6 +228,11 @@ def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_ser
         response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
     assert answer.choices[0].finish_reason == "stop"
     assert json.loads(answer.choices[0].message.content)["pet"] in ("cat", "turtle")
+    # its last pass (known tokens only) had no output, and neither has a step of prefill chunks: a rank's
+    # forward must still run then, or the next rank waits for its hidden states for ever (the GPU paths did)
+    long = "Count: " + "1 2 3 " * 120  # over 512 tokens: prefilled in two chunks
+    again = client.chat.completions.create(model="m", messages=[{"role": "user", "content": long}], max_tokens=16)
+    assert again.usage.prompt_tokens > 512 and again.usage.completion_tokens == 16
     assert all(p.poll() is None for p in procs)
 
 

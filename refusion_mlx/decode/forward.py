@@ -225,6 +225,11 @@ def run_passes(model, passes: Sequence[Pass]) -> List[PassResult]:
     for p in passes:
         if p.derive is None:  # a prefill chunk: materialise its cache's new rows now
             to_eval += p.write.cache.state()
+    if getattr(model, "layer_range", None) is not None and not any(h or d for h, d in derived):
+        # a pipeline rank's step with no output (prefill chunks, a constrained answer's last known tokens):
+        # its cache rows need none of its sends, which the next rank's wait for (it hung there), so its
+        # forward runs now, on every rank alike
+        to_eval.append(hidden)
     mx.eval(*to_eval)  # blocks: the step's one host synchronisation, prefill chunks' included
     synced = bool(to_eval) or waited
     return [PassResult({k: np.array(v) for k, v in host.items()}, device, synced) for host, device in derived]
