@@ -10,10 +10,14 @@ Within :func:`step_limit`:
 * every line the compiled template runs counts against a per-render budget
   of :data:`TEMPLATE_STEPS` (a trace function on the rendering thread, which
   looks at the template's own frames only);
-* the template's ``*`` and ``**`` are checked before they run: a string or
-  list of more than :data:`MAX_ITEMS` items, a number of more than
-  :data:`MAX_BITS` bits, is refused; so are ``lipsum``, ``center`` and
-  ``indent`` past those sizes;
+* what could make a string, list or number past :data:`MAX_ITEMS` items (or
+  :data:`MAX_BITS` bits) is checked before it runs: the operators ``*``,
+  ``**``, ``+``, ``%`` and ``~``; every call the template makes (an integer
+  argument, ``join``, ``replace``, ``str.format``'s widths); the filters of
+  :data:`FILTER_LIMITS` and ``lipsum``; a rendering writes at most
+  :data:`MAX_OUTPUT` characters;
+* nothing of the template runs while it compiles (jinja folds constant
+  expressions then, past every check: ``"x" * 10**10`` took 24 GB);
 * a template of more than :data:`MAX_TEMPLATE_CHARS` characters is refused
   before it is compiled.
 
@@ -27,6 +31,7 @@ import contextlib
 import functools
 import math
 import operator
+import re
 import sys
 import threading
 
@@ -34,6 +39,10 @@ TEMPLATE_STEPS = 1_000_000  # template lines one rendering may run (a real templ
 MAX_ITEMS = 1 << 22  # characters or items a template may make with one operation
 MAX_BITS = 1 << 16  # bits of an integer a template may make with **
 MAX_LIPSUM = 1000  # lipsum's paragraphs, and words in one
+MAX_INDENT = 64  # tojson's indent
+MAX_OUTPUT = 1 << 26  # characters one rendering may write (a context of 1M tokens is some 5M)
+_PRINTF = re.compile(r"%[-+ #0]*(\d+)?(?:\.(\d+))?")
+_BRACES = re.compile(r"\{[^{}]*?:([^{}]*)\}")
 MAX_TEMPLATE_CHARS = 1 << 20  # a template's own text (a real one: a few KB)
 TEMPLATE_FILE = "<template>"  # the file name jinja gives a template compiled from a string
 
@@ -52,8 +61,21 @@ def _size(value) -> int:
     return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
 
 
+def _check_format(fmt: str) -> None:
+    """A printf or ``str.format`` string whose widths or precisions would make more than MAX_ITEMS."""
+    specs = [m.groups() for m in _PRINTF.finditer(fmt)]
+    specs += [re.findall(r"\d+", m.group(1)) for m in _BRACES.finditer(fmt)]
+    for number in (n for spec in specs for n in spec if n):
+        if int(number) > MAX_ITEMS:
+            _refuse(f"formats a field {number} wide (the most is {MAX_ITEMS})")
+
+
 def _bounded_binop(context, op: str, left, right):
-    """jinja's sandbox hook for the intercepted operators: ``*`` and ``**`` checked first."""
+    """jinja's sandbox hook for the intercepted operators: ``*``, ``**``, ``+`` and ``%`` checked first."""
+    if op == "+" and _size(left) and _size(right) and _size(left) + _size(right) > MAX_ITEMS:
+        _refuse(f"made a sequence of {_size(left) + _size(right)} items (the most is {MAX_ITEMS})")
+    if op == "%" and isinstance(left, str):
+        _check_format(left)
     if op == "*":
         count = right if isinstance(right, int) else left if isinstance(left, int) else None
         size = max(_size(left), _size(right))
@@ -80,14 +102,79 @@ def _bounded(name: str, fn, most: int, *positions: int):
     return call
 
 
+def _checked_call(obj, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of a call the template makes, checked against what it
+    would make: no integer past MAX_ITEMS (``"a".ljust(10**10)``), no join or
+    replace past it. A join's items come back as a list (a generator is read once)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_ITEMS:
+            _refuse(f"called {getattr(obj, '__name__', 'a function')} with {value} (the most is {MAX_ITEMS})")
+    target, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if isinstance(target, str) and name == "join" and args:
+        items = list(args[0])
+        size = len(target) * max(len(items) - 1, 0) + sum(len(i) if isinstance(i, str) else 0 for i in items)
+        if size > MAX_ITEMS:
+            _refuse(f"joined {size} characters (the most is {MAX_ITEMS})")
+        args = (items, *args[1:])
+    if isinstance(target, str) and name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+        old, new = args[:2]
+        size = len(target) + (target.count(old) if old else len(target) + 1) * (len(new) - len(old))
+        if size > MAX_ITEMS:
+            _refuse(f"replaced into {size} characters (the most is {MAX_ITEMS})")
+    return args, kwargs
+
+
+def _bounded_join(join):
+    """jinja's ``str_join`` / ``markup_join`` (the ``~`` operator) held to MAX_ITEMS characters."""
+    def bounded(seq):
+        parts = list(seq)
+        if sum(len(p) if isinstance(p, str) else 0 for p in parts) > MAX_ITEMS:
+            _refuse(f"joined over {MAX_ITEMS} characters with ~")
+        return join(parts)
+    return bounded
+
+
+def _bounded_output(render):
+    """A template's render function whose output stops at MAX_OUTPUT characters."""
+    def bounded(context):
+        total = 0
+        for piece in render(context):
+            total += len(piece)
+            if total > MAX_OUTPUT:
+                _refuse(f"wrote over {MAX_OUTPUT} characters")
+            yield piece
+    return bounded
+
+
 def _checked(base: type) -> type:
-    """jinja's sandbox with ``*`` and ``**`` intercepted: checked when they run,
-    and never folded when the template compiles (``"x" * 10**10`` would be)."""
+    """jinja's sandbox with ``*``, ``**``, ``+`` and ``%`` intercepted: checked
+    when they run, and never folded when the template compiles (``"x" *
+    10**10`` would be); calls and ``str.format`` checked before they run."""
     class CheckedSandbox(base):
-        intercepted_binops = frozenset(["*", "**"])
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.optimized = False  # nothing of the template runs as it compiles (folded filters would, unchecked)
+            self.filters = _CheckedFilters(self.filters)
 
         def call_binop(self, context, op, left, right):
             return _bounded_binop(context, op, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            args, kwargs = _checked_call(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            fmt = getattr(value, "__self__", "")
+
+            def checked(*args, **kwargs):
+                _check_format(fmt if isinstance(fmt, str) else "")
+                return wrapped(*args, **kwargs)
+            return checked
 
     return CheckedSandbox
 
@@ -109,14 +196,59 @@ def _install(template: str) -> None:
             ctu.ImmutableSandboxedEnvironment = base
         env = compiled.environment
         if "*" not in env.intercepted_binops:  # compiled before (its constants folded): compiled again
-            env.intercepted_binops = frozenset(["*", "**"])
-            env.call_binop = lambda context, op, left, right: _bounded_binop(context, op, left, right)
+            env.__class__ = _checked(type(env))  # the same environment (its filters and globals), checked
+            env.optimized, env.filters = False, _CheckedFilters(env.filters)
             compiled.__dict__.update(env.from_string(template).__dict__)
+        names = compiled.root_render_func.__globals__  # the compiled template's own namespace
+        for name in ("str_join", "markup_join"):
+            if name in names:
+                names[name] = _bounded_join(names[name])
+        compiled.root_render_func = _bounded_output(compiled.root_render_func)
         env.globals["lipsum"] = _bounded("lipsum", env.globals["lipsum"], MAX_LIPSUM, 0, 2, 3)  # paragraphs, words
-        for name in ("center", "indent"):  # their width
-            if name in env.filters:
-                env.filters[name] = _bounded(name, env.filters[name], MAX_ITEMS, 1)
         _installed.add(template)
+
+
+# the filters checked before they run: the most their integer arguments may be, and where those stand
+FILTER_LIMITS = {"format": (MAX_ITEMS, ()), "center": (MAX_ITEMS, (1,)), "indent": (MAX_ITEMS, (1,)),
+                 "tojson": (MAX_INDENT, (2,)), "replace": (MAX_ITEMS, (3,))}
+
+
+def _checked_filter(name: str, fn):
+    """Filter ``name`` with its arguments checked before it runs (``format``:
+    its widths). It takes the context, so the compiler never runs it on
+    constants while compiling, where nothing would check it."""
+    from jinja2 import pass_context
+    from jinja2.utils import _PassArg
+
+    most, positions = FILTER_LIMITS[name]
+    sized = _bounded(name, fn, most, *positions)
+    takes = _PassArg.from_obj(fn)  # what jinja hands the filter first, if anything
+
+    @pass_context
+    def checked(context, value, *args, **kwargs):
+        if name == "format" and isinstance(value, str):
+            _check_format(value)
+        if name == "replace" and len(args) >= 2:
+            _checked_call(str(value).replace, args[:2], {})
+        first = {_PassArg.context: (context,), _PassArg.eval_context: (context.eval_ctx,),
+                 _PassArg.environment: (context.environment,)}.get(takes, ())
+        return sized(*first, value, *args, **kwargs)
+    checked.refusion_checked = True
+    return checked
+
+
+class _CheckedFilters(dict):
+    """A sandbox's filters, those of FILTER_LIMITS checked, whenever they are set."""
+
+    def __init__(self, filters):
+        super().__init__()
+        for name, fn in filters.items():
+            self[name] = fn
+
+    def __setitem__(self, name, fn):
+        if name in FILTER_LIMITS and not getattr(fn, "refusion_checked", False):
+            fn = _checked_filter(name, fn)
+        super().__setitem__(name, fn)
 
 
 def _trace(frame, event, arg):
