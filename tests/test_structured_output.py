@@ -124,11 +124,13 @@ def test_tools_whose_schemas_refer_to_their_own_definitions(oai):
     from refusion_mlx.decode.grammar import relocated
 
     itself = {"type": "object", "properties": {"next": {"$ref": "#"}, "n": {"$ref": "#/$defs/N"},
-                                               "tag": {"const": {"$ref": "#"}}}, "$defs": {"N": {"type": "integer"}}}
+                                               "tag": {"const": {"$ref": "#"}}, "default": {"$ref": "#/$defs/N"}},
+              "$defs": {"N": {"type": "integer"}}}
     moved = relocated(itself, "/anyOf/1/properties/arguments")
     assert moved["properties"]["next"] == {"$ref": "#/anyOf/1/properties/arguments"}
     assert moved["properties"]["n"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/N"}
     assert moved["properties"]["tag"] == {"const": {"$ref": "#"}} and moved["$defs"] == itself["$defs"]
+    assert moved["properties"]["default"] == moved["properties"]["n"]  # a property's name, not the keyword
 
 
 def test_a_forced_call_cut_by_max_tokens_shows_no_markup(server, oai):

@@ -157,17 +157,21 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
 
 
 _DATA = ("const", "enum", "default", "examples")  # values, not schemas: no reference in them is one
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
-def relocated(schema: Any, base: str) -> Any:
+def relocated(schema: Any, base: str, named: bool = False) -> Any:
     """``schema`` with its references to itself (``#``, ``#/$defs/...``)
     pointing where it now sits, at JSON pointer ``base`` inside a larger
-    schema (a tool's parameters inside the calls' grammar)."""
+    schema (a tool's parameters inside the calls' grammar). ``named``: a
+    mapping of names to schemas (a property may be called "default")."""
     if isinstance(schema, list):
         return [relocated(v, base) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _DATA else relocated(v, base) for k, v in schema.items()}
+    if named:
+        return {k: relocated(v, base) for k, v in schema.items()}
+    out = {k: v if k in _DATA else relocated(v, base, k in _NAMED) for k, v in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = "#" + base + ref[1:]

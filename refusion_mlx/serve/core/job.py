@@ -11,9 +11,9 @@ any API: each protocol's writer formats the events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 

@@ -157,11 +157,9 @@ class ToolCallSplitter:
         if self.done:
             self.pending = ""
         elif final:
-            if self.in_call and cut and as_calls_or_none(self.fmt, self.pending, self.tools) is None:
-                self.in_call, self.pending, self.cut = False, "", self.cut + 1  # cut short: left out
-            elif self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
+            if self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
                 body, self.pending = self.pending, ""
-                self._close(body, out, "")
+                self._close(body, out, "", cut)
             self._text(self.pending, out)
             self.pending = ""
         elif not self.in_call:
@@ -180,9 +178,15 @@ class ToolCallSplitter:
             out.append(text)
             self.after_call = False
 
-    def _close(self, body: str, out: list, end: str) -> None:
+    def _close(self, body: str, out: list, end: str, cut: bool = False) -> None:
         self.in_call = False
-        calls = as_calls_or_none(self.fmt, body, self.tools)
+        try:
+            calls = as_calls(self.fmt.parse(body, self.tools))
+        except Exception:  # whatever the parser raises: the text was not a call
+            calls = None
+        if calls is None and cut:  # the budget cut it short: left out
+            self.cut += 1
+            return
         if calls is None:
             self.failed += 1
             self._text(self.fmt.start + body + end, out)
@@ -192,14 +196,6 @@ class ToolCallSplitter:
         out.extend(calls)
         self.calls += len(calls)
         self.after_call = True
-
-
-def as_calls_or_none(fmt: ToolFormat, body: str, tools: Sequence[dict]) -> Optional[List[ToolCall]]:
-    """The calls ``body`` (between the markers) makes; None: it is not a call."""
-    try:
-        return as_calls(fmt.parse(body, tools))
-    except Exception:  # whatever the parser raises: the text was not a call
-        return None
 
 
 def _partial_tail(text: str, marker: str) -> int:

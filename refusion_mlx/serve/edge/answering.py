@@ -23,8 +23,8 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
