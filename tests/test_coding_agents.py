@@ -23,7 +23,7 @@ import pytest
 from refusion_mlx.models.loading import DEMO_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENT_CLIS = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197"}
+AGENT_CLIS = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.332"}
 INSTALLED = Path(os.environ.get("REFUSION_AGENT_CLIS", ROOT / ".ci" / "agents")) / "node_modules" / ".bin"
 CONTEXT = 32768
 

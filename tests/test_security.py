@@ -130,7 +130,7 @@ def test_host_and_origin_rules():
 # The API key
 
 
-def test_every_route_but_health_and_the_page_needs_the_key(server):
+def test_every_route_but_health_the_page_and_hello_needs_the_key(server):
     for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"),
                          ("GET", "/web/settings.json"), ("GET", "/v1/responses/resp_x"), ("POST", CHAT),
                          ("POST", "/v1/completions"), ("POST", "/v1/responses")):
@@ -141,8 +141,9 @@ def test_every_route_but_health_and_the_page_needs_the_key(server):
     assert status == 401 and json.loads(payload)["error"]["type"] == "authentication_error"
     status, _, payload = call(server, "GET", "/v1/models", key="wrong-key")
     assert status == 401 and "not valid" in openai_error(payload)["message"]
-    for path in ("/health", "/", "/web/app.js", "/web/style.css"):
+    for path in ("/health", "/", "/web/app.js", "/web/style.css", "/api/hello"):
         assert call(server, "GET", path, key=None)[0] == 200, path
+    assert call(server, "HEAD", "/api/hello", key=None)[0] == 200  # Claude Code's connection check, keyless
     status, _, payload = call(server, "GET", "/health", key=None)  # up or not, and nothing of the traffic
     assert json.loads(payload) == {"status": "ok", "model": json.loads(payload)["model"]}
     assert {"completed", "prefill_tokens", "prompt_cache"} <= set(json.loads(call(server, "GET", "/health")[2]))

@@ -44,7 +44,7 @@ KEY_SCOPE = "refusion.key"  # the scope entry holding the hash of the API key a 
 WILDCARDS = ("0.0.0.0", "::", "")
 # what a browser may load without the key: the page itself, which asks for the key
 PUBLIC_PAGE = ("/", "/web/app.js", "/web/style.css")
-PUBLIC = ("/health", "/v1/health")
+PUBLIC = ("/health", "/v1/health", "/api/hello")  # /api/hello: a client's connection check, no key
 
 
 def key_id(key: str) -> str:

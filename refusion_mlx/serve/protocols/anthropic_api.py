@@ -259,7 +259,12 @@ def messages_request(body, terms: RequestTerms) -> Draft:
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
-    """``POST /v1/messages`` and ``/v1/messages/count_tokens``."""
+    """``POST /v1/messages``, ``/v1/messages/count_tokens``, and ``/api/hello``: the connection check
+    Claude Code sends (a HEAD, without a key) before its first request."""
+
+    @app.get("/api/hello", include_in_schema=False)
+    async def hello():
+        return {}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
