@@ -23,6 +23,7 @@ _EXPORTS = {
     "chat_prompt": "decode.stream",
     "GenerationResponse": "decode.stream",
     "RefusionParams": "decode.params",
+    "make_params": "decode.params",
     "RefusionDecoder": "decode.decoder",
     "DecodeStats": "decode.stats",
     "CommittedCache": "decode.cache",

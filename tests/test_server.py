@@ -185,6 +185,13 @@ def test_stop_strings(client, expected):
     assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
 
 
+def test_an_answer_cut_by_a_stop_string_keeps_refusions_usage(client):
+    r = chat(client, "Count from 17 to 60.", stop=["21"])  # several steps: cut before the decoder ends
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.startswith("17 ")
+    extra = r.usage.model_extra
+    assert extra["layout"]["block_length"] > 0 and extra["forwards"] >= 2 and extra["tokens_per_forward"] > 0
+
+
 def test_refusion_extra_fields(client):
     r = chat(client, "Count from 17 to 38.", extra_body={"slot_size": 8, "block_length": 32,
                                                           "slot_threshold": 0.5, "token_threshold": 0.2})

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from ..decode.params import PARAM_NAMES, RefusionParams, make_params
-from ..decode.presets import PRESETS, preset
+from ..decode.presets import preset
 from ..errors import DecodeError, RefusionError
 
 DEFAULT_SUITE = Path(__file__).with_name("suite.json")
@@ -112,10 +112,8 @@ def resolve_params(suite: Suite, case: Case, preset_name: Optional[str] = None,
     values: Dict[str, Any] = {}
     _layer(values, suite.defaults)
     _layer(values, case.params)
-    if preset_name:
-        if preset_name not in PRESETS:
-            raise DecodeError(f"unknown preset {preset_name!r}; known: {', '.join(sorted(PRESETS))}")
-        _layer(values, preset(preset_name))
+    if preset_name:  # at a budget the overrides set, the preset's block length (decode/presets.py)
+        _layer(values, preset(preset_name, (overrides or {}).get("gen_length")))
     _layer(values, overrides or {})
     try:
         params = make_params(**values)

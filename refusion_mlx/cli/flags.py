@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
 from ..decode.kv_store import KVStorage
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
-from ..decode.presets import PRESETS, preset
+from ..decode.presets import PRESETS
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
 from .._startup import started
@@ -108,15 +108,9 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
     A preset's block count is tied to its 512-token budget; with another
     budget the preset keeps its block *length* instead.
     """
-    values = preset(args.preset) if getattr(args, "preset", None) else {}
-    if values and (args.block_length is not None or args.gen_length is not None):
-        n = values.pop("serial_num_blocks")
-        if args.block_length is None and args.serial_num_blocks is None:
-            values["block_length"] = values["gen_length"] // n
-    for name in PARAM_NAMES:
-        if getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
-    return make_params(**values)  # a bad value or combination: DecodeError, before the model loads
+    values = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
+    # a bad value or combination: DecodeError, before the model loads
+    return make_params(preset=getattr(args, "preset", None), **values)
 
 
 def positive_int(text: str) -> int:

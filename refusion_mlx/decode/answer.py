@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 
 REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, for now
@@ -149,6 +149,13 @@ class StreamingText:
         return piece
 
 
+def end_ids(tokenizer) -> frozenset:
+    """The ids that end an answer: EOS, and the tokenizer's other end ids
+    (mlx-lm's ``eos_token_ids``: a checkpoint's ``generation_config.json``
+    list, ``add_eos_token``)."""
+    return frozenset({int(tokenizer.eos_token_id), *(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())})
+
+
 class AnswerText:
     """The answer's final ids and text: a view over the committed cache.
 
@@ -159,21 +166,26 @@ class AnswerText:
     ``max_tokens``: cut the answer after that many ids other than EOS (the
     request's ``gen_length``; the decoder's budget is whole slots, so its
     cache can hold more until it settles), and ``cut`` says it was.
+    ``stops``: ids besides EOS that end the answer as EOS does (the
+    tokenizer's other end ids, mlx-lm's ``eos_token_ids``): ``done`` there,
+    the decoder's loop ended by its caller.
     """
 
     def __init__(self, tokenizer, cache, response_start: int, eos_id: int,
-                 max_tokens: Optional[int] = None):
+                 max_tokens: Optional[int] = None, stops: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.vocab = len(tokenizer)
         self.cache = cache
         self.start = self.next = response_start
         self.eos_id = eos_id
+        self.ends = frozenset({eos_id, *stops})  # EOS and the tokenizer's other end ids: no text, the answer ends
         self.max_tokens = max_tokens
         self.content = 0  # final ids other than EOS
         text_ids = weakref.WeakMethod(self._text_ids)  # no cycle: a removed request's cache goes at once
         self.stream = StreamingText(tokenizer, history=lambda: text_ids()())
         self.done = False  # EOS is final
         self.cut = False  # cut at max_tokens
+        self.last: Optional[int] = None  # the last final id (EOS or a stop id, once done)
 
     @property
     def text(self) -> str:
@@ -191,7 +203,7 @@ class AnswerText:
 
     def _text_ids(self) -> List[int]:
         """The final ids that have text (the detokenizer's history)."""
-        return [t for t in self.tokens if t < self.vocab and t != self.eos_id]
+        return [t for t in self.tokens if t < self.vocab and t not in self.ends]
 
     def update(self) -> tuple:
         """Read the cache after a step's commits; return (newly final ids, newly final text)."""
@@ -200,20 +212,20 @@ class AnswerText:
             tok = self.cache.token_at(self.next)
             if tok is None:
                 break
-            if tok != self.eos_id:
+            if tok not in self.ends:
                 if self.max_tokens is not None and self.content >= self.max_tokens:
                     self.cut = True
                     break
                 self.content += 1
             new.append(tok)
             self.next += 1
-            self.done = tok == self.eos_id
+            self.done, self.last = tok in self.ends, tok
         if not new:
             return new, ""  # nothing became final: no decode this step
         return new, self._release(new, final=self.done or self.cut)
 
     def _release(self, new: Sequence[int], final: bool) -> str:
-        ids = [t for t in new if t < self.vocab and t != self.eos_id]
+        ids = [t for t in new if t < self.vocab and t not in self.ends]
         return self.stream.add(ids, final=final)
 
     def finish(self) -> str:

@@ -24,13 +24,14 @@ import mlx.core as mx
 
 from ..distributed.group import is_link_failure
 from ..errors import DecodeError, RefusionError
-from .answer import AnswerText
+from .answer import AnswerText, end_ids
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
 from .forward import run_passes
-from .grammar import Compiled, Constraint, compile_constraint
+from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
 from .params import RefusionParams, make_params
+from .prompt import prompt_ids, prompt_list
 from .stats import DecodeStats, SlotCommit
 
 
@@ -74,6 +75,10 @@ class _Member:
     def response(self, step=None, final: bool = False) -> GenerationResponse:
         first = self.answer.next
         tokens, text = self.answer.update() if step is not None else ([], "")
+        if self.answer.done and self.answer.last != self.answer.eos_id and not self.decoder.done:
+            # a stop id besides EOS ended the answer: the decoder, which knows EOS alone, ends here
+            self.decoder.end_early(self.answer.next)
+            final = True
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
                                self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
         if self.decoder.state.logprobs is not None:  # each final token's score, by its position
@@ -88,6 +93,7 @@ class _Member:
         return r
 
     def failure(self, e: Exception) -> GenerationResponse:
+        self.decoder.close()  # its cache is free for a next response (a conversation's, after a failed turn)
         return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
                                   self.answer.length, finish_reason="error", stats=self.decoder.stats,
                                   uid=self.uid, error=_message(e), error_param=getattr(e, "param", None))
@@ -142,29 +148,53 @@ class BatchGenerator:
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
-        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = prompt_ids(self.tokenizer, prompt)
         grammar = None
         if isinstance(constraint, Compiled):  # compiled already (the server does it on the request's thread)
             grammar = constraint
         elif constraint is not None:
-            grammar = compile_constraint(constraint, self.tokenizer, self.model.args.vocab_size, self.eos_id)
+            grammar = compile_constraint(as_constraint(constraint), self.tokenizer, self.model.args.vocab_size,
+                                         self.eos_id)
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
-                            decoder.params.gen_length)
+                            decoder.params.gen_length, stops=self.stop_ids())
         self.waiting.append(_Member(uid, decoder, answer))
         return uid
 
-    def remove(self, uid: int) -> bool:
-        """Cancel a request (queued or active); True if it was there."""
+    def stop_ids(self) -> frozenset:
+        """Ids besides EOS that end an answer: the tokenizer's other end ids
+        (mlx-lm's ``eos_token_ids``: a checkpoint's ``generation_config.json``
+        list, ``add_eos_token``). The decoder's algorithm knows EOS alone
+        (REFUSION.md); an answer reaching one of these ends there, "stop"."""
+        vocab = self.model.args.vocab_size
+        return frozenset(t for t in end_ids(self.tokenizer) if 0 <= t < vocab) - {self.eos_id}
+
+    def end(self, uid: int) -> Optional[DecodeStats]:
+        """End an active request before its decoder does (a stop string the
+        caller found): removed, its cache settled to the answer's final part
+        (``remove(settle=True)``); its statistics so far."""
+        member = next((r for r in self.active if r.uid == uid), None)
+        if member is None:
+            return None
+        self.remove(uid, settle=True)
+        return member.decoder.stats
+
+    def remove(self, uid: int, settle: bool = False) -> bool:
+        """Cancel a request (queued or active); True if it was there.
+        ``settle``: its cache keeps the conversation up to the answer's final
+        part (what its responses released), for a caller that goes on with it."""
         for queue in (self.waiting, self.active):
             for r in list(queue):
                 if r.uid == uid:
                     queue.remove(r)
-                    r.decoder.close()
+                    if settle:
+                        r.decoder.end_early(r.answer.next)
+                    else:
+                        r.decoder.close()
                     return True
         return False
 
@@ -210,12 +240,14 @@ class BatchGenerator:
 
     def _advance(self, r: _Member, result, seconds: float) -> List[GenerationResponse]:
         steps = r.decoder.take(result, seconds)
-        out = [r.response(s) for s in steps[:-1]]
-        if r.decoder.done:
+        ended = r.decoder.done
+        if ended:
             r.decoder.state.record_peak(mx.get_peak_memory() / 1e9)
-            out.append(r.response(steps[-1] if steps else None, final=True))
-        elif steps:
-            out.append(r.response(steps[-1]))
+        out, todo = [], steps or ([None] if ended else [])
+        for i, s in enumerate(todo):
+            out.append(r.response(s, final=ended and i == len(todo) - 1))
+            if out[-1].finish_reason is not None:  # a stop id may end it at any step
+                break
         return out
 
 
@@ -273,11 +305,10 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     ``kv_bits`` / ``kv_group_size``: quantized KV caches, as mlx-lm takes
     them (or ``storage``, a :class:`~.kv_store.KVStorage` already made).
     """
-    ids = _prompt_ids(tokenizer, prompts)
-    results = [BatchResult(prompt_ids=i) for i in ids]
+    ids = _prepared(tokenizer, prompts)
+    results = [BatchResult(prompt_ids=i if isinstance(i, list) else []) for i in ids]
     storage = KVStorage.given(storage, kv_bits, kv_group_size)
-    for index, response in stream_batch(model, tokenizer, ids, params, max_batch, constraints, storage=storage,
-                                        **kwargs):
+    for index, response in _stream(model, tokenizer, ids, params, max_batch, constraints, storage, kwargs):
         r = results[index]
         r.text += response.text
         r.output_ids += response.tokens
@@ -293,26 +324,41 @@ def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                  storage: Optional[KVStorage] = None, **kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     """Like ``batch_generate``, streaming: yields ``(index, response)`` as
     each prompt's text becomes final (index: the prompt's place in ``prompts``)."""
+    yield from _stream(model, tokenizer, _prepared(tokenizer, prompts), params, max_batch, constraints,
+                       KVStorage.given(storage, kv_bits, kv_group_size, model), kwargs)
+
+
+def _stream(model, tokenizer, prompts: List[Union[List[int], DecodeError]], params, max_batch: int,
+            constraints, storage: Optional[KVStorage], kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
     constraints = list(constraints) if constraints is not None else [None] * len(prompts)
     if len(constraints) != len(prompts):
         raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
-    gen = BatchGenerator(model, tokenizer, max_batch=max_batch,
-                         storage=KVStorage.given(storage, kv_bits, kv_group_size, model))
+    gen = BatchGenerator(model, tokenizer, max_batch=max_batch, storage=storage)
     index: Dict[int, int] = {}
-    for i, (ids, p, c) in enumerate(zip(_prompt_ids(tokenizer, prompts), per_prompt, constraints)):
+    for i, (ids, p, c) in enumerate(zip(prompts, per_prompt, constraints)):
         try:
+            if isinstance(ids, DecodeError):
+                raise ids
             index[gen.insert(ids, p, constraint=c)] = i
         except RefusionError as e:  # this prompt fails alone
-            yield i, GenerationResponse("", [], [], "", 0, len(ids), 0, finish_reason="error", error=str(e))
+            yield i, GenerationResponse("", [], [], "", 0, len(ids) if isinstance(ids, list) else 0, 0,
+                                        finish_reason="error", error=str(e))
     while gen.has_work:
         for response in gen.step():
             response.cache = None  # not kept: the batch's caches would outlive their requests
             yield index[response.uid], response
 
 
-def _prompt_ids(tokenizer, prompts) -> List[List[int]]:
-    return [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+def _prepared(tokenizer, prompts) -> List[Union[List[int], DecodeError]]:
+    """Each prompt's ids, or the DecodeError that prompt fails with alone."""
+    out: List[Union[List[int], DecodeError]] = []
+    for i, p in enumerate(prompt_list(prompts)):
+        try:
+            out.append(prompt_ids(tokenizer, p, f"prompts[{i}]"))
+        except DecodeError as e:
+            out.append(e)
+    return out
 
 
 def _params_per_prompt(params, kwargs, n: int) -> List[RefusionParams]:

@@ -56,6 +56,7 @@ class CommittedCache:
         self._row_of: Dict[int, int] = {}  # position -> row, for reading in position order
         self.stores: List[Optional[KVStore]] = self._empty_stores()
         self.capacity = 0
+        self.decoding = None  # a weak reference to the response decoding into this cache (decode/decoder.py)
 
     @classmethod
     def for_model(cls, model, growth: int = GROWTH_ROWS, storage: Optional[KVStorage] = None) -> "CommittedCache":

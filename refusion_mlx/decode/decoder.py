@@ -30,6 +30,7 @@ round.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Generator, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -67,6 +68,10 @@ class RefusionDecoder:
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
+        holder = cache.decoding() if cache.decoding is not None else None
+        if holder is not None and not holder.done:
+            raise DecodeError("the cache is in use: a response is still decoding into it (finish or close it "
+                              "first)")
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise DecodeError("the prompt is empty")
@@ -96,6 +101,7 @@ class RefusionDecoder:
         self._loop = self._run()
         self._pass: Optional[Pass] = None
         self.done = False
+        cache.decoding = weakref.ref(self)  # one response decodes into a cache at a time
 
     # -- the state, as callers read it ---------------------------------------
 
@@ -148,6 +154,15 @@ class RefusionDecoder:
         arrays go at once (a paused generator holds them in a cycle)."""
         self._loop.close()
         self._pass, self.done = None, True
+
+    def end_early(self, end: int) -> None:
+        """End the response before its loop does (a stop id the decoder does
+        not know, or a caller that lets go): the loop closed, and the cache
+        kept to the conversation before position ``end`` -- the answer as far
+        as it became final, as :meth:`DecodeState.settle` keeps a finished one."""
+        self.close()
+        self.state.cut_at(end)
+        self.state.stats.generated_tokens = max(end - self.response_start, 0)
 
     def steps(self) -> Iterator[Step]:
         """Run the whole response alone, yielding each step that commits tokens."""

@@ -77,7 +77,9 @@ class Constraint:
 
     @classmethod
     def lark(cls, grammar: str, name: str = "grammar") -> "Constraint":
-        if not isinstance(grammar, str) or not grammar.strip():
+        if not isinstance(grammar, str):
+            raise DecodeError(f"{name}: a grammar in Lark format, as text, got {type(grammar).__name__}")
+        if not grammar.strip():
             raise DecodeError(f"{name}: the grammar is empty")
         return cls("lark", grammar, name).checked()
 
@@ -183,14 +185,25 @@ def constraint_of(json_schema: Union[str, Dict[str, Any], None] = None, grammar:
                   json_object: bool = False) -> Optional[Constraint]:
     """The Python API's and the CLI's constraint keywords as one Constraint
     (None: unconstrained); at most one of them."""
-    given = [n for n, v in (("json_schema", json_schema), ("grammar", grammar), ("json_object", json_object)) if v]
+    given = [n for n, v in (("json_schema", json_schema), ("grammar", grammar), ("json_object", json_object))
+             if v is not None and v is not False]  # an empty schema ({}) is given: any JSON
     if len(given) > 1:
         raise DecodeError(f"give one of json_schema, grammar and json_object, not {' and '.join(given)}")
     if json_schema is not None and json_schema is not False:
         return Constraint.json_schema(json_schema)
+    if isinstance(grammar, Constraint):  # made already (Constraint.lark, .json_schema, ...)
+        return grammar
     if grammar is not None:
         return Constraint.lark(grammar)
     return Constraint.json_object() if json_object else None
+
+
+def as_constraint(value: Union[Constraint, Dict[str, Any]], name: str = "constraint") -> Constraint:
+    """A request's constraint: a :class:`Constraint`, or a dict taken as a JSON Schema."""
+    if isinstance(value, (Constraint, dict)):
+        return value if isinstance(value, Constraint) else Constraint.json_schema(value, name)
+    raise DecodeError(f"{name}: a Constraint (Constraint.json_schema, .lark, .json_object) or a JSON Schema "
+                      f"dict, got {type(value).__name__}")
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

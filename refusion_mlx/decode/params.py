@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
 
 from ..errors import DecodeError
 
@@ -54,6 +57,15 @@ class RefusionParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():  # NumPy's scalars as Python's numbers, as mlx-lm takes them
+            if isinstance(value, (bool, np.bool_, int, float)) or value is None:
+                continue
+            if isinstance(value, numbers.Integral):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, numbers.Real):
+                object.__setattr__(self, name, float(value))
 
     def layout(self) -> "BlockLayout":
         """The budget in blocks of whole slots: resolved (or ``DecodeError``) on
@@ -220,9 +232,12 @@ PARAM_NAMES = tuple(f.name for f in FIELDS)
 ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 
 
-def make_params(**kwargs) -> RefusionParams:
+def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
     """RefusionParams from keyword arguments, checked; the aliases of
-    ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings."""
+    ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
+    ``preset``: one of ``PRESETS`` first, the keywords over it; with a
+    budget of its own (``max_tokens``) the preset keeps its block length
+    (:func:`.presets.preset`), as the CLI's ``--preset`` does."""
     for alias, name in ALIASES.items():
         if alias in kwargs:
             value = kwargs.pop(alias)
@@ -232,6 +247,14 @@ def make_params(**kwargs) -> RefusionParams:
     unknown = sorted(set(kwargs) - set(PARAM_NAMES))
     if unknown:
         raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}")
-    params = RefusionParams(**{k: v for k, v in kwargs.items() if v is not None})
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if preset is not None:
+        from .presets import preset as preset_values
+
+        values = preset_values(preset, kwargs.get("gen_length"))
+        if "block_length" in kwargs or "serial_num_blocks" in kwargs:  # the caller's blocks, not the preset's
+            values.pop("block_length", None), values.pop("serial_num_blocks", None)
+        kwargs = {**values, **kwargs}
+    params = RefusionParams(**kwargs)
     params.layout()  # checked and resolved where made: a bad setting is a DecodeError here
     return params

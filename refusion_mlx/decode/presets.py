@@ -1,6 +1,8 @@
 """Decoding settings the ReFusion authors used per benchmark (REFUSION.md §2)."""
 
-from typing import Dict
+from typing import Any, Dict, Optional
+
+from ..errors import DecodeError
 
 # gen_length 512 in all of them.
 PRESETS: Dict[str, Dict[str, float]] = {
@@ -17,8 +19,15 @@ PRESETS: Dict[str, Dict[str, float]] = {
 PRESET_GEN_LENGTH = 512
 
 
-def preset(name: str) -> Dict[str, float]:
-    """The settings of a named preset, gen_length included."""
+def preset(name: str, gen_length: Optional[int] = None) -> Dict[str, float]:
+    """The settings of a named preset for an answer of ``gen_length`` tokens
+    (None: the preset's own 512), gen_length included. A preset's block
+    count is tied to its 512 tokens: for another budget it keeps its block
+    *length* instead."""
     if name not in PRESETS:
-        raise KeyError(name)
-    return {"gen_length": PRESET_GEN_LENGTH, **PRESETS[name]}
+        raise DecodeError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    values: Dict[str, Any] = {"gen_length": PRESET_GEN_LENGTH, **PRESETS[name]}
+    if gen_length is not None and gen_length != PRESET_GEN_LENGTH:
+        values["gen_length"] = gen_length
+        values["block_length"] = PRESET_GEN_LENGTH // values.pop("serial_num_blocks")
+    return values

@@ -41,10 +41,12 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..errors import DecodeError
 from ..models.kernels import logsumexp
 from .cache import CommittedCache
 from .forward import head_chunk_rows
 from .prefill import PREFILL_CHUNK, chunks
+from .prompt import token_ids
 from .runner import Runner
 
 MC_ROWS = 16  # samples per forward of the Monte Carlo estimator (built lazily, evaluated together)
@@ -89,6 +91,15 @@ def _head_stats(model, hidden: mx.array, tokens: mx.array, top: int):
                  for col in zip(*parts))
 
 
+def scored_ids(model, ids, what: str = "the sequence scored") -> List[int]:
+    """``ids`` as token ids within the model's vocabulary, or one DecodeError."""
+    out, vocab = token_ids(ids, what), model.args.vocab_size
+    bad = [t for t in out if not 0 <= t < vocab]
+    if bad:
+        raise DecodeError(f"{what}: token id {bad[0]} is outside the vocabulary of {vocab}")
+    return out
+
+
 class ARScorer:
     """The AR estimator of one sequence a chunk at a time: :meth:`step`
     feeds the next chunk (at most ``chunk`` tokens) into the scorer's cache
@@ -98,7 +109,9 @@ class ARScorer:
 
     def __init__(self, model, ids: Sequence[int], top: int = 0, next_mask: Optional[int] = None,
                  chunk: int = PREFILL_CHUNK):
-        self.model, self.ids, self.top = model, [int(t) for t in ids], top
+        self.model, self.ids, self.top = model, scored_ids(model, ids), top
+        if next_mask is not None:
+            scored_ids(model, [next_mask], "the mask id")
         self.extra = next_mask is not None
         self.k = max(top, 1 if self.extra else 0)
         sequence = self.ids + ([next_mask] if self.extra else [])
@@ -195,11 +208,14 @@ class MCScorer:
 
     def __init__(self, model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
                  seed: int = 0, draft_top: Optional[int] = None, chunk: int = PREFILL_CHUNK):
-        self.model, self.ids, self.context, self.mask_id = model, [int(t) for t in ids], context, mask_id
+        self.model, self.ids, self.context, self.mask_id = model, scored_ids(model, ids), context, mask_id
+        scored_ids(model, [mask_id], "the mask id")
         self.mc_num, self.draft_top = mc_num, draft_top
         n = len(self.ids)
-        if not 0 < context < n:
-            raise ValueError(f"the context must leave 1 to {n - 1} tokens to score, got {context}")
+        if isinstance(context, bool) or not isinstance(context, int) or not 0 < context < n:
+            raise DecodeError(f"the context must leave 1 to {n - 1} tokens to score, got {context!r}")
+        if isinstance(mc_num, bool) or not isinstance(mc_num, int) or mc_num < 1:
+            raise DecodeError(f"mc_num must be a positive integer, got {mc_num!r}")
         self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed))
         self.cache = CommittedCache.for_model(model)
         self._context = chunks(self.ids[:context], 0, chunk)

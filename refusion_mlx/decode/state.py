@@ -149,9 +149,11 @@ class DecodeState:
         """Drop committed rows beyond the answer's end (its EOS, or the cut at
         ``params.gen_length``), so the cache holds exactly the conversation
         so far and a next turn can continue it."""
-        answer = self.response()
-        last = self.response_start + len(answer) - 1
-        rows = [r for p, r, _ in self.cache.in_position_order() if r < self.start or p <= last]
+        self.cut_at(self.response_start + len(self.response()))
+
+    def cut_at(self, end: int) -> None:
+        """Keep in the cache the conversation before this response and its rows below position ``end``."""
+        rows = [r for p, r, _ in self.cache.in_position_order() if r < self.start or p < end]
         rows.sort()  # commit order kept
         if len(rows) < len(self.cache):
             self.cache.keep(rows)

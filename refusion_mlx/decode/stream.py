@@ -17,6 +17,7 @@ from .cache import CommittedCache
 from .grammar import constraint_of
 from .kv_store import KVStorage
 from .params import RefusionParams, make_params
+from .prompt import checked_text
 from .stats import DecodeStats
 
 __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate"]
@@ -33,27 +34,32 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
-        messages = list(prompt)
+        messages = [_text_content(m) for m in prompt]
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
         text = render_chat(tokenizer, messages, **opening, **({"tools": tools} if tools else {}))
     else:
+        if not all(isinstance(m.get("content"), str) for m in messages):
+            raise DecodeError("without a chat template every message's content must be text")
         text = checked_text("\n".join(m["content"] for m in messages))
     return list(tokenizer.encode(text))
 
 
-def checked_text(text: str, what: str = "the prompt") -> str:
-    """``text``, or one DecodeError when it is not Unicode text a tokenizer
-    takes: a lone UTF-16 surrogate (an undecodable byte of a command line or
-    file, or half a pair escaped in JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DecodeError(f"{what} is not valid UTF-8 text: it holds {text[e.start]!r} (an undecodable byte, or "
-                          "half a UTF-16 pair)") from None
-    return text
+def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
+    """A message whose content is a list of text parts (OpenAI's ``{"type":
+    "text", "text": ...}``) with that text as one string, as templates take it."""
+    if not isinstance(message, dict):
+        raise DecodeError(f"a message must be a dict with a role and content, got {type(message).__name__}")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise DecodeError("a message's content must be text, or a list of text parts "
+                              '({"type": "text", "text": ...})')
+        return {**message, "content": "".join(p["text"] for p in content)}
+    return message
 
 
 def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
@@ -84,7 +90,9 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
     (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
-    CommittedCache to continue (chat). ``kv_bits`` (4 or 8) and
+    CommittedCache to continue (chat), one response at a time; left
+    before the answer ends, it keeps the prompt and the answer's text so far
+    (as mlx-lm's prompt cache does). ``kv_bits`` (4 or 8) and
     ``kv_group_size`` (default 64): keep the committed keys and values
     quantized, as mlx-lm takes them (or ``storage``, a
     :class:`~.kv_store.KVStorage` already made); a ``cache`` keeps its own
@@ -103,12 +111,15 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     gen = BatchGenerator(model, tokenizer, max_batch=1, storage=KVStorage.given(storage, kv_bits, kv_group_size))
     if cache is not None and (storage is not None or kv_bits is not None or kv_group_size is not None):
         check_form(cache, gen.storage)
-    gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint)
-    while gen.has_work:
-        for response in gen.step():
-            if response.error is not None:
-                raise DecodeError(response.error)
-            yield response
+    uid = gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint)
+    try:
+        while gen.has_work:
+            for response in gen.step():
+                if response.error is not None:
+                    raise DecodeError(response.error)
+                yield response
+    finally:  # let go of early (a break, an error): the caller's cache holds what was answered, no holes
+        gen.remove(uid, settle=cache is not None)
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False,

@@ -26,8 +26,9 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from .._json import read_json_object
 from ..errors import LoadError
 
 # Sizes a config may give: well above every published checkpoint (Llama 3.1 405B:
@@ -349,3 +350,21 @@ def token_id_problems(configs: Iterable[Dict[str, Any]], ids: Iterable[Any], voc
                 out.append(f"{what} {_shown(t)} is outside the vocabulary of {vocab_size}")
     return out
 
+
+
+def end_ids(configs: Sequence[Dict[str, Any]]) -> List[int]:
+    """The end ids a checkpoint names: the last of ``configs`` (config.json,
+    then generation_config.json) with an ``eos_token_id`` (an id or a list),
+    as mlx-lm's ``load`` gives them to its tokenizer (checked in the
+    vocabulary by :func:`token_id_problems`)."""
+    for c in reversed(list(configs)):
+        value = c.get("eos_token_id")
+        if value is not None:
+            return [t for t in (value if isinstance(value, list) else [value]) if _is_int(t)]
+    return []
+
+
+def folder_configs(folder: Path, config: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """config.json's settings, and generation_config.json's where the folder has one."""
+    extra = folder / "generation_config.json"
+    return [config] + ([read_json_object(extra)] if extra.is_file() else [])

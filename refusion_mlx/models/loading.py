@@ -315,8 +315,7 @@ def tokenizer_problems(folder: Path, config: Dict[str, Any], tokenizer, vocab_si
     out = [] if 2 * size >= vocab_size else [
         f"the tokenizer holds {size} tokens for a vocabulary of {vocab_size}: are its vocabulary files "
         "(tokenizer.json, or vocab.json and merges.txt) missing?"]
-    given = [config] + ([read_json_object(folder / "generation_config.json")]
-                        if (folder / "generation_config.json").is_file() else [])
+    given = config_checks.folder_configs(folder, config)
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
         out.append(f"the chat template is {len(template)} characters long (the most is {MAX_TEMPLATE_CHARS})")
@@ -352,6 +351,9 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     ``dist``: a ``distributed.group.Distributed`` of two or more ranks (from
     ``distributed.group.init``): this rank loads its share only
     (``models/sharding.py``); the projections are joined after sharding.
+    ``lazy``: the weights are read when first used, as mlx-lm's ``lazy``, so
+    they (and the adapters) are not checked for NaN or infinity here, and
+    the projections are not joined.
     ``fuse``: the old spelling of ``join_projections`` ("fuse" now means
     folding adapters in: ``python -m refusion_mlx.fuse``).
     """
@@ -386,6 +388,9 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     if problems:
         raise LoadError(f"{model_path}: " + "\n".join(problems))
     model.args.mask_token_id = mask_id
+    # the checkpoint's other end ids end an answer too, as mlx-lm's load has its tokenizer stop at them
+    named = config_checks.end_ids(config_checks.folder_configs(model_path, config))
+    tokenizer.eos_token_ids = {tokenizer.eos_token_id, *named}
     model.model_path = model_path
     if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)

@@ -95,6 +95,11 @@ class ServerConfig:
     storage: KVStorage = dataclasses.field(init=False, repr=False, compare=False)  # of kv_bits, kv_group_size
 
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if self.model is not None and not isinstance(self.model, str):
+            raise RefusionError(f"model must be a model folder's path or a hub repo id (None: the bundled demo), "
+                                f"got {type(self.model).__name__}: the server loads the model itself")
         for name in ("max_batch", "max_queue", "max_body_bytes"):
             _check(name, getattr(self, name), 1)
         _check("port", self.port, 0, 65535)

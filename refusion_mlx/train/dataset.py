@@ -24,7 +24,8 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..decode.stream import checked_text, render_chat
+from ..decode.prompt import checked_text
+from ..decode.stream import render_chat
 from ..errors import RefusionError
 from .batches import Record
 

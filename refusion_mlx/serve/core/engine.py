@@ -330,8 +330,9 @@ class Engine:
         self.metrics.add("generated_tokens", released)
         for kind, payload in events:
             job.post(kind, payload)
-        if reason is not None:
-            self._finish(job, job.outcome(reason, r.stats, self.dist))
+        if reason is not None:  # cut by a stop string before the decoder ended: its figures so far, cache settled
+            stats = r.stats if r.stats is not None else self.gen.end(r.uid)
+            self._finish(job, job.outcome(reason, stats, self.dist))
 
     def _finish(self, job: Job, outcome) -> None:
         """The one place a request ends with its answer: counted, its cache kept for its next turn, closed."""

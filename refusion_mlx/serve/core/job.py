@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from ...decode.answer import end_ids
 from .engine_request import EngineRequest
 from .outcome import Outcome, Usage
 from .slots import step_commits
@@ -130,14 +131,14 @@ class Job:
 
 
 def token_entries(tokenizer, tokens, scores) -> List[dict]:
-    """Per final token with text (EOS and ids past the tokenizer left out):
+    """Per final token with text (EOS, the other end ids, and ids past the tokenizer left out):
     its text, log-probability (the probability the decoder accepted it
     under, :mod:`refusion_mlx.decode.token_scores`, as a natural log) and
     top tokens ((text, log-probability) pairs of the same row of logits)."""
-    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    ends, vocab = end_ids(tokenizer), len(tokenizer)
     out = []
     for t, score in zip(tokens, scores):
-        if t == eos or t >= vocab or score is None:
+        if t in ends or t >= vocab or score is None:
             continue
         lp, top = score
         out.append({"token": tokenizer.decode([t]), "logprob": lp,

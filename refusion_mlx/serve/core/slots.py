@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import List
 
+from ...decode.answer import end_ids
+
 
 def answer_blocks(request) -> List[int]:
     """The lengths of the answer's blocks, the last cut at max_tokens."""
@@ -23,12 +25,12 @@ def step_commits(tokenizer, request, response) -> dict:
     token; those past max_tokens left out), token ids and each token's own text
     (null: the end of the answer), in commit order."""
     start, end = len(request.prompt_ids), request.max_tokens
-    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    ends, vocab = end_ids(tokenizer), len(tokenizer)
     slots = []
     for commit in response.commits:
         kept = [(p - start, t) for p, t in zip(commit.positions, commit.tokens) if p - start < end]
         if kept:
             slots.append({"positions": [p for p, _ in kept], "ids": [t for _, t in kept],
-                          "pieces": [None if t == eos else tokenizer.decode([t]) if t < vocab else ""
+                          "pieces": [None if t in ends else tokenizer.decode([t]) if t < vocab else ""
                                      for _, t in kept]})
     return {"step": response.step + 1, "phase": response.phase, "slots": slots}

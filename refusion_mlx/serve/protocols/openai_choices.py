@@ -36,8 +36,11 @@ def usage_of(outcomes: List[Outcome], n: int) -> dict:
     cached = sum(u.cached for u in usages[::n])
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": cached}}
-    if all(u.forwards is not None for u in usages):
-        out["forwards"] = sum(u.forwards for u in usages)
+    if all(u.layout is not None for u in usages):  # ReFusion's figures, as one answer's usage has them
+        forwards = sum(u.forwards for u in usages)
+        decoded = sum(u.tokens_per_forward * u.forwards for u in usages)
+        out.update(layout=dict(usages[0].layout), forwards=forwards,
+                   tokens_per_forward=round(decoded / forwards, 4) if forwards else 0.0)
     return out
 
 
