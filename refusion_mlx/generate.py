@@ -75,7 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
             return run_prompts_file(args, params, dist, constraint, storage)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        # stdin's last newline (echo's, a file's) is not part of the prompt
+        prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage.check(model)  # the group size against the model's head dimension
         ready(dist)

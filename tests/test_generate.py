@@ -170,6 +170,9 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Sven?"))
     code, out, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
     assert code == 0 and json.loads(out)["text"].startswith("Sven")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Sven?\n"))  # as echo sends it: the same prompt
+    code, piped, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
+    assert code == 0 and json.loads(piped)["prompt_ids"] == json.loads(out)["prompt_ids"]
 
 
 @pytest.mark.parametrize("argv, fragment", [
