@@ -26,7 +26,8 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--adapter-path", default="adapters", help="adapter folder (default: adapters)")
     parser.add_argument("--save-path", default="fused_model", help="output folder (default: fused_model)")
     parser.add_argument("--dequantize", action="store_true", help="write plain (dequantized) weights")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --save-path")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the model folder at --save-path (never a file or another folder)")
     return parser
 
 

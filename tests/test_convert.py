@@ -347,9 +347,17 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst)
     assert code == 1 and len(err) == 1 and "--force" in err[0]
     assert (dst / "keep.txt").read_text() == "mine"
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force", "-q")
+    assert code == 1 and "not a model folder" in err[0]  # --force never deletes a folder of other files
+    assert (dst / "keep.txt").read_text() == "mine"
+    (dst / "config.json").write_text("{}")  # an earlier model there: --force replaces it
     code, _, out = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force", "-q")
     assert code == 0 and "bits per weight" in out
     assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", data, "--force")
+    assert code == 1 and "is a file" in err[0] and data.read_text() == "{}\n"
     code, err, _ = h.run_cli(capsys, "--hf-path", dst, "--mlx-path", dst, "--force")
     assert code == 1 and "would replace the source" in err[0]
     assert (dst / "config.json").is_file()

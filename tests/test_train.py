@@ -620,13 +620,10 @@ def test_input_errors(tmp_path, q4, capsys):
     empty = tmp_path / "empty"
     write(empty, "train.jsonl", [""])
     write(empty, "valid.jsonl", ['{"prompt": "a", "completion": "b"}'])
-    novalid = tmp_path / "novalid"
-    write(novalid, "train.jsonl", ['{"prompt": "a", "completion": "b"}'])
     (tmp_path / "file").write_text("x")
     base = ["--data", str(DATA), "--adapter-path", str(tmp_path / "out"), "--iters", "1"]
     cases = [
         (["--data", str(tmp_path / "missing")], "no such folder"),
-        (["--data", str(novalid)], "has no valid.jsonl"),
         (["--data", str(bad)], "train.jsonl:2: not valid JSON"),
         (["--data", str(empty)], "train.jsonl holds no examples"),
         (base + ["--num-layers", "99"], "--num-layers 99 is more than the model's 4 layers"),

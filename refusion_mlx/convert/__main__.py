@@ -55,7 +55,8 @@ def build_parser() -> OneLineParser:
                         help="mixed-precision recipe: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()))
     parser.add_argument("--dtype", choices=list(DTYPES),
                         help="dtype of unquantized tensors and scales (default: the config's torch_dtype)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --mlx-path")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the model folder at --mlx-path (never a file or another folder)")
     return parser
 
 

@@ -16,12 +16,18 @@ from ..errors import RefusionError
 
 
 def check_destination(dst: Path, force: bool) -> None:
-    """Refuse an existing non-empty destination unless forced; never the home or root folder."""
-    if dst.exists() and not force:
-        if not dst.is_dir():
-            raise RefusionError(f"{dst} exists and is a file; pass --force to replace it")
-        if any(dst.iterdir()):
+    """Refuse an existing non-empty destination unless forced, and even
+    forced anything but a model folder (a file, a folder without
+    config.json: data, say); never the home or root folder."""
+    if dst.exists() and not dst.is_dir():
+        raise RefusionError(f"{dst} exists and is a file" + ("; --force replaces only a model folder" if force
+                                                             else "; give a folder's path"))
+    if dst.exists() and any(dst.iterdir()):
+        if not force:
             raise RefusionError(f"{dst} exists and is not empty; pass --force to replace it")
+        if not (dst / "config.json").is_file():
+            raise RefusionError(f"{dst} is not a model folder (no config.json): --force replaces only a "
+                                "model folder; remove it yourself or give another path")
     resolved = dst.resolve()
     if resolved in (Path.home().resolve(), Path(resolved.anchor)):
         raise RefusionError(f"refusing to write the model into {dst}")

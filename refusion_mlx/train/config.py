@@ -10,6 +10,7 @@ error, and so is a value of the wrong type or out of range.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,14 @@ class Option:
 # hundred steps; 1e-4 (LoRA scale 20, Adam) trains it steadily without spikes
 DEFAULT_LR = 1e-4
 DEFAULT_NUM_LAYERS = 16
+OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor", "muon")  # mlx-lm's, of mlx.optimizers
 
 OPTIONS: Dict[str, Option] = {
     "model": Option(str, None, "model folder or hub repo id (default: the bundled demo model)"),
     "data": Option(str, None, "folder with train.jsonl and valid.jsonl (test.jsonl for --test)"),
     "adapter_path": Option(str, "adapters", "folder the adapters are saved to (default: adapters)"),
     "fine_tune_type": Option(str, "lora", "lora, dora or full (default: lora)", FINE_TUNE_TYPES),
-    "optimizer": Option(str, "adam", "adam or adamw (default: adam)", ("adam", "adamw")),
+    "optimizer": Option(str, "adam", "adam, adamw, sgd, adafactor or muon, as mlx-lm (default: adam)", OPTIMIZERS),
     "num_layers": Option(int, None, f"blocks to fine-tune, counted from the last; -1: all "
                                     f"(default: {DEFAULT_NUM_LAYERS}, or all of a smaller model)"),
     "train_embeddings": Option(bool, False, "also train the token embedding, final norm and LM head (new "
@@ -54,6 +56,8 @@ OPTIONS: Dict[str, Option] = {
     "rank": Option(int, LORA_DEFAULTS["rank"], "LoRA/DoRA rank (default: 8)"),
     "batch_size": Option(int, 4, "sequences per step (default: 4)"),
     "iters": Option(int, 1000, "training steps (default: 1000; 0 with --test only evaluates)"),
+    "grad_accumulation_steps": Option(int, 1, "steps whose gradients are summed into one update, as mlx-lm "
+                                              "(default: 1)"),
     "val_batches": Option(int, 25, "validation batches, -1: the whole valid.jsonl (default: 25)"),
     "learning_rate": Option(float, DEFAULT_LR, f"Adam learning rate (default: {DEFAULT_LR:g})"),
     "steps_per_report": Option(int, 10, "steps between training-loss reports (default: 10)"),
@@ -78,6 +82,11 @@ OPTIONS: Dict[str, Option] = {
     "ar_weight": Option(float, 1.0, "multiplies the loss's AR term, the mean cross-entropy over the batch's "
                                     "next-token labels (default: 1, the paper's loss)"),
     "seed": Option(int, 0, "seed of the data order, the corruption draws and the LoRA init (default: 0)"),
+    "train": Option(bool, False, "mlx-lm's flag to train: what this command does anyway, but that --test "
+                                 "without --train or --iters only tests the adapters in --adapter-path, as mlx-lm "
+                                 "does"),
+    "mask_prompt": Option(bool, False, "mlx-lm's flag: accepted; the objective never learns the prompt here "
+                                       "(REFUSION.md section 8)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
     "quantized_matmul": Option(str, "auto", "how quantized layers multiply while training: kernel "
@@ -90,7 +99,6 @@ OPTIONS: Dict[str, Option] = {
     "lr_schedule": Option(dict, None, "", yaml_only=True),
     "optimizer_config": Option(dict, None, "", yaml_only=True),
 }
-IGNORED_YAML_KEYS = ("train",)  # mlx-lm's config files say train: true; training is what this command does
 
 
 def flag(name: str) -> str:
@@ -139,6 +147,8 @@ def _typed(name: str, value: Any, source: str) -> Any:
     opt = OPTIONS[name]
     if value is None:
         return None
+    if isinstance(value, os.PathLike) and opt.kind is str:  # a Path, where the API takes a folder or file
+        value = os.fspath(value)
     if name == "slot_sizes" and isinstance(value, (list, tuple)):
         return slot_sizes(value, source)
     kind = opt.kind
@@ -167,29 +177,30 @@ def slot_sizes(value: Any, source: str) -> Tuple[int, ...]:
 
 
 def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any]:
-    """Options: a flag given on the command line, else the YAML value, else the default."""
+    """Options: a flag given on the command line, else the YAML value, else the
+    default; ``given``: the names set by either."""
     values = {name: opt.default for name, opt in OPTIONS.items()}
-    rank_given = cli.get("rank") is not None
+    rank_given, given = cli.get("rank") is not None, set()
     if yaml_path:
         source = f"--config {yaml_path}"
         data = read_yaml(yaml_path)
         rank_given = rank_given or data.get("rank") is not None
         for key, value in data.items():
-            if key in IGNORED_YAML_KEYS:
-                continue
             if key not in OPTIONS:
                 raise OptionError(f"{source}: unknown option {key!r}")
             values[key] = _typed(key, value, source)
+            given.add(key)
     for key, value in cli.items():
         if key in OPTIONS and value is not None:
             values[key] = _typed(key, value, flag(key))
-    return check(values, rank_given)
+            given.add(key)
+    return {**check(values, rank_given), "given": frozenset(given)}
 
 
 def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     """Range checks, and the LoRA block: ``rank`` over ``lora_parameters.rank``."""
     minimum = {"batch_size": 1, "iters": 0, "steps_per_report": 1, "steps_per_eval": 1, "save_every": 1,
-               "max_seq_length": 2, "rank": 1, "draft_run": 1}
+               "max_seq_length": 2, "rank": 1, "draft_run": 1, "grad_accumulation_steps": 1}
     for name, low in minimum.items():
         if v[name] < low:
             raise OptionError(f"{flag(name)} must be at least {low}, got {v[name]}")

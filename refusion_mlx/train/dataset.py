@@ -33,8 +33,9 @@ SPLITS = ("train", "valid", "test")
 
 
 def prompt_ids(tokenizer, messages: List[Dict[str, str]], tools=None) -> List[int]:
-    """Prompt ids as decoding builds them: chat template with the generation prompt, then encode."""
-    if not messages and not getattr(tokenizer, "chat_template", None):
+    """Prompt ids as decoding builds them: chat template with the generation prompt, then encode
+    (none for no messages: an assistant message alone is learned as text is)."""
+    if not messages:
         return []
     if getattr(tokenizer, "chat_template", None):
         text = render_chat(tokenizer, messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
@@ -136,7 +137,10 @@ def read_jsonl(path: Path, tokenizer) -> List[Record]:
         except ValueError as e:  # JSONDecodeError, or a number past Python's 4300 digits
             detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
             raise RefusionError(f"{where}: not valid JSON ({detail})") from None
-        records.append(encode_line(obj, tokenizer, where))
+        try:
+            records.append(encode_line(obj, tokenizer, where))
+        except RefusionError as e:  # the template's and the text checks' errors name the row too
+            raise RefusionError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     return records
 
 
@@ -184,15 +188,17 @@ def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: i
     return list(train) + [replay[i] for i in picks]
 
 
-def load_datasets(data, tokenizer, test: bool = False, train: bool = True
+def load_datasets(data, tokenizer, test: bool = False, train: bool = True, valid: Optional[bool] = None
                   ) -> Tuple[Optional[List[Record]], Optional[List[Record]], Optional[List[Record]]]:
     """(train, valid, test) records of a data folder.
 
-    train.jsonl and valid.jsonl are required when ``train``; test.jsonl when ``test``.
+    train.jsonl is required when ``train``, valid.jsonl when ``valid`` (None:
+    as ``train``), test.jsonl when ``test``; one not required is read if present.
     """
+    valid = train if valid is None else valid
     data = Path(data).expanduser()
     if not data.is_dir():
         raise RefusionError(f"--data {data}: no such folder" if not data.exists() else
                             f"--data {data} is a file; give the folder holding train.jsonl and valid.jsonl")
-    return (load_split(data, "train", tokenizer, train), load_split(data, "valid", tokenizer, train),
+    return (load_split(data, "train", tokenizer, train), load_split(data, "valid", tokenizer, valid),
             load_split(data, "test", tokenizer, test))

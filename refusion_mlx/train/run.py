@@ -4,6 +4,8 @@ save, optionally evaluate on the test set."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
@@ -13,11 +15,11 @@ from mlx.utils import tree_flatten
 
 from .._blas import reference_warning
 from ..errors import RefusionError
-from ..models.adapters import add_adapters, read_weights
+from ..models.adapters import ADAPTER_CONFIG, ADAPTER_FILE, add_adapters, read_weights
 from ..models.backend import wired_limit
 from ..models.loading import load
 from .batches import fit_length
-from .config import DEFAULT_NUM_LAYERS, merge
+from .config import DEFAULT_NUM_LAYERS, OPTIONS, merge
 from .dataset import load_datasets, replay_records, with_replay
 from .examples import EPSILON
 from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train
@@ -52,6 +54,24 @@ def load_resume(model, path: str) -> None:
     model.load_weights(list(weights.items()), strict=False)
 
 
+def writable_folder(folder: Path) -> None:
+    """A RefusionError now, before the model loads, unless ``folder`` (or where it would be made) takes files."""
+    made = [p for p in [folder, *folder.parents] if not p.exists()]
+    probe = folder / f".write-check-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RefusionError(f"--adapter-path {folder}: cannot write there ({e.strerror or e})") from None
+    finally:  # made when the first weights are saved: a run that fails before leaves no folder
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+
 def parameter_count(model) -> int:
     from mlx_lm.utils import get_total_parameters
 
@@ -61,7 +81,7 @@ def parameter_count(model) -> int:
 def adapter_config(o: Dict, num_layers: int) -> dict:
     """adapter_config.json as mlx-lm writes it (its loader reads fine_tune_type,
     num_layers, lora_parameters), plus this run's options and the objective."""
-    config = {k: v for k, v in o.items() if k != "config"}
+    config = {k: v for k, v in o.items() if k not in ("config", "given")}
     config["num_layers"] = num_layers
     if o["fine_tune_type"] == "full":
         config["lora_parameters"] = None
@@ -78,33 +98,46 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     ``config`` a YAML file). Returns ``(model, tokenizer, result)``: the model
     with its trained adapters (in eval mode) and the training result (None when
     ``iters`` is 0)."""
+    unknown = sorted(set(options) - set(OPTIONS) - {"config"})
+    if unknown:
+        raise TypeError(f"fine_tune() got unknown option(s): {', '.join(unknown)}")
+    report = report or (lambda line: None)
     o = merge(options, options.get("config"))
     if o["data"] is None:
         raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
-    training = o["iters"] > 0
+    # mlx-lm's --test without --train tests the saved adapters; so does --iters 0 --test
+    training = o["iters"] > 0 and not (o["test"] and not o["train"] and "iters" not in o["given"])
     if not training and not o["test"]:
         raise RefusionError("--iters 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
     if not data.is_dir():
         raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"
                             if data.exists() else f"--data {o['data']}: no such folder")
-    needed = (["train", "valid"] if training else []) + (["test"] if o["test"] else [])
-    for name in needed:
+    for name in (["train"] if training else []) + (["test"] if o["test"] else []):
         if not (data / f"{name}.jsonl").is_file():
             raise RefusionError(f"--data {o['data']} has no {name}.jsonl")
+    validating = training and o["val_batches"] != 0 and (data / "valid.jsonl").is_file()
     adapter_dir = Path(o["adapter_path"]).expanduser()
     if adapter_dir.exists() and not adapter_dir.is_dir():
         raise RefusionError(f"--adapter-path {o['adapter_path']} is a file; give a folder")
+    if training:
+        writable_folder(adapter_dir)
     if o["resume_adapter_file"] and not Path(o["resume_adapter_file"]).expanduser().is_file():
         raise RefusionError(f"--resume-adapter-file {o['resume_adapter_file']}: no such file")
+    saved = (not training and not o["resume_adapter_file"] and (adapter_dir / ADAPTER_CONFIG).is_file()
+             and (adapter_dir / ADAPTER_FILE).is_file())
 
     report("Loading pretrained model")
-    model, tokenizer = load(o["model"], dtype=o["dtype"], join_projections=False)
+    model, tokenizer = load(o["model"], dtype=o["dtype"], join_projections=False,
+                            adapter_path=adapter_dir if saved else None)
     if reference_warning():
         report(f"[WARNING] {reference_warning()}")
     num_layers = resolve_num_layers(o["num_layers"], len(model.layers))
     report("Loading datasets")
-    train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training)
+    if training and o["val_batches"] != 0 and not validating:
+        report(f"[WARNING] {data} has no valid.jsonl: training without validation")
+    train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training,
+                                                   valid=validating)
     if o["replay_data"] and training:
         before = len(train_set)
         train_set = with_replay(train_set, replay_records(o["replay_data"], tokenizer), o["replay_ratio"], o["seed"])
@@ -113,14 +146,19 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     if cut:
         report(f"[WARNING] {cut} responses were cut to fit --max-seq-length {o['max_seq_length']}")
     bs = o["batch_size"]
-    for name, split, used in (("train", train_set, training), ("valid", valid_set, training and o["val_batches"]),
+    for name, split, used in (("train", train_set, training), ("valid", valid_set, validating),
                               ("test", test_set, o["test"])):
         if used and len(split) < bs:
             raise RefusionError(f"{name}.jsonl has {len(split)} examples, fewer than --batch-size {bs}")
 
     mx.random.seed(o["seed"])
     np.random.seed(o["seed"])
-    add_adapters(model, o["fine_tune_type"], num_layers, o["lora_parameters"], o["train_embeddings"])
+    if saved:
+        report(f"Testing the adapters in {adapter_dir} (nothing is trained: --test without --train or --iters)")
+    elif not training and not o["resume_adapter_file"]:
+        report(f"Testing the base model: {adapter_dir} holds no adapters")
+    if not saved:
+        add_adapters(model, o["fine_tune_type"], num_layers, o["lora_parameters"], o["train_embeddings"])
     if o["resume_adapter_file"]:
         report(f"Loading fine-tuned weights from {o['resume_adapter_file']}")
         load_resume(model, o["resume_adapter_file"])
@@ -130,8 +168,10 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     mask_id, pad_id = model.args.mask_token_id, int(tokenizer.eos_token_id)
     result = None
     if training:
-        optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"])
-        args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"],
+        optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"],
+                                    o["iters"])
+        args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"] if validating else 0,
+                         grad_accumulation_steps=o["grad_accumulation_steps"],
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],
                          save_every=o["save_every"], max_seq_length=o["max_seq_length"],
                          grad_checkpoint=o["grad_checkpoint"], seed=o["seed"],
@@ -155,6 +195,6 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                             quantized_matmul=o["quantized_matmul"], slot_sizes=o["slot_sizes"],
                             draft_fraction=o["draft_fraction"], ar_weight=o["ar_weight"],
                             draft_run=o["draft_run"])
-        report(f"Test loss {loss:.3f}.")
+        report(f"Test loss {loss:.3f}, Test ppl {math.exp(min(loss, 700.0)):.3f}.")
     model.eval()
     return model, tokenizer, result

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 
 from ..errors import RefusionError
 from ..models.adapters import (ADAPTER_FILE, make_adapter_folder, numbered_adapter_file, save_adapters,
@@ -42,6 +43,7 @@ class TrainArgs:
 
     batch_size: int = 4
     iters: int = 1000
+    grad_accumulation_steps: int = 1  # steps whose gradients are summed into one update (mlx-lm's)
     val_batches: int = 25
     steps_per_report: int = 10
     steps_per_eval: int = 200
@@ -81,22 +83,30 @@ class TrainResult:
 
 
 def build_optimizer(name: str, learning_rate: float, lr_schedule: Optional[dict] = None,
-                    optimizer_config: Optional[dict] = None):
-    """Adam or AdamW (mlx.optimizers); ``lr_schedule`` in mlx-lm's format replaces the fixed rate."""
+                    optimizer_config: Optional[dict] = None, iters: int = 0):
+    """mlx-lm's optimizers (mlx.optimizers); ``lr_schedule`` in mlx-lm's format
+    replaces the fixed rate, checked over the run's ``iters`` steps: a rate
+    that is negative or not finite at any of them is an error."""
     import mlx.optimizers as optim
 
-    classes = {"adam": optim.Adam, "adamw": optim.AdamW}
+    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "adafactor": optim.Adafactor,
+               "muon": optim.Muon}
     if name not in classes:
-        raise RefusionError(f"optimizer must be adam or adamw, got {name!r}")
+        raise RefusionError(f"optimizer must be one of {', '.join(classes)}, got {name!r}")
     lr = learning_rate
     if lr_schedule:
         from mlx_lm.tuner.utils import build_schedule
 
         try:
             lr = build_schedule(lr_schedule)
+            rates = np.array(lr(mx.arange(iters + 1)), dtype=np.float64).reshape(-1)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise RefusionError(f"lr_schedule is not valid ({type(e).__name__}: {e}); expected "
                                 "{name: cosine_decay, arguments: [1e-4, 1000], warmup: 100}") from None
+        bad = np.flatnonzero(~np.isfinite(rates) | (rates < 0))
+        if bad.size:
+            raise RefusionError(f"lr_schedule gives a learning rate of {rates[bad[0]]:g} at step {bad[0]}; "
+                                "a rate must be at least 0 and finite")
     kwargs = (optimizer_config or {}).get(name, {}) or {}
     try:
         return classes[name](learning_rate=lr, **kwargs)
@@ -219,10 +229,11 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
 
     def save(weights, folder: Path, iteration: Optional[int] = None) -> Path:
         nonlocal config_due
-        if config_due:
+        path = save_adapters(weights, folder, iteration)  # the weights first: a failed write leaves the
+        if config_due:  # folder's old weights beside their own config
             write_adapter_config(args.adapter_config, folder)
             config_due = False
-        return save_adapters(weights, folder, iteration)
+        return path
 
     rng = np.random.default_rng(args.seed)
     batches = iterate_batches(train_set, args.batch_size, mask_id, rng, args.max_seq_length, loop=True,
@@ -232,11 +243,18 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     undo_dequantize = dequantizing_matmuls(model, args.quantized_matmul)
     loss_and_grad = nn.value_and_grad(model, partial(refusion_loss, ar_weight=args.ar_weight))
     state = [model.state, optimizer.state, mx.random.state]
+    accumulate = args.grad_accumulation_steps
 
-    def step(batch):
-        loss, grads = loss_and_grad(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    def step(batch, summed, count: int):  # mlx-lm's: gradients summed over steps, averaged at the update
+        loss, grads = loss_and_grad(model, batch)  # count: the steps summed, at an update (else 0)
+        if summed is not None:
+            grads = tree_map(mx.add, grads, summed)
+        if count:
+            if count > 1:
+                grads = tree_map(lambda g: g / count, grads)
+            optimizer.update(model, grads)
+            grads = None
+        return loss, grads
 
     if args.compile or (args.compile is None and not args.grad_checkpoint):
         step = partial(mx.compile, inputs=state, outputs=state)(step)
@@ -274,15 +292,16 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     model.train()
     last_good = trainable_weights(model)
     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-    total_time, it = 0.0, 0
+    total_time, it, summed = 0.0, 0, None
     try:
         validate(0)
         for it in range(1, args.iters + 1):
             batch = next(batches)
             tokens = batch_tokens(batch)
             tic = time.perf_counter()
-            loss = step(to_mx(batch))
-            mx.eval(state, loss)
+            due = it % accumulate == 0 or it == args.iters  # a last group short of accumulate: its own mean
+            loss, summed = step(to_mx(batch), summed, (it - 1) % accumulate + 1 if due else 0)
+            mx.eval(state, loss, summed)
             elapsed = time.perf_counter() - tic
             value = loss.item()
             if not math.isfinite(value):  # the adapters saved so far are kept as they are
@@ -316,9 +335,12 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     except KeyboardInterrupt as interrupt:
         bar.close()
         result.interrupted = True
-        result.adapter_file = save(last_good, adapter_dir)
-        print(f"Interrupted after iteration {result.iterations}: saved the adapters of the last "
-              f"completed step to {result.adapter_file}", file=sys.stderr)
+        if result.iterations:
+            result.adapter_file = save(last_good, adapter_dir)
+            print(f"Interrupted after iteration {result.iterations}: saved the adapters of the last "
+                  f"completed step to {result.adapter_file}", file=sys.stderr)
+        else:  # nothing trained: what the folder held stays
+            print(f"Interrupted before the first step: nothing saved ({adapter_dir} is as it was)", file=sys.stderr)
         interrupt.result = result
         raise
     finally:

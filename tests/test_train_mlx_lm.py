@@ -1,0 +1,150 @@
+"""An mlx-lm LoRA user's commands and habits against ``refusion_mlx.train``:
+``--train`` is not ``--train-embeddings``, ``--test`` without ``--train``
+tests the saved adapters (and trains nothing over them), a data folder
+without valid.jsonl trains, mlx-lm's other flags (``--mask-prompt``,
+``--grad-accumulation-steps``, its optimizers) run, a schedule's rate is
+checked, a Ctrl-C before the first step or a failed save leaves the
+adapter folder as it was, every bad row names its line, and ``fine_tune``
+takes Paths and refuses a misspelt option."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.train import fine_tune
+from refusion_mlx.train.__main__ import main as train_main
+
+DATA = Path(__file__).parent / "fixtures" / "train-data"
+
+
+def run(argv, capsys):
+    try:
+        code = train_main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def digest(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mlx-lm") / "adapters"
+    fine_tune(data=DATA, adapter_path=folder, iters=3, val_batches=1, batch_size=4, report=None, progress=False)
+    return folder
+
+
+def test_train_is_mlx_lms_flag_and_test_alone_tests_the_saved_adapters(trained, tmp_path, capsys):
+    folder = tmp_path / "a"
+    code, out, _ = run(["--data", DATA, "--adapter-path", folder, "--iters", "2", "--train", "--mask-prompt",
+                        "--val-batches", "1"], capsys)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert code == 0 and config["train_embeddings"] is False and config["train"] is True  # was --train-embeddings
+    before = digest(trained)
+    code, out, _ = run(["--data", DATA, "--adapter-path", trained, "--test", "--test-batches", "2"], capsys)
+    assert code == 0 and f"Testing the adapters in {trained}" in out and "Training" not in out
+    assert digest(trained) == before  # it trained 1000 steps over them before
+    tested = [line for line in out.splitlines() if line.startswith("Test loss")]
+    code, base, _ = run(["--data", DATA, "--adapter-path", tmp_path / "none", "--test", "--test-batches", "2"],
+                        capsys)
+    assert code == 0 and "Testing the base model" in base
+    assert tested and "Test ppl" in tested[0] and tested[0] not in base  # the adapters, not the base
+
+
+def test_no_valid_jsonl_trains_without_validation(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_bytes((DATA / "train.jsonl").read_bytes())
+    code, out, _ = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1"], capsys)
+    assert code == 0 and "has no valid.jsonl: training without validation" in out
+    assert (tmp_path / "a" / "adapters.safetensors").is_file()
+
+
+@pytest.mark.parametrize("extra", [["--grad-accumulation-steps", "2"], ["--optimizer", "sgd"],
+                                   ["--optimizer", "adafactor"]])
+def test_mlx_lms_other_flags_train(extra, tmp_path, capsys):
+    code, out, err = run(["--data", DATA, "--adapter-path", tmp_path / "a", "--iters", "2", "--val-batches", "0",
+                          "--steps-per-report", "1", *extra], capsys)
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("Iter 2: Train loss")]
+
+
+def test_grad_accumulation_updates_once_per_group(tmp_path):
+    from mlx.utils import tree_flatten
+
+    runs = {}
+    for steps, iters in ((1, 1), (2, 1), (2, 2)):  # (accumulation, iters): an update at the last step always
+        model, _, result = fine_tune(data=DATA, adapter_path=tmp_path / f"{steps}-{iters}", iters=iters,
+                                     grad_accumulation_steps=steps, val_batches=0, report=None, progress=False,
+                                     learning_rate=1e-3)
+        runs[steps, iters] = {k: v.tolist() for k, v in tree_flatten(model.trainable_parameters())}
+    assert runs[1, 1] == runs[2, 1]  # one step, updated at the end of the run either way
+    assert runs[2, 2] != runs[1, 1]  # two steps' gradients, averaged into one update
+
+
+def test_a_schedule_that_goes_negative_is_refused(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("lr_schedule:\n  name: cosine_decay\n  arguments: [-1, 4]\n")
+    code, _, err = run(["--data", DATA, "--adapter-path", tmp_path / "a", "--iters", "4", "-c", tmp_path / "c.yaml"],
+                       capsys)
+    assert code == 1 and "lr_schedule gives a learning rate of -1 at step 0" in err
+
+
+def test_nothing_saved_over_adapters_before_the_first_step_or_by_a_failed_save(trained, tmp_path, monkeypatch):
+    import shutil
+
+    from refusion_mlx.train import trainer
+
+    folder = tmp_path / "kept"
+    shutil.copytree(trained, folder)
+    before = digest(folder)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate", interrupted)  # Ctrl-C in the first validation
+    with pytest.raises(KeyboardInterrupt):
+        fine_tune(data=DATA, adapter_path=folder, iters=5, val_batches=1, rank=16, report=None, progress=False)
+    assert digest(folder) == before
+    monkeypatch.undo()
+
+    def full_disk(*args, **kwargs):
+        raise RefusionError("cannot write adapters.safetensors: No space left on device")
+
+    monkeypatch.setattr(trainer, "save_adapters", full_disk)
+    with pytest.raises(RefusionError, match="No space left"):
+        fine_tune(data=DATA, adapter_path=folder, iters=1, val_batches=0, rank=16, report=None, progress=False)
+    assert digest(folder) == before  # the config of rank 16 was written beside the old rank-8 weights
+
+
+def test_every_bad_row_names_its_line_and_an_assistant_message_alone_is_learned(tmp_path, capsys):
+    rows = {"surrogate": '{"text": "a\\ud800b"}',
+            "tools": '{"tools": "notalist", "messages": [{"role": "user", "content": "hi"}, '
+                     '{"role": "assistant", "content": "yo"}]}'}
+    for name, row in rows.items():
+        data = tmp_path / name
+        data.mkdir()
+        (data / "train.jsonl").write_text('{"text": "fine"}\n' + row + "\n")
+        code, _, err = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1"], capsys)
+        assert code == 1 and err.startswith(f"error: {data / 'train.jsonl'}:2: "), err
+    data = tmp_path / "alone"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hello"}]}\n' * 4)
+    code, _, err = run(["--data", data, "--adapter-path", tmp_path / "b", "--iters", "1"], capsys)
+    assert code == 0, err
+
+
+def test_fine_tune_takes_paths_and_refuses_a_misspelt_option(tmp_path):
+    with pytest.raises(TypeError, match="unknown option.*learnig_rate"):
+        fine_tune(data=DATA, adapter_path=tmp_path / "a", iters=1, learnig_rate=5.0)
+    _, _, result = fine_tune(data=DATA, adapter_path=tmp_path / "a", iters=1, val_batches=0, report=None,
+                             progress=False)
+    assert result.iterations == 1 and (tmp_path / "a" / "adapters.safetensors").is_file()
