@@ -412,3 +412,29 @@ def test_prompt_cache_files_come_back_only_in_the_form_they_were_stored(demo, tm
     assert len(same) == 1 and len(plain) == 0
     (entry,) = same.entries.values()
     assert entry.tokens == [5, 6, 7, 8, 9] and all(type(s) is StackedStore for s in entry.stores if s is not None)
+
+
+def test_a_prompt_cache_entry_holds_its_rows_alone(demo, tmp_path):
+    """A short chat's entry is its rows, not a 256-row growth step: an 8 MiB
+    budget kept 8 entries of 30 tokens (1 MiB each); restored from its file too.
+    A request continuing it gets whole growth steps again, to grow in."""
+    from refusion_mlx.decode.prefill import prefill as run_prefill
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
+
+    model, _ = demo
+    cache = CommittedCache.for_model(model)
+    run_prefill(model, cache, list(range(5, 35)))
+    row_bytes = cache.nbytes // cache.capacity
+    entries = PromptCache(1 << 30)
+    attach(entries, model, tmp_path, 1 << 30)
+    entries.insert(cache)
+    (entry,) = entries.entries.values()
+    assert cache.capacity == cache.growth and entry.capacity == 30 and entry.nbytes == 30 * row_bytes
+    assert entries.nbytes == 30 * row_bytes
+    reread = PromptCache(1 << 30)
+    attach(reread, model, tmp_path, 1 << 30)
+    (restored,) = reread.entries.values()
+    assert restored.nbytes == 30 * row_bytes and restored.tokens == list(range(5, 35))
+    n, continued = entries.lookup(list(range(5, 40)))
+    assert n == 30 and continued.capacity == continued.growth

@@ -26,10 +26,15 @@ from ..errors import RefusionError, Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit 2. Its parse is a
+    """argparse whose usage errors are one line and exit 2, and which takes
+    no abbreviated flag (a prefix of a flag is an error). Its parse is a
     command's start: Ctrl-C is KeyboardInterrupt from then on (before, a
     quiet exit 130: ``refusion_mlx._startup``), and a closed standard
     output is one line and exit 1 (a closed standard error is the null device)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # mlx-lm's --train is not --train-embeddings
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         started()

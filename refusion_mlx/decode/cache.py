@@ -76,16 +76,16 @@ class CommittedCache:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._held())
 
-    def reserve(self, rows: int) -> None:
+    def reserve(self, rows: int, exact: bool = False) -> None:
         """Make room for ``rows`` scratch rows after the committed ones.
 
         Growth happens in multiples of ``growth`` rows and copies the stores once per
-        growth, never once per token.
+        growth, never once per token; ``exact``: just the rows (a copy kept, not grown).
         """
         need = len(self) + rows
         if need <= self.capacity:
             return
-        new_capacity = -(-need // self.growth) * self.growth
+        new_capacity = need if exact else -(-need // self.growth) * self.growth
         for store in self._held():
             store.grow(new_capacity)
         self.capacity = new_capacity
@@ -156,17 +156,19 @@ class CommittedCache:
         for store in self._held():
             store.set_committed(len(self.tokens))
 
-    def fork(self, rows: Sequence[int]) -> "CommittedCache":
+    def fork(self, rows: Sequence[int], exact: bool = False) -> "CommittedCache":
         """A new cache holding copies of the given committed rows, in that order.
 
         How another request starts from a conversation or system prompt this
         cache already holds (a server's prompt cache): one copy per request,
-        made when it is admitted, never per slot or per step.
+        made when it is admitted, never per slot or per step. ``exact``: room
+        for those rows alone (a copy kept, not grown: a prompt-cache entry),
+        else whole ``growth`` steps.
         """
         rows = list(rows)
         new = CommittedCache(self.spec, self.growth, self.storage)
         if rows:
-            new.capacity = -(-len(rows) // new.growth) * new.growth
+            new.capacity = len(rows) if exact else -(-len(rows) // new.growth) * new.growth
             index = mx.array(rows, dtype=mx.int32)
             new.stores = [None if s is None else s.fork(index, new.capacity) for s in self.stores]
             mx.eval(new.state())
@@ -209,7 +211,7 @@ class CommittedCache:
         for key, a in arrays.items():
             name, _, layer = key.rpartition(".")
             by_layer.setdefault(layer, {})[name] = a
-        self.reserve(n)
+        self.reserve(n, exact=True)  # a kept copy (a prompt-cache entry): its rows alone
         try:
             for i, store in enumerate(self.stores):
                 if store is not None:

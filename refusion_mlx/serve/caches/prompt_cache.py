@@ -102,7 +102,7 @@ class PromptCache:
             return
         key = (owner, tuple(tokens))
         known = key in self.entries
-        entry = cache.fork(rows)
+        entry = cache.fork(rows, exact=True)  # its rows alone: a short chat's entry holds no 256-row growth step
         for old in self._add(key, entry):
             self.store is None or self.store.remove(*old)
         if self.store is not None:
