@@ -356,7 +356,7 @@ def test_lru_eviction_under_a_tiny_budget():
         def in_position_order(self):
             return [(r, r, t) for r, t in enumerate(self.tokens)]
 
-        def fork(self, rows):
+        def fork(self, rows, exact=False):
             return Fake([self.tokens[r] for r in rows])
 
     cache = PromptCache(max_bytes=1000)
@@ -374,7 +374,9 @@ def test_lru_eviction_under_a_tiny_budget():
 
 def test_tiny_prompt_cache_budget_evicts(expected):
     """--prompt-cache-bytes bounds the cache: with room for one conversation, another evicts it."""
-    with RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, prompt_cache_bytes=(3 << 20) // 2,
+    row = 4 * 2 * 2 * 64 * 4  # a row's bytes: 4 layers, keys and values, 2 heads of 64, float32
+    room = (expected[PROMPTS[0], "ids"] + SHORT + 2) * row * 3 // 2  # an entry holds its rows alone
+    with RefusionServer(str(FIXTURE_MODEL), model_id="tiny-refusion", port=0, prompt_cache_bytes=room,
                         dtype="float32") as srv:  # room for one conversation at float32's bytes per token
         c = openai.OpenAI(base_url=srv.url, api_key="local", max_retries=0, timeout=60)
         first = [chat(c, p, max_tokens=SHORT).usage.prompt_tokens_details.cached_tokens
