@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 AGENT_CLIS = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.332"}
 INSTALLED = Path(os.environ.get("REFUSION_AGENT_CLIS", ROOT / ".ci" / "agents")) / "node_modules" / ".bin"
 CONTEXT = 32768
+# a turn's limit: the GPU paths run a Mac's kernels on this CPU (MLX's fused attention, unfused here), and
+# prefill an agent's 11k-token prompt in ~130 s where the CPU paths take ~12 s
+TIMEOUT = 600 if os.environ.get("REFUSION_MLX_PATHS") == "gpu" else 240
 
 
 def cli(name: str) -> str:
@@ -58,7 +61,7 @@ def run(command, env, home: Path) -> subprocess.CompletedProcess:
     home.mkdir(parents=True, exist_ok=True)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI", "ANTHROPIC", "CODEX", "CLAUDE"))}
     return subprocess.run(command, env={**clean, "HOME": str(home), **env}, cwd=home, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=TIMEOUT)
 
 
 def served(caplog) -> list:
