@@ -29,6 +29,8 @@ def checked_text(text: str, what: str = "the prompt") -> str:
 def token_ids(value: Any, what: str = "the prompt") -> List[int]:
     """``value`` as a list of token ids: a sequence of integers (Python's or
     NumPy's), or a 1-D integer array (MLX's or NumPy's)."""
+    if type(value) is list and all(type(t) is int for t in value):  # the server's ids: no check per token
+        return list(value)
     if isinstance(value, (str, bytes, bytearray, memoryview, dict, set)) or not hasattr(value, "__iter__"):
         raise DecodeError(f"{what} must be text or a list of token ids, got {type(value).__name__}")
     if hasattr(value, "ndim") and hasattr(value, "dtype"):  # an MLX or NumPy array
