@@ -189,6 +189,23 @@ def test_repl_commands(loaded):
     assert err.rstrip().endswith("bye")
 
 
+def test_piped_turns_that_fail_make_a_failing_exit(loaded):
+    too_long = "Who is Sven? " * 500  # past the fixture's 2048-token context
+    code, out, err = run_repl(loaded, ["Who is Sven?", too_long, "Who is Sven?"])
+    assert code == 1 and err.count("error:") == 1 and "1 turn failed" in err
+    assert out.startswith("Sven lives in Hanoi.") and err.count("prefill ") == 2  # the other turns were answered
+    lines = [too_long]
+
+    def read(prompt):
+        if not lines:
+            raise EOFError
+        return lines.pop()
+
+    err = io.StringIO()
+    assert repl(session(loaded), Terminal(read, io.StringIO(), err, interactive=True)) == 0  # the user saw it
+    assert "error:" in err.getvalue()
+
+
 def test_slot_view_draws_out_of_order_fill():
     class Tok:
         eos_token_id = 0

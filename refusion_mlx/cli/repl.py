@@ -96,8 +96,12 @@ def stats_text(session: ChatSession) -> str:
 
 def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None,
          frame_time: float = 0.0) -> int:
-    """Read lines until /quit or end of input; each line is a user turn or a command."""
+    """Read lines until /quit or end of input; each line is a user turn or a command.
+
+    Returns the exit status: 0, or 1 when turns were piped in and one of them failed (a script must see it;
+    at a terminal the user has read the error already)."""
     prompt = ">> " if term.interactive else ""
+    failed = 0
     while True:
         try:
             line = term.read(prompt)
@@ -119,7 +123,10 @@ def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: O
             term.note(HELP)
         elif command.startswith("/"):
             term.note(f"unknown command {command.split()[0]}; {HELP}")
-        else:
-            run_turn(session, line, term, visualize=visualize, trace=trace, frame_time=frame_time)
+        elif not run_turn(session, line, term, visualize=visualize, trace=trace, frame_time=frame_time):
+            failed += 1
+    if failed and not term.interactive:
+        term.note(f"bye ({failed} turn{'s' if failed > 1 else ''} failed)")
+        return 1
     term.note("bye")
     return 0
