@@ -14,7 +14,7 @@ from typing import List, Optional
 from ._blas import describe as blas_description
 from ._callable import make_callable
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, positive_int,
-                  read_text, run, storage_from_args)
+                  read_input, read_text, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
 from .decode.batch import batch_generate
@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompts-file", metavar="FILE",
                          help="many prompts decoded in batches: one per line, or JSONL objects with 'prompt' "
                               "and optional per-prompt settings ('-' reads standard input)")
-    parser.add_argument("--system", help="system message")
-    parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as is")
+    parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
+    parser.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
+                        help="tokenize the prompt as is")
     add_decoding_args(parser)
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE|JSON",
@@ -76,7 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.prompts_file is not None:
             return run_prompts_file(args, params, dist, constraint, storage)
         # stdin's last newline (echo's, a file's) is not part of the prompt
-        prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
+        prompt = read_input("-", "--prompt").removesuffix("\n") if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage.check(model)  # the group size against the model's head dimension
         ready(dist)
@@ -127,7 +128,7 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     """Decode every prompt of ``--prompts-file`` in batches; print each
     answer (or one JSON object per line with ``--json``) in file order.
     Exit status 1 if any prompt failed alone (the others are still printed)."""
-    text = sys.stdin.read() if args.prompts_file == "-" else read_text(args.prompts_file)
+    text = read_input(args.prompts_file, "--prompts-file")
     items = parse_prompts(text, args.prompts_file, params)
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
     storage = (storage or storage_from_args(args)).check(model)

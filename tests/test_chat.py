@@ -192,7 +192,7 @@ def test_repl_commands(loaded):
 def test_piped_turns_that_fail_make_a_failing_exit(loaded):
     too_long = "Who is Sven? " * 500  # past the fixture's 2048-token context
     code, out, err = run_repl(loaded, ["Who is Sven?", too_long, "Who is Sven?"])
-    assert code == 1 and err.count("error:") == 1 and "1 turn failed" in err
+    assert code == 1 and err.count("error:") == 1 and "1 turn failed" in err and "(/reset starts over)" in err
     assert out.startswith("Sven lives in Hanoi.") and err.count("prefill ") == 2  # the other turns were answered
     lines = [too_long]
 
@@ -203,7 +203,7 @@ def test_piped_turns_that_fail_make_a_failing_exit(loaded):
 
     err = io.StringIO()
     assert repl(session(loaded), Terminal(read, io.StringIO(), err, interactive=True)) == 0  # the user saw it
-    assert "error:" in err.getvalue()
+    assert "error:" in err.getvalue() and "/reset" not in err.getvalue()  # no history: a reset would not help
 
 
 def test_slot_view_draws_out_of_order_fill():
@@ -234,8 +234,8 @@ def test_slot_view_draws_out_of_order_fill():
 def test_cli_visualize_and_trace(background, tmp_path):
     code, out, err = background["chat"].result()
     assert code == 0, err
-    assert "░" in out and "step 1 · " in out
-    plain = [part.split("\n")[0] for part in out.split("\x1b[J")[1:] if not part.startswith("\x1b")]
+    assert "░" in out and "step 1 · " in out and "\x1b" not in out  # a file: frame after frame, no escapes
+    plain = [block for block in out.split("\n\n") if not block.startswith("step ")]
     assert plain[0].startswith("17 18 19 20") and plain[1].startswith("Sven lives in")  # the answers, drawn last
     trace = background["trace"]
     steps = json.loads(trace.read_text())
@@ -261,7 +261,7 @@ def test_cli_visualize_and_trace(background, tmp_path):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--max-tokens", "-5"], "gen_length must be a positive integer"),
+    (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--trace", "/nonexistent-dir/trace.json"], "cannot write the trace"),
     (["--trace", ""], "must name a file, not an empty string"),

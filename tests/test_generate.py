@@ -175,14 +175,45 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     assert code == 0 and json.loads(piped)["prompt_ids"] == json.loads(out)["prompt_ids"]
 
 
+def test_cli_inputs_as_editors_and_mlx_lm_users_give_them(capsys, monkeypatch, tmp_path):
+    """A byte-order mark (Windows editors write one) is not part of a prompt or a prompts file's first line;
+    mlx-lm's --system-prompt and --ignore-chat-template are the same flags; closed stdin is one line."""
+    import io
+
+    args = ["--json", "--max-tokens", "32", "--block-length", "32"]
+    code, plain, _ = run_main(capsys, "--prompt", "Who is Sven?", "--system", "Be brief.", *args)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeffWho is Sven?\n"))
+    code, bom, _ = run_main(capsys, "--prompt", "-", "--system-prompt", "Be brief.", *args)
+    assert code == 0 and json.loads(bom)["prompt_ids"] == json.loads(plain)["prompt_ids"]
+    code, raw, _ = run_main(capsys, "--prompt", "Who is Sven?", "--ignore-chat-template", *args)
+    assert code == 0 and len(json.loads(raw)["prompt_ids"]) < len(json.loads(plain)["prompt_ids"])
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Who is Sven?", "max_tokens": 8}\n')
+    code, out, err = run_main(capsys, "--prompts-file", str(jsonl), "--json")
+    row = json.loads(out)
+    assert code == 0 and row["stats"]["generated_tokens"] <= 8  # read as JSONL: its settings taken
+    monkeypatch.setattr(sys, "stdin", None)
+    for flag in ("--prompt", "--prompts-file"):
+        code, out, err = run_main(capsys, flag, "-")
+        assert code == 1 and err == f"error: {flag} -: standard input is closed\n"
+
+
+def test_cli_into_a_pipe_that_closes_early_is_quiet():
+    """``generate ... | head -c 5``: the reader left, so the command stops without a word, as cat does."""
+    proc = subprocess.run(f"{sys.executable} -m refusion_mlx.generate -p 'Count from 1 to 40' --max-tokens 64 "
+                          f"| head -c 5", shell=True, capture_output=True, text=True, timeout=120,
+                          executable="/bin/bash")
+    assert proc.stdout == "1, 2," and proc.stderr == ""
+
+
 @pytest.mark.parametrize("argv, fragment", [
-    (["--slot-size", "0"], "slot_size must be a positive integer"),
-    (["--slot-size", "4", "--block-length", "6"], "not a multiple of slot_size"),
+    (["--slot-size", "0"], "--slot-size must be a positive integer"),
+    (["--slot-size", "4", "--block-length", "6"], "--block-length 6 is not a multiple of --slot-size 4"),
     (["--max-tokens", "100", "--serial-num-blocks", "32"], "whole slots"),
     (["--slot-threshold", "1.2"], "within [0, 1]"),
     (["--token-threshold", "-1"], "within [0, 1]"),
-    (["--max-tokens", "-5"], "gen_length must be a positive integer"),
-    (["--temp", "-0.5"], "temperature must be >= 0"),
+    (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
+    (["--temp", "-0.5"], "--temp must be >= 0"),
     (["--max-tokens", "4096"], "exceeds the model's context of 2048"),
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
     (["--json-schema", "{nope"], "--json-schema: not valid JSON"),

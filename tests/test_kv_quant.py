@@ -227,7 +227,7 @@ def test_bad_settings_are_one_line_errors(demo, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--kv-bits: invalid choice: 3" in err
     for argv, fragment in ((("--kv-bits", "8", "--kv-group-size", "128"), "does not divide the model's head "
-                            "dimension 64"), (("--kv-group-size", "32"), "kv_group_size needs kv_bits")):
+                            "dimension 64"), (("--kv-group-size", "32"), "--kv-group-size needs --kv-bits")):
         code = main(["--max-tokens", "8", *argv])
         out, err = capsys.readouterr()
         assert code == 1 and out == "" and err.count("\n") == 1 and fragment in err, (argv, err)

@@ -252,6 +252,8 @@ def test_docs_and_openapi(server):
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty"), ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"adapters": "my-adapters"}, "adapters"),  # mlx_lm.server's: refused, never silently ignored
     ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
@@ -265,7 +267,7 @@ def test_sampling_fields_apply_to_the_planning_drafts(client, expected):
     greedy = chat(client, p, top_p=0.5, extra_body={"top_k": 3, "min_p": 0.2})  # temperature 0: the argmax
     assert greedy.choices[0].message.content == expected[p]
     kw = dict(temperature=1.5, seed=7, top_p=0.9, presence_penalty=0, frequency_penalty=0.0,
-              extra_body={"top_k": 40, "min_p": 0.05})  # top_k, min_p: not in the openai client's signature
+              extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0})  # top_k, min_p: not in the openai client's signature
     a, b = chat(client, p, **kw), chat(client, p, **kw)
     assert a.choices[0].message.content == b.choices[0].message.content  # seeded
     narrow = [chat(client, p, temperature=1.5, seed=s, extra_body={"top_k": 1}).choices[0].message.content
@@ -684,7 +686,7 @@ def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--port", "70000"], "port must be within"),
-    (["--max-tokens", "0"], "gen_length must be a positive integer"),
+    (["--max-tokens", "0"], "--max-tokens must be a positive integer"),
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--host", "203.0.113.77"], "cannot listen on"),
     (["--max-active", "0"], "must be >= 1"),

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from ..cli.output import write_text
 from ..decode.params import RefusionParams
 from ..decode.stream import chat_prompt
 from ..errors import DecodeError
@@ -308,7 +309,7 @@ def write_json(path: Optional[str], result: dict) -> None:
     if not path:
         return
     try:
-        Path(path).expanduser().write_text(json.dumps(result, indent=1) + "\n")
+        write_text(path, json.dumps(result, indent=1) + "\n")
     except OSError as e:
         raise BenchError(f"cannot write {path}: {e.strerror or e}") from None
     print(f"wrote {path}")

@@ -56,7 +56,7 @@ def load_suite(spec: Union[str, Path, None] = "default") -> Suite:
     if not path.is_file():
         raise BenchError(f"no suite file at {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except ValueError as e:
         raise BenchError(f"{path} is not valid JSON: {e}") from None
     suite = parse_suite(data, source=str(path))

@@ -1,14 +1,16 @@
 """The terminal side of the commands: the flags and one-line errors every
 ``python -m refusion_mlx.<command>`` shares (``flags``), and the chat's loop
-(``repl``), its live slot view (``slot_view``) and its trace (``trace``).
+(``repl``), its live slot view (``slot_view``) and its trace (``trace``);
+the files a command writes (``output``).
 
 Nothing below the commands imports this package; the library works without it.
 """
 
 from .flags import (OneLineParser, add_adapter_arg, add_decoding_args, add_kv_args, add_model_args, byte_size,
-                    check_writable, count, output_file, params_from_args, positive_int, positive_ints, read_text, run,
+                    count, output_file, params_from_args, positive_int, positive_ints, read_input, read_text, run,
                     storage_from_args)
+from .output import check_writable, write_text
 
 __all__ = ["OneLineParser", "add_adapter_arg", "add_decoding_args", "add_kv_args", "add_model_args", "byte_size",
-           "check_writable", "count", "output_file", "params_from_args", "positive_int", "positive_ints", "read_text",
-           "run", "storage_from_args"]
+           "check_writable", "count", "output_file", "params_from_args", "positive_int", "positive_ints", "read_input",
+           "read_text", "run", "storage_from_args", "write_text"]

@@ -10,8 +10,8 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
+import re
 import sys
 from typing import Callable, List, Optional
 
@@ -22,7 +22,7 @@ from ..decode.presets import PRESETS
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
 from .._startup import started
-from ..errors import RefusionError, Terminated
+from ..errors import DecodeError, RefusionError, Terminated
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -87,7 +87,21 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
 def storage_from_args(args: argparse.Namespace, model=None) -> KVStorage:
     """The ``KVStorage`` of --kv-bits / --kv-group-size (checked against the
     model's head dimension when given); a bad pair is a one-line DecodeError."""
-    return KVStorage.of(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None), model)
+    try:
+        return KVStorage.of(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None), model)
+    except DecodeError as e:
+        raise DecodeError(in_flags(str(e))) from None
+
+
+# the Python API's names of the settings, as the command line spells them
+FLAG_OF = {**{f.name: f.flags[0] for f in FIELDS if f.flags}, "kv_bits": "--kv-bits",
+           "kv_group_size": "--kv-group-size"}
+
+
+def in_flags(message: str) -> str:
+    """A message of the Python API (``gen_length must be ...``) in the flags the user typed (``--max-tokens``)."""
+    message = message.replace("gen_length (max_tokens)", "gen_length")
+    return re.sub(r"(?<![\w-])(" + "|".join(FLAG_OF) + r")(?![\w-])", lambda m: FLAG_OF[m.group(1)], message)
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +128,23 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
     budget the preset keeps its block *length* instead.
     """
     values = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
-    # a bad value or combination: DecodeError, before the model loads
-    return make_params(preset=getattr(args, "preset", None), **values)
+    try:  # a bad value or combination: DecodeError, before the model loads
+        return make_params(preset=getattr(args, "preset", None), **values)
+    except DecodeError as e:
+        raise DecodeError(in_flags(str(e))) from None
+
+
+def unwritable_text(e: UnicodeEncodeError) -> str:
+    """What a terminal or pipe whose encoding cannot spell the answer (``PYTHONIOENCODING=ascii``) means."""
+    return f"standard output's encoding ({e.encoding}) cannot write the text; set PYTHONIOENCODING=utf-8"
+
+
+def _quiet_stdout() -> None:
+    """Standard output onto the null device: Python's flush at exit finds no reader and would say so."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def positive_int(text: str) -> int:
@@ -171,29 +200,29 @@ def output_file(value: str) -> str:
     return value
 
 
-def check_writable(path: str) -> None:
-    """An OSError unless ``path`` can be written: checked before a command's
-    work, not after it (the file itself is left as it is)."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w"):
-            pass
-    except OSError as e:  # named by the file asked for, not the probe
-        raise OSError(e.errno, e.strerror, path) from None
-    os.remove(tmp)
-
-
 def read_text(path: str) -> str:
-    """A text file's contents, or a one-line RefusionError."""
+    """A text file's contents (a byte-order mark dropped, as Windows editors
+    write one), or a one-line RefusionError."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return f.read()
     except OSError as e:
         raise RefusionError(f"cannot read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise RefusionError(f"{path} is not UTF-8 text") from None
+
+
+def read_input(value: str, flag: str) -> str:
+    """``flag``'s text: standard input's when ``value`` is ``-`` (a byte-order
+    mark dropped), else the file's (:func:`read_text`)."""
+    if value != "-":
+        return read_text(value)
+    if sys.stdin is None:
+        raise RefusionError(f"{flag} -: standard input is closed")
+    try:
+        return sys.stdin.read().removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        raise RefusionError(f"{flag} -: standard input is not UTF-8 text") from None
 
 
 def run(body: Callable[[], int]) -> int:
@@ -214,8 +243,15 @@ def run(body: Callable[[], int]) -> int:
             raise
         distributed_group.say_error(distributed_group.lost_ranks(e))
         return 1
+    except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
+        _quiet_stdout()
+        return 141
     except OSError as e:
-        print(f"error: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
+        name = getattr(e, "filename", None)
+        print(f"error: {e.strerror or e}" + (f": {name}" if name else ""), file=sys.stderr)
+        return 1
+    except UnicodeEncodeError as e:
+        print(f"error: {unwritable_text(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)

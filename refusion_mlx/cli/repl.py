@@ -51,10 +51,12 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
     try:
         for r in stream:
             if visualize:
-                if view is None:
+                if view is None:  # on a terminal: redrawn in place; in a pipe or a file: frame after frame
+                    tty = hasattr(term.out, "isatty") and term.out.isatty()
                     view = SlotView(session.tokenizer, term.out, session.cache, session.response_start,
                                     session.params.layout().block_lengths, session.tokenizer.eos_token_id,
-                                    frame_time=frame_time)
+                                    frame_time=frame_time if tty else 0.0, redraw=tty,
+                                    color="NO_COLOR" not in os.environ)
                 view.update(r)
                 answer.append(r.text)
             else:
@@ -73,7 +75,8 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
         stream.close()
         if answer:
             term.out.write("\n")
-        term.note(f"error: {e}" + (" (/reset starts over)" if "context" in str(e) else ""))
+        # an earlier turn's history may be what fills the context: then /reset helps
+        term.note(f"error: {e}" + (" (/reset starts over)" if "context" in str(e) and session.messages else ""))
         return False
     if view is not None:
         view.finish()

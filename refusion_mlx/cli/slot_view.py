@@ -21,6 +21,8 @@ class SlotView:
     Masked positions show as ``░``; committed tokens as their text, the ones
     committed at this step highlighted. Only the blocks reached so far are
     drawn. Like llama.cpp's ``--diffusion-visual``; ANSI cursor movement.
+    ``redraw=False`` (not a terminal: a pipe, a file) writes the frames one
+    after another, a blank line between them, with no escape sequences.
 
     A view over the turn's committed cache (``cache.token_at``): it keeps no
     tokens of its own, only how far the commits reach and each token id's
@@ -29,7 +31,7 @@ class SlotView:
 
     def __init__(self, tokenizer, out: TextIO, cache, response_start: int, block_lengths: Sequence[int],
                  eos_id: int, width: Optional[int] = None, height: Optional[int] = None,
-                 color: bool = True, frame_time: float = 0.0):
+                 color: bool = True, frame_time: float = 0.0, redraw: bool = True):
         import shutil
 
         size = shutil.get_terminal_size((100, 30))
@@ -41,7 +43,8 @@ class SlotView:
         self.eos_id = eos_id
         self.width = max(20, width or size.columns)
         self.height = max(4, height or size.lines)
-        self.color = color
+        self.color = color and redraw
+        self.redraw = redraw
         self.committed = 0  # answer positions committed so far
         self.reach = 0  # the furthest committed answer offset
         self.eos_at: Optional[int] = None
@@ -106,7 +109,7 @@ class SlotView:
         if self.frames and wait > 0:
             time.sleep(wait)
         self._clear()
-        self.out.write("\n".join(frame) + "\n")
+        self.out.write("\n".join(frame) + ("\n" if self.redraw else "\n\n"))
         self.out.flush()
         self.lines = len(frame)
         self.frames += 1
@@ -128,13 +131,13 @@ class SlotView:
         return f"\x1b[{style}m{text}\x1b[0m" if style and self.color else text
 
     def _clear(self) -> None:
-        if self.lines:
+        if self.lines and self.redraw:
             self.out.write(f"\x1b[{self.lines}F\x1b[J")  # up to the frame's first line, erase below
 
     def finish(self) -> None:
         """Erase the last frame (the answer is printed as plain text after it)."""
         wait = self.shown_at + self.frame_time - time.perf_counter()
-        if wait > 0:
+        if wait > 0 and self.redraw:
             time.sleep(wait)
         self._clear()
         self.lines = 0

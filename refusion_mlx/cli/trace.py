@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import List
 
-from .flags import check_writable
+from .output import check_writable, write_text
+
 
 class Trace:
     """Records each step (turn, step, phase, positions, tokens) and rewrites FILE after each turn."""
@@ -40,7 +40,4 @@ class Trace:
         })
 
     def write(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.steps, f)
-        os.replace(tmp, self.path)
+        write_text(self.path, json.dumps(self.steps))

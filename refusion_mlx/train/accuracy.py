@@ -86,7 +86,7 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
     if not p.is_file():
         raise RefusionError(f"--data {path}: no such file")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise RefusionError(f"--data {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for n, line in enumerate(text.splitlines(), 1):
@@ -260,7 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(e))
 
     def body() -> int:
-        from ..cli import check_writable, storage_from_args
+        from ..cli import check_writable, storage_from_args, write_text
         from ..models.loading import load
 
         storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before anything loads
@@ -286,7 +286,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for item in items[: args.show_failures]:
                 print(f"[{fam}] {item['prompt']!r}\n  expected {item['expected']!r}\n  got      {item['got']!r}")
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+            try:
+                write_text(args.json_out, json.dumps(result, indent=1) + "\n")
+            except OSError as e:
+                raise RefusionError(f"cannot write {args.json_out}: {e.strerror or e}") from None
         return 0
 
     return run(body)

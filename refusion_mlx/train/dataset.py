@@ -123,7 +123,7 @@ def read_jsonl(path: Path, tokenizer) -> List[Record]:
     except OSError as e:
         raise RefusionError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise RefusionError(f"{path}:{line}: not valid UTF-8") from None

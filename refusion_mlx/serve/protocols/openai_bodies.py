@@ -33,7 +33,9 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
             "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
             "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
-            "web_search_options": (None,)}  # spoken answers; a hosted search this server cannot run
+            "web_search_options": (None,),  # spoken answers; a hosted search this server cannot run
+            # mlx_lm.server's own: its sampler's penalties, and adapters loaded per request
+            "repetition_penalty": (None, 0, 1), "xtc_probability": (None, 0), "adapters": (None,)}
 
 
 def refuse_unsupported(body, taken=()):
@@ -47,7 +49,7 @@ def refuse_unsupported(body, taken=()):
         value = body.get(name)
         if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
             why = "not supported by this server"
-            if name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if name in ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "xtc_probability"):
                 why = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
             raise PydanticCustomError("unsupported_parameter", why, {"field": name})
     return body
