@@ -88,6 +88,11 @@ def test_max_tokens_past_the_context_is_cut_on_every_api(server):
         asked = body.get("max_tokens") or body.get("max_output_tokens")
         given = int(headers["x-max-tokens-cut"].split(" -> ")[1])
         assert status == 200 and headers["x-max-tokens-cut"].startswith(f"{asked} -> ") and given <= 2048, path
+    long = "1 2 3 " * 330  # ~2k tokens: its max_tokens is cut; the short prompt's is not
+    for prompts in (["1 2 3", long], [long, "1 2 3"]):  # the header says the cut whichever prompt it hit
+        status, headers, _ = call(server, "POST", "/v1/completions", {"prompt": prompts, "max_tokens": 100})
+        assert status == 200 and headers["x-max-tokens-cut"].startswith("100 -> "), prompts
+        assert int(headers["x-max-tokens-cut"].split(" -> ")[1]) < 100
 
 
 def _streamed(srv, path, body):

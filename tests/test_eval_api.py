@@ -216,6 +216,28 @@ def test_answer_logprobs_chat_and_text_whole_and_streamed(server):
         assert said == "17 18 1" and "".join(tokens).startswith(said) and len("".join(tokens[:-1])) < len(said)
 
 
+def test_tokens_that_split_a_character_keep_their_bytes_and_offsets(server):
+    """Byte-level BPE spells "ë" and "🎉" in several tokens: each token's ``bytes`` are its own (they join
+    into the text's bytes), a part of a character is named ``bytes:\\x..``, and ``text_offset`` indexes the
+    text (a character counts at its last token)."""
+    text = "Zoë lives in 日本 🎉 done"  # "Zo", "ë" in 2 tokens, " lives", " in", " ", 日 and 本 in 3 each, ...
+    echo = post(server, {"prompt": text, "echo": True, "logprobs": 1, "max_tokens": 0})["choices"][0]
+    lp = echo["logprobs"]
+    assert echo["text"].endswith(text) and any(t.startswith("bytes:\\x") for t in lp["tokens"])
+    for word in (" lives", " in", "on"):  # a whole token starts where its text does in the text
+        i = max(i for i, t in enumerate(lp["tokens"]) if t == word)
+        assert lp["text_offset"][i] == echo["text"].rindex(word)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(echo["text"])
+    chat = {"messages": [{"role": "user", "content": "Who is Zoë?"}], "max_tokens": 24, "logprobs": True,
+            "top_logprobs": 1, "temperature": 2.0, "seed": 3}
+    for seed in range(3, 9):  # a hot draft: answers that split characters too
+        body = json.loads(raw(server, "POST", "/v1/chat/completions", {**chat, "seed": seed})[1])["choices"][0]
+        content = body["logprobs"]["content"]
+        joined = b"".join(bytes(e["bytes"]) for e in content)
+        assert joined.decode("utf-8", "replace") == body["message"]["content"]
+        assert all(e["token"] == bytes(e["bytes"]).decode() for e in content if not e["token"].startswith("bytes:"))
+
+
 def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):
     """include "message.output_text.logprobs" (and top_logprobs): the output
     text's logprobs as chat completions' content, on the delta events as they

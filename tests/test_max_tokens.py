@@ -157,3 +157,26 @@ def test_server_cuts_at_max_tokens_as_the_python_api(demo, golden_cases, server,
     check_cut(tokenizer, tokens, streamed, max_tokens)
     blocks = next(c["commits"]["blocks"] for c in chunks if "commits" in c)
     assert sum(blocks) == max_tokens  # the answer's blocks, the last cut at max_tokens
+
+
+def test_a_server_started_with_serial_num_blocks_takes_any_max_tokens():
+    """The server's --serial-num-blocks N cuts any budget into N blocks of whole slots (N equal ones, the
+    reference's layout, where the budget splits evenly); a request's own N keeps the reference's rule, and a
+    cut to fit the context keeps to whole blocks of it."""
+    from refusion_mlx.serve.core.engine_request import resolve
+    from refusion_mlx.serve.core.refusal import Refusal
+
+    server = make_params(max_tokens=128, slot_size=8, serial_num_blocks=2)
+
+    def layout(prompt, max_tokens, **fields):
+        r = resolve(list(range(prompt)), max_tokens=max_tokens, fields=fields, defaults=server, context=2048)
+        return r.params.gen_length, r.params.layout().block_lengths
+
+    assert layout(18, None) == (128, [64, 64]) and layout(18, 127) == (127, [64, 64])  # the reference's blocks
+    assert layout(18, 24) == (24, [16, 8]) and layout(18, 100) == (100, [56, 48])  # refused before
+    assert layout(2008, 1000) == (40, [24, 16]) and layout(2016, None) == (32, [16, 16])  # cut to fit the context
+    assert layout(1900, 512, serial_num_blocks=4, slot_size=8) == (128, [32] * 4)  # own N: cut to whole blocks
+    for prompt, max_tokens, needle in ((18, 100, "does not cut gen_length 104"),
+                                       (2000, 512, "no 8 blocks of whole slots of 8")):
+        with pytest.raises(Refusal, match=needle):
+            layout(prompt, max_tokens, serial_num_blocks=8, slot_size=8)

@@ -185,11 +185,15 @@ def test_stop_strings(client, expected):
     assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
 
 
-def test_an_answer_cut_by_a_stop_string_keeps_refusions_usage(client):
+def test_an_answer_cut_by_a_stop_string_keeps_refusions_usage(client, server):
     r = chat(client, "Count from 17 to 60.", stop=["21"])  # several steps: cut before the decoder ends
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.startswith("17 ")
     extra = r.usage.model_extra
     assert extra["layout"]["block_length"] > 0 and extra["forwards"] >= 2 and extra["tokens_per_forward"] > 0
+    # completion_tokens: the answer's tokens up to the stop string's end, not the rest of the step decoded
+    spelled = json.loads(raw(server, "POST", "/tokenize", {"prompt": r.choices[0].message.content + "21",
+                                                          "add_special_tokens": False})[1])["count"]
+    assert r.usage.completion_tokens == spelled
 
 
 def test_refusion_extra_fields(client):
@@ -372,6 +376,9 @@ def test_lru_eviction_under_a_tiny_budget():
     cache.insert(Fake([5, 5]))
     assert cache.nbytes <= 1000 and cache.lookup([7, 8, 9, 1])[0] == 0 and cache.lookup([1, 2, 3, 4])[0] == 3
     assert PromptCache(max_bytes=0).lookup([1, 2]) == (0, None)
+    running = [("", Fake([1, 2, 3]))]  # a request still decoding: its rows count, but not in a cache that is off
+    assert cache.lookup([1, 2, 3, 4], running=running)[0] == 3
+    assert PromptCache(max_bytes=0).lookup([1, 2, 3, 4], running=running) == (0, None)
 
 
 def test_tiny_prompt_cache_budget_evicts(expected):

@@ -51,9 +51,10 @@ class PromptCache:
         ``running``: (owner, cache) of requests still decoding, whose committed
         rows (a prompt prefilled a step ago) count too when the owner is the
         same. At least one token of ``ids`` is left to prefill: the decoder's
-        first pass needs one.
+        first pass needs one. A cache of no bytes (``--prompt-cache-bytes 0``)
+        reuses nothing, running requests' rows neither: every prompt is prefilled.
         """
-        if owner is None:
+        if owner is None or self.max_bytes <= 0:
             return 0, None
         sources = [(key, cache, None) for key, cache in self.entries.items() if key[0] == owner]
         sources += [((owner, tokens), c, rows) for o, c in running if o == owner for tokens, rows in [ordered(c)]]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...decode.grammar import Constraint
 from ...decode.params import SEEDS, BlockLayout, RefusionParams
+from ...decode.params import budget as budget_of
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
@@ -229,23 +230,34 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
                                                       f"is {context}", prompt_param)
     slot = fields.get("slot_size") or defaults.slot_size
-    asked, room = max_tokens, ((context - len(ids)) // slot) * slot  # the whole slots the context leaves
+    blocks = {"block_length": None, "serial_num_blocks": None}
+    own_blocks = bool(blocks.keys() & fields.keys())
+    # the server's --serial-num-blocks N serves any max_tokens: N blocks of whole slots (the last may be
+    # shorter), which is N equal blocks wherever max_tokens allows them; a request's own N is the contract's
+    # (the budget in N equal blocks of whole slots, or a 400), and a cut to fit the context keeps to it
+    serial = None if own_blocks or defaults.block_length is not None else defaults.serial_num_blocks
+    unit = slot * fields["serial_num_blocks"] if fields.get("serial_num_blocks") else slot
+    asked, room = max_tokens, ((context - len(ids)) // unit) * unit  # the whole slots (blocks) the context leaves
     if max_tokens is None or max_tokens > room:
         max_tokens = min(defaults.gen_length if max_tokens is None else max_tokens, room)
         if max_tokens < 1:
+            room_for = (f"no whole slot of {slot}" if unit == slot else
+                        f"no {unit // slot} blocks of whole slots of {slot} (serial_num_blocks)")
             raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
-                          f"of {context} leaves no whole slot of {slot} for an answer", prompt_param)
-    blocks = {"block_length": None, "serial_num_blocks": None}
+                          f"of {context} leaves {room_for} for an answer", prompt_param)
     while True:
-        changes = {**(blocks if blocks.keys() & fields.keys() else {}), **fields, "gen_length": max_tokens}
+        changes = {**(blocks if own_blocks else {}), **fields, "gen_length": max_tokens}
+        if serial:
+            slots = budget_of(max_tokens, slot) // slot
+            changes.update(serial_num_blocks=None, block_length=slot * -(-slots // serial))
         try:
             params = dataclasses.replace(defaults, **changes)
             budget = params.layout().gen_length  # resolved here, once: the request carries it
         except DecodeError as e:
             raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
-        if len(ids) + budget <= context or asked is None or max_tokens <= slot:
+        if len(ids) + budget <= context or asked is None or max_tokens <= unit:
             break
-        max_tokens -= slot  # a layout of whole blocks past the context: a slot less, until it fits
+        max_tokens -= unit  # a layout of whole blocks past the context: a slot (block) less, until it fits
     if len(ids) + budget > context:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
                       f"{budget} in whole slots) exceeds the model's context of {context}", name)

@@ -21,7 +21,7 @@ from ...decode.answer import end_ids
 from .engine_request import EngineRequest
 from .outcome import Outcome, Usage
 from .slots import step_commits
-from .text import TextShaper
+from .text import CharCounter, TextShaper, token_piece
 from .tool_calls import ToolCallSplitter, ToolFormat
 
 
@@ -59,13 +59,16 @@ class Job:
         self.task = None  # a scoring request's ScoringTask, once started
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
         self.entry_chars = 0  # characters of the tokens whose logprobs went out
+        self.chars = CharCounter()  # the answer's tokens as characters of its text
 
-    def take(self, text: str, tokens, finished: bool, cut: bool = False) -> tuple:
+    def take(self, text: str, tokens, finished: bool, cut: bool = False, tokenizer=None) -> tuple:
         """A response's new final text and ids, through the stop strings and the
         tool-call splitter: (the items now certain -- strings and ToolCalls --,
         "stop" when the answer ends here, else None). With ``parallel_tool_calls``
-        false the first call ends the answer; ``cut``: the token budget ended it."""
-        text, reason = self.shaper.feed(text, tokens, final=finished)
+        false the first call ends the answer; ``cut``: the token budget ended it;
+        ``tokenizer``: spells the ids for a stop string's usage (:class:`.text.TextShaper`)."""
+        widths = None if tokenizer is None else (lambda: token_widths(tokenizer, tokens))
+        text, reason = self.shaper.feed(text, tokens, final=finished, widths=widths)
         if self.calls is None:
             return ([text] if text else []), reason
         items = self.calls.feed(text, final=finished or reason is not None, cut=cut and reason is None)
@@ -77,7 +80,7 @@ class Job:
         it released)."""
         released = self.shaper.completion_tokens
         items, reason = self.take(response.text, response.tokens, finished=response.finish_reason is not None,
-                                  cut=response.finish_reason == "length")
+                                  cut=response.finish_reason == "length", tokenizer=tokenizer)
         events = []
         if self.request.include_commits and response.commits:
             first = items.pop(0) if items and isinstance(items[0], str) else ""
@@ -86,7 +89,8 @@ class Job:
             events += [("text" if isinstance(i, str) else "tool_call", i) for i in items]
         else:  # the step's text with its tokens' entries, then its calls
             text = "".join(i for i in items if isinstance(i, str))
-            entries = self._within_answer(token_entries(tokenizer, response.tokens, response.logprobs))
+            entries = self._within_answer(token_entries(tokenizer, response.tokens, response.logprobs,
+                                                        self.chars))
             events += [("logprobs", (text, entries))] if text or entries else []
             events += [("tool_call", i) for i in items if not isinstance(i, str)]
         return events, reason or response.finish_reason, self.shaper.completion_tokens - released
@@ -100,9 +104,9 @@ class Job:
                 if self.entry_chars >= self.shaper.sent:
                     break
                 kept.append(e)
-                self.entry_chars += len(e["token"])
+                self.entry_chars += e["chars"]
             return kept
-        self.entry_chars += sum(len(e["token"]) for e in entries)
+        self.entry_chars += sum(e["chars"] for e in entries)
         return entries
 
     def outcome(self, reason: str, stats, dist=None) -> Outcome:
@@ -130,19 +134,27 @@ class Job:
             pass
 
 
-def token_entries(tokenizer, tokens, scores) -> List[dict]:
+def token_widths(tokenizer, tokens) -> List[int]:
+    """The characters each of ``tokens``, in order, spells (a character split over tokens counts at its last)."""
+    count = CharCounter()
+    return [count(token_piece(tokenizer, t)[1]) for t in tokens]
+
+
+def token_entries(tokenizer, tokens, scores, chars: CharCounter) -> List[dict]:
     """Per final token with text (EOS, the other end ids, and ids past the tokenizer left out):
-    its text, log-probability (the probability the decoder accepted it
-    under, :mod:`refusion_mlx.decode.token_scores`, as a natural log) and
-    top tokens ((text, log-probability) pairs of the same row of logits)."""
+    its name and bytes (:func:`.text.token_piece`), the characters of the answer's text it completes
+    (``chars``, counting over the answer), its log-probability (the probability the decoder accepted it
+    under, :mod:`refusion_mlx.decode.token_scores`, as a natural log) and top tokens ((name, bytes,
+    log-probability) of the same row of logits)."""
     ends, vocab = end_ids(tokenizer), len(tokenizer)
     out = []
     for t, score in zip(tokens, scores):
         if t in ends or t >= vocab or score is None:
             continue
         lp, top = score
-        out.append({"token": tokenizer.decode([t]), "logprob": lp,
-                    "top": [(tokenizer.decode([i]), v) for i, v in top]})
+        name, raw = token_piece(tokenizer, t)
+        out.append({"token": name, "bytes": raw, "chars": chars(raw), "logprob": lp,
+                    "top": [(*token_piece(tokenizer, i), v) for i, v in top]})
     return out
 
 

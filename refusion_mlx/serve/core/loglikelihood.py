@@ -28,6 +28,7 @@ from ...decode.scoring import MC_ROWS, ARScorer, MCScorer
 from ...distributed.group import is_link_failure
 from .outcome import Outcome, ScoredPrompt, Usage
 from .refusal import Reason, Refusal
+from .text import CharCounter, token_piece
 
 log = logging.getLogger("refusion_mlx.server")
 
@@ -117,8 +118,10 @@ def scored_prompt(tokenizer, ids: List[int], scored, spec: Scoring) -> ScoredPro
     tops = list(scored.top) if scored.top else [[] for _ in ids]
     if extra:
         tops.append(scored.next_top)
-    pieces = [tokenizer.decode([t]) for t in tokens]
-    alternatives = [None if value is None or top <= 0 else [(tokenizer.decode([t]), lp) for t, lp in pairs[:top]]
+    named = [token_piece(tokenizer, t) for t in tokens]
+    alternatives = [None if value is None or top <= 0 else [(token_piece(tokenizer, t)[0], lp) for t, lp in pairs[:top]]
                     for value, pairs in zip(values, tops)]
-    text = tokenizer.decode(list(ids)) + (pieces[-1] if extra else "")
-    return ScoredPrompt(text, pieces, values, alternatives, spec.logprobs)
+    text = tokenizer.decode(list(ids)) + (tokenizer.decode([tokens[-1]]) if extra else "")
+    count = CharCounter()
+    return ScoredPrompt(text, [name for name, _ in named], values, alternatives, spec.logprobs,
+                        [count(raw) for _, raw in named])

@@ -43,16 +43,19 @@ class Usage:
 @dataclass(frozen=True)
 class ScoredPrompt:
     """A prompt scored token by token (``echo`` with logprobs): its ``text``
-    (with a drafted token after it, if any), each token's text (``pieces``),
-    log-probability (``values``; None for a token nothing scored) and most
-    likely alternatives (``top``: (text, log-probability) pairs, None where
-    none were asked), and whether the answer shows them (``shown``)."""
+    (with a drafted token after it, if any), each token's name (``pieces``,
+    :func:`.text.token_piece`'s), log-probability (``values``; None for a token
+    nothing scored) and most likely alternatives (``top``: (name,
+    log-probability) pairs, None where none were asked), whether the answer
+    shows them (``shown``), and the characters of ``text`` each token
+    completes (``chars``: the steps of its offsets)."""
 
     text: str
     pieces: List[str]
     values: List[Optional[float]]
     top: List[Optional[List[Tuple[str, float]]]]
     shown: bool = True
+    chars: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ answer's own: :class:`refusion_mlx.decode.answer.AnswerText`.)"""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import codecs
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
 class TextShaper:
@@ -24,13 +26,25 @@ class TextShaper:
         self.sent = 0  # characters of self.text already released
         self.hit: Optional[str] = None  # the stop string the text was cut before
 
-    def feed(self, text: str, tokens: Sequence[int], final: bool) -> Tuple[str, Optional[str]]:
-        """Take a response's new text and ids; return (text to send, "stop" or None)."""
+    def feed(self, text: str, tokens: Sequence[int], final: bool,
+             widths: Optional[Callable[[], List[int]]] = None) -> Tuple[str, Optional[str]]:
+        """Take a response's new text and ids; return (text to send, "stop" or None).
+        ``widths``: the characters of ``text`` each id spells, asked for when a stop string cuts the
+        answer here, so that ``completion_tokens`` counts the ids up to the stop string's end (as an
+        autoregressive server's usage does), not the rest of the step the decoder also made."""
+        before = self.completion_tokens
         self.completion_tokens += sum(1 for t in tokens if t != self.eos_id)
         self.text += text
         hit = self._first_stop()
         if hit is not None:
             self.hit = next(s for s in self.stop if self.text.startswith(s, hit))
+            if widths is not None:
+                need, used = hit + len(self.hit) - (len(self.text) - len(text)), 0
+                for t, w in zip(tokens, widths()):
+                    if need <= 0:
+                        break
+                    need, used = need - w, used + (t != self.eos_id)
+                self.completion_tokens = before + used
             return self._release(hit), "stop"
         if final:
             return self._release(len(self.text)), None
@@ -55,3 +69,60 @@ class TextShaper:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent:end], end
         return piece
+
+
+# --------------------------------------------------------------------------
+# A token's bytes, as OpenAI's logprobs show them: a token may hold part of a
+# character (byte-level BPE spells "ë" in two tokens), which its decoded
+# text alone cannot say ("\ufffd").
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> Dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's scheme): the printable Latin-1 bytes
+    stand for themselves, the others take the characters from U+0100 on, in byte order."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(tokenizer, token: int, text: str) -> bytes:
+    """The bytes of ``token`` (``text``: its decoded text): that text's, unless it decoded to a replacement
+    character, then the vocabulary entry's (a byte-level spelling, or SentencePiece's ``<0xNN>``)."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    try:
+        entry = tokenizer.convert_ids_to_tokens(token)
+    except Exception:  # a tokenizer without a vocabulary to read
+        return text.encode("utf-8")
+    if isinstance(entry, str) and len(entry) == 6 and entry.startswith("<0x") and entry.endswith(">"):
+        return bytes([int(entry[3:5], 16)])
+    alphabet = _byte_level_alphabet()
+    if isinstance(entry, str) and entry and all(c in alphabet for c in entry):
+        return bytes(alphabet[c] for c in entry)
+    return text.encode("utf-8")
+
+
+def shown_token(raw: bytes) -> str:
+    """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xe2\\x80`` for part of a character."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class CharCounter:
+    """How many characters of the text each token, in order, completes (a character split over tokens counts
+    at its last): the steps of OpenAI's ``text_offset``."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, raw: bytes) -> int:
+        return len(self._decoder.decode(raw))
+
+
+def token_piece(tokenizer, token: int) -> Tuple[str, bytes]:
+    """A token as logprobs show it: (its name, :func:`shown_token`; its bytes)."""
+    raw = token_bytes(tokenizer, token, tokenizer.decode([token]))
+    return shown_token(raw), raw

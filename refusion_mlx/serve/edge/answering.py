@@ -299,11 +299,13 @@ async def sse(job: Job, engine, writer: Writer, t0: float):
 CUT_HEADER = "X-Max-Tokens-Cut"
 
 
-def cut_header(request: EngineRequest) -> dict:
-    """``{CUT_HEADER: "ASKED -> GIVEN"}`` for a request whose max_tokens was cut to fit the context, else {}."""
-    if request.asked_max_tokens is None:
+def cut_header(*requests: EngineRequest) -> dict:
+    """``{CUT_HEADER: "ASKED -> GIVEN"}`` when the max_tokens of a request was cut to fit the context (of
+    several, a list of prompts: the least any was given), else {}."""
+    cut = [r for r in requests if r.asked_max_tokens is not None]
+    if not cut:
         return {}
-    return {CUT_HEADER: f"{request.asked_max_tokens} -> {request.max_tokens}"}
+    return {CUT_HEADER: f"{cut[0].asked_max_tokens} -> {min(r.max_tokens for r in cut)}"}
 
 
 class JobStream(StreamingResponse):

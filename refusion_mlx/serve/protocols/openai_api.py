@@ -82,7 +82,7 @@ class CompletionWriter(Writer):
         out = self.chunk(text)
         out["choices"][0]["logprobs"] = (chat_logprobs(entries) if self.kind == "chat"
                                          else completion_logprobs(entries, self.offset))
-        self.offset += sum(len(e["token"]) for e in entries)
+        self.offset += sum(e["chars"] for e in entries)
         return data(out)
 
     def tool_call(self, call: ToolCall) -> str:

@@ -82,7 +82,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     for w, r in zip(writers, requests):
         w.request = r
     if body.stream:
-        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0), cut_header(requests[0]))
+        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0), cut_header(*requests))
     try:
         answers = await asyncio.gather(*(collect(job, engine, request) for job in jobs))
     except ClientGone:
@@ -94,7 +94,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     bodies = [w.answer(a) for w, a in zip(writers, answers)]
     _log(request.url.path, t0, f"{len(jobs)} choices")
     body = {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage_of([a.done for a in answers], n)}
-    headers = cut_header(requests[0])
+    headers = cut_header(*requests)
     return JSONResponse(body, headers=headers) if headers else body
 
 

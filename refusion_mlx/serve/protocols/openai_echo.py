@@ -76,9 +76,9 @@ def legacy_logprobs(scored: ScoredPrompt) -> Optional[dict]:
     if not scored.shown:
         return None
     offsets, at = [], 0
-    for p in scored.pieces:
+    for n in scored.chars if scored.chars is not None else [len(p) for p in scored.pieces]:
         offsets.append(at)
-        at += len(p)
+        at += n
     tops = []
     for piece, value, pairs in zip(scored.pieces, scored.values, scored.top):
         if pairs is None:

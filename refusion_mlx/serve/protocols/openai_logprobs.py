@@ -15,27 +15,25 @@ from __future__ import annotations
 from typing import List
 
 
-def _utf8(text: str) -> List[int]:
-    return list(text.encode("utf-8"))
-
-
 def chat_logprobs(entries: List[dict]) -> dict:
-    """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _utf8(e["token"]),
-                         "top_logprobs": [{"token": s, "logprob": v, "bytes": _utf8(s)} for s, v in e["top"]]}
+    """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; ``bytes`` are
+    the token's own (part of a character, where a character spans tokens), ``token`` their text."""
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["bytes"]),
+                         "top_logprobs": [{"token": s, "logprob": v, "bytes": list(raw)} for s, raw, v in e["top"]]}
                         for e in entries]}
 
 
 def completion_logprobs(entries: List[dict], offset: int = 0) -> dict:
-    """Text completions' legacy ``logprobs`` (``text_offset`` from ``offset``)."""
+    """Text completions' legacy ``logprobs`` (``text_offset``: where each token starts in the text, from
+    ``offset``)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e["token"])
+        offset += e["chars"]
     tops = []
     for e in entries:
         top = {}
-        for s, v in e["top"]:
+        for s, _, v in e["top"]:
             top.setdefault(s, v)
         tops.append(top)
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
