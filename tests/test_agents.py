@@ -178,6 +178,10 @@ def test_responses_text_is_the_chat_answer(server, oai):
     assert resp.status == "completed" and resp.output_text == chat and resp.output[0].type == "message"
     assert resp.usage.input_tokens > 0 and resp.usage.output_tokens > 0
     assert resp.usage.input_tokens_details.cached_tokens == resp.usage.input_tokens - 1  # the same prompt
+    from openai.types.responses import Response
+
+    whole = json.loads(raw(server, "POST", "/v1/responses", {"input": SVEN, "max_output_tokens": 4})[2])
+    assert Response.model_validate(whole).usage.input_tokens_details.cache_write_tokens == 0  # the SDK's types hold
     short = oai.responses.create(model="m", input=SVEN, max_output_tokens=4, instructions="Be brief.")
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.instructions == "Be brief." and short.usage.output_tokens == 4
@@ -221,6 +225,31 @@ def test_responses_function_call_round_trip_continues_from_the_cache(oai):
     assert whole.usage.input_tokens == second.usage.input_tokens
 
 
+def test_fields_an_sdk_sends_are_honoured_not_dropped(server, oai, claude):
+    """Anthropic's is_error reaches the model (a failed tool reads as failed); the Responses API echoes its
+    reasoning settings and, with truncation "auto", leaves out a conversation's oldest turns to fit."""
+    call = [{"role": "user", "content": CALC},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calculator",
+                                               "input": {"expression": "29 * 3"}}]}]
+    counts = [claude.messages.count_tokens(model="m", tools=ANTHROPIC_TOOLS, messages=call + [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ZeroDivision",
+                                      "is_error": failed}]}]).input_tokens for failed in (False, True)]
+    assert counts[1] > counts[0]  # "Error: ZeroDivision"
+    r = oai.responses.create(model="m", input=SVEN, max_output_tokens=4, reasoning={"effort": "high"})
+    counted = oai.responses.input_tokens.count(model="m", input=SVEN, instructions="Be brief.")
+    asked = oai.responses.create(model="m", input=SVEN, instructions="Be brief.", max_output_tokens=4)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == asked.usage.input_tokens
+    assert r.reasoning.effort == "high" and r.reasoning.summary is None
+    long = [{"role": "user", "content": "Tell me about Sven. " * 120}, {"role": "assistant", "content": "Sven."}] * 3
+    body = {"input": long + [{"role": "user", "content": SVEN}], "max_output_tokens": 16}
+    status, _, payload = raw(server, "POST", "/v1/responses", body)
+    assert status == 400 and json.loads(payload)["error"]["code"] == "context_length_exceeded"
+    status, _, payload = raw(server, "POST", "/v1/responses", {**body, "truncation": "auto"})
+    answer = json.loads(payload)
+    assert status == 200 and answer["truncation"] == "auto" and answer["output"][0]["content"][0]["text"]
+    assert 1000 < answer["usage"]["input_tokens"] < 2048 - 16  # the oldest turn left out (of ~700 tokens), no more
+
+
 def test_stored_responses_get_and_delete(server, oai):
     resp = oai.responses.create(model="m", input=SVEN)
     assert oai.responses.retrieve(resp.id).output_text == resp.output_text
@@ -251,6 +280,13 @@ def test_stored_response_lists_its_input_items(server, oai):
     assert [i.role for i in first.data] == ["system"] and first.has_more
     rest = oai.responses.input_items.list(resp.id, order="asc", after=first.data[0].id)
     assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    calls = oai.responses.create(model="m", max_output_tokens=8, input=[
+        {"role": "user", "content": CALC},
+        {"type": "function_call", "call_id": "c1", "name": "calculator", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": RESULT}], tools=RESPONSES_TOOLS)
+    listed = json.loads(raw(server, "GET", f"/v1/responses/{calls.id}/input_items?order=asc")[2])["data"]
+    assert [(i["type"], i["status"]) for i in listed] == [("message", "completed"), ("function_call", "completed"),
+                                                          ("function_call_output", "completed")]  # the SDK's types
     one = oai.responses.create(model="m", max_output_tokens=8, input=SVEN)  # a string is one user message
     assert [i.content[0].type for i in oai.responses.input_items.list(one.id).data] == ["input_text"]
     assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?after=msg_nope")[0] == 400
@@ -385,6 +421,23 @@ BAD = [
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "string", "pattern": "(?<=a)b"}}}}, "text.format.schema"),
     ("/v1/responses", {"input": 5}, "input"),
+    # as strict as OpenAI's and Anthropic's own: none of these is read as a default
+    ("/v1/responses", {"input": SVEN, "reasoning": {"effort": "extreme"}}, "reasoning"),
+    ("/v1/responses", {"input": SVEN, "reasoning": "high"}, "reasoning"),
+    ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ("/v1/responses", {"input": [{"role": "user", "content": CALC}, {"type": "function_call", "call_id": "c1",
+                                                                      "name": "calculator"}]}, "input[1].arguments"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": ANTHROPIC_TOOLS, "tool_choice": {}},
+     "tool_choice"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "thinking": {}}, "thinking.type"),
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": [{"name": "f", "input_schema": None}]},
+     "tools[0].input_schema"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "", "input": {}}]}]}, "messages[0].content[0]"),
+    ("/v1/messages", {"max_tokens": 8, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42",
+                                      "is_error": "yes"}]}]}, "messages[1].content[0].is_error"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": [{"name": "f", "input_schema": {
         "type": "object", "required": 3}}]}, "tools[0].input_schema"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": ANTHROPIC_TOOLS,

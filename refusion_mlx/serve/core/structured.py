@@ -61,7 +61,9 @@ def response_format(value: Any, param: str, nested: bool = True) -> Optional[Con
     name = spec.get("name")
     if name is not None and not isinstance(name, str):
         raise Refusal(Reason.INVALID_VALUE, f"{where}.name: must be a string", f"{where}.name")
-    schema = spec.get("schema", {"type": "object"})  # OpenAI: the schema is optional
+    if "schema" not in spec and not nested:  # chat completions may leave it out; the Responses API may not
+        raise Refusal(Reason.INVALID_VALUE, f"{where}.schema: is required (a JSON Schema)", f"{where}.schema")
+    schema = spec.get("schema", {"type": "object"})
     check_schema_size(schema, f"{where}.schema")
     return _checked(lambda: Constraint.json_schema(schema, f"{where}.schema"), f"{where}.schema")
 

@@ -110,14 +110,16 @@ def _blocks(message: Dict[str, Any], i: int) -> List[dict]:
             if not isinstance(block.get("text"), str):
                 raise invalid(f"{where}.text", "must be a string")
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str):
-                raise invalid(where, "a tool_use block needs id and name (strings)")
+            if not all(isinstance(block.get(k), str) and block[k] for k in ("id", "name")):
+                raise invalid(where, "a tool_use block needs id and name (non-empty strings)")
             if not isinstance(block.get("input"), dict):
                 raise invalid(f"{where}.input", "must be an object")
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise invalid(f"{where}.tool_use_id", "must name the tool_use block it answers")
             _text_blocks(block.get("content", ""), f"{where}.content")
+            if not isinstance(block.get("is_error", False), bool):
+                raise invalid(f"{where}.is_error", "must be a boolean")
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             pass  # an earlier answer's reasoning: not part of the prompt (this model does not think aloud)
         elif kind in ("image", "document", "search_result"):
@@ -165,9 +167,10 @@ def anthropic_messages(body) -> tuple:
             params.append(param)
             continue
         for j, b in enumerate(blocks):  # the results first, as the API has them
-            if b["type"] == "tool_result":
+            if b["type"] == "tool_result":  # a failed tool's result says so (is_error), as the model reads it
+                result = _text_blocks(b.get("content", ""), f"{param}.content[{j}].content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _text_blocks(b.get("content", ""), f"{param}.content[{j}].content")})
+                            "content": f"Error: {result}" if b.get("is_error") else result})
                 params.append(f"{param}.content[{j}]")
         if text or not any(b["type"] == "tool_result" for b in blocks):
             out.append({"role": "user", "content": text})
@@ -188,11 +191,11 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
         if tool.get("type") not in (None, "custom"):
             raise Refusal(Reason.UNSUPPORTED, f"tools[{i}].type: only custom (client) tools are supported, got "
                                               f"{tool.get('type')!r}", f"tools[{i}].type")
-        if "input_schema" not in tool:
+        if not isinstance(tool.get("input_schema"), dict):
             raise invalid(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
         tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
                                     "parameters": tool["input_schema"]}, f"tools[{i}]", "input_schema"))
-    choice = body.tool_choice or {"type": "auto"}
+    choice = {"type": "auto"} if body.tool_choice is None else body.tool_choice
     kind = choice.get("type")
     if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
         raise invalid("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
@@ -226,7 +229,7 @@ def check_thinking(body) -> None:
     own rule; accepted, and answered without thinking blocks)."""
     thinking = body.thinking or {}
     kind = thinking.get("type")
-    if kind not in (None, "disabled", "adaptive", "enabled"):
+    if kind not in (None, "disabled", "adaptive", "enabled") or body.thinking is not None and kind is None:
         raise invalid("thinking.type", f"must be disabled, adaptive or enabled, got {kind!r}")
     budget = thinking.get("budget_tokens")
     if kind == "enabled" and not (isinstance(budget, int) and not isinstance(budget, bool)

@@ -38,6 +38,10 @@ HOSTED = ("web_search", "web_search_preview", "file_search", "computer_use", "co
           "code_interpreter", "image_generation", "local_shell", "mcp", "tool_search")
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+
+
 class _ResponsesBase(BaseModel):
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
@@ -61,12 +65,23 @@ class _ResponsesBase(BaseModel):
     background: Optional[bool] = None
     conversation: Any = Field(None, description="not supported (continue with previous_response_id)")
     prompt: Any = Field(None, description="not supported (stored prompt templates)")
-    truncation: Optional[Literal["auto", "disabled"]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = Field(None, description='"auto": the oldest turns of a '
+                                                              "conversation too long for the context are left out")
+    reasoning: Optional[Dict[str, Any]] = Field(None, description="effort and summary: echoed (this model writes "
+                                                                  "no reasoning items)")
     include: Optional[List[str]] = Field(None, description='"message.output_text.logprobs": the answer\'s tokens\' '
                                                            "log-probabilities; other values are accepted and "
                                                            "add nothing")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="the most likely tokens beside each answer "
                                                                        "token's log-probability (implies them)")
+
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning(cls, value):
+        for key, allowed in (("effort", REASONING_EFFORTS), ("summary", REASONING_SUMMARIES)):
+            if value is not None and value.get(key) not in (None, *allowed):
+                raise field_error(f"{key} must be one of {', '.join(allowed)}, got {value.get(key)!r}")
+        return value
 
     @field_validator("input", mode="before")
     @classmethod
@@ -119,7 +134,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text_of(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
                 raise invalid(param, "a function_call item needs call_id and name (strings)")
             try:
@@ -215,7 +230,10 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
     check_results(conversation, ["previous_response_id"] * len(history) + params)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools, namespaces = response_tools(body, terms.takes_tools)
-    ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
+    if body.truncation == "auto":
+        ids = truncated_prompt(system, conversation, tools, terms, body.max_output_tokens)
+    else:
+        ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
     parallel = body.parallel_tool_calls is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
                                     response_format((body.text or {}).get("format"), "text.format", nested=False))
@@ -224,6 +242,33 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
                   parallel_tool_calls=parallel, constraint=constraint, logprobs=answer_logprobs(body),
                   logprobs_param="include" if body.top_logprobs is None else "top_logprobs")
     return draft, conversation, namespaces
+
+
+def truncated_prompt(system: List[dict], conversation: List[dict], tools, terms: RequestTerms,
+                     max_output_tokens: Optional[int]) -> List[int]:
+    """``truncation: "auto"``: the prompt's ids with the conversation's oldest turns (a user message and
+    what answers it; system messages stay) left out, the fewest that leave room for the answer
+    (``max_output_tokens``, the server's default, or half the context, whichever is least). The
+    stored conversation keeps them all: a follow-up is truncated anew."""
+    room = min(max_output_tokens or terms.defaults.gen_length, terms.context // 2)
+    starts = [i for i, m in enumerate(conversation) if m["role"] == "user" and i > 0]
+
+    def prompt(dropped: int) -> List[int]:
+        start = starts[dropped - 1] if dropped else 0
+        kept = [m for m in conversation[:start] if m["role"] == "system"] + conversation[start:]
+        return terms.prompt_ids(ChatPrompt(system + kept, tools), "input")
+
+    ids = prompt(0)
+    if len(ids) + room <= terms.context or not starts:
+        return ids
+    low, high = 1, len(starts)  # the fewest turns to drop, found by halving (each try tokenizes the prompt)
+    while low < high:
+        mid = (low + high) // 2
+        if len(prompt(mid)) + room <= terms.context:
+            high = mid
+        else:
+            low = mid + 1
+    return prompt(low)
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -238,7 +283,7 @@ def answer_logprobs(body) -> Optional[int]:
 
 
 def add_routes(app: FastAPI, answering: Answering) -> None:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+    """``POST /v1/responses``, ``POST /v1/responses/input_tokens``, ``GET`` and ``DELETE /v1/responses/{id}``,
     ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``
     (a 400: no response here runs in the background)."""
     store = ResponseStore(answering.config.max_stored_responses, answering.config.max_stored_response_bytes)
@@ -256,6 +301,15 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
             return draft
 
         return await answering.answer(request, make, writer, bool(body.stream), body.user)
+
+    @app.post("/v1/responses/input_tokens")
+    @app.post("/responses/input_tokens", include_in_schema=False)
+    async def input_tokens(body: ResponsesRequest, request: Request):
+        """The prompt's tokens as ``POST /v1/responses`` would make it (the openai SDK's
+        ``responses.input_tokens.count``): its instructions, tools and stored conversation included."""
+        owner = request.scope.get(KEY_SCOPE, "")
+        draft = await answering.off_loop(request, lambda: responses_request(body, store, answering.terms, owner)[0])
+        return {"object": "response.input_tokens", "input_tokens": len(draft.ids)}
 
     def stored(response_id: str, request: Request):
         """The stored response the request's key may see, or a 404."""

@@ -32,9 +32,10 @@ def _id(prefix: str) -> str:
 
 
 def usage(done: Outcome) -> dict:
-    """The Responses API's usage, with ReFusion's figures (layout, forwards, tokens_per_forward) after it."""
+    """The Responses API's usage, with ReFusion's figures (layout, forwards, tokens_per_forward) after it
+    (``cache_write_tokens`` 0: every prompt is cached when it finishes, at no extra cost)."""
     u = done.usage
-    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached},
+    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": 0},
             "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total, **u.refusion()}
 
@@ -88,11 +89,13 @@ class ResponsesWriter(Writer):
     def response(self, status: str, done: Optional[Outcome] = None, error: Optional[dict] = None) -> dict:
         body, params = self.body, self.request.params if self.request is not None else None
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        reasoning = body.reasoning or {}  # echoed: this model writes no reasoning items
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
                 "max_output_tokens": body.max_output_tokens, "model": self.model, "output": list(self.output),
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
-                "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": body.previous_response_id, "reasoning": {"effort": reasoning.get("effort"),
+                                                                         "summary": reasoning.get("summary")},
                 "store": body.store is not False, "temperature": params.temperature if params else body.temperature,
                 "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "top_p": params.top_p if params else body.top_p,
