@@ -253,6 +253,9 @@ def test_fields_an_sdk_sends_are_honoured_not_dropped(server, oai, claude):
 def test_stored_responses_get_and_delete(server, oai):
     resp = oai.responses.create(model="m", input=SVEN)
     assert oai.responses.retrieve(resp.id).output_text == resp.output_text
+    with pytest.raises(openai.BadRequestError) as e:  # not an empty stream without a word
+        list(oai.responses.retrieve(resp.id, stream=True))
+    assert e.value.body["param"] == "stream"
     with pytest.raises(openai.BadRequestError) as e:  # only a background response is cancelled; none runs here
         oai.responses.cancel(resp.id)
     assert "not a background response" in e.value.body["message"] and e.value.body["param"] == "response_id"

@@ -319,8 +319,12 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         return entry
 
     @app.get("/v1/responses/{response_id}")
-    async def get(response_id: str, request: Request):
-        return stored(response_id, request).response
+    async def get(response_id: str, request: Request, stream: bool = False):
+        entry = stored(response_id, request)
+        if stream:  # the SDK would read the JSON as an empty stream, without a word
+            raise APIError(400, "stream: a stored response is returned whole here, not streamed again "
+                                "(retrieve it without stream)", "stream")
+        return entry.response
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str, request: Request):
