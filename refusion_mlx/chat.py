@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, output_file, params_from_args,
                   storage_from_args)
-from .cli.flags import unwritable_text
+from .cli.flags import quiet_stdout, unwritable_text
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
@@ -92,7 +92,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
             return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
-    except OSError as e:  # the answer's reader went away (a closed pipe), or its disk is full
+    except BrokenPipeError:  # the answer's reader went away (``| head``): quiet, as generate is
+        quiet_stdout()
+        return 141
+    except OSError as e:  # the answer's disk is full
         say_error(f"cannot write the answer: {e.strerror or e}")
         return 1
     except UnicodeEncodeError as e:

@@ -299,3 +299,11 @@ def test_chat_app_example(background):
     assert "Sven lives in Hanoi." in out
     reused = [int(n) for n in re.findall(r"prefilled (\d+) of (\d+)", out)[1]]
     assert reused[0] < reused[1]
+
+
+def test_a_reader_that_leaves_early_ends_the_chat_quietly():
+    """``chat | head -c 10``: the reader left, so the chat stops without an error line, as generate does."""
+    r = subprocess.run(f"printf 'Count from 1 to 300.\\nWho is Sven?\\n' | {sys.executable} -m refusion_mlx.chat "
+                       f"--max-tokens 256 | head -c 10", shell=True, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, executable="/bin/bash")
+    assert r.stdout == "1 2 3 4 5 " and "error" not in r.stderr and "Traceback" not in r.stderr

@@ -139,7 +139,7 @@ def unwritable_text(e: UnicodeEncodeError) -> str:
     return f"standard output's encoding ({e.encoding}) cannot write the text; set PYTHONIOENCODING=utf-8"
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """Standard output onto the null device: Python's flush at exit finds no reader and would say so."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -244,7 +244,7 @@ def run(body: Callable[[], int]) -> int:
         distributed_group.say_error(distributed_group.lost_ranks(e))
         return 1
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
-        _quiet_stdout()
+        quiet_stdout()
         return 141
     except OSError as e:
         name = getattr(e, "filename", None)
