@@ -129,6 +129,10 @@ def test_openai_tool_round_trip(server, oai):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "calculator"
     assert json.loads(call.function.arguments) == CALL_ARGS
+    for stop in (["\n"], ["29"], ["calc"]):  # a stop string cuts the text, never a call's markup or arguments
+        cut = oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, stop=stop).choices[0]
+        assert cut.finish_reason == "tool_calls" and cut.message.content is None, stop
+        assert json.loads(cut.message.tool_calls[0].function.arguments) == CALL_ARGS
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     second = oai.chat.completions.create(model="m", messages=messages, tools=TOOLS)

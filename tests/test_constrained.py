@@ -12,6 +12,7 @@ knows no JSON; the guarantee does not depend on the model.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -303,6 +304,56 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     assert takes(age, '{"age": ' + "9" * 16 + "}") and takes(age, '{"age": -' + "9" * 16 + "}")
     assert not takes(age, '{"age": ' + "1" * 17)
+    # a bound past 16 digits on one side: the other side is held as many digits past it, not contradicted
+    assert bounded_integers({"type": "integer", "minimum": 10 ** 17})["maximum"] == 10 ** 17 + 10 ** 16 - 1
+    assert bounded_integers({"type": "integer", "exclusiveMaximum": -10 ** 17})["minimum"] == -10 ** 17 - 10 ** 16 + 1
+    assert takes({"type": "integer", "minimum": 10 ** 17}, str(10 ** 17 + 5))
+
+
+@pytest.mark.parametrize("schema, instance", [
+    ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+      "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"name": {"type": "string", "maxLength": 8}},
+      "required": ["name"]}, {"id": 1, "name": "Sven"}),  # inheritance: a base's properties and the schema's own
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},  # b: any value
+     {"a": 1, "b": 2}),
+])
+def test_objects_built_from_several_schemas_are_not_closed_apart(demo, schema, instance):
+    """Closing each object schema alone would refuse what they allow together (\"unsatisfiable\"): such a
+    schema is decoded as given, and its answers are valid under it."""
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.decode.json_schema import for_decoding
+
+    model, tokenizer = demo
+    compile_constraint(Constraint.json_schema(schema), tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+    assert "additionalProperties" not in json.dumps(for_decoding(schema))
+    ids = tokenizer.encode(json.dumps(instance), add_special_tokens=False)
+    m = compile_constraint(Constraint.json_schema(schema), tokenizer, model.args.vocab_size,
+                           tokenizer.eos_token_id).matcher()
+    assert m.valid_prefix(ids) == len(ids)  # an instance valid under the schema is taken
+
+
+@pytest.mark.parametrize("constraint, token", [
+    (Constraint.json_schema({"const": "x\n</tool_call>\n"}), "</tool_call>"),
+    (Constraint.json_schema({"type": "object", "properties": {"<think>": {"type": "integer"}}}), "<think>"),
+    (Constraint.json_schema({"type": "string", "pattern": "^a<|im_end|>$"}), "<|im_end|>"),
+    (Constraint.lark('start: "x</tool_call>"'), "</tool_call>"),
+])
+def test_a_schema_that_spells_a_special_token_is_refused_before_decoding(demo, constraint, token):
+    """The engine allows such a token alone where its text comes and then refuses it (it was a 500 mid-answer):
+    one DecodeError naming the token, before any decoding. A description may say anything."""
+    from refusion_mlx.decode.grammar import compile_constraint
+
+    model, tokenizer = demo
+    with pytest.raises(DecodeError, match=f"spells '{re.escape(token)}', a special token"):
+        compile_constraint(constraint, tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+    described = {"type": "object", "description": "<think>", "properties": {"a": {"type": "integer",
+                                                                                  "title": "</tool_call>"}}}
+    compile_constraint(Constraint.json_schema(described), tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+    with pytest.raises(DecodeError, match="names the end-of-sequence token"):
+        compile_constraint(Constraint.lark('start: "a" <|im_end|>'), tokenizer, model.args.vocab_size,
+                           tokenizer.eos_token_id)
 
 
 def test_forced_text_is_committed_even_where_several_tokenizations_could_spell_it(demo):
@@ -326,3 +377,34 @@ def test_forced_text_is_committed_even_where_several_tokenizations_could_spell_i
     close = tokenizer.encode('"', add_special_tokens=False)
     assert m.consume(close) == len(close)
     assert tokenizer.decode(m.forced()) == ', "city": "'
+
+
+def test_the_tokenizer_lock_is_not_held_while_the_engine_compiles(demo, monkeypatch):
+    """The server's lane lock keeps its tokenizer to one thread; a schema that takes the engine seconds to
+    compile must not hold it (every other request's templating waited behind it)."""
+    import threading
+
+    import llguidance
+
+    from refusion_mlx.decode.grammar import compile_constraint
+
+    model, tokenizer = demo
+    constraint = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    lock, held, real = threading.Lock(), [], llguidance.LLMatcher
+
+    class Spy:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_lark = staticmethod(real.grammar_from_lark)
+
+        @staticmethod
+        def validate_grammar_with_warnings(*args, **kw):
+            held.append(lock.locked())
+            return real.validate_grammar_with_warnings(*args, **kw)
+
+        def __new__(cls, *args, **kw):
+            held.append(lock.locked())
+            return real(*args, **kw)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Spy)
+    compile_constraint(constraint, tokenizer, model.args.vocab_size, tokenizer.eos_token_id, lock=lock)
+    assert held and not any(held) and not lock.locked()

@@ -306,9 +306,11 @@ def test_constraints_compile_once_on_the_requests_thread(server, oai, monkeypatc
     compiled, engine = [], []
     real = grammar.compile_constraint
 
-    def on_request_thread(constraint, *args):
+    def on_request_thread(constraint, *args, **kw):
         compiled.append((constraint.kind, threading.current_thread().name))
-        return real(constraint, *args)
+        lock = kw["lock"]  # the lane's tokenizer lock: held while the tokenizer is read, not during the compile
+        assert not lock.locked()
+        return real(constraint, *args, **kw)
 
     def on_engine_thread(constraint, *args):
         engine.append(constraint.kind)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..models import backend
 from .cache import KVWrite
-from .grammar import allowed_rows
+from .matcher import allowed_rows
 from .packed import PackedWrite
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics, top_logprobs
 from .runner import Runner

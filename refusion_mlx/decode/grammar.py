@@ -16,12 +16,12 @@ here: a schema is narrowed first to what a small model can finish
   Qwen3's format (forced, or optional for strict tools);
 * :func:`compile_constraint` -- checked and compiled against a tokenizer (a
   schema or grammar the engine refuses is one ``DecodeError``);
-* :class:`Matcher` -- one request's matcher: decided tokens in, masks out.
-* :func:`allowed_rows` -- a bitmask as booleans on the device (vocabulary wide).
+* one request's matcher (decided tokens in, masks out) is :mod:`.matcher`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -29,11 +29,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import DecodeError
 from .json_schema import check_schema, for_decoding, without_format
+from .matcher import Matcher, allowed_forced
 
 # compact JSON as json.dumps writes it: ", " between items, ": " after keys
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -258,23 +258,36 @@ class Compiled:
         return Matcher(self, made)
 
 
-def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int) -> Optional[Compiled]:
+def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int,
+                       lock=contextlib.nullcontext()) -> Optional[Compiled]:
     """Compile ``constraint`` for ``tokenizer``; a schema or grammar the engine
     refuses is one ``DecodeError`` naming it. None: nothing to constrain
-    (optional calls whose markers this tokenizer spells as text)."""
+    (optional calls whose markers this tokenizer spells as text). ``lock``
+    is held while the Hugging Face tokenizer is read (the server's lane
+    lock), not while the engine compiles (seconds, for some schemas)."""
     from llguidance import LLMatcher
 
-    if constraint.kind == "tool_calls":
-        spec = json.loads(constraint.source)
-        if spec.get("optional") and not (one_token(tokenizer, spec["start"]) and one_token(tokenizer, spec["end"])):
-            return None  # text could spell a marker and skip the grammar: nothing to guarantee, no constraint
-    lltok = ll_tokenizer(tokenizer, vocab, eos_id)
-    try:
-        grammar = constraint.grammar(lambda text: one_token(tokenizer, text))
-    except DecodeError:
-        raise
-    except Exception as e:  # the engine's own refusal of the text
-        raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(e)}") from None
+    with lock:
+        if constraint.kind == "tool_calls":
+            spec = json.loads(constraint.source)
+            if spec.get("optional") and not (one_token(tokenizer, spec["start"])
+                                             and one_token(tokenizer, spec["end"])):
+                return None  # text could spell a marker and skip the grammar: nothing to guarantee, no constraint
+        lltok = ll_tokenizer(tokenizer, vocab, eos_id)
+        try:
+            grammar = constraint.grammar(lambda text: one_token(tokenizer, text))
+        except DecodeError:
+            raise
+        except Exception as e:  # the engine's own refusal of the text
+            raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(e)}") from None
+        if constraint.kind == "lark" and _names_token(constraint.source, tokenizer, eos_id):
+            raise DecodeError(f"{constraint.name}: names the end-of-sequence token, which ends an answer by "
+                              "itself: leave it out of the grammar")
+        special = _spelled_special(constraint, tokenizer)
+        if special is not None:  # llguidance would allow that token alone there, and then refuse it
+            raise DecodeError(f"{constraint.name}: its text spells {special!r}, a special token of this model's "
+                              "tokenizer, which constrained decoding cannot write: leave it out of constants, enums, "
+                              "patterns and property names")
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error:
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(messages[0])}")
@@ -282,7 +295,7 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     if probe.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(probe.get_error())}")
     ahead = probe.deep_copy()  # what the grammar forces first (a schema's opening brace and key), taken:
-    ahead.consume_tokens(ahead.compute_ff_tokens())  # a lexer or parser past its limits fails here, not mid-answer
+    ahead.consume_tokens(allowed_forced(ahead))  # a lexer or parser past its limits fails here, not mid-answer
     if ahead.is_error():
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(ahead.get_error())}")
     first = np.zeros((vocab + 31) // 32, dtype=np.int32)  # what may come next: nothing, for a grammar
@@ -290,6 +303,60 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     if ahead.is_error() or not first.any():
         raise DecodeError(f"{constraint.name}: admits no text (no answer can be written under it)")
     return Compiled(constraint, grammar, lltok, vocab, eos_id, probe)
+
+
+_NOT_WRITTEN = {"description", "title", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _answer_strings(schema: Any) -> List[str]:
+    """The strings of a JSON Schema that an answer under it may write: constants, enums, patterns and
+    property names (not descriptions, titles or examples)."""
+    out, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in _NOT_WRITTEN:
+                    continue
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    out.extend(value if key in ("properties", "patternProperties") else ())
+                    stack.extend(value.values())
+                else:
+                    stack.append(value)
+    return out
+
+
+def _spelled_special(constraint: Constraint, tokenizer) -> Optional[str]:
+    """A special token of the tokenizer (``</tool_call>``, ``<think>``) that the constraint's own text spells."""
+    try:
+        special = [t.content for t in hf_tokenizer(tokenizer).added_tokens_decoder.values() if len(t.content) > 1]
+    except Exception:  # a tokenizer without added tokens to list
+        return None
+    if constraint.kind == "json_schema":
+        strings = _answer_strings(json.loads(constraint.source))
+    elif constraint.kind == "tool_calls":
+        tools = json.loads(constraint.source)["tools"]
+        strings = [t["name"] for t in tools] + _answer_strings([t["parameters"] for t in tools])
+    elif constraint.kind == "lark":
+        strings = re.findall(r'"((?:\\.|[^"\\])*)"', constraint.source)
+    else:
+        return None
+    return next((token for token in special if any(token in text for text in strings)), None)
+
+
+def _names_token(source: str, tokenizer, token: int) -> bool:
+    """Whether a Lark grammar names ``token`` (``<|im_end|>`` or ``<[801]>``) outside its quoted strings."""
+    bare = re.sub(r'"(?:\\.|[^"\\])*"', "", source)
+    try:
+        name = hf_tokenizer(tokenizer).convert_ids_to_tokens(token)
+    except Exception:
+        name = None
+    return f"<[{token}]>" in bare or bool(name) and name in bare
 
 
 def one_token(tokenizer, text: str) -> bool:
@@ -304,96 +371,3 @@ def one_token(tokenizer, text: str) -> bool:
 
 def _one_line(e) -> str:
     return " ".join(str(e).split())[:300]
-
-
-class Matcher:
-    """One request's grammar state: the tokens decided so far, in position order.
-
-    ``consume`` takes decided tokens (each must be allowed: the constrained mode
-    only decides tokens that are). ``masks(drafts)`` reads without changing it:
-    the bitmask allowed now and after each of the drafts in turn, as long as
-    they are allowed (rollback restores the state). ``forced`` is what the
-    grammar forces next (a schema's fixed keys, braces, quotes).
-    """
-
-    def __init__(self, compiled: Compiled, made=None):
-        from llguidance import LLMatcher
-
-        self.compiled = compiled
-        self.words = (compiled.vocab + 31) // 32
-        self.m = made if made is not None else LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
-        self.eos_id = compiled.eos_id
-
-    def consume(self, tokens: Sequence[int]) -> int:
-        """Decide ``tokens``; returns how many the grammar took (all, when they
-        were checked first). EOS after a complete answer counts as taken: a
-        stopped matcher takes nothing more, EOS included."""
-        tokens = [int(t) for t in tokens]
-        body = tokens[:-1] if tokens and tokens[-1] == self.eos_id else tokens
-        n = int(self.m.try_consume_tokens(body)) if body else 0
-        if n < len(body) or len(body) == len(tokens):
-            return n
-        if self.m.is_stopped() or self.m.try_consume_tokens([self.eos_id]) == 1:
-            return n + 1
-        return n
-
-    def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the grammar allows from here (unchanged)."""
-        return int(self.m.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
-
-    def masks(self, drafts: Sequence[int]) -> np.ndarray:
-        """Bitmasks (len(drafts) + 1, words): allowed now, then after drafts[0],
-        after drafts[0:2], ... while the drafts are allowed; rows after the
-        first refused draft allow everything (nothing there is decided)."""
-        out = np.full((len(drafts) + 1, self.words), -1, dtype=np.int32)
-        self._fill(out, 0)
-        taken = self.valid_prefix(drafts)
-        walked = 0
-        for i in range(taken):
-            if int(drafts[i]) == self.eos_id or not self.m.consume_token(int(drafts[i])):
-                break  # nothing after an EOS is decided
-            walked += 1
-            self._fill(out, i + 1)
-        if walked:
-            self.m.rollback(walked)
-        return out
-
-    def _fill(self, out: np.ndarray, row: int) -> None:
-        self.m.unsafe_compute_mask_ptr(out.ctypes.data + row * out.strides[0], out.strides[0])
-
-    def forced(self) -> List[int]:
-        """The tokens the grammar forces next (may be empty): llguidance's
-        forced tokens, then the rest of the text it forces (a key and its
-        ``": "``, which several tokenizations could spell, so none is forced
-        as a token) in the tokenizer's own tokenization, as far as the
-        grammar takes it -- text a model does not choose costs no forward."""
-        if self.m.is_stopped():
-            return []
-        tokens = [int(t) for t in self.m.compute_ff_tokens()]
-        text = bytes(self.m.compute_ff_bytes())
-        lltok = self.compiled.tokenizer
-        head = lltok.decode_bytes(tokens) if tokens else b""
-        if len(text) > len(head) and text.startswith(head):
-            more = tokens + [int(t) for t in lltok.tokenize_bytes(text[len(head):])]
-            tokens = more[:int(self.m.validate_tokens(more))]
-        return tokens
-
-    @property
-    def stopped(self) -> bool:
-        """Nothing but EOS may follow."""
-        return self.m.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        return self.m.is_accepting()
-
-    def error(self) -> Optional[str]:
-        return self.m.get_error() if self.m.is_error() else None
-
-
-def allowed_rows(bitmask: np.ndarray, vocab: int) -> mx.array:
-    """Bitmask rows (n, words) int32 -> allowed (n, vocab) booleans on the
-    device (bit j % 32 of word j // 32 says whether token j is allowed)."""
-    words = mx.array(bitmask.view(np.uint32))
-    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.uint32)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].astype(mx.bool_)

@@ -39,10 +39,26 @@ def without_format(schema: Any, fmt: str) -> Any:
 
 
 def _closed(s: dict) -> dict:
+    listed = set(s.get("properties") or ()) if isinstance(s.get("properties", {}), dict) else set()
+    required = s.get("required") if isinstance(s.get("required"), list) else []
     if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
-            and "unevaluatedProperties" not in s:
+            and "unevaluatedProperties" not in s and ("patternProperties" in s or set(required) <= listed):
         return {**s, "additionalProperties": False}
     return s
+
+
+def _composed(schema: Any) -> bool:
+    """Whether an object's properties may come from several schemas together (``allOf``; a ``$ref``, an
+    ``anyOf`` or a ``oneOf`` beside properties): each closed alone would refuse what they allow together."""
+    found = []
+
+    def look(s: dict) -> dict:
+        if "allOf" in s or any(k in s for k in ("$ref", "anyOf", "oneOf")) and ("properties" in s or "required" in s):
+            found.append(s)
+        return s
+
+    map_schemas(schema, look)
+    return bool(found)
 
 
 def closed_objects(schema: Any) -> Any:
@@ -51,8 +67,11 @@ def closed_objects(schema: Any) -> Any:
     schemas must, and as vLLM and xgrammar decode by default): what it
     accepts is valid under ``schema``, and a model cannot run on writing keys
     nobody asked for. A schema that allows other keys says so
-    (``"additionalProperties": true`` or a schema)."""
-    return map_schemas(schema, _closed)
+    (``"additionalProperties": true`` or a schema). Left as it is: a schema
+    whose objects take their properties from several schemas together
+    (``allOf``, a ``$ref`` beside properties), and an object that requires a
+    key it does not list."""
+    return schema if _composed(schema) else map_schemas(schema, _closed)
 
 
 INTEGER_DIGITS = 16  # an integer with no bound in its schema is written in at most this many digits
@@ -64,11 +83,17 @@ def _bounded(s: dict) -> dict:
     if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
         return s
     out = dict(s)
-    if "maximum" not in s and "exclusiveMaximum" not in s:
-        out["maximum"] = _TOP
+    low, high = _bound(s, "minimum", "exclusiveMinimum"), _bound(s, "maximum", "exclusiveMaximum")
+    if "maximum" not in s and "exclusiveMaximum" not in s:  # 16 digits, or as many past a larger minimum
+        out["maximum"] = _TOP if low is None or low <= 0 else max(_TOP, int(low) + _TOP)
     if "minimum" not in s and "exclusiveMinimum" not in s:
-        out["minimum"] = -_TOP
+        out["minimum"] = -_TOP if high is None or high >= 0 else min(-_TOP, int(high) - _TOP)
     return out
+
+
+def _bound(s: dict, *keys: str):
+    values = [s[k] for k in keys if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)]
+    return values[0] if values else None
 
 
 def bounded_integers(schema: Any) -> Any:
@@ -79,8 +104,10 @@ def bounded_integers(schema: Any) -> Any:
 
 
 def for_decoding(schema: Any) -> Any:
-    """The schema a request's answer is decoded under: its objects closed, its integers bounded (one walk)."""
-    return map_schemas(schema, lambda s: _bounded(_closed(s)))
+    """The schema a request's answer is decoded under: its objects closed (:func:`closed_objects`), its
+    integers bounded (one walk)."""
+    close = not _composed(schema)
+    return map_schemas(schema, lambda s: _bounded(_closed(s) if close else s))
 
 
 def check_schema(schema: Dict[str, Any], name: str) -> None:

@@ -115,7 +115,9 @@ class DecodeState:
             error, name = (self.matcher.error() or "").split("\n", 1)[0], self.matcher.compiled.constraint.name
             if error:  # the engine gave up on the grammar (a limit): the constraint's fault
                 raise GrammarLimit(f"{name}: past the grammar engine's limits while decoding ({error})", name)
-            raise RuntimeError(f"the grammar refused decided token {list(tokens)[taken]}")  # a broken invariant
+            # the engine allowed a token and then refused it: its inconsistency, this constraint's alone
+            raise GrammarLimit(f"{name}: the grammar engine refused token {list(tokens)[taken]}, which it had "
+                               "allowed (a schema or grammar it cannot follow here)", name)
 
     def commit_run(self, tokens: Sequence[int], first: int) -> List[SlotCommit]:
         """Constrained mode: commit ``tokens`` at positions ``first, first+1, ...``

@@ -49,9 +49,11 @@ class Job:
         self.cancelled = threading.Event()
         self.kv_bytes = kv_bytes  # reserved against the engine's max_kv_bytes while it runs
         self.waited = False  # it waited in the queue for KV memory
-        self.shaper = TextShaper(request.stop, eos_id)
         self.calls = (ToolCallSplitter(tool_format, request.tools, single=not request.parallel_tool_calls)
                       if request.tools and tool_format is not None else None)
+        # stop strings cut the answer's text, never a call's arguments (which then would not parse)
+        self.shaper = TextShaper(request.stop, eos_id,
+                                 (tool_format.start, tool_format.end) if self.calls is not None else None)
         self.group: object = self  # the HTTP request it is a choice of (Scheduler.put: queued with its group)
         self.uid: Optional[int] = None  # in the BatchGenerator, once started
         self.cache = None  # its CommittedCache, once started

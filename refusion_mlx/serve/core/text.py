@@ -18,8 +18,9 @@ class TextShaper:
     committed cache.
     """
 
-    def __init__(self, stop: Sequence[str], eos_id: int):
+    def __init__(self, stop: Sequence[str], eos_id: int, calls: Optional[Tuple[str, str]] = None):
         self.stop: List[str] = list(stop)
+        self.calls = calls  # a call's (start, end) markers: the text between them is no stop string's
         self.eos_id = eos_id
         self.completion_tokens = 0
         self.text = ""  # all final text received
@@ -52,8 +53,27 @@ class TextShaper:
 
     def _first_stop(self) -> Optional[int]:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        spans = self._call_spans()
+        hits = []
+        for s in self.stop:
+            i = self.text.find(s, start)
+            while i >= 0 and any(a <= i < b for a, b in spans):  # inside a call: its arguments, not a stop
+                i = self.text.find(s, i + 1)
+            if i >= 0:
+                hits.append(i)
         return min(hits) if hits else None
+
+    def _call_spans(self) -> List[Tuple[int, int]]:
+        """Where the text's calls are, their markers included (an open one to the text's end)."""
+        if self.calls is None:
+            return []
+        (opening, closing), spans, at = self.calls, [], self.text.find(self.calls[0])
+        while at >= 0:
+            end = self.text.find(closing, at + len(opening))
+            end = len(self.text) if end < 0 else end + len(closing)
+            spans.append((at, end))
+            at = self.text.find(opening, end)
+        return spans
 
     def _held(self) -> int:
         """Length of the longest tail of the text that begins some stop string."""

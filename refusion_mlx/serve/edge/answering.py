@@ -149,9 +149,9 @@ class Answering:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        lane = self.lanes.current()
-        with lane.lock:
-            made = compile_constraint(constraint, lane.tokenizer, self.vocab_size, lane.tokenizer.eos_token_id)
+        lane = self.lanes.current()  # its tokenizer's lock held while the tokenizer is read, not while compiling
+        made = compile_constraint(constraint, lane.tokenizer, self.vocab_size, lane.tokenizer.eos_token_id,
+                                  lock=lane.lock)
         with self._compiled_lock:
             self._compiled[key] = made
             while len(self._compiled) > COMPILED_KEPT:
