@@ -1,7 +1,7 @@
 """A forward's cost by width: what a ReFusion pass of 1 to 32 tokens costs
 against a one-token autoregressive (AR) forward of the same weights.
 
-    python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32, ~3 min
+    python -m benchmarks.forward_cost                                   # CPU: qwen3-0.6b, float32, ~1.5 min
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --json cost.json   # a GPU
     python -m benchmarks.forward_cost --shape refusion-8b --dtype bfloat16 --q-bits 4 \\
         --attention unfused,bucketed --widths 1,4,8,16,32 --kv 256,1024,4096
@@ -28,9 +28,11 @@ it):
 * **its parts by op class**, each timed alone over every layer with the
   same shapes and weights: the q/k/v/o projections, the MLP, attention
   (with its K/V write), the LM head; ``other`` is the whole minus the parts
-  (norms, RoPE, embedding, the mask, dispatch and the host sync). Each
-  part's own evaluation round trip (``sync_ms``, an empty evaluation) is
-  taken out of it;
+  (norms, RoPE, embedding, the mask, dispatch and the host sync), None
+  where the parts timed alone add up to more than the whole (a CPU runs
+  ops of the whole forward side by side; the parts are then shares, not a
+  sum). Each part's own evaluation round trip (``sync_ms``, an empty
+  evaluation) is taken out of it;
 * with quantized weights, every quantized matmul of the layers again, in
   one call (``qmm``) and in calls of at most 7 rows (``qmm_rows7``: MLX's
   CUDA backend takes its mat-vec kernel below 8 rows, a tiled GEMM from 8),
@@ -248,7 +250,8 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
                         if split:
                             parts = parts_ms(model, filled, phase, width, repeat, sync_ms)
                             row.update({k: round(v, 4) for k, v in parts.items()})
-                            row["other"] = round(ms - sum(parts[p] for p in PARTS), 4)
+                            rest = ms - sum(parts[p] for p in PARTS)
+                            row["other"] = round(rest, 4) if rest >= 0 else None  # parts not additive here
                         if kv in ar_by_kv:
                             row["x_ar"] = round(ms / ar_by_kv[kv], 3)
                         rows.append(row)
@@ -262,7 +265,7 @@ def print_tables(result: dict) -> None:
     parts = list(PARTS) + ["other"] if split else []
     headers = ["attention", "phase", "width", "kv", "ms", "build"] + parts + ["x AR"]
     body = [[r["attention"], r["phase"], r["width"], r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"]
-            + [f"{r[p]:.3f}" for p in parts]
+            + [f"{r[p]:.3f}" if r[p] is not None else "-" for p in parts]
             + [f"{r['x_ar']:.2f}" if "x_ar" in r else "-"] for r in result["rows"]]
     print(format_table(headers, body, left=[0, 1]))
     if result["ar"]:
@@ -270,7 +273,10 @@ def print_tables(result: dict) -> None:
         print(format_table(["AR one-token forward", "kv", "ms", "build"],
                            [["mlx-lm", r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"] for r in result["ar"]]))
     print(f"\nms per forward, median; build: the host's part before the evaluation (Python building the "
-          f"graph); parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms)")
+          f"graph; on the CPU paths and with REFUSION_MLX_OVERLAP=on, also the first layers computed meanwhile); "
+          f"parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms): proj the q/k/v/o "
+          f"projections, mlp, attn attention with its K/V write, head the LM head, other the rest of the whole "
+          f"(-: the parts alone add up to more than the whole, as ops the whole runs side by side do on a CPU)")
 
 
 def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
@@ -327,6 +333,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from refusion_mlx.bench.shapes import build_models
 
         check_json_path(args.json)
+        if backend.paths() == "cpu" and args.attention != ["auto"]:
+            print("note: --attention chooses how the GPU paths attend; on the CPU paths every mode runs the same "
+                  "code (REFUSION_MLX_PATHS=gpu runs the GPU paths on any machine)", file=sys.stderr)
         print(f"building {args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}) "
               f"with random weights on {device_description()}, {backend.paths()} paths", flush=True)
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)

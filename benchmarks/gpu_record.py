@@ -101,7 +101,12 @@ def _median(values: List[float]) -> float:
 def _mean_parts(rows: List[dict]) -> dict:
     """Mean ms of each op class over rows split by op class."""
     split = [r for r in rows if "proj" in r]
-    return {k: round(sum(r[k] for r in split) / len(split), 3) for k in PART_NAMES} if split else {}
+    out = {}
+    for k in PART_NAMES:  # "other" is None where the parts alone added up to more than the whole
+        values = [r[k] for r in split if r.get(k) is not None]
+        if values:
+            out[k] = round(sum(values) / len(values), 3)
+    return out
 
 
 def _closest(rows: List[dict], key: str, value: float) -> List[dict]:

@@ -16,7 +16,7 @@
 #               then whole forwards with REFUSION_MLX_OVERLAP=on (the first
 #               layers computing while Python builds the rest)
 #   golden      the golden cases in float32, alone and in one batch, as the
-#               runtime attends and bucketed
+#               runtime attends and bucketed, then on the CPU paths
 #   shape-bf16  bench --shape refusion-8b in bfloat16 with 8 requests at once:
 #               the runtime's attention, then bucketed
 #   fc-q4       the forward cost with 4-bit weights (both attentions), and narrow
@@ -26,6 +26,7 @@
 # Then python -m benchmarks.gpu_record OUT [OUT ...] (each call's folder) makes benchmarks/records/<device>-<date>.json
 # and prints, for each switch measured on and off, what the forwards say of it.
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
+# The exit status is the number of steps that failed (0: all ran), each also said where it failed.
 set -u
 OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
 shift
@@ -33,15 +34,32 @@ STEPS=${*:-fc-bf16 golden shape-bf16 fc-q4 shape-q4}
 PY=${PYTHON:-python3}
 SHAPE=${SHAPE:-refusion-8b}
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."  # the checkout's root: its benchmarks and tests, wherever this was started
+if ! $PY -c "import mlx.core, mlx_lm, pytest" 2>/dev/null; then
+  echo "$PY cannot import mlx, mlx_lm and pytest (on a lent GPU: benchmarks/gpu_wheels.sh install, then" \
+       "export PYTHONPATH=/tmp/site:\$PWD)" >&2
+  exit 1
+fi
+FAILED=0
 step() { echo "== $(date +%T) $*"; }
-fc() { $PY -m benchmarks.forward_cost --shape "$SHAPE" --dtype bfloat16 "$@" || echo "step failed: $?"; }
+failed() { echo "step failed: $1"; FAILED=$((FAILED + 1)); }
+fc() { $PY -m benchmarks.forward_cost --shape "$SHAPE" --dtype bfloat16 "$@" || failed $?; }
 bench_shape() {  # $1: label, $2: attention mode, then extra flags
   local label=$1 mode=$2
   shift 2
   step "bench --shape $SHAPE $label (attention $mode)"
   REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape "$SHAPE" --dtype bfloat16 --batch 8 "$@" \
-    --json "$OUT/shape-$label-$mode.json" || echo "step failed: $?"
+    --json "$OUT/shape-$label-$mode.json" || failed $?
+}
+golden() {  # the golden cases in float32, alone and in one batch, under the environment given
+  local log
+  log=$(env "$@" $PY -m pytest -q -p no:cacheprovider tests/test_golden.py -k token_exact \
+        "tests/test_batch.py::test_every_golden_case_in_one_batch_is_token_exact" 2>&1)
+  local rc=$?
+  echo "$log" | tail -3
+  [ $rc -eq 0 ] || failed $rc
 }
 
 step "device"
@@ -59,9 +77,10 @@ for s in $STEPS; do
     golden)
       for mode in auto bucketed; do
         step "golden cases, float32 (attention $mode)"
-        REFUSION_MLX_ATTENTION=$mode $PY -m pytest -q -p no:cacheprovider tests/test_golden.py -k token_exact \
-          "tests/test_batch.py::test_every_golden_case_in_one_batch_is_token_exact" 2>&1 | tail -3
-      done ;;
+        golden REFUSION_MLX_ATTENTION=$mode
+      done
+      step "golden cases, float32 (the CPU paths, on the device)"
+      golden REFUSION_MLX_PATHS=cpu ;;
     shape-bf16)
       bench_shape bf16 auto
       bench_shape bf16 bucketed ;;
@@ -80,4 +99,5 @@ for s in $STEPS; do
     *) echo "unknown step $s (fc-bf16 golden shape-bf16 fc-q4 shape-q4)"; exit 2 ;;
   esac
 done
-step "done"
+step "done: $FAILED failed"
+exit $FAILED

@@ -42,6 +42,15 @@ case ${1:-prepare} in
     mv "${parts[1]}" .whl2/
     ls -l .whl .whl2 ;;
   install)
+    have=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    if [ "$have" != "$PYVER" ]; then
+      echo "these wheels are for Python $PYVER; python3 here is $have (PYVER=$have, then prepare again)" >&2
+      exit 1
+    fi
+    if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+      echo "no NVIDIA GPU here (nvidia-smi finds none): MLX's CUDA build is for a lent GPU" >&2
+      exit 1
+    fi
     mkdir -p "$SITE"
     cat .whl/mlxpart.* .whl2/mlxpart.* | xz -d | tar -x -C "$SITE"
     PYTHONPATH="$SITE:$PWD" python3 -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, mx.default_device())" ;;
