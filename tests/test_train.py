@@ -505,6 +505,30 @@ def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
                   report=lambda _: None, **options)
 
 
+@pytest.mark.parametrize("mode, group", [("nvfp4", 16), ("mxfp8", 32), ("affine", 64)])
+def test_fusing_into_any_quantized_base_gives_float_weights(mode, group):
+    """mxfp4, nvfp4 and mxfp8 keep their scales as uint8: the fused layer is cast to a floating dtype (the
+    model's), never to its scales' (the weights came out as uint8 garbage, and so did a layer's bias)."""
+    from refusion_mlx.models.adapters import add_adapters, fuse_adapters
+    from tests.helpers import random_config, random_model
+
+    model = random_model(random_config(attention_bias=True, tie=False), seed=2)
+    nn.quantize(model, group_size=group, bits=8 if mode == "mxfp8" else 4, mode=mode,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group == 0)
+    add_adapters(model, "lora", -1, {"rank": 4, "scale": 10.0, "dropout": 0.0,
+                                     "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]})
+    for _, m in model.named_modules():
+        if hasattr(m, "lora_b"):
+            m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(3)) * 0.05
+    ids, pos = mx.array([[5, 9, 805, 805, 7, 3]]), mx.array([[0, 1, 4, 5, 2, 3]])
+    want = logits_of(model, ids, pos)
+    assert fuse_adapters(model, dequantize=True) == 6
+    q_proj = model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == mx.float32 and q_proj.bias.dtype == mx.float32
+    # the fp modes' kernels round their products apart from a float matmul of the dequantized weights
+    np.testing.assert_allclose(logits_of(model, ids, pos), want, atol=1e-3 if mode == "affine" else 0.1)
+
+
 def test_dequantizing_matmuls_compute_the_same_products():
     from refusion_mlx.train.trainer import dequantizing_matmuls
     from tests.helpers import random_config, random_model

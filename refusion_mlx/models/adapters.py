@@ -370,11 +370,15 @@ def fuse_adapters(model, dequantize: bool = False) -> int:
     ``dequantize``. Returns how many layers were fused.
     """
     fused = []
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
     for name, module in model.named_modules():
         if not (hasattr(module, "fuse") and hasattr(module, "lora_a")):
             continue
         base = module.linear
-        dtype = (base.scales if isinstance(base, nn.QuantizedLinear) else base.weight).dtype
+        # the layer's floating dtype: a quantized one's scales (affine), else its bias, else the model's
+        # (mxfp4, nvfp4 and mxfp8 keep their scales as uint8: cast to that, a fused weight would be garbage)
+        dtype = next((a.dtype for a in (getattr(base, "scales", None), getattr(base, "bias", None), base.weight)
+                      if a is not None and mx.issubdtype(a.dtype, mx.floating)), floats[0] if floats else mx.float32)
         module.set_dtype(mx.float32)
         layer = module.fuse(dequantize=dequantize)
         layer.set_dtype(dtype)
