@@ -6,8 +6,9 @@ Shapes are Qwen3's (0.6B, 1.7B, 8B) with ReFusion's resized vocabulary
 (151671 rows, ``mask_token_id`` 151670), or ``tiny`` for tests. Weights are
 random bf16, written shard by shard (memory stays near one shard), named and
 ordered as Hugging Face's ``save_pretrained`` writes them. The tokenizer is the
-demo model's: smaller than the embedding, i.e. a padded vocabulary, which is
-legal, with EOS ``<|im_end|>``. Generated checkpoints are for tests and
+demo model's, with EOS ``<|im_end|>``: at ``tiny`` smaller than the embedding
+(a padded vocabulary, which is legal), at a real shape grown to the
+embedding's rows with tokens no text encodes to (``pad_tokenizer``). Generated checkpoints are for tests and
 benchmarks only; never commit them.
 """
 
@@ -154,7 +155,25 @@ def make_checkpoint(out: Path, shape: str = "tiny", fmt: str = "safetensors", sh
     if copy_tokenizer:
         for f in TOKENIZER_FILES:
             shutil.copy(DEMO / f, out / f)
+        pad_tokenizer(out, config["vocab_size"])
     return out
+
+
+def pad_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The demo tokenizer in ``folder`` grown to ``vocab_size`` tokens where the embedding is over twice its
+    size (a real shape's 151,671 rows): the loader refuses a tokenizer that small as one whose vocabulary
+    files are missing. The new tokens (``<pad816>`` ...) take the free ids; no text encodes to them."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    used = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
+    if 2 * len(used) >= vocab_size:
+        return
+    extra = {f"<pad{i}>": i for i in range(vocab_size) if i not in used}
+    vocab.update(extra)
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    slow = json.loads((folder / "vocab.json").read_text())
+    slow.update(extra)
+    (folder / "vocab.json").write_text(json.dumps(slow, ensure_ascii=False))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

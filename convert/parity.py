@@ -49,9 +49,10 @@ def golden_sequences(npz: Path) -> List[Sequence]:
 
 def torch_logits(src: Path, seqs: List[Sequence]) -> Dict[str, np.ndarray]:
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    # the checkpoint's own architecture (Qwen3 or Llama): another class would leave weights out and differ
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     out = {}
     with torch.no_grad():

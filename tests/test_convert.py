@@ -179,6 +179,20 @@ def test_tied_checkpoint_with_a_stray_lm_head_drops_it(tiny, tmp_path, capsys):
     assert "lm_head.weight" not in mx.load(str(tmp_path / "out" / "model.safetensors"))
 
 
+def test_a_checkpoint_of_a_real_vocabulary_converts_and_loads(tmp_path):
+    """make_checkpoint at ReFusion's 151,671 rows grows the demo tokenizer to them: the loader refuses a
+    tokenizer under half the embedding (its vocabulary files missing), so the docs' real-shape commands
+    (the 0.6B QLoRA example, the benchmarks) need it whole."""
+    from refusion_mlx.models.loading import load
+
+    src = make_checkpoint(tmp_path / "src", "tiny", "safetensors", vocab_size=151671, mask_token_id=151670,
+                          tie_word_embeddings=True)
+    conv.convert(src, tmp_path / "out", progress=False)
+    model, tokenizer = load(tmp_path / "out")
+    assert len(tokenizer._tokenizer) == 151671 and tokenizer.encode("Who is Sven?") == \
+        load(FIXTURE_MODEL)[1].encode("Who is Sven?")  # the demo's text encodes as before
+
+
 # --------------------------------------------------------------------------
 # Output folder, quantization recipes, sharding
 

@@ -169,3 +169,13 @@ def test_it_fine_tunes(converted, tmp_path):
     base, _ = load(converted, dtype="float32")
     ids, pos = mx.array([[5, 9, 13, 2]]), mx.arange(4)
     assert not np.allclose(np.array(adapted(ids, pos)), np.array(base(ids, pos)))
+
+
+def test_the_parity_tool_checks_a_llama_conversion(checkpoint, tmp_path):
+    """convert.parity runs the checkpoint's own architecture in transformers (it ran Qwen3's on a Llama: a
+    correct conversion reported FAIL)."""
+    from convert.parity import parity
+
+    convert(checkpoint, tmp_path / "out", dtype="float32", progress=False)
+    report = parity(checkpoint, tmp_path / "out", length=32, count=1)
+    assert report["top1_agreement"] == 1.0 and report["max_abs_diff"] < 1e-3, report
