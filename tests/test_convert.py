@@ -227,8 +227,11 @@ def test_recipes_keep_embeddings_and_head_at_higher_precision(tmp_path):
     model, _ = load(tmp_path / "fp", join_projections=False)
     assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
     assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
-    conv.convert(FIXTURE_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)
+    m46 = conv.convert(FIXTURE_MODEL, tmp_path / "m46", quant_predicate="mixed_4_6", progress=False)
     assert load(tmp_path / "m46")[0].lm_head.bits == 6
+    # the summary and the model card say the layers' bits, not the top-level setting alone
+    assert "4/6-bit affine by layer" in conv.format_summary(m46) and "4/8-bit" in conv.format_summary(s)
+    assert "4/6-bit affine by layer" in (tmp_path / "m46" / "README.md").read_text()
     assert s.bits_per_weight > 4.6  # 8-bit edges cost more than uniform 4-bit's 4.5
 
 

@@ -253,8 +253,7 @@ def model_card(src_name: str, summary: Summary, model_type: str) -> str:
     data = ModelCardData(library_name="mlx", pipeline_tag="text-generation",
                          tags=["mlx", "refusion", "diffusion-llm"],
                          base_model=src_name if src_name.count("/") == 1 and not Path(src_name).exists() else None)
-    q = summary.quantization
-    precision = (f"{q['bits']}-bit {q['mode']} (group size {q['group_size']})" if q else "not quantized")
+    precision = describe_quantization(summary.quantization)
     return (f"---\n{data.to_yaml()}\n---\n\n# {Path(summary.path).name}\n\n"
             f"ReFusion (masked diffusion LLM, {model_type} architecture) converted from `{src_name}` to MLX "
             f"with `python -m refusion_mlx.convert`: {precision}, other tensors {summary.dtype}, "
@@ -303,10 +302,11 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     plan = make_plan(args, out_dtype, qs)
     notes += plan.notes
     bytes_after = sum(s.nbytes for s in plan.specs.values())
+    quant = plan.config_quant and {k: v for k, v in plan.config_quant.items() if not isinstance(v, dict)}
+    if quant:  # the bits the layers have (a recipe's differ from the top-level setting)
+        quant["layer_bits"] = sorted({q["bits"] for q in plan.quant.values()})
     summary = Summary(dst, plan.parameters, sum(ckpt.tensors[k].nbytes for k in expected),
-                      bytes_after, bytes_after * 8 / plan.parameters, out_dtype,
-                      plan.config_quant and {k: v for k, v in plan.config_quant.items()
-                                             if not isinstance(v, dict)}, notes)
+                      bytes_after, bytes_after * 8 / plan.parameters, out_dtype, quant, notes)
     for note in notes:
         print(f"[INFO] {note}", file=sys.stderr)
     previous_limit = mx.set_cache_limit(0)  # freed buffers go back to the system at once
@@ -321,9 +321,18 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     return summary
 
 
+def describe_quantization(q: Optional[dict]) -> str:
+    """A summary's quantization in words: a recipe's layers by their bits (``mixed_2_6``: 2/6-bit)."""
+    if not q:
+        return "not quantized"
+    bits = q.get("layer_bits") or [q["bits"]]
+    if len(bits) > 1 or bits[0] != q["bits"]:
+        return f"{'/'.join(map(str, bits))}-bit {q['mode']} by layer (group size {q['group_size']})"
+    return f"{q['bits']}-bit {q['mode']} (group size {q['group_size']})"
+
+
 def format_summary(s: Summary) -> str:
-    q = s.quantization
-    what = f"{q['bits']}-bit {q['mode']}, group size {q['group_size']}" if q else "not quantized"
+    what = describe_quantization(s.quantization)
     return (f"[INFO] {s.path}: {_count(s.parameters)} parameters | {_bytes(s.bytes_before)} -> "
             f"{_bytes(s.bytes_after)} | {s.bits_per_weight:.2f} bits per weight | "
             f"{what}, other tensors {s.dtype}")
