@@ -340,10 +340,9 @@ def numbered_adapter_file(iteration: int) -> str:
 
 def save_adapters(weights: Dict[str, mx.array], folder: Union[str, Path], iteration: Optional[int] = None) -> Path:
     """adapters.safetensors (atomically) and, with ``iteration``, its numbered copy."""
-    folder = Path(folder)
-    path = save_weights_atomic(weights, folder / ADAPTER_FILE)
+    path = save_weights_atomic(weights, Path(folder) / ADAPTER_FILE)
     if iteration is not None:
-        save_weights_atomic(weights, folder / numbered_adapter_file(iteration))
+        save_weights_atomic(weights, Path(folder) / numbered_adapter_file(iteration))
     return path
 
 
@@ -365,18 +364,15 @@ def write_adapter_config(config: dict, folder: Union[str, Path]) -> Path:
 def fuse_adapters(model, dequantize: bool = False) -> int:
     """Fold every LoRA/DoRA layer into a plain layer (mlx-lm's ``fuse``), in place.
 
-    The sum is formed in float32 and cast back to the layer's dtype; a
-    quantized base is quantized again with its own settings unless
-    ``dequantize``. Returns how many layers were fused.
+    The sum is formed in float32 and cast back to the layer's floating dtype (a quantized base's scales',
+    else its bias', else the model's: mxfp4, nvfp4 and mxfp8 keep uint8 scales); a quantized base is
+    quantized again with its own settings unless ``dequantize``. Returns how many layers were fused.
     """
-    fused = []
-    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    fused, floats = [], [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
     for name, module in model.named_modules():
         if not (hasattr(module, "fuse") and hasattr(module, "lora_a")):
             continue
         base = module.linear
-        # the layer's floating dtype: a quantized one's scales (affine), else its bias, else the model's
-        # (mxfp4, nvfp4 and mxfp8 keep their scales as uint8: cast to that, a fused weight would be garbage)
         dtype = next((a.dtype for a in (getattr(base, "scales", None), getattr(base, "bias", None), base.weight)
                       if a is not None and mx.issubdtype(a.dtype, mx.floating)), floats[0] if floats else mx.float32)
         module.set_dtype(mx.float32)
