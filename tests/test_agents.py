@@ -254,6 +254,27 @@ def test_fields_an_sdk_sends_are_honoured_not_dropped(server, oai, claude):
     assert 1000 < answer["usage"]["input_tokens"] < 2048 - 16  # the oldest turn left out (of ~700 tokens), no more
 
 
+def test_a_tool_named_like_a_tool_choice_mode_can_be_forced(server):
+    """A tool may be named "none" (or "auto", "required"): naming it in tool_choice forces a call to it on
+    every API, not tool_choice "none" (which left every tool out and refused the request)."""
+    params = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    chat = [{"type": "function", "function": {"name": n, "parameters": params}} for n in ("none", "calculator")]
+    flat = [{"type": "function", "name": n, "parameters": params} for n in ("none", "calculator")]
+    anthropic = [{"name": n, "input_schema": params} for n in ("none", "calculator")]
+    for path, body, named in (
+            ("/v1/chat/completions", {"messages": user(CALC), "tools": chat,
+                                      "tool_choice": {"type": "function", "function": {"name": "none"}}},
+             lambda a: a["choices"][0]["message"]["tool_calls"][0]["function"]["name"]),
+            ("/v1/responses", {"input": CALC, "tools": flat, "tool_choice": {"type": "function", "name": "none"}},
+             lambda a: a["output"][0]["name"]),
+            ("/v1/messages", {"max_tokens": 64, "messages": user(CALC), "tools": anthropic,
+                              "tool_choice": {"type": "tool", "name": "none"}},
+             lambda a: a["content"][-1]["name"])):
+        status, _, payload = raw(server, "POST", path, body)
+        assert status == 200, payload
+        assert named(json.loads(payload)) == "none", path
+
+
 def test_stored_responses_get_and_delete(server, oai):
     resp = oai.responses.create(model="m", input=SVEN)
     assert oai.responses.retrieve(resp.id).output_text == resp.output_text

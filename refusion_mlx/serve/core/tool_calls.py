@@ -265,16 +265,17 @@ def _check_schema(schema: Any, param: str) -> None:
 
 
 def template_tools(tools: Sequence[dict], choice: Optional[str], takes_tools: bool, param: str,
-                   choice_param: str) -> Tuple[dict, ...]:
+                   choice_param: str, named: bool = False) -> Tuple[dict, ...]:
     """The tools (in the template's form) a request gives the chat template
     and whose calls its answer is read for: none with ``tool_choice`` "none".
-    Names must differ; a model without a call format takes none (a 400)."""
+    Names must differ; a model without a call format takes none (a 400).
+    ``named``: ``choice`` is a tool's name (a tool may be named "none")."""
     names = [t["function"]["name"] for t in tools]
     twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if twice is not None:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: two tools are named {twice!r}", param)
-    check_tool_choice(choice, names, choice_param)
-    if not tools or choice == "none":
+    check_tool_choice(choice, names, choice_param, named)
+    if not tools or choice == "none" and not named:
         return ()
     if not takes_tools:
         raise Refusal(Reason.UNSUPPORTED, f"{param}: this model's chat template has no tool-call format, so it "
@@ -282,15 +283,15 @@ def template_tools(tools: Sequence[dict], choice: Optional[str], takes_tools: bo
     return tuple(tools)
 
 
-def check_tool_choice(choice: Optional[str], names: Sequence[str], param: str) -> None:
-    """``choice``: "auto", "none", "required" or a tool's name (named choice).
+def check_tool_choice(choice: Optional[str], names: Sequence[str], param: str, named: bool = False) -> None:
+    """``choice``: "auto", "none", "required" or a tool's name (``named``).
     A name the tools do not have is a 400, and so is "required" without
     tools; a forced call is decoded under a grammar (:mod:`.structured`)."""
-    if choice in (None, "auto", "none"):
+    if choice in (None, "auto", "none") and not named:
         return
-    if choice == "required" and not names:
+    if choice == "required" and not named and not names:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: forcing a call needs tools to call", param)
-    if choice != "required" and choice not in names:
+    if (named or choice != "required") and choice not in names:
         raise Refusal(Reason.INVALID_VALUE, f"{param}: no tool named {choice!r} among the request's tools "
                                             f"({', '.join(names) or 'none'})", param)
 

@@ -200,8 +200,8 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
     if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
         raise invalid("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
                                             '{"type": "tool", "name": ...}')
-    named = {"auto": "auto", "none": "none", "any": "required"}.get(kind, choice.get("name"))
-    return template_tools(tools, named, takes_tools, "tools", "tool_choice"), not choice.get(
+    picked = {"auto": "auto", "none": "none", "any": "required"}.get(kind, choice.get("name"))
+    return template_tools(tools, picked, takes_tools, "tools", "tool_choice", named=kind == "tool"), not choice.get(
         "disable_parallel_tool_use", False)
 
 

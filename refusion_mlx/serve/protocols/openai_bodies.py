@@ -264,7 +264,8 @@ def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:
             raise Refusal(Reason.INVALID_VALUE, 'tool_choice: "none", "auto", "required" or {"type": "function", '
                                                 '"function": {"name": ...}}', "tool_choice")
         choice = name
-    return template_tools(tools, choice, takes_tools, "tools", "tool_choice")
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice",
+                          named=isinstance(body.tool_choice, dict))
 
 
 def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) -> Draft:

@@ -196,7 +196,8 @@ def response_tools(body, takes_tools: bool) -> tuple:
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise invalid("tool_choice", '"none", "auto", "required" or {"type": "function", "name": ...}')
         choice = choice["name"]
-    return template_tools(tools, choice, takes_tools, "tools", "tool_choice"), namespaces
+    return template_tools(tools, choice, takes_tools, "tools", "tool_choice",
+                          named=isinstance(body.tool_choice, dict)), namespaces
 
 
 def check_unsupported(body) -> None:
