@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -256,7 +257,10 @@ def test_page_json_schema_box(chromium, server):
             page.fill("#input", COUNT)
             page.press("#input", "Enter")
             page.wait_for_function("document.getElementById('status').textContent.startsWith('JSON schema')")
-            refused = (page.text_content("#status"), page.locator(".msg").count())
+            refused = (page.text_content("#status"), page.locator(".msg").count(), page.input_value("#input"))
+            page.fill("#json-schema", "null")  # JSON, but no schema: said so, not sent unconstrained
+            page.press("#input", "Enter")
+            page.wait_for_function("document.getElementById('status').textContent.includes('a schema is an object')")
             page.fill("#json-schema", json.dumps(schema))
             for api in ("chat", "responses"):
                 page.click("#new-chat")
@@ -268,8 +272,52 @@ def test_page_json_schema_box(chromium, server):
         finally:
             browser.close()
     assert refused[0].startswith("JSON schema: not valid JSON") and refused[1] == 0
+    assert refused[2] == COUNT  # the message typed stays in the box
     for text in answers:
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_page_stop_new_chat_and_keys(chromium, server):
+    """Stop ends a paced replay at once (not when its buffered steps run out); an answer stopped before any
+    text leaves the conversation with its question (the Messages API refuses an empty assistant turn);
+    Enter that confirms an input method's candidate does not send."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 700})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(base(server) + "/")
+            page.wait_for_selector("input[name=max_tokens]")
+            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page.fill("#pace", "2000")
+            page.fill("#input", COUNT)
+            page.press("#input", "Enter")
+            page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')",
+                                   polling=25)
+            t0 = time.monotonic()
+            page.click("#stop")
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+            stop = (time.monotonic() - t0, page.get_attribute(".msg.assistant", "data-finish"),
+                    page.text_content("#status"))
+            kept = page.evaluate("""() => {
+                const asked = [{role: "user", content: "q"}];
+                keep(asked, "");  // stopped before any text: the question leaves too
+                const answered = [{role: "user", content: "q"}];
+                keep(answered, "a");
+                return [asked.length, answered.length];
+            }""")
+            page.fill("#pace", "0")
+            page.fill("#input", "Who is Sven?")
+            page.dispatch_event("#input", "keydown", {"key": "Enter", "isComposing": True, "keyCode": 229})
+            composing = page.locator(".msg").count()
+        finally:
+            browser.close()
+    assert not errors
+    assert stop[0] < 1.5 and stop[1] == "stopped" and stop[2] == "stopped", stop
+    assert kept == [0, 2] and composing == 2  # the IME's Enter sent nothing
 
 
 def grid(page) -> list:

@@ -16,7 +16,7 @@ const STORE = "refusion-mlx-settings";
 const KEY_STORE = "refusion-mlx-api-key";
 
 const $ = (id) => document.getElementById(id);
-const state = { history: [], busy: false, controller: null, shown: null, defaults: {} };
+const state = { history: [], busy: false, controller: null, shown: null, defaults: {}, loaded: false };
 
 // Each API: its path, its body for the conversation, and what one of its stream's events
 // says, as { text, commits, finish, usage: { completion, prompt, cached, tpf }, error }.
@@ -26,7 +26,8 @@ const APIS = {
     body: (messages, system, decoding, schema) => ({
       messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
       stream: true, stream_options: { include_usage: true, include_commits: true }, ...decoding,
-      ...(schema ? { response_format: { type: "json_schema", json_schema: { name: "page", schema } } } : {}),
+      ...(schema !== null ? { response_format: { type: "json_schema", json_schema: { name: "page", schema } } }
+                          : {}),
     }),
     read: (name, d) => {
       const choice = d.choices && d.choices[0];
@@ -45,7 +46,7 @@ const APIS = {
       const { max_tokens, ...rest } = decoding;
       return { input: messages, ...(system ? { instructions: system } : {}), store: false, stream: true,
                stream_options: { include_commits: true },
-               ...(schema ? { text: { format: { type: "json_schema", name: "page", schema } } } : {}),
+               ...(schema !== null ? { text: { format: { type: "json_schema", name: "page", schema } } } : {}),
                ...(max_tokens != null ? { max_output_tokens: max_tokens } : {}), ...rest };
     },
     read: (name, d) => {
@@ -99,20 +100,31 @@ function askKey(message) {
     dialog.addEventListener("close", () => {
       const key = $("key-input").value.trim();
       resolve(dialog.returnValue === "ok" && key ? key : null);
+      // (a key outside printable ASCII cannot go in a header: authorizedFetch asks again)
     }, { once: true });
     dialog.showModal();
   });
 }
 
 // fetch with the stored key; on a 401 ask for the key (again, if the one sent was refused) and retry
+const PRINTABLE = /^[\x21-\x7e]+$/;
+
 async function authorizedFetch(path, options = {}) {
+  let refused = "The server refused that key. Its API key:";
   for (;;) {
-    const key = sessionStorage.getItem(KEY_STORE);
+    let key = sessionStorage.getItem(KEY_STORE);
+    if (key && !PRINTABLE.test(key)) { // a pasted curly quote or ellipsis: fetch would throw, never ask again
+      sessionStorage.removeItem(KEY_STORE);
+      const asked = await askKey("An API key is printable ASCII (no spaces, quotes or dashes typographers " +
+                                 "use). Its API key:");
+      if (asked === null) throw new Error("no API key given");
+      sessionStorage.setItem(KEY_STORE, asked);
+      continue;
+    }
     const headers = { ...(options.headers || {}), ...(key ? { Authorization: "Bearer " + key } : {}) };
     const resp = await fetch(path, { ...options, headers });
     if (resp.status !== 401) return resp;
-    const asked = await askKey(key ? "The server refused that key. Its API key:"
-                                   : "This server needs its API key (kept in this tab only):");
+    const asked = await askKey(key ? refused : "This server needs its API key (kept in this tab only):");
     if (asked === null) return resp;
     sessionStorage.setItem(KEY_STORE, asked);
   }
@@ -128,6 +140,7 @@ async function loadSettings() {
   document.title = s.model + " · refusion-mlx chat";
   const form = $("settings-form");
   s.fields.forEach((f) => { state.defaults[f.name] = f.default; });
+  state.loaded = true;
   const byName = new Map(s.fields.map((f) => [f.name, f]));
   const placed = new Set();
   const groups = GROUPS.map(([title, names]) => {
@@ -301,7 +314,9 @@ function show(turn, msg) {
 
 function addMessage(role, text) {
   const msg = el("div", "msg " + role);
-  msg.append(el("div", "who", role), el("div", "body", text), el("div", "meta"));
+  const body = el("div", "body", text);
+  body.dir = "auto"; // right-to-left text reads right to left
+  msg.append(el("div", "who", role), body, el("div", "meta"));
   $("messages").append(msg);
   msg.scrollIntoView({ block: "end" });
   return msg;
@@ -314,9 +329,24 @@ function setBusy(busy) {
   $("input").disabled = busy;
 }
 
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+// a pause between replayed steps that Stop ends at once
+const sleep = (ms, signal) => new Promise((resolve, reject) => {
+  const timer = setTimeout(resolve, ms);
+  signal.addEventListener("abort", () => {
+    clearTimeout(timer);
+    reject(new DOMException("stopped", "AbortError"));
+  }, { once: true });
+});
 
 async function send(text) {
+  if (!state.loaded) { // a key dialog cancelled at load, or the server down then: the settings first
+    try {
+      await loadSettings();
+    } catch (e) {
+      setStatus("cannot read the settings: " + e.message, "error");
+      return;
+    }
+  }
   let decoding;
   try {
     decoding = chosenSettings();
@@ -334,12 +364,17 @@ async function send(text) {
       setStatus("JSON schema: not valid JSON (" + e.message + ")", "error");
       return;
     }
+    if (typeof schema !== "boolean" && (typeof schema !== "object" || schema === null || Array.isArray(schema))) {
+      setStatus("JSON schema: a schema is an object (or true / false), got " + schemaText.slice(0, 40), "error");
+      return;
+    }
     if ($("api").value === "messages") {
       setStatus("JSON schema: the Messages API has no structured output; use Chat Completions or Responses",
                 "error");
       return;
     }
   }
+  $("input").value = ""; // checked: the message leaves the box (an error above left it there)
   const history = state.history; // this conversation's (New chat starts another)
   history.push({ role: "user", content: text });
   addMessage("user", text);
@@ -351,7 +386,11 @@ async function send(text) {
   const api = APIS[$("api").value];
   const body = api.body(history, system, decoding, schema);
   const pace = Number($("pace").value) || 0;
-  state.controller = new AbortController();
+  const controller = new AbortController();
+  state.controller = controller;
+  const stopped = () => { // Stop or New chat: even when the whole stream had already arrived
+    if (controller.signal.aborted) throw new DOMException("stopped", "AbortError");
+  };
   setBusy(true);
   setStatus("streaming…", "busy");
   let answer = "";
@@ -368,7 +407,7 @@ async function send(text) {
     if (e.commits) {
       applyCommits(turn, e.commits);
       if (state.shown === turn) renderGrid(turn);
-      if (pace && e.commits.step) await sleep(pace);
+      if (pace && e.commits.step) await sleep(pace, controller.signal);
     }
     if (e.usage) {
       const u = e.usage;
@@ -385,7 +424,7 @@ async function send(text) {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
-      signal: state.controller.signal,
+      signal: controller.signal,
     });
     if (!resp.ok) {
       let message = `${resp.status} ${resp.statusText}`;
@@ -409,24 +448,26 @@ async function send(text) {
         for (const line of event.split("\n")) {
           if (line.startsWith("event: ")) name = line.slice(7);
           if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+          stopped();
           await onEvent(name, JSON.parse(line.slice(6)));
         }
       }
       msg.scrollIntoView({ block: "end" });
     }
-    history.push({ role: "assistant", content: answer });
-    setStatus("ready", "");
+    stopped();
+    keep(history, answer);
+    current(controller, "ready", "");
   } catch (e) {
     if (e.name === "AbortError") {
-      history.push({ role: "assistant", content: answer });
+      keep(history, answer);
       finish = "stopped";
-      msg.querySelector(".meta").textContent = "stopped";
-      setStatus("stopped", "");
+      msg.querySelector(".meta").textContent = answer ? "stopped" : "stopped before any text (left out)";
+      current(controller, "stopped", "");
     } else {
       history.pop(); // the failed question leaves the conversation
       msg.classList.add("error");
       msg.querySelector(".meta").textContent = "error: " + e.message;
-      setStatus("error", "error");
+      current(controller, "error", "error");
     }
   } finally {
     msg.classList.remove("streaming");
@@ -436,6 +477,18 @@ async function send(text) {
     setBusy(false);
     $("input").focus();
   }
+}
+
+// The answer joins the conversation; an empty one (stopped before any text) leaves with its question, as
+// the Messages API refuses an empty assistant turn.
+function keep(history, answer) {
+  if (answer) history.push({ role: "assistant", content: answer });
+  else history.pop();
+}
+
+// The status of a turn that is still the page's (not one that New chat left behind).
+function current(controller, text, kind) {
+  if (state.controller === controller) setStatus(text, kind);
 }
 
 function newChat() {
@@ -451,11 +504,10 @@ function main() {
     e.preventDefault();
     const text = $("input").value.trim();
     if (!text || state.busy) return;
-    $("input").value = "";
     send(text);
   });
   $("input").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) { // not an IME's Enter
       e.preventDefault();
       $("composer").requestSubmit();
     }
