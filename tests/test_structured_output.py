@@ -201,6 +201,7 @@ def test_anthropic_forced_tool_choice(server):
     ({"response_format": json_schema({"type": "string", "pattern": "(?<=a)b"})},
      "response_format.json_schema.schema"),
     ({"response_format": json_schema({"type": "nope"})}, "response_format.json_schema.schema"),
+    ({"response_format": json_schema('{"type": "object"}')}, "response_format.json_schema.schema"),  # text
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {

@@ -64,6 +64,9 @@ def response_format(value: Any, param: str, nested: bool = True) -> Optional[Con
     if "schema" not in spec and not nested:  # chat completions may leave it out; the Responses API may not
         raise Refusal(Reason.INVALID_VALUE, f"{where}.schema: is required (a JSON Schema)", f"{where}.schema")
     schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, (dict, bool)):  # a string would be read as JSON text by the Python API
+        raise Refusal(Reason.INVALID_VALUE, f"{where}.schema: must be a JSON Schema (an object), got "
+                                            f"{type(schema).__name__}", f"{where}.schema")
     check_schema_size(schema, f"{where}.schema")
     return _checked(lambda: Constraint.json_schema(schema, f"{where}.schema"), f"{where}.schema")
 
