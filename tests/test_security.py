@@ -144,8 +144,8 @@ def test_every_route_but_health_the_page_and_hello_needs_the_key(server):
     for path in ("/health", "/", "/web/app.js", "/web/style.css", "/api/hello"):
         assert call(server, "GET", path, key=None)[0] == 200, path
     assert call(server, "HEAD", "/api/hello", key=None)[0] == 200  # Claude Code's connection check, keyless
-    status, _, payload = call(server, "GET", "/health", key=None)  # up or not, and nothing of the traffic
-    assert json.loads(payload) == {"status": "ok", "model": json.loads(payload)["model"]}
+    status, _, payload = call(server, "GET", "/health", key=None)  # up or not: nothing of the traffic, nor the
+    assert json.loads(payload) == {"status": "ok"}  # model's name (by default its folder's path)
     assert {"completed", "prefill_tokens", "prompt_cache"} <= set(json.loads(call(server, "GET", "/health")[2]))
     for path in ("/", "/web/app.js"):  # no other site may frame the page
         headers = call(server, "GET", path, key=None)[1]
@@ -231,6 +231,59 @@ def test_a_body_that_stalls_after_its_headers_is_a_408(server):
         while chunk := s.recv(4096):  # the body, then the close
             head += chunk.decode()
     assert head.startswith("HTTP/1.1 408") and "request_timeout" in head and 0.9 < waited < 5, head
+
+
+def test_operators_settings_and_clients_the_docs_promise(server, tmp_path, caplog):
+    """A browser SDK's preflight
+    (x-stainless-*, Anthropic's direct-browser header) passes for an allowed origin; a request path cannot
+    write log lines; --api-key takes commas as the docs say; the port is held from construction; a chunked body
+    over the limit is refused at once (not after a 5 s drain)."""
+    import argparse
+
+    from refusion_mlx.serve.server_config import add_server_args
+
+    status, headers, _ = call(server, "OPTIONS", "/v1/chat/completions", key=None, headers={
+        "Origin": APP, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-lang,"
+                                          "anthropic-dangerous-direct-browser-access"})
+    assert status == 200 and "x-stainless-lang" in headers["access-control-allow-headers"].lower()
+    with caplog.at_level(logging.INFO, logger="refusion_mlx.server"):
+        call(server, "GET", "/x%0a04:21:59%20serving%20FORGED", key=None)
+    forged = [r.getMessage() for r in caplog.records if "FORGED" in r.getMessage()]
+    assert forged and all("\n" not in m and m.startswith("401") for m in forged)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args(["--api-key", "k1,k2", "--api-key", "k3"])
+    assert tuple(args.api_keys) == ("k1", "k2", "k3")
+    held = RefusionServer(None, port=0, max_body_bytes=1000)  # listening before the model loads: no other
+    try:  # socket can take the port
+        assert held.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        held.start()
+        t0 = time.monotonic()
+        with socket.create_connection((held.host, held.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      + b"%x\r\n" % 4000 + b"x" * 4000 + b"\r\n0\r\n\r\n")
+            head = s.recv(4096).decode()
+        assert head.startswith("HTTP/1.1 413") and time.monotonic() - t0 < 2.5, head
+    finally:
+        held.close()
+
+
+def test_a_shared_folder_is_not_made_private_for_the_prompt_cache(tmp_path):
+    """--prompt-cache-dir on a folder others use (/tmp, a team's): refused in one line, its mode left as it was."""
+    from refusion_mlx.models.loading import load
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "someone-elses.txt").write_text("x")
+    model, _ = load(None)
+    with pytest.raises(RefusionError, match="shared .mode 1777. and holds other files"):
+        attach(PromptCache(1 << 20), model, str(shared), 1 << 20)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
 
 
 def test_a_message_without_content_is_a_clear_400(server):

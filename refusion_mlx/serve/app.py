@@ -40,6 +40,11 @@ from .protocols import tokenizer_api
 log = logging.getLogger("refusion_mlx.server")
 
 
+def printable(text: str) -> str:
+    """``text`` for one log line: control characters (a request path's %0a) escaped, so no client writes lines."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def create_app(server) -> FastAPI:
     """The FastAPI app of a RefusionServer (its engine and its ServerConfig: model id, defaults, limits)."""
     engine, config = server.engine, server.config
@@ -51,7 +56,7 @@ def create_app(server) -> FastAPI:
         engine.metrics.http_error(error.status)
         if error.status < 500:
             named = error.param and not error.message.startswith(error.param)
-            log.info("%d %s %s: %s%s", error.status, scope["method"], scope["path"],
+            log.info("%d %s %s: %s%s", error.status, scope["method"], printable(scope["path"]),
                      f"{error.param}: " if named else "", error.message)
 
     app.add_middleware(HeadAsGet)  # innermost: the guards see the HEAD, the routes a GET
@@ -62,9 +67,8 @@ def create_app(server) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
-                                          "anthropic-beta"])
-    app.add_middleware(SiteGuard, bound=server.host, allowed_hosts=config.allowed_hosts,
+                           allow_headers=["*"])  # the SDKs' own too (x-stainless-*, anthropic-dangerous-...)
+    app.add_middleware(SiteGuard, bound=server.host, allowed_hosts=config.allowed_hosts + (config.host,),  # --host NAME
                        allowed_origins=config.allowed_origins, on_error=refused)
 
     async def on_error(request: Request, exc: Exception):
@@ -112,7 +116,7 @@ def create_app(server) -> FastAPI:
         queue, batch, counters, KV reservations and the prompt cache's size, as /metrics guards them."""
         ok, status = engine.health()
         shown = not config.api_keys or config.metrics_public or KEY_SCOPE in request.scope
-        return JSONResponse({"status": status, "model": config.model_id, **(engine.snapshot() if shown else {})},
+        return JSONResponse({"status": status, **({"model": config.model_id, **engine.snapshot()} if shown else {})},
                             200 if ok else 503)
 
     @app.get("/metrics")

@@ -27,10 +27,12 @@ from .core.text import TextShaper
 from .edge.connections import OncePerInterval, default_max_connections, protocol
 from .edge.security import exposure_warning
 from .server_config import ServerConfig
+from ..errors import RefusionError
 
 __all__ = ["RefusionServer", "ServerConfig", "TextShaper"]
 
 log = logging.getLogger("refusion_mlx.server")
+BACKLOG = 2048  # connections the kernel queues before the server accepts them (during the model's load too)
 
 
 class RefusionServer:
@@ -63,6 +65,9 @@ class RefusionServer:
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.socket.bind((host, config.port))
+            # listening now holds the port while the model loads (a bound socket that does not listen is
+            # one another SO_REUSEADDR socket may bind too); a client's connection waits in the backlog
+            self.socket.listen(BACKLOG)
         except OSError:
             self.socket.close()
             raise
@@ -73,7 +78,7 @@ class RefusionServer:
         self.engine = Engine(config, dist=dist)
         bounded = protocol(config.header_timeout, config.max_connections or default_max_connections())
         uvicorn_config = uvicorn.Config(create_app(self), log_config=None, access_log=False, lifespan="off",
-                                        backlog=2048, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
+                                        backlog=BACKLOG, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
                                         timeout_keep_alive=30, http=bounded)
         _quiet_repeats()
         self.uvicorn = _Uvicorn(uvicorn_config)
@@ -94,6 +99,9 @@ class RefusionServer:
         self._thread.start()
         while not self.uvicorn.started and self._thread.is_alive():
             time.sleep(0.01)
+        if not self.uvicorn.started:
+            self.close()
+            raise RefusionError(f"the HTTP server on port {self.port} stopped before it served (see the log)")
         return self
 
     def serve_forever(self) -> None:

@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ..cli import add_kv_args, byte_size, params_from_args
 from ..decode.kv_store import KVStorage
@@ -184,9 +184,18 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value < 1e9:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not 0 < value < 1e6:  # as ServerConfig checks it
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds under 1e6, got {text!r}")
     return value
+
+
+def _keys(text: str) -> List[str]:
+    """argparse type of --api-key: one key or several, comma-separated (as the environment variable takes them)."""
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in keys if len(k) > 1024 or not all(33 <= ord(c) < 127 for c in k)]
+    if not keys or bad:
+        raise argparse.ArgumentTypeError("an API key is 1 to 1024 printable ASCII characters without spaces")
+    return keys
 
 
 def _origins(text: str) -> Tuple[str, ...]:
@@ -240,10 +249,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-hosts", type=_origins, default=(),
                         help="comma-separated host names the Host header may give besides the bound address "
                              "and localhost, or '*' for any (default: none; refuses DNS rebinding)")
-    parser.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+    parser.add_argument("--api-key", dest="api_keys", action="extend", type=_keys, metavar="KEY",
                         help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
-                             "/health and the web page's files; repeat for several, each its own prompt-cache "
-                             f"partition (default: ${API_KEY_ENV}, comma-separated; none)")
+                             "/health and the web page's files; several: repeat the flag or separate them with "
+                             f"commas, each its own prompt-cache partition (default: ${API_KEY_ENV}, comma-separated; "
+                             "none)")
     parser.add_argument("--metrics-public", action="store_true",
                         help="serve /metrics without the API key (a scraper without it)")
     parser.add_argument("--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",

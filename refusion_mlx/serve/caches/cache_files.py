@@ -28,6 +28,7 @@ with one warning line.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -81,6 +82,11 @@ class CacheDir:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         mode = stat.S_IMODE(self.path.stat().st_mode)
         if mode != 0o700:  # the conversations in it are no one else's to read
+            others = [f.name for f in self.path.iterdir() if not f.name.endswith(SUFFIX) and
+                      not f.name.startswith(TMP)]
+            if others:  # a shared folder (/tmp, a team's): made private, it would lock its other users out
+                raise PermissionError(errno.EPERM, f"it is shared (mode {mode:o}) and holds other files, e.g. "
+                                                   f"{others[0]}: give the server a folder of its own")
             os.chmod(self.path, 0o700)
             log.info("prompt cache: %s made private (0700, was %o)", self.path, mode)
         for f in self.path.glob(TMP + "*"):  # left by a process killed while writing

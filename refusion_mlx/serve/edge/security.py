@@ -238,14 +238,15 @@ class RequestGuard:
             error = APIError(413, f"the request body is {int(length)} bytes; the limit is {self.max_bytes}",
                              code="request_too_large")
         else:
-            body = await self.read(receive)
+            body, more = await self.read(receive)
             if body is None:  # the client left
                 return
             if body is False:
                 error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
                                       "headers", code="request_timeout")
             elif len(body) > self.max_bytes:  # chunked: known only as it comes
-                await self.drain(receive, 64 << 20)  # read the rest, or the client sees a reset, not the 413
+                if more:  # read the rest, or the client sees a reset, not the 413
+                    await self.drain(receive, 64 << 20)
                 error = APIError(413, f"the request body is over the limit of {self.max_bytes} bytes",
                                  code="request_too_large")
             else:
@@ -267,20 +268,20 @@ class RequestGuard:
         await response(scope, receive, send)
 
     async def read(self, receive):
-        """The body (bytes; once over the limit, what came so far), None when
-        the client leaves, False when it stalls past the timeout."""
+        """(the body, whether more of it is still to come): bytes (once over the limit, what came so far),
+        None when the client leaves, False when it stalls past the timeout."""
         parts, size, deadline = [], 0, time.monotonic() + self.body_timeout
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return False
+                return False, False
             if message["type"] == "http.disconnect":
-                return None
+                return None, False
             parts.append(message.get("body", b""))
             size += len(parts[-1])
             if not message.get("more_body") or size > self.max_bytes:
-                return b"".join(parts)
+                return b"".join(parts), bool(message.get("more_body"))
 
     async def drain(self, receive, length: int) -> None:
         left, deadline = min(length, 64 << 20), time.monotonic() + 5
