@@ -6,6 +6,7 @@ line, the server's too. Each start costs two interpreters' start: three
 in all (mlx.launch for generate; the others started as it starts ranks, so
 the test sees each rank's own exit status)."""
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -155,15 +156,12 @@ def _get(port: int, path: str) -> int:
     return response.status
 
 
-@pytest.fixture(scope="module")
-def pipeline_server(tmp_path_factory):
-    """A server on two ranks, split by layers (--pipeline), its KV caches
-    quantized (--kv-bits 8: each rank keeps its own layers' codes), started
-    as mlx.launch starts them: (HTTP port, [rank 0, rank 1])."""
+@contextlib.contextmanager
+def _two_rank_server(folder, flags, timeout_s=None, model=FIXTURE_MODEL):
+    """A server on two ranks, started as mlx.launch starts them, once it answers: (HTTP port, [rank 0, 1])."""
     port = _free_port()
-    procs = _start_ranks(tmp_path_factory.mktemp("ranks"), ["--model", str(FIXTURE_MODEL), "--port", str(port),
-                                                             "--pipeline", "--kv-bits", "8"], timeout_s=None,
-                         command="refusion_mlx.server")
+    procs = _start_ranks(folder, [*(["--model", str(model)] if model else []), "--port", str(port), *flags],
+                         timeout_s=timeout_s, command="refusion_mlx.server")
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -179,6 +177,32 @@ def pipeline_server(tmp_path_factory):
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory):
+    """A server on two ranks, split by layers (--pipeline), its KV caches
+    quantized (--kv-bits 8: each rank keeps its own layers' codes)."""
+    with _two_rank_server(tmp_path_factory.mktemp("ranks"), ["--pipeline", "--kv-bits", "8"]) as served:
+        yield served
+
+
+def test_a_tensor_parallel_server_samples_alike_on_every_rank(tmp_path):
+    """Unseeded sampling (--temp 1.0, no seed in the request): each rank decodes on its engine thread, whose
+    MLX generator is the thread's own; every rank seeds it with the seed rank 0 broadcast. Unseeded, the
+    ranks' drafts parted and, under mlx.launch, the server hung until the watchdog ended both ranks (two
+    ranks started as here drew alike even so: this test keeps the path working, the hang was reproduced
+    under mlx.launch)."""
+    import openai
+
+    with _two_rank_server(tmp_path, ["--temp", "1.0", "--max-tokens", "64"], timeout_s="20",
+                          model=None) as (port, procs):  # the demo model
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=30)
+        for _ in range(6):
+            hot = client.chat.completions.create(model="m", max_tokens=32, temperature=1.0,
+                                                 messages=[{"role": "user", "content": "Who is Sven?"}])
+            assert hot.choices[0].finish_reason in ("stop", "length")
+        assert all(p.poll() is None for p in procs)
 
 
 def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_server):

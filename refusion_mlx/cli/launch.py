@@ -34,8 +34,11 @@ def join(args) -> Optional[dgroup.Distributed]:
     dgroup.quiet_followers(dist)
     watchdog.install(dist.rank)
     # unseeded sampling draws from MLX's global generator: one seed for every
-    # rank, or their drafts (and then their batches) would part
-    mx.random.seed(broadcast(dist, secrets.randbits(63)))
+    # rank, or their drafts (and then their batches) would part. MLX keeps a
+    # generator per thread: a thread that decodes (the server's engine) seeds
+    # its own with dist.seed
+    dist.seed = broadcast(dist, secrets.randbits(63))
+    mx.random.seed(dist.seed)
     return dist
 
 

@@ -59,6 +59,7 @@ class Distributed:
     mode: str = "tensor"
     weight_bytes: int = 0  # the whole model's (recorded by the loader)
     weight_bytes_per_rank: int = 0  # this rank's share
+    seed: Optional[int] = None  # the random seed every rank got (cli.launch.join): a decoding thread takes it
 
     def record_weights(self, whole: int, this_rank: int) -> None:
         self.weight_bytes, self.weight_bytes_per_rank = int(whole), int(this_rank)

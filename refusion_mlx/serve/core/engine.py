@@ -176,6 +176,10 @@ class Engine:
             from ...decode.batch import BatchGenerator
             from ...models.loading import load, load_tokenizer
 
+            if self.dist is not None and self.dist.seed is not None:  # MLX's generator is this thread's own:
+                import mlx.core as mx  # every rank's the same, or unseeded drafts part and the collectives hang
+
+                mx.random.seed(self.dist.seed)
             config = self.config
             self.model, self.tokenizer = load(config.model, dtype=config.dtype, adapter_path=config.adapter_path,
                                               dist=self.dist)
