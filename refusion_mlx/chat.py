@@ -19,7 +19,7 @@ from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
 from .distributed import watchdog
-from .distributed.group import say_error
+from .distributed.group import is_link_failure, lost_ranks, say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -100,6 +100,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except UnicodeEncodeError as e:
         say_error(unwritable_text(e))
+        return 1
+    except RuntimeError as e:  # under mlx.launch: another rank died, or the link broke
+        if not is_link_failure(e):
+            raise
+        say_error(lost_ranks(e))
         return 1
 
 

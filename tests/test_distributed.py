@@ -106,7 +106,7 @@ def test_two_ranks_answer_like_one(tmp_path, capsys):
         assert "distributed" not in a["stats"]
 
 
-def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate"):
+def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate", feed=None):
     """Two ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
     so the test sees rank 0's own exit status. ``timeout_s`` None: the
     collectives' default timeout (120 s)."""
@@ -120,7 +120,11 @@ def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate")
         if timeout_s is not None:
             env["REFUSION_MLX_COLLECTIVE_TIMEOUT"] = timeout_s
         procs.append(subprocess.Popen([sys.executable, "-m", command, *argv], cwd=ROOT, env=env,
+                                      stdin=subprocess.PIPE if feed is not None and rank == 0 else None,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    if feed is not None:  # rank 0 reads the user's lines (a chat); they reach the others by broadcast
+        procs[0].stdin.write(feed)
+        procs[0].stdin.flush()
     return procs
 
 
@@ -146,6 +150,25 @@ def test_a_killed_rank_ends_the_run_with_one_line(tmp_path):
     assert len(lines) == 1, err
     assert lines[0].startswith(("error: rank 0: lost the other ranks",
                                 "error: rank 0: no progress from the other ranks for 4 s")), err
+
+
+def test_a_killed_rank_ends_a_chat_with_one_line(tmp_path):
+    """The chat as generate: a rank killed mid-answer is one error line on rank 0 and exit 1 (it was a
+    traceback of the ring's RuntimeError)."""
+    argv = ["--model", str(FIXTURE_MODEL), "--max-tokens", "2000", "--block-length", "4"]
+    procs = _start_ranks(tmp_path, argv, command="refusion_mlx.chat", feed=b"Count to 1000.\n")
+    try:
+        assert procs[0].stdout.read(1)  # the answer has started on both ranks
+        procs[1].send_signal(signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    err = err.decode()
+    assert procs[0].returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(("error: rank 0: lost the other ranks",
+                                                    "error: rank 0: no progress from the other ranks")), err
 
 
 def _get(port: int, path: str) -> int:
