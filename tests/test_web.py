@@ -214,12 +214,7 @@ def test_page_streams_through_each_api(chromium, server, client):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 700})
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(base(server) + "/")
-            page.wait_for_selector("input[name=max_tokens]")
-            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page, errors = chat_page(browser, server)
             for api in ("responses", "messages"):
                 page.click("#new-chat")
                 page.select_option("#api", api)
@@ -286,12 +281,7 @@ def test_page_stop_new_chat_and_keys(chromium, server):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 700})
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(base(server) + "/")
-            page.wait_for_selector("input[name=max_tokens]")
-            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page, errors = chat_page(browser, server)
             page.fill("#pace", "2000")
             page.fill("#input", COUNT)
             page.press("#input", "Enter")
@@ -318,6 +308,17 @@ def test_page_stop_new_chat_and_keys(chromium, server):
     assert not errors
     assert stop[0] < 1.5 and stop[1] == "stopped" and stop[2] == "stopped", stop
     assert kept == [0, 2] and composing == 2  # the IME's Enter sent nothing
+
+
+def chat_page(browser, server):
+    """The chat page, loaded, its budget set to MAX_TOKENS: (the page, the JS errors it raises)."""
+    page = browser.new_page(viewport={"width": 1200, "height": 700})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(base(server) + "/")
+    page.wait_for_selector("input[name=max_tokens]")
+    page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+    return page, errors
 
 
 def grid(page) -> list:
