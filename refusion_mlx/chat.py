@@ -12,14 +12,13 @@ import sys
 from typing import List, Optional
 
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, output_file, params_from_args,
-                  storage_from_args)
-from .cli.flags import quiet_stdout, unwritable_text
+                  run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
 from .distributed import watchdog
-from .distributed.group import is_link_failure, lost_ranks, say_error
+from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
 from .models.loading import load
@@ -89,24 +88,12 @@ def main(argv: Optional[List[str]] = None) -> int:
               + (f" · KV cache {storage.bits}-bit" if storage.bits else ""))
     term.note(HELP)
     # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
-    try:
+    def chat() -> int:
         with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
             return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
-    except BrokenPipeError:  # the answer's reader went away (``| head``): quiet, as generate is
-        quiet_stdout()
-        return 141
-    except OSError as e:  # the answer's disk is full
-        say_error(f"cannot write the answer: {e.strerror or e}")
-        return 1
-    except UnicodeEncodeError as e:
-        say_error(unwritable_text(e))
-        return 1
-    except RuntimeError as e:  # under mlx.launch: another rank died, or the link broke
-        if not is_link_failure(e):
-            raise
-        say_error(lost_ranks(e))
-        return 1
 
+    # as every command's: a reader gone (``| head``) quiet, a full disk, an encoding or a lost rank one line
+    return run(chat)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -134,12 +134,7 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
         raise DecodeError(in_flags(str(e))) from None
 
 
-def unwritable_text(e: UnicodeEncodeError) -> str:
-    """What a terminal or pipe whose encoding cannot spell the answer (``PYTHONIOENCODING=ascii``) means."""
-    return f"standard output's encoding ({e.encoding}) cannot write the text; set PYTHONIOENCODING=utf-8"
-
-
-def quiet_stdout() -> None:
+def _quiet_stdout() -> None:
     """Standard output onto the null device: Python's flush at exit finds no reader and would say so."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -244,14 +239,15 @@ def run(body: Callable[[], int]) -> int:
         distributed_group.say_error(distributed_group.lost_ranks(e))
         return 1
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
-        quiet_stdout()
+        _quiet_stdout()
         return 141
     except OSError as e:
         name = getattr(e, "filename", None)
         print(f"error: {e.strerror or e}" + (f": {name}" if name else ""), file=sys.stderr)
         return 1
     except UnicodeEncodeError as e:
-        print(f"error: {unwritable_text(e)}", file=sys.stderr)
+        print(f"error: standard output's encoding ({e.encoding}) cannot write the text; set PYTHONIOENCODING=utf-8",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         print("terminated" if isinstance(e, Terminated) else "interrupted", file=sys.stderr)
