@@ -109,7 +109,7 @@ def test_commits_cover_the_answer_out_of_order(server, client):
 
 def test_page_files_and_settings(server):
     with urllib.request.urlopen(base(server) + "/") as resp:
-        assert resp.headers["Content-Type"].startswith("text/html") and b'src="/web/app.js"' in resp.read()
+        assert resp.headers["Content-Type"].startswith("text/html") and b'src="web/app.js"' in resp.read()
     with urllib.request.urlopen(base(server) + "/web/app.js") as resp:
         assert resp.headers["Content-Type"].startswith("text/javascript")
         assert b"innerHTML" not in resp.read()  # model text goes in as text only
@@ -308,6 +308,45 @@ def test_page_stop_new_chat_and_keys(chromium, server):
     assert not errors
     assert stop[0] < 1.5 and stop[1] == "stopped" and stop[2] == "stopped", stop
     assert kept == [0, 2] and composing == 2  # the IME's Enter sent nothing
+
+
+def test_page_works_behind_a_path_prefix(chromium, server, client):
+    """Behind a reverse proxy that serves the server under ``/refusion/`` (nginx's ``location /refusion/``),
+    the page loads its files and settings and streams its answer through the prefix: every path it asks
+    for is relative to the page. The proxy here is the browser's own routing; a request outside the prefix
+    is answered 404, as the proxy's site would. The proxy passes the server its own address as ``Host``
+    (nginx's default), so the server is told the site's origin with ``--allowed-origins``, as the docs say."""
+    from playwright.sync_api import sync_playwright
+
+    want = client.chat.completions.create(model="m", **chat(COUNT)).choices[0].message.content
+    site, outside = "http://proxy.test", []
+    behind = RefusionServer(None, port=0, allowed_origins=(site,)).start()
+
+    def proxy(route):
+        url = route.request.url
+        if not url.startswith(site + "/refusion/"):
+            outside.append(url)
+            return route.fulfill(status=404, body="not here")
+        route.fulfill(response=route.fetch(url=base(behind) + url[len(site) + len("/refusion"):]))
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(site + "/**", proxy)
+            page.goto(site + "/refusion/")
+            page.wait_for_selector("input[name=max_tokens]")
+            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page.fill("#input", COUNT)
+            page.press("#input", "Enter")
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+            text = page.text_content(".msg.assistant .body")
+        finally:
+            browser.close()
+            behind.close()
+    assert not errors and outside == [] and text == want
 
 
 def chat_page(browser, server):

@@ -22,7 +22,7 @@ const state = { history: [], busy: false, controller: null, shown: null, default
 // says, as { text, commits, finish, usage: { completion, prompt, cached, tpf }, error }.
 const APIS = {
   chat: {
-    path: "/v1/chat/completions",
+    path: "v1/chat/completions",
     body: (messages, system, decoding, schema) => ({
       messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
       stream: true, stream_options: { include_usage: true, include_commits: true }, ...decoding,
@@ -41,7 +41,7 @@ const APIS = {
     },
   },
   responses: {
-    path: "/v1/responses",
+    path: "v1/responses",
     body: (messages, system, decoding, schema) => {
       const { max_tokens, ...rest } = decoding;
       return { input: messages, ...(system ? { instructions: system } : {}), store: false, stream: true,
@@ -60,7 +60,7 @@ const APIS = {
     },
   },
   messages: {
-    path: "/v1/messages",
+    path: "v1/messages",
     body: (messages, system, decoding) => ({
       messages, ...(system ? { system } : {}), stream: true, stream_options: { include_commits: true },
       ...decoding, max_tokens: decoding.max_tokens != null ? decoding.max_tokens : state.defaults.max_tokens,
@@ -133,7 +133,7 @@ async function authorizedFetch(path, options = {}) {
 // -- settings ------------------------------------------------------------------
 
 async function loadSettings() {
-  const resp = await authorizedFetch("/web/settings.json");
+  const resp = await authorizedFetch("web/settings.json");
   if (!resp.ok) throw new Error(`${resp.status} ${resp.statusText}`);
   const s = await resp.json();
   $("model").textContent = s.model;
