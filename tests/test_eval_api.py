@@ -246,8 +246,10 @@ def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):
     ask = {"input": "Who is Sven?", "max_output_tokens": 12, "include": [LOGPROBS], "top_logprobs": 2}
     status, payload = raw(server, "POST", "/v1/responses", ask)
     assert status == 200
-    part = json.loads(payload)["output"][0]["content"][0]
+    whole = json.loads(payload)
+    part = whole["output"][0]["content"][0]
     entries = part["logprobs"]
+    assert whole["top_logprobs"] == 2  # echoed, as OpenAI does
     assert entries and "".join(e["token"] for e in entries) == part["text"]
     assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 and bytes(e["bytes"]).decode() == e["token"]
                for e in entries)
@@ -261,6 +263,7 @@ def test_answer_logprobs_on_the_responses_api_whole_and_streamed(server):
     assert deltas == entries and done[0]["logprobs"] == entries
     only_include = json.loads(raw(server, "POST", "/v1/responses", {**ask, "top_logprobs": None})[1])
     assert [e["top_logprobs"] for e in only_include["output"][0]["content"][0]["logprobs"]] == [[]] * len(entries)
+    assert only_include["top_logprobs"] is None
     plain = json.loads(raw(server, "POST", "/v1/responses", {**ask, "include": ["reasoning.encrypted_content"],
                                                              "top_logprobs": None})[1])
     assert plain["output"][0]["content"][0] == {**part, "logprobs": []}  # other include values add nothing

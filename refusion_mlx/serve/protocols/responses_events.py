@@ -97,8 +97,10 @@ class ResponsesWriter(Writer):
                 "previous_response_id": body.previous_response_id, "reasoning": {"effort": reasoning.get("effort"),
                                                                          "summary": reasoning.get("summary")},
                 "store": body.store is not False, "temperature": params.temperature if params else body.temperature,
-                "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
-                "tools": body.tools or [], "top_p": params.top_p if params else body.top_p,
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+                "tool_choice": body.tool_choice or "auto",
+                "tools": body.tools or [], "top_logprobs": body.top_logprobs,
+                "top_p": params.top_p if params else body.top_p,
                 "truncation": body.truncation or "disabled", "usage": usage(done) if done else None,
                 "user": body.user, "metadata": body.metadata or {}}
 
