@@ -40,6 +40,12 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _hang_up(signum, frame):
+    """SIGHUP (the terminal that started the server closed) ends it as SIGTERM does: open streams end
+    with an error event, waiting requests get 503, the prompt cache's files are whole."""
+    signal.raise_signal(signal.SIGTERM)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -48,6 +54,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # nohup's SIG_IGN stays
+        signal.signal(signal.SIGHUP, _hang_up)
     with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
         server = dist = None
         try:

@@ -50,9 +50,9 @@ LONG = {"prompt": "1 2 3 4 5 6 7 8 9 10", "max_tokens": 1024, "slot_threshold": 
 
 @pytest.fixture(scope="module", autouse=True)
 def cli_servers():
-    """Two ``python -m refusion_mlx.server`` processes, started first so that their
+    """Three ``python -m refusion_mlx.server`` processes, started first so that their
     startup overlaps the in-process tests; the CLI tests stop them with a signal."""
-    procs = {sig: start_cli() for sig in (signal.SIGTERM, signal.SIGINT)}
+    procs = {sig: start_cli() for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     yield procs
     for proc, _ in procs.values():
         if proc.poll() is None:
@@ -672,8 +672,9 @@ def drain(lines) -> str:
             return "".join(out)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
+    """SIGTERM, Ctrl-C, and SIGHUP (its terminal closed) mid-answer: the stream ends, exit status 0."""
     proc, lines = cli_servers[sig]
     port = wait_ready(proc, lines)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
