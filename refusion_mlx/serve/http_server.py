@@ -124,8 +124,8 @@ class RefusionServer:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn that, on SIGINT/SIGTERM (and SIGHUP, raised as SIGTERM by the CLI), also ends the engine's requests (open
-    streams end with an error event instead of holding the shutdown up)."""
+    """uvicorn that, on SIGINT/SIGTERM (and SIGHUP, raised as SIGTERM by the CLI), also ends the engine's
+    requests (open streams end with an error event instead of holding the shutdown up)."""
 
     engine: Engine
 
