@@ -147,13 +147,18 @@ def test_chat_stream_in_order(client, expected):
     assert "".join(pieces) == expected[p]
     assert len(pieces) > 3  # released as it became final, not in one piece at the end
     assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
-    assert usage.prompt_tokens == expected[p, "ids"] and usage.completion_tokens > 0
+    assert usage is None  # not asked for (OpenAI's and mlx-lm's rule)
 
 
-def test_stream_options_include_usage(client):
-    chunks = list(chat(client, "Who is Sven?", stream=True, stream_options={"include_usage": True}))
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_options_include_usage(client, expected, n):
+    chunks = list(chat(client, "Who is Sven?", stream=True, stream_options={"include_usage": True}, n=n))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
-    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-2].usage is None
+    assert chunks[-1].usage.prompt_tokens == expected["Who is Sven?", "ids"]
+    assert [c.choices[0].finish_reason for c in chunks[:-1]].count("stop") == n
+    assert all(c.usage is None for c in chunks[:-1])
+    unasked = list(chat(client, "Who is Sven?", stream=True, stream_options={"include_usage": False}, n=n))
+    assert all(c.usage is None and c.choices for c in unasked)
 
 
 def test_completions(client):

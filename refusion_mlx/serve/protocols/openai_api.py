@@ -98,11 +98,10 @@ class CompletionWriter(Writer):
         return data(out)
 
     def done(self, outcome: Outcome) -> str:
-        usage, last = openai_usage(outcome), self.chunk(None, outcome.finish_reason)
-        if self.include_usage:  # OpenAI's shape: usage in a chunk of its own
-            return self.scored(outcome) + data(last) + data({**self.head, "choices": [], "usage": usage}) + \
-                "data: [DONE]\n\n"
-        return self.scored(outcome) + data({**last, "usage": usage}) + "data: [DONE]\n\n"
+        out = self.scored(outcome) + data(self.chunk(None, outcome.finish_reason))
+        if self.include_usage:  # OpenAI's shape: usage in a chunk of its own, only when asked
+            out += data({**self.head, "choices": [], "usage": openai_usage(outcome)})
+        return out + "data: [DONE]\n\n"
 
     def error(self, refusal: Refusal) -> str:
         return data(refusal_error(refusal).body()) + "data: [DONE]\n\n"
