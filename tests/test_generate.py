@@ -95,6 +95,30 @@ def test_package_generate_stays_callable_after_submodule_import(demo):
     assert first == second and first.startswith("Sven")
 
 
+WORKER_THREADS = """
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import refusion_mlx as rm
+model, tok = rm.load()
+alone = rm.generate(model, tok, "Who is Sven?", max_tokens=8)
+out = []
+t = threading.Thread(target=lambda: out.append(rm.generate(model, tok, "Who is Sven?", max_tokens=8)))
+t.start(); t.join()
+with ThreadPoolExecutor(2) as pool:
+    out += pool.map(lambda p: rm.generate(model, tok, p, max_tokens=8, temp=0.7, seed=1), ["Who is Sven?"] * 3)
+assert out[0] == alone and len(set(out[1:])) == 1, out
+print("done")
+"""
+
+
+def test_generating_from_worker_threads_exits_cleanly():
+    """MLX keeps streams per thread: a worker thread (or a pool's) that decoded must not abort the
+    process at exit ("terminate called without an active exception", 134), as it did."""
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", WORKER_THREADS], capture_output=True, text=True, timeout=120)
+        assert (r.returncode, r.stdout, "terminate" in r.stderr) == (0, "done\n", False), r.stderr[-500:]
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5

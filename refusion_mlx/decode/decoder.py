@@ -35,6 +35,7 @@ from typing import Generator, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .._threads import free_streams_at_thread_end
 from ..errors import DecodeError
 from . import commit, constrain, plan, prefill, verify
 from .cache import CommittedCache
@@ -65,6 +66,7 @@ class RefusionDecoder:
                  mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
                  prefill_chunk: int = prefill.PREFILL_CHUNK,
                  grammar=None, logprobs: Optional[int] = None):
+        free_streams_at_thread_end()  # a worker thread that decodes frees its MLX streams as it ends
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)

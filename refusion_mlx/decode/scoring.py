@@ -41,6 +41,7 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .._threads import free_streams_at_thread_end
 from ..errors import DecodeError
 from ..models.kernels import logsumexp
 from .cache import CommittedCache
@@ -109,6 +110,7 @@ class ARScorer:
 
     def __init__(self, model, ids: Sequence[int], top: int = 0, next_mask: Optional[int] = None,
                  chunk: int = PREFILL_CHUNK):
+        free_streams_at_thread_end()
         self.model, self.ids, self.top = model, scored_ids(model, ids), top
         if next_mask is not None:
             scored_ids(model, [next_mask], "the mask id")
@@ -208,6 +210,7 @@ class MCScorer:
 
     def __init__(self, model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
                  seed: int = 0, draft_top: Optional[int] = None, chunk: int = PREFILL_CHUNK):
+        free_streams_at_thread_end()
         self.model, self.ids, self.context, self.mask_id = model, scored_ids(model, ids), context, mask_id
         scored_ids(model, [mask_id], "the mask id")
         self.mc_num, self.draft_top = mc_num, draft_top
