@@ -336,18 +336,22 @@ def _stream(model, tokenizer, prompts: List[Union[List[int], DecodeError]], para
         raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
     gen = BatchGenerator(model, tokenizer, max_batch=max_batch, storage=storage)
     index: Dict[int, int] = {}
-    for i, (ids, p, c) in enumerate(zip(prompts, per_prompt, constraints)):
-        try:
-            if isinstance(ids, DecodeError):
-                raise ids
-            index[gen.insert(ids, p, constraint=c)] = i
-        except RefusionError as e:  # this prompt fails alone
-            yield i, GenerationResponse("", [], [], "", 0, len(ids) if isinstance(ids, list) else 0, 0,
-                                        finish_reason="error", error=str(e))
-    while gen.has_work:
-        for response in gen.step():
-            response.cache = None  # not kept: the batch's caches would outlive their requests
-            yield index[response.uid], response
+    try:
+        for i, (ids, p, c) in enumerate(zip(prompts, per_prompt, constraints)):
+            try:
+                if isinstance(ids, DecodeError):
+                    raise ids
+                index[gen.insert(ids, p, constraint=c)] = i
+            except RefusionError as e:  # this prompt fails alone
+                yield i, GenerationResponse("", [], [], "", 0, len(ids) if isinstance(ids, list) else 0, 0,
+                                            finish_reason="error", error=str(e))
+        while gen.has_work:
+            for response in gen.step():
+                response.cache = None  # not kept: the batch's caches would outlive their requests
+                yield index[response.uid], response
+    finally:  # let go of early (a break, an error): every request's cache is freed now, not at a later gc
+        for uid in index:
+            gen.remove(uid)
 
 
 def _prepared(tokenizer, prompts) -> List[Union[List[int], DecodeError]]:
