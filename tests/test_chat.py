@@ -206,6 +206,25 @@ def test_piped_turns_that_fail_make_a_failing_exit(loaded):
     assert "error:" in err.getvalue() and "/reset" not in err.getvalue()  # no history: a reset would not help
 
 
+def test_a_turn_that_fails_in_mlx_is_one_line_and_the_chat_goes_on(loaded, monkeypatch):
+    """Out of memory in one turn: "error: ..." for that turn, the next turn is answered (it ended the chat
+    with a traceback once the library raised MLX's own error)."""
+    import refusion_mlx.decode.batch as batch
+
+    real, calls = batch.run_passes, []
+
+    def fails_once(model, passes):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("[metal::malloc] Attempting to allocate 99 bytes")
+        return real(model, passes)
+
+    monkeypatch.setattr(batch, "run_passes", fails_once)
+    code, out, err = run_repl(loaded, ["Who is Sven?", "Who is Sven?"])
+    assert code == 1 and "error: [metal::malloc]" in err and "1 turn failed" in err and "Traceback" not in err
+    assert out.startswith("Sven lives in Hanoi.")
+
+
 def test_slot_view_draws_out_of_order_fill():
     class Tok:
         eos_token_id = 0

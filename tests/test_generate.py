@@ -119,6 +119,28 @@ def test_generating_from_worker_threads_exits_cleanly():
         assert (r.returncode, r.stdout, "terminate" in r.stderr) == (0, "done\n", False), r.stderr[-500:]
 
 
+def test_a_runtime_failure_is_raised_as_itself_and_is_one_line_on_the_command_line(demo, capsys, monkeypatch):
+    """MLX's own failure mid-answer (out of memory) reaches a library caller as the RuntimeError it was,
+    with its traceback, as mlx-lm's does (it was a DecodeError, "invalid parameters or prompt", with no
+    cause); a request's own fault stays a DecodeError; the command line says either in one line."""
+    import refusion_mlx.decode.batch as batch
+
+    def out_of_memory(model, passes):
+        raise RuntimeError("[metal::malloc] Attempting to allocate 99 bytes which is greater than the maximum")
+
+    model, tok = demo
+    monkeypatch.setattr(batch, "run_passes", out_of_memory)
+    with pytest.raises(RuntimeError, match="metal::malloc") as err:
+        generate(model, tok, "Who is Sven?", max_tokens=8)
+    assert not isinstance(err.value, DecodeError) and err.traceback[-1].name == "out_of_memory"
+    code, out, msg = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "8")
+    assert (code, out) == (1, "") and msg.strip().splitlines()[-1].startswith("error: RuntimeError: [metal::malloc]")
+    assert "Traceback" not in msg
+    monkeypatch.undo()
+    with pytest.raises(DecodeError, match="context"):
+        generate(model, tok, "Who is Sven? " * 900, max_tokens=8)
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5

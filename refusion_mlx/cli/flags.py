@@ -220,9 +220,14 @@ def read_input(value: str, flag: str) -> str:
         raise RefusionError(f"{flag} -: standard input is not UTF-8 text") from None
 
 
+def _brief(e: BaseException) -> str:
+    """An exception in one line: its type and its first 300 characters."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def run(body: Callable[[], int]) -> int:
-    """Run a command's body: a RefusionError or a file-system error is one
-    line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
+    """Run a command's body: a RefusionError, a file-system error or MLX's
+    own failure (out of memory) is one line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
     :class:`~refusion_mlx.errors.Terminated`, SIGTERM, "terminated" and 143)
     -- never a traceback."""
     try:
@@ -233,10 +238,8 @@ def run(body: Callable[[], int]) -> int:
     except RecursionError:  # (a RuntimeError) json and yaml parse nesting by recursion
         print("error: an input (a JSON or YAML file, or a schema) is nested too deeply to read", file=sys.stderr)
         return 1
-    except RuntimeError as e:
-        if not is_link_failure(e):
-            raise
-        distributed_group.say_error(distributed_group.lost_ranks(e))
+    except RuntimeError as e:  # a lost rank, or MLX's own failure (out of memory): one line
+        distributed_group.say_error(distributed_group.lost_ranks(e) if is_link_failure(e) else _brief(e))
         return 1
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
         _quiet_stdout()

@@ -10,6 +10,7 @@ from typing import Callable, Optional, TextIO
 
 from ..decode.conversation import ChatSession, TurnRecord
 from ..distributed import group as distributed_group
+from ..distributed.group import is_link_failure
 from ..errors import RefusionError
 from .slot_view import SlotView
 from .trace import Trace
@@ -71,7 +72,9 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
         term.out.write("\n")
         term.note("[interrupted: the turn is dropped]")
         return False
-    except RefusionError as e:
+    except (RefusionError, RuntimeError) as e:  # this turn failed (MLX's own failure: out of memory); a lost
+        if isinstance(e, RuntimeError) and is_link_failure(e):  # rank ends the chat (cli.run says so)
+            raise
         stream.close()
         if answer:
             term.out.write("\n")

@@ -60,6 +60,7 @@ class GenerationResponse:
     cache: Optional[CommittedCache] = None
     error: Optional[str] = None
     error_param: Optional[str] = None  # the request's field the error is about (its fault); None: the runtime's
+    exception: Optional[BaseException] = field(default=None, repr=False, compare=False)  # what ``error`` says
     logprobs: Optional[List[tuple]] = None  # per token of ``tokens``: (logprob, top pairs) (``insert(logprobs=)``)
 
 
@@ -96,7 +97,8 @@ class _Member:
         self.decoder.close()  # its cache is free for a next response (a conversation's, after a failed turn)
         return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
                                   self.answer.length, finish_reason="error", stats=self.decoder.stats,
-                                  uid=self.uid, error=_message(e), error_param=getattr(e, "param", None))
+                                  uid=self.uid, error=_message(e), error_param=getattr(e, "param", None),
+                                  exception=e)
 
 
 class BatchGenerator:

@@ -115,8 +115,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     try:
         while gen.has_work:
             for response in gen.step():
-                if response.error is not None:
-                    raise DecodeError(response.error)
+                if response.error is not None:  # the request's fault as its own DecodeError; the runtime's
+                    raise response.exception or DecodeError(response.error)  # (out of memory, a bug) as raised
                 yield response
     finally:  # let go of early (a break, an error): the caller's cache holds what was answered, no holes
         gen.remove(uid, settle=cache is not None)
