@@ -141,6 +141,21 @@ def test_a_runtime_failure_is_raised_as_itself_and_is_one_line_on_the_command_li
         generate(model, tok, "Who is Sven? " * 900, max_tokens=8)
 
 
+def test_a_hugging_face_tokenizer_is_taken_as_mlx_lm_takes_it(demo):
+    """``AutoTokenizer.from_pretrained`` straight into generate and batch_generate (mlx-lm wraps it in its
+    TokenizerWrapper): the same answers as with ``load``'s tokenizer (it was a TypeError in end_ids)."""
+    from transformers import AutoTokenizer
+
+    import refusion_mlx as rm
+
+    model, tok = demo
+    raw = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
+    assert generate(model, raw, "Who is Sven?", max_tokens=16) == generate(model, tok, "Who is Sven?", max_tokens=16)
+    ids = tok.encode("Count from 1 to 9.")
+    assert [r.text for r in rm.batch_generate(model, raw, [ids, "Who is Sven?"], max_tokens=16)] == \
+        [r.text for r in rm.batch_generate(model, tok, [ids, "Who is Sven?"], max_tokens=16)]
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5

@@ -31,7 +31,7 @@ from .forward import run_passes
 from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
 from .params import RefusionParams, make_params
-from .prompt import prompt_ids, prompt_list
+from .prompt import prompt_ids, prompt_list, wrapped
 from .stats import DecodeStats, SlotCommit
 
 
@@ -119,7 +119,7 @@ class BatchGenerator:
         mask_id = getattr(model.args, "mask_token_id", None)
         if mask_id is None:
             raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.model, self.tokenizer, self.max_batch = model, wrapped(tokenizer), max_batch
         # how the requests' caches keep keys and values (kv_bits: quantized, decode/kv_quant.py)
         self.storage = (storage or KVStorage()).check(model)
         self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)

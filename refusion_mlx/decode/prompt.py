@@ -51,6 +51,16 @@ def token_ids(value: Any, what: str = "the prompt") -> List[int]:
     return out
 
 
+def wrapped(tokenizer):
+    """A Hugging Face tokenizer in mlx-lm's ``TokenizerWrapper`` (what ``load`` returns), as mlx-lm's
+    ``stream_generate`` takes either; anything else as given."""
+    if type(tokenizer).__module__.startswith("transformers"):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        return TokenizerWrapper(tokenizer)
+    return tokenizer
+
+
 def prompt_ids(tokenizer, prompt: Union[str, Sequence[int]], what: str = "the prompt") -> List[int]:
     """The ids of one prompt: text tokenized as is, or token ids as given."""
     if isinstance(prompt, str):
