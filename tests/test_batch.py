@@ -121,6 +121,9 @@ def test_generator_rejects_bad_input_at_insert(demo):
         gen.insert([], RefusionParams())
     with pytest.raises(DecodeError, match="max_batch"):
         BatchGenerator(model, tokenizer, max_batch=0)
+    for bad in (-1, 100000, 2.5, True, "3"):  # each failed at its first step with MLX's message
+        with pytest.raises(DecodeError, match="logprobs must be an integer from 0"):
+            gen.insert([1, 2, 3], RefusionParams(), logprobs=bad)
     assert not gen.has_work and gen.step() == []
 
 

@@ -151,6 +151,11 @@ class BatchGenerator:
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
         ids = prompt_ids(self.tokenizer, prompt)
+        vocab = self.model.args.vocab_size
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs < vocab):
+            raise DecodeError(f"logprobs must be an integer from 0 to {vocab - 1} (top tokens per token), "
+                              f"got {logprobs!r}")
         grammar = None
         if isinstance(constraint, Compiled):  # compiled already (the server does it on the request's thread)
             grammar = constraint
