@@ -156,6 +156,25 @@ def test_a_hugging_face_tokenizer_is_taken_as_mlx_lm_takes_it(demo):
         [r.text for r in rm.batch_generate(model, tok, [ids, "Who is Sven?"], max_tokens=16)]
 
 
+def test_what_mlx_lm_users_pass_is_refused_with_what_to_give(demo):
+    """mlx-lm's keywords and objects (a prompt-cache list, a sampler, a dict of settings): a DecodeError or
+    TypeError that names what this library takes instead (they were AttributeErrors deep inside)."""
+    import refusion_mlx as rm
+
+    model, tok = demo
+    for kw in ({"cache": []}, {"cache": {}}, {"cache": [], "kv_bits": 4}):
+        with pytest.raises(DecodeError, match=r"cache must be a CommittedCache \(CommittedCache.for_model"):
+            generate(model, tok, "hi", max_tokens=8, **kw)
+    with pytest.raises(DecodeError, match="params must be a RefusionParams"):
+        rm.BatchGenerator(model, tok).insert("hi", {"max_tokens": 8})
+    mixed = rm.batch_generate(model, tok, ["hi", "ho"], [make_params(max_tokens=8), {"max_tokens": 16}])
+    assert mixed[0].finish_reason != "error" and "params must be a RefusionParams" in mixed[1].error
+    with pytest.raises(TypeError, match="sampler: give temp, top_p, top_k and min_p"):
+        generate(model, tok, "hi", sampler=None)
+    with pytest.raises(TypeError, match="logits_processors: not supported"):
+        generate(model, tok, "hi", logits_processors=[])
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5

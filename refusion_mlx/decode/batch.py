@@ -150,6 +150,11 @@ class BatchGenerator:
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
         """
+        if params is not None and not isinstance(params, RefusionParams):
+            raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "
+                              f"{type(params).__name__}")
+        if cache is not None:
+            _a_committed_cache(cache)
         ids = prompt_ids(self.tokenizer, prompt)
         vocab = self.model.args.vocab_size
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -260,9 +265,16 @@ class BatchGenerator:
 
 def check_form(cache: CommittedCache, storage) -> None:
     """A DecodeError unless ``cache`` keeps keys and values as ``storage`` does."""
+    _a_committed_cache(cache)
     mine, theirs = storage.describe(cache.spec), cache.storage.describe(cache.spec)
     if mine != theirs:
         raise DecodeError(f"the cache keeps keys and values as {theirs}, not as {mine} (kv_bits)")
+
+
+def _a_committed_cache(cache) -> None:
+    if not isinstance(cache, CommittedCache):
+        raise DecodeError(f"cache must be a CommittedCache (CommittedCache.for_model(model)), got "
+                          f"{type(cache).__name__} (mlx-lm's prompt caches are not taken)")
 
 
 def _fatal(e: Exception) -> None:

@@ -232,6 +232,17 @@ PARAM_NAMES = tuple(f.name for f in FIELDS)
 ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 
 
+# mlx-lm's generate keywords that have no like here, and what to give instead
+MLX_LM_HINTS = {
+    "sampler": "sampler: give temp, top_p, top_k and min_p (what mlx-lm's make_sampler takes)",
+    "logits_processors": "logits_processors: not supported (ReFusion scores whole slots; no repetition penalty "
+                         "or logit bias)",
+    "prompt_cache": "prompt_cache: give cache=CommittedCache.for_model(model) (refusion_mlx.decode.cache)",
+    "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row)",
+    "quantized_kv_start": "quantized_kv_start: not supported: kv_bits quantizes the cache from its first row",
+}
+
+
 def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
     """RefusionParams from keyword arguments, checked; the aliases of
     ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
@@ -246,7 +257,8 @@ def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
             kwargs[name] = value
     unknown = sorted(set(kwargs) - set(PARAM_NAMES))
     if unknown:
-        raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}")
+        hints = [MLX_LM_HINTS[k] for k in unknown if k in MLX_LM_HINTS]
+        raise TypeError(f"unknown decoding parameter(s): {', '.join(unknown)}" + "".join(f"; {h}" for h in hints))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if preset is not None:
         from .presets import preset as preset_values
