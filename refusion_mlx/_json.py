@@ -3,9 +3,17 @@ benchmark suites): every way one can be broken is one line, never a traceback.""
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Type
+from typing import Any, Dict, List, Type
 
 from .errors import LoadError, RefusionError
+
+
+def lines(text: str) -> List[str]:
+    """A text file's lines as JSONL writers and readers count them: cut at "\n" alone ("\r\n" too), never
+    at the other breaks ``str.splitlines`` knows (U+2028, U+2029, NEL), which ``json.dumps(ensure_ascii=False)``
+    writes raw inside strings."""
+    out = [line.removesuffix("\r") for line in text.split("\n")]
+    return out[:-1] if out and out[-1] == "" else out
 
 
 def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict[str, Any]:

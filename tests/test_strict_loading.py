@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 
 from refusion_mlx.errors import ConfigError, LoadError
 from refusion_mlx.models import config_checks, registry
-from refusion_mlx.models.adapters import add_adapters, lora_parameters, save_adapters, write_adapter_config
+from refusion_mlx.models.adapter_files import save_adapters, write_adapter_config
+from refusion_mlx.models.adapters import add_adapters, lora_parameters
 from refusion_mlx.models.loading import DEMO_MODEL, load, load_model
 
 DATA = Path(__file__).parent / "fixtures" / "train-data"

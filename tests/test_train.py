@@ -259,25 +259,25 @@ def test_adapters_saved_in_mlx_lm_layout(lora_run):
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
-def test_adapter_folder_is_written_by_models_adapters(tmp_path):
-    """models.adapters is the one home of an adapter folder: the weights (and
+def test_adapter_folder_is_written_by_models_adapter_files(tmp_path):
+    """models.adapter_files is the one home of writing an adapter folder: the weights (and
     a numbered copy), adapter_config.json (its folder made as needed), and
-    what a folder that cannot be made gives."""
-    from refusion_mlx.models import adapters
+    what a folder that cannot be made gives; models.adapters reads it."""
+    from refusion_mlx.models import adapter_files, adapters
     from tests.helpers import random_config, random_model
 
     folder = tmp_path / "a" / "b"
     config = {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": adapters.lora_parameters()}
-    assert adapters.write_adapter_config(config, folder) == folder / "adapter_config.json"
+    assert adapter_files.write_adapter_config(config, folder) == folder / "adapter_config.json"
     weights = {"model.layers.0.self_attn.q_proj.lora_a": mx.ones((4, 2))}
-    assert adapters.save_adapters(weights, folder, iteration=7) == folder / "adapters.safetensors"
-    assert adapters.numbered_adapter_file(7) == "0000007_adapters.safetensors"
+    assert adapter_files.save_adapters(weights, folder, iteration=7) == folder / "adapters.safetensors"
+    assert adapter_files.numbered_adapter_file(7) == "0000007_adapters.safetensors"
     assert sorted(p.name for p in folder.iterdir()) == [
         "0000007_adapters.safetensors", "adapter_config.json", "adapters.safetensors"]
     assert adapters.read_adapter_config(folder)["lora_parameters"]["rank"] == 8
     (tmp_path / "file").write_text("")
     with pytest.raises(RefusionError, match="cannot create the adapter folder"):
-        adapters.make_adapter_folder(tmp_path / "file" / "x")
+        adapter_files.make_adapter_folder(tmp_path / "file" / "x")
     (folder / "adapters.safetensors").write_text("not safetensors")
     with pytest.raises(adapters.LoadError, match="adapters.safetensors is not a readable safetensors file"):
         adapters.load_adapters(random_model(random_config()), folder)
@@ -331,6 +331,24 @@ def test_fuse_cli_output_loads_everywhere(lora_run, tok, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "refusion_mlx.fuse", "--adapter-path", str(folder),
                            "--save-path", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "not empty" in proc.stderr
+
+
+def test_fuse_onto_a_full_disk_is_one_line_and_leaves_nothing(lora_run, tmp_path, capsys, monkeypatch):
+    """MLX's writer raises RuntimeError on a full disk: one line naming --save-path, exit 1, no folder or
+    staging folder left (it was a traceback)."""
+    from refusion_mlx.convert import fusion
+    from refusion_mlx.fuse import main as fuse_main
+
+    def full(path, *args, **kwargs):
+        raise RuntimeError(f"[write] Unable to write 280952 bytes to file {path}.")
+
+    monkeypatch.setattr(fusion.mx, "save_safetensors", full)
+    out = tmp_path / "fused"
+    assert fuse_main(["--adapter-path", str(lora_run[3]), "--save-path", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write --save-path {out}: [write] Unable to write 280952 bytes"), err
+    assert err.count("\n") == 1 and "it is left as it was" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_generate_and_bench_with_adapters(lora_run, tok, capsys):

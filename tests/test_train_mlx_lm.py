@@ -13,6 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from refusion_mlx.errors import RefusionError
@@ -123,6 +124,24 @@ def test_nothing_saved_over_adapters_before_the_first_step_or_by_a_failed_save(t
     with pytest.raises(RefusionError, match="No space left"):
         fine_tune(data=DATA, adapter_path=folder, iters=1, val_batches=0, rank=16, report=None, progress=False)
     assert digest(folder) == before  # the config of rank 16 was written beside the old rank-8 weights
+    monkeypatch.undo()
+
+    from refusion_mlx.models import adapter_files
+
+    real, written = mx.save_safetensors, []
+
+    def fills_the_disk(path, *args, **kwargs):  # the weights fit, their numbered copy does not
+        written.append(path)
+        if len(written) == 2:
+            raise RuntimeError(f"[write] Unable to write 628232 bytes to file {path}.")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_files.mx, "save_safetensors", fills_the_disk)
+    with pytest.raises(RefusionError, match=r"cannot write .*0000002_adapters.safetensors: \[write\] Unable"):
+        fine_tune(data=DATA, adapter_path=folder, iters=4, val_batches=0, rank=16, save_every=2, report=None,
+                  progress=False)
+    assert digest(folder) == before  # new weights replaced the old ones beside their old config, once
+    assert sorted(p.name for p in folder.iterdir()) == sorted(before), "temporary files left"
 
 
 def test_every_bad_row_names_its_line_and_an_assistant_message_alone_is_learned(tmp_path, capsys):
@@ -140,6 +159,42 @@ def test_every_bad_row_names_its_line_and_an_assistant_message_alone_is_learned(
     (data / "train.jsonl").write_text('{"messages": [{"role": "assistant", "content": "hello"}]}\n' * 4)
     code, _, err = run(["--data", data, "--adapter-path", tmp_path / "b", "--iters", "1"], capsys)
     assert code == 0, err
+
+
+def test_a_test_only_config_never_trains_over_the_adapters(trained, tmp_path, capsys):
+    """mlx-lm's test-only config (``train: false``, ``test: true``, its example's ``iters: 1000`` left in)
+    tests the folder's adapters and writes nothing (it trained 1000 steps over them); ``train: false``
+    alone has nothing to do."""
+    import shutil
+
+    folder = tmp_path / "evalme"
+    shutil.copytree(trained, folder)
+    before = digest(folder)
+    (tmp_path / "ev.yaml").write_text(f"train: false\ntest: true\ndata: {DATA}\niters: 1000\n"
+                                      f"adapter_path: {folder}\n")
+    code, out, err = run(["-c", tmp_path / "ev.yaml"], capsys)
+    assert code == 0 and "Test loss" in out and "Iter 1:" not in out and digest(folder) == before, err
+    code, _, err = run(["--data", DATA, "--test", "--adapter-path", folder, "--test-batches", "0"], capsys)
+    assert code == 2 and "--test-batches 0 tests nothing" in err
+    (tmp_path / "none.yaml").write_text(f"train: false\ndata: {DATA}\n")
+    code, _, err = run(["-c", tmp_path / "none.yaml", "--adapter-path", folder], capsys)
+    assert code == 1 and err == "error: train is false: nothing to do; add --test to only evaluate\n"
+
+
+def test_rows_holding_line_separators_are_one_row_each(tmp_path, capsys):
+    """JSONL written by ``json.dumps(ensure_ascii=False)`` keeps U+2028, U+2029 and NEL raw inside strings:
+    a row each still (they were cut there: "not valid JSON"); a broken row's message reads once "at"."""
+    data = tmp_path / "d"
+    data.mkdir()
+    rows = [json.dumps({"prompt": f"Who is Zoe {i}?", "completion": f"Zoe{sep}lives in Oslo."}, ensure_ascii=False)
+            for i, sep in enumerate(["\u2028", "\u2029", "\x85", " "] * 2)]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    code, out, err = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1", "--batch-size", "8"],
+                         capsys)
+    assert code == 0, err
+    (data / "train.jsonl").write_text(rows[0] + '\n{"prompt": "x", "completion": "unterminated}\n')
+    code, _, err = run(["--data", data, "--adapter-path", tmp_path / "b", "--iters", "1"], capsys)
+    assert code == 1 and "Unterminated string starting at column" in err and "at at" not in err, err
 
 
 def test_fine_tune_takes_paths_and_refuses_a_misspelt_option(tmp_path):

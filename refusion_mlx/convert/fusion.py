@@ -100,13 +100,17 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     out = output_config(config, model_obj.args, mask_id, dtype, quant)
     weights = hf_parameters(model_obj)
     mx.eval(list(weights.values()))
-    with staging_folder(dst, force) as tmp:
-        write_fused(tmp, weights)
-        copy_side_files(src, tmp, COPIED_FILES)
-        (tmp / "README.md").write_text(
-            f"# {dst.name}\n\n`{src.name}` with the adapters of `{Path(adapter_path).name}` fused in "
-            f"(`python -m refusion_mlx.fuse`, {fused} layers"
-            f"{', dequantized' if dequantize_weights else ''}). Loads with `refusion_mlx.load` "
-            "and `mlx_lm.load`.\n")
-        save_config(out, tmp / "config.json")  # last: it makes the folder loadable
+    try:
+        with staging_folder(dst, force) as tmp:
+            write_fused(tmp, weights)
+            copy_side_files(src, tmp, COPIED_FILES)
+            (tmp / "README.md").write_text(
+                f"# {dst.name}\n\n`{src.name}` with the adapters of `{Path(adapter_path).name}` fused in "
+                f"(`python -m refusion_mlx.fuse`, {fused} layers"
+                f"{', dequantized' if dequantize_weights else ''}). Loads with `refusion_mlx.load` "
+                "and `mlx_lm.load`.\n")
+            save_config(out, tmp / "config.json")  # last: it makes the folder loadable
+    except (RuntimeError, OSError) as e:  # a full disk (MLX's writer raises RuntimeError), a read-only one
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise RefusionError(f"cannot write --save-path {dst}: {reason}; it is left as it was") from None
     return dst

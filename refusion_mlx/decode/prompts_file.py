@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Union
 
+from .._json import lines as text_lines
 from ..errors import DecodeError, RefusionError
 from .params import ALIASES, PARAM_NAMES, RefusionParams
 
@@ -29,7 +30,7 @@ class PromptItem:
 def parse_prompts(text: str, source: str, defaults: RefusionParams) -> List[PromptItem]:
     """The prompts of a file, each with its settings; a bad line is a
     one-line RefusionError naming it."""
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(text_lines(text), 1) if line.strip()]
     if not lines:
         raise RefusionError(f"{source}: no prompts")
     if not lines[0][1].lstrip().startswith("{"):

@@ -21,12 +21,9 @@ adapted ones).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -296,69 +293,6 @@ def has_adapters(model) -> bool:
 def trainable_weights(model) -> Dict[str, mx.array]:
     """What an adapter file holds: the model's trainable parameters, flat."""
     return dict(tree_flatten(model.trainable_parameters()))
-
-
-@contextmanager
-def _replaced_atomically(path: Path, tmp: Path) -> Iterator[Path]:
-    """``tmp`` to write, renamed onto ``path`` when the body completes (a
-    reader never sees a half-written file; a crash leaves the old one);
-    removed if anything fails."""
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def save_weights_atomic(weights: Dict[str, mx.array], path: Union[str, Path]) -> Path:
-    """Write a safetensors file via a temporary sibling renamed into place."""
-    path = Path(path)
-    try:
-        with _replaced_atomically(path, path.parent / f".{path.stem}.tmp-{os.getpid()}.safetensors") as tmp:
-            mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-    except (RuntimeError, OSError) as e:
-        raise RefusionError(f"cannot write {path}: {' '.join(str(e).split())}") from None
-    return path
-
-
-def write_json_atomic(data: dict, path: Union[str, Path]) -> Path:
-    """Write a JSON file (indented, as mlx-lm's) via a temporary sibling renamed into place."""
-    path = Path(path)
-    try:
-        with _replaced_atomically(path, path.parent / f".{path.name}.tmp-{os.getpid()}") as tmp:
-            tmp.write_text(json.dumps(data, indent=4) + "\n")
-    except OSError as e:
-        raise RefusionError(f"cannot write {path}: {e.strerror or e}") from None
-    return path
-
-
-def numbered_adapter_file(iteration: int) -> str:
-    """The name of the numbered copy saved at ``iteration`` (``0000100_adapters.safetensors``)."""
-    return f"{iteration:07d}_{ADAPTER_FILE}"
-
-
-def save_adapters(weights: Dict[str, mx.array], folder: Union[str, Path], iteration: Optional[int] = None) -> Path:
-    """adapters.safetensors (atomically) and, with ``iteration``, its numbered copy."""
-    path = save_weights_atomic(weights, Path(folder) / ADAPTER_FILE)
-    if iteration is not None:
-        save_weights_atomic(weights, Path(folder) / numbered_adapter_file(iteration))
-    return path
-
-
-def make_adapter_folder(folder: Union[str, Path]) -> Path:
-    """Create the adapter folder (and its parents) unless it exists."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RefusionError(f"cannot create the adapter folder {folder}: {e.strerror or e}") from None
-    return folder
-
-
-def write_adapter_config(config: dict, folder: Union[str, Path]) -> Path:
-    """``adapter_config.json`` of ``folder`` (created if need be), atomically."""
-    return write_json_atomic(config, make_adapter_folder(folder) / ADAPTER_CONFIG)
 
 
 def fuse_adapters(model, dequantize: bool = False) -> int:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..decode.params import RefusionParams, default_block_length
+from .._json import lines
 from ..errors import RefusionError
 
 # The demo model's task templates (refusion_mlx/demo/tiny-refusion), first match wins.
@@ -89,7 +90,7 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise RefusionError(f"--data {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -207,6 +207,8 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     for name in ("val_batches", "test_batches"):
         if v[name] < -1:
             raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
+    if v["test"] and v["test_batches"] == 0:  # it reported a loss of 0 (perplexity 1): a perfect model
+        raise OptionError("--test-batches 0 tests nothing; give -1 (all of test.jsonl) or a count")
     v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
     if not 0 <= v["draft_fraction"] <= 1:
         raise OptionError(f"--draft-fraction must be between 0 and 1, got {v['draft_fraction']}")

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..decode.prompt import checked_text
 from ..decode.stream import render_chat
+from .._json import lines
 from ..errors import RefusionError
 from .batches import Record
 
@@ -128,14 +129,15 @@ def read_jsonl(path: Path, tokenizer) -> List[Record]:
         line = raw[:e.start].count(b"\n") + 1
         raise RefusionError(f"{path}:{line}: not valid UTF-8") from None
     records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(lines(text), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
         try:
             obj = json.loads(line)
         except ValueError as e:  # JSONDecodeError, or a number past Python's 4300 digits
-            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
+            detail = (f"{e.msg.removesuffix(' at')} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
+                      else str(e).split(":")[0])
             raise RefusionError(f"{where}: not valid JSON ({detail})") from None
         try:
             records.append(encode_line(obj, tokenizer, where))

@@ -105,10 +105,13 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     o = merge(options, options.get("config"))
     if o["data"] is None:
         raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
-    # mlx-lm's --test without --train tests the saved adapters; so does --iters 0 --test
-    training = o["iters"] > 0 and not (o["test"] and not o["train"] and "iters" not in o["given"])
+    # mlx-lm's --test without --train tests the saved adapters; so does --iters 0 --test, and a config's
+    # explicit `train: false` (mlx-lm's test-only config: it never trains over the folder's adapters)
+    refused = "train" in o["given"] and not o["train"]
+    training = o["iters"] > 0 and not refused and not (o["test"] and not o["train"] and "iters" not in o["given"])
     if not training and not o["test"]:
-        raise RefusionError("--iters 0 trains nothing; add --test to only evaluate")
+        raise RefusionError("train is false: nothing to do; add --test to only evaluate" if refused else
+                            "--iters 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
     if not data.is_dir():
         raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"

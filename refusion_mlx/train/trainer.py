@@ -7,7 +7,7 @@ and applies the optimizer, inside one ``mx.compile``d function (not with
 gradient checkpointing: compiled, the step keeps what checkpointing frees).
 Batch lengths are padded to multiples of 32, so the step is traced once per
 distinct length (a handful), not once per batch. Adapters are written
-atomically (``models.adapters.save_adapters``): ``adapters.safetensors``
+atomically (``models.adapter_files.save_adapters``): ``adapters.safetensors``
 every ``save_every`` steps (with a numbered copy,
 ``0000100_adapters.safetensors``), at the end, and on Ctrl-C (the weights
 of the last completed step).
@@ -30,8 +30,8 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..errors import RefusionError
-from ..models.adapters import (ADAPTER_FILE, make_adapter_folder, numbered_adapter_file, save_adapters,
-                               trainable_weights, write_adapter_config)
+from ..models.adapter_files import make_adapter_folder, numbered_adapter_file, save_adapters
+from ..models.adapters import ADAPTER_FILE, trainable_weights
 from .batches import Record, batch_tokens, iterate_batches
 from .examples import SLOT_SIZES
 from .objective import refusion_loss
@@ -229,10 +229,8 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
 
     def save(weights, folder: Path, iteration: Optional[int] = None) -> Path:
         nonlocal config_due
-        path = save_adapters(weights, folder, iteration)  # the weights first: a failed write leaves the
-        if config_due:  # folder's old weights beside their own config
-            write_adapter_config(args.adapter_config, folder)
-            config_due = False
+        path = save_adapters(weights, folder, iteration, args.adapter_config if config_due else None)
+        config_due = False  # written with the first weights: a failed save leaves the folder as it was
         return path
 
     rng = np.random.default_rng(args.seed)
