@@ -33,7 +33,7 @@ adapter folder, which ``--adapter-path``, ``refusion_mlx.train
     python examples/demo_model/counting_probe.py
     python examples/demo_model/counting_probe.py --train ar --steps 900
     python examples/demo_model/counting_probe.py --adapter-path ADAPTERS --decode 60
-    python examples/demo_model/counting_probe.py --decode 60 --context ../shared/fixtures/tiny-refusion-tasks/valid.jsonl
+    python examples/demo_model/counting_probe.py --decode 60 --context examples/demo_model/tasks/valid.jsonl
     python examples/demo_model/counting_probe.py --train ar --steps 900 --save ar-counting
     python examples/demo_model/counting_probe.py --train refusion --slot-sizes 1,2,4 --steps 600
 """
