@@ -122,6 +122,47 @@ def test_a_request_admitted_while_scoring_decodes_before_the_next_piece():
     assert queue.next_turn(1 << 40, decoding=True).score  # decoding has had its share
 
 
+def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
+    """Eight prompts of an hour's Monte Carlo scoring in a batch of eight held every row: a chat waited for
+    all of them. Scoring now holds all rows but one, and each engine turn does one piece of one scoring
+    request in turn (it did one of each: a chat that came waited for seven pieces)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.serve.core.engine import Engine
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.job import Job
+    from refusion_mlx.serve.core.loglikelihood import Scoring
+    from refusion_mlx.serve.core.metrics import ServerMetrics
+    from refusion_mlx.serve.core.scheduler import Scheduler
+
+    queue = Scheduler(4, 16, ServerMetrics())
+    chat = EngineRequest([1, 2, 3], RefusionParams(gen_length=8))
+    scorers = [Job(dataclasses.replace(chat, scoring=Scoring()), loop=None) for _ in range(4)]
+    with queue.wake:
+        queue.put(scorers)
+    admitted = queue.next_turn(1 << 40).admitted
+    assert admitted == scorers[:3]
+    for uid, job in enumerate(admitted, 1):
+        job.uid = -uid
+        queue.started(job)
+    with queue.wake:
+        queue.put([Job(chat, loop=None)])
+    assert [j.request.scoring for j in queue.next_turn(1 << 40).admitted] == [None]  # the chat, not scorer 4
+
+    stepped = []
+    engine = Engine.__new__(Engine)
+    engine.model = engine.tokenizer = None
+    engine._score_turns, engine.queue = 0, SimpleNamespace(scored=lambda seconds: None)
+    engine.running = {j.uid: j for j in admitted}
+    for j in admitted:
+        j.task = SimpleNamespace(step=lambda model, tok, j=j: stepped.append(j.uid))
+    for _ in range(6):
+        engine._score()
+    assert sorted(stepped[:3]) == [-3, -2, -1] and stepped[3:] == stepped[:3]  # one piece a turn, in turn
+
+
 def test_scoring_stops_when_its_client_leaves(server):
     sock = socket.create_connection((server.host, server.port))
     body = json.dumps(scoring(1500, 256, seed=1)).encode()

@@ -86,6 +86,7 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._scored = 0  # scoring requests started (their uids: -1, -2, ...)
+        self._score_turns = 0  # turns that did a piece of scoring (whose piece is next: round robin)
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
     # -- life cycle and the HTTP side's calls ----------------------------------
@@ -311,15 +312,20 @@ class Engine:
         job.post("start")
 
     def _score(self) -> None:
-        """A piece of each scoring request's work (:meth:`.loglikelihood.ScoringTask.step`); the finished end.
-        Decoding then has the engine for as long as the pieces took (``Scheduler.scored``)."""
+        """A piece of one scoring request's work (:meth:`.loglikelihood.ScoringTask.step`), each in turn; the
+        finished end. A request that comes waits for one piece, not one of each; decoding then has the
+        engine for as long as the piece took (``Scheduler.scored``)."""
         t0 = time.monotonic()
-        for job in [j for j in self.running.values() if j.task is not None]:
-            result = job.task.step(self.model, self.tokenizer)
-            if isinstance(result, Refusal):
-                self._close(job, "failed", result)
-            elif result is not None:
-                self._finish(job, result)
+        scoring = sorted((j for j in self.running.values() if j.task is not None), key=lambda j: -j.uid)
+        if not scoring:
+            return
+        self._score_turns += 1
+        job = scoring[self._score_turns % len(scoring)]
+        result = job.task.step(self.model, self.tokenizer)
+        if isinstance(result, Refusal):
+            self._close(job, "failed", result)
+        elif result is not None:
+            self._finish(job, result)
         self.queue.scored(time.monotonic() - t0)
 
     def _route(self, r) -> None:

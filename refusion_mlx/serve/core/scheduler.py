@@ -11,7 +11,9 @@ jobs whose client left leave; queued jobs are admitted while a batch row
 and their KV reservation (:mod:`.memory`) are free, each time the first to
 arrive of the requests holding the fewest rows (so one request's many
 choices never keep a later request's one behind them); the job chosen that
-does not fit waits for memory, and the rest with it. A job's start and its
+does not fit waits for memory, and the rest with it. Scoring jobs hold at
+most all rows but one (:func:`scoring_rows`): an hour of log-likelihood work
+in eight prompts leaves a row for the next chat. A job's start and its
 leaving are recorded here (:meth:`started`, :meth:`left`), so ``/health``
 sees one consistent view.
 """
@@ -28,6 +30,11 @@ from .job import Job, Turn
 from .refusal import Reason, Refusal
 
 PEERS = 64  # waiting requests compared with one being admitted
+
+
+def scoring_rows(max_batch: int) -> int:
+    """Batch rows scoring jobs may hold at once: all but one (one, in a batch of one)."""
+    return max(1, max_batch - 1)
 
 
 class Scheduler:
@@ -81,9 +88,15 @@ class Scheduler:
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
         with self.wake:
             self._purge()  # jobs whose client left while they waited
-            held = collections.Counter(j.group for j in self.running.values() if not j.cancelled.is_set())
-            while self.waiting and len(plan.admitted) < room:
-                job = min(self.waiting, key=lambda j: held[j.group])  # the first among the least served
+            live = [j for j in self.running.values() if not j.cancelled.is_set()]
+            held = collections.Counter(j.group for j in live)
+            scoring = sum(j.request.scoring is not None for j in live)
+            while len(plan.admitted) < room:
+                takes = [j for j in self.waiting
+                         if j.request.scoring is None or scoring < scoring_rows(self.max_batch)]
+                if not takes:
+                    break
+                job = min(takes, key=lambda j: held[j.group])  # the first among the least served
                 if self.kv_reserved - freed + job.kv_bytes > max_kv_bytes:
                     if not job.waited:
                         job.waited = True
@@ -91,6 +104,7 @@ class Scheduler:
                     break
                 self.waiting.remove(job)
                 held[job.group] += 1
+                scoring += job.request.scoring is not None
                 self.kv_reserved += job.kv_bytes
                 plan.admitted.append(job)
             self.starting = len(plan.admitted)
