@@ -163,6 +163,44 @@ def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
     assert sorted(stepped[:3]) == [-3, -2, -1] and stepped[3:] == stepped[:3]  # one piece a turn, in turn
 
 
+def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():
+    """A 134 MB echo answer was encoded on the event loop (/health unanswered for 48 s): it is now built
+    and encoded on a worker thread, each choice in its own call (the C encoder holds the GIL for a call),
+    byte for byte what JSONResponse wrote."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi.responses import JSONResponse
+
+    from refusion_mlx.serve.edge.answering import json_answer, json_bytes
+
+    choice = {"index": 0, "text": "Zoë \u2028 <b>", "logprobs": {"token_logprobs": [None, -0.5, -1e-9]}}
+    for body in ({"id": "x", "choices": [choice], "usage": {"n": 1}},
+                 {"id": "x", "choices": [dict(choice, index=i) for i in range(3)], "usage": {"n": 3}},
+                 {"id": "x", "object": "response", "output": []}):
+        assert json_bytes(body) == JSONResponse(body).body
+    with pytest.raises(ValueError):
+        json_bytes({"choices": [{"logprob": float("-inf")}] * 2})  # not JSON, as JSONResponse refuses it
+
+    threads = []
+
+    async def main():
+        loop_thread = threading.current_thread()
+        answering = SimpleNamespace(off_loop=lambda request, work: asyncio.to_thread(work))
+
+        def build():
+            threads.append(threading.current_thread())
+            return {"choices": [choice, choice]}
+
+        response = await json_answer(answering, None, build, {"X-Max-Tokens-Cut": "9 -> 8"})
+        return loop_thread, response
+
+    loop_thread, response = asyncio.run(main())
+    assert threads and threads[0] is not loop_thread
+    assert response.body == JSONResponse({"choices": [choice, choice]}).body
+    assert response.headers["content-type"] == "application/json" and response.headers["x-max-tokens-cut"] == "9 -> 8"
+
+
 def test_scoring_stops_when_its_client_leaves(server):
     sock = socket.create_connection((server.host, server.port))
     body = json.dumps(scoring(1500, 256, seed=1)).encode()

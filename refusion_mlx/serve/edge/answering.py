@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..core.engine_request import ChatPrompt, Draft, EngineRequest, RequestTerms, finish
 from ..core.job import Job
@@ -103,6 +103,34 @@ class Writer:
 def data(obj) -> str:
     """A server-sent event with only data (OpenAI's chat and text completions)."""
     return f"data: {json.dumps(obj)}\n\n"
+
+
+_CHOICES = "\0choices\0"
+
+
+def _compact(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_bytes(body: dict) -> bytes:
+    """A whole answer as JSONResponse writes it, its ``choices`` encoded one at a time: the C encoder
+    holds the GIL for a call, so one call over 100 MB (echo scoring, many prompts with logprobs) would
+    stop every other thread, the event loop too."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) < 2:
+        return _compact(body)
+    shell = _compact({**body, "choices": _CHOICES})
+    at = shell.index(_compact(_CHOICES))
+    return b"".join([shell[:at], b"[", b",".join(_compact(c) for c in choices), b"]",
+                     shell[at + len(_compact(_CHOICES)):]])
+
+
+async def json_answer(answering: "Answering", request: Request, build: Callable[[], dict],
+                      headers: Optional[dict] = None) -> Response:
+    """A whole answer: built and encoded on a worker thread, so a large one never holds the event loop
+    (``/health`` went unanswered for 48 s while a 134 MB answer was encoded there)."""
+    content = await answering.off_loop(request, lambda: json_bytes(build()))
+    return Response(content, media_type="application/json", headers=headers)
 
 
 def event(name: str, obj) -> str:
@@ -216,8 +244,7 @@ class Answering:
                 return response
             answer = await collect(job, self.engine, request)
             _log(request.url.path, t0, answer.done)
-            body = writer.answer(answer)
-            return JSONResponse(body, headers=headers) if headers else body
+            return await json_answer(self, request, lambda: writer.answer(answer), headers)
         except ClientGone:
             _log(request.url.path, t0, "client went away")
             return Response(status_code=499)

@@ -18,12 +18,13 @@ import time
 from typing import Callable, List, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..core.engine_request import EngineRequest, finish
 from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
-from ..edge.answering import ClientGone, JobStream, _log, collect, cut_header, data, job_event, next_event
+from ..edge.answering import (ClientGone, JobStream, _log, collect, cut_header, data, job_event, json_answer,
+                              next_event)
 from .openai_bodies import MAX_PROMPTS
 from .openai_echo import check_work
 
@@ -91,11 +92,14 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     finally:
         for job in jobs:
             job.cancelled.set()
-    bodies = [w.answer(a) for w, a in zip(writers, answers)]
     _log(request.url.path, t0, f"{len(jobs)} choices")
-    body = {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": usage_of([a.done for a in answers], n)}
-    headers = cut_header(*requests)
-    return JSONResponse(body, headers=headers) if headers else body
+
+    def build() -> dict:
+        bodies = [w.answer(a) for w, a in zip(writers, answers)]
+        return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
+                "usage": usage_of([a.done for a in answers], n)}
+
+    return await json_answer(answering, request, build, cut_header(*requests))
 
 
 class _Jobs:
