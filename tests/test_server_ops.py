@@ -116,7 +116,8 @@ def test_metrics_move_with_the_load():
 
 def stream_usage(srv, body) -> dict:
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
-    conn.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", CHAT, json.dumps({**body, "stream_options": {"include_usage": True}}),
+                 {"Content-Type": "application/json"})
     resp = conn.getresponse()
     usage = None
     for raw in resp:
@@ -328,6 +329,46 @@ def test_prompt_cache_dir_keeps_to_its_byte_budget(tmp_path):
     with serve(prompt_cache_dir=str(folder)) as srv:  # the newest entry is the one kept
         _, last = ask(srv, "Count from 17 to 38.", max_tokens=8)
     assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == last["usage"]["prompt_tokens"] - 1
+
+
+def test_a_full_disk_makes_room_for_the_newest_entry(tmp_path, monkeypatch, caplog):
+    """A --prompt-cache-dir-bytes budget larger than the disk's room: a write that finds the disk full
+    deletes the least recently used files, as the budget would, and goes in; the newest conversations are
+    the ones kept (the first few files were, and every later write failed with a warning)."""
+    import errno
+    import os
+
+    import mlx.core as mx
+
+    from refusion_mlx.decode.cache import CommittedCache
+    from refusion_mlx.decode.prefill import prefill
+    from refusion_mlx.models.loading import load
+    from refusion_mlx.serve.caches.cache_files import CacheDir, entry_name
+
+    model, _ = load(None)
+    folder = tmp_path / "cache"
+    store = CacheDir(folder, 1 << 40, "f" * 32)
+    disk, real = 2_600_000, mx.save_safetensors
+
+    def small_disk(fh, arrays, metadata=None):
+        used = sum(f.stat().st_size for f in folder.iterdir())
+        if used + sum(a.nbytes for a in arrays.values()) > disk:
+            fh.write(b"\0" * max(0, disk - used))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fh, arrays, metadata=metadata)
+
+    monkeypatch.setattr(mx, "save_safetensors", small_disk)
+    caplog.set_level(logging.WARNING, logger="refusion_mlx.server")
+    names = []
+    for i in range(6):
+        cache, ids = CommittedCache.for_model(model), list(range(5 + i, 205 + i))
+        prefill(model, cache, ids)  # ~0.8 MB each: three fit
+        store.save("owner", ids, cache)
+        names.append(folder / entry_name("f" * 32, "owner", ids))
+        assert names[-1].is_file(), f"entry {i} was not written"
+    kept = sorted(folder.iterdir())
+    assert set(kept) <= set(names) and names[-1] in kept and names[0] not in kept
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_short_soak():

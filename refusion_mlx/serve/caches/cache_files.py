@@ -35,13 +35,14 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 log = logging.getLogger("refusion_mlx.server")
 
 FORMAT = "refusion-prompt-cache/2"  # /2: the owner in the metadata, the fingerprint in the name
 SUFFIX = ".safetensors"
 TMP = ".tmp-"  # files being written: never read, removed at start-up once stale
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that more room would let through
 STALE_SECONDS = 60
 _SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
 
@@ -97,11 +98,25 @@ class CacheDir:
                 pass
 
     def save(self, owner: str, tokens: Sequence[int], cache) -> None:
-        """Write one entry (a compact CommittedCache), 0600, then trim the folder to the budget."""
-        import mlx.core as mx
-
+        """Write one entry (a compact CommittedCache), 0600, then trim the folder to the budget. A full
+        disk (a budget larger than the disk's room) makes room as the budget does, by the least recently
+        used of this model's files, and the entry is written once more: the newest conversations are the
+        ones kept (else the first few files would be, and every later write fail)."""
         arrays = cache.to_arrays()
         final = self.path / entry_name(self.fingerprint, owner, tokens)
+        error = self._write(final, arrays, owner)
+        if error is not None and getattr(error, "errno", None) in FULL and self._make_room(
+                sum(a.nbytes for a in arrays.values()), keep=final):
+            error = self._write(final, arrays, owner)
+        if error is not None:
+            log.warning("prompt cache: cannot write %s: %s", final, getattr(error, "strerror", None) or error)
+            return
+        self.trim()
+
+    def _write(self, final: Path, arrays: dict, owner: str) -> Optional[Exception]:
+        """The entry's file, whole or not at all; the error that stopped it."""
+        import mlx.core as mx
+
         tmp = self.path / f"{TMP}{os.getpid()}-{final.name}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -110,10 +125,21 @@ class CacheDir:
                                                           "owner": owner})
             os.replace(tmp, final)
         except (OSError, RuntimeError) as e:  # MLX reports a file it cannot write as RuntimeError
-            log.warning("prompt cache: cannot write %s: %s", final, getattr(e, "strerror", None) or e)
             _unlink(tmp)
-            return
-        self.trim()
+            return e
+        return None
+
+    def _make_room(self, size: int, keep: Path) -> bool:
+        """Delete this model's least recently used files until ``size`` bytes are free (all but ``keep``,
+        if need be); whether any went."""
+        freed = 0
+        for _, n, f in self.files():
+            if freed >= size:
+                break
+            if f != keep:
+                _unlink(f)
+                freed += n
+        return freed > 0
 
     def remove(self, owner: str, tokens: Sequence[int]) -> None:
         _unlink(self.path / entry_name(self.fingerprint, owner, tokens))
@@ -253,6 +279,8 @@ def attach(prompt_cache, model, path, max_bytes: int, adapter_path=None, storage
 
 def _unlink(f: Path) -> None:
     """Delete a file if it is there; a folder gone read-only costs disk space, not the server."""
+    if not os.path.lexists(f):  # a temporary file never made (a read-only folder): nothing to say
+        return
     try:
         f.unlink(missing_ok=True)
     except OSError as e:
