@@ -264,11 +264,39 @@ def test_docs_and_openapi(server):
     ({"repetition_penalty": 1.3}, "repetition_penalty"), ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"adapters": "my-adapters"}, "adapters"),  # mlx_lm.server's: refused, never silently ignored
     ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
+    ({"store": "yes"}, "store"), ({"metadata": "x"}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
+    ({"reasoning_effort": "ultra"}, "reasoning_effort"), ({"verbosity": 3}, "verbosity"),  # OpenAI's 400s
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
     err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)
     assert err["message"].startswith(param + ": ") and "\n" not in err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+def test_openai_fields_that_change_nothing_are_taken(client, expected):
+    p = "Who is Sven?"
+    r = chat(client, p, store=False, metadata={"app": "x"}, service_tier="auto", reasoning_effort="low",
+             extra_body={"verbosity": "low"})
+    assert r.choices[0].message.content == expected[p]
+
+
+def test_a_replayed_refusal_is_the_assistants_text(client, server):
+    """A conversation replayed from OpenAI holds refusals: ``content: null`` with ``refusal``, or a refusal
+    part. Each is the assistant's text, as its same words as content would be (both were 400s)."""
+    def answer(assistant):
+        messages = [{"role": "user", "content": "Who is Sven?"}, {"role": "assistant", **assistant},
+                    {"role": "user", "content": "Who is Zoe?"}]
+        return client.chat.completions.create(model="m", messages=messages, max_tokens=16).choices[0].message.content
+
+    plain = answer({"content": "I cannot say."})
+    assert answer({"content": None, "refusal": "I cannot say."}) == plain
+    assert answer({"content": [{"type": "refusal", "refusal": "I cannot say."}]}) == plain
+    err = check_error(*raw(server, "POST", CHAT, {"messages": [{"role": "user", "content": "hi",
+                                                                "refusal": "no"}]}), 400, "messages[0].refusal")
+    assert err["message"] == "messages[0].refusal: only an assistant message refuses"
+    err = check_error(*raw(server, "POST", CHAT, {"messages": [{"role": "assistant", "content": None}]}), 400,
+                      "messages[0].content")
+    assert err["message"].startswith("messages[0].content: an assistant message needs content")
 
 
 def test_sampling_fields_apply_to_the_planning_drafts(client, expected):

@@ -126,16 +126,20 @@ class Message(BaseModel):
     content: Union[str, List[TextPart], None] = None
     tool_calls: Optional[List[ToolCallIn]] = Field(None, description="assistant: the calls it made")
     tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
+    refusal: Optional[str] = Field(None, description="assistant: a refusal it gave (read as its text)")
 
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, content):
-        """A string, null, or a list of ``{"type": "text", "text": ...}`` parts, joined."""
+        """A string, null, or a list of ``{"type": "text", "text": ...}`` parts (an assistant's
+        ``{"type": "refusal", "refusal": ...}`` too, as OpenAI replays them), joined."""
         if content is None or isinstance(content, str):
             return content  # null or absent: only an assistant's message with calls may have none
-        if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text"
-                                              and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
+        kinds = {"text": "text", "refusal": "refusal"}
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get(kinds[p["type"]]), str)
+                for p in content):
+            return "".join(p[kinds[p["type"]]] for p in content)
         raise field_error('must be a string or a list of text parts ({"type": "text", "text": ...})')
 
 
@@ -157,6 +161,14 @@ class ChatCompletionRequest(_Body):
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
+
+    # OpenAI's fields that change nothing here, typed as OpenAI types them (a bad value is its 400)
+    store: Optional[bool] = Field(None, description="accepted: chat completions are not stored")
+    metadata: Optional[Dict[str, str]] = Field(None, description="accepted, not stored")
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
+        None, description="accepted: this model does not reason before answering")
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
 
     _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs", "response_format"))
 
@@ -217,10 +229,15 @@ def openai_messages(messages: List[Message]) -> List[dict]:
     parts joined, a call's arguments as an object; tool results answer calls made."""
     out = []
     for i, m in enumerate(messages):
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: a {m.role} message needs content (a "
-                                                "string or text parts)", f"messages[{i}].content")
-        message = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        if m.refusal is not None and m.role != "assistant":
+            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].refusal: only an assistant message refuses",
+                          f"messages[{i}].refusal")
+        content = m.content if m.content is not None else m.refusal
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: {'an' if m.role[0] in 'aeiou' else 'a'} "
+                                                f"{m.role} message needs content (a string or text parts)",
+                          f"messages[{i}].content")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.tool_calls:
             if m.role != "assistant":
                 raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_calls: only an assistant message makes "
