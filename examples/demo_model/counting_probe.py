@@ -61,7 +61,7 @@ from refusion_mlx.models.loading import load
 from refusion_mlx.train.batches import collate
 from refusion_mlx.train.examples import IGNORE, SLOT_SIZES, Example, build_example
 from refusion_mlx.train.objective import loss_from_logits
-from refusion_mlx.models.adapters import save_adapters, write_adapter_config
+from refusion_mlx.models.adapter_files import save_adapters, write_adapter_config
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
