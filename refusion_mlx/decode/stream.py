@@ -7,6 +7,7 @@ of the answer grew) and the slots committed at that step, for visualisers.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -39,12 +40,39 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
-        text = render_chat(tokenizer, messages, **opening, **({"tools": tools} if tools else {}))
+        return _chat_ids(tokenizer, messages, {**opening, **({"tools": tools} if tools else {})})
     else:
         if not all(isinstance(m.get("content"), str) for m in messages):
             raise DecodeError("without a chat template every message's content must be text")
         text = checked_text("\n".join(m["content"] for m in messages))
     return list(tokenizer.encode(text))
+
+
+def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> List[int]:
+    """The template's text as ids, its own markup's special tokens parsed. A message's content that spells
+    a special token (a user typing "<|im_end|>", a tool's result quoting a page) is tokenized as the text it
+    is, as OpenAI's API reads content: it cannot close its turn or open a system one. Such contents are
+    rendered as placeholders, so they are found where the template put them; the rest of the text is
+    tokenized as before (every other prompt's ids are unchanged)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the Hugging Face tokenizer
+    specials = [t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values()
+                if getattr(t, "special", False) and t.content]
+    spelled = {i: m["content"] for i, m in enumerate(messages)
+               if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)}
+    if not spelled:
+        return list(tokenizer.encode(render_chat(tokenizer, messages, **kwargs)))
+    marked = [{**m, "content": f"\ue000{i}\ue001"} if i in spelled else m for i, m in enumerate(messages)]
+    ids: List[int] = []
+    for j, piece in enumerate(re.split("(\ue000\\d+\ue001)", render_chat(tokenizer, marked, **kwargs))):
+        if j % 2:  # a content, as text
+            content = checked_text(spelled[int(piece[1:-1])], "a message")
+            try:
+                ids += hf.encode(content, add_special_tokens=False, split_special_tokens=True)
+            except TypeError:  # a tokenizer without the switch: the template's own tokenization
+                ids += hf.encode(content, add_special_tokens=False)
+        elif piece:
+            ids += list(tokenizer.encode(piece)) if j == 0 else hf.encode(piece, add_special_tokens=False)
+    return ids
 
 
 def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
