@@ -197,6 +197,30 @@ def test_rows_holding_line_separators_are_one_row_each(tmp_path, capsys):
     assert code == 1 and "Unterminated string starting at column" in err and "at at" not in err, err
 
 
+def test_a_configs_feature_keys_name_the_rows_parts(tmp_path, capsys):
+    """mlx-lm's prompt_feature, completion_feature, text_feature and chat_feature (YAML) read rows whose
+    parts are under other keys, as its create_dataset does (they were unknown options, exit 2)."""
+    data = tmp_path / "d"
+    data.mkdir()
+    rows = [{"question": "Who is Zoe?", "answer": "Zoe lives in Oslo."},
+            {"conversation": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+            {"body": "Sven lives in Hanoi."}] * 3
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "c.yaml"
+    config.write_text("prompt_feature: question\ncompletion_feature: answer\nchat_feature: conversation\n"
+                      "text_feature: body\n")
+    code, out, err = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1", "-c", config], capsys)
+    assert code == 0 and "Iter 1:" in out, err
+    code, _, err = run(["--data", data, "--adapter-path", tmp_path / "b", "--iters", "1"], capsys)
+    assert code == 1 and 'unknown format (keys: answer, question); expected "messages", "prompt"/"completion" ' \
+                         'or "text"' in err
+    code, _, err = run(["--data", "mlx-community/wikisql", "--iters", "1"], capsys)  # mlx-lm's hub dataset id
+    assert code == 2 and "Hugging Face datasets are not read here" in err
+    config.write_text("prompt_feature: 5\n")
+    code, _, err = run(["--data", data, "--adapter-path", tmp_path / "c", "--iters", "1", "-c", config], capsys)
+    assert code == 2 and "prompt_feature must be str" in err
+
+
 def test_fine_tune_takes_paths_and_refuses_a_misspelt_option(tmp_path):
     with pytest.raises(TypeError, match="unknown option.*learnig_rate"):
         fine_tune(data=DATA, adapter_path=tmp_path / "a", iters=1, learnig_rate=5.0)

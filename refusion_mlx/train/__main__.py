@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ..cli import OneLineParser, run
 from ..errors import Terminated
-from .config import OptionError, add_flags, merge
+from .config import OptionError, add_flags, check_data, merge
 
 
 def build_parser() -> OneLineParser:
@@ -27,6 +27,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = vars(parser.parse_args(argv))
     try:
         options = merge(args, args.get("config"))  # bad values are usage errors, before anything loads
+        check_data(options["data"])
     except OptionError as e:
         parser.error(str(e))
     if options["data"] is None:

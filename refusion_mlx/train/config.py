@@ -95,10 +95,22 @@ OPTIONS: Dict[str, Option] = {
                                ("auto", "kernel", "dequantize")),
     "dtype": Option(str, None, "compute dtype (default: float32 on CPU, the checkpoint's on GPU)",
                     ("float32", "float16", "bfloat16")),
+    # mlx-lm's names of a row's keys (its create_dataset's), YAML only as there
+    "prompt_feature": Option(str, "prompt", "", yaml_only=True),
+    "completion_feature": Option(str, "completion", "", yaml_only=True),
+    "text_feature": Option(str, "text", "", yaml_only=True),
+    "chat_feature": Option(str, "messages", "", yaml_only=True),
     "lora_parameters": Option(dict, None, "", yaml_only=True),
     "lr_schedule": Option(dict, None, "", yaml_only=True),
     "optimizer_config": Option(dict, None, "", yaml_only=True),
 }
+
+
+def check_data(value) -> None:
+    """mlx-lm's Hugging Face dataset id as ``--data`` (no such folder here): a usage error saying what to give."""
+    if value is not None and not Path(value).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(value)):
+        raise OptionError(f"--data {value}: no such folder; Hugging Face datasets are not read here: write the "
+                          "rows to train.jsonl and valid.jsonl in a folder (mlx-lm's formats)")
 
 
 def flag(name: str) -> str:

@@ -12,6 +12,9 @@ A data folder holds ``train.jsonl``, ``valid.jsonl`` and optionally
 * ``{"prompt": ..., "completion": ...}``: one user turn and its answer;
 * ``{"text": ...}``: no prompt, the whole text is the response.
 
+A YAML config's ``chat_feature``, ``prompt_feature``, ``completion_feature``
+and ``text_feature`` rename those keys, as in mlx-lm (:class:`Features`).
+
 The prompt goes through the tokenizer's chat template with
 ``add_generation_prompt=True``, exactly as decoding builds it; the response
 is the message's tokens plus EOS. Blank lines are skipped; anything else that
@@ -21,6 +24,7 @@ is not such an object is a one-line error naming the file and line.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -89,12 +93,22 @@ def _check_messages(messages, where: str) -> None:
                             f"not {messages[-1]['role']!r}")
 
 
-def encode_line(obj, tokenizer, where: str) -> Record:
+@dataclass(frozen=True)
+class Features:
+    """The keys a row's parts are under (mlx-lm's ``*_feature`` options)."""
+
+    prompt: str = "prompt"
+    completion: str = "completion"
+    text: str = "text"
+    chat: str = "messages"
+
+
+def encode_line(obj, tokenizer, where: str, keys: Features = Features()) -> Record:
     """One JSONL object as a Record (see the module's formats)."""
     if not isinstance(obj, dict):
         raise RefusionError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if "messages" in obj:
-        messages = obj["messages"]
+    if keys.chat in obj:
+        messages = obj[keys.chat]
         _check_messages(messages, where)
         tools = obj.get("tools")
         try:
@@ -102,22 +116,22 @@ def encode_line(obj, tokenizer, where: str) -> Record:
         except RefusionError as e:
             raise RefusionError(f"{where}: {e}") from None
         return Record(prompt_ids(tokenizer, messages[:-1], tools), response_ids(tokenizer, text), where)
-    if "prompt" in obj or "completion" in obj:
-        prompt, completion = obj.get("prompt"), obj.get("completion")
+    if keys.prompt in obj or keys.completion in obj:
+        prompt, completion = obj.get(keys.prompt), obj.get(keys.completion)
         if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise RefusionError(f"{where}: \"prompt\" and \"completion\" must both be strings")
+            raise RefusionError(f"{where}: \"{keys.prompt}\" and \"{keys.completion}\" must both be strings")
         return Record(prompt_ids(tokenizer, [{"role": "user", "content": prompt}], obj.get("tools")),
                       response_ids(tokenizer, completion), where)
-    if "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise RefusionError(f"{where}: \"text\" must be a string")
-        return Record([], response_ids(tokenizer, obj["text"]), where)
-    keys = ", ".join(sorted(obj)[:5]) or "none"
-    raise RefusionError(f"{where}: unknown format (keys: {keys}); expected \"messages\", "
-                        "\"prompt\"/\"completion\" or \"text\"")
+    if keys.text in obj:
+        if not isinstance(obj[keys.text], str):
+            raise RefusionError(f"{where}: \"{keys.text}\" must be a string")
+        return Record([], response_ids(tokenizer, obj[keys.text]), where)
+    given = ", ".join(sorted(obj)[:5]) or "none"
+    raise RefusionError(f"{where}: unknown format (keys: {given}); expected \"{keys.chat}\", "
+                        f"\"{keys.prompt}\"/\"{keys.completion}\" or \"{keys.text}\"")
 
 
-def read_jsonl(path: Path, tokenizer) -> List[Record]:
+def read_jsonl(path: Path, tokenizer, keys: Features = Features()) -> List[Record]:
     """Every non-blank line of ``path`` as a Record."""
     try:
         raw = path.read_bytes()
@@ -140,33 +154,34 @@ def read_jsonl(path: Path, tokenizer) -> List[Record]:
                       else str(e).split(":")[0])
             raise RefusionError(f"{where}: not valid JSON ({detail})") from None
         try:
-            records.append(encode_line(obj, tokenizer, where))
+            records.append(encode_line(obj, tokenizer, where, keys))
         except RefusionError as e:  # the template's and the text checks' errors name the row too
             raise RefusionError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     return records
 
 
-def load_split(data: Path, name: str, tokenizer, required: bool) -> Optional[List[Record]]:
+def load_split(data: Path, name: str, tokenizer, required: bool,
+               keys: Features = Features()) -> Optional[List[Record]]:
     """``name``.jsonl of the data folder: its records, None if absent and not required."""
     path = data / f"{name}.jsonl"
     if not path.is_file():
         if required:
             raise RefusionError(f"{data} has no {name}.jsonl")
         return None
-    records = read_jsonl(path, tokenizer)
+    records = read_jsonl(path, tokenizer, keys)
     if not records:
         raise RefusionError(f"{path} holds no examples")
     return records
 
 
-def replay_records(source, tokenizer) -> List[Record]:
+def replay_records(source, tokenizer, keys: Features = Features()) -> List[Record]:
     """The rows to replay: ``train.jsonl`` of a data folder, or a JSONL file."""
     path = Path(source).expanduser()
     if path.is_dir():
         path = path / "train.jsonl"
     if not path.is_file():
         raise RefusionError(f"--replay-data {source}: no such file or folder with train.jsonl")
-    records = read_jsonl(path, tokenizer)
+    records = read_jsonl(path, tokenizer, keys)
     if not records:
         raise RefusionError(f"--replay-data {path} holds no examples")
     return records
@@ -190,7 +205,8 @@ def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: i
     return list(train) + [replay[i] for i in picks]
 
 
-def load_datasets(data, tokenizer, test: bool = False, train: bool = True, valid: Optional[bool] = None
+def load_datasets(data, tokenizer, test: bool = False, train: bool = True, valid: Optional[bool] = None,
+                  keys: Features = Features()
                   ) -> Tuple[Optional[List[Record]], Optional[List[Record]], Optional[List[Record]]]:
     """(train, valid, test) records of a data folder.
 
@@ -202,5 +218,5 @@ def load_datasets(data, tokenizer, test: bool = False, train: bool = True, valid
     if not data.is_dir():
         raise RefusionError(f"--data {data}: no such folder" if not data.exists() else
                             f"--data {data} is a file; give the folder holding train.jsonl and valid.jsonl")
-    return (load_split(data, "train", tokenizer, train), load_split(data, "valid", tokenizer, valid),
-            load_split(data, "test", tokenizer, test))
+    return (load_split(data, "train", tokenizer, train, keys), load_split(data, "valid", tokenizer, valid, keys),
+            load_split(data, "test", tokenizer, test, keys))

@@ -19,8 +19,8 @@ from ..models.adapters import ADAPTER_CONFIG, ADAPTER_FILE, add_adapters, read_w
 from ..models.backend import wired_limit
 from ..models.loading import load
 from .batches import fit_length
-from .config import DEFAULT_NUM_LAYERS, OPTIONS, merge
-from .dataset import load_datasets, replay_records, with_replay
+from .config import DEFAULT_NUM_LAYERS, OPTIONS, check_data, merge
+from .dataset import Features, load_datasets, replay_records, with_replay
 from .examples import EPSILON
 from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train
 
@@ -113,6 +113,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         raise RefusionError("train is false: nothing to do; add --test to only evaluate" if refused else
                             "--iters 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
+    check_data(o["data"])
     if not data.is_dir():
         raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"
                             if data.exists() else f"--data {o['data']}: no such folder")
@@ -139,11 +140,13 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     report("Loading datasets")
     if training and o["val_batches"] != 0 and not validating:
         report(f"[WARNING] {data} has no valid.jsonl: training without validation")
+    keys = Features(o["prompt_feature"], o["completion_feature"], o["text_feature"], o["chat_feature"])
     train_set, valid_set, test_set = load_datasets(data, tokenizer, test=o["test"], train=training,
-                                                   valid=validating)
+                                                   valid=validating, keys=keys)
     if o["replay_data"] and training:
         before = len(train_set)
-        train_set = with_replay(train_set, replay_records(o["replay_data"], tokenizer), o["replay_ratio"], o["seed"])
+        train_set = with_replay(train_set, replay_records(o["replay_data"], tokenizer, keys), o["replay_ratio"],
+                                o["seed"])
         report(f"Replaying {len(train_set) - before} rows of {o['replay_data']} among {before} training rows")
     cut = sum(fit_length(s, o["max_seq_length"]) for s in (train_set, valid_set, test_set) if s)
     if cut:
