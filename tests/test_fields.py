@@ -64,7 +64,8 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     tools = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured output: not FIELDS
     scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/core/loglikelihood.py
     answers = {"n", "logprobs", "top_logprobs"}  # serve/protocols/openai_choices.py, serve/protocols/openai_logprobs.py
-    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools),
+    accepted = {"store", "metadata", "service_tier", "reasoning_effort", "verbosity"}  # typed, changing nothing
+    for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools | accepted),
                          (CompletionRequest, {"prompt", "n", "logprobs"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():

@@ -234,7 +234,7 @@ def openai_messages(messages: List[Message]) -> List[dict]:
                           f"messages[{i}].refusal")
         content = m.content if m.content is not None else m.refusal
         if content is None and not (m.role == "assistant" and m.tool_calls):
-            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: {'an' if m.role[0] in 'aeiou' else 'a'} "
+            raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: {'an' if m.role == 'assistant' else 'a'} "
                                                 f"{m.role} message needs content (a string or text parts)",
                           f"messages[{i}].content")
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
