@@ -42,6 +42,27 @@ def call(srv, method, path, body=None, headers=None):
     return resp.status, dict(resp.getheaders()), json.loads(payload) if payload else None
 
 
+def test_a_tool_calls_logprobs_cover_the_content_alone(server):
+    """An answer that is a call has no content, so no content logprobs (they were the call's markup:
+    <tool_call>, {", name ...), whole and streamed; OpenAI's logprobs cover the content alone."""
+    from tests.agent_server import TOOLS
+
+    ask = {"messages": [{"role": "user", "content": "Where does Sven live?"}], "tools": TOOLS,
+           "logprobs": True, "top_logprobs": 1, "max_tokens": 48}
+    status, _, payload = call(server, "POST", "/v1/chat/completions", ask)
+    choice = payload["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["logprobs"] == {"content": []}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**ask, "stream": True}),
+                 {"Content-Type": "application/json"})
+    chunks = [json.loads(line[6:]) for line in conn.getresponse().read().decode().splitlines()
+              if line.startswith("data: {")]
+    conn.close()
+    assert [e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]] == []
+    assert any(ch["delta"].get("tool_calls") for c in chunks for ch in c["choices"])
+
+
 def test_responses_tools_as_codex_sends_them(server):
     namespace = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.", "tools": [WEATHER]}
     body = {"input": "Weather in Bern?", "max_output_tokens": 32, "tools": [namespace, {"type": "web_search"}],

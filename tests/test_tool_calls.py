@@ -64,17 +64,30 @@ CASES = [
 ]
 
 
+def spans_text(text, splitter):
+    """The text the splitter says went out as text, read from the text fed by its offsets."""
+    return "".join(text[a:b] for a, b in splitter.spans)
+
+
 @pytest.mark.parametrize("text,want", CASES)
 def test_calls_are_read_from_the_answer_in_any_pieces(fmt, text, want):
+    """... and the offsets of the text that went out are known (the tokens of a call's markup are not the
+    answer's: their logprobs are left out, as OpenAI's cover the content alone)."""
     whole, splitter = split(fmt, text)
-    assert whole == want
+    said = "".join(w for w in want if isinstance(w, str))
+    assert whole == want and spans_text(text, splitter) == said and splitter.decided >= len(text)
     assert splitter.calls == sum(isinstance(w, tuple) for w in want)
     assert splitter.failed == (1 if want == [text] and "<tool_call>" in text else 0)
     for cut in range(1, len(text)):  # every place a stream can cut the text, and random multi-cuts
-        assert split(fmt, text, [cut])[0] == want, cut
+        items, pieces = split(fmt, text, [cut])
+        assert items == want and spans_text(text, pieces) == said, cut
     rng = random.Random(0)
     for _ in range(50):
-        assert split(fmt, text, rng.sample(range(1, len(text)), 5))[0] == want
+        items, pieces = split(fmt, text, rng.sample(range(1, len(text)), 5))
+        assert items == want and spans_text(text, pieces) == said
+    markup = text.find("<tool_call>")
+    if want and isinstance(want[-1], tuple):  # a call's markup: decided, not kept
+        assert not splitter.kept(markup, markup + len("<tool_call>"))
 
 
 def test_a_stream_never_shows_markup_before_the_call_is_known(fmt):

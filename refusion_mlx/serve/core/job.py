@@ -60,7 +60,8 @@ class Job:
         self.cached = 0  # prompt tokens the prompt cache held
         self.task = None  # a scoring request's ScoringTask, once started
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
-        self.entry_chars = 0  # characters of the tokens whose logprobs went out
+        self.entry_chars = 0  # characters of the tokens whose logprobs went out (or were held, with calls)
+        self.held: List[Tuple[int, dict]] = []  # (offset, entry) of tokens the call splitter has not decided
         self.chars = CharCounter()  # the answer's tokens as characters of its text
 
     def take(self, text: str, tokens, finished: bool, cut: bool = False, tokenizer=None) -> tuple:
@@ -91,25 +92,37 @@ class Job:
             events += [("text" if isinstance(i, str) else "tool_call", i) for i in items]
         else:  # the step's text with its tokens' entries, then its calls
             text = "".join(i for i in items if isinstance(i, str))
-            entries = self._within_answer(token_entries(tokenizer, response.tokens, response.logprobs,
-                                                        self.chars))
+            entries = self._of_content(self._within_answer(token_entries(tokenizer, response.tokens,
+                                                                         response.logprobs, self.chars)),
+                                       final=response.finish_reason is not None or reason is not None)
             events += [("logprobs", (text, entries))] if text or entries else []
             events += [("tool_call", i) for i in items if not isinstance(i, str)]
         return events, reason or response.finish_reason, self.shaper.completion_tokens - released
 
-    def _within_answer(self, entries: List[dict]) -> List[dict]:
-        """``entries`` but those of tokens wholly past a stop string that cut the
-        answer: the tokens' texts join into the answer's, as OpenAI's do."""
-        if self.shaper.hit is not None:
-            kept = []
-            for e in entries:
-                if self.entry_chars >= self.shaper.sent:
-                    break
-                kept.append(e)
-                self.entry_chars += e["chars"]
-            return kept
-        self.entry_chars += sum(e["chars"] for e in entries)
-        return entries
+    def _within_answer(self, entries: List[dict]) -> List[Tuple[int, dict]]:
+        """``entries`` (each with its offset in the answer's text) but those of tokens wholly past a stop
+        string that cut the answer: the tokens' texts join into the answer's, as OpenAI's do."""
+        kept = []
+        for e in entries:
+            if self.shaper.hit is not None and self.entry_chars >= self.shaper.sent:
+                break
+            kept.append((self.entry_chars, e))
+            self.entry_chars += e["chars"]
+        return kept
+
+    def _of_content(self, entries: List[Tuple[int, dict]], final: bool) -> List[dict]:
+        """The entries of the answer's content: with tools, not those of a call's markup (OpenAI's logprobs
+        cover the content alone). A token whose text the splitter has not decided waits for it."""
+        if self.calls is None:
+            return [e for _, e in entries]
+        out, waiting = [], []
+        for at, e in self.held + entries:
+            if not final and at + e["chars"] > self.calls.decided:
+                waiting.append((at, e))
+            elif self.calls.kept(at, at + e["chars"]):
+                out.append(e)
+        self.held = waiting
+        return out
 
     def outcome(self, reason: str, stats, dist=None) -> Outcome:
         """The "done" event: finish reason ("tool_calls" for an answer that

@@ -121,12 +121,17 @@ class ToolCallSplitter:
     neither text nor a call (its markup is the template's, not an answer;
     ``cut`` counts them). Whitespace between text and a call, or after a
     call, is dropped. With ``single`` (``parallel_tool_calls`` false) the
-    answer ends after the first call: ``done`` turns true.
+    answer ends after the first call: ``done`` turns true. Which of the text
+    fed went out as text is kept by offset (:meth:`kept`, up to ``decided``),
+    so the tokens of a call's markup can be told from the answer's own.
     """
 
     def __init__(self, fmt: ToolFormat, tools: Sequence[dict] = (), single: bool = False):
         self.fmt, self.tools, self.single = fmt, list(tools), single
         self.pending = ""  # text received, not yet given out
+        self.base = 0  # where pending starts in the text fed (all before it is decided)
+        self.spans: List[Tuple[int, int]] = []  # the text fed that went out as text, as [start, end) offsets
+        self.call_at = 0  # where the open call's start marker is in the text fed
         self.in_call = False
         self.after_call = False  # the last item given out was a call
         self.calls = 0
@@ -146,36 +151,56 @@ class ToolCallSplitter:
                 end = self.pending.find(self.fmt.end)
                 if end < 0:
                     break
-                body, self.pending = self.pending[:end], self.pending[end + len(self.fmt.end):]
+                body = self.pending[:end]
+                self._advance(end + len(self.fmt.end))
                 self._close(body, out, self.fmt.end)
             else:
                 start = self.pending.find(self.fmt.start)
                 if start < 0:
                     break
-                self._text(self.pending[:start].rstrip(), out)
-                self.pending, self.in_call = self.pending[start + len(self.fmt.start):], True
+                self._text(self.pending[:start].rstrip(), out, self.base)
+                self.call_at, self.in_call = self.base + start, True
+                self._advance(start + len(self.fmt.start))
         if self.done:
-            self.pending = ""
+            self._advance(len(self.pending))
         elif final:
             if self.in_call:  # no end marker: a call if it parses as one (an EOS for the end), else text
-                body, self.pending = self.pending, ""
+                body = self.pending
+                self._advance(len(body))
                 self._close(body, out, "", cut)
-            self._text(self.pending, out)
-            self.pending = ""
+            self._text(self.pending, out, self.base)
+            self._advance(len(self.pending))
         elif not self.in_call:
             keep = _partial_tail(self.pending, self.fmt.start)
             cut = len(self.pending) - keep
             text = self.pending[:cut]
             ready = text.rstrip()  # trailing whitespace waits: a call may follow it
-            self._text(ready, out)
-            self.pending = self.pending[len(ready):]
+            self._text(ready, out, self.base)
+            self._advance(len(ready))
         return out
 
-    def _text(self, text: str, out: list) -> None:
+    @property
+    def decided(self) -> float:
+        """The text fed before this offset is decided: given out as text (:meth:`kept`) or not."""
+        return float("inf") if self.done else self.base
+
+    def kept(self, start: int, end: int) -> bool:
+        """Whether any of the text fed at ``[start, end)`` went out as text (a point: within some)."""
+        if start == end:
+            return any(s <= start < e for s, e in self.spans)
+        return any(s < end and start < e for s, e in self.spans)
+
+    def _advance(self, n: int) -> None:
+        self.pending, self.base = self.pending[n:], self.base + n
+
+    def _text(self, text: str, out: list, at: int) -> None:
+        """``text``, fed at offset ``at``, goes out (less the whitespace after a call)."""
         if self.after_call:
-            text = text.lstrip()
+            stripped = text.lstrip()
+            at, text = at + len(text) - len(stripped), stripped
         if text:
             out.append(text)
+            self.spans.append((at, at + len(text)))
             self.after_call = False
 
     def _close(self, body: str, out: list, end: str, cut: bool = False) -> None:
@@ -189,7 +214,7 @@ class ToolCallSplitter:
             return
         if calls is None:
             self.failed += 1
-            self._text(self.fmt.start + body + end, out)
+            self._text(self.fmt.start + body + end, out, self.call_at)
             return
         if self.single:
             calls, self.done = calls[:1], True
