@@ -81,9 +81,11 @@ class RefusionDecoder:
         response_start = self.first_position + len(self.prompt)
         limit = model.args.max_position_embeddings
         if response_start + layout.gen_length > limit:
-            raise DecodeError(
-                f"prompt ({response_start} tokens) + budget ({layout.gen_length}) "
-                f"exceeds the model's context of {limit} positions")
+            asked = params.gen_length  # the budget the caller gave, decoded in whole slots
+            budget = f"max_tokens {asked}" + (f", {layout.gen_length} in whole slots" if asked != layout.gen_length
+                                              else "")
+            raise DecodeError(f"prompt ({response_start} tokens) + {budget} exceeds the model's context of {limit} "
+                              f"positions ({limit - response_start} are left after the prompt)")
         vocab = model.args.vocab_size
         eos_id = NO_EOS if eos_id is None else eos_id
         for name, tid in (("mask", mask_id), ("eos", eos_id)):
