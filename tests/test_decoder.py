@@ -87,9 +87,9 @@ def test_prompt_plus_budget_over_context_is_refused():
                         mask_id=805, eos_id=801)
     RefusionDecoder(model, [1] * 32, RefusionParams(gen_length=32, slot_size=4), mask_id=805, eos_id=801)
     with pytest.raises(DecodeError) as err:  # the budget the caller gave, and what whole slots made of it
-        RefusionDecoder(model, [1] * 31, RefusionParams(gen_length=31, slot_size=4), mask_id=805, eos_id=801)
-    assert str(err.value) == ("prompt (31 tokens) + max_tokens 31, 32 in whole slots exceeds the model's context "
-                              "of 64 positions (33 are left after the prompt)")
+        RefusionDecoder(model, [1] * 33, RefusionParams(gen_length=31, slot_size=4), mask_id=805, eos_id=801)
+    assert str(err.value) == ("prompt (33 tokens) + max_tokens 31, 32 in whole slots exceeds the model's context "
+                              "of 64 positions (31 are left after the prompt)")
 
 
 def test_bad_ids_are_refused():
