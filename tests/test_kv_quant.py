@@ -123,6 +123,10 @@ def test_python_api_chat_and_prompt_cache(demo):
     assert isinstance(store, QuantizedStore) and (store.bits, store.group_size) == (4, 32)
     with pytest.raises(DecodeError, match="kv_bits"):  # a cache of another form is refused, not misread
         list(stream_generate(model, tokenizer, [1, 2, 3], cache=chat.cache, kv_bits=8, max_tokens=4))
+    fresh = CommittedCache.for_model(model)  # one never used takes the form asked, as mlx-lm's prompt cache does
+    assert generate(model, tokenizer, "Who is Sven?", max_tokens=16, kv_bits=8, cache=fresh) == \
+        generate(model, tokenizer, "Who is Sven?", max_tokens=16, kv_bits=8)
+    assert isinstance(fresh.stores[0], QuantizedStore) and fresh.stores[0].bits == 8
 
     entries = PromptCache(1 << 30)
     entries.insert(chat.cache)

@@ -264,10 +264,11 @@ class BatchGenerator:
 
 
 def check_form(cache: CommittedCache, storage) -> None:
-    """A DecodeError unless ``cache`` keeps keys and values as ``storage`` does."""
+    """A DecodeError unless ``cache`` keeps keys and values as ``storage`` does; an empty one (made with
+    ``CommittedCache.for_model`` and never used) takes that form, as mlx-lm quantizes a fresh prompt cache."""
     _a_committed_cache(cache)
     mine, theirs = storage.describe(cache.spec), cache.storage.describe(cache.spec)
-    if mine != theirs:
+    if mine != theirs and not cache.take_form(storage):
         raise DecodeError(f"the cache keeps keys and values as {theirs}, not as {mine} (kv_bits)")
 
 

@@ -62,6 +62,14 @@ class CommittedCache:
     def for_model(cls, model, growth: int = GROWTH_ROWS, storage: Optional[KVStorage] = None) -> "CommittedCache":
         return cls(model.cache_spec(), growth, storage)
 
+    def take_form(self, storage: KVStorage) -> bool:
+        """Keep keys and values as ``storage`` does from now on; only a cache that holds nothing yet can."""
+        if self.tokens or self.capacity:
+            return False
+        self.storage = storage
+        self.stores = self._empty_stores()
+        return True
+
     def _empty_stores(self) -> List[Optional[KVStore]]:
         held = self.spec.held
         return [self.storage.new(self.spec) if i in held else None for i in range(self.spec.layers)]
