@@ -332,13 +332,7 @@ def test_page_works_behind_a_path_prefix(chromium, server, client):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True)
         try:
-            page = browser.new_page()
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.route(site + "/**", proxy)
-            page.goto(site + "/refusion/")
-            page.wait_for_selector("input[name=max_tokens]")
-            page.fill("input[name=max_tokens]", str(MAX_TOKENS))
+            page, errors = chat_page(browser, behind, url=site + "/refusion/", route=(site + "/**", proxy))
             page.fill("#input", COUNT)
             page.press("#input", "Enter")
             page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
@@ -349,12 +343,15 @@ def test_page_works_behind_a_path_prefix(chromium, server, client):
     assert not errors and outside == [] and text == want
 
 
-def chat_page(browser, server):
-    """The chat page, loaded, its budget set to MAX_TOKENS: (the page, the JS errors it raises)."""
+def chat_page(browser, server, url=None, route=None):
+    """The chat page, loaded (from ``url``: the server's own by default; ``route``: (pattern, handler) the
+    browser answers those requests with), its budget set to MAX_TOKENS: (the page, the JS errors it raises)."""
     page = browser.new_page(viewport={"width": 1200, "height": 700})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(base(server) + "/")
+    if route is not None:
+        page.route(*route)
+    page.goto(url or base(server) + "/")
     page.wait_for_selector("input[name=max_tokens]")
     page.fill("input[name=max_tokens]", str(MAX_TOKENS))
     return page, errors
