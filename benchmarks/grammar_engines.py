@@ -2,7 +2,7 @@
 
 Which engine constrains ReFusion's slots was chosen with this script
 (docs/benchmarks.md, "Grammar engines"). For each engine installed --
-llguidance, xgrammar, outlines-core -- and each vocabulary (the demo's 806
+llguidance, xgrammar, outlines-core -- and each vocabulary (the demo model's 816
 tokens, and a byte-level BPE of 151,671 tokens: the real checkpoint's size,
 ``--shape refusion-8b``), it compiles a set of JSON Schemas and walks a valid
 instance of each token by token: the time to compute the allowed-token mask
@@ -349,7 +349,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.vocab in ("demo", "both"):
             from refusion_mlx.models.loading import resolve_model_path
 
-            vocabs.append(("demo", Path(resolve_model_path(None)) / "tokenizer.json", 806))
+            demo = Path(resolve_model_path(None))  # its embedding rows: the vocabulary an engine masks
+            vocabs.append(("demo", demo / "tokenizer.json",
+                           json.loads((demo / "config.json").read_text())["vocab_size"]))
         if args.vocab in ("real", "both"):
             vocabs.append(("bpe-151671", build_vocabulary(Path(args.cache)), REAL_VOCAB))
         results = []

@@ -163,6 +163,61 @@ def test_bad_flags_exit_2_with_one_line(argv, capsys):
     assert err and len(err.splitlines()) == 1 and "error" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "3"], "--rounds goes with --concurrency"),
+    (["--prompts", "2"], "--prompts goes with --shape"),
+    (["--budgets", "8"], "--budgets goes with --layouts"),
+    (["--data", "/nonexistent.jsonl"], "--data goes with --layouts"),
+    (["--http"], "--http goes with --concurrency"),
+    (["--concurrency", "1", "--layouts", "16"], "--layouts and --concurrency are separate measurements"),
+    (["--shape", "qwen3-0.6b", "--forecast-only", "--layouts", "16"], "--shape and --layouts are separate"),
+])
+def test_a_flag_of_another_measurement_is_refused(argv, message, capsys):
+    """Flags that only one measurement reads were ignored without it, and of two measurements one ran."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_the_report_never_overwrites_an_input(tmp_path, capsys):
+    suite = tmp_path / "s.json"
+    suite.write_text('{"prompts": [{"prompt": "Who is Sven?"}]}')
+    for argv in (["--suite", str(suite), "--json", str(suite)],
+                 ["--layouts", "16", "--data", str(suite), "--json", str(tmp_path / "." / "s.json")]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2 and "is an input of this run" in capsys.readouterr().err
+    assert suite.read_text() == '{"prompts": [{"prompt": "Who is Sven?"}]}'
+
+
+def test_concurrency_compares_with_one_client_wherever_it_is_listed():
+    from refusion_mlx.bench.concurrency import baseline
+
+    levels = [{"clients": 4, "tokens_per_second": 400.0}, {"clients": 1, "tokens_per_second": 100.0}]
+    assert baseline(levels) == (1, 100.0) and baseline(levels[:1]) == (4, 400.0) and baseline([]) == (1, 0.0)
+
+
+def test_layouts_decode_under_the_preset(monkeypatch, capsys):
+    """--preset sets the thresholds the layouts sweep decodes with, under explicit flags (it was ignored)."""
+    from refusion_mlx.bench import layouts
+    from refusion_mlx.decode.params import make_params
+
+    seen = []
+
+    def captured(args, model, tokenizer, suite, base, log):
+        seen.append(base)
+        return {"layouts": [], "data": "suite prompts", "rows": 0, "table": ""}
+
+    monkeypatch.setattr(layouts, "run_layouts", captured)
+    assert bench.main(["--layouts", "16", "--preset", "gsm8k"]) == 0
+    assert bench.main(["--layouts", "16", "--preset", "gsm8k", "--slot-threshold", "0.5"]) == 0
+    gsm8k = make_params(preset="gsm8k")
+    assert (seen[0].slot_threshold, seen[0].token_threshold) == (gsm8k.slot_threshold, gsm8k.token_threshold)
+    assert seen[1].slot_threshold == 0.5 and seen[1].token_threshold == gsm8k.token_threshold
+    assert seen[0].slot_threshold != make_params().slot_threshold
+
+
 def test_bad_suite_file_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

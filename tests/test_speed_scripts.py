@@ -195,6 +195,16 @@ def test_every_tool_names_its_command(tool, capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{name} ")
 
 
+def test_grammar_engines_runs_on_the_demo_vocabulary(tmp_path, capsys):
+    """The demo's vocabulary is its model's embedding rows (816 since its tool tokens): a hard-coded 806
+    made llguidance refuse the tokenizer with a traceback."""
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit) as e:
+        grammar_engines.main(["--vocab", "demo", "--engines", "llguidance", "--repeat", "1", "--json", str(out)])
+    assert e.value.code == 0
+    assert "11/11" in capsys.readouterr().out and out.is_file()
+
+
 def test_tools_run_from_the_repository_root():
     """``python -m benchmarks.NAME`` from a checkout, as docs/benchmarks.md writes it."""
     root = Path(__file__).resolve().parents[1]

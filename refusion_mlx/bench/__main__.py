@@ -53,7 +53,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--concurrency", type=positive_ints, metavar="N,N,...",
                         help="instead of the AR comparison: aggregate tokens/s and latency per request for "
                              "N concurrent clients decoded together (e.g. 1,2,4,8,16)")
-    parser.add_argument("--rounds", type=positive_int, default=2,
+    parser.add_argument("--rounds", type=positive_int,
                         help="with --concurrency: how many times the workload goes through the suite (default 2)")
     parser.add_argument("--http", action="store_true",
                         help="with --concurrency: through the OpenAI-compatible server on loopback, "
@@ -80,7 +80,7 @@ def build_parser() -> OneLineParser:
                         help="with --shape: record and forecast, time nothing (the weights are never computed)")
     parser.add_argument("--q-bits", type=int, choices=(4, 8),
                         help="with --shape: quantize the shape's weights to 4 or 8 bits (group size 64)")
-    parser.add_argument("--prompts", type=positive_int, default=4,
+    parser.add_argument("--prompts", type=positive_int,
                         help="with --shape: how many of the suite's prompts to record (default 4; "
                              "--max-tokens defaults to 64 there)")
     parser.add_argument("--batch", type=positive_int, metavar="N",
@@ -94,6 +94,17 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+# the flags of one measurement, refused without it (they would be ignored), and their defaults
+MODE_FLAGS = {"shape": ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch", "cost_curve",
+                        "prompts"),
+              "layouts": ("budgets", "slot_sizes", "limit", "data"), "concurrency": ("rounds", "http")}
+MODE_DEFAULTS = {"prompts": 4, "budgets": [64, 128, 256, 512], "slot_sizes": [4, 8], "limit": 60, "rounds": 2}
+
+
+def _same_file(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -101,9 +112,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
         parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
-    for flag in ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch", "cost_curve"):
-        if getattr(args, flag) and args.shape is None:
-            parser.error(f"--{flag.replace('_', '-')} goes with --shape")
+    modes_given = [f"--{m}" for m in ("shape", "layouts", "concurrency", "conversation") if getattr(args, m)]
+    if len(modes_given) > 1:
+        parser.error(f"{' and '.join(modes_given)} are separate measurements: give one")
+    for mode, flags in MODE_FLAGS.items():
+        for flag in flags:
+            if getattr(args, flag) not in (None, False) and not getattr(args, mode):
+                parser.error(f"--{flag.replace('_', '-')} goes with --{mode}")
+    for flag, default in MODE_DEFAULTS.items():
+        setattr(args, flag, getattr(args, flag) or default)
+    if args.json:
+        inputs = [p for p in (args.suite if args.suite != "default" else None, args.data, args.cost_curve) if p]
+        if any(_same_file(args.json, p) for p in inputs):
+            parser.error(f"--json {args.json} is an input of this run: give the report another file")
     if args.shape is not None:
         if args.model and args.record_with and args.model != args.record_with:
             parser.error("--model and --record-with name the model that records the forwards: give one")
@@ -129,8 +150,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             except OSError as e:
                 raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
-        if args.http and not args.concurrency:
-            parser.error("--http goes with --concurrency")
         if args.shape:
             if args.record_with and not Path(args.record_with).expanduser().is_dir():
                 raise BenchError(f"{args.record_with}: no such model folder (--record-with, or --model with "

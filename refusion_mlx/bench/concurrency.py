@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -108,13 +108,22 @@ def run_levels(model, tokenizer, prompts, params, levels: Sequence[int], rounds:
     return out
 
 
+def baseline(levels: Sequence[dict]) -> Tuple[int, float]:
+    """The level the others are compared with: one client when it was measured (in any place of the
+    list), else the fewest; (its clients, its tokens/s)."""
+    if not levels:
+        return 1, 0.0
+    base = min(levels, key=lambda d: d["clients"])
+    return base["clients"], base["tokens_per_second"]
+
+
 def format_levels(results: Sequence[LevelResult], format_table) -> str:
-    base = results[0].tokens_per_second if results else 0.0
+    clients, base = baseline([r.as_dict() for r in results])
     rows = []
     for r in results:
         d = r.as_dict()
         rows.append([r.clients, r.requests, r.tokens, d["wall_seconds"], d["tokens_per_second"],
-                     f"{r.tokens_per_second / base:.2f}x" if base else "-", d["latency_p50_s"],
+                     f"{d['tokens_per_second'] / base:.2f}x" if base else "-", d["latency_p50_s"],
                      d["latency_p90_s"], d["first_text_p50_s"], r.steps, round(r.peak_memory_gb * 1000)])
-    return format_table(["clients", "requests", "tokens", "wall s", "tok/s", "vs 1", "latency p50 s",
+    return format_table(["clients", "requests", "tokens", "wall s", "tok/s", f"vs {clients}", "latency p50 s",
                          "p90 s", "first text p50 s", "steps", "peak MB"], rows)

@@ -52,13 +52,13 @@ def layouts_arg(text: str) -> List[str]:
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", type=layouts_arg, metavar="L,L,...", help=LAYOUTS_HELP)
-    parser.add_argument("--budgets", type=positive_ints, default=[64, 128, 256, 512], metavar="N,N,...",
+    parser.add_argument("--budgets", type=positive_ints, metavar="N,N,...",
                         help="with --layouts: response budgets (default 64,128,256,512)")
-    parser.add_argument("--slot-sizes", type=positive_ints, default=[4, 8], metavar="S,S,...",
+    parser.add_argument("--slot-sizes", type=positive_ints, metavar="S,S,...",
                         help="with --layouts: slot sizes (default 4,8)")
     parser.add_argument("--data", help="with --layouts: chat JSONL whose last message is the reference answer "
                                        "(exact-match accuracy); default: the suite's prompts, no accuracy")
-    parser.add_argument("--limit", type=positive_int, default=60, help="with --layouts --data: rows used (default 60)")
+    parser.add_argument("--limit", type=positive_int, help="with --layouts --data: rows used (default 60)")
 
 
 def reference_block_count(gen_length: int, slot_size: int, most: int = 32) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Dict
 from ..decode.params import FIELDS, RefusionParams, make_params
 from ..decode.stream import chat_prompt
 from .compare import load_models, resolve_all
+from .concurrency import baseline
 from .report import environment, format_table, header_lines
 from .suite import Suite
 
@@ -72,12 +73,12 @@ def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
             lv = http_level(server.url, work, n)
             say(f"{n} streams: {lv.tokens} tokens in {lv.wall_seconds:.2f} s")
             levels.append(lv.as_dict())
-    base = levels[0]["tokens_per_second"] or 1.0
+    clients, base = baseline(levels)
     rows = [[d["clients"], d["requests"], d["tokens"], d["wall_seconds"], d["tokens_per_second"],
-             f"{d['tokens_per_second'] / base:.2f}x", d["latency_p50_s"], d["latency_p90_s"],
+             f"{d['tokens_per_second'] / base:.2f}x" if base else "-", d["latency_p50_s"], d["latency_p90_s"],
              d["first_text_p50_s"]] for d in levels]
-    table = format_table(["streams", "requests", "tokens", "wall s", "tok/s", "vs 1", "latency p50 s", "p90 s",
-                          "first text p50 s"], rows)
+    table = format_table(["streams", "requests", "tokens", "wall s", "tok/s", f"vs {clients}", "latency p50 s",
+                          "p90 s", "first text p50 s"], rows)
     return {"environment": env, "http_levels": levels, "rounds": args.rounds,
             "report": "\n".join(header_lines(env) + ["", "through the HTTP server (streaming, loopback)", table])}
 
@@ -115,7 +116,7 @@ def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     from .layouts import run_layouts
 
     fixed = ("gen_length", "slot_size", "block_length", "serial_num_blocks")
-    base = make_params(**{k: v for k, v in overrides.items() if k not in fixed})
+    base = make_params(preset=args.preset, **{k: v for k, v in overrides.items() if k not in fixed})
     model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
     result = run_layouts(args, model, tokenizer, suite, base, log)
