@@ -199,6 +199,18 @@ def test_a_message_that_spells_a_special_token_is_text(demo):
                                                                               add_generation_prompt=True)))
 
 
+def test_responses_carry_mlx_lms_field_names(demo):
+    """A loop written for mlx-lm reads token, generation_tps, prompt_tps and peak_memory on every
+    response (they were AttributeErrors); the last one's are its statistics'."""
+    model, tok = demo
+    responses = list(stream_generate(model, tok, "Count from 17 to 38.", max_tokens=64))
+    last = responses[-1]
+    assert all(r.token == (r.tokens[-1] if r.tokens else None) for r in responses)
+    assert all(r.generation_tps >= 0 and r.prompt_tps > 0 and r.peak_memory > 0 for r in responses)
+    assert last.generation_tps == last.stats.tokens_per_second and last.peak_memory == last.stats.peak_memory_gb
+    assert last.prompt_tps == pytest.approx(last.stats.prompt_tokens / last.stats.seconds["prefill"])
+
+
 def test_parameter_aliases_and_unknowns():
     assert make_params(max_tokens=64, temp=0.5).gen_length == 64
     assert make_params(max_tokens=64, temp=0.5).temperature == 0.5

@@ -32,36 +32,8 @@ from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
 from .params import RefusionParams, make_params
 from .prompt import prompt_ids, prompt_list, wrapped
-from .stats import DecodeStats, SlotCommit
-
-
-@dataclass
-class GenerationResponse:
-    """One step of a streamed generation.
-
-    ``text``/``tokens``: what just became final, in answer order (may be
-    empty when the step committed slots beyond a gap). ``commits``: the slots
-    committed at this step, in commit order. The last response of a request
-    has ``finish_reason`` ("stop": EOS; "length": budget spent; "error": it
-    failed alone, ``error`` says why), ``stats`` and ``cache`` (its committed
-    cache, settled to prompt + answer, for reuse by a later request).
-    """
-
-    text: str
-    tokens: List[int]
-    commits: List[SlotCommit]
-    phase: str
-    step: int
-    prompt_tokens: int
-    generation_tokens: int
-    finish_reason: Optional[str] = None
-    stats: Optional[DecodeStats] = None
-    uid: int = 0
-    cache: Optional[CommittedCache] = None
-    error: Optional[str] = None
-    error_param: Optional[str] = None  # the request's field the error is about (its fault); None: the runtime's
-    exception: Optional[BaseException] = field(default=None, repr=False, compare=False)  # what ``error`` says
-    logprobs: Optional[List[tuple]] = None  # per token of ``tokens``: (logprob, top pairs) (``insert(logprobs=)``)
+from .response import GenerationResponse
+from .stats import DecodeStats
 
 
 @dataclass
@@ -81,7 +53,8 @@ class _Member:
             self.decoder.end_early(self.answer.next)
             final = True
         r = GenerationResponse(text, tokens, step.commits if step else [], step.phase if step else "",
-                               self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid)
+                               self.steps, len(self.decoder.prompt), self.answer.length, uid=self.uid,
+                               live=self.decoder.stats)
         if self.decoder.state.logprobs is not None:  # each final token's score, by its position
             r.logprobs = [self.decoder.state.scores.get(first + i) for i in range(len(tokens))]  # None: unscored
         self.steps += step is not None
