@@ -47,7 +47,7 @@ from ..server_config import ServerConfig
 from .engine_request import EngineRequest
 from .job import Job, Turn
 from .loglikelihood import ScoringTask
-from .memory import KVCost, admission_budget
+from .memory import HeapTrim, KVCost, admission_budget
 from .metrics import ServerMetrics
 from .refusal import Reason, Refusal
 from .scheduler import Scheduler
@@ -69,6 +69,7 @@ class Engine:
         self.dist = dist
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.max_kv_bytes = config.max_kv_bytes  # None: derived when the model is loaded (default_max_kv_bytes)
+        self.heap = HeapTrim()  # the heap a busy period freed, back to the system when it ends (glibc)
         self.storage = config.storage  # how the caches keep keys and values (--kv-bits)
         self.kv_cost = KVCost.of(None, self.storage)  # KV bytes per token as they are kept, once the model is loaded
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
@@ -235,6 +236,9 @@ class Engine:
         """Rank 0: this turn's plan (:meth:`.scheduler.Scheduler.next_turn`), from the
         queue and the clients; waits up to ``IDLE_WAIT`` s for a request when nothing runs."""
         if not self.running:
+            if self.busy_since is not None:  # a busy period ended
+                self.heap.busy()
+            self.heap.idle()  # its freed heap back to the system, when it is time (Linux)
             self.busy_since = None
             self.queue.idle_wait(IDLE_WAIT, self._stopping)
         if self._stopping.is_set():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -192,4 +194,42 @@ def admission_budget(model, storage, given: Optional[int], prompt_cache_bytes: i
     budget = given if given is not None else default_max_kv_bytes(model, prompt_cache_bytes, cost.row_bytes)
     check_kv_budget(budget, cost, decoding)  # refuses what refuses all
     return cost, budget
+
+
+TRIM_EVERY = 30.0  # seconds between two returns of the freed heap to the system, at most
+
+
+class HeapTrim:
+    """glibc keeps the heap a busy period freed in its per-thread arenas: a server's resident memory
+    climbed 1-1.5 GB past what MLX and the prompt cache hold (a soak of mixed requests on the demo) and
+    stayed there. While the engine is idle after work (at most every ``every`` seconds), ``malloc_trim(0)``
+    gives it back (2.8 -> 2.3 GB, 1.5 -> 0.9 GB in that soak). Elsewhere (macOS, musl) nothing is called."""
+
+    def __init__(self, every: float = TRIM_EVERY):
+        self.every, self.after, self.dirty = every, 0.0, False
+        self.trim = _malloc_trim()
+
+    def busy(self) -> None:
+        """The engine worked: there may be heap to give back once it is idle."""
+        self.dirty = True
+
+    def idle(self) -> bool:
+        """The engine has nothing to do: trim if it worked since the last trim and it is time; whether it did."""
+        now = time.monotonic()
+        if self.trim is None or not self.dirty or now < self.after:
+            return False
+        self.after, self.dirty = now + self.every, False
+        self.trim(0)
+        return True
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
