@@ -265,7 +265,9 @@ def format_report(result: dict) -> str:
         p = cases[0]["params"]
         decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
                     f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
-                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
+                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}"
+                    + (" (ReFusion's; mlx-lm's side decodes greedily)" if p["temperature"] and "ar" in total
+                       else ""))
     else:
         decoding = "per prompt (see --json)"
     lines.append(f"suite: {meta['suite']} ({meta['prompts']} prompts) | preset: {meta['preset'] or 'none'} | "
