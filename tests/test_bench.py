@@ -118,6 +118,14 @@ def test_api_without_ar(tiny_suite):
     assert "ReFusion" in text and "ReFusion / AR tokens per second" not in text
 
 
+def test_a_sampled_comparison_says_the_ar_side_is_greedy(tiny_suite):
+    result = bench.run_benchmark(suite=str(tiny_suite), warmup=0, repeat=1,
+                                 overrides={"gen_length": 8, "temperature": 0.8, "seed": 3})
+    assert "temperature 0.8 (ReFusion's; mlx-lm's side decodes greedily)" in bench.format_report(result)
+    greedy = bench.run_benchmark(suite=str(tiny_suite), warmup=0, repeat=1, overrides={"gen_length": 8})
+    assert "greedily" not in bench.format_report(greedy)
+
+
 def test_default_suite_covers_the_demo_families():
     suite = load_suite("default")
     families = {c.family for c in suite.cases}
