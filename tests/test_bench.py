@@ -121,7 +121,7 @@ def test_api_without_ar(tiny_suite):
 def test_a_sampled_comparison_says_the_ar_side_is_greedy(tiny_suite):
     result = bench.run_benchmark(suite=str(tiny_suite), warmup=0, repeat=1,
                                  overrides={"gen_length": 16, "temperature": 0.8, "seed": 3})
-    assert "temperature 0.8 (ReFusion's; mlx-lm's side decodes greedily)" in bench.format_report(result)
+    assert "(a temperature is ReFusion's: mlx-lm's side decodes greedily)" in bench.format_report(result)
     greedy = bench.run_benchmark(suite=str(tiny_suite), warmup=0, repeat=1, overrides={"gen_length": 16})
     assert "greedily" not in bench.format_report(greedy)
 

@@ -265,11 +265,11 @@ def format_report(result: dict) -> str:
         p = cases[0]["params"]
         decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
                     f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
-                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}"
-                    + (" (ReFusion's; mlx-lm's side decodes greedily)" if p["temperature"] and "ar" in total
-                       else ""))
+                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
     else:
         decoding = "per prompt (see --json)"
+    if "ar" in total and any(c["params"]["temperature"] for c in cases):
+        decoding += " (a temperature is ReFusion's: mlx-lm's side decodes greedily)"
     lines.append(f"suite: {meta['suite']} ({meta['prompts']} prompts) | preset: {meta['preset'] or 'none'} | "
                  f"decoding: {decoding}")
     if "distributed" in meta:
