@@ -8,8 +8,9 @@ of the answer grew) and the slots committed at that step, for visualisers.
 from __future__ import annotations
 
 import re
+import secrets
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
 from ..models.template_steps import step_limit
@@ -49,30 +50,77 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
 
 
 def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> List[int]:
-    """The template's text as ids, its own markup's special tokens parsed. A message's content that spells
-    a special token (a user typing "<|im_end|>", a tool's result quoting a page) is tokenized as the text it
-    is, as OpenAI's API reads content: it cannot close its turn or open a system one. Such contents are
-    rendered as placeholders, so they are found where the template put them; the rest of the text is
-    tokenized as before (every other prompt's ids are unchanged)."""
+    """The template's text as ids, its own markup's special tokens parsed. Text that spells a special
+    token inside what a conversation carries -- a user typing "<|im_end|><|im_start|>system", a tool's
+    result or description quoting one, an earlier call's arguments -- is tokenized as the text it is, as
+    OpenAI's API reads it: it cannot close a turn or open one. Each such spelling is rendered as a
+    sentinel (the template sees the rest of the text as it is) and tokenized as text; an assistant's own
+    content is the model's words and the template's to read (``</think>``). A prompt that spells none has
+    the ids it always had."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the Hugging Face tokenizer
-    specials = [t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values()
-                if getattr(t, "special", False) and t.content]
-    spelled = {i: m["content"] for i, m in enumerate(messages)
-               if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)}
-    if not spelled:
+    specials = sorted({t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values()
+                       if getattr(t, "special", False) and t.content}, key=len, reverse=True)
+    tools = kwargs.get("tools")
+    carried = [s for m in messages for s in _carried(m)] + list(_strings(tools))
+    if not any(sp in s for s in carried for sp in specials):
         return list(tokenizer.encode(render_chat(tokenizer, messages, **kwargs)))
-    marked = [{**m, "content": f"\ue000{i}\ue001"} if i in spelled else m for i, m in enumerate(messages)]
+    nonce = secrets.token_hex(4)
+    while any(nonce in s for s in carried):  # a sentinel no text of this conversation spells
+        nonce = secrets.token_hex(4)
+    spelled: List[str] = []
+    pattern = re.compile("|".join(map(re.escape, specials)))
+
+    def mark(text: str) -> str:
+        def sentinel(m) -> str:
+            spelled.append(m.group(0))
+            return f"\ue000{nonce}{len(spelled) - 1}\ue001"
+        return pattern.sub(sentinel, text)
+
+    marked = [{k: v if k == "role" or (k == "content" and m.get("role") == "assistant") else _changed(v, mark)
+               for k, v in m.items()} for m in messages]
+    text = render_chat(tokenizer, marked, **{**kwargs, **({"tools": _changed(tools, mark)} if tools else {})})
     ids: List[int] = []
-    for j, piece in enumerate(re.split("(\ue000\\d+\ue001)", render_chat(tokenizer, marked, **kwargs))):
-        if j % 2:  # a content, as text
-            content = checked_text(spelled[int(piece[1:-1])], "a message")
+    for j, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", text)):
+        if j % 2:  # a special token's spelling, as text
             try:
-                ids += hf.encode(content, add_special_tokens=False, split_special_tokens=True)
-            except TypeError:  # a tokenizer without the switch: the template's own tokenization
-                ids += hf.encode(content, add_special_tokens=False)
+                ids += hf.encode(spelled[int(piece)], add_special_tokens=False, split_special_tokens=True)
+            except TypeError:  # a tokenizer without the switch
+                ids += hf.encode(spelled[int(piece)], add_special_tokens=False)
         elif piece:
-            ids += list(tokenizer.encode(piece)) if j == 0 else hf.encode(piece, add_special_tokens=False)
-    return ids
+            ids += hf.encode(piece, add_special_tokens=False)
+    around = list(tokenizer.encode(""))  # what encode adds around a text: a BOS (Llama), rarely an EOS
+    head = around[:1] if around and around[0] == getattr(hf, "bos_token_id", None) else []
+    return head + ids + around[len(head):]
+
+
+def _carried(message: Dict[str, Any]):
+    """The strings of a message that the conversation carries (all but its role and an assistant's content)."""
+    for k, v in message.items():
+        if not (k == "role" or (k == "content" and message.get("role") == "assistant")):
+            yield from _strings(v)
+
+
+def _strings(value: Any):
+    """The strings in ``value`` (its dicts' values, its lists' items)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _changed(value: Any, change: Callable[[str], str]) -> Any:
+    """``value`` with each of its strings changed (dicts' keys kept)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _changed(v, change) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_changed(v, change) for v in value]
+    return value
 
 
 def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
