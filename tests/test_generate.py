@@ -136,6 +136,13 @@ def test_a_runtime_failure_is_raised_as_itself_and_is_one_line_on_the_command_li
     code, out, msg = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "8")
     assert (code, out) == (1, "") and msg.strip().splitlines()[-1].startswith("error: RuntimeError: [metal::malloc]")
     assert "Traceback" not in msg
+    from refusion_mlx.cli.flags import run
+
+    def bug():
+        raise NotImplementedError("a path not written yet")  # a RuntimeError, not MLX's: its traceback stays
+
+    with pytest.raises(NotImplementedError):
+        run(bug)
     monkeypatch.undo()
     with pytest.raises(DecodeError, match="context"):
         generate(model, tok, "Who is Sven? " * 900, max_tokens=8)

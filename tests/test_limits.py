@@ -168,7 +168,6 @@ def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():
     and encoded on a worker thread, each choice in its own call (the C encoder holds the GIL for a call),
     byte for byte what JSONResponse wrote."""
     import asyncio
-    from types import SimpleNamespace
 
     from fastapi.responses import JSONResponse
 
@@ -186,13 +185,12 @@ def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():
 
     async def main():
         loop_thread = threading.current_thread()
-        answering = SimpleNamespace(off_loop=lambda request, work: asyncio.to_thread(work))
 
         def build():
             threads.append(threading.current_thread())
             return {"choices": [choice, choice]}
 
-        response = await json_answer(answering, None, build, {"X-Max-Tokens-Cut": "9 -> 8"})
+        response = await json_answer(build, {"X-Max-Tokens-Cut": "9 -> 8"})
         return loop_thread, response
 
     loop_thread, response = asyncio.run(main())

@@ -166,3 +166,57 @@ def test_tool_choice_and_results():
     with pytest.raises(Refusal) as e:
         check_results([made, {"role": "tool", "tool_call_id": "c2"}], ["m0", "m1"])
     assert e.value.param == "m1"
+
+
+class ByteTokenizer:
+    """Tokens of known bytes, spelled in the byte-level alphabet (as a BPE's are)."""
+
+    PIECES = {0: b"Hi", 1: b"\xc3", 2: b"\xa9", 3: b"!", 4: b"<tool_call>",
+              5: b'\n{"name": "f", "arguments": {}}\n', 6: b"</tool_call>", 9: b""}
+    eos_token_id = 9
+
+    def __len__(self):
+        return 10
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", "replace")
+
+    def convert_ids_to_tokens(self, t):
+        from refusion_mlx.serve.core.text import _byte_level_alphabet
+
+        spell = {v: k for k, v in _byte_level_alphabet().items()}
+        return "".join(spell[b] for b in self.PIECES[t])
+
+
+def test_logprobs_with_tools_cover_the_content_in_any_steps():
+    """The entries of a call's markup are left out and the content's kept, however the steps cut them: a
+    character split across two steps keeps both its bytes' entries (its first was lost once), text before a
+    call keeps its own."""
+    from types import SimpleNamespace
+
+    from refusion_mlx.decode.params import make_params
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.job import Job
+
+    fmt = ToolFormat("<tool_call>", "</tool_call>", lambda body, tools: json.loads(body), "json")
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {}}},)
+    steps = [("Hi", [0, 1], None), ("\u00e9!", [2, 3], None), ("<tool_call>", [4], None),
+             ('\n{"name": "f", "arguments": {}}\n</tool_call>', [5, 6], None), ("", [9], "stop")]
+
+    def entries(tool_format):
+        request = EngineRequest(prompt_ids=[1], params=make_params(max_tokens=16), tools=tools, logprobs=0)
+        job, out, calls = Job(request, None, eos_id=9, tool_format=tool_format), [], []
+        for text, tokens, finish in steps:
+            response = SimpleNamespace(text=text, tokens=tokens, logprobs=[(-0.1, [])] * len(tokens),
+                                       finish_reason=finish, commits=None)
+            events, _, _ = job.step(response, ByteTokenizer())
+            out += [e["token"] for kind, payload in events if kind == "logprobs" for e in payload[1]]
+            calls += [payload for kind, payload in events if kind == "tool_call"]
+        return out, calls
+
+    plain, _ = entries(None)
+    assert plain == ["Hi", "bytes:\\xc3", "bytes:\\xa9", "!", "<tool_call>", '\n{"name": "f", "arguments": {}}\n',
+                     "</tool_call>"]
+    content, calls = entries(fmt)
+    assert content == ["Hi", "bytes:\\xc3", "bytes:\\xa9", "!"] and [c.name for c in calls] == ["f"]
+

@@ -132,7 +132,7 @@ def test_nothing_saved_over_adapters_before_the_first_step_or_by_a_failed_save(t
 
     def fills_the_disk(path, *args, **kwargs):  # the weights fit, their numbered copy does not
         written.append(path)
-        if len(written) == 2:
+        if "0000002_adapters" in path:
             raise RuntimeError(f"[write] Unable to write 628232 bytes to file {path}.")
         return real(path, *args, **kwargs)
 

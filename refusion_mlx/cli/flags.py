@@ -238,7 +238,9 @@ def run(body: Callable[[], int]) -> int:
     except RecursionError:  # (a RuntimeError) json and yaml parse nesting by recursion
         print("error: an input (a JSON or YAML file, or a schema) is nested too deeply to read", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # a lost rank, or MLX's own failure (out of memory): one line
+    except RuntimeError as e:  # a lost rank, or MLX's own failure ("[metal::malloc] ..."): one line; a bug's
+        if not is_link_failure(e) and not str(e).startswith("["):  # traceback stays
+            raise
         distributed_group.say_error(distributed_group.lost_ranks(e) if is_link_failure(e) else _brief(e))
         return 1
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are

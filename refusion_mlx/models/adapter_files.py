@@ -53,20 +53,27 @@ def save_adapters(weights: Dict[str, mx.array], folder: Union[str, Path], iterat
     """adapters.safetensors; with ``iteration`` its numbered copy, with ``config`` adapter_config.json: all
     written, then all renamed into place (a failed write leaves the folder as it was, in one line)."""
     folder = Path(folder)
-    path = target = folder / ADAPTER_FILE
-    weight_files = [path] + ([folder / numbered_adapter_file(iteration)] if iteration is not None else [])
+    path = folder / ADAPTER_FILE
+    # renamed in the reverse of this order (ExitStack): the weights, their numbered copy, then the config,
+    # as the trainer always wrote them (a rename failing midway, rare in one folder, is named below)
+    files = ([(folder / ADAPTER_CONFIG, None)] if config is not None else []) + \
+        ([(folder / numbered_adapter_file(iteration), weights)] if iteration is not None else []) + [(path, weights)]
+    target = path
     try:
-        with ExitStack() as renames:  # each file's rename waits for the others' writes
-            for target in weight_files:
-                tmp = folder / f".{target.stem}.tmp-{os.getpid()}.safetensors"
-                mx.save_safetensors(str(renames.enter_context(_replaced_atomically(target, tmp))), weights,
-                                    metadata={"format": "mlx"})
-            if config is not None:
-                target = folder / ADAPTER_CONFIG
-                tmp = renames.enter_context(_replaced_atomically(target, folder / f".{target.name}.tmp-{os.getpid()}"))
-                tmp.write_text(json.dumps(config, indent=4) + "\n")
-    except (RuntimeError, OSError) as e:
-        raise RefusionError(f"cannot write {target}: {' '.join(str(e).split())}") from None
+        with ExitStack() as renames:  # each file's rename waits for every write
+            for target, arrays in files:
+                if arrays is None:
+                    tmp = folder / f".{target.name}.tmp-{os.getpid()}"
+                    renames.enter_context(_replaced_atomically(target, tmp)).write_text(
+                        json.dumps(config, indent=4) + "\n")
+                else:
+                    tmp = folder / f".{target.stem}.tmp-{os.getpid()}.safetensors"
+                    mx.save_safetensors(str(renames.enter_context(_replaced_atomically(target, tmp))), arrays,
+                                        metadata={"format": "mlx"})
+    except (RuntimeError, OSError) as e:  # a rename's error names its file; a write's is the last begun
+        failed = getattr(e, "filename2", None) or target
+        raise RefusionError(f"cannot write {failed}: {getattr(e, 'strerror', None) or ' '.join(str(e).split())}") \
+            from None
     return path
 
 

@@ -117,7 +117,7 @@ class Job:
             return [e for _, e in entries]
         out, waiting = [], []
         for at, e in self.held + entries:
-            if not final and at + e["chars"] > self.calls.decided:
+            if not final and at + max(e["chars"], 1) > self.calls.decided:  # a part of a character: its own
                 waiting.append((at, e))
             elif self.calls.kept(at, at + e["chars"]):
                 out.append(e)

@@ -125,11 +125,13 @@ def json_bytes(body: dict) -> bytes:
                      shell[at + len(_compact(_CHOICES)):]])
 
 
-async def json_answer(answering: "Answering", request: Request, build: Callable[[], dict],
-                      headers: Optional[dict] = None) -> Response:
+async def json_answer(build: Callable[[], dict], headers: Optional[dict] = None) -> Response:
     """A whole answer: built and encoded on a worker thread, so a large one never holds the event loop
-    (``/health`` went unanswered for 48 s while a 134 MB answer was encoded there)."""
-    content = await answering.off_loop(request, lambda: json_bytes(build()))
+    (``/health`` went unanswered for 48 s while a 134 MB answer was encoded there). Not a tokenizer
+    lane: an answer already made goes out during a shutdown, and no request's tokenizing waits on it."""
+    from starlette.concurrency import run_in_threadpool
+
+    content = await run_in_threadpool(lambda: json_bytes(build()))
     return Response(content, media_type="application/json", headers=headers)
 
 
@@ -244,7 +246,7 @@ class Answering:
                 return response
             answer = await collect(job, self.engine, request)
             _log(request.url.path, t0, answer.done)
-            return await json_answer(self, request, lambda: writer.answer(answer), headers)
+            return await json_answer(lambda: writer.answer(answer), headers)
         except ClientGone:
             _log(request.url.path, t0, "client went away")
             return Response(status_code=499)

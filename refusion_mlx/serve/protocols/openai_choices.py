@@ -99,7 +99,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
         return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
                 "usage": usage_of([a.done for a in answers], n)}
 
-    return await json_answer(answering, request, build, cut_header(*requests))
+    return await json_answer(build, cut_header(*requests))
 
 
 class _Jobs:
