@@ -186,9 +186,12 @@ class ToolCallSplitter:
 
     def kept(self, start: int, end: int) -> bool:
         """Whether any of the text fed at ``[start, end)`` went out as text (a point: within some)."""
-        if start == end:
-            return any(s <= start < e for s, e in self.spans)
-        return any(s < end and start < e for s, e in self.spans)
+        for s, e in reversed(self.spans):  # in order and apart: the spans before one that ends by start end sooner
+            if e <= start:
+                return False
+            if (s <= start < e) if start == end else (s < end and start < e):
+                return True
+        return False
 
     def _advance(self, n: int) -> None:
         self.pending, self.base = self.pending[n:], self.base + n
