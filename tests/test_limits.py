@@ -160,7 +160,15 @@ def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
         j.task = SimpleNamespace(step=lambda model, tok, j=j: stepped.append(j.uid))
     for _ in range(6):
         engine._score()
-    assert sorted(stepped[:3]) == [-3, -2, -1] and stepped[3:] == stepped[:3]  # one piece a turn, in turn
+    assert stepped == [-1, -2, -3, -1, -2, -3]  # one piece a turn, in turn
+    late = Job(dataclasses.replace(chat, scoring=Scoring()), loop=None)
+    late.uid, late.served_at = -4, engine._score_turns  # started now: after those already waiting
+    late.task = SimpleNamespace(step=lambda model, tok: stepped.append(-4))
+    engine.running[-4] = late
+    del engine.running[-2]  # one finished
+    for _ in range(4):
+        engine._score()
+    assert stepped[6:] == [-1, -3, -4, -1]  # no one skipped or served twice when the set changed
 
 
 def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():

@@ -87,7 +87,7 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._failed = False  # the engine thread ended on an error (not a shutdown)
         self._scored = 0  # scoring requests started (their uids: -1, -2, ...)
-        self._score_turns = 0  # turns that did a piece of scoring (whose piece is next: round robin)
+        self._score_turns = 0  # turns that did a piece of scoring: the clock of whose piece is next
         self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
 
     # -- life cycle and the HTTP side's calls ----------------------------------
@@ -292,6 +292,7 @@ class Engine:
         if job.request.scoring is not None:
             self._scored += 1
             job.task, job.uid = ScoringTask(job.request, int(self.model.args.mask_token_id)), -self._scored
+            job.served_at = self._score_turns  # its turns come after those already waiting
             self.queue.started(job)
             return job.post("start")
 
@@ -320,11 +321,12 @@ class Engine:
         finished end. A request that comes waits for one piece, not one of each; decoding then has the
         engine for as long as the piece took (``Scheduler.scored``)."""
         t0 = time.monotonic()
-        scoring = sorted((j for j in self.running.values() if j.task is not None), key=lambda j: -j.uid)
+        scoring = [j for j in self.running.values() if j.task is not None]
         if not scoring:
             return
         self._score_turns += 1
-        job = scoring[self._score_turns % len(scoring)]
+        job = min(scoring, key=lambda j: (j.served_at, -j.uid))  # the longest unserved (a new one: at the back)
+        job.served_at = self._score_turns
         result = job.task.step(self.model, self.tokenizer)
         if isinstance(result, Refusal):
             self._close(job, "failed", result)
