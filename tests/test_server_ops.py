@@ -348,7 +348,9 @@ def test_a_full_disk_makes_room_for_the_newest_entry(tmp_path, monkeypatch, capl
     model, _ = load(None)
     folder = tmp_path / "cache"
     store = CacheDir(folder, 1 << 40, "f" * 32)
-    disk, real = 2_600_000, mx.save_safetensors
+    probe = CommittedCache.for_model(model)
+    prefill(model, probe, list(range(5, 205)))
+    disk, real = int(3.2 * sum(a.nbytes for a in probe.to_arrays().values())), mx.save_safetensors  # three fit
 
     def small_disk(fh, arrays, metadata=None):
         used = sum(f.stat().st_size for f in folder.iterdir())
@@ -362,7 +364,7 @@ def test_a_full_disk_makes_room_for_the_newest_entry(tmp_path, monkeypatch, capl
     names = []
     for i in range(6):
         cache, ids = CommittedCache.for_model(model), list(range(5 + i, 205 + i))
-        prefill(model, cache, ids)  # ~0.8 MB each: three fit
+        prefill(model, cache, ids)
         store.save("owner", ids, cache)
         names.append(folder / entry_name("f" * 32, "owner", ids))
         assert names[-1].is_file(), f"entry {i} was not written"
