@@ -2,12 +2,13 @@
 
 import sys
 
-from . import _blas
-
 if sys.argv[:1] == ["-m"]:  # python -m refusion_mlx.<command>, while it imports: Ctrl-C is a quiet exit 130
-    from ._startup import quiet_interrupts
+    from ._startup import quiet_interrupts  # first: _blas and what follows take a while to import
 
     quiet_interrupts()
+
+from . import _blas  # noqa: E402
+
 _blas.preload()  # must run before mlx.core is imported
 
 from ._version import __version__  # noqa: E402
