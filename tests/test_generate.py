@@ -442,7 +442,8 @@ def test_module_entry_point_closed_streams_and_an_early_ctrl_c():
     for delay in (0.5, 1.0):  # while it imports, or waits for its prompts (standard input, never closed here)
         proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", "-"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
+                                env=env,  # a shell's background job (`pytest &`) ignores SIGINT, and so would
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # its child
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
