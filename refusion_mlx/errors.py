@@ -32,3 +32,10 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM raised as the KeyboardInterrupt Ctrl-C raises, so that a command
     which saves its work on Ctrl-C (``train``) saves it on SIGTERM too; the
     command line then exits 143 (128 + SIGTERM) instead of 130."""
+
+
+def brief(e: BaseException) -> str:
+    """An exception in one line, as a log or an error message shows the runtime's own: its type and its
+    first 300 characters."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+

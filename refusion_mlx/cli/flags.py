@@ -22,7 +22,7 @@ from ..decode.presets import PRESETS
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
 from .._startup import started
-from ..errors import DecodeError, RefusionError, Terminated
+from ..errors import DecodeError, RefusionError, Terminated, brief
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -220,11 +220,6 @@ def read_input(value: str, flag: str) -> str:
         raise RefusionError(f"{flag} -: standard input is not UTF-8 text") from None
 
 
-def _brief(e: BaseException) -> str:
-    """An exception in one line: its type and its first 300 characters."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError, a file-system error or MLX's
     own failure (out of memory) is one line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
@@ -241,7 +236,7 @@ def run(body: Callable[[], int]) -> int:
     except RuntimeError as e:  # a lost rank, or MLX's own failure ("[metal::malloc] ..."): one line; a bug's
         if not is_link_failure(e) and not str(e).startswith("["):  # traceback stays
             raise
-        distributed_group.say_error(distributed_group.lost_ranks(e) if is_link_failure(e) else _brief(e))
+        distributed_group.say_error(distributed_group.lost_ranks(e) if is_link_failure(e) else brief(e))
         return 1
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
         _quiet_stdout()

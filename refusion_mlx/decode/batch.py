@@ -23,7 +23,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from ..distributed.group import is_link_failure
-from ..errors import DecodeError, RefusionError
+from ..errors import DecodeError, RefusionError, brief
 from .answer import AnswerText, end_ids
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
@@ -261,7 +261,7 @@ def _fatal(e: Exception) -> None:
 def _message(e: Exception) -> str:
     if isinstance(e, RefusionError):
         return str(e)
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return brief(e)
 
 
 # --------------------------------------------------------------------------

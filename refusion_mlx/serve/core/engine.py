@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 from ...distributed import watchdog
 from ...distributed.broadcast import barrier, broadcast
 from ...distributed.group import is_link_failure, lost_ranks, say_error
-from ...errors import RefusionError
+from ...errors import RefusionError, brief
 from ..caches.prompt_cache import PromptCache
 from ..server_config import ServerConfig
 from .engine_request import EngineRequest
@@ -260,7 +260,7 @@ class Engine:
                 if is_link_failure(e):
                     raise
                 log.exception("cannot start a request")
-                self._close(job, "failed", Refusal(Reason.START_FAILED, f"cannot start the request: {_brief(e)}"))
+                self._close(job, "failed", Refusal(Reason.START_FAILED, f"cannot start the request: {brief(e)}"))
         if plan.score:
             self._score()
         if not self.gen.has_work:
@@ -273,7 +273,7 @@ class Engine:
             if is_link_failure(e):
                 raise
             log.exception("a step failed")
-            self._fail_running(Refusal(Reason.STEP_FAILED, f"the step failed: {_brief(e)}"))
+            self._fail_running(Refusal(Reason.STEP_FAILED, f"the step failed: {brief(e)}"))
             return
         self.metrics.step(time.monotonic() - t0, rows, sum(len(c.tokens) for r in responses for c in r.commits))
         for response in responses:
@@ -391,7 +391,3 @@ class Engine:
             mx.clear_streams()
         except Exception:  # pragma: no cover - older MLX without clear_streams
             pass
-
-
-def _brief(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
