@@ -242,6 +242,18 @@ def test_unwritable_json_one_line(tiny_suite, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and f"cannot write {where}" in err and "benchmark" not in err
 
 
+def test_json_dash_is_standard_output(tiny_suite, tmp_path, capsys, monkeypatch):
+    """``--json -`` writes the report to standard output and the table to standard error, as
+    ``--json -`` does in other tools: it wrote a file named ``-``."""
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--suite", str(tiny_suite), "--warmup", "0", "--repeat", "1", "--no-ar",
+                       "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) == {"meta", "cases", "total"}
+    assert "ReFusion" in err and "tok/s" in err
+    assert not (tmp_path / "-").exists()
+
+
 def test_missing_model_one_line_exit_1(tmp_path):
     """Through ``python -m``, as a user runs it."""
     proc = subprocess.run([sys.executable, "-m", "refusion_mlx.bench", "--model", str(tmp_path / "nope")],

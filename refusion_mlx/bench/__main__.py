@@ -46,7 +46,9 @@ def build_parser() -> OneLineParser:
     add_kv_args(parser)  # ReFusion's caches, and mlx-lm's (from the first token) on the AR side
     parser.add_argument("--repeat", type=positive_int, default=1, help="timed runs per prompt and side (median shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
-    parser.add_argument("--json", metavar="OUT", type=output_file, help="also write the full report to this JSON file")
+    parser.add_argument("--json", metavar="OUT", type=output_file,
+                        help="also write the full report to this JSON file (-: to standard output, and the "
+                             "table to standard error)")
     parser.add_argument("--no-ar", action="store_true", help="skip the AR side (ReFusion only)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompts as they are")
     parser.add_argument("--verbose", action="store_true", help="one line per run on standard error")
@@ -121,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 parser.error(f"--{flag.replace('_', '-')} goes with --{mode}")
     for flag, default in MODE_DEFAULTS.items():
         setattr(args, flag, getattr(args, flag) or default)
-    if args.json:
+    if args.json and args.json != "-":
         inputs = [p for p in (args.suite if args.suite != "default" else None, args.data, args.cost_curve) if p]
         if any(_same_file(args.json, p) for p in inputs):
             parser.error(f"--json {args.json} is an input of this run: give the report another file")
@@ -144,41 +146,40 @@ def main(argv: Optional[List[str]] = None) -> int:
             resolve_all(suite, args.preset, overrides)
         except DecodeError as e:
             parser.error(str(e))
-        if args.json:
+        if args.json and args.json != "-":
             try:
                 check_writable(args.json)  # before the benchmark, not after it
             except OSError as e:
                 raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
         log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None
+
+        def emit(report: str, result: dict, leader: bool = True) -> int:
+            # --json -: the JSON is standard output, so the table goes to standard error
+            print(report, file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+            if leader:
+                write_json(args.json, result)
+            return 0
+
         if args.shape:
             if args.record_with and not Path(args.record_with).expanduser().is_dir():
                 raise BenchError(f"{args.record_with}: no such model folder (--record-with, or --model with "
                                  "--shape, records with a local model folder)")
             result = modes.measure_shape(args, suite, overrides, log)
-            print(result.pop("report"))
-            write_json(args.json, result)
-            return 0
+            return emit(result.pop("report"), result)
         if args.layouts:
             result = modes.measure_layouts(args, suite, overrides, log)
-            print(result.pop("report"))
-            write_json(args.json, result)
-            return 0
+            return emit(result.pop("report"), result)
         if args.concurrency or args.conversation:
             measure = (modes.run_conversation if args.conversation else modes.run_http if args.http
                        else modes.run_concurrency)
             result = measure(args, suite, overrides, log)
-            print(result.pop("report"))
-            write_json(args.json, result)
-            return 0
+            return emit(result.pop("report"), result)
         with watchdog.armed():
             result = run_benchmark(args.model, suite, args.preset, overrides, args.dtype, args.repeat,
                                    args.warmup, not args.no_ar, not args.no_chat_template, log,
                                    adapter_path=args.adapter_path, dist=dist, kv_bits=args.kv_bits,
                                    kv_group_size=args.kv_group_size)
-        print(format_report(result))
-        if dist is None or dist.leader:  # one file, from rank 0
-            write_json(args.json, result)
-        return 0
+        return emit(format_report(result), result, dist is None or dist.leader)  # one file, from rank 0
 
     with wired_limit():  # Metal: the weights stay resident while measuring
         return run(body)

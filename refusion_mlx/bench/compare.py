@@ -19,6 +19,7 @@ HTTP, conversation, layouts) are in ``modes``, the command in ``__main__``.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -309,6 +310,10 @@ def format_report(result: dict) -> str:
 
 def write_json(path: Optional[str], result: dict) -> None:
     if not path:
+        return
+    if path == "-":
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+        sys.stdout.flush()
         return
     try:
         write_text(path, json.dumps(result, indent=1) + "\n")
