@@ -291,6 +291,9 @@ def test_concurrency_through_the_server(tiny_suite, tmp_path):
     levels = json.loads(out.read_text())["http_levels"]
     assert [lv["clients"] for lv in levels] == [1, 2]
     assert levels[0]["tokens"] == levels[1]["tokens"] > 0 and levels[0]["requests"] == 2
+    # counted as in process, EOS included (the server's usage leaves it out)
+    assert bench.main(["--suite", str(tiny_suite), "--concurrency", "1", "--rounds", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["levels"][0]["tokens"] == levels[0]["tokens"]
 
 
 def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):

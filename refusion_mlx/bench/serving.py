@@ -36,6 +36,14 @@ class Reply:
     cached_tokens: int
     seconds: float
     first_text_seconds: float
+    finish_reason: Optional[str] = None
+
+    @property
+    def tokens_with_eos(self) -> int:
+        """The answer's tokens as the in-process measurements count them: the
+        server's usage leaves out the EOS that ended an answer ("stop"; bench
+        sends no stop strings)."""
+        return self.completion_tokens + (self.finish_reason == "stop")
 
 
 def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fields) -> Reply:
@@ -45,7 +53,7 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
     body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **fields}
     t0 = time.perf_counter()
     first = None
-    text, usage = [], {}
+    text, usage, finish = [], {}, None
     try:
         key = os.environ.get("REFUSION_MLX_API_KEY", "").split(",")[0].strip()  # a server with --api-key
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -63,13 +71,14 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
                 if piece and first is None:
                     first = time.perf_counter() - t0
                 text.append(piece)
+                finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
     finally:
         conn.close()
     seconds = time.perf_counter() - t0
     details = usage.get("prompt_tokens_details") or {}
     return Reply("".join(text), int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0)),
-                 int(details.get("cached_tokens", 0) or 0), seconds, first if first is not None else seconds)
+                 int(details.get("cached_tokens", 0) or 0), seconds, first if first is not None else seconds, finish)
 
 
 @dataclass
@@ -111,7 +120,7 @@ def http_level(url: str, requests: Sequence[dict], clients: int) -> HttpLevel:
                     errors.append(str(e))
                 return
             with lock:
-                out.tokens += r.completion_tokens
+                out.tokens += r.tokens_with_eos  # as the in-process levels count
                 out.latencies.append(r.seconds)
                 out.first_text.append(r.first_text_seconds)
 
