@@ -208,7 +208,9 @@ def test_a_run_that_fails_before_a_step_leaves_the_adapter_folder_as_it_was(tmp_
     config = (folder / "adapter_config.json").read_text()
     (tmp_path / "c.yaml").write_text("lr_schedule: {name: bogus, arguments: [1]}\n")
     capsys.readouterr()
-    assert train_main(base + ["--rank", "4", "-c", str(tmp_path / "c.yaml")]) == 1
+    with pytest.raises(SystemExit) as exit_:  # a usage error, found before the model loads
+        train_main(base + ["--rank", "4", "-c", str(tmp_path / "c.yaml")])
+    assert exit_.value.code == 2 and "lr_schedule is not valid" in capsys.readouterr().err
     assert (folder / "adapter_config.json").read_text() == config
     for flags in (["--learning-rate", "inf"], ["--seed", "-1"], ["--ar-weight", "nan"]):
         capsys.readouterr()

@@ -17,10 +17,12 @@ import mlx.core as mx
 import pytest
 
 from refusion_mlx.errors import RefusionError
+from refusion_mlx.models.loading import DEMO_MODEL
 from refusion_mlx.train import fine_tune
 from refusion_mlx.train.__main__ import main as train_main
 
 DATA = Path(__file__).parent / "fixtures" / "train-data"
+DEMO = DEMO_MODEL
 
 
 def run(argv, capsys):
@@ -96,7 +98,44 @@ def test_a_schedule_that_goes_negative_is_refused(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("lr_schedule:\n  name: cosine_decay\n  arguments: [-1, 4]\n")
     code, _, err = run(["--data", DATA, "--adapter-path", tmp_path / "a", "--iters", "4", "-c", tmp_path / "c.yaml"],
                        capsys)
-    assert code == 1 and "lr_schedule gives a learning rate of -1 at step 0" in err
+    assert code == 2 and "lr_schedule gives a learning rate of -1 at step 0" in err  # a usage error
+    assert "Loading pretrained model" not in err + _ and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_library_refuses_a_bad_schedule_before_loading(tmp_path, monkeypatch):
+    from refusion_mlx.train import run as train_run
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(train_run, "load", no_load)
+    with pytest.raises(RefusionError, match="optimizer_config.adam"):
+        train_run.fine_tune(data=DATA, adapter_path=tmp_path / "a", iters=2, report=None, progress=False,
+                            optimizer_config={"adam": {"nonsense": 1}})
+
+
+def test_adapters_never_go_into_a_model_folder(tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEMO, model)
+    before = digest(model)
+    code, _, err = run(["--data", DATA, "--model", model, "--adapter-path", model, "--iters", "1"], capsys)
+    assert code == 1 and "is a model folder" in err and len(err.strip().splitlines()) == 1
+    assert digest(model) == before
+
+
+def test_a_run_that_fails_before_its_first_save_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    from refusion_mlx.train import trainer
+
+    def fail(*a, **k):
+        raise RefusionError("the first step failed")
+
+    monkeypatch.setattr(trainer, "iterate_batches", fail)
+    code, _, err = run(["--data", DATA, "--adapter-path", tmp_path / "new" / "a", "--iters", "2"], capsys)
+    assert code == 1 and "the first step failed" in err
+    assert not (tmp_path / "new").exists()
 
 
 def test_nothing_saved_over_adapters_before_the_first_step_or_by_a_failed_save(trained, tmp_path, monkeypatch):

@@ -51,8 +51,9 @@ def numbered_adapter_file(iteration: int) -> str:
 def save_adapters(weights: Dict[str, mx.array], folder: Union[str, Path], iteration: Optional[int] = None,
                   config: Optional[dict] = None) -> Path:
     """adapters.safetensors; with ``iteration`` its numbered copy, with ``config`` adapter_config.json: all
-    written, then all renamed into place (a failed write leaves the folder as it was, in one line)."""
-    folder = Path(folder)
+    written, then all renamed into place (a failed write leaves the folder as it was, in one line). The
+    folder is made here, at the first save: a run that fails before it leaves none."""
+    folder = make_adapter_folder(folder)
     path = folder / ADAPTER_FILE
     # renamed in the reverse of this order (ExitStack): the weights, their numbered copy, then the config,
     # as the trainer always wrote them (a rename failing midway, rare in one folder, is named below)

@@ -9,8 +9,8 @@ import sys
 from typing import List, Optional
 
 from ..cli import OneLineParser, run
-from ..errors import Terminated
-from .config import OptionError, add_flags, check_data, merge
+from ..errors import RefusionError, Terminated
+from .config import add_flags, check_data, merge
 
 
 def build_parser() -> OneLineParser:
@@ -28,7 +28,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         options = merge(args, args.get("config"))  # bad values are usage errors, before anything loads
         check_data(options["data"])
-    except OptionError as e:
+        check_optimizer(options)
+    except RefusionError as e:
         parser.error(str(e))
     if options["data"] is None:
         parser.error("--data is required (a folder with train.jsonl and valid.jsonl)")
@@ -45,6 +46,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(body)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def check_optimizer(options: dict) -> None:
+    """A bad ``lr_schedule`` or ``optimizer_config`` (YAML) is a usage error, found before the model loads."""
+    if options["lr_schedule"] or options["optimizer_config"]:
+        from .trainer import build_optimizer
+
+        build_optimizer(options["optimizer"], options["learning_rate"], options["lr_schedule"],
+                        options["optimizer_config"], options["iters"])
 
 
 def _terminate(signum, frame):

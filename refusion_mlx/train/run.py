@@ -125,7 +125,13 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     if adapter_dir.exists() and not adapter_dir.is_dir():
         raise RefusionError(f"--adapter-path {o['adapter_path']} is a file; give a folder")
     if training:
+        if (adapter_dir / "config.json").is_file():  # trained adapters would sit among a model's files
+            raise RefusionError(f"--adapter-path {o['adapter_path']} is a model folder (it has config.json); "
+                                "give the adapters a folder of their own")
         writable_folder(adapter_dir)
+        # a bad lr_schedule or optimizer_config is found before the model loads
+        optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"],
+                                    o["iters"])
     if o["resume_adapter_file"] and not Path(o["resume_adapter_file"]).expanduser().is_file():
         raise RefusionError(f"--resume-adapter-file {o['resume_adapter_file']}: no such file")
     saved = (not training and not o["resume_adapter_file"] and (adapter_dir / ADAPTER_CONFIG).is_file()
@@ -174,8 +180,6 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     mask_id, pad_id = model.args.mask_token_id, int(tokenizer.eos_token_id)
     result = None
     if training:
-        optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"],
-                                    o["iters"])
         args = TrainArgs(batch_size=bs, iters=o["iters"], val_batches=o["val_batches"] if validating else 0,
                          grad_accumulation_steps=o["grad_accumulation_steps"],
                          steps_per_report=o["steps_per_report"], steps_per_eval=o["steps_per_eval"],

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..errors import RefusionError
-from ..models.adapter_files import make_adapter_folder, numbered_adapter_file, save_adapters
+from ..models.adapter_files import numbered_adapter_file, save_adapters
 from ..models.adapters import ADAPTER_FILE, trainable_weights
 from .batches import Record, batch_tokens, iterate_batches
 from .examples import SLOT_SIZES
@@ -224,7 +224,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     """
     from tqdm import tqdm
 
-    adapter_dir = make_adapter_folder(adapter_dir)
+    adapter_dir = Path(adapter_dir)  # made by the first save (a run that fails before leaves no folder)
     config_due = args.adapter_config is not None
 
     def save(weights, folder: Path, iteration: Optional[int] = None) -> Path:
