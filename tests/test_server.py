@@ -402,6 +402,8 @@ def test_lru_eviction_under_a_tiny_budget():
     cache.insert(Fake([1, 2, 3, 4]))
     cache.insert(Fake([1, 2, 3, 4, 5, 6]))  # extends the first: it replaces it
     assert len(cache) == 1 and cache.nbytes == 600
+    cache.insert(Fake([1, 2, 3]))  # the entry holds its rows already: nothing is added
+    assert list(cache.entries) == [("", (1, 2, 3, 4, 5, 6))] and cache.nbytes == 600
     assert cache.lookup([1, 2, 3, 9])[0] == 3 and cache.lookup([1, 2])[0] == 1  # one token left to prefill
     cache.insert(Fake([7, 8, 9]))  # 900 bytes: both fit
     assert len(cache) == 2

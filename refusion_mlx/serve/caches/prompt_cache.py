@@ -10,7 +10,10 @@ any number of requests can start from one. Entries are evicted least
 recently used first, beyond a byte budget (``CommittedCache.nbytes``).
 With a ``store`` (:class:`.cache_files.CacheDir`), every new entry is also
 written to disk, an entry replaced by its extension is deleted there, and a
-hit marks its file used; entries evicted from memory stay on disk.
+hit marks its file used; entries evicted from memory stay on disk. A cache
+whose rows an entry holds already (its tokens begin that entry's) adds
+nothing and marks that entry used, so an entry is never a prefix of another
+of its owner's, in memory, on disk and after a restart alike.
 
 Every entry has an ``owner`` (``EngineRequest.cache_owner``: a hash of the
 API key and ``user`` of the request that left it; "" is everyone's): a
@@ -102,19 +105,38 @@ class PromptCache:
         if self.max_bytes <= 0 or not tokens or owner is None:
             return
         key = (owner, tuple(tokens))
-        known = key in self.entries
+        cover = self._covering(key)
+        if cover is not None:  # its rows are held already (the same tokens, or an entry they begin): used now
+            self.entries.move_to_end(cover)
+            self.store is None or self.store.touch(*cover)
+            return
         entry = cache.fork(rows, exact=True)  # its rows alone: a short chat's entry holds no 256-row growth step
         for old in self._add(key, entry):
             self.store is None or self.store.remove(*old)
         if self.store is not None:
-            self.store.touch(*key) if known else self.store.save(owner, tokens, entry)
+            self.store.save(owner, tokens, entry)
 
     def restore(self, owner: str, tokens: Sequence[int], entry) -> None:
         """Take back an entry read from the store (compact, in position order); the
         store's files of entries it extends go."""
-        if self.max_bytes > 0:
-            for old in self._add((owner, tuple(tokens)), entry):
-                self.store is None or self.store.remove(*old)
+        if self.max_bytes <= 0:
+            return
+        key = (owner, tuple(tokens))
+        cover = self._covering(key)
+        if cover is not None:  # as insert keeps them: the longer entry, used as recently as the newer file
+            self.entries.move_to_end(cover)
+            if cover != key and self.store is not None:
+                self.store.remove(*key)
+            return
+        for old in self._add(key, entry):
+            self.store is None or self.store.remove(*old)
+
+    def _covering(self, key: Tuple[str, tuple]) -> Optional[Tuple[str, tuple]]:
+        """The key of an entry of ``key``'s owner whose tokens begin with ``key``'s (itself included), if any."""
+        owner, tokens = key
+        if key in self.entries:
+            return key
+        return next((k for k in self.entries if k[0] == owner and k[1][:len(tokens)] == tokens), None)
 
     def _add(self, key: Tuple[str, tuple], entry) -> list:
         """Keep ``entry``; drop its owner's entries it extends (returned), then the least recently used
