@@ -8,6 +8,7 @@ FILE``, see ``examples/render_trace.py``) are in :mod:`refusion_mlx.cli`.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import List, Optional
 
@@ -57,6 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         params = params_from_args(args)
         storage = storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes
+        if dist is not None and not dist.leader:  # Ctrl-C reaches every rank: rank 0's decides (cli.launch)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         trace = None
         if args.trace and (dist is None or dist.leader):
             try:

@@ -412,3 +412,46 @@ def test_a_rank_reads_only_its_slice_of_a_safetensors_tensor(tmp_path):
     with pytest.raises(LoadError, match="stored with shape"):
         slices.read(stored["w"], (3, 4), 0)  # two axes cannot both be split
 
+
+
+def _wait_for(stream, needle: bytes, timeout: float = 60) -> bytes:
+    """Read ``stream`` (a pipe) until ``needle`` shows; what was read."""
+    import select
+
+    seen, deadline = b"", time.monotonic() + timeout
+    while needle not in seen:
+        assert time.monotonic() < deadline, seen
+        if select.select([stream], [], [], 0.5)[0]:
+            chunk = os.read(stream.fileno(), 4096)
+            assert chunk, seen
+            seen += chunk
+    return seen
+
+
+def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path):
+    """Ctrl-C reaches every rank of the terminal's process group. Mid-answer it drops the turn on every rank
+    at one step, and the chat goes on (the ranks stopped at different steps and waited on each other); at the
+    prompt it ends the chat, exit 0 on every rank (rank 0 aborted: its input thread was blocked in stdin)."""
+    argv = ["--model", str(FIXTURE_MODEL), "--max-tokens", "2000", "--block-length", "4"]
+    procs = _start_ranks(tmp_path, argv, timeout_s="20", command="refusion_mlx.chat", feed=b"Count to 1000.\n")
+    try:
+        _wait_for(procs[0].stdout, b" ")  # the answer has started on both ranks
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        _wait_for(procs[0].stderr, b"[interrupted")
+        procs[0].stdin.write(b"Count from 1 to 5.\n")
+        procs[0].stdin.flush()
+        _wait_for(procs[0].stderr, b"tokens/forward")  # the next turn is answered on both ranks
+        time.sleep(0.5)
+        for p in procs:  # at the prompt
+            p.send_signal(signal.SIGINT)
+        out, err = procs[0].communicate(timeout=30)
+        _, err1 = procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    # piped turns: the dropped one makes the exit status 1, on every rank alike
+    assert [p.returncode for p in procs] == [1, 1], (err + err1).decode()
+    assert err.decode().strip().splitlines()[-1] == "bye (1 turn failed)", err.decode()
+    assert b"Traceback" not in err + err1 and b"Fatal" not in err + err1, (err + err1).decode()

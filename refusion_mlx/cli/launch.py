@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import signal
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import mlx.core as mx
 
 from ..distributed import group as dgroup
 from ..distributed import watchdog
+from .._threads import free_streams_at_thread_end
 from ..distributed.broadcast import barrier, broadcast
+
+T = TypeVar("T")
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +52,33 @@ def ready(dist: Optional[dgroup.Distributed]) -> None:
         barrier(dist)
 
 
+def agreed_steps(dist: Optional[dgroup.Distributed], steps: Iterator[T]) -> Iterator[T]:
+    """``steps`` (a turn's responses), ending at the same step on every rank.
+
+    Alone: ``steps`` as they are. Under mlx.launch, Ctrl-C reaches every rank
+    of a terminal's process group at a different step; each rank stopping
+    where it was left the others waiting on collectives it never joined.
+    So rank 0 notes its SIGINT instead of raising it, the others ignore
+    theirs, and after each step rank 0 says whether to go on: every rank
+    raises KeyboardInterrupt after the same step."""
+    if dist is None:
+        yield from steps
+        return
+    stop: list = []
+    previous = signal.signal(signal.SIGINT, (lambda signum, frame: stop.append(signum)) if dist.leader
+                             else signal.SIG_IGN)
+    try:
+        for response in steps:
+            yield response
+            if broadcast(dist, bool(stop)):
+                raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()
+
+
 def with_distributed(stats: Optional[dict], dist: Optional[dgroup.Distributed]) -> Optional[dict]:
     """A statistics dict with ``distributed`` added when running on several ranks."""
     if stats is not None and dist is not None:
@@ -72,24 +103,25 @@ def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callab
         return follow
 
     def lead(prompt: str) -> str:
-        box: dict = {}
+        # the user is read here, in the main thread (where Ctrl-C lands): a reader thread left blocked in
+        # stdin aborted the interpreter at exit; the heartbeat is the thread's, until the line is in
         done = threading.Event()
 
-        def worker():
-            try:
-                box["line"] = read(prompt)
-            except (EOFError, KeyboardInterrupt):
-                pass
-            finally:
-                done.set()
-
-        threading.Thread(target=worker, name="refusion-input", daemon=True).start()
-        try:
+        def beat():
+            free_streams_at_thread_end()
             while not done.wait(1.0):
                 broadcast(dist, ("wait", None))
-        except KeyboardInterrupt:
+
+        beater = threading.Thread(target=beat, name="refusion-heartbeat", daemon=True)
+        beater.start()
+        line = None
+        try:
+            line = read(prompt)
+        except (EOFError, KeyboardInterrupt):
             pass
-        line = box.get("line")
+        finally:
+            done.set()
+            beater.join()  # its last broadcast done: the ranks' collectives stay in one order
         broadcast(dist, ("eof", None) if line is None else ("line", line))
         if line is None:
             raise EOFError

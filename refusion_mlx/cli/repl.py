@@ -12,6 +12,7 @@ from ..decode.conversation import ChatSession, TurnRecord
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
 from ..errors import RefusionError
+from .launch import agreed_steps
 from .slot_view import SlotView
 from .trace import Trace
 
@@ -46,7 +47,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
     """One user message: stream (or draw) the answer. False when it failed."""
     view = None
     answer = []
-    stream = session.stream(text)
+    stream = agreed_steps(distributed_group.current(), session.stream(text))  # under mlx.launch: one stop
     if trace is not None:
         trace.begin_turn()
     try:
