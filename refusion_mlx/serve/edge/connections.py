@@ -10,6 +10,8 @@ protocol with two bounds (``ServerConfig``):
   arrived this many seconds after it opened (or after the first bytes of
   its next request) is closed; an idle keep-alive connection is uvicorn's
   to time out;
+* a request whose headers are over h11's 16 KiB gets 431 (uvicorn answers
+  any request h11 cannot read with 400);
 * ``max_connections`` -- past this many open connections, the oldest one
   still waiting for its headers is closed to make room (a new one, when
   every other is being answered); the default leaves room under the
@@ -21,6 +23,7 @@ to one per interval.
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import time
@@ -29,6 +32,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
+MAX_HEADER_BYTES = 16 * 1024  # h11's bound on a request's headers (uvicorn's h11_max_incomplete_event_size)
 RESERVED_FDS = 128  # descriptors kept free of connections: model files, the prompt cache's, logs
 
 
@@ -72,6 +76,22 @@ def protocol(header_timeout: float, max_connections: int):
                     self.header_timer = None
             elif self.header_timer is None and self.conn.their_state is h11.IDLE:
                 self._time_headers()  # the next request's first bytes, after a keep-alive pause
+
+        def send_400_response(self, msg: str) -> None:
+            # h11 refuses a request whose headers outgrow its buffer (16 KiB) as any malformed one; that
+            # request gets 431, as RFC 6585 has it, naming the limit
+            pending = self.conn.trailing_data[0]
+            limit = self.config.h11_max_incomplete_event_size or MAX_HEADER_BYTES
+            if len(pending) <= limit or b"\r\n\r\n" in pending:
+                return super().send_400_response(msg)
+            body = json.dumps({"error": {"message": f"the request's headers are over {limit // 1024} KiB",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "request_header_fields_too_large"}}).encode()
+            for event in (h11.Response(status_code=431, reason=b"Request Header Fields Too Large",
+                                       headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             if self.header_timer is not None:
