@@ -119,7 +119,8 @@ def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate",
         env.pop("REFUSION_MLX_COLLECTIVE_TIMEOUT", None)
         if timeout_s is not None:
             env["REFUSION_MLX_COLLECTIVE_TIMEOUT"] = timeout_s
-        procs.append(subprocess.Popen([sys.executable, "-m", command, *argv], cwd=ROOT, env=env,
+        own = argv[rank] if argv and isinstance(argv[0], list) else argv  # a list per rank, or one for both
+        procs.append(subprocess.Popen([sys.executable, "-m", command, *own], cwd=ROOT, env=env,
                                       stdin=subprocess.PIPE if feed is not None and rank == 0 else None,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     if feed is not None:  # rank 0 reads the user's lines (a chat); they reach the others by broadcast
@@ -455,3 +456,24 @@ def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path):
     assert [p.returncode for p in procs] == [1, 1], (err + err1).decode()
     assert err.decode().strip().splitlines()[-1] == "bye (1 turn failed)", err.decode()
     assert b"Traceback" not in err + err1 and b"Fatal" not in err + err1, (err + err1).decode()
+
+
+def test_ranks_given_different_models_say_so_in_one_line(tmp_path):
+    """Another config.json on rank 1 (here a longer context): every rank says which rank differs and exits 1
+    (they failed at the first collective as a lost rank, or timed out)."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(FIXTURE_MODEL, other)
+    config = json.loads((other / "config.json").read_text())
+    config["max_position_embeddings"] *= 2
+    (other / "config.json").write_text(json.dumps(config))
+    flags = ["--prompt", "Count from 1 to 9.", "--max-tokens", "8"]
+    procs = _start_ranks(tmp_path, [["--model", str(FIXTURE_MODEL), *flags], ["--model", str(other), *flags]],
+                         timeout_s="20")
+    errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+    for p, err in zip(procs, errs):
+        assert p.returncode == 1 and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].endswith(
+            "rank 1 loaded another model than rank 0 (its config.json, --dtype or REFUSION_MLX_PATHS differ): "
+            "give every rank the same"), err

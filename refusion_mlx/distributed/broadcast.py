@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .group import Distributed
+from .group import Distributed, DistributedError
 
 
 def broadcast(dist: Distributed, value: Any = None) -> Any:
@@ -35,3 +35,20 @@ def barrier(dist: Distributed) -> None:
     """Every rank got here (loading done, say)."""
     with watchdog.armed():
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=dist.group, stream=mx.cpu))
+
+
+def same_model(dist: Distributed, described: str) -> None:
+    """Every rank loads the model rank 0 loads (``described``: its config.json,
+    --dtype and device paths, as text), or every rank raises one
+    DistributedError naming the ranks that differ. Mismatched ranks failed
+    later, at a collective, as a lost rank or a timeout."""
+    leader = broadcast(dist, described)
+    differs = np.zeros(dist.size, np.int32)
+    differs[dist.rank] = int(described != leader)
+    with watchdog.armed():
+        ranks = np.flatnonzero(np.array(mx.distributed.all_sum(mx.array(differs), group=dist.group,
+                                                               stream=mx.cpu)))
+    if ranks.size:
+        names = ", ".join(map(str, ranks))
+        raise DistributedError(f"rank{'s' if ranks.size > 1 else ''} {names} loaded another model than rank 0 "
+                               "(its config.json, --dtype or REFUSION_MLX_PATHS differ): give every rank the same")

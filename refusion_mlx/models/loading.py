@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from .. import _blas
 from .._json import read_json_object
+from ..distributed.broadcast import same_model
 from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
@@ -21,11 +22,8 @@ DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 MASK_TOKEN = "<|mask|>"
 
 # What a model folder needs from the hub: no other weights formats, no docs.
-HUB_PATTERNS = [
-    "config.json", "generation_config.json", "model*.safetensors",
-    "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "*.jinja",
-]
+HUB_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "*.jinja"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -159,6 +157,8 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     if dtype is not None and dtype not in DTYPES:
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     files = weight_files(model_path)
+    if dist is not None:  # one config.json, --dtype and device paths on every rank, before any weight is read
+        same_model(dist, json.dumps([config, dtype, backend.mode()], sort_keys=True, default=str))
     check_weights(model_path, config, args, files, dtype, dist)
     model = registry.build(args)
     if dist is not None:
