@@ -467,3 +467,26 @@ def test_a_prompt_cache_entry_is_never_a_prefix_of_another(demo, tmp_path):
     reread = PromptCache(1 << 30)
     attach(reread, model, tmp_path, 1 << 30)
     assert list(reread.entries) == keys
+
+
+def test_an_entry_over_the_budget_is_not_kept_and_evicts_nothing(demo, tmp_path):
+    """One entry larger than --prompt-cache-bytes (or the folder's budget) emptied the cache, memory and disk."""
+    from refusion_mlx.decode.prefill import prefill as run_prefill
+    from refusion_mlx.serve.caches.cache_files import attach
+    from refusion_mlx.serve.caches.prompt_cache import PromptCache
+
+    model, _ = demo
+
+    def prefilled(ids):
+        cache = CommittedCache.for_model(model)
+        run_prefill(model, cache, ids)
+        return cache
+
+    small = prefilled(list(range(5, 25)))
+    budget = small.nbytes // small.capacity * 40  # 40 rows
+    entries = PromptCache(budget)
+    attach(entries, model, tmp_path, budget)
+    entries.insert(small)
+    entries.insert(prefilled(list(range(30, 90))))  # 60 rows
+    assert [len(k[1]) for k in entries.entries] == [20]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1

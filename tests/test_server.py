@@ -411,6 +411,9 @@ def test_lru_eviction_under_a_tiny_budget():
     cache.insert(Fake([5, 5]))
     assert cache.nbytes <= 1000 and cache.lookup([7, 8, 9, 1])[0] == 0 and cache.lookup([1, 2, 3, 4])[0] == 3
     assert PromptCache(max_bytes=0).lookup([1, 2]) == (0, None)
+    kept = list(cache.entries)
+    cache.insert(Fake(list(range(100, 111))))  # 1100 bytes, over the whole budget: not kept, nothing evicted
+    assert list(cache.entries) == kept
     running = [("", Fake([1, 2, 3]))]  # a request still decoding: its rows count, but not in a cache that is off
     assert cache.lookup([1, 2, 3, 4], running=running)[0] == 3
     assert PromptCache(max_bytes=0).lookup([1, 2, 3, 4], running=running) == (0, None)

@@ -103,6 +103,8 @@ class CacheDir:
         used of this model's files, and the entry is written once more: the newest conversations are the
         ones kept (else the first few files would be, and every later write fail)."""
         arrays = cache.to_arrays()
+        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:  # it would push every other file out
+            return
         final = self.path / entry_name(self.fingerprint, owner, tokens)
         error = self._write(final, arrays, owner)
         if error is not None and getattr(error, "errno", None) in FULL and self._make_room(

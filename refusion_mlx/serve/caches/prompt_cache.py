@@ -111,7 +111,10 @@ class PromptCache:
             self.store is None or self.store.touch(*cover)
             return
         entry = cache.fork(rows, exact=True)  # its rows alone: a short chat's entry holds no 256-row growth step
-        for old in self._add(key, entry):
+        dropped = self._add(key, entry)
+        if dropped is None:
+            return
+        for old in dropped:
             self.store is None or self.store.remove(*old)
         if self.store is not None:
             self.store.save(owner, tokens, entry)
@@ -128,7 +131,7 @@ class PromptCache:
             if cover != key and self.store is not None:
                 self.store.remove(*key)
             return
-        for old in self._add(key, entry):
+        for old in self._add(key, entry) or ():
             self.store is None or self.store.remove(*old)
 
     def _covering(self, key: Tuple[str, tuple]) -> Optional[Tuple[str, tuple]]:
@@ -138,9 +141,12 @@ class PromptCache:
             return key
         return next((k for k in self.entries if k[0] == owner and k[1][:len(tokens)] == tokens), None)
 
-    def _add(self, key: Tuple[str, tuple], entry) -> list:
+    def _add(self, key: Tuple[str, tuple], entry) -> Optional[list]:
         """Keep ``entry``; drop its owner's entries it extends (returned), then the least recently used
-        beyond budget."""
+        beyond budget. An entry over the whole budget is not kept (None), and every other stays: it
+        emptied the cache (a 15k-token agent request, every conversation of a 2 GiB cache)."""
+        if entry.nbytes > self.max_bytes:
+            return None
         owner, tokens = key
         extended = [k for k in self.entries if k[0] == owner and k[1] == tokens[:len(k[1])] and k != key]
         for old in extended + [key] * (key in self.entries):
