@@ -122,6 +122,29 @@ def test_a_request_admitted_while_scoring_decodes_before_the_next_piece():
     assert queue.next_turn(1 << 40, decoding=True).score  # decoding has had its share
 
 
+def test_the_queue_counts_the_requests_beyond_the_free_rows():
+    """--max-queue counts requests waiting beyond the batch: a burst of six into an idle batch of 4 with a
+    queue of 2 is taken whole (1 to 4 of them were refused), and the seventh is refused."""
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.job import Job
+    from refusion_mlx.serve.core.metrics import ServerMetrics
+    from refusion_mlx.serve.core.refusal import Refusal
+    from refusion_mlx.serve.core.scheduler import Scheduler
+
+    queue = Scheduler(4, 2, ServerMetrics())
+    chat = EngineRequest([1, 2, 3], RefusionParams(gen_length=8))
+    with queue.wake:
+        for _ in range(6):
+            queue.put([Job(chat, loop=None)])
+        with pytest.raises(Refusal, match="busy"):
+            queue.put([Job(chat, loop=None)])
+    assert len(queue.next_turn(1 << 40).admitted) == 4 and len(queue.waiting) == 2
+    with queue.wake:  # the four are starting: no row is free, two wait
+        with pytest.raises(Refusal, match="busy"):
+            queue.put([Job(chat, loop=None)])
+
+
 def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
     """Eight prompts of an hour's Monte Carlo scoring in a batch of eight held every row: a chat waited for
     all of them. Scoring now holds all rows but one, and each engine turn does one piece of one scoring

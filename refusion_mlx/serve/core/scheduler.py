@@ -54,10 +54,14 @@ class Scheduler:
 
     def put(self, jobs: List[Job]) -> None:
         """Queue one request's jobs, all or none (the caller holds ``wake``): a
-        Refusal when they would make more than ``max_queue`` wait (a request
-        is never refused for its own size while nothing else waits)."""
+        Refusal when they would make more than ``max_queue`` wait beyond the
+        batch's free rows (those the next turn admits: a burst into an idle
+        batch of 4 with a queue of 2 was refused at its fifth request). A
+        request is never refused for its own size while nothing else waits."""
         self._purge()
-        if self.waiting and len(self.waiting) + len(jobs) > self.max_queue:
+        free = max(0, self.max_batch - len(self.running) - self.starting)
+        beyond = len(self.waiting) - free  # jobs waiting that no free row takes
+        if beyond > 0 and beyond + len(jobs) > self.max_queue:
             raise Refusal(Reason.SERVER_BUSY, f"the server is busy ({len(self.waiting)} requests waiting"
                           + (f", and this one brings {len(jobs)}" if len(jobs) > 1 else "") + "); retry later")
         self.waiting.extend(jobs)
