@@ -197,6 +197,28 @@ def test_anthropic_forced_tool_choice(server):
             jsonschema.validate(b.input, SCHEMAS[b.name])
 
 
+def test_a_schema_without_type_object_is_an_object_or_a_400(server, oai):
+    """OpenAI's ``parameters`` without ``type`` are an object's (OpenAI takes them): a forced call's
+    arguments are decoded as one, never null, and the call never comes back as markup text. Anthropic
+    refuses an ``input_schema`` whose type is not "object", as its API does."""
+    untyped = ({"properties": {}}, {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                              {"type": "null"}]})
+    for params in untyped:
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            c = ask(oai, "Who is Sven?", tools=[tool], tool_choice=choice, max_tokens=64).choices[0]
+            assert c.finish_reason == "tool_calls" and not c.message.content, c
+            assert isinstance(json.loads(c.message.tool_calls[0].function.arguments), dict)
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
+                                 timeout=120)
+    for params in untyped:
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(model="m", max_tokens=32, tool_choice={"type": "any"},
+                                   tools=[{"name": "f", "input_schema": params}],
+                                   messages=[{"role": "user", "content": "Who is Sven?"}])
+        assert e.value.body["error"]["message"].startswith("tools[0].input_schema.type: ")
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": json_schema({"type": "string", "pattern": "(?<=a)b"})},
      "response_format.json_schema.schema"),

@@ -240,8 +240,9 @@ def _partial_tail(text: str, marker: str) -> int:
 
 def function_tool(spec: Any, param: str, schema_field: str = "parameters") -> dict:
     """A function tool (``name``, ``description``, ``parameters``: a JSON
-    Schema object) in the chat template's form; a :class:`Refusal` naming
-    ``param`` when it is malformed (the schema as the API calls it: ``schema_field``)."""
+    Schema object; one without ``type`` is taken as ``"type": "object"``) in
+    the chat template's form; a :class:`Refusal` naming ``param`` when it is
+    malformed (the schema as the API calls it: ``schema_field``)."""
     if not isinstance(spec, dict):
         raise Refusal(Reason.INVALID_VALUE, f"{param}: must be an object", param)
     name = spec.get("name")
@@ -253,6 +254,8 @@ def function_tool(spec: Any, param: str, schema_field: str = "parameters") -> di
         raise Refusal(Reason.INVALID_VALUE, f"{param}.description: must be a string", f"{param}.description")
     parameters = spec.get("parameters")
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters
+    if isinstance(parameters, dict) and "type" not in parameters:  # OpenAI takes it as an object's schema: so
+        parameters = {"type": "object", **parameters}  # here, and a call's arguments are one (never null)
     _check_schema(parameters, f"{param}.{schema_field}")
     function = {"name": name, **({"description": description} if description else {}), "parameters": parameters}
     return {"type": "function", "function": function}

@@ -193,6 +193,9 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
                                               f"{tool.get('type')!r}", f"tools[{i}].type")
         if not isinstance(tool.get("input_schema"), dict):
             raise invalid(f"tools[{i}].input_schema", "is required (a JSON Schema of an object)")
+        if tool["input_schema"].get("type") != "object":  # Anthropic's rule (OpenAI's parameters may leave it out)
+            raise invalid(f"tools[{i}].input_schema.type", f'must be "object", got '
+                                                           f'{tool["input_schema"].get("type")!r}')
         tools.append(function_tool({"name": tool.get("name"), "description": tool.get("description"),
                                     "parameters": tool["input_schema"]}, f"tools[{i}]", "input_schema"))
     choice = {"type": "auto"} if body.tool_choice is None else body.tool_choice
