@@ -304,6 +304,15 @@ def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
         client = openai.OpenAI(base_url=free.url, api_key="local", max_retries=0, timeout=120)
         answers = [ask(client, p, tools=DEMO_TOOLS, max_tokens=64).choices[0].message for p in prompts]
         assert unparsed(free) >= 1 and any("<tool_call>" in (a.content or "") for a in answers)
+        before = unparsed(free)  # tools marked strict are constrained there on every API, the Messages API too
+        claude = anthropic.Anthropic(base_url=free.url.removesuffix("/v1"), api_key="local", max_retries=0)
+        strict = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                   "input_schema": t["function"]["parameters"], "strict": True} for t in DEMO_TOOLS]
+        for p in prompts:
+            m = claude.messages.create(model="m", max_tokens=64, tools=strict,
+                                       messages=[{"role": "user", "content": p}])
+            assert not any("<tool_call>" in getattr(b, "text", "") for b in m.content), m.content
+        assert unparsed(free) == before
     finally:
         free.close()
     before = unparsed(server)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid
-from ..core.structured import forced_calls, response_format
+from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from .anthropic_events import MessagesWriter
@@ -258,7 +258,8 @@ def messages_request(body, terms: RequestTerms) -> Draft:
         raise invalid("temperature", f"must be from 0 to 1 on the Messages API, got {body.temperature!r}")
     prompt, parallel = chat_prompt_of(body, terms.takes_tools)
     ids = terms.prompt_ids(prompt, "messages")
-    constraint = forced_calls(prompt.tools, body.tool_choice, parallel) or output_format(body)
+    constraint = request_constraint(prompt.tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
+                                    output_format(body))
     return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
                  include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
                  parallel_tool_calls=parallel, constraint=constraint, stop_param="stop_sequences")
