@@ -144,6 +144,13 @@ def test_anthropic_structured_output_is_decoded_under_the_schema(server):
     status, _, counted = call(server, "POST", "/v1/messages/count_tokens", {
         "messages": [{"role": "user", "content": "Hi"}], "output_format": {"type": "json_schema", "schema": schema}})
     assert status == 200 and counted["input_tokens"] > 0
+    prefilled = [{"role": "user", "content": "Where does Sven live?"}, {"role": "assistant", "content": '{"city":'}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):  # a whole JSON document cannot continue a prefill
+        for fields, field in (({"output_format": {"type": "json_schema", "schema": schema}}, "output_format"),
+                              ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                               "output_config.format")):
+            status, _, err = call(server, "POST", path, {"messages": prefilled, "max_tokens": 48, **fields})
+            assert status == 400 and err["error"]["message"].startswith(f"{field}: not supported with a prefill"), err
 
 
 def test_head_is_answered_wherever_get_is_and_every_4xx_is_logged(server, caplog):

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, field_validator
 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
-from ..core.refusal import Reason, Refusal, invalid
+from ..core.refusal import Reason, Refusal, invalid, unsupported
 from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
@@ -241,14 +241,21 @@ def check_thinking(body) -> None:
                                                 f"({body.max_tokens}), got {budget!r}")
 
 
-def output_format(body):
-    """The answer's format (``output_format``, or ``output_config.format``) as a constraint (None: text)."""
-    if body.output_format is not None:
-        return response_format(body.output_format, "output_format", nested=False)
+def output_format(body, prefill: bool = False):
+    """The answer's format (``output_format``, or ``output_config.format``) as a constraint (None: text);
+    refused after a ``prefill``, which a whole JSON document cannot continue (as Anthropic refuses it)."""
     config = body.output_config
-    if config is not None and not isinstance(config.get("format", {}), dict):
+    if body.output_format is not None:
+        field, shape = "output_format", response_format(body.output_format, "output_format", nested=False)
+    elif config is not None and not isinstance(config.get("format", {}), dict):
         raise invalid("output_config.format", 'must be an object such as {"type": "json_schema", "schema": {...}}')
-    return response_format((config or {}).get("format"), "output_config.format", nested=False)
+    else:
+        field = "output_config.format"
+        shape = response_format((config or {}).get("format"), field, nested=False)
+    if shape is not None and prefill:
+        raise unsupported(field, "not supported with a prefill (a final assistant message of text): the answer "
+                                 "is a whole JSON document, which cannot continue the prefill")
+    return shape
 
 
 def messages_request(body, terms: RequestTerms) -> Draft:
@@ -259,7 +266,7 @@ def messages_request(body, terms: RequestTerms) -> Draft:
     prompt, parallel = chat_prompt_of(body, terms.takes_tools)
     ids = terms.prompt_ids(prompt, "messages")
     constraint = request_constraint(prompt.tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
-                                    output_format(body))
+                                    output_format(body, prompt.prefill))
     return Draft(ids, body.max_tokens, decoding_given(body), "messages", stop=body.stop_sequences or (),
                  include_commits=include_commits(body), prompt_param="messages", tools=prompt.tools,
                  parallel_tool_calls=parallel, constraint=constraint, stop_param="stop_sequences")
@@ -287,7 +294,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         def count() -> int:
             terms = answering.terms
             prompt, _ = chat_prompt_of(body, terms.takes_tools)
-            output_format(body)  # checked as a request would be (it adds no prompt tokens)
+            output_format(body, prompt.prefill)  # checked as a request would be (it adds no prompt tokens)
             return len(terms.prompt_ids(prompt, "messages"))
 
         return {"input_tokens": await answering.off_loop(request, count)}
