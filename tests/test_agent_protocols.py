@@ -116,6 +116,25 @@ def test_max_tokens_past_the_context_is_cut_on_every_api(server):
         assert int(headers["x-max-tokens-cut"].split(" -> ")[1]) < 100
 
 
+def test_every_api_refuses_the_fields_chat_refuses(server):
+    """The server's own settings and other servers' sampler fields are refused alike on the three APIs (each
+    in its own error shape), never ignored; values that change nothing pass."""
+    bases = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+             ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
+             ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}))
+    for path, body in bases:
+        for field, value in (("kv_bits", 4), ("kv_group_size", 32), ("repetition_penalty", 1.3),
+                             ("logit_bias", {"17": 5}), ("xtc_probability", 0.5), ("adapters", "a"),
+                             ("presence_penalty", 0.5), ("frequency_penalty", 1)):
+            status, _, err = call(server, "POST", path, {**body, field: value})
+            message = err["error"]["message"]
+            assert status == 400 and message.startswith(f"{field}: "), (path, field, err)
+            assert ("--kv-bits" in message) == (field == "kv_bits"), message
+            assert (err.get("type") == "error") == (path == "/v1/messages"), err
+        status, _, answer = call(server, "POST", path, {**body, "repetition_penalty": 1, "logit_bias": {}})
+        assert status == 200, (path, answer)
+
+
 def _streamed(srv, path, body):
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
     conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})

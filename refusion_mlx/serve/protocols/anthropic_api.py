@@ -29,7 +29,8 @@ from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from .anthropic_events import MessagesWriter
-from .bodies import MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+from .bodies import (MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing,
+                     with_decoding)
 
 
 class _CountBase(BaseModel):
@@ -60,6 +61,8 @@ class _MessagesBase(_CountBase):
     stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
     metadata: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
+
+    _refuse = refusing()  # the server's settings (kv_bits) and other servers' sampler fields, as on every API
 
     @field_validator("metadata")
     @classmethod

@@ -1,6 +1,7 @@
 """The request-body pieces every API shares (pydantic): strict types, the
-stop strings' bound, ``stream_options``, the server-wide settings no body
-may set, and ReFusion's decoding fields, added to any API's body by
+stop strings' bound, ``stream_options``, the server-wide settings and other
+servers' sampler fields no body may set (:func:`refuse_unserved`), and
+ReFusion's decoding fields, added to any API's body by
 :func:`with_decoding` and read back by :func:`decoding_given`.
 
 Each API's own body is its protocol's (OpenAI's completions:
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
@@ -23,6 +24,12 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 # Settings of the server's process, not of a request: refused in a body whatever their value.
 PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
+
+# Other servers' sampler settings the planning drafts cannot take (OpenAI's penalties, mlx_lm.server's own),
+# and adapters loaded per request: refused on every API unless they hold a value that changes nothing.
+SAMPLER_ONLY = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
+UNSERVED = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+            "repetition_penalty": (None, 0, 1), "xtc_probability": (None, 0), "adapters": (None,)}
 
 # The request fields that are RefusionParams' settings under the same name
 # (max_tokens, gen_length's request name, is each API's own).
@@ -34,12 +41,27 @@ def field_error(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
-def refuse_process_settings(body) -> None:
-    """Before validation: a field of PROCESS_SETTINGS is refused (its name in ctx)."""
+def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence[str] = ()):
+    """Before validation, on every API's body: a field of PROCESS_SETTINGS,
+    or the first of ``harmless`` (field: the values that change nothing)
+    holding another value, is refused (its name in ctx), but for the fields
+    the body ``taken`` itself. The body is returned (a pydantic validator)."""
     for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
         if name in body:
             raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
                                       "not per request", {"field": name, "flag": flag})
+    for name, values in harmless.items() if isinstance(body, dict) else ():
+        value = body.get(name)
+        if name not in taken and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
+                                         for ok in values):
+            why = SAMPLER_ONLY if name in UNSERVED and name != "adapters" else "not supported by this server"
+            raise PydanticCustomError("unsupported_parameter", why, {"field": name})
+    return body
+
+
+def refusing(harmless: Dict[str, tuple] = UNSERVED, *taken: str):
+    """:func:`refuse_unserved` as a body's validator (before its fields are read)."""
+    return model_validator(mode="before")(lambda body: refuse_unserved(body, harmless, taken))
 
 
 class StreamOptions(BaseModel):

@@ -20,44 +20,21 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
-from .bodies import (MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits,
-                     refuse_process_settings, with_decoding)
+from .bodies import (MAX_STOP, STRICT, UNSERVED, StreamOptions, decoding_given, field_error, include_commits,
+                     refusing, with_decoding)
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from .openai_echo import context_tokens, scoring_of
 
-# Fields refused unless they hold a value that changes nothing.
-HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
-            "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
-            "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none", "auto"),
-            "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+# OpenAI's fields refused unless they hold a value that changes nothing (with those every API refuses).
+HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+            "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
+            "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+            "modalities": (None, ["text"]), "audio": (None,),
             "web_search_options": (None,),  # spoken answers; a hosted search this server cannot run
-            # mlx_lm.server's own: its sampler's penalties, and adapters loaded per request
-            "repetition_penalty": (None, 0, 1), "xtc_probability": (None, 0), "adapters": (None,)}
-
-
-def refuse_unsupported(body, taken=()):
-    """Before validation: a server-wide setting (:data:`.bodies.PROCESS_SETTINGS`),
-    or the first field of HARMLESS holding another value, is refused (its
-    name in ctx), but for the fields the body ``taken``."""
-    refuse_process_settings(body)
-    for name, values in HARMLESS.items() if isinstance(body, dict) else ():
-        if name in taken:
-            continue
-        value = body.get(name)
-        if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in values):
-            why = "not supported by this server"
-            if name in ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "xtc_probability"):
-                why = "not supported: the planning drafts take temperature, top_p, top_k and min_p only"
-            raise PydanticCustomError("unsupported_parameter", why, {"field": name})
-    return body
-
-
-def refusing(*taken):
-    """``refuse_unsupported`` for a body that handles the fields ``taken`` itself."""
-    return lambda body: refuse_unsupported(body, taken)
+            **UNSERVED}
 
 
 MAX_N = 16  # samples per prompt (n)
@@ -74,7 +51,7 @@ class _BodyBase(BaseModel):
     user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
                                 "(a request continues only the cached prompts of its own user and API key)")
 
-    _refuse = model_validator(mode="before")(refuse_unsupported)
+    _refuse = refusing(HARMLESS)
 
     @model_validator(mode="after")
     def _stream_options(self):
@@ -170,7 +147,7 @@ class ChatCompletionRequest(_Body):
         None, description="accepted: this model does not reason before answering")
     verbosity: Optional[Literal["low", "medium", "high"]] = None
 
-    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "top_logprobs", "response_format"))
+    _refuse = refusing(HARMLESS, "n", "logprobs", "top_logprobs", "response_format")
 
 
 def refuse_tools(body):
@@ -204,7 +181,7 @@ class CompletionRequest(_Body):
         None, description='"mc": the prompt\'s first tokens that are context (one per prompt, or one for all)')
 
     _no_tools = model_validator(mode="before")(refuse_tools)
-    _refuse = model_validator(mode="before")(refusing("n", "logprobs", "echo"))
+    _refuse = refusing(HARMLESS, "n", "logprobs", "echo")
 
     @field_validator("prompt", mode="before")
     @classmethod

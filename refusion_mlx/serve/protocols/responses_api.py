@@ -27,7 +27,7 @@ from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
 from ..edge.security import KEY_SCOPE
-from .bodies import STRICT, StreamOptions, decoding_given, field_error, include_commits, with_decoding
+from .bodies import STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing, with_decoding
 from .responses_events import ResponsesWriter
 from .responses_store import ResponseStore, input_items, item_page
 
@@ -74,6 +74,8 @@ class _ResponsesBase(BaseModel):
                                                            "add nothing")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="the most likely tokens beside each answer "
                                                                        "token's log-probability (implies them)")
+
+    _refuse = refusing()  # the server's settings (kv_bits) and other servers' sampler fields, as on every API
 
     @field_validator("reasoning")
     @classmethod
