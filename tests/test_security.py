@@ -151,6 +151,17 @@ def test_every_route_but_health_the_page_and_hello_needs_the_key(server):
         headers = call(server, "GET", path, key=None)[1]
         assert headers["x-frame-options"] == "DENY" and headers["content-security-policy"] == "frame-ancestors 'none'"
     assert call(server, "GET", "/v1/models", key=None, headers={"x-api-key": KEYS[1]})[0] == 200
+    for headers in ({"x-api-key": "wrong"}, {"x-api-key": "wrong", "anthropic-version": "2023-06-01"}):
+        status, _, payload = call(server, "GET", "/v1/models", key=None, headers=headers)  # an Anthropic client's:
+        assert status == 401 and json.loads(payload) == {"type": "error", "error": {  # its own error shape
+            "type": "authentication_error", "message": "the API key is not valid: send it as Authorization: "
+                                                       "Bearer KEY or x-api-key: KEY"}}
+    status, _, payload = call(server, "GET", "/v1/models/nope")  # an OpenAI client's: OpenAI's
+    assert status == 404 and openai_error(payload, "model_not_found")["param"] == "model"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=KEYS[1], max_retries=0).models.retrieve(
+            "nope")
+    assert e.value.body["error"]["type"] == "not_found_error"
     assert call(server, "GET", "/metrics", key=KEYS[1])[0] == 200
     client = openai.OpenAI(base_url=server.url, api_key=KEYS[0], max_retries=0)
     assert client.chat.completions.create(model="m", **chat()).choices[0].message.content

@@ -61,6 +61,8 @@ def test_every_api_is_one_line_of_the_list():
         assert protocol.errors in ("openai", "anthropic")
     assert apis.error_shape("/v1/messages/count_tokens") == "anthropic"
     assert apis.error_shape("/v1/chat/completions") == apis.error_shape("/health") == "openai"
+    assert apis.error_shape("/v1/models", "anthropic") == "anthropic"  # every API's route: its client's shape
+    assert apis.error_shape("/v1/responses", "anthropic") == "openai"
     labels = {m.labels["api"] for f in families(ServerMetrics(), {}) if f.name == "refusion_api_requests"
               for m in f.samples}
     assert labels == set(apis.APIS)  # /metrics labels every API of the list, and no other

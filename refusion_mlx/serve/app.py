@@ -74,7 +74,7 @@ def create_app(server) -> FastAPI:
     async def on_error(request: Request, exc: Exception):
         error = as_api_error(request, exc)
         refused(error, request.scope)
-        return error_response(error, request.url.path)
+        return error_response(error, request.scope)
 
     for exc in (APIError, Refusal, HTTPException, RequestValidationError):
         app.add_exception_handler(exc, on_error)
@@ -85,7 +85,7 @@ def create_app(server) -> FastAPI:
     async def bug(request: Request, exc: Exception):  # a bug: logged by the server, answered in the API's shape
         refused(APIError(500, "internal error"), request.scope)
         return error_response(APIError(500, "the server failed on this request (see its log)",
-                                       code="internal_error"), request.url.path)
+                                       code="internal_error"), request.scope)
 
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, bug)

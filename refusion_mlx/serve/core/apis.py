@@ -3,7 +3,7 @@
 A :class:`Protocol` names what the rest of the server reads of an API: its
 name (``EngineRequest.api``, ``/metrics``' label), the routes that generate
 (the OpenAPI document's 500 and 503), the prefixes whose errors take its
-shape, and the module whose ``add_routes`` adds its routes (its adapter and
+shape (other routes answer in the shape of the client that asks), and the module whose ``add_routes`` adds its routes (its adapter and
 its writer live beside it). A new API is its own files and one line of
 :data:`PROTOCOLS`; ``app``, ``metrics``, ``api_schema`` and ``http_errors``
 read this list.
@@ -35,9 +35,11 @@ GENERATING = tuple(path for p in PROTOCOLS for path in p.paths)
 ROUTE_MODULES = tuple(dict.fromkeys(p.routes for p in PROTOCOLS))
 
 
-def error_shape(path: str) -> str:
-    """The error shape of the route at ``path``: its protocol's, else OpenAI's (every other route)."""
+def error_shape(path: str, client: str = "openai") -> str:
+    """The error shape of the route at ``path``: its protocol's, else the
+    ``client``'s (a route every API's clients call, as ``/v1/models``: the
+    shape of the API whose client asked, OpenAI's unless told)."""
     for p in PROTOCOLS:
         if path.startswith(p.prefixes or p.paths):
             return p.errors
-    return "openai"
+    return client

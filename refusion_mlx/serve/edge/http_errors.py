@@ -1,7 +1,9 @@
 """Errors at the HTTP edge, in the shape of the route's API: OpenAI's
 ``{"error": {message, type, param, code}}`` (chat and text completions, the
 Responses API, everything else), Anthropic's ``{"type": "error", "error":
-{type, message}}`` on ``/v1/messages`` (:func:`anthropic_route`).
+{type, message}}`` on ``/v1/messages`` (:func:`anthropic_route`), and on the
+routes every API's clients call (``/v1/models``) to a client of Anthropic's
+(:func:`client_shape`).
 
 Whatever refused a request -- the body's schema (pydantic), the route, the
 request's resolution or the engine (a :class:`~..core.refusal.Refusal`) -- reaches
@@ -96,7 +98,17 @@ def as_api_error(request, exc: Exception) -> APIError:
     return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
 
 
-def error_response(error: APIError, path: str = "") -> JSONResponse:
-    """The error in the shape of the API whose route ``path`` is."""
-    body = error.anthropic_body() if anthropic_route(path) else error.body()
+def client_shape(scope) -> str:
+    """The error shape a request's client reads, by its headers: Anthropic's for
+    an ``anthropic-version``, or an ``x-api-key`` without ``Authorization`` (its SDK's)."""
+    names = {name.lower() for name, _ in scope.get("headers") or ()}
+    anthropic = b"anthropic-version" in names or (b"x-api-key" in names and b"authorization" not in names)
+    return "anthropic" if anthropic else "openai"
+
+
+def error_response(error: APIError, scope) -> JSONResponse:
+    """The error in the shape of the API whose route the request (its ASGI
+    ``scope``) asked for; on a route of every API (``/v1/models``), of its client's."""
+    shape = error_shape(scope["path"], client_shape(scope))
+    body = error.anthropic_body() if shape == "anthropic" else error.body()
     return JSONResponse(body, error.status, headers={"Retry-After": "1"} if error.status == 503 else None)

@@ -130,7 +130,7 @@ class SiteGuard:
             return await self.app(scope, receive, send)
         if self.on_error is not None:
             self.on_error(error, scope)
-        await error_response(error, scope["path"])(scope, receive, send)
+        await error_response(error, scope)(scope, receive, send)
 
 
 # JSON escapes of a UTF-16 surrogate that is not half of a pair: "\ud800" alone
@@ -261,7 +261,7 @@ class RequestGuard:
     async def refuse(self, error: APIError, scope, receive, send, headers=None):
         if self.on_error is not None:
             self.on_error(error, scope)
-        response = error_response(error, scope["path"])
+        response = error_response(error, scope)
         response.headers.update(headers or {})
         if error.status == 408 or _header(scope, b"transfer-encoding") is not None:  # a body left unread
             response.headers["Connection"] = "close"
