@@ -99,6 +99,46 @@ def test_messages_as_claude_code_sends_them(server):
     assert status == 200
 
 
+def test_messages_are_checked_and_merged_as_anthropic_does(server):
+    """Anthropic's rules: each tool_use is answered by a tool_result in the next turn (a final one is not),
+    tool_use ids differ, disable_parallel_tool_use is a boolean; consecutive messages of a role are one turn."""
+    def use(*ids):
+        return {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": "lookup_person",
+                                                  "input": {"name": "Sven"}} for i in ids]}
+
+    def result(*ids):
+        return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "Hanoi"} for i in ids]}
+
+    ask, said = {"role": "user", "content": "Where does Sven live?"}, {"role": "user", "content": "Thanks."}
+    for messages, param in (([ask, use("a")], "messages[1]"), ([ask, use("a", "b"), result("a")], "messages[1]"),
+                            ([ask, use("a"), said, {"role": "assistant", "content": "Hanoi."}, said], "messages[1]"),
+                            ([ask, use("a"), result("a"), use("b")], "messages[3]")):
+        status, _, err = call(server, "POST", "/v1/messages", {"messages": messages, "max_tokens": 8})
+        assert status == 400 and err["error"]["message"].startswith(
+            f"{param}: tool_use ids were found without tool_result blocks immediately after: "), (messages, err)
+    status, _, err = call(server, "POST", "/v1/messages", {"messages": [ask, use("a", "a"), result("a")],
+                                                           "max_tokens": 8})
+    assert status == 400 and err["error"]["message"].startswith("messages[1].content[1].id: tool_use ids must be "
+                                                                "unique"), err
+    status, _, err = call(server, "POST", "/v1/messages", {
+        "messages": [ask], "max_tokens": 8, "tool_choice": {"type": "auto", "disable_parallel_tool_use": "no"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+    assert status == 400 and err["error"]["message"].startswith("tool_choice.disable_parallel_tool_use: "), err
+    status, _, answer = call(server, "POST", "/v1/messages", {"messages": [ask, use("a"), said, result("a")],
+                                                              "max_tokens": 8})  # the next turn, merged
+    assert status == 200, answer
+
+    def count(messages):
+        return call(server, "POST", "/v1/messages/count_tokens", {"messages": messages})[2]["input_tokens"]
+
+    said_twice = {"role": "user", "content": "Where does Sven live?\n\nThanks."}
+    assert count([ask, said]) == count([said_twice]) < count([ask, {"role": "assistant", "content": "Hm."}, said])
+    reply = [{"role": "assistant", "content": "Sven"}, {"role": "assistant", "content": [{"type": "text",
+                                                                                         "text": "lives"}]}]
+    assert count([ask] + reply + [said]) == count([ask, {"role": "assistant", "content": "Sven\n\nlives"}, said])
+    assert count([ask] + reply) == count([ask, {"role": "assistant", "content": "Sven\n\nlives"}])  # one prefill
+
+
 def test_max_tokens_past_the_context_is_cut_on_every_api(server):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                  "max_tokens": 100000}),

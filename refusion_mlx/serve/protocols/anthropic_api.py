@@ -144,13 +144,30 @@ def _not_empty(content: Any, param: str) -> None:
             raise invalid(f"{param}[{j}].text", "text content blocks must be non-empty")
 
 
+def _unanswered(waiting: tuple) -> None:
+    """Anthropic's rule: an assistant turn's tool_use blocks are answered by tool_result blocks in the next
+    turn. ``waiting``: (the assistant message's index, the ids of its calls no result has answered yet)."""
+    if waiting and waiting[1]:
+        raise invalid(f"messages[{waiting[0]}]", "tool_use ids were found without tool_result blocks immediately "
+                                                 f"after: {', '.join(waiting[1])}. Each tool_use block must have a "
+                                                 "corresponding tool_result block in the next message")
+
+
+def _joined(earlier: str, text: str) -> str:
+    """The text of two messages of one role in a row, one turn (as Anthropic merges them): a blank line apart."""
+    return "\n\n".join(t for t in (earlier, text) if t)
+
+
 def anthropic_messages(body) -> tuple:
-    """The system prompt and messages as the chat template's messages, and each one's field."""
+    """The system prompt and messages as the chat template's messages, and each one's field. Consecutive
+    user (or assistant) messages are one turn, as Anthropic merges them; a turn's tool_use blocks need their
+    tool_result blocks in the next one, and no two tool_use blocks share an id (Anthropic's rules)."""
     out: List[dict] = []
     params: List[str] = []
     if body.system:
         out.append({"role": "system", "content": _text_blocks(body.system, "system")})
         params.append("system")
+    made, waiting, previous = set(), (), None  # every call's id; the calls the next turn answers; the last role
     for i, message in enumerate(body.messages):
         role = message.get("role")
         if not (role == "assistant" and i == len(body.messages) - 1):  # but a final assistant message (a prefill)
@@ -158,26 +175,48 @@ def anthropic_messages(body) -> tuple:
         if role == "system":  # a system message inside the conversation (Claude Code's reminders): in its place
             out.append({"role": "system", "content": _text_blocks(message.get("content"), f"messages[{i}].content")})
             params.append(f"messages[{i}]")
+            previous = role
             continue
         if role not in ("user", "assistant"):
             raise invalid(f"messages[{i}].role", f"must be user, assistant or system, got {role!r}")
         blocks, param = _blocks(message, i), f"messages[{i}]"
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        same = previous == role and out[-1]["role"] == role  # the same turn as the message before it
+        previous = role
         if role == "assistant":
+            if not same:
+                _unanswered(waiting)
+                waiting = (i, ())
+            for j, b in enumerate(blocks):
+                if b["type"] == "tool_use" and b["id"] in made:
+                    raise invalid(f"{param}.content[{j}].id", f"tool_use ids must be unique: {b['id']!r} is used "
+                                                              "twice")
+                made.update([b["id"]] if b["type"] == "tool_use" else ())
             calls = [{"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": b["input"]}}
                      for b in blocks if b["type"] == "tool_use"]
+            waiting = (waiting[0], waiting[1] + tuple(c["id"] for c in calls))
+            if same:
+                out[-1]["content"] = _joined(out[-1]["content"], text)
+                if calls:
+                    out[-1]["tool_calls"] = out[-1].get("tool_calls", []) + calls
+                continue
             out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
             params.append(param)
             continue
+        answered = {b["tool_use_id"] for b in blocks if b["type"] == "tool_result"}
+        waiting = waiting and (waiting[0], tuple(c for c in waiting[1] if c not in answered))
         for j, b in enumerate(blocks):  # the results first, as the API has them
             if b["type"] == "tool_result":  # a failed tool's result says so (is_error), as the model reads it
                 result = _text_blocks(b.get("content", ""), f"{param}.content[{j}].content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": f"Error: {result}" if b.get("is_error") else result})
                 params.append(f"{param}.content[{j}]")
-        if text or not any(b["type"] == "tool_result" for b in blocks):
+        if same and text and out[-1]["role"] == "user":
+            out[-1]["content"] = _joined(out[-1]["content"], text)
+        elif text or not answered:
             out.append({"role": "user", "content": text})
             params.append(param)
+    _unanswered(waiting)
     check_results(out, params)
     return out, params
 
@@ -206,9 +245,11 @@ def anthropic_tools(body, takes_tools: bool) -> tuple:
     if kind not in ("auto", "none", "any", "tool") or (kind == "tool" and not isinstance(choice.get("name"), str)):
         raise invalid("tool_choice", '{"type": "auto"}, {"type": "none"}, {"type": "any"} or '
                                             '{"type": "tool", "name": ...}')
+    single = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):
+        raise invalid("tool_choice.disable_parallel_tool_use", f"must be a boolean, got {single!r}")
     picked = {"auto": "auto", "none": "none", "any": "required"}.get(kind, choice.get("name"))
-    return template_tools(tools, picked, takes_tools, "tools", "tool_choice", named=kind == "tool"), not choice.get(
-        "disable_parallel_tool_use", False)
+    return template_tools(tools, picked, takes_tools, "tools", "tool_choice", named=kind == "tool"), not single
 
 
 def chat_prompt_of(body, takes_tools: bool) -> tuple:
