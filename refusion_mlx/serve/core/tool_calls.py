@@ -117,10 +117,10 @@ class ToolCallSplitter:
     and :class:`ToolCall`. Text that could begin ``start`` is held back until
     it is known not to; a call is held until its ``end``, then parsed; one
     that does not parse (or never ends) goes out as the text it was
-    (``failed`` counts them), but for one the token budget cut short: it is
-    neither text nor a call (its markup is the template's, not an answer;
-    ``cut`` counts them). Whitespace between text and a call, or after a
-    call, is dropped. With ``single`` (``parallel_tool_calls`` false) the
+    (``failed`` counts them), the whitespace before it too, but for one the
+    token budget cut short: it is neither text nor a call (its markup is the
+    template's, not an answer; ``cut`` counts them). Whitespace between text
+    and a call, or after a call, is dropped. With ``single`` (``parallel_tool_calls`` false) the
     answer ends after the first call: ``done`` turns true. Which of the text
     fed went out as text is kept by offset (:meth:`kept`, up to ``decided``),
     so the tokens of a call's markup can be told from the answer's own.
@@ -132,6 +132,7 @@ class ToolCallSplitter:
         self.base = 0  # where pending starts in the text fed (all before it is decided)
         self.spans: List[Tuple[int, int]] = []  # the text fed that went out as text, as [start, end) offsets
         self.call_at = 0  # where the open call's start marker is in the text fed
+        self.gap = ""  # the whitespace before it: dropped if it is a call, given back with it if not
         self.in_call = False
         self.after_call = False  # the last item given out was a call
         self.calls = 0
@@ -158,7 +159,9 @@ class ToolCallSplitter:
                 start = self.pending.find(self.fmt.start)
                 if start < 0:
                     break
-                self._text(self.pending[:start].rstrip(), out, self.base)
+                head = self.pending[:start]
+                self._text(head.rstrip(), out, self.base)
+                self.gap = head[len(head.rstrip()):]
                 self.call_at, self.in_call = self.base + start, True
                 self._advance(start + len(self.fmt.start))
         if self.done:
@@ -217,7 +220,7 @@ class ToolCallSplitter:
             return
         if calls is None:
             self.failed += 1
-            self._text(self.fmt.start + body + end, out, self.call_at)
+            self._text(self.gap + self.fmt.start + body + end, out, self.call_at - len(self.gap))
             return
         if self.single:
             calls, self.done = calls[:1], True
