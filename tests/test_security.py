@@ -91,6 +91,16 @@ def test_cross_site_posts_are_refused_before_anything_runs(server):
         assert "Content-Type: application/json" in openai_error(payload, "unsupported_media_type")["message"]
     status, _, payload = call(server, "POST", "/v1/messages", chat(), content_type="text/plain")
     assert status == 415 and json.loads(payload)["type"] == "error"  # Anthropic's shape on its route
+    # a POST with no body and no Content-Type (POST .../cancel takes none) goes on; a route that needs a body
+    # says so (Content-Length: 0 here, then neither it nor a chunked body)
+    status, _, payload = call(server, "POST", "/v1/responses/resp_nope/cancel")
+    assert status == 404 and openai_error(payload, "not_found")["param"] == "response_id"
+    status, _, payload = call(server, "POST", CHAT)
+    assert status == 400 and openai_error(payload)["message"].startswith("the request body")
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(f"POST /v1/responses/resp_nope/cancel HTTP/1.1\r\nHost: localhost\r\n"
+                  f"Authorization: Bearer {KEYS[0]}\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.1 404 ")
     # a DNS-rebinding page: its own name resolves here, the Host header says so
     status, _, payload = call(server, "POST", CHAT, chat(), headers={"Host": f"evil.example:{server.port}"})
     assert status == 403 and openai_error(payload, "host_not_allowed")

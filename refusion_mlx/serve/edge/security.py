@@ -12,8 +12,10 @@ page of another origin (its ``Origin`` header) is a 403 unless
 :class:`RequestGuard`: with ``--api-key`` every route but ``/health`` and the
 web page's own static files needs ``Authorization: Bearer KEY`` or
 ``x-api-key: KEY`` (401; ``/metrics`` too, unless ``--metrics-public``); a
-POST needs a JSON ``Content-Type`` (415: a cross-site form or ``text/plain``
-POST, which a browser sends without asking, never runs), a
+POST with a body needs a JSON ``Content-Type`` (415: a cross-site form or
+``text/plain`` POST, which a browser sends without asking, never runs; one
+with no body and no ``Content-Type`` goes on, and a route that needs a body
+answers its 400), a
 ``Content-Length`` or a chunked body, not both (411, 400), within
 ``--max-body-bytes`` (413), its whole
 body within ``--body-timeout`` seconds of its headers (408), and no string
@@ -179,7 +181,7 @@ def _json_type(value: Optional[str]) -> bool:
 
 
 class RequestGuard:
-    """ASGI middleware: the API key (401), then a POST's Content-Type (415),
+    """ASGI middleware: the API key (401), then a POST's Content-Type (415; none for no body),
     Content-Length (411, 413), a body that arrives in time (408) and holds
     text only (400: :func:`unpaired_surrogate`)."""
 
@@ -225,7 +227,11 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         length = _header(scope, b"content-length")  # a number: h11 refuses others
         chunked = _header(scope, b"transfer-encoding") is not None  # h11 takes chunked alone
-        if not _json_type(_header(scope, b"content-type")):
+        kind = _header(scope, b"content-type")
+        if kind is None and not chunked and length in (None, "0"):  # no body at all (POST .../cancel)
+            scope[BODY_BYTES] = 0
+            return await self.app(scope, _replay(b"", receive), send)
+        if not _json_type(kind):
             error = APIError(415, "the request body must be JSON, sent with Content-Type: application/json "
                                   f"(got {_header(scope, b'content-type') or 'none'})",
                              code="unsupported_media_type")
