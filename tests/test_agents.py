@@ -327,6 +327,16 @@ def test_stored_response_lists_its_input_items(server, oai):
         assert status == 400 and error["param"] == "input[0].id" and "must be a string" in error["message"]
     null = oai.responses.create(model="m", max_output_tokens=4, input=[{"id": None, "role": "user", "content": SVEN}])
     assert oai.responses.input_items.list(null.id).data[0].id.startswith("msg_")
+    # ids page the list, so they differ (OpenAI's 400 too); a page after an id moves on, whatever the items
+    twice = [{"id": "msg_dup", "role": "user", "content": SVEN}, {"id": "msg_dup", "role": "user", "content": "Hi."}]
+    status, _, payload = raw(server, "POST", "/v1/responses", {"max_output_tokens": 4, "input": twice})
+    error = json.loads(payload)["error"]
+    assert status == 400 and error["param"] == "input" and "duplicate item id 'msg_dup'" in error["message"]
+    from refusion_mlx.serve.protocols.responses_store import item_page
+
+    items = [{"id": i} for i in ("a", "dup", "b", "dup", "c")]
+    assert [i["id"] for i in item_page(items, 2, "asc", after="dup")["data"]] == ["c"]
+    assert [i["id"] for i in item_page(items, 9, "desc", before="dup")["data"]] == ["c"]
 
 
 # --------------------------------------------------------------------------

@@ -124,11 +124,16 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
         return [{"role": "user", "content": items}], ["input"]
     messages: List[dict] = []
     params: List[str] = []
+    ids: Dict[str, int] = {}  # an item's id -> its index: ids page GET .../input_items, so they differ
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message")
         if item.get("id") is not None and not isinstance(item["id"], str):
             raise invalid(f"{param}.id", f"must be a string, got {type(item['id']).__name__}")
+        if item.get("id") in ids:
+            raise invalid("input", f"duplicate item id {item['id']!r} (input[{ids[item['id']]}] and {param})")
+        if item.get("id") is not None:
+            ids[item["id"]] = i
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):

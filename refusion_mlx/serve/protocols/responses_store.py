@@ -115,7 +115,9 @@ def item_page(items: Sequence[dict], limit: int = 20, order: str = "desc", after
               before: Optional[str] = None) -> Optional[dict]:
     """OpenAI's list object over ``items`` (in input order): ``order`` desc
     from the last; ``after``/``before`` an item id the page starts after or
-    ends before; None when such an id is not among the items."""
+    ends before; None when such an id is not among the items. Ids differ (the
+    API refuses a duplicate); were one there twice, ``after`` would start past
+    its last place and ``before`` end at its first, so paging always moves on."""
     ordered = list(items) if order == "asc" else list(reversed(items))
     ids = [i["id"] for i in ordered]
     start, end = 0, len(ordered)
@@ -125,7 +127,7 @@ def item_page(items: Sequence[dict], limit: int = 20, order: str = "desc", after
         if cursor not in ids:
             return None
         if name == "after":
-            start = ids.index(cursor) + 1
+            start = len(ids) - ids[::-1].index(cursor)
         else:
             end = ids.index(cursor)
     window = ordered[start:end]
