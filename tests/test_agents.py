@@ -315,6 +315,16 @@ def test_stored_response_lists_its_input_items(server, oai):
     listed = json.loads(raw(server, "GET", f"/v1/responses/{calls.id}/input_items?order=asc")[2])["data"]
     assert [(i["type"], i["status"]) for i in listed] == [("message", "completed"), ("function_call", "completed"),
                                                           ("function_call_output", "completed")]  # the SDK's types
+    import pydantic
+    from openai.types.responses import ResponseItem
+
+    said = oai.responses.create(model="m", max_output_tokens=4, input=[
+        {"role": "user", "content": SVEN}, {"role": "assistant", "content": "Sven."},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "More."}]},
+        {"role": "user", "content": "Go on."}])
+    listed = json.loads(raw(server, "GET", f"/v1/responses/{said.id}/input_items?order=asc")[2])["data"]
+    assert [p["annotations"] for i in listed[1:3] for p in i["content"]] == [[], []]  # the SDK's types, strictly
+    assert all(pydantic.TypeAdapter(ResponseItem).validate_python(i, strict=True) for i in listed)
     one = oai.responses.create(model="m", max_output_tokens=8, input=SVEN)  # a string is one user message
     assert [i.content[0].type for i in oai.responses.input_items.list(one.id).data] == ["input_text"]
     assert raw(server, "GET", f"/v1/responses/{resp.id}/input_items?after=msg_nope")[0] == 400

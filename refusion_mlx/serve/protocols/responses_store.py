@@ -88,8 +88,9 @@ class ResponseStore:
 def input_items(value: Union[str, List[Dict[str, Any]]]) -> List[dict]:
     """A request's ``input`` as the items ``GET /v1/responses/{id}/input_items``
     lists: a string is one user message; a message's string content becomes
-    one text part; every item has an id (its own, or a new one) and, where its
-    type has one, a status; only the fields of its type are kept (:data:`ITEM_FIELDS`)."""
+    one text part; an ``output_text`` part has ``annotations`` (empty); every
+    item has an id (its own, or a new one) and, where its type has one, a
+    status; only the fields of its type are kept (:data:`ITEM_FIELDS`)."""
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     out = []
     for item in items:
@@ -103,6 +104,9 @@ def input_items(value: Union[str, List[Dict[str, Any]]]) -> List[dict]:
             if isinstance(item.get("content"), str):
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": item["content"]}]
+            for part in item.get("content") or ():  # an output_text part has its annotations (none here)
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    part["annotations"] = []
         if "status" in ITEM_FIELDS.get(kind, ()):
             item.setdefault("status", "completed")
         if item.get("id") is None:  # absent or null: a new one
