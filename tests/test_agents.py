@@ -210,6 +210,35 @@ def test_responses_stream_events(server):  # scripted: text and two calls
     assert final["output"][0]["content"][0]["text"] == text
 
 
+def test_a_failed_response_keeps_its_text_and_openais_error_codes(server, monkeypatch):  # scripted: BOTH
+    """A step that fails mid-stream: ``response.failed`` with a code of OpenAI's list (the server's own in the
+    message), its output the message written so far (incomplete); every event valid under the SDK's types."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    gen, real, said = server.engine.gen, server.engine.gen.step, []
+
+    def failing():  # once the script's first piece went out
+        if said:
+            raise RuntimeError("a step failed")
+        out = real()
+        said.extend(r for r in out if r.text == "I will look both up.\n")
+        return out
+
+    monkeypatch.setattr(gen, "step", failing)
+    evs = events(server, "/v1/responses", {"input": BOTH, "tools": RESPONSES_TOOLS, "stream": True})
+    monkeypatch.setattr(gen, "step", real)
+    assert [e for e, _ in evs][-4:] == ["response.output_text.done", "response.content_part.done",
+                                        "response.output_item.done", "response.failed"]
+    failed = evs[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "a step failed" in failed["error"]["message"] and "(step_failed)" in failed["error"]["message"]
+    assert [(o["type"], o["status"], o["content"][0]["text"]) for o in failed["output"]] == [
+        ("message", "incomplete", "I will look both up.")]
+    for _, e in evs:
+        pydantic.TypeAdapter(ResponseStreamEvent).validate_python(e, strict=True)
+
+
 def test_responses_function_call_round_trip_continues_from_the_cache(oai):
     answer = follow_up(oai)
     first = oai.responses.create(model="m", input=CALC, tools=RESPONSES_TOOLS)

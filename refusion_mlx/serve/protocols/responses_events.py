@@ -17,7 +17,7 @@ import uuid
 from typing import Dict, List, Optional
 
 from ..core.outcome import Outcome
-from ..core.refusal import Refusal
+from ..core.refusal import Reason, Refusal
 from ..core.slots import answer_blocks
 from ..core.tool_calls import ToolCall
 from ..edge.answering import Answer, Writer, event
@@ -197,6 +197,17 @@ class ResponsesWriter(Writer):
         return out + self.emit(kind, response=response)
 
     def error(self, refusal: Refusal) -> str:
-        error = {"code": refusal.reason.value, "message": refusal.message}
-        return self.emit("response.failed", response=self.response("failed", error=error))
+        """``response.failed``, the text written so far its message item (incomplete)."""
+        out = self.close_message("incomplete")
+        return out + self.emit("response.failed", response=self.response("failed", error=response_error(refusal)))
+
+
+# OpenAI's ResponseError.code is one of a fixed list: a reason maps onto it, and its own code is in the message
+ERROR_CODES = {Reason.SERVER_BUSY: "rate_limit_exceeded", Reason.INVALID_PROMPT: "invalid_prompt"}
+
+
+def response_error(refusal: Refusal) -> dict:
+    """A failed response's ``error``: ``server_error`` but where OpenAI's list has the reason's code."""
+    return {"code": ERROR_CODES.get(refusal.reason, "server_error"),
+            "message": f"{refusal.message} ({refusal.reason.value})"}
 
