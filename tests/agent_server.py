@@ -1,8 +1,9 @@
 """A server for the agent tests: the bundled demo model, whose chat template
 renders tools in Qwen3's format and which calls its two tools itself
 (``lookup_person``, ``calculator``: examples/demo_model/tool_data.py), and
-a test double at the decoding boundary for two answers the demo never
-writes: text followed by two calls at once, and a call that does not parse.
+a test double at the decoding boundary for answers the demo never writes:
+text followed by two calls at once, a call that does not parse, and text
+after a call.
 
 * :class:`ScriptedCalls` (THE TEST DOUBLE): the real ``BatchGenerator`` --
   every request is really prefilled and decoded, batched, cached, with its
@@ -46,6 +47,7 @@ SCRIPTS: Dict[str, List[str]] = {
     "Who are Sven and Zoe?": ["I will look both up.\n", call("lookup_person", {"name": "Sven"}) + "\n",
                               call("lookup_person", {"name": "Zoe"})],
     "Break the call.": ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": \n</tool_call>"],
+    "Call, then say.": [call("calculator", {"expression": "1+1"}) + "\nThe answer follows."],
 }
 
 

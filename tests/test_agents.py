@@ -5,10 +5,10 @@ the ``anthropic`` SDK, the OpenAI Agents SDK, LangChain) and raw HTTP.
 One server for the module (tests/agent_server.py): the demo model, whose
 chat template renders tools and which calls them. Its answers, calls
 included, are its own (``CALC`` is held out of its tool training), except
-two that THE TEST DOUBLE ``ScriptedCalls`` writes at the decoding boundary
+three that THE TEST DOUBLE ``ScriptedCalls`` writes at the decoding boundary
 (the real decoding runs; the text is replaced), because the demo never
-writes them: text followed by two calls at once (``BOTH``), and a call that
-does not parse (``BROKEN``).
+writes them: text followed by two calls at once (``BOTH``), a call that
+does not parse (``BROKEN``), and text after a call (``AFTER``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ RESULT = "87"  # the calculator's result; the demo's answer from it is text (its
 # demo answers 4-6 of 100 held-out tool results exactly, examples/demo_model/README.md), the same on every API
 BOTH = "Who are Sven and Zoe?"  # scripted: text, then two lookup_person calls
 BROKEN = "Break the call."  # scripted: a call that does not parse
+AFTER = "Call, then say."  # scripted: a calculator call, then text
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
@@ -237,6 +238,24 @@ def test_a_failed_response_keeps_its_text_and_openais_error_codes(server, monkey
         ("message", "incomplete", "I will look both up.")]
     for _, e in evs:
         pydantic.TypeAdapter(ResponseStreamEvent).validate_python(e, strict=True)
+
+
+def test_items_keep_the_order_written_whole_or_streamed(server):  # scripted: text after a call
+    """Text after a call comes after it, whole or streamed, on the Responses and Messages APIs; the message
+    that max_output_tokens cut is incomplete either way (the stored response is the streamed one)."""
+    body = {"input": AFTER, "tools": RESPONSES_TOOLS, "max_output_tokens": 8}
+    whole = json.loads(raw(server, "POST", "/v1/responses", body)[2])
+    final = events(server, "/v1/responses", {**body, "stream": True})[-1][1]["response"]
+    for response in (whole, final):
+        assert response["status"] == "incomplete"
+        assert [(o["type"], o["status"]) for o in response["output"]] == [("function_call", "completed"),
+                                                                          ("message", "incomplete")]
+        assert response["output"][1]["content"][0]["text"] == "The answer follows."
+    message = {"max_tokens": 64, "messages": user(AFTER), "tools": ANTHROPIC_TOOLS}
+    whole = json.loads(raw(server, "POST", "/v1/messages", message)[2])
+    streamed = events(server, "/v1/messages", {**message, "stream": True})
+    assert [b["type"] for b in whole["content"]] == ["tool_use", "text"] == [
+        d["content_block"]["type"] for e, d in streamed if e == "content_block_start"]
 
 
 def test_responses_function_call_round_trip_continues_from_the_cache(oai):

@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -52,14 +52,33 @@ class ClientGone(Exception):
 
 
 @dataclass
-class Answer:
-    """A whole answer: its text, its calls, and how it ended (the engine's
-    "done" event, an :class:`~..core.outcome.Outcome`)."""
+class Said:
+    """A run of an answer's text between its calls, with its tokens' entries (when asked)."""
 
     text: str = ""
-    calls: List[ToolCall] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # the tokens' entries (serve/protocols/openai_logprobs.py)
+
+
+@dataclass
+class Answer:
+    """A whole answer: its text runs and calls in the order the model wrote
+    them (``parts``, as a stream gives them out), and how it ended (the
+    engine's "done" event, an :class:`~..core.outcome.Outcome`)."""
+
+    parts: List[Union[Said, ToolCall]] = field(default_factory=list)
     done: Optional[Outcome] = None
-    logprobs: list = field(default_factory=list)  # the tokens' entries (serve/protocols/openai_logprobs.py), when asked
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if isinstance(p, Said))
+
+    @property
+    def calls(self) -> List[ToolCall]:
+        return [p for p in self.parts if isinstance(p, ToolCall)]
+
+    @property
+    def logprobs(self) -> list:
+        return [e for p in self.parts if isinstance(p, Said) for e in p.logprobs]
 
 
 class Writer:
@@ -286,10 +305,14 @@ async def collect(job: Job, engine, request: Request) -> Answer:
     while answer.done is None:
         what, payload = await next_event(job, engine, request)
         if what in ("text", "commits", "logprobs"):
-            answer.text += payload if what == "text" else payload[0]
-            answer.logprobs += payload[1] if what == "logprobs" else []
+            text, entries = (payload, []) if what == "text" else (payload[0], payload[1] if what == "logprobs" else [])
+            if text or entries:  # a stream's writer opens a text block for these alone
+                if not answer.parts or not isinstance(answer.parts[-1], Said):
+                    answer.parts.append(Said())
+                answer.parts[-1].text += text
+                answer.parts[-1].logprobs += entries
         elif what == "tool_call":
-            answer.calls.append(payload)
+            answer.parts.append(payload)
         elif what == "done":
             answer.done = payload
     return answer

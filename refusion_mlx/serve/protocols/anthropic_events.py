@@ -64,7 +64,8 @@ class MessagesWriter(Writer):
                                                    "cache_creation_input_tokens": 0}}
 
     def answer(self, answer: Answer) -> dict:
-        content = ([{"type": "text", "text": answer.text}] if answer.text else []) + [tool_use(c) for c in answer.calls]
+        content = [tool_use(p) if isinstance(p, ToolCall) else {"type": "text", "text": p.text}
+                   for p in answer.parts if isinstance(p, ToolCall) or p.text]  # in the order written
         return self.message(content, answer.done)
 
     def start(self) -> str:

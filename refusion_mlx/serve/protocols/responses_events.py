@@ -3,8 +3,9 @@ events (``response.created``, ``response.output_item.added``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta`` /
 ``.done``, ``response.completed``, ...), each with its ``sequence_number``.
 
-The answer's text is one ``message`` output item, its calls one
-``function_call`` item each, in the order the model wrote them. A finished
+The answer's text is a ``message`` output item (one per run of text between
+calls), its calls one ``function_call`` item each, in the order the model
+wrote them, the same whole or streamed. A finished
 response is stored (unless ``store`` is false) with its conversation, for
 ``previous_response_id``.
 """
@@ -119,11 +120,13 @@ class ResponsesWriter(Writer):
         return response
 
     def answer(self, answer: Answer) -> dict:
-        if answer.text:
-            cut = answer.done.finish_reason == "length" and not answer.calls  # the message was last: cut short
-            self.output.append(message_item(_id("msg"), answer.text, "incomplete" if cut else "completed",
-                                            answer.logprobs))
-        self.output += [call_item(_id("fc"), c, namespace=self.namespaces.get(c.name)) for c in answer.calls]
+        for i, part in enumerate(answer.parts):  # in the order written, as the stream's items
+            if isinstance(part, ToolCall):
+                self.output.append(call_item(_id("fc"), part, namespace=self.namespaces.get(part.name)))
+                continue
+            cut = answer.done.finish_reason == "length" and i == len(answer.parts) - 1  # last: cut short
+            self.output.append(message_item(_id("msg"), part.text, "incomplete" if cut else "completed",
+                                            part.logprobs))
         self.text_parts, self.calls = [answer.text], list(answer.calls)
         return self.finish(answer.done)
 
