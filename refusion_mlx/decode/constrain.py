@@ -12,7 +12,7 @@ runs at their true positions after the committed cache:
   braces, quotes; EOS once the grammar is complete). They are committed with
   this pass's K/V, so everything to their right is conditioned on them;
 * ``drafts`` -- the model's drafts for the next positions (planned by mask
-  rows of earlier passes), verified as ReFusion's global verification does:
+  rows of earlier passes; at most ``block_length`` of them), verified as ReFusion's global verification does:
   a slot's first token is accepted when the grammar allows it (its slot was
   selected by its planning confidence, as REFUSION.md §4a), every other token
   when its probability under the logits one position before it, *masked by
@@ -90,8 +90,10 @@ def decode(state: DecodeState, tail: List[int],
     while known or frontier < end:
         kend = frontier + len(known)
         done = bool(known) and known[-1] == state.eos_id
-        drafts = [] if done or not known else select(buffered, kend, end, state.response_start, S,
-                                                      p.slot_threshold)
+        # at most a window of drafts: while the grammar refused them, each pass verified all it had buffered
+        # and planned a window more (813-row passes, every step of the batch slowed 30x)
+        drafts = [] if done or not known else select(buffered, kend, min(end, kend + window), state.response_start,
+                                                      S, p.slot_threshold)
         masks = 0 if done else max(min(window, end - kend - len(drafts)), 0)
         run = Run(frontier, known, drafts, masks)
         passed = yield constrained_pass(state, tail, run)
