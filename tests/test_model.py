@@ -274,3 +274,21 @@ def test_cpu_kernels_match_mlx_and_differentiate():
     probs = np.array(kernels.softmax(scores))
     assert not ((probs != 0) & (np.abs(probs) < np.finfo(np.float32).tiny)).any()
     assert (probs[:, 20:] == 0).all()
+
+
+def test_kernels_compiled_per_shape_keep_a_bounded_number_of_traces():
+    """MLX keeps a compiled function's traces, one per input shape, as long as it lives: attention scores
+    take a new shape at almost every pass, so a server's grew without end (850 MB after 20,000 shapes)."""
+    from refusion_mlx.models import kernels
+
+    f = kernels.PerShape(lambda v: (v * 2.0 + 1.0), limit=8)
+    first = f.compiled
+    for n in range(1, 12):
+        assert np.array_equal(np.array(f(mx.ones((2, n)))), np.full((2, n), 3.0))
+    assert f.compiled is not first and len(f.shapes) == 3  # made afresh at the ninth shape
+    f(mx.ones((2, 11)))  # a shape it holds: no new trace
+    assert len(f.shapes) == 3
+    from refusion_mlx.models import rope
+
+    assert kernels.exp.limit == 256 and isinstance(kernels._swiglu_cpu, kernels.PerShape)
+    assert isinstance(rope.rotate_halves, kernels.PerShape)

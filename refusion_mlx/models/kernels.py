@@ -19,6 +19,32 @@ import mlx.nn as nn
 from .backend import cpu_paths
 
 
+class PerShape:
+    """``mx.compile(fun)`` for a function that cannot be compiled shapeless
+    (a bit-cast, a slice), with its traces bounded. MLX keeps one trace per
+    input shape for as long as the compiled function lives, and looks a call
+    up among them one by one; attention scores take a new shape at almost
+    every pass, so a server's traces grew without end (~50 KB each: 850 MB
+    after 20,000) and each lookup slowed (8 us to 440 us). Past ``limit``
+    shapes the compiled function is made afresh, which frees its traces."""
+
+    def __init__(self, fun, limit: int = 256):
+        self.fun, self.limit = fun, limit
+        self.__doc__, self.__name__ = fun.__doc__, fun.__name__
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.compiled, self.shapes = mx.compile(self.fun), set()
+
+    def __call__(self, *args: mx.array) -> mx.array:
+        key = tuple((a.shape, a.dtype) for a in args)
+        if key not in self.shapes:
+            if len(self.shapes) >= self.limit:
+                self._fresh()
+            self.shapes.add(key)
+        return self.compiled(*args)
+
+
 def _cpu_float32(x: mx.array) -> bool:
     return x.dtype == mx.float32 and cpu_paths()
 
@@ -30,7 +56,7 @@ def _cpu_float32(x: mx.array) -> bool:
 _ROUND = 12582912.0
 
 
-@mx.compile
+@PerShape
 def exp(x: mx.array) -> mx.array:
     """exp(x) = 2**n * exp(r), n = x / ln2 rounded to the nearest integer,
     r = x - n ln2 with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact),
@@ -40,7 +66,7 @@ def exp(x: mx.array) -> mx.array:
     subnormal arithmetic is many times slower on some CPUs (Intel: a
     training step 8x slower, docs/benchmarks.md). It is differentiable
     (training on the CPU): d/dx = p'(r) * 2**n. Compiled per shape (a bit-cast cannot be
-    shapeless); retracing a new shape costs ~0.2 ms, the kernel is reused."""
+    shapeless; :class:`PerShape`); retracing a new shape costs ~0.2 ms, the kernel is reused."""
     x = mx.clip(x, -87.0, 88.0)
     n = mx.stop_gradient((x * 1.4426950408889634 + _ROUND) - _ROUND)
     r = x - n * 0.693359375 + n * 2.12194440e-4
@@ -50,7 +76,7 @@ def exp(x: mx.array) -> mx.array:
     return mx.where(x > -87.0, p * scale, 0.0)
 
 
-@mx.compile
+@PerShape
 def _swiglu_cpu(gate: mx.array, up: mx.array) -> mx.array:
     return gate / (1.0 + exp(-gate)) * up
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import backend
+from .kernels import PerShape
 
 
 def rope_scale(scaling: Optional[Dict[str, Any]]) -> float:
@@ -121,11 +122,11 @@ def rotate_fused(x: mx.array, rope: TokenPositions, head_scale: Optional[mx.arra
     return out if head_scale is None else out * head_scale
 
 
-@mx.compile
+@PerShape
 def rotate_halves(x: mx.array, cos: mx.array, sin: mx.array, head_scale: mx.array) -> mx.array:
     """:func:`apply_rope` of the CPU paths.
 
-    Compiled per shape (the slices cannot be shapeless), so each new pass
+    Compiled per shape (the slices cannot be shapeless; ``kernels.PerShape``), so each new pass
     length traces it again; the rotation and the scaling are two fused
     kernels instead of ten passes.
     """
