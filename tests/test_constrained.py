@@ -348,23 +348,37 @@ def test_objects_built_from_several_schemas_are_not_closed_apart(demo, schema, i
     assert m.valid_prefix(ids) == len(ids)  # an instance valid under the schema is taken
 
 
-@pytest.mark.parametrize("constraint, token", [
-    (Constraint.json_schema({"const": "x\n</tool_call>\n"}), "</tool_call>"),
-    (Constraint.json_schema({"type": "object", "properties": {"<think>": {"type": "integer"}}}), "<think>"),
-    (Constraint.json_schema({"type": "string", "pattern": "^a<|im_end|>$"}), "<|im_end|>"),
-    (Constraint.lark('start: "x</tool_call>"'), "</tool_call>"),
+@pytest.mark.parametrize("constraint, text", [
+    (Constraint.json_schema({"type": "string", "pattern": "^<thin[k]>$"}), '"<think>"'),
+    (Constraint.json_schema({"type": "string", "pattern": "^<\\|im_end\\|>$"}), '"<|im_end|>"'),
+    (Constraint.json_schema({"const": "x</tool_call>"}), '"x</tool_call>"'),
+    (Constraint.lark('start: "<thi" "nk>" "x"'), "<think>x"),
+    (Constraint.lark('start: "x</tool_call>"'), "x</tool_call>"),
 ])
-def test_a_schema_that_spells_a_special_token_is_refused_before_decoding(demo, constraint, token):
-    """The engine allows such a token alone where its text comes and then refuses it (it was a 500 mid-answer):
-    one DecodeError naming the token, before any decoding. A description may say anything."""
+def test_text_that_spells_a_special_token_is_written_as_text(demo, constraint, text):
+    """The engine tokenized forced text with the model's tokenizer, which made "<think>" the special token,
+    allowed it alone and then refused it (an error mid-answer; a substring check on the schema missed
+    "<thin[k]>"): forced text is text now, whatever it spells."""
+    model, tokenizer = demo
+    ids = [t for r in rm.stream_generate(model, tokenizer, "hi", max_tokens=32, grammar=constraint) for t in r.tokens]
+    specials = {t for t in tokenizer.added_tokens_decoder if tokenizer.added_tokens_decoder[t].special}
+    body = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
+    assert tokenizer.decode(body) == text and not specials & set(body)
+
+
+def test_a_call_whose_arguments_spell_its_marker_is_refused_and_eos_is_not_text(demo):
+    """A call is read from the answer's text, so a tool's parameters that spell the calls' end marker would
+    end it early: refused when the constraint is made. A grammar that names the EOS token is refused too;
+    a description or title may say anything."""
     from refusion_mlx.decode.grammar import compile_constraint
 
     model, tokenizer = demo
-    with pytest.raises(DecodeError, match=f"spells '{re.escape(token)}', a special token"):
-        compile_constraint(constraint, tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
-    described = {"type": "object", "description": "<think>", "properties": {"a": {"type": "integer",
-                                                                                  "title": "</tool_call>"}}}
-    compile_constraint(Constraint.json_schema(described), tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"const": "x</tool_call>"}}}}
+    with pytest.raises(DecodeError, match="spell '</tool_call>', the calls' own marker"):
+        Constraint.tool_calls([tool], "<tool_call>", "</tool_call>")
+    described = {"type": "object", "description": "</tool_call>", "properties": {"a": {"type": "integer",
+                                                                                       "title": "<tool_call>"}}}
+    Constraint.tool_calls([{"name": "f", "parameters": described}], "<tool_call>", "</tool_call>")
     with pytest.raises(DecodeError, match="names the end-of-sequence token"):
         compile_constraint(Constraint.lark('start: "a" <|im_end|>'), tokenizer, model.args.vocab_size,
                            tokenizer.eos_token_id)

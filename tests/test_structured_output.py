@@ -171,6 +171,21 @@ def test_strict_tools_under_auto(oai):
     assert calls  # the demo calls tools (its own two, examples/demo_model/tool_data.py): these too
 
 
+def test_text_that_spells_a_special_token_is_answered_as_text(oai):
+    """A pattern spelling "<think>" got past the check for special tokens and failed mid-answer (a 400 after
+    the work; under tool_choice auto a non-strict tool's pattern failed the whole request): it is text now."""
+    tag = {"type": "string", "pattern": "^<thin[k]>$"}
+    r = ask(oai, response_format=json_schema(tag, "tag"), max_tokens=16).choices[0]
+    assert r.message.content == '"<think>"' and r.finish_reason == "stop"
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"t": tag}, "required": ["t"]}}}]
+    for choice in ("auto", "required"):
+        r = ask(oai, "Tag it.", tools=tools, tool_choice=choice, max_tokens=32).choices[0]
+        for call in r.message.tool_calls or ():
+            assert json.loads(call.function.arguments) == {"t": "<think>"}
+    assert r.finish_reason == "tool_calls"
+
+
 def test_responses_text_format(oai):
     r = oai.responses.create(model="tiny-refusion", input="Who is Sven?", max_output_tokens=96,
                              text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})

@@ -25,7 +25,6 @@ import contextlib
 import json
 import re
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from .json_schema import check_schema, for_decoding, without_format
+from .ll_tokenizer import hf_tokenizer, ll_tokenizer, one_token
 from .matcher import Matcher, allowed_forced
 
 # compact JSON as json.dumps writes it: ", " between items, ": " after keys
@@ -98,6 +98,11 @@ class Constraint:
                 "optional": bool(optional)}
         if not spec["tools"]:
             raise DecodeError(f"{name}: forcing a call needs at least one tool")
+        marker = _spelled_marker(spec)
+        if marker is not None:  # the answer's calls are read from its text: the call would end there
+            raise DecodeError(f"{name}: a tool's parameters spell {marker!r}, the calls' own marker, which would "
+                              "end a call where its text is read: leave it out of constants, enums, patterns and "
+                              "property names")
         return cls("tool_calls", json.dumps(spec), name).checked()
 
     @property
@@ -206,35 +211,6 @@ def as_constraint(value: Union[Constraint, Dict[str, Any]], name: str = "constra
                       f"dict, got {type(value).__name__}")
 
 
-_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def hf_tokenizer(tokenizer):
-    """The Hugging Face tokenizer: mlx-lm's wrapper holds it, or it is one."""
-    inner = getattr(tokenizer, "_tokenizer", None)
-    return inner if hasattr(inner, "convert_tokens_to_ids") else tokenizer
-
-
-def ll_tokenizer(tokenizer, vocab: int, eos_id: int):
-    """llguidance's view of a Hugging Face fast tokenizer (mlx-lm's wrapper or the
-    tokenizer itself) over the model's ``vocab`` rows; built once per tokenizer
-    (about a second at 151,671 tokens)."""
-    import llguidance.hf
-
-    hf = hf_tokenizer(tokenizer)
-    key = (vocab, eos_id)
-    try:
-        cached = _TOKENIZERS.setdefault(hf, {})
-    except TypeError:  # not weakly referable: not cached
-        cached = {}
-    if key not in cached:
-        try:
-            cached[key] = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos_id)
-        except Exception as e:
-            raise DecodeError(f"constrained decoding needs a Hugging Face fast tokenizer ({e})") from None
-    return cached[key]
-
-
 @dataclass
 class Compiled:
     """A constraint compiled against one tokenizer: the grammar and its tokenizer."""
@@ -283,11 +259,6 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
         if constraint.kind == "lark" and _names_token(constraint.source, tokenizer, eos_id):
             raise DecodeError(f"{constraint.name}: names the end-of-sequence token, which ends an answer by "
                               "itself: leave it out of the grammar")
-        special = _spelled_special(constraint, tokenizer)
-        if special is not None:  # llguidance would allow that token alone there, and then refuse it
-            raise DecodeError(f"{constraint.name}: its text spells {special!r}, a special token of this model's "
-                              "tokenizer, which constrained decoding cannot write: leave it out of constants, enums, "
-                              "patterns and property names")
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error:
         raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(messages[0])}")
@@ -331,22 +302,10 @@ def _answer_strings(schema: Any) -> List[str]:
     return out
 
 
-def _spelled_special(constraint: Constraint, tokenizer) -> Optional[str]:
-    """A special token of the tokenizer (``</tool_call>``, ``<think>``) that the constraint's own text spells."""
-    try:
-        special = [t.content for t in hf_tokenizer(tokenizer).added_tokens_decoder.values() if len(t.content) > 1]
-    except Exception:  # a tokenizer without added tokens to list
-        return None
-    if constraint.kind == "json_schema":
-        strings = _answer_strings(json.loads(constraint.source))
-    elif constraint.kind == "tool_calls":
-        tools = json.loads(constraint.source)["tools"]
-        strings = [t["name"] for t in tools] + _answer_strings([t["parameters"] for t in tools])
-    elif constraint.kind == "lark":
-        strings = re.findall(r'"((?:\\.|[^"\\])*)"', constraint.source)
-    else:
-        return None
-    return next((token for token in special if any(token in text for text in strings)), None)
+def _spelled_marker(spec: Dict[str, Any]) -> Optional[str]:
+    """A call marker (``</tool_call>``) that a tool's name or the text its parameters' schema writes spells."""
+    strings = [t["name"] for t in spec["tools"]] + _answer_strings([t["parameters"] for t in spec["tools"]])
+    return next((m for m in (spec["end"], spec["start"]) if any(m in text for text in strings)), None)
 
 
 def _names_token(source: str, tokenizer, token: int) -> bool:
@@ -357,16 +316,6 @@ def _names_token(source: str, tokenizer, token: int) -> bool:
     except Exception:
         name = None
     return f"<[{token}]>" in bare or bool(name) and name in bare
-
-
-def one_token(tokenizer, text: str) -> bool:
-    """Whether ``text`` is one token of the tokenizer's own vocabulary."""
-    hf = hf_tokenizer(tokenizer)
-    try:
-        i = hf.convert_tokens_to_ids(text)
-        return isinstance(i, int) and i != getattr(hf, "unk_token_id", None) and hf.convert_ids_to_tokens(i) == text
-    except Exception:
-        return False
 
 
 def _one_line(e) -> str:

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 
 def allowed_forced(matcher) -> List[int]:
-    """llguidance's forced tokens as far as its parser takes them: text the grammar forces may be spelled by
-    a special token (``</tool_call>`` in a schema's constant) that the grammar itself does not allow."""
+    """llguidance's forced tokens as far as its parser takes them (its tokenizer makes text of text,
+    :mod:`.ll_tokenizer`; what the parser would refuse still never goes out as forced)."""
     tokens = [int(t) for t in matcher.compute_ff_tokens()]
     return tokens[:int(matcher.validate_tokens(tokens))] if tokens else tokens
 

@@ -1,0 +1,87 @@
+"""The tokenizer as llguidance sees it, with text tokenized as text.
+
+llguidance tokenizes the text a grammar forces (a schema's constant, a
+pattern's fixed part) with the model's tokenizer, which turns every spelling
+of one of its added tokens into that token: a constant ``"<think>"`` became
+the special token ``<think>``, the mask allowed it alone, and the matcher
+then refused it (a special token is not the text it spells) -- an error in
+the middle of an answer. Here the engine tokenizes with a copy of the
+tokenizer that reads those tokens' spellings as plain text (as the chat
+template's text is read, ``stream._chat_ids``): text a grammar writes is
+always text, and a special token is written only where a grammar names it
+(``<tool_call>`` in a forced call).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+from ..errors import DecodeError
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer: mlx-lm's wrapper holds it, or it is one."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    return inner if hasattr(inner, "convert_tokens_to_ids") else tokenizer
+
+
+class TextTokenizer:
+    """What llguidance's ``TokenizerWrapper`` reads: every token's bytes and
+    which are special, as llguidance's own view of ``hf`` has them, and an
+    encoder that never makes a special token of text."""
+
+    def __init__(self, hf, seen, eos_id: int):
+        import tokenizers
+
+        n = seen.vocab_size
+        self.eos_token_id, self.bos_token_id = eos_id, None
+        self.tokens = [seen.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if seen.is_special_token(i)]
+        special = set(self.special_token_ids)
+        data = json.loads(hf.backend_tokenizer.to_str())
+        for added in data.get("added_tokens") or ():
+            added["special"] = added.get("special") or added.get("id") in special
+        self.backend = tokenizers.Tokenizer.from_str(json.dumps(data))
+        self.backend.no_padding()
+        self.backend.no_truncation()
+        self.backend.encode_special_tokens = True  # special tokens' spellings are text
+
+    def __call__(self, text: str):
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
+def ll_tokenizer(tokenizer, vocab: int, eos_id: int):
+    """llguidance's view of a Hugging Face fast tokenizer (mlx-lm's wrapper or
+    the tokenizer itself) over the model's ``vocab`` rows, its text tokenized
+    as text (:class:`TextTokenizer`); built once per tokenizer (a few seconds
+    at 151,671 tokens)."""
+    import llguidance
+    import llguidance.hf
+
+    hf = hf_tokenizer(tokenizer)
+    key = (vocab, eos_id)
+    try:
+        cached = _TOKENIZERS.setdefault(hf, {})
+    except TypeError:  # not weakly referable: not cached
+        cached = {}
+    if key not in cached:
+        try:
+            seen = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos_id, slices=[])
+            text = llguidance.TokenizerWrapper(TextTokenizer(hf, seen, eos_id))
+            cached[key] = llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos_id)
+        except Exception as e:
+            raise DecodeError(f"constrained decoding needs a Hugging Face fast tokenizer ({e})") from None
+    return cached[key]
+
+
+def one_token(tokenizer, text: str) -> bool:
+    """Whether ``text`` is one token of the tokenizer's own vocabulary."""
+    hf = hf_tokenizer(tokenizer)
+    try:
+        i = hf.convert_tokens_to_ids(text)
+        return isinstance(i, int) and i != getattr(hf, "unk_token_id", None) and hf.convert_ids_to_tokens(i) == text
+    except Exception:
+        return False
