@@ -273,6 +273,21 @@ def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", 'root ::= "a"'), ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", ""),
+    ("structured_outputs", {"choice": ["a"]}), ("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"}),
+])
+def test_other_servers_constraint_fields_are_refused_not_ignored(server, field, value):
+    """vLLM's guided_* and llama.cpp's grammar / json_schema were ignored: a 200 whose answer the client took for
+    constrained. A 400 naming the field and what to send instead; null still changes nothing."""
+    for path, body in ((CHAT, user(**{field: value})), ("/v1/completions", {"prompt": "x", field: value})):
+        err = check_error(*raw(server, "POST", path, body), 400, field)
+        assert err["message"].startswith(f"{field}: not supported by this server: send chat completions' "
+                                         'response_format {"type": "json_schema"') and "\n" not in err["message"]
+    assert raw(server, "POST", CHAT, user(max_tokens=2, **{field: None}))[0] == 200
+
+
 def test_openai_fields_that_change_nothing_are_taken(client, expected):
     p = "Who is Sven?"
     r = chat(client, p, store=False, metadata={"app": "x"}, service_tier="auto", reasoning_effort="low",

@@ -41,15 +41,21 @@ def field_error(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
-def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence[str] = ()):
+def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence[str] = (),
+                    foreign: Optional[Dict[str, str]] = None):
     """Before validation, on every API's body: a field of PROCESS_SETTINGS,
-    or the first of ``harmless`` (field: the values that change nothing)
+    one of ``foreign`` (another server's field: what to send instead) that is
+    set, or the first of ``harmless`` (field: the values that change nothing)
     holding another value, is refused (its name in ctx), but for the fields
     the body ``taken`` itself. The body is returned (a pydantic validator)."""
     for name, flag in PROCESS_SETTINGS.items() if isinstance(body, dict) else ():
         if name in body:
             raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
                                       "not per request", {"field": name, "flag": flag})
+    for name, instead in (foreign or {}).items() if isinstance(body, dict) else ():
+        if body.get(name) is not None:
+            raise PydanticCustomError("unsupported_parameter", "not supported by this server: send {instead}",
+                                      {"field": name, "instead": instead})
     for name, values in harmless.items() if isinstance(body, dict) else ():
         value = body.get(name)
         if name not in taken and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
@@ -59,9 +65,9 @@ def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence
     return body
 
 
-def refusing(harmless: Dict[str, tuple] = UNSERVED, *taken: str):
+def refusing(harmless: Dict[str, tuple] = UNSERVED, *taken: str, foreign: Optional[Dict[str, str]] = None):
     """:func:`refuse_unserved` as a body's validator (before its fields are read)."""
-    return model_validator(mode="before")(lambda body: refuse_unserved(body, harmless, taken))
+    return model_validator(mode="before")(lambda body: refuse_unserved(body, harmless, taken, foreign))
 
 
 class StreamOptions(BaseModel):

@@ -36,6 +36,19 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "web_search_options": (None,),  # spoken answers; a hosted search this server cannot run
             **UNSERVED}
 
+# Other servers' constraint fields (vLLM's guided_*, llama.cpp's grammar and json_schema): refused when set, with
+# what to send instead -- ignored, they gave a 200 with an answer the client believed constrained.
+_SCHEMA_INSTEAD = ('chat completions\' response_format {"type": "json_schema", "json_schema": {"name": ..., '
+                   '"schema": ...}}')
+FOREIGN_CONSTRAINTS = {
+    "guided_json": _SCHEMA_INSTEAD, "json_schema": _SCHEMA_INSTEAD, "structured_outputs": _SCHEMA_INSTEAD,
+    "guided_choice": _SCHEMA_INSTEAD + ' with the schema {"enum": [...]} (the answer is then a JSON string)',
+    "guided_regex": _SCHEMA_INSTEAD + ' with the schema {"type": "string", "pattern": ...} (a JSON string)',
+    "guided_grammar": _SCHEMA_INSTEAD + ", or force a tool call with tool_choice",
+    "grammar": _SCHEMA_INSTEAD + ", or force a tool call with tool_choice",
+    "guided_decoding_backend": _SCHEMA_INSTEAD + " (this server's engine is llguidance)",
+    "guided_whitespace_pattern": _SCHEMA_INSTEAD + " (answers are written as compact as json.dumps writes)"}
+
 
 MAX_N = 16  # samples per prompt (n)
 
@@ -51,7 +64,7 @@ class _BodyBase(BaseModel):
     user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
                                 "(a request continues only the cached prompts of its own user and API key)")
 
-    _refuse = refusing(HARMLESS)
+    _refuse = refusing(HARMLESS, foreign=FOREIGN_CONSTRAINTS)
 
     @model_validator(mode="after")
     def _stream_options(self):
@@ -147,7 +160,7 @@ class ChatCompletionRequest(_Body):
         None, description="accepted: this model does not reason before answering")
     verbosity: Optional[Literal["low", "medium", "high"]] = None
 
-    _refuse = refusing(HARMLESS, "n", "logprobs", "top_logprobs", "response_format")
+    _refuse = refusing(HARMLESS, "n", "logprobs", "top_logprobs", "response_format", foreign=FOREIGN_CONSTRAINTS)
 
 
 def refuse_tools(body):
@@ -181,7 +194,7 @@ class CompletionRequest(_Body):
         None, description='"mc": the prompt\'s first tokens that are context (one per prompt, or one for all)')
 
     _no_tools = model_validator(mode="before")(refuse_tools)
-    _refuse = refusing(HARMLESS, "n", "logprobs", "echo")
+    _refuse = refusing(HARMLESS, "n", "logprobs", "echo", foreign=FOREIGN_CONSTRAINTS)
 
     @field_validator("prompt", mode="before")
     @classmethod
