@@ -106,12 +106,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def constraint_from_args(args) -> dict:
     """``--json-schema`` (a file or JSON text) or ``--grammar`` (a file) as
-    ``stream_generate``'s keywords, checked before the model loads."""
+    ``stream_generate``'s keywords, checked before the model loads: the
+    Constraint itself (``grammar=`` takes one made already), so what is
+    found when it is compiled is said of the flag too."""
     if args.json_schema is not None:
         text = args.json_schema if _is_json(args.json_schema) else read_text(args.json_schema)
-        return {"json_schema": Constraint.json_schema(text, "--json-schema").source}
+        return {"grammar": Constraint.json_schema(text, "--json-schema")}
     if args.grammar is not None:
-        return {"grammar": Constraint.lark(read_text(args.grammar), "--grammar").source}
+        return {"grammar": Constraint.lark(read_text(args.grammar), "--grammar")}
     return {}
 
 
@@ -136,8 +138,7 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
     with watchdog.armed():
-        one = (Constraint.json_schema(constraint["json_schema"]) if "json_schema" in (constraint or {}) else
-               Constraint.lark(constraint["grammar"]) if "grammar" in (constraint or {}) else None)
+        one = (constraint or {}).get("grammar")
         results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size,
                                  constraints=[one] * len(ids), storage=storage)
     for i, r in enumerate(results):

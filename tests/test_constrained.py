@@ -204,11 +204,25 @@ def test_python_api_keywords(demo):
     ({"type": 3}, "not a valid JSON Schema"),
     ("{nope", "not valid JSON"),
     ([1], "must be an object"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "cannot be compiled: oneOf is not supported .anyOf is"),
 ])
 def test_a_schema_the_engine_cannot_take_is_one_clear_error(schema, message):
     with pytest.raises(DecodeError, match=message) as e:
         Constraint.json_schema(schema, "response_format")
     assert str(e.value).startswith("response_format: ") and "\n" not in str(e.value)
+    assert "coerce_one_of" not in str(e.value)
+
+
+def test_a_tool_whose_parameters_the_engine_cannot_take_is_named():
+    """The calls' grammar embeds every tool's parameters: its error listed that grammar (Lark) in the
+    message; the tool at fault is named, with the engine's reason only."""
+    ok = {"name": "g", "parameters": {"type": "object"}}
+    for parameters, reason in (({"type": "array", "uniqueItems": True}, 'Unimplemented keys: ["uniqueItems"]'),
+                               ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf is not supported")):
+        with pytest.raises(DecodeError) as e:
+            Constraint.tool_calls([ok, {"name": "f", "parameters": parameters}], "<tool_call>", "</tool_call>")
+        assert str(e.value).startswith(f"tool_choice: the parameters of tool 'f' cannot be compiled: {reason}")
+        assert "start:" not in str(e.value) and "%json" not in str(e.value)
 
 
 def test_a_grammar_that_admits_no_text_is_refused_before_decoding(demo):
@@ -217,6 +231,9 @@ def test_a_grammar_that_admits_no_text_is_refused_before_decoding(demo):
     model, tokenizer = demo
     with pytest.raises(DecodeError, match=r"^grammar: admits no text"):
         rm.generate(model, tokenizer, "x", grammar='start: x\nx: x "a"', max_tokens=8)
+    with pytest.raises(DecodeError, match=r"^grammar: admits no text \(what it forces never ends") as e:
+        rm.generate(model, tokenizer, "x", grammar='start: a\na: "(" a ")"', max_tokens=8)  # right recursion
+    assert "Too many items" not in str(e.value) and "\n" not in str(e.value)
     assert rm.generate(model, tokenizer, "x", grammar='start: ""', max_tokens=8) == ""
     assert rm.generate(model, tokenizer, "x", grammar='start: "yes" | "no"', max_tokens=8) in ("yes", "no")
 

@@ -380,6 +380,10 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
     (["--prompt", "abc\udcff"], "not valid UTF-8 text"),  # an undecodable byte of the command line
     (["--system", "\udcff"], "a system message is not valid UTF-8 text"),
     (["--json-schema", '{"a":' + "[" * 100000 + "]" * 100000 + "}"], "nested too deeply"),
+    (["--json-schema", '{"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": '
+      '["c"]}}, "$ref": "#/$defs/n"}'], "--json-schema: admits no text"),  # found against the tokenizer: the flag
+    (["--json-schema", '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'], "--json-schema: cannot be compiled: "
+     "oneOf is not supported (anyOf is"),
 ])
 def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -403,6 +407,10 @@ def test_cli_json_schema_and_grammar(capsys, tmp_path):
     code, out, _ = run_main(capsys, "--prompt", "Who is Sven?", "--max-tokens", "16", "--grammar",
                             str(tmp_path / "g.lark"))
     assert code == 0 and out.strip() in ("Sven is a baker.", "Sven is a pilot.")
+    (tmp_path / "r.lark").write_text('start: a\na: "(" a ")"\n')  # the engine's limits, not its internals
+    code, out, err = run_main(capsys, "--prompt", "hi", "--grammar", str(tmp_path / "r.lark"))
+    assert code == 1 and err.strip() == "error: --grammar: admits no text (what it forces never ends: a rule " \
+        "recurses without end)"
 
 
 @pytest.mark.parametrize("argv", [["--slot-size", "four"], ["--dtype", "float8"], ["--preset", "nope"],

@@ -113,18 +113,26 @@ class Constraint:
     def checked(self) -> "Constraint":
         """Itself, once the engine has compiled it without a tokenizer: what
         it cannot compile is one ``DecodeError`` naming the constraint."""
+        problem = self.problem()
+        if problem is not None and self.kind == "tool_calls":  # the tool whose parameters it is, not the calls' grammar
+            tools = json.loads(self.source)["tools"]
+            problem = next((f"the parameters of tool {t['name']!r} {p}" for t in tools for p in [
+                Constraint("json_schema", json.dumps(t["parameters"])).problem()] if p is not None), problem)
+        if problem is not None:
+            raise DecodeError(f"{self.name}: {problem}")
+        return self
+
+    def problem(self) -> Optional[str]:
+        """Why the engine cannot compile it without a tokenizer, in one line (None: it can)."""
         from llguidance import LLMatcher
 
         try:
-            text = self.grammar()
-            is_error, messages = LLMatcher.validate_grammar_with_warnings(text, None)
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(self.grammar(), None)
         except DecodeError:
             raise
         except Exception as e:  # the engine's own refusal of the text
-            raise DecodeError(f"{self.name}: cannot be compiled: {_one_line(e)}") from None
-        if is_error:
-            raise DecodeError(f"{self.name}: cannot be compiled: {_one_line(messages[0] if messages else '?')}")
-        return self
+            return f"cannot be compiled: {engine_message(e)}"
+        return f"cannot be compiled: {engine_message(messages[0] if messages else '?')}" if is_error else None
 
     def grammar(self, one_token=lambda text: False) -> str:
         """The grammar in llguidance's form. ``one_token(text)``: whether the
@@ -255,20 +263,23 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
         except DecodeError:
             raise
         except Exception as e:  # the engine's own refusal of the text
-            raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(e)}") from None
+            raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(e)}") from None
         if constraint.kind == "lark" and _names_token(constraint.source, tokenizer, eos_id):
             raise DecodeError(f"{constraint.name}: names the end-of-sequence token, which ends an answer by "
                               "itself: leave it out of the grammar")
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error:
-        raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(messages[0])}")
+        raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(messages[0])}")
     probe = LLMatcher(lltok, grammar, log_level=0)
     if probe.is_error():
-        raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(probe.get_error())}")
+        raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(probe.get_error())}")
     ahead = probe.deep_copy()  # what the grammar forces first (a schema's opening brace and key), taken:
     ahead.consume_tokens(allowed_forced(ahead))  # a lexer or parser past its limits fails here, not mid-answer
+    if ahead.is_error() and "Too many items" in ahead.get_error():  # forced text that never ends: a: "(" a ")"
+        raise DecodeError(f"{constraint.name}: admits no text (what it forces never ends: a rule recurses without "
+                          "end)")
     if ahead.is_error():
-        raise DecodeError(f"{constraint.name}: cannot be compiled: {_one_line(ahead.get_error())}")
+        raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(ahead.get_error())}")
     first = np.zeros((vocab + 31) // 32, dtype=np.int32)  # what may come next: nothing, for a grammar
     ahead.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)  # whose every rule recurses without end
     if ahead.is_error() or not first.any():
@@ -318,5 +329,14 @@ def _names_token(source: str, tokenizer, token: int) -> bool:
     return f"<[{token}]>" in bare or bool(name) and name in bare
 
 
-def _one_line(e) -> str:
-    return " ".join(str(e).split())[:300]
+_LISTING = re.compile(r"^\s*(\d+ \||\^+$)")  # the grammar the engine made (a schema's as Lark), line by line
+
+
+def engine_message(e) -> str:
+    """The engine's refusal in one line: without the grammar it lists (the one it made, a schema's as Lark)
+    or its parser's state, and JSON Schema's ``oneOf`` said as this runtime has it."""
+    text = str(e).split("<state>", 1)[0]
+    text = " ".join(line.strip() for line in text.splitlines() if not _LISTING.match(line))
+    if "oneOf constraints are not supported" in text:  # the engine's option to read it as anyOf is not offered
+        text = "oneOf is not supported (anyOf is: the same alternatives, which may then overlap)"
+    return " ".join(text.split())[:300]
