@@ -341,6 +341,28 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     assert takes({"type": "integer", "minimum": 10 ** 17}, str(10 ** 17 + 5))
 
 
+
+def test_integers_a_const_or_enum_gives_are_not_bounded_and_are_written_exactly(demo):
+    """A const or enum gives the values: no 16-digit bound is added (a 20-digit const was "unsatisfiable").
+    The engine holds numbers as 64-bit floats (it wrote the const 9999999999999999 as 10000000000000000):
+    an integer past 2**53 in a const or enum is one clear error naming the limit."""
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.decode.json_schema import bounded_integers
+
+    model, tokenizer = demo
+    assert bounded_integers({"type": "integer", "const": 10 ** 19}) == {"type": "integer", "const": 10 ** 19}
+    assert bounded_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
+    for schema in ({"type": "integer", "const": 12345678901234567890}, {"type": "integer", "enum": [1, 2 ** 64]},
+                   {"const": 9999999999999999}, {"properties": {"a": {"const": {"b": [-(2 ** 53) - 1]}}}}):
+        with pytest.raises(DecodeError, match=r"^s: cannot be compiled: the integer -?\d+ in a const or enum is past "
+                                              r"what the grammar engine writes exactly \(integers up to 2\*\*53"):
+            Constraint.json_schema(schema, "s")
+    for value in (2 ** 53, -(2 ** 53), 10 ** 15 + 1):
+        m = compile_constraint(Constraint.json_schema({"type": "integer", "const": value}), tokenizer,
+                               model.args.vocab_size, tokenizer.eos_token_id).matcher()
+        assert tokenizer.decode(m.forced()) == str(value)
+
+
 @pytest.mark.parametrize("schema, instance", [
     ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
       "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"name": {"type": "string", "maxLength": 8}},

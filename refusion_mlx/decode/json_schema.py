@@ -1,11 +1,13 @@
 """JSON Schemas as the constrained mode decodes them: checked as JSON Schema,
 then narrowed to what a small model can finish (objects that list their
-properties closed to others, integers without bounds held to 16 digits),
-and formats the engine does not know dropped. What is decoded under the
-narrowed schema is valid under the schema as given."""
+properties closed to others, integers without bounds held to 16 digits
+unless a const or enum gives their values), and formats the engine does not
+know dropped; a constant it cannot write exactly is refused. What is
+decoded under the narrowed schema is valid under the schema as given."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 from ..errors import DecodeError
@@ -80,7 +82,8 @@ _TOP = 10 ** INTEGER_DIGITS - 1
 
 def _bounded(s: dict) -> dict:
     kind = s.get("type")
-    if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+    if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind) \
+            or "const" in s or "enum" in s:  # the values are given: no bound to add
         return s
     out = dict(s)
     low, high = _bound(s, "minimum", "exclusiveMinimum"), _bound(s, "maximum", "exclusiveMaximum")
@@ -103,11 +106,30 @@ def bounded_integers(schema: Any) -> Any:
     return map_schemas(schema, _bounded)
 
 
+EXACT = 2 ** 53  # the engine holds a JSON number as a 64-bit float: integers are exact up to this size
+
+
+def _exact_values(s: dict) -> dict:
+    """``s``, once each number its ``const`` and ``enum`` give is one the engine writes as given (a larger
+    integer was written rounded: 9999999999999999 as 10000000000000000); else a ValueError naming it."""
+    stack = [s[k] for k in ("const", "enum") if k in s]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, dict)):
+            stack.extend(value.values() if isinstance(value, dict) else value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{value} in a const or enum is not a JSON number")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > EXACT:
+            raise ValueError(f"the integer {value} in a const or enum is past what the grammar engine writes "
+                             f"exactly (integers up to 2**53 = {EXACT} in size)")
+    return s
+
+
 def for_decoding(schema: Any) -> Any:
     """The schema a request's answer is decoded under: its objects closed (:func:`closed_objects`), its
-    integers bounded (one walk)."""
+    integers bounded, its constants checked (one walk)."""
     close = not _composed(schema)
-    return map_schemas(schema, lambda s: _bounded(_closed(s) if close else s))
+    return map_schemas(schema, lambda s: _bounded(_closed(_exact_values(s)) if close else _exact_values(s)))
 
 
 def check_schema(schema: Dict[str, Any], name: str) -> None:
