@@ -213,6 +213,22 @@ def test_a_schema_the_engine_cannot_take_is_one_clear_error(schema, message):
     assert "coerce_one_of" not in str(e.value)
 
 
+def test_a_schema_nested_past_the_limits_is_one_clear_error(demo):
+    """The Python API gave jsonschema's RecursionError for 200 nested arrays; the CLI and the server refused
+    it cleanly: the same DecodeError now, before any library recurses."""
+    model, tokenizer = demo
+    deep = {"type": "array"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    for given in (deep, json.dumps(deep)):
+        with pytest.raises(DecodeError, match=r"^json_schema: the schema is nested over 32 levels"):
+            rm.generate(model, tokenizer, "hi", json_schema=given, max_tokens=4)
+    with pytest.raises(DecodeError, match="nested too deeply to read as JSON"):
+        Constraint.json_schema("[" * 100000 + "]" * 100000)
+    with pytest.raises(DecodeError, match=r"^tool_choice: the parameters of tool 'f' are nested over 32 levels"):
+        Constraint.tool_calls([{"name": "f", "parameters": deep}], "<tool_call>", "</tool_call>")
+
+
 def test_a_tool_whose_parameters_the_engine_cannot_take_is_named():
     """The calls' grammar embeds every tool's parameters: its error listed that grammar (Lark) in the
     message; the tool at fault is named, with the engine's reason only."""

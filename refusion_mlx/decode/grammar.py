@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import DecodeError
-from .json_schema import check_schema, for_decoding, without_format
+from .json_schema import check_schema, for_decoding, size_problem, without_format
 from .ll_tokenizer import hf_tokenizer, ll_tokenizer, one_token
 from .matcher import Matcher, allowed_forced
 
@@ -58,6 +58,8 @@ class Constraint:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise DecodeError(f"{name}: not valid JSON ({e})") from None
+            except RecursionError:
+                raise DecodeError(f"{name}: nested too deeply to read as JSON") from None
         if isinstance(schema, bool) or not isinstance(schema, dict):
             raise DecodeError(f"{name}: a JSON Schema must be an object, got {type(schema).__name__}")
         check_schema(schema, name)
@@ -98,6 +100,10 @@ class Constraint:
                 "optional": bool(optional)}
         if not spec["tools"]:
             raise DecodeError(f"{name}: forcing a call needs at least one tool")
+        too_large = next((f"{t['name']!r} are {p}" for t in spec["tools"] for p in [size_problem(t["parameters"])] if p),
+                         None)
+        if too_large is not None:  # before anything recursive reads them
+            raise DecodeError(f"{name}: the parameters of tool {too_large} (the limits of constrained decoding)")
         marker = _spelled_marker(spec)
         if marker is not None:  # the answer's calls are read from its text: the call would end there
             raise DecodeError(f"{name}: a tool's parameters spell {marker!r}, the calls' own marker, which would "

@@ -8,7 +8,7 @@ decoded under the narrowed schema is valid under the schema as given."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..errors import DecodeError
 
@@ -132,10 +132,36 @@ def for_decoding(schema: Any) -> Any:
     return map_schemas(schema, lambda s: _bounded(_closed(_exact_values(s)) if close else _exact_values(s)))
 
 
+MAX_SCHEMA_DEPTH = 32  # levels of objects and lists in a JSON Schema (real ones: under 10)
+MAX_SCHEMA_NODES = 10_000  # objects and lists in one
+
+
+def size_problem(schema: Any) -> Optional[str]:
+    """What is past :data:`MAX_SCHEMA_DEPTH` levels of objects and lists or
+    :data:`MAX_SCHEMA_NODES` of them in ``schema`` (None: nothing), walked
+    without recursion before any library (which would recurse) sees it."""
+    nodes, stack = 0, [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nested over {MAX_SCHEMA_DEPTH} levels"
+        if nodes > MAX_SCHEMA_NODES:
+            return f"over {MAX_SCHEMA_NODES} objects and lists"
+        stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return None
+
+
 def check_schema(schema: Dict[str, Any], name: str) -> None:
-    """The schema is valid JSON Schema (its declared draft, else 2020-12)."""
+    """The schema is within the size limits (:func:`size_problem`) and valid
+    JSON Schema (its declared draft, else 2020-12)."""
     import jsonschema
 
+    too_large = size_problem(schema)
+    if too_large is not None:
+        raise DecodeError(f"{name}: the schema is {too_large} (the limits of constrained decoding)")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:

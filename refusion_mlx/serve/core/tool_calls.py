@@ -28,12 +28,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ...decode.json_schema import size_problem
 from .refusal import Reason, Refusal
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 PROBE = "refusion_probe_tool"  # a tool name no template writes by itself
-MAX_SCHEMA_DEPTH = 32  # levels of objects and lists in a request's JSON Schema (real ones: under 10)
-MAX_SCHEMA_NODES = 10_000  # objects and lists in one
 
 
 @dataclass(frozen=True)
@@ -265,20 +264,11 @@ def function_tool(spec: Any, param: str, schema_field: str = "parameters") -> di
 
 
 def check_schema_size(schema: Any, param: str) -> None:
-    """A schema within :data:`MAX_SCHEMA_DEPTH` levels of objects and lists and
-    :data:`MAX_SCHEMA_NODES` of them, walked without recursion before any
-    library (which would recurse) sees it; else a Refusal naming ``param``."""
-    nodes, stack = 0, [(schema, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if not isinstance(value, (dict, list)):
-            continue
-        nodes += 1
-        if depth > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
-            what = f"nested over {MAX_SCHEMA_DEPTH} levels" if depth > MAX_SCHEMA_DEPTH else \
-                f"over {MAX_SCHEMA_NODES} objects and lists"
-            raise Refusal(Reason.INVALID_VALUE, f"{param}: the schema is {what} (the limits of this server)", param)
-        stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    """A schema within the limits of :func:`~refusion_mlx.decode.json_schema.size_problem`,
+    checked before any library (which would recurse) sees it; else a Refusal naming ``param``."""
+    too_large = size_problem(schema)
+    if too_large is not None:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: the schema is {too_large} (the limits of this server)", param)
 
 
 def _check_schema(schema: Any, param: str) -> None:
