@@ -269,6 +269,32 @@ def test_a_format_the_engine_does_not_know_only_annotates(demo):
         json.loads(text))  # the date is a date
 
 
+def test_a_lark_json_block_is_decoded_as_json_schema_is(demo):
+    """A %json block in a Lark grammar got none of --json-schema's treatment: the demo wrote "{" and then
+    whitespace until its budget. Its schema is now decoded as one given alone: compact separators, objects
+    closed, integers bounded; %json inside a string, a regex or a comment is left alone."""
+    from refusion_mlx.decode.grammar import compile_constraint, json_blocks_for_decoding
+
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}, "name": {"type": "string", "maxLength": 8}},
+              "required": ["age", "name"]}
+    lark = f'start: "R: " %json {json.dumps(schema)}\n'
+    c = compile_constraint(Constraint.lark(lark), tokenizer, model.args.vocab_size, tokenizer.eos_token_id)
+
+    def takes(text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return c.matcher().valid_prefix(ids) == len(ids)
+
+    assert takes('R: {"age": 7, "name": "Sven"}') and not takes("R: { ") and not takes('R: {"age": 7, "x"')
+    assert not takes('R: {"age": ' + "1" * 17)
+    ((text, _, finish),) = decode_all(model, tokenizer, [("Who is Sven?", Constraint.lark(lark),
+                                                         make_params(max_tokens=64))])
+    assert finish == "stop" and text.startswith("R: ")
+    jsonschema.validate(json.loads(text[3:]), schema)
+    quiet = 'start: "%json {}" x // %json {"a": 1}\nx: /%json {}/'
+    assert json_blocks_for_decoding(quiet) == quiet
+
+
 def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
     """Optional calls (strict tools, or any under the server's default --call-grammar all), tool_choice
     auto: text, then maybe calls whose arguments follow the schema -- where the call markers are tokens of

@@ -154,8 +154,44 @@ class Constraint:
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=dict(JSON_STYLE))
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.source)
+            return LLMatcher.grammar_from_lark(json_blocks_for_decoding(self.source))
         raise DecodeError(f"unknown constraint kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def json_blocks_for_decoding(lark: str) -> str:
+    """A Lark grammar with each ``%json {...}`` schema as ``--json-schema``'s
+    are decoded (:func:`.json_schema.for_decoding`, compact separators unless
+    its ``x-guidance`` says otherwise). The text is walked past its strings,
+    regular expressions and comments, where ``%json`` is only text."""
+    out, at, i = [], 0, 0
+    while i < len(lark):
+        c = lark[i]
+        if lark.startswith("//", i):  # a comment, to the end of its line
+            end = lark.find("\n", i)
+            i = len(lark) if end < 0 else end
+        elif c in "\"/":  # a string or a regular expression, to its closing quote or slash
+            i += 1
+            while i < len(lark) and lark[i] != c:
+                i += 2 if lark[i] == "\\" else 1
+            i += 1
+        elif lark.startswith("%json", i):
+            start = _SPACE.match(lark, i + len("%json")).end()
+            try:
+                schema, end = json.JSONDecoder().raw_decode(lark, start)
+            except (ValueError, RecursionError):
+                return lark  # not a schema: the engine says what is wrong with it
+            if not isinstance(schema, dict) or size_problem(schema) is not None:
+                return lark
+            given = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+            schema = {**for_decoding(schema), "x-guidance": {**JSON_STYLE, **given}}
+            out += [lark[at:start], json.dumps(schema)]
+            at = i = end
+        else:
+            i += 1
+    return "".join(out) + lark[at:]
 
 
 def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
