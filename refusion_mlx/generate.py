@@ -13,8 +13,8 @@ from typing import List, Optional
 
 from ._blas import describe as blas_description
 from ._callable import make_callable
-from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, params_from_args, positive_int,
-                  read_input, read_text, run, storage_from_args)
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, fitted, params_from_args,
+                  positive_int, read_input, read_text, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
 from .decode.batch import batch_generate
@@ -82,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         storage.check(model)  # the group size against the model's head dimension
         ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
+        params = fitted(params, len(ids), model, args.gen_length)  # the default shrunk to what the context leaves
         text, tokens, last = "", [], None
         with watchdog.armed():
             for last in stream_generate(model, tokenizer, ids, params=params, storage=storage, **constraint):
@@ -137,9 +138,11 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]
+    params = [fitted_or_as_is(it, len(p), model, args.gen_length, f"[{i}] ")
+              for i, (it, p) in enumerate(zip(items, ids))]
     with watchdog.armed():
         one = (constraint or {}).get("grammar")
-        results = batch_generate(model, tokenizer, ids, [it.params for it in items], max_batch=args.batch_size,
+        results = batch_generate(model, tokenizer, ids, params, max_batch=args.batch_size,
                                  constraints=[one] * len(ids), storage=storage)
     for i, r in enumerate(results):
         if args.json:
@@ -158,6 +161,17 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
               f"{results[failed[0]].error})", file=sys.stderr)
         return 1
     return 0
+
+
+def fitted_or_as_is(item, prompt_tokens: int, model, given: Optional[int], where: str):
+    """A prompts file's item's settings fitted to the context (:func:`fitted`; its line's ``max_tokens`` is
+    the one given, else the command line's); one whose prompt leaves no room is left as it is, to fail alone."""
+    asked = item.max_tokens if item.max_tokens is not None else given
+    try:
+        return fitted(item.params, prompt_tokens, model, asked, "max_tokens" if item.max_tokens else "--max-tokens",
+                      where)
+    except RefusionError:
+        return item.params
 
 
 make_callable(__name__, generate)

@@ -143,10 +143,12 @@ def test_interrupted_turn_is_dropped(loaded):
 
 
 def test_context_overflow_is_a_clean_error(loaded):
-    s = session(loaded, max_tokens=2000)
+    s = session(loaded, max_tokens=4000)
     with pytest.raises(RefusionError, match="context"):
-        s.send("Who is Sven? " * 20)
+        s.send("Who is Sven? " * 500)
     assert s.messages == [] and len(s.cache) == 0
+    s.send("Who is Sven?")  # a budget past what the conversation leaves is cut to it (decode/fit.py)
+    assert s.turns[-1].max_tokens == 2036 and s.turns[-1].finish_reason == "stop"
 
 
 def test_common_prefix_stops_at_a_gap():

@@ -368,7 +368,7 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
     (["--token-threshold", "-1"], "within [0, 1]"),
     (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
     (["--temp", "-0.5"], "--temp must be >= 0"),
-    (["--max-tokens", "4096"], "exceeds the model's context of 2048"),
+    (["--prompt", "Who is Sven? " * 500], "tokens; the model's context is 2048"),  # a budget past it is cut
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
     (["--json-schema", "{nope"], "--json-schema: not valid JSON"),
     (["--json-schema", '{"type": "string", "pattern": "(?<=a)b"}'], "--json-schema: cannot be compiled"),

@@ -180,3 +180,41 @@ def test_a_server_started_with_serial_num_blocks_takes_any_max_tokens():
                                        (2000, 512, "no 8 blocks of whole slots of 8")):
         with pytest.raises(Refusal, match=needle):
             layout(prompt, max_tokens, serial_num_blocks=8, slot_size=8)
+
+
+def test_the_commands_fit_the_budget_to_the_context_as_the_server_does(capsys, tmp_path):
+    """generate, its prompts file and the chat shrink the default budget to the whole slots the prompt leaves
+    (a long prompt, or a chat's history, is answered, not refused), cut one given past it with a note on
+    standard error (decode/fit.py: the server's rule), and refuse only a prompt that leaves no room."""
+    from refusion_mlx.decode.fit import ContextError, fit_budget
+    from refusion_mlx.models.loading import load
+
+    defaults = make_params(slot_size=8)
+    assert fit_budget(1608, 2048, defaults).params.gen_length == 440  # the default 512, shrunk: not "asked"
+    assert fit_budget(1608, 2048, defaults).asked is None
+    assert (fit_budget(18, 2048, defaults, max_tokens=4096).params.gen_length, fit_budget(
+        18, 2048, defaults, max_tokens=4096).asked) == (2024, 4096)
+    with pytest.raises(ContextError, match="the prompt is 2048 tokens; the model's context is 2048") as e:
+        fit_budget(2048, 2048, defaults)
+    assert e.value.field == "prompt"
+
+    long = "Who is Sven? " * 390  # 1958 tokens of the fixture's 2048: 88 in whole slots are left
+    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompt", long, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "" and json.loads(out)["stats"]["layout"]["blocks"] == 6  # 88 tokens
+    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompt", "Who is Sven?", "--max-tokens", "4096"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("Sven") and err == (
+        "note: --max-tokens 4096 cut to 2036: the prompt's 12 tokens leave that much of the model's context of 2048\n")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in (
+        {"prompt": long}, {"prompt": "Who is Sven?", "max_tokens": 4096}, {"prompt": "Who is Sven? " * 500})))
+    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompts-file", str(tmp_path / "p.jsonl"), "--json"])
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and [r["error"] is None for r in rows] == [True, True, False]  # the last fails alone
+    assert "the model's context" in rows[2]["error"] and "[1] note: max_tokens 4096 cut to 2036" in err
+
+    model, tokenizer = load(FIXTURE_MODEL)
+    session = ChatSession(model, tokenizer)  # the default 512: a history of 1958 tokens leaves 88
+    session.send(long)
+    assert session.turns[-1].max_tokens == 88 and session.turn_params.gen_length == 88

@@ -7,10 +7,10 @@ Nothing below the commands imports this package; the library works without it.
 """
 
 from .flags import (OneLineParser, add_adapter_arg, add_decoding_args, add_kv_args, add_model_args, byte_size,
-                    count, output_file, params_from_args, positive_int, positive_ints, read_input, read_text, run,
-                    storage_from_args)
+                    count, fitted, output_file, params_from_args, positive_int, positive_ints, read_input, read_text,
+                    run, storage_from_args)
 from .output import check_writable, write_text
 
 __all__ = ["OneLineParser", "add_adapter_arg", "add_decoding_args", "add_kv_args", "add_model_args", "byte_size",
-           "check_writable", "count", "output_file", "params_from_args", "positive_int", "positive_ints", "read_input",
-           "read_text", "run", "storage_from_args", "write_text"]
+           "check_writable", "count", "fitted", "output_file", "params_from_args", "positive_int", "positive_ints",
+           "read_input", "read_text", "run", "storage_from_args", "write_text"]

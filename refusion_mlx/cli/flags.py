@@ -15,6 +15,7 @@ import re
 import sys
 from typing import Callable, List, Optional
 
+from ..decode.fit import fit_budget
 from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
 from ..decode.kv_store import KVStorage
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
@@ -132,6 +133,21 @@ def params_from_args(args: argparse.Namespace) -> RefusionParams:
         return make_params(preset=getattr(args, "preset", None), **values)
     except DecodeError as e:
         raise DecodeError(in_flags(str(e))) from None
+
+
+def fitted(params: RefusionParams, prompt_tokens: int, model, given: Optional[int], name: str = "--max-tokens",
+           where: str = "") -> RefusionParams:
+    """``params`` with a budget that fits ``model``'s context after a prompt of
+    ``prompt_tokens`` (``decode.fit``: the server's rule). ``given``: the budget
+    the user gave, by ``name`` (None: the default, shrunk to what fits without
+    a word); one cut to fit is a note on standard error (``where``: the
+    prompt's label). A prompt that leaves no room is a one-line DecodeError."""
+    context = model.args.max_position_embeddings
+    fit = fit_budget(prompt_tokens, context, params, max_tokens=given, name=name)
+    if fit.asked is not None:
+        print(f"{where}note: {name} {fit.asked} cut to {fit.params.gen_length}: the prompt's {prompt_tokens} "
+              f"tokens leave that much of the model's context of {context}", file=sys.stderr)
+    return fit.params
 
 
 def _quiet_stdout() -> None:

@@ -35,11 +35,14 @@ class Terminal:
         self.err.flush()
 
 
-def turn_summary(t: TurnRecord) -> str:
+def turn_summary(t: TurnRecord, max_tokens: Optional[int] = None) -> str:
+    """The turn's cost in one line; ``max_tokens``: the session's budget, said when the turn had less."""
     s = t.stats
+    cut = (f" · max tokens {max_tokens} cut to {t.max_tokens} to fit the context (/reset starts over)"
+           if max_tokens is not None and t.max_tokens < max_tokens else "")
     return (f"  {t.answer_tokens} tokens · {s.steps} steps · {s.tokens_per_forward:.2f} tokens/forward · "
             f"{s.tokens_per_second:.1f} tok/s · prefill {t.prefill_tokens} of {t.prompt_tokens} prompt "
-            f"tokens ({t.reused_tokens} reused from the cache)")
+            f"tokens ({t.reused_tokens} reused from the cache){cut}")
 
 
 def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = False,
@@ -56,7 +59,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
                 if view is None:  # on a terminal: redrawn in place; in a pipe or a file: frame after frame
                     tty = hasattr(term.out, "isatty") and term.out.isatty()
                     view = SlotView(session.tokenizer, term.out, session.cache, session.response_start,
-                                    session.params.layout().block_lengths, session.tokenizer.eos_token_id,
+                                    session.turn_params.layout().block_lengths, session.tokenizer.eos_token_id,
                                     frame_time=frame_time if tty else 0.0, redraw=tty,
                                     color="NO_COLOR" not in os.environ)
                 view.update(r)
@@ -89,7 +92,7 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
     term.out.flush()
     if trace is not None:
         trace.write()
-    term.note(turn_summary(session.turns[-1]))
+    term.note(turn_summary(session.turns[-1], session.params.gen_length))
     return True
 
 

@@ -29,12 +29,14 @@ class TurnRecord:
     finish_reason: str
     seconds: float
     stats: object  # DecodeStats
+    max_tokens: int = 0  # the turn's budget: the session's, or less where the conversation left less room
+
 
     def as_dict(self) -> dict:
         return {"turn": self.turn, "prompt_tokens": self.prompt_tokens,
                 "prefill_tokens": self.prefill_tokens, "reused_tokens": self.reused_tokens,
                 "answer_tokens": self.answer_tokens, "finish_reason": self.finish_reason,
-                "seconds": round(self.seconds, 4), "decode": self.stats.as_dict()}
+                "max_tokens": self.max_tokens, "seconds": round(self.seconds, 4), "decode": self.stats.as_dict()}
 
 
 class ChatSession:
@@ -43,7 +45,10 @@ class ChatSession:
     ``stream(text)`` yields the GenerationResponses of the answer (text in
     order, as it becomes final); the answer joins the history when the turn
     completes. A turn that fails or is interrupted leaves no trace: the user
-    message is dropped and the cache cut back to what it held before.
+    message is dropped and the cache cut back to what it held before. Each
+    turn's budget is ``params``' cut to the whole slots the conversation
+    leaves in the model's context (``fit.py``, the server's rule), as
+    ``turn_params`` (the turn's settings) and its record's ``max_tokens`` say.
     ``kv_bits`` / ``kv_group_size``: keep the conversation's keys and values
     quantized (``decode/kv_quant.py``), turn after turn (or ``storage``, a
     :class:`~.kv_store.KVStorage` already made).
@@ -66,6 +71,7 @@ class ChatSession:
         self.turns: List[TurnRecord] = []
         self.cache = self._new_cache()
         self.response_start = 0  # the answer's first position in the current turn
+        self.turn_params = self.params  # the current turn's settings: its budget fitted to the context
 
     def _new_cache(self):
         from .cache import CommittedCache
@@ -107,21 +113,22 @@ class ChatSession:
 
     def stream(self, text: str) -> Iterator:
         """Answer ``text`` in the conversation; yields GenerationResponses."""
+        from .fit import fit_budget
         from .stream import stream_generate
 
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids()
+            params = fit_budget(len(ids), self.model.args.max_position_embeddings, self.params).params
         except Exception:
             self.messages.pop()
             raise
         reused = self._reusable(ids)
-        self.response_start = len(ids)
+        self.response_start, self.turn_params = len(ids), params
         t0 = time.perf_counter()
         pieces, last, done = [], None, False
         try:
-            for last in stream_generate(self.model, self.tokenizer, ids[reused:], cache=self.cache,
-                                        params=self.params):
+            for last in stream_generate(self.model, self.tokenizer, ids[reused:], cache=self.cache, params=params):
                 pieces.append(last.text)
                 yield last
             done = True
@@ -132,7 +139,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
         self.turns.append(TurnRecord(len(self.turns) + 1, len(ids), len(ids) - reused, reused,
                                      last.generation_tokens, last.finish_reason,
-                                     time.perf_counter() - t0, last.stats))
+                                     time.perf_counter() - t0, last.stats, params.gen_length))
 
     def send(self, text: str) -> str:
         """The whole answer to ``text`` (no streaming)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Dict, List, Union
+from typing import Dict, List, Optional, Union
 
 from .._json import lines as text_lines
 from ..errors import DecodeError, RefusionError
@@ -23,8 +23,11 @@ __all__ = ["ALIASES", "PromptItem", "parse_prompts"]
 
 @dataclass
 class PromptItem:
+    """A prompt and its settings; ``max_tokens``: the budget its line gives (None: the command line's)."""
+
     prompt: Union[str, List[Dict[str, str]]]
     params: RefusionParams
+    max_tokens: Optional[int] = None
 
 
 def parse_prompts(text: str, source: str, defaults: RefusionParams) -> List[PromptItem]:
@@ -68,7 +71,7 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
         params.layout()  # checked and resolved here, where the line's settings are made
     except DecodeError as e:
         raise RefusionError(f"{where}: {e}") from None
-    return PromptItem(prompt if prompt is not None else messages, params)
+    return PromptItem(prompt if prompt is not None else messages, params, settings.get("gen_length"))
 
 
 def _valid_messages(messages) -> bool:

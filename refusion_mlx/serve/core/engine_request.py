@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...decode.grammar import Constraint
+from ...decode.fit import ContextError, fit_budget
 from ...decode.params import SEEDS, BlockLayout, RefusionParams
-from ...decode.params import budget as budget_of
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
@@ -213,7 +213,8 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
             prompt_param: str = "prompt", max_tokens_param: str = "max_tokens", tools: Sequence[dict] = (),
             parallel_tool_calls: bool = True, api: str = "chat.completions",
             constraint: Optional[Constraint] = None) -> EngineRequest:
-    """The request the engine runs, checked against the model's ``context``.
+    """The request the engine runs, checked against the model's ``context``
+    (:func:`~refusion_mlx.decode.fit.fit_budget`, the rule the CLIs follow too).
 
     ``max_tokens``: the answer's most tokens (None: the server's default,
     ``defaults.gen_length``, shrunk to the whole slots the context leaves, as
@@ -225,45 +226,16 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     ``max_tokens_param``: those fields' names in the request's API;
     ``tools``, ``parallel_tool_calls``, ``api``, ``constraint``: carried as given.
     """
-    name = max_tokens_param
-    if len(ids) >= context:
-        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
-                                                      f"is {context}", prompt_param)
-    slot = fields.get("slot_size") or defaults.slot_size
-    blocks = {"block_length": None, "serial_num_blocks": None}
-    own_blocks = bool(blocks.keys() & fields.keys())
-    # the server's --serial-num-blocks N serves any max_tokens: N blocks of whole slots (the last may be
-    # shorter), which is N equal blocks wherever max_tokens allows them; a request's own N is the contract's
-    # (the budget in N equal blocks of whole slots, or a 400), and a cut to fit the context keeps to it
-    serial = None if own_blocks or defaults.block_length is not None else defaults.serial_num_blocks
-    unit = slot * fields["serial_num_blocks"] if fields.get("serial_num_blocks") else slot
-    asked, room = max_tokens, ((context - len(ids)) // unit) * unit  # the whole slots (blocks) the context leaves
-    if max_tokens is None or max_tokens > room:
-        max_tokens = min(defaults.gen_length if max_tokens is None else max_tokens, room)
-        if max_tokens < 1:
-            room_for = (f"no whole slot of {slot}" if unit == slot else
-                        f"no {unit // slot} blocks of whole slots of {slot} (serial_num_blocks)")
-            raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt is {len(ids)} tokens; the model's context "
-                          f"of {context} leaves {room_for} for an answer", prompt_param)
-    while True:
-        changes = {**(blocks if own_blocks else {}), **fields, "gen_length": max_tokens}
-        if serial:
-            slots = budget_of(max_tokens, slot) // slot
-            changes.update(serial_num_blocks=None, block_length=slot * -(-slots // serial))
-        try:
-            params = dataclasses.replace(defaults, **changes)
-            budget = params.layout().gen_length  # resolved here, once: the request carries it
-        except DecodeError as e:
-            raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
-        if len(ids) + budget <= context or asked is None or max_tokens <= unit:
-            break
-        max_tokens -= unit  # a layout of whole blocks past the context: a slot (block) less, until it fits
-    if len(ids) + budget > context:
-        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + {name} ({max_tokens}, "
-                      f"{budget} in whole slots) exceeds the model's context of {context}", name)
-    cut = asked if asked is not None and asked != max_tokens else None
+    try:
+        fitted = fit_budget(len(ids), context, defaults, fields, max_tokens, name=max_tokens_param)
+    except ContextError as e:
+        raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, str(e),
+                      prompt_param if e.field == "prompt" else max_tokens_param) from None
+    except DecodeError as e:
+        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+    params, cut = fitted.params, fitted.asked
     if cut is not None:
-        log.info("%s %d cut to %d: the prompt's %d tokens leave that much of the model's context of %d", name, asked,
-                 max_tokens, len(ids), context)
+        log.info("%s %d cut to %d: the prompt's %d tokens leave that much of the model's context of %d",
+                 max_tokens_param, cut, params.gen_length, len(ids), context)
     return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
                          constraint=constraint, asked_max_tokens=cut)
