@@ -1,11 +1,9 @@
 """ReFusion on MLX: slot-level plan-and-infill decoding with full KV-cache reuse."""
 
-import sys
+from . import _startup  # first: _blas and what follows take a while to import
 
-if sys.argv[:1] == ["-m"]:  # python -m refusion_mlx.<command>, while it imports: Ctrl-C is a quiet exit 130
-    from ._startup import quiet_interrupts  # first: _blas and what follows take a while to import
-
-    quiet_interrupts()
+if _startup.starting():  # python -m refusion_mlx.<command> or refusion-<command>, while it imports: Ctrl-C is a
+    _startup.quiet_interrupts()  # quiet exit 130
 
 from . import _blas  # noqa: E402
 

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from refusion_mlx.generate import AnswerText, generate, main, make_params, strea
 from refusion_mlx.models.loading import DEMO_MODEL, load
 
 from tests.helpers import commit, committed_cache, random_config, random_model, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- streaming ----------------------------------------------------------------
@@ -452,6 +455,36 @@ def test_module_entry_point_closed_streams_and_an_early_ctrl_c():
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env,  # a shell's background job (`pytest &`) ignores SIGINT, and so would
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # its child
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
+
+
+def test_a_console_script_starts_as_python_m_does(tmp_path):
+    """refusion-generate (pip's console script: its argv[0] is the script's path) names itself in its usage,
+    and Ctrl-C while it imports is "interrupted" and exit 130, as under ``python -m``: never a traceback."""
+    import signal
+    import time
+    import tomllib
+
+    from refusion_mlx._startup import SCRIPTS
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        assert sorted(SCRIPTS) == sorted(tomllib.load(f)["project"]["scripts"])
+    script = tmp_path / "bin" / "refusion-generate"
+    script.parent.mkdir()
+    script.write_text("import re, sys\nfrom refusion_mlx.generate import main\nif __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: refusion-generate [-h]"), proc.stdout[:200]
+    for delay in (0.3, 0.6):  # while it imports
+        proc = subprocess.Popen([sys.executable, str(script), "--prompts-file", "-"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)

@@ -22,7 +22,7 @@ from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
 from ..decode.presets import PRESETS
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
-from .._startup import started
+from .._startup import console_script, started
 from ..errors import DecodeError, RefusionError, Terminated, brief
 
 
@@ -35,6 +35,9 @@ class OneLineParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # mlx-lm's --train is not --train-embeddings
+        script = "refusion-" + str(kwargs.get("prog")).removeprefix("python -m refusion_mlx.")
+        if script == console_script():  # started as refusion-generate: the name the user typed
+            kwargs["prog"] = script
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
