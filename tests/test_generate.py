@@ -372,6 +372,7 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
     (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
     (["--temp", "-0.5"], "--temp must be >= 0"),
     (["--prompt", "Who is Sven? " * 500], "tokens; the model's context is 2048"),  # a budget past it is cut
+    (["--prompt", "Who is Sven? " * 500000], "the prompt is too long for the model's context: 6,500,000 characters"),
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),
     (["--json-schema", "{nope"], "--json-schema: not valid JSON"),
     (["--json-schema", '{"type": "string", "pattern": "(?<=a)b"}'], "--json-schema: cannot be compiled"),

@@ -13,7 +13,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..errors import DecodeError
-from ..models.template_steps import step_limit
+from ..models.template_steps import MAX_ITEMS, step_limit
 from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
 from .grammar import constraint_of
@@ -142,7 +142,8 @@ def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
     """The chat template's text of ``messages`` (``kwargs``: the template's
     own, e.g. ``add_generation_prompt``, ``tools``), thinking enabled; a
     message that is not text, or a template that fails (a syntax error, its
-    own ``raise_exception``), is one DecodeError."""
+    own ``raise_exception``), is one DecodeError; one whose size limit a
+    prompt of millions of characters met says the prompt is too long."""
     for m in messages:
         if isinstance(m.get("content"), str):
             checked_text(m["content"], f"a {m.get('role', 'user')} message")
@@ -150,6 +151,12 @@ def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
         with step_limit(tokenizer):  # a model folder's template is code: bounded steps and sizes
             return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
     except Exception as e:  # jinja2's errors (a limit's too), and what a template raises on purpose
+        from jinja2.exceptions import SecurityError
+
+        size = sum(len(text) for text in _strings([[m.get("content") for m in messages], kwargs.get("tools")]))
+        if isinstance(e, SecurityError) and size > MAX_ITEMS // 4:  # a size limit: the prompt's own size made it
+            raise DecodeError(f"the prompt is too long for the model's context: {size:,} characters (a chat "
+                              f"template may make at most {MAX_ITEMS:,})") from None
         detail = " ".join(str(e).split())[:200] or type(e).__name__
         raise DecodeError(f"the chat template failed: {detail}") from None
 
