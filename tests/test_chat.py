@@ -191,6 +191,20 @@ def test_repl_commands(loaded):
     assert err.rstrip().endswith("bye")
 
 
+def test_a_line_is_a_command_by_its_first_word(loaded):
+    """A known command's name first is that command ("/quit now"); mlx_lm.chat's letters only alone; a lone
+    unknown /word is "unknown command"; any other line is a message, a path first too."""
+    from refusion_mlx.cli.repl import HELP, command_of
+
+    assert [command_of(line) for line in ("/quit now", "/exit", "q", "r", "h", " /stats ", "/reset please")] == [
+        "quit", "quit", "quit", "reset", "help", "stats", "reset"]
+    assert [command_of(line) for line in ("/usr/bin is a path, explain", "q is a letter", "/usr/bin")] == [
+        None, None, "unknown"]
+    assert "(or r)" in HELP and "(or h)" in HELP and "q," in HELP
+    code, out, err = run_repl(loaded, ["/usr/bin is a path, explain", "/quit now", "never read"])
+    assert code == 0 and "unknown command" not in err and err.count("prefill ") == 1 and out.strip()
+
+
 def test_piped_turns_that_fail_make_a_failing_exit(loaded):
     too_long = "Who is Sven? " * 500  # past the fixture's 2048-token context
     code, out, err = run_repl(loaded, ["Who is Sven?", too_long, "Who is Sven?"])

@@ -16,7 +16,26 @@ from .launch import agreed_steps
 from .slot_view import SlotView
 from .trace import Trace
 
-HELP = "commands: /reset clears the conversation, /stats shows the last turn, /help, /quit (or Ctrl-D)"
+HELP = ("commands: /reset clears the conversation (or r), /stats shows the last turn, /help (or h), /quit (or "
+        "/exit, q, Ctrl-D); any other line is a message")
+# each command's names: a line whose first word is one of the /names is that command; a line that is only a
+# letter is mlx_lm.chat's (q, r, h)
+COMMANDS = {"quit": ("/quit", "/exit"), "reset": ("/reset",), "stats": ("/stats",), "help": ("/help",)}
+LETTERS = {"q": "quit", "r": "reset", "h": "help"}
+
+
+def command_of(line: str) -> Optional[str]:
+    """The command a line gives (``quit``, ``reset``, ``stats``, ``help``), ``"unknown"`` for a lone
+    ``/word`` that is none, or None: the line is a message ("/usr/bin is a path" too)."""
+    words = line.split()
+    if not words:
+        return None
+    if len(words) == 1 and words[0] in LETTERS:
+        return LETTERS[words[0]]
+    for command, names in COMMANDS.items():
+        if words[0] in names:
+            return command
+    return "unknown" if len(words) == 1 and words[0].startswith("/") else None
 
 
 class Terminal:
@@ -106,7 +125,7 @@ def stats_text(session: ChatSession) -> str:
 
 def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: Optional[Trace] = None,
          frame_time: float = 0.0) -> int:
-    """Read lines until /quit or end of input; each line is a user turn or a command.
+    """Read lines until /quit or end of input; each line is a user turn or a command (:func:`command_of`).
 
     Returns the exit status: 0, or 1 when turns were piped in and one of them failed (a script must see it;
     at a terminal the user has read the error already)."""
@@ -119,20 +138,20 @@ def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: O
             if term.interactive:
                 term.out.write("\n")
             break
-        command = line.strip()
-        if not command:
+        if not line.strip():
             continue
-        if command in ("/quit", "/exit", "q"):
+        command = command_of(line)
+        if command == "quit":
             break
-        if command in ("/reset", "r"):
+        if command == "reset":
             session.reset()
             term.note("  reset: conversation and cache cleared")
-        elif command == "/stats":
+        elif command == "stats":
             term.out.write(stats_text(session) + "\n")
-        elif command in ("/help", "h"):
+        elif command == "help":
             term.note(HELP)
-        elif command.startswith("/"):
-            term.note(f"unknown command {command.split()[0]}; {HELP}")
+        elif command == "unknown":
+            term.note(f"unknown command {line.strip()}; {HELP}")
         elif not run_turn(session, line, term, visualize=visualize, trace=trace, frame_time=frame_time):
             failed += 1
     if failed and not term.interactive:
