@@ -14,7 +14,7 @@ from typing import List, Optional
 from ._blas import describe as blas_description
 from ._callable import make_callable
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, fitted, params_from_args,
-                  positive_int, read_input, read_text, run, storage_from_args)
+                  positive_int, read_input, read_text, run, storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
 from .decode.batch import batch_generate
@@ -76,8 +76,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 "its end on): give --prompt TEXT or --prompts-file FILE")
         if args.prompts_file is not None:
             return run_prompts_file(args, params, dist, constraint, storage)
-        # stdin's last newline (echo's, a file's) is not part of the prompt
-        prompt = read_input("-", "--prompt").removesuffix("\n") if args.prompt == "-" else args.prompt
+        # stdin's last newline (echo's, a file's, Windows' \r\n) is not part of the prompt
+        prompt = without_line_end(read_input("-", "--prompt")) if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage.check(model)  # the group size against the model's head dimension
         ready(dist)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from refusion_mlx.cli.repl import Terminal, repl
+from refusion_mlx.cli.repl import Terminal, repl, run_turn
 from refusion_mlx.cli.slot_view import SlotView
 from refusion_mlx.decode.conversation import ChatSession
 from refusion_mlx.decode.prefix import common_prefix
@@ -203,6 +203,12 @@ def test_a_line_is_a_command_by_its_first_word(loaded):
     assert "(or r)" in HELP and "(or h)" in HELP and "q," in HELP
     code, out, err = run_repl(loaded, ["/usr/bin is a path, explain", "/quit now", "never read"])
     assert code == 0 and "unknown command" not in err and err.count("prefill ") == 1 and out.strip()
+
+
+def test_a_line_piped_from_windows_is_sent_without_its_carriage_return(loaded):
+    s = session(loaded)  # input() leaves the \r of a \r\n, which is not part of the message
+    assert run_turn(s, "Who is Sven?\r", Terminal(None, io.StringIO(), io.StringIO(), interactive=False))
+    assert s.messages[0]["content"] == "Who is Sven?"
 
 
 def test_piped_turns_that_fail_make_a_failing_exit(loaded):

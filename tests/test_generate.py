@@ -327,9 +327,10 @@ def test_cli_reads_prompt_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Sven?"))
     code, out, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
     assert code == 0 and json.loads(out)["text"].startswith("Sven")
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Who is Sven?\n"))  # as echo sends it: the same prompt
-    code, piped, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
-    assert code == 0 and json.loads(piped)["prompt_ids"] == json.loads(out)["prompt_ids"]
+    for sent in ("Who is Sven?\n", "Who is Sven?\r\n"):  # as echo sends it, and Windows: the same prompt
+        monkeypatch.setattr(sys, "stdin", io.StringIO(sent))
+        code, piped, _ = run_main(capsys, "--prompt", "-", "--json", "--max-tokens", "96", "--block-length", "32")
+        assert code == 0 and json.loads(piped)["prompt_ids"] == json.loads(out)["prompt_ids"]
 
 
 def test_cli_inputs_as_editors_and_mlx_lm_users_give_them(capsys, monkeypatch, tmp_path):

@@ -239,6 +239,12 @@ def read_input(value: str, flag: str) -> str:
         raise RefusionError(f"{flag} -: standard input is not UTF-8 text") from None
 
 
+def without_line_end(text: str) -> str:
+    r"""``text`` without one line ending at its end (``\r\n``, as Windows writes it, ``\n``, or the ``\r``
+    that ``input()`` leaves of a ``\r\n``): piped input's last newline is not part of a prompt."""
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith(("\n", "\r")) else text
+
+
 def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError, a file-system error or MLX's
     own failure (out of memory) is one line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a

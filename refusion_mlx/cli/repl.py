@@ -12,6 +12,7 @@ from ..decode.conversation import ChatSession, TurnRecord
 from ..distributed import group as distributed_group
 from ..distributed.group import is_link_failure
 from ..errors import RefusionError
+from .flags import without_line_end
 from .launch import agreed_steps
 from .slot_view import SlotView
 from .trace import Trace
@@ -66,7 +67,9 @@ def turn_summary(t: TurnRecord, max_tokens: Optional[int] = None) -> str:
 
 def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = False,
              trace: Optional[Trace] = None, frame_time: float = 0.0) -> bool:
-    """One user message: stream (or draw) the answer. False when it failed."""
+    """One user message (a piped line's carriage return, of Windows' line ending, dropped): stream (or draw)
+    the answer. False when it failed."""
+    text = without_line_end(text)
     view = None
     answer = []
     stream = agreed_steps(distributed_group.current(), session.stream(text))  # under mlx.launch: one stop
