@@ -67,6 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except OSError as e:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        storage = storage_from_args(args, model)  # the group size against the model's head dimension
         ready(dist)
         if dist is not None:
             term = Terminal(read=shared_input(dist, term.read), out=sys.stdout,
@@ -78,7 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RefusionError as e:
         say_error(str(e))  # one line per problem
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # while the model loads: as every command says it (cli.run)
+        print("interrupted", file=sys.stderr)
         return 130
     if term.interactive:
         try:

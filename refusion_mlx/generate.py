@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.no_chat_template and args.system is not None:  # mlx-lm drops the system prompt there, unsaid
+        parser.error("--system needs the chat template: --ignore-chat-template tokenizes the prompt as is")
 
     def body() -> int:
         params = params_from_args(args)
@@ -79,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # stdin's last newline (echo's, a file's, Windows' \r\n) is not part of the prompt
         prompt = without_line_end(read_input("-", "--prompt")) if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
-        storage.check(model)  # the group size against the model's head dimension
+        storage = storage_from_args(args, model)  # the group size against the model's head dimension
         ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
         params = fitted(params, len(ids), model, args.gen_length)  # the default shrunk to what the context leaves
@@ -134,7 +137,7 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     text = read_input(args.prompts_file, "--prompts-file")
     items = parse_prompts(text, args.prompts_file, params)
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
-    storage = (storage or storage_from_args(args)).check(model)
+    storage = storage_from_args(args, model)  # the group size against the model's head dimension
     ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
            for it in items]

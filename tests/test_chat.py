@@ -316,6 +316,17 @@ def test_cli_bad_flags_one_line(flags, needle):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_ctrl_c_while_the_model_loads_says_interrupted(monkeypatch, capsys):
+    import refusion_mlx.chat as chat
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat, "load", interrupted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert chat.main(["--max-tokens", "8"]) == 130 and capsys.readouterr().err == "interrupted\n"
+
+
 def test_cli_leaves_files_alone_and_reads_no_closed_stdin(tmp_path):
     """A trace is written once a turn is traced: a run that fails first leaves an older trace as it was, and
     a trace that names a folder leaves nothing beside it; closed standard input is one line."""

@@ -356,6 +356,21 @@ def test_cli_inputs_as_editors_and_mlx_lm_users_give_them(capsys, monkeypatch, t
         assert code == 1 and err == f"error: {flag} -: standard input is closed\n"
 
 
+def test_settings_errors_name_what_the_user_wrote(demo, capsys, tmp_path):
+    """A prompts file's line names its setting as written (max_tokens, temp); a prompt over the context
+    alone says so (it said "(-12960 are left after the prompt)")."""
+    model, tokenizer = demo
+    jsonl = tmp_path / "p.jsonl"
+    for line, needle in (({"prompt": "hi", "max_tokens": 0}, ":1: max_tokens must be a positive integer, got 0"),
+                         ({"prompt": "hi", "temp": -1}, ":1: temp must be >= 0"),
+                         ({"prompt": "hi", "max_tokens": 2 ** 30}, ":1: max_tokens 1073741824 is over")):
+        jsonl.write_text(json.dumps(line) + "\n")
+        code, out, err = run_main(capsys, "--prompts-file", str(jsonl))
+        assert code == 1 and needle in err and "gen_length" not in err and "temperature" not in err, err
+    with pytest.raises(DecodeError, match=r"context of 2048 positions \(the prompt alone is over it\)"):
+        list(stream_generate(model, tokenizer, [5] * 3000, max_tokens=8))
+
+
 def test_cli_into_a_pipe_that_closes_early_is_quiet():
     """``generate ... | head -c 5``: the reader left, so the command stops without a word, as cat does."""
     proc = subprocess.run(f"{sys.executable} -m refusion_mlx.generate -p 'Count from 1 to 40' --max-tokens 64 "
@@ -389,6 +404,7 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
       '["c"]}}, "$ref": "#/$defs/n"}'], "--json-schema: admits no text"),  # found against the tokenizer: the flag
     (["--json-schema", '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'], "--json-schema: cannot be compiled: "
      "oneOf is not supported (anyOf is"),
+    (["--kv-bits", "4", "--kv-group-size", "128"], "error: --kv-group-size 128 does not divide"),  # flags' names
 ])
 def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -420,11 +436,13 @@ def test_cli_json_schema_and_grammar(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv", [["--slot-size", "four"], ["--dtype", "float8"], ["--preset", "nope"],
                                   ["--serial-num-blocks", "2", "--block-length", "8"], ["--bogus"],
-                                  ["--json-schema", "{}", "--grammar", "g"]])
-def test_cli_usage_errors_are_one_line(argv):
+                                  ["--json-schema", "{}", "--grammar", "g"], ["--model", ""],
+                                  ["--ignore-chat-template", "--system", "Be brief."]])  # mlx-lm drops it unsaid
+def test_cli_usage_errors_are_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and ". has no" not in err
 
 
 def test_module_entry_point_bad_input_has_no_traceback():

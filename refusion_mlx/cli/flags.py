@@ -60,7 +60,7 @@ def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype
     ``adapters=False`` leaves --adapter-path to a command that means something
     else by it (fuse); ``dtype_default``/``dtype_help`` for a command whose
     --dtype has another default or meaning (bench, fuse)."""
-    parser.add_argument("--model", help=model_help)
+    parser.add_argument("--model", type=model_name, help=model_help)
     if adapters:
         add_adapter_arg(parser)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=dtype_default,
@@ -205,6 +205,13 @@ def positive_ints(text: str) -> List[int]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
     return values
+
+
+def model_name(value: str) -> str:
+    """argparse type of --model: a folder or hub id, not an empty string (which named the current folder)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a model folder or hub repo id, not an empty string")
+    return value
 
 
 def output_file(value: str) -> str:

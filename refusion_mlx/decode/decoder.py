@@ -84,8 +84,11 @@ class RefusionDecoder:
             asked = params.gen_length  # the budget the caller gave, decoded in whole slots
             budget = f"max_tokens {asked}" + (f", {layout.gen_length} in whole slots" if asked != layout.gen_length
                                               else "")
+            left = limit - response_start
             raise DecodeError(f"prompt ({response_start} tokens) + {budget} exceeds the model's context of {limit} "
-                              f"positions ({limit - response_start} are left after the prompt)")
+                              "positions (" + (f"{left} are left after the prompt)" if left > 0 else
+                                               "the prompt alone fills it)" if left == 0 else
+                                               "the prompt alone is over it)"))
         vocab = model.args.vocab_size
         eos_id = NO_EOS if eos_id is None else eos_id
         for name, tid in (("mask", mask_id), ("eos", eos_id)):

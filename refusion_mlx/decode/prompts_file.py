@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
@@ -59,6 +60,7 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
     if messages is not None and not _valid_messages(messages):
         raise RefusionError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
     settings = {ALIASES.get(k, k): v for k, v in obj.items()}
+    written = {ALIASES[k]: k for k in obj if k in ALIASES}  # a setting's name as the line spells it
     unknown = sorted(set(settings) - set(PARAM_NAMES))
     if unknown:
         raise RefusionError(f"{where}: unknown field(s) {', '.join(unknown)}")
@@ -70,8 +72,15 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
         params = dataclasses.replace(defaults, **settings)
         params.layout()  # checked and resolved here, where the line's settings are made
     except DecodeError as e:
-        raise RefusionError(f"{where}: {e}") from None
+        raise RefusionError(f"{where}: {_as_written(str(e), written)}") from None
     return PromptItem(prompt if prompt is not None else messages, params, settings.get("gen_length"))
+
+
+def _as_written(message: str, written: Dict[str, str]) -> str:
+    """A settings error with each setting named as the line wrote it (``max_tokens``, not ``gen_length``)."""
+    for name, alias in written.items():
+        message = re.sub(rf"(?<![\w-]){name}(?: \({alias}\))?(?![\w-])", alias, message)
+    return message
 
 
 def _valid_messages(messages) -> bool:
