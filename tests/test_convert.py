@@ -4,6 +4,8 @@ quantization, one-line errors with no destination left, and atomic output."""
 import json
 import math
 import multiprocessing
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -485,3 +487,77 @@ def test_python_api_raises_before_writing(tmp_path):
     with pytest.raises(RefusionError, match="--q-bits"):
         conv.convert(FIXTURE_MODEL, tmp_path / "out", quantize=True, q_bits=5)
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------
+# --force: the swap of the old folder for the new one
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def old_and_new(tmp_path):
+    """A float32 conversion at ``out`` (the old model), and the 4-bit one (the new) to replace it."""
+    dst = tmp_path / "out"
+    conv.convert(FIXTURE_MODEL, dst, dtype="float32", progress=False)
+    return dst, ("--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force", "-q")
+
+
+def is_quantized(dst: Path) -> bool:
+    return "quantization" in json.loads((dst / "config.json").read_text())
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"),
+                                           (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_between_the_renames_of_force_waits_for_the_swap(tmp_path, capsys, monkeypatch, sig, code, word):
+    from refusion_mlx.convert import staging
+
+    dst, argv = old_and_new(tmp_path)
+    rename, calls = os.rename, []
+
+    def rename_then_signal(a, b):
+        rename(a, b)
+        calls.append(Path(b).name)
+        if len(calls) == 1:  # the old folder is aside, the new one not yet in place
+            signal.raise_signal(sig)
+
+    monkeypatch.setattr(staging.os, "rename", rename_then_signal)
+    rc, err, _ = h.run_cli(capsys, *argv)
+    assert rc == code and err[-1] == f"{word}: {dst} holds the new model (it was complete)", err
+    assert calls == [f".out.replaced-{os.getpid()}", "out"]
+    assert is_quantized(dst) and h.leftovers(dst) == ["out"]
+
+
+def test_a_failed_rename_of_force_puts_the_old_folder_back(tmp_path, capsys, monkeypatch):
+    from refusion_mlx.convert import staging
+
+    dst, argv = old_and_new(tmp_path)
+    rename, calls = os.rename, []
+
+    def second_fails(a, b):
+        calls.append(Path(b).name)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error", str(a))
+        rename(a, b)
+
+    monkeypatch.setattr(staging.os, "rename", second_fails)
+    rc, err, _ = h.run_cli(capsys, *argv)
+    assert rc == 1 and err[-1].endswith(f"{dst} left as it was") and "Input/output error" in err[-1], err
+    assert not is_quantized(dst) and h.leftovers(dst) == ["out"]
+
+
+def test_the_next_run_undoes_a_force_killed_between_its_renames(tmp_path, capsys):
+    dst, argv = old_and_new(tmp_path)
+    pid = dead_pid()
+    aside, staged = tmp_path / f".out.replaced-{pid}", tmp_path / f".out.partial-{pid}"
+    os.rename(dst, aside)  # SIGKILL after the first rename: no destination, the old one aside
+    staged.mkdir()
+    rc, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "-q")
+    assert rc == 1 and "put back as it was" in err[0] and "--force" in err[-1], err
+    assert not is_quantized(dst) and h.leftovers(dst) == ["out"]
+    shutil.copytree(dst, aside)  # killed once the new model was in place: the old one goes
+    conv.convert(FIXTURE_MODEL, dst, progress=False, force=True)
+    assert h.leftovers(dst) == ["out"]

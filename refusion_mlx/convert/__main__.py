@@ -1,7 +1,7 @@
 """``python -m refusion_mlx.convert``: a ReFusion checkpoint (Hugging Face
 PyTorch format) to an MLX folder, :func:`refusion_mlx.convert.convert` from
 the command line. SIGTERM and SIGHUP, like Ctrl-C, leave the destination as
-it was."""
+it was, unless the new folder was already in place: the message says which."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, List, Optional
 
 from ..cli import OneLineParser
 from ..distributed.group import say_error
 from ..errors import RefusionError
 from .converter import convert, format_summary
+from .staging import outcome
 from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
 
 
@@ -67,6 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
     except RefusionError as e:
         parser.error(str(e))
+    dst = Path(args.mlx_path).expanduser()
     try:
         with termination_raises():
             summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
@@ -76,14 +79,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         say_error(str(e))  # one line per problem
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted: {args.mlx_path} left as it was", file=sys.stderr)
+        print(f"interrupted: {outcome(dst)}", file=sys.stderr)
         return 130
     except Signalled as e:
-        print(f"terminated: {args.mlx_path} left as it was", file=sys.stderr)
+        print(f"terminated: {outcome(dst)}", file=sys.stderr)
         return 128 + e.args[0]
     except OSError as e:
-        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {args.mlx_path} left as it was",
-              file=sys.stderr)
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {outcome(dst)}", file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line, and the staging folder is gone
         print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)

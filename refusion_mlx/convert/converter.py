@@ -282,7 +282,8 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     """Convert ``hf_path`` (folder or hub id) into an MLX folder at ``mlx_path``.
 
     Raises ``RefusionError`` (``LoadError`` for bad inputs) before writing
-    anything; on any failure or interrupt, ``mlx_path`` is left as it was.
+    anything; on any failure or interrupt, ``mlx_path`` is left as it was
+    (an interrupt that comes once the new folder is in place leaves it there).
     """
     qs = quant_settings(quantize, q_bits, q_group_size, q_mode, quant_predicate)
     if dtype is not None and dtype not in DTYPES:

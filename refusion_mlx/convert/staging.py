@@ -1,16 +1,28 @@
 """Where a conversion (or a fuse) is written: a hidden sibling of the
 destination, renamed into place only when complete, so no failure leaves a
 half-written model; and the files every written model folder shares (the
-shard index, the tokenizer's files)."""
+shard index, the tokenizer's files).
+
+Replacing a folder (``--force``) is two renames: the old folder aside
+(``.NAME.replaced-PID``), the new one into place. SIGINT, SIGTERM and SIGHUP
+wait until both are done and the old folder is removed, so a signal never
+leaves the destination missing; a SIGKILL between them is undone by the next
+run, which puts the old folder back."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator, Optional, Tuple
+
+DEFERRED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+_PUBLISHED: Dict[Path, Tuple[int, int]] = {}  # destination -> (device, inode) of the config.json published there
 
 from ..errors import RefusionError
 
@@ -19,6 +31,7 @@ def check_destination(dst: Path, force: bool) -> None:
     """Refuse an existing non-empty destination unless forced, and even
     forced anything but a model folder (a file, a folder without
     config.json: data, say); never the home or root folder."""
+    recover_stale(dst)
     if dst.exists() and not dst.is_dir():
         raise RefusionError(f"{dst} exists and is a file" + ("; --force replaces only a model folder" if force
                                                              else "; give a folder's path"))
@@ -60,24 +73,41 @@ def write_index(folder: Path, weight_map: dict, metadata: dict) -> None:
 def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
     """A hidden sibling of ``dst`` that becomes ``dst`` only if the body completes."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(dst)
+    recover_stale(dst)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    _PUBLISHED.pop(dst.absolute(), None)
     try:
         yield tmp
         publish(tmp, dst, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once published
         raise
 
 
-def remove_stale_staging(dst: Path) -> None:
-    """Folders left by a converter that was killed (SIGKILL cannot be caught)."""
-    for p in dst.parent.glob(f".{dst.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+def recover_stale(dst: Path) -> None:
+    """Undo what a converter that was killed (SIGKILL cannot be caught) left
+    beside ``dst``: a destination it had moved aside is put back if nothing
+    took its place (else removed), a staging folder is removed."""
+    for kind in ("replaced", "partial"):
+        for p in sorted(dst.parent.glob(f".{dst.name}.{kind}-*")):
+            pid = p.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            if kind == "replaced" and not (dst.exists() or dst.is_symlink()):
+                os.rename(p, dst)
+                print(f"[INFO] {dst}: put back as it was (a conversion killed while replacing it had "
+                      f"moved it to {p.name})", file=sys.stderr)
+            else:
+                remove_path(p)
+
+
+def remove_path(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
 
 
 def pid_alive(pid: int) -> bool:
@@ -90,19 +120,66 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP are held for the duration and delivered
+    (to the handlers they had) at its end. Only the main thread takes Python
+    signals; elsewhere none can interrupt the body."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {}
+    for sig in DEFERRED_SIGNALS:
+        if signal.getsignal(sig) is not None:  # None: a handler Python did not install, left alone
+            previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)
+
+
 def publish(tmp: Path, dst: Path, force: bool) -> None:
-    """Rename into place; a replaced destination is moved aside first, then removed."""
-    if dst.is_dir() and not any(dst.iterdir()):
-        dst.rmdir()
-    if dst.exists() or dst.is_symlink():
+    """Rename into place; a replaced destination is moved aside first, then
+    removed, with signals held until the destination is whole again."""
+    with signals_deferred():
+        if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+            dst.rmdir()
+        if not (dst.exists() or dst.is_symlink()):
+            os.rename(tmp, dst)
+            _PUBLISHED[dst.absolute()] = _identity(dst / "config.json")
+            return
         if not force:
             raise RefusionError(f"{dst} appeared during the conversion; pass --force to replace it")
         old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
         os.rename(dst, old)
-        os.rename(tmp, dst)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-        return
-    os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            os.rename(old, dst)
+            raise
+        _PUBLISHED[dst.absolute()] = _identity(dst / "config.json")
+        remove_path(old)
+
+
+def outcome(dst: Path) -> str:
+    """What a conversion to ``dst`` that failed or was interrupted left there,
+    in words: the new model when it had been published, else ``dst`` as it was."""
+    published = _PUBLISHED.get(dst.absolute())
+    if published is not None and _identity(dst / "config.json") == published:
+        return f"{dst} holds the new model (it was complete)"
+    aside = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+    if not (dst.exists() or dst.is_symlink()) and (aside.exists() or aside.is_symlink()):
+        return f"{dst} is missing: its old folder is {aside}, rename it back"
+    return f"{dst} left as it was"
+
+
+def _identity(p: Path) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
