@@ -483,6 +483,18 @@ def test_parity_tool_against_transformers(tiny, tmp_path):
     assert {r["sequence"] for r in report["sequences"]} == {"seq0-plain", "seq0-slots"}
 
 
+def test_a_config_without_rope_theta_gets_transformers_default(tiny, tmp_path):
+    """transformers' Qwen3Config runs 10000.0 then (1e6 gave top-1 0.90 against PyTorch)."""
+    from convert.parity import parity
+
+    src = shutil.copytree(tiny["safetensors"], tmp_path / "src")
+    h.edit_config(src, rope_theta=None)
+    conv.convert(src, tmp_path / "out", dtype="float32", progress=False)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_theta"] == 10000.0
+    report = parity(src, tmp_path / "out", length=48, count=1)
+    assert report["top1_agreement"] == 1.0 and report["max_abs_diff"] < 1e-3, report
+
+
 def test_python_api_raises_before_writing(tmp_path):
     with pytest.raises(RefusionError, match="--q-bits"):
         conv.convert(FIXTURE_MODEL, tmp_path / "out", quantize=True, q_bits=5)

@@ -49,8 +49,9 @@ class DecoderArgs:
     mask_token_id: Optional[int] = None
     architectures: list = field(default_factory=list)
 
-    # the family's RoPE base when config.json gives none
-    DEFAULT_ROPE_THETA = 1_000_000.0
+    # the RoPE base when config.json gives none: transformers' default (Qwen3Config's, LlamaConfig's), what
+    # the PyTorch model runs with; real checkpoints name theirs (ReFusion's, Qwen3's: 1e6)
+    DEFAULT_ROPE_THETA = 10_000.0
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "DecoderArgs":
