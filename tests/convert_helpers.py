@@ -174,3 +174,8 @@ def evil_bin(folder: Path) -> None:
     RunsCode.marker = str(folder / "PWNED")
     tensors["model.norm.weight"] = RunsCode()
     torch.save(tensors, folder / "pytorch_model.bin")
+
+
+def garbage_bin(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle at all" * 10)

@@ -289,6 +289,8 @@ MALFORMED = {
                                                                             "merges.txt") if (f / n).exists()],
                       "are its vocabulary files"),
     "pickle-runs-code": ("safetensors", h.evil_bin, "would run code"),
+    "not-a-pickle": ("safetensors", h.garbage_bin, "pytorch_model.bin is not a PyTorch checkpoint (neither a zip "
+                                                   "archive nor a valid pickle)"),
     "unknown-model-type": ("safetensors", lambda f: h.edit_config(f, model_type="gpt2", architectures=None),
                            "model_type is 'gpt2'"),
     "qwen3-moe": ("safetensors", lambda f: h.edit_config(f, architectures=["Qwen3MoeForCausalLM"]),

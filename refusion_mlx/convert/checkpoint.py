@@ -174,9 +174,7 @@ def load_bin(file: Path) -> Dict[str, "object"]:
         state = torch.load(str(file), map_location="cpu", weights_only=True,
                            mmap=zipfile.is_zipfile(file))
     except pickle.UnpicklingError as e:
-        detail = _unsafe_detail(str(e))
-        raise LoadError(f"{file.name} refused: its pickle would run code or build objects other "
-                        f"than tensors ({detail}); only weights are loaded, never code") from None
+        raise LoadError(_refusal(file, str(e))) from None
     except Exception as e:
         raise LoadError(f"{file.name} is not a readable PyTorch checkpoint: {_first_line(e)}") from None
     if not isinstance(state, dict):
@@ -187,11 +185,24 @@ def load_bin(file: Path) -> Dict[str, "object"]:
     return state
 
 
-def _unsafe_detail(message: str) -> str:
-    for line in message.splitlines():
-        if "GLOBAL" in line or "Unsupported" in line:
-            return line.strip().rstrip(".")
-    return "unsupported pickle content"
+def _refusal(file: Path, message: str) -> str:
+    """Why weights-only unpickling refused ``file``: not a pickle at all (a
+    byte that is no pickle opcode), an opcode it does not allow, or a global
+    (a function or class: what would run code)."""
+    import pickletools
+
+    operand = re.search(r"Unsupported operand (\d+)", message)
+    if operand:
+        code = chr(int(operand.group(1)))
+        op = next((o for o in pickletools.opcodes if o.code == code), None)
+        if op is None:
+            return f"{file.name} is not a PyTorch checkpoint (neither a zip archive nor a valid pickle)"
+        return (f"{file.name} refused: its pickle uses {op.name}, which loading weights only does not "
+                "allow; only weights are loaded, never code")
+    detail = next((line.strip().rstrip(".") for line in message.splitlines() if "GLOBAL" in line
+                   or "Unsupported" in line), "unsupported pickle content")
+    return (f"{file.name} refused: its pickle would run code or build objects other than tensors "
+            f"({detail}); only weights are loaded, never code")
 
 
 def torch_dtype_tag(tensor) -> str:
