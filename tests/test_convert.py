@@ -293,6 +293,8 @@ MALFORMED = {
                                                    "archive nor a valid pickle)"),
     "unknown-model-type": ("safetensors", lambda f: h.edit_config(f, model_type="gpt2", architectures=None),
                            "model_type is 'gpt2'"),
+    "dtype-auto": ("safetensors", lambda f: h.edit_config(f, torch_dtype="auto"),
+                   "config.json: torch_dtype is 'auto', which is not a dtype"),
     "qwen3-moe": ("safetensors", lambda f: h.edit_config(f, architectures=["Qwen3MoeForCausalLM"]),
                   "Qwen3ForCausalLM"),
     "small-embedding": ("safetensors", None, "the embedding has 700 rows but the tokenizer has 816"),
