@@ -179,3 +179,11 @@ def evil_bin(folder: Path) -> None:
 def garbage_bin(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not a pickle at all" * 10)
+
+
+def bare_model(folder: Path) -> None:
+    """A Qwen3Model body: no lm_head, names without ``model.``."""
+    tensors = read_st(folder / "model.safetensors")
+    write_st(folder / "model.safetensors", {k.removeprefix("model."): v for k, v in tensors.items()
+                                            if k != "lm_head.weight"})
+    edit_config(folder, architectures=["Qwen3Model"])

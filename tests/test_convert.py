@@ -295,6 +295,7 @@ MALFORMED = {
                            "model_type is 'gpt2'"),
     "dtype-auto": ("safetensors", lambda f: h.edit_config(f, torch_dtype="auto"),
                    "config.json: torch_dtype is 'auto', which is not a dtype"),
+    "bare-model": ("safetensors", h.bare_model, "the weights have no 'model.' prefix"),
     "qwen3-moe": ("safetensors", lambda f: h.edit_config(f, architectures=["Qwen3MoeForCausalLM"]),
                   "Qwen3ForCausalLM"),
     "small-embedding": ("safetensors", None, "the embedding has 700 rows but the tokenizer has 816"),

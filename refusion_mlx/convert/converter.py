@@ -148,6 +148,11 @@ def check_sizes(src: Path, args, ckpt: Checkpoint) -> None:
     """Before the model's skeleton is built: the config's sizes against the
     checkpoint's tensors (one line per contradiction), and the largest tensor,
     read and cast one module at a time, against this machine's memory."""
+    if not any(n.startswith("model.") for n in ckpt.tensors) and any(
+            n.startswith(("layers.", "embed_tokens.")) for n in ckpt.tensors):
+        causal = registry.family(args.model_type).Model.ARCHITECTURES[0]
+        raise LoadError(f"{src}: the weights have no 'model.' prefix (embed_tokens.weight, layers.0...): a bare "
+                        f"model body, not a {causal} checkpoint; save the {causal} model instead")
     problems = weight_problems(args, {n: Tensor(t.dtype, t.shape) for n, t in ckpt.tensors.items()})
     if problems:
         raise LoadError("\n".join(f"{src}/config.json: {p}" for p in problems))
