@@ -382,6 +382,8 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     data.write_text("{}\n")
     code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", data, "--force")
     assert code == 1 and "is a file" in err[0] and data.read_text() == "{}\n"
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", data / "sub" / "model")
+    assert code == 1 and err == [f"error: {data}/sub/model: {data} is a file, not a folder"], err
     code, err, _ = h.run_cli(capsys, "--hf-path", dst, "--mlx-path", dst, "--force")
     assert code == 1 and "would replace the source" in err[0]
     assert (dst / "config.json").is_file()

@@ -31,6 +31,9 @@ def check_destination(dst: Path, force: bool) -> None:
     """Refuse an existing non-empty destination unless forced, and even
     forced anything but a model folder (a file, a folder without
     config.json: data, say); never the home or root folder."""
+    above = next((p for p in dst.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise RefusionError(f"{dst}: {above} is a file, not a folder")
     recover_stale(dst)
     if dst.exists() and not dst.is_dir():
         raise RefusionError(f"{dst} exists and is a file" + ("; --force replaces only a model folder" if force
