@@ -187,3 +187,21 @@ def bare_model(folder: Path) -> None:
     write_st(folder / "model.safetensors", {k.removeprefix("model."): v for k, v in tensors.items()
                                             if k != "lm_head.weight"})
     edit_config(folder, architectures=["Qwen3Model"])
+
+
+def rewrite_header(folder: Path, edit) -> None:
+    """``model.safetensors`` with ``edit(header)`` applied to its JSON header, its data unchanged."""
+    f = folder / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    f.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def overlap_offsets(folder: Path) -> None:
+    """v_proj pointing at k_proj's bytes (the same size)."""
+    layer = "model.layers.0.self_attn."
+    rewrite_header(folder, lambda h: h[layer + "v_proj.weight"].update(
+        data_offsets=h[layer + "k_proj.weight"]["data_offsets"]))

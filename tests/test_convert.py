@@ -278,6 +278,10 @@ MALFORMED = {
     "truncated": ("safetensors", h.truncate, "truncated"),
     "header-length": ("safetensors", h.corrupt_header_length, "corrupted safetensors header"),
     "header-json": ("safetensors", h.corrupt_header_json, "corrupted safetensors header"),
+    "overlapping-offsets": ("safetensors", h.overlap_offsets, "corrupted safetensors header (model.layers.0."
+                            "self_attn.v_proj.weight overlaps model.layers.0.self_attn.k_proj.weight)"),
+    "trailing-bytes": ("safetensors", lambda f: f.joinpath("model.safetensors").open("ab").write(b"\0" * 8),
+                       "corrupted safetensors header (8 bytes after the last tensor belong to none)"),
     "missing-shard": ("sharded-safetensors", h.remove_shard, "missing shard model-00002-of-00003"),
     "wrong-shape": ("safetensors", h.reshape_tensor, "model.layers.1.mlp.up_proj.weight is [100, 64]"),
     "missing-tensor": ("safetensors", h.drop_tensor, "missing tensors: model.norm.weight"),

@@ -96,12 +96,28 @@ def safetensors_header(file: Path) -> Dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise LoadError(f"{file.name} has a corrupted safetensors header (not a JSON object)")
     data_size = size - 8 - n
-    infos = {}
+    infos, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         infos[name] = _header_entry(file, name, entry, data_size)
+        spans.append((int(entry["data_offsets"][0]), int(entry["data_offsets"][1]), name))
+    _check_spans(file, sorted(spans), data_size)
     return infos
+
+
+def _check_spans(file: Path, spans: List[Tuple[int, int, str]], data_size: int) -> None:
+    """The tensors' bytes tile the data: no overlap, no gap, nothing after (the format's rule)."""
+    end, last = 0, None
+    for start, stop, name in spans:
+        if start != end:
+            problem = (f"{name} overlaps {last}" if start < end
+                       else f"{start - end} bytes before {name} belong to no tensor")
+            raise LoadError(f"{file.name} has a corrupted safetensors header ({problem})")
+        end, last = stop, name
+    if end != data_size:
+        raise LoadError(f"{file.name} has a corrupted safetensors header ({data_size - end} bytes after the "
+                        "last tensor belong to none)")
 
 
 def _header_entry(file: Path, name: str, entry, data_size: int) -> TensorInfo:
