@@ -506,10 +506,29 @@ def test_a_config_without_rope_theta_gets_transformers_default(tiny, tmp_path):
     assert report["top1_agreement"] == 1.0 and report["max_abs_diff"] < 1e-3, report
 
 
-def test_python_api_raises_before_writing(tmp_path):
-    with pytest.raises(RefusionError, match="--q-bits"):
-        conv.convert(FIXTURE_MODEL, tmp_path / "out", quantize=True, q_bits=5)
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q_bits=5), "q_bits must be one of 2, 3, 4, 6, 8, got 5"),
+    (dict(q_bits=4.0), "q_bits must be one of 2, 3, 4, 6, 8, got 4.0"),  # a TypeError of mx.quantize
+    (dict(q_bits="4"), "q_bits must be one of 2, 3, 4, 6, 8, got '4'"),
+    (dict(q_bits=True), "q_bits must be one of 2, 3, 4, 6, 8, got True"),
+    (dict(q_bits=0), "q_bits must be one of 2, 3, 4, 6, 8, got 0"),  # it meant the default
+    (dict(q_group_size=64.0), "q_group_size must be one of 32, 64, 128, got 64.0"),
+    (dict(q_mode="nvfp4", q_bits=8), "q_mode nvfp4 needs group size 16 and 4 bits, got group size 16 and 8 bits"),
+    (dict(q_mode=["affine"]), "q_mode must be one of affine, mxfp4, nvfp4, mxfp8, got ['affine']"),
+    (dict(quant_predicate="mixed_2_6", q_bits=8), "q_bits does not go with quant_predicate mixed_2_6"),
+    (dict(dtype="int8"), "dtype must be one of float16, bfloat16, float32, got 'int8'"),
+])
+def test_python_api_raises_before_writing_naming_its_parameters(tmp_path, kwargs, message):
+    with pytest.raises(RefusionError) as e:
+        conv.convert(FIXTURE_MODEL, tmp_path / "out", **kwargs)
+    assert str(e.value).startswith(message) and "--" not in str(e.value), e.value
     assert not (tmp_path / "out").exists()
+
+
+def test_the_command_names_its_flags(tmp_path, capsys):
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "out",
+                             "--quant-predicate", "mixed_2_6", "--q-bits", "8")
+    assert code == 2 and "error: --q-bits does not go with --quant-predicate mixed_2_6" in err[-1], err
 
 
 # --------------------------------------------------------------------------

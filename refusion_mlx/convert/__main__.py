@@ -5,6 +5,7 @@ it was, unless the new folder was already in place: the message says which."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -42,6 +43,14 @@ def termination_raises() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+SETTINGS = re.compile(r"(?<![\w-])(q_bits|q_group_size|q_mode|quant_predicate)\b")
+
+
+def flag_names(message: str) -> str:
+    """A settings error of ``convert`` (Python parameters: ``q_bits``) as the command says it (``--q-bits``)."""
+    return SETTINGS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.convert",
                            description="Convert a ReFusion checkpoint (a Qwen3 or Llama architecture, Hugging Face "
@@ -68,7 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
     except RefusionError as e:
-        parser.error(str(e))
+        parser.error(flag_names(str(e)))
     dst = Path(args.mlx_path).expanduser()
     try:
         with termination_raises():

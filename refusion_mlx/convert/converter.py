@@ -26,11 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import ConfigError, LoadError, RefusionError
+from ..errors import ConfigError, LoadError
 from ..models import registry
 from ..models.config_checks import Tensor, check_memory, weight_problems
 from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
-from .quant_plan import DTYPES, QuantPlan, make_plan, quant_settings
+from .quant_plan import DTYPES, QuantPlan, check_choice, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
 from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
@@ -184,10 +184,8 @@ def declared_dtype(config: dict) -> Optional[str]:
 
 
 def output_dtype(dtype: Optional[str], config: dict, ckpt: Checkpoint) -> str:
-    """--dtype, else the config's torch_dtype, else the embedding's stored dtype."""
+    """``dtype`` (checked), else the config's torch_dtype, else the embedding's stored dtype."""
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         return dtype
     return declared_dtype(config) or TAG_DTYPES[ckpt.tensors["model.embed_tokens.weight"].dtype]
 
@@ -310,8 +308,7 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     (an interrupt that comes once the new folder is in place leaves it there).
     """
     qs = quant_settings(quantize, q_bits, q_group_size, q_mode, quant_predicate)
-    if dtype is not None and dtype not in DTYPES:
-        raise RefusionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_choice("dtype", dtype, list(DTYPES), str)
     dst = Path(mlx_path).expanduser()
     check_destination(dst, force)
     src = resolve_source(hf_path)

@@ -49,34 +49,43 @@ def quant_settings(quantize: bool = False, q_bits: Optional[int] = None,
                    quant_predicate: Optional[str] = None) -> Optional[QuantSettings]:
     """Validated quantization settings; None when not quantizing.
 
-    Any quantization flag implies ``quantize``: nobody passes --q-bits 4 to get bf16.
+    Any quantization setting implies ``quantize``: nobody passes --q-bits 4 to get bf16.
+    Errors name the Python parameters (``q_bits``); the command line shows its flags
+    (``__main__.flag_names``).
     """
-    if not (quantize or q_bits or q_group_size or quant_predicate or q_mode != "affine"):
+    check_choice("q_mode", q_mode, Q_MODES, str)
+    check_choice("quant_predicate", quant_predicate, list(RECIPES), str)
+    affine = q_mode == "affine"  # the other modes fix both (checked below)
+    check_choice("q_bits", q_bits, Q_BITS if affine else None, int)
+    check_choice("q_group_size", q_group_size, Q_GROUP_SIZES if affine else None, int)
+    if not (quantize or q_bits is not None or q_group_size is not None or quant_predicate or q_mode != "affine"):
         return None
-    if q_mode not in MODE_DEFAULTS:
-        raise RefusionError(f"--q-mode must be one of {', '.join(Q_MODES)}, got {q_mode!r}")
     group, bits = MODE_DEFAULTS[q_mode]
-    group, bits = q_group_size or group, q_bits or bits
-    if q_mode == "affine":
-        if bits not in Q_BITS:
-            raise RefusionError(f"--q-bits must be one of {', '.join(map(str, Q_BITS))}, got {bits}")
-        if group not in Q_GROUP_SIZES:
-            raise RefusionError(f"--q-group-size must be one of "
-                                f"{', '.join(map(str, Q_GROUP_SIZES))}, got {group}")
-    elif (group, bits) != MODE_DEFAULTS[q_mode]:
+    group = group if q_group_size is None else q_group_size
+    bits = bits if q_bits is None else q_bits
+    if q_mode != "affine" and (group, bits) != MODE_DEFAULTS[q_mode]:
         need = MODE_DEFAULTS[q_mode]
-        raise RefusionError(f"--q-mode {q_mode} needs group size {need[0]} and {need[1]} bits, "
+        raise RefusionError(f"q_mode {q_mode} needs group size {need[0]} and {need[1]} bits, "
                             f"got group size {group} and {bits} bits")
     if quant_predicate is not None:
-        if quant_predicate not in RECIPES:
-            raise RefusionError(f"--quant-predicate must be one of {', '.join(RECIPES)}, "
-                                f"got {quant_predicate!r}")
         if q_mode != "affine" and quant_predicate != "embed_fp":
-            raise RefusionError(f"recipe {quant_predicate} needs --q-mode affine")
+            raise RefusionError(f"recipe {quant_predicate} needs q_mode affine")
         if quant_predicate in MLX_LM_RECIPES and q_bits is not None:  # the recipe sets every layer's bits
-            raise RefusionError(f"--q-bits does not go with --quant-predicate {quant_predicate}, which sets the "
+            raise RefusionError(f"q_bits does not go with quant_predicate {quant_predicate}, which sets the "
                                 "bits of every layer (" + RECIPES[quant_predicate].split(": ", 1)[1] + ")")
     return QuantSettings(group, bits, q_mode, quant_predicate)
+
+
+def check_choice(name: str, value, choices: Optional[list], kind: type) -> None:
+    """``value`` None or one of ``choices`` (any of type ``kind`` without them), of type
+    ``kind``: an int is never a bool, nor 4.0 or "4"."""
+    if value is None:
+        return
+    if not isinstance(value, kind) or isinstance(value, bool):
+        what = f"one of {', '.join(map(str, choices))}" if choices else "an integer"
+        raise RefusionError(f"{name} must be {what}, got {value!r}")
+    if choices is not None and value not in choices:
+        raise RefusionError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
 
 
 def recipe_predicate(qs: QuantSettings, model: nn.Module) -> Optional[Callable]:
