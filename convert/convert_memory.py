@@ -12,7 +12,6 @@ figure the converter is designed to keep low (target at most 0.6).
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import shutil
 import subprocess
@@ -21,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from refusion_mlx.cli import OneLineParser, positive_int
 
 DEFAULT_RUNS = ["--dtype bfloat16", "-q --q-bits 8", "-q --q-bits 4", "-q --quant-predicate embed_8"]
 
@@ -64,17 +65,23 @@ def peak_rss(module: str, args: List[str]) -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert.convert_memory",
+    parser = OneLineParser(prog="python -m convert.convert_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, help="an existing checkpoint (default: generate one)")
     parser.add_argument("--shape", "--layout", dest="shape", default="1.7b",
                         help="shape of the generated checkpoint (--layout: its old name)")
     parser.add_argument("--format", dest="fmt", default="sharded-safetensors")
-    parser.add_argument("--layers", type=int, help="override the layer count")
+    parser.add_argument("--layers", type=positive_int, help="override the layer count")
     parser.add_argument("--untied", action="store_true", help="an lm_head of its own (0.6B: 1.5 GB instead of 1.2)")
     parser.add_argument("--workdir", type=Path, help="where to write (default: a temporary folder, removed)")
     parser.add_argument("--run", action="append", help=f"converter flags, repeatable (default: {DEFAULT_RUNS})")
     args = parser.parse_args(argv)
+    if args.hf_path is None:  # generated: needs torch, as make_checkpoint does
+        from .make_checkpoint import FORMATS, SHAPES
+
+        for flag, value, known in (("--shape", args.shape, SHAPES), ("--format", args.fmt, FORMATS)):
+            if value not in known:
+                parser.error(f"{flag} must be one of {', '.join(known)}, got {value!r}")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="refusion-mem-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -82,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if src is None:
             from .make_checkpoint import make_checkpoint
 
-            overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+            overrides = {"num_hidden_layers": args.layers} if args.layers is not None else {}
             if args.untied:
                 overrides["tie_word_embeddings"] = False
             t = time.perf_counter()

@@ -11,7 +11,6 @@ top-1 agreement with the PyTorch logits of ``tests/fixtures/golden_logits.npz``
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import refusion_mlx  # noqa: F401  (before mlx.core: optimized BLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
+from refusion_mlx.cli import OneLineParser
 from refusion_mlx.convert import convert
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
@@ -69,15 +69,19 @@ def _stored(folder: Path) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert.convert_quality", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m convert.convert_quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="f32,bf16,fp16,q8,q6,q4,q4-g32,embed_8,mixed_4_6")
     args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {', '.join(unknown)}; the variants are {', '.join(VARIANTS)}")
     cases = json.loads((FIXTURES / "golden_outputs.json").read_text())
     logits = dict(np.load(FIXTURES / "golden_logits.npz"))
     print("| variant | golden exact (float32) | top-1 vs PyTorch (stored dtype) | size (MB) | bits/weight |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants.split(","):
+        for name in variants:
             s = convert(FIXTURE_MODEL, Path(tmp) / name, progress=False, **VARIANTS[name])
             agree, total = top1(s.path, logits)
             print(f"| {name} | {golden_exact(s.path, cases)}/{len(cases)} | {agree}/{total} "

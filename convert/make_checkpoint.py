@@ -14,13 +14,14 @@ benchmarks only; never commit them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from refusion_mlx.cli import OneLineParser, positive_int  # refusion_mlx before torch and mlx: its BLAS
 
 import torch
 
@@ -130,6 +131,10 @@ def make_checkpoint(out: Path, shape: str = "tiny", fmt: str = "safetensors", sh
     """Write config, tokenizer and random weights to ``out``; return ``out``."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}")
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {list(SHAPES)}")
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = make_config(shape, torch_dtype=dtype, **overrides)
@@ -177,14 +182,14 @@ def pad_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert.make_checkpoint", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="folder to write (created)")
+    parser = OneLineParser(prog="python -m convert.make_checkpoint", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder to write (created; a new or empty one)")
     parser.add_argument("--shape", "--layout", dest="shape", choices=list(SHAPES), default="0.6b",
                         help="model shape (--layout: its old name)")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, default="sharded-safetensors")
-    parser.add_argument("--shards", type=int, default=3, help="shard count of the sharded formats")
-    parser.add_argument("--layers", type=int, help="override num_hidden_layers (smaller 8B-wide models)")
-    parser.add_argument("--vocab-size", type=int, help=f"embedding rows (default {REFUSION_VOCAB})")
+    parser.add_argument("--shards", type=positive_int, default=3, help="shard count of the sharded formats")
+    parser.add_argument("--layers", type=positive_int, help="override num_hidden_layers (smaller 8B-wide models)")
+    parser.add_argument("--vocab-size", type=positive_int, help=f"embedding rows (default {REFUSION_VOCAB})")
     parser.add_argument("--mask-token-id", type=int, help=f"default {REFUSION_MASK}; -1 leaves it out")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tie", action="store_true", default=None, help="tie_word_embeddings: true")
@@ -192,16 +197,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.out.is_file() or (args.out.is_dir() and any(args.out.iterdir())):
+        parser.error(f"{args.out} exists and is not an empty folder; give a new one (nothing is overwritten)")
     overrides = {}
-    if args.layers:
+    if args.layers is not None:
         overrides["num_hidden_layers"] = args.layers
-    if args.vocab_size:
+    if args.vocab_size is not None:
         overrides["vocab_size"] = args.vocab_size
     if args.mask_token_id is not None:
         overrides["mask_token_id"] = None if args.mask_token_id < 0 else args.mask_token_id
     if args.tie is not None:
         overrides["tie_word_embeddings"] = args.tie
-    out = make_checkpoint(args.out, args.shape, args.fmt, args.shards, args.seed, args.dtype, **overrides)
+    try:
+        out = make_checkpoint(args.out, args.shape, args.fmt, args.shards, args.seed, args.dtype, **overrides)
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror or e} ({e.filename or args.out})", file=sys.stderr)
+        return 1
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".bin", ".safetensors"))
     print(f"{out}: {args.shape} shape, {args.fmt}, {size / 1e9:.3f} GB of weights")
     return 0

@@ -22,6 +22,9 @@ import refusion_mlx  # noqa: F401  (before mlx.core: optimized BLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
+from refusion_mlx.cli import OneLineParser, positive_int
+from refusion_mlx.errors import RefusionError
+
 Sequence = Tuple[str, np.ndarray, np.ndarray]  # (label, token ids, position ids)
 
 
@@ -95,20 +98,37 @@ def parity(src: Path, dst: Path, dtype: str = "float32", seqs: Optional[List[Seq
     return compare(torch_logits(Path(src), seqs), mlx_logits(Path(dst), seqs, dtype))
 
 
+def sequence_length(text: str) -> int:
+    """argparse type: a length of at least 8 (its second half is shuffled in slots of 4)."""
+    value = positive_int(text)
+    if value < 8:
+        raise argparse.ArgumentTypeError(f"expected at least 8 (half of it is shuffled in slots of 4), got {value}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert.parity", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m convert.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-path", type=Path, required=True, help="the PyTorch checkpoint folder")
     parser.add_argument("--mlx-path", type=Path, required=True, help="the converted folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="MLX compute dtype (PyTorch always runs float32)")
     parser.add_argument("--golden", type=Path, help="take the sequences from a golden-logits .npz")
-    parser.add_argument("--length", type=int, default=64, help="random sequence length")
-    parser.add_argument("--count", type=int, default=2, help="random sequences (each run plain and slotted)")
+    parser.add_argument("--length", type=sequence_length, default=64, help="random sequence length (8 or more)")
+    parser.add_argument("--count", type=positive_int, default=2, help="random sequences (each run plain and slotted)")
     parser.add_argument("--min-top1", type=float, default=0.99, help="fail below this top-1 agreement")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     args = parser.parse_args(argv)
-    seqs = golden_sequences(args.golden) if args.golden else None
-    report = parity(args.hf_path, args.mlx_path, args.dtype, seqs, args.length, args.count)
+    for flag, folder in (("--hf-path", args.hf_path), ("--mlx-path", args.mlx_path)):
+        if not (folder / "config.json").is_file():
+            parser.error(f"{flag} {folder} is not a model folder (no config.json)")
+    if args.golden and not args.golden.is_file():
+        parser.error(f"--golden {args.golden} does not exist")
+    try:
+        seqs = golden_sequences(args.golden) if args.golden else None
+        report = parity(args.hf_path, args.mlx_path, args.dtype, seqs, args.length, args.count)
+    except (RefusionError, OSError, ValueError) as e:  # a folder that does not load, a bad .npz
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -603,3 +603,28 @@ def test_the_next_run_undoes_a_force_killed_between_its_renames(tmp_path, capsys
     shutil.copytree(dst, aside)  # killed once the new model was in place: the old one goes
     conv.convert(FIXTURE_MODEL, dst, progress=False, force=True)
     assert h.leftovers(dst) == ["out"]
+
+
+@pytest.mark.parametrize("module,argv,code,message", [
+    ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--shards", "0"], 2, "--shards: expected a positive integer"),
+    ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--layers", "0"], 2, "--layers: expected a positive integer"),
+    ("make_checkpoint", ["{tmp}/afile/out", "--shape", "tiny"], 1, "error: cannot write {tmp}/afile/out"),
+    ("make_checkpoint", ["{tmp}", "--shape", "tiny"], 2, "exists and is not an empty folder"),
+    ("parity", ["--hf-path", "{tmp}", "--mlx-path", "{tmp}"], 2, "--hf-path {tmp} is not a model folder"),
+    ("parity", ["--hf-path", "x", "--mlx-path", "y", "--count", "0"], 2, "--count: expected a positive integer"),
+    ("parity", ["--hf-path", "x", "--mlx-path", "y", "--length", "4"], 2, "--length: expected at least 8"),
+    ("convert_quality", ["--variants", "q4,bogus"], 2, "unknown variant bogus"),
+    ("convert_memory", ["--format", "nope"], 2, "--format must be one of safetensors"),
+])
+def test_the_tools_refuse_bad_arguments_in_one_line(tmp_path, capsys, module, argv, code, message):
+    import importlib
+
+    (tmp_path / "afile").write_text("")
+    main = importlib.import_module(f"convert.{module}").main
+    try:
+        rc = main([a.format(tmp=tmp_path) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == code and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
+    assert (tmp_path / "afile").read_text() == "" and not (tmp_path / "out").exists()
