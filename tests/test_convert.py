@@ -199,6 +199,18 @@ def test_a_checkpoint_of_a_real_vocabulary_converts_and_loads(tmp_path):
 # Output folder, quantization recipes, sharding
 
 
+def test_mlx_lm_dequantizes_a_converted_folder_into_one_that_loads(demo_out, golden_logits, tmp_path):
+    """docs/convert.md sends users of mlx-lm's -d (not offered here) to mlx-lm itself."""
+    from mlx_lm.convert import convert as mlx_lm_convert
+
+    mlx_lm_convert(str(demo_out["q8"].path), str(tmp_path / "plain"), dequantize=True)
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization" not in config and config["mask_token_id"] == 805
+    model, _ = load(tmp_path / "plain", dtype="float32")
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.Linear)
+    assert h.top1_agreement(model, golden_logits) >= 0.99
+
+
 def test_output_folder_contents(demo_out):
     dst = demo_out["q4"].path
     config = json.loads((dst / "config.json").read_text())
@@ -628,3 +640,22 @@ def test_the_tools_refuse_bad_arguments_in_one_line(tmp_path, capsys, module, ar
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == code and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
     assert (tmp_path / "afile").read_text() == "" and not (tmp_path / "out").exists()
+
+
+def test_a_mount_point_or_a_read_only_parent_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+    """The folder is staged beside the destination: an empty mount point failed once the model was
+    written ("Device or resource busy"), a read-only parent on its first write."""
+    from refusion_mlx.convert import staging
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    monkeypatch.setattr(staging.os.path, "ismount", lambda p: Path(p) == mount)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", mount)
+    assert code == 1 and err == [f"error: {mount} is a mount point, and the model is written beside it then "
+                                 f"renamed into place; give a folder inside it ({mount}/model)"], err
+    assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", mount / "model")[0] == 0
+    monkeypatch.setattr(staging.os, "access", lambda p, mode: Path(p) != tmp_path)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "new" / "model")
+    assert code == 1 and err == [f"error: {tmp_path}/new/model: {tmp_path} is not writable (the model is "
+                                 "written beside model, then renamed into place)"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]

@@ -34,6 +34,13 @@ def check_destination(dst: Path, force: bool) -> None:
     above = next((p for p in dst.parents if p.exists() or p.is_symlink()), None)
     if above is not None and not above.is_dir():
         raise RefusionError(f"{dst}: {above} is a file, not a folder")
+    # the folder is built beside dst and renamed into place: refused now, not once the model is written
+    if dst.is_dir() and not dst.is_symlink() and os.path.ismount(dst):
+        raise RefusionError(f"{dst} is a mount point, and the model is written beside it then renamed into "
+                            f"place; give a folder inside it ({dst / 'model'})")
+    if above is not None and not os.access(above, os.W_OK | os.X_OK):
+        raise RefusionError(f"{dst}: {above} is not writable (the model is written beside {dst.name}, "
+                            "then renamed into place)")
     recover_stale(dst)
     if dst.exists() and not dst.is_dir():
         raise RefusionError(f"{dst} exists and is a file" + ("; --force replaces only a model folder" if force
