@@ -351,3 +351,11 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
     path.write_text("[1, 2]")
     assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
     assert "not a cost curve" in capsys.readouterr().err
+
+
+def test_json_dash_keeps_standard_output_json(capsys):
+    """``--json -``: the forecast shown before the timing went to standard output ahead of the JSON."""
+    assert main(["--shape", "tiny", "--prompts", "1", "--max-tokens", "16", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) >= {"shape", "forecast", "profiles"}
+    assert "shape tiny" in err

@@ -7,6 +7,7 @@ the recorded forwards replayed at a real model's shape (``measure_shape``)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict
 
 from ..decode.params import FIELDS, RefusionParams, make_params
@@ -136,8 +137,8 @@ def measure_shape(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     params = resolve_all(cases, args.preset, {"gen_length": 64, **overrides})
     shown = []
 
-    def show(partial: dict) -> None:  # the CPU: the forecast before a slow timing
-        print(before_timing(partial), flush=True)
+    def show(partial: dict) -> None:  # the CPU: the forecast before a slow timing (the table's stream)
+        print(before_timing(partial), file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
         shown.append(True)
 
     curve = None
