@@ -218,3 +218,19 @@ def test_the_commands_fit_the_budget_to_the_context_as_the_server_does(capsys, t
     session = ChatSession(model, tokenizer)  # the default 512: a history of 1958 tokens leaves 88
     session.send(long)
     assert session.turns[-1].max_tokens == 88 and session.turn_params.gen_length == 88
+
+
+def test_a_cut_keeps_a_commands_own_block_count_as_the_servers_request_does():
+    """``--serial-num-blocks 3`` cut by the context: three equal blocks of whole slots (the reference's layout),
+    as a request's own serial_num_blocks gets on the server (the CLI's cut gave 680, 680, 672)."""
+    from types import SimpleNamespace
+
+    from refusion_mlx.cli.flags import fitted
+    from refusion_mlx.decode.fit import fit_budget
+    from refusion_mlx.decode.params import RefusionParams
+
+    model = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=2048))
+    cli = fitted(RefusionParams(gen_length=3000, slot_size=8, serial_num_blocks=3), 12, model, 3000)
+    server = fit_budget(12, 2048, RefusionParams(slot_size=8), {"serial_num_blocks": 3, "slot_size": 8},
+                        max_tokens=3000).params
+    assert cli.layout().block_lengths == server.layout().block_lengths == [672, 672, 672]

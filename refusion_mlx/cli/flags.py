@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Callable, List, Optional
 
-from ..decode.fit import fit_budget
+from ..decode.fit import fit_budget, own_blocks
 from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
 from ..decode.kv_store import KVStorage
 from ..decode.params import FIELDS, PARAM_NAMES, RefusionParams, make_params
@@ -146,7 +146,7 @@ def fitted(params: RefusionParams, prompt_tokens: int, model, given: Optional[in
     a word); one cut to fit is a note on standard error (``where``: the
     prompt's label). A prompt that leaves no room is a one-line DecodeError."""
     context = model.args.max_position_embeddings
-    fit = fit_budget(prompt_tokens, context, params, max_tokens=given, name=name)
+    fit = fit_budget(prompt_tokens, context, params, own_blocks(params), max_tokens=given, name=name)
     if fit.asked is not None:
         print(f"{where}note: {name} {fit.asked} cut to {fit.params.gen_length}: the prompt's {prompt_tokens} "
               f"tokens leave that much of the model's context of {context}", file=sys.stderr)

@@ -113,13 +113,14 @@ class ChatSession:
 
     def stream(self, text: str) -> Iterator:
         """Answer ``text`` in the conversation; yields GenerationResponses."""
-        from .fit import fit_budget
+        from .fit import fit_budget, own_blocks
         from .stream import stream_generate
 
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids()
-            params = fit_budget(len(ids), self.model.args.max_position_embeddings, self.params).params
+            params = fit_budget(len(ids), self.model.args.max_position_embeddings, self.params,
+                                own_blocks(self.params)).params
         except Exception:
             self.messages.pop()
             raise

@@ -41,6 +41,13 @@ class Fit:
     asked: Optional[int] = None
 
 
+def own_blocks(params: RefusionParams) -> Dict[str, Any]:
+    """The block choice ``params`` name (``serial_num_blocks`` or
+    ``block_length``), as :func:`fit_budget`'s ``fields``: settings a command
+    was given are the reference's contract, as a request's own are."""
+    return {k: getattr(params, k) for k in ("serial_num_blocks", "block_length") if getattr(params, k) is not None}
+
+
 def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, fields: Optional[Dict[str, Any]] = None,
                max_tokens: Optional[int] = None, name: str = "max_tokens") -> Fit:
     """The settings for an answer after ``prompt_tokens`` in a ``context`` of
