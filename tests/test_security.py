@@ -254,6 +254,22 @@ def test_a_body_that_stalls_after_its_headers_is_a_408(server):
     assert head.startswith("HTTP/1.1 408") and "request_timeout" in head and 0.9 < waited < 5, head
 
 
+def test_no_client_text_reaches_the_log_raw(server, caplog):
+    """The path was escaped, but not the messages that quote a client's text: an Origin or Content-Type header
+    with escape sequences (before any key is asked for) drove the operator's terminal, and a dict key with a
+    newline in a body wrote a forged log line."""
+    evil = "\x1b]0;PWNED\x07\x1b[2J\x9b2J"
+    with caplog.at_level(logging.INFO, logger="refusion_mlx.server"):
+        assert call(server, "GET", "/v1/models", key=None, headers={"Origin": "http://x" + evil})[0] == 403
+        assert call(server, "POST", CHAT, b"{}", content_type="text/" + evil)[0] == 415
+        body = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"x\n09:99:99 200 FORGED" + evil: 1}}
+        assert call(server, "POST", CHAT, body)[0] == 400
+        assert call(server, "GET", "/nope%1b[31mRED")[0] == 404
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 4 and "FORGED" in "".join(lines)
+    assert not [m for m in lines if any(not c.isprintable() for c in m)], lines
+
+
 def test_operators_settings_and_clients_the_docs_promise(server, tmp_path, caplog):
     """A browser SDK's preflight
     (x-stainless-*, Anthropic's direct-browser header) passes for an allowed origin; a request path cannot

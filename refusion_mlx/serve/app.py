@@ -32,17 +32,12 @@ from .core.metrics import exposition, gauges
 from .core.refusal import Refusal
 from .edge.answering import Answering, ClientGone
 from .edge.api_schema import schema_maker
-from .edge.http_errors import APIError, as_api_error, error_response
+from .edge.http_errors import APIError, as_api_error, error_response, printable
 from .edge.page import add_page
 from .edge.security import KEY_SCOPE, HeadAsGet, RequestGuard, SiteGuard
 from .protocols import tokenizer_api
 
 log = logging.getLogger("refusion_mlx.server")
-
-
-def printable(text: str) -> str:
-    """``text`` for one log line: control characters (a request path's %0a) escaped, so no client writes lines."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def create_app(server) -> FastAPI:
@@ -56,8 +51,8 @@ def create_app(server) -> FastAPI:
         engine.metrics.http_error(error.status)
         if error.status < 500:
             named = error.param and not error.message.startswith(error.param)
-            log.info("%d %s %s: %s%s", error.status, scope["method"], printable(scope["path"]),
-                     f"{error.param}: " if named else "", error.message)
+            log.info("%d %s %s: %s", error.status, printable(scope["method"]), printable(scope["path"]),
+                     printable((f"{error.param}: " if named else "") + error.message))  # the client's text in it
 
     app.add_middleware(HeadAsGet)  # innermost: the guards see the HEAD, the routes a GET
     app.add_middleware(RequestGuard, keys=config.api_keys, max_bytes=config.max_body_bytes,

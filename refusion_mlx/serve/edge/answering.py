@@ -36,6 +36,7 @@ from ..core.job import Job
 from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
 from ..core.tool_calls import ToolCall
+from .http_errors import printable
 from .lanes import Lanes
 from .security import KEY_SCOPE
 
@@ -380,4 +381,4 @@ class JobStream(StreamingResponse):
 def _log(what: str, t0: float, note: Optional[Any]) -> None:
     if isinstance(note, Outcome):
         note = note.brief()
-    log.info("%s %.3fs %s", what, time.perf_counter() - t0, note)
+    log.info("%s %.3fs %s", printable(what), time.perf_counter() - t0, note)

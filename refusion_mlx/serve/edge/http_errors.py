@@ -98,6 +98,13 @@ def as_api_error(request, exc: Exception) -> APIError:
     return APIError(400, f"{param or 'the request body'}: {message}", param or None, code)
 
 
+def printable(text: str) -> str:
+    """``text`` for one log line: control characters (a path's %0a, an escape
+    sequence in a header or a field's name the message quotes) escaped, so no
+    client writes lines or drives the operator's terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(text))
+
+
 def client_shape(scope) -> str:
     """The error shape a request's client reads, by its headers: Anthropic's for
     an ``anthropic-version``, or an ``x-api-key`` without ``Authorization`` (its SDK's)."""
