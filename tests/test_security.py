@@ -364,6 +364,13 @@ def test_an_unpaired_surrogate_is_a_400_naming_its_field(server):
     assert unpaired_surrogate(b'{"a": "\\\\ud800"}') is None  # an escaped backslash, then the letters "ud800"
     assert unpaired_surrogate(b'{"a": {"\\ud800": 1}}') == ("a", "\\ud800")  # a key: its object is named
     assert unpaired_surrogate(b'"\\udfff"') == ("", "\\udfff") and unpaired_surrogate(b'{"a": "\\ud800') is None
+    # the same half pair as raw bytes (CESU-8), or a body in UTF-16: json.loads reads both into a lone
+    # surrogate (a 500 in /tokenize, a stored response's metadata); the body is not UTF-8, a 400
+    raw = '{"prompt": "\ud800"}'.encode("utf-8", "surrogatepass")
+    for body, path in ((raw, "/tokenize"), ('{"model": "m", "input": "hi"}'.encode("utf-16"), "/v1/responses")):
+        status, _, payload = call(server, "POST", path, body)
+        assert status == 400 and "not UTF-8" in openai_error(payload, "invalid_json")["message"], payload
+    assert call(server, "POST", path, '{"model": "m", "input": "hi", "max_output_tokens": 4}'.encode("utf-8-sig"))[0] == 200
 
 
 def test_a_body_nested_too_deeply_is_one_line(server):

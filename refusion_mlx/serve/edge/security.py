@@ -145,6 +145,18 @@ _LONE_LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}(?<!\\u[dD][89abAB][0-9a-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _utf8(body: bytes) -> bool:
+    """Whether ``body`` is UTF-8 (strictly: no surrogate's bytes). JSON text
+    on the wire is UTF-8 (RFC 8259); Python's json.loads also reads UTF-16
+    and UTF-32, and the bytes of a lone surrogate, into strings no tokenizer
+    or answer can carry (500s further in)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def unpaired_surrogate(body: bytes) -> Optional[Tuple[str, str]]:
     """Where a JSON ``body`` holds a string with an unpaired UTF-16 surrogate
     (``"\\ud800"``), which is no Unicode text: no tokenizer takes it, and
@@ -255,6 +267,9 @@ class RequestGuard:
                     await self.drain(receive, 64 << 20)
                 error = APIError(413, f"the request body is over the limit of {self.max_bytes} bytes",
                                  code="request_too_large")
+            elif not _utf8(body):  # a surrogate's bytes (CESU-8), a UTF-16 body: json.loads would take them
+                error = APIError(400, "the request body is not UTF-8 text (JSON is sent as UTF-8)",
+                                 code="invalid_json")
             else:
                 where = unpaired_surrogate(body)
                 if where is None:
