@@ -501,6 +501,14 @@ BAD = [
      "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
+    # arguments nested past the parser (a string's nesting is not the body's): json.loads' RecursionError, a 500
+    ("/v1/chat/completions", {"messages": user(SVEN) + [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "calculator", "arguments": "[" * 100000 + "]" * 100000}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/responses", {"input": [{"role": "user", "content": CALC}, {"type": "function_call", "call_id": "c1",
+                                                                      "name": "calculator",
+                                                                      "arguments": '{"a":' + "[" * 100000 + "]" * 100000 + "}"},
+                                 {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, "input[1].arguments"),
     ("/v1/responses", {"input": SVEN, "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
      "tools[0].parameters"),
     ("/v1/responses", {"input": SVEN, "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "x"}},

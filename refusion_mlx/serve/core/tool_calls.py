@@ -90,6 +90,21 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def arguments_object(text: Any, param: str) -> Dict[str, Any]:
+    """A replayed call's ``arguments`` (a JSON object as text) read, or a
+    Refusal naming ``param``: not such text, or nested past what the parser
+    takes (a string's nesting is not the body's, which the edge bounds)."""
+    try:
+        args = json.loads(text) if isinstance(text, str) else None
+    except RecursionError:
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: nested too deeply to read as JSON", param) from None
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON object as text", param)
+    return args
+
+
 def as_calls(parsed: Any) -> Optional[List[ToolCall]]:
     """A parser's output as calls; None when it is not one or more {name, arguments (an object)}."""
     items = parsed if isinstance(parsed, list) else [parsed]
@@ -101,7 +116,7 @@ def as_calls(parsed: Any) -> Optional[List[ToolCall]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(args, dict):
             return None

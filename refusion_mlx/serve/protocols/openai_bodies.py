@@ -13,7 +13,6 @@ other unknown fields are.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -25,7 +24,7 @@ from .bodies import (MAX_STOP, STRICT, UNSERVED, StreamOptions, decoding_given, 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
-from ..core.tool_calls import check_results, function_tool, template_tools
+from ..core.tool_calls import arguments_object, check_results, function_tool, template_tools
 from .openai_echo import context_tokens, scoring_of
 
 # OpenAI's fields refused unless they hold a value that changes nothing (with those every API refuses).
@@ -246,14 +245,7 @@ def openai_messages(messages: List[Message]) -> List[dict]:
 
 
 def _arguments(text: str, i: int, j: int) -> dict:
-    param = f"messages[{i}].tool_calls[{j}].function.arguments"
-    try:
-        args = json.loads(text or "{}")
-    except ValueError:
-        args = None
-    if not isinstance(args, dict):
-        raise Refusal(Reason.INVALID_VALUE, f"{param}: must be a JSON object as text", param)
-    return args
+    return arguments_object(text or "{}", f"messages[{i}].tool_calls[{j}].function.arguments")
 
 
 def chat_tools(body: ChatCompletionRequest, takes_tools: bool) -> tuple:

@@ -14,7 +14,6 @@ ReFusion's decoding fields are extra body fields, as on chat.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import FastAPI, Query, Request
@@ -23,7 +22,7 @@ from pydantic import BaseModel, Field, field_validator
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid, unsupported
 from ..core.structured import any_strict, request_constraint, response_format
-from ..core.tool_calls import check_results, function_tool, template_tools
+from ..core.tool_calls import arguments_object, check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
 from ..edge.security import KEY_SCOPE
@@ -144,12 +143,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
                 raise invalid(param, "a function_call item needs call_id and name (strings)")
-            try:
-                args = json.loads(arguments) if isinstance(arguments, str) else None
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                raise invalid(f"{param}.arguments", "must be a JSON object as text")
+            args = arguments_object(arguments, f"{param}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
