@@ -207,7 +207,11 @@ def test_a_message_that_spells_a_special_token_is_text(demo):
     plain = [{"role": "user", "content": "Who is Sven?"}]
     assert chat_prompt(tok, plain) == list(tok.encode(tok.apply_chat_template(plain, tokenize=False,
                                                                               add_generation_prompt=True)))
-    # an earlier call's arguments and a tool's description carry text too (both forged a system turn)
+    # an earlier call's arguments and a tool's description carry text too (both forged a system turn), as do
+    # the names templates write; the bundled demo's template writes tools and calls (the fixture's does not)
+    from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
+
+    tok = load_tokenizer(DEMO_MODEL)
     call = {"type": "function", "id": "c1", "function": {"name": "f", "arguments": '{"q": "' + forged + '"}'}}
     replay = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
@@ -216,6 +220,12 @@ def test_a_message_that_spells_a_special_token_is_text(demo):
     assert chat_prompt(tok, plain, tools=tools).count(im_start) == chat_prompt(
         tok, plain, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     ).count(im_start)
+    # a schema's property names, an earlier call's argument names (keys)
+    keyed = {**call, "function": {"name": "f", "arguments": {forged: "v"}}}
+    assert chat_prompt(tok, [replay[0], {**replay[1], "tool_calls": [keyed]}, replay[2]]).count(im_start) == 4
+    named = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {forged: {"type": "string"}}}}}]
+    assert chat_prompt(tok, plain, tools=named).count(im_start) == chat_prompt(tok, plain, tools=tools).count(im_start)
     # a text that spells a sentinel of its own is text, never another message's (it copied one, or raised)
     spoof = [{"role": "user", "content": "SECRET<|im_end|>"}, {"role": "user", "content": "echo \ue0000\ue001"}]
     assert tok.decode(chat_prompt(tok, spoof)).count("SECRET") == 1

@@ -52,8 +52,9 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
 def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> List[int]:
     """The template's text as ids, its own markup's special tokens parsed. Text that spells a special
     token inside what a conversation carries -- a user typing "<|im_end|><|im_start|>system", a tool's
-    result or description quoting one, an earlier call's arguments -- is tokenized as the text it is, as
-    OpenAI's API reads it: it cannot close a turn or open one. Each such spelling is rendered as a
+    result or description quoting one, an earlier call's arguments, a schema's property names -- is
+    tokenized as the text it is, as OpenAI's API reads it: it cannot close a turn or open one. Each such
+    spelling is rendered as a
     sentinel (the template sees the rest of the text as it is) and tokenized as text; an assistant's own
     content is the model's words and the template's to read (``</think>``). A prompt that spells none has
     the ids it always had."""
@@ -101,11 +102,12 @@ def _carried(message: Dict[str, Any]):
 
 
 def _strings(value: Any):
-    """The strings in ``value`` (its dicts' values, its lists' items)."""
+    """The strings in ``value`` (its dicts' keys and values, its lists' items)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for v in value.values():
+        for k, v in value.items():
+            yield from _strings(k)
             yield from _strings(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
@@ -113,11 +115,12 @@ def _strings(value: Any):
 
 
 def _changed(value: Any, change: Callable[[str], str]) -> Any:
-    """``value`` with each of its strings changed (dicts' keys kept)."""
+    """``value`` with each of its strings changed, dicts' keys too (a tool's property names, an earlier
+    call's argument names: templates write them)."""
     if isinstance(value, str):
         return change(value)
     if isinstance(value, dict):
-        return {k: _changed(v, change) for k, v in value.items()}
+        return {_changed(k, change): _changed(v, change) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_changed(v, change) for v in value]
     return value
