@@ -292,6 +292,23 @@ def test_operators_settings_and_clients_the_docs_promise(server, tmp_path, caplo
     add_server_args(parser)
     args = parser.parse_args(["--api-key", "k1,k2", "--api-key", "k3"])
     assert tuple(args.api_keys) == ("k1", "k2", "k3")
+    # $REFUSION_MLX_API_KEY as a CI secret that expanded to nothing (or commas): refused, as --api-key '' is,
+    # where it served with no key at all; set to keys, they are taken
+    from refusion_mlx.server import build_parser
+    from refusion_mlx.serve.server_config import ServerConfig
+
+    for value in ("", " ", ",,"):
+        os.environ["REFUSION_MLX_API_KEY"] = value
+        try:
+            with pytest.raises(RefusionError, match="REFUSION_MLX_API_KEY is set but holds no key"):
+                ServerConfig.from_args(build_parser().parse_args([]))
+        finally:
+            del os.environ["REFUSION_MLX_API_KEY"]
+    os.environ["REFUSION_MLX_API_KEY"] = "k4, k5"
+    try:
+        assert ServerConfig.from_args(build_parser().parse_args([])).api_keys == ("k4", "k5")
+    finally:
+        del os.environ["REFUSION_MLX_API_KEY"]
     held = RefusionServer(None, port=0, max_body_bytes=1000)  # listening before the model loads: no other
     try:  # socket can take the port
         assert held.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1

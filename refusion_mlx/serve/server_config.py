@@ -146,6 +146,9 @@ class ServerConfig:
         names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("decoding", "api_keys")]
         keys = tuple(args.api_keys or ()) or tuple(
             k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        if not keys and API_KEY_ENV in os.environ:  # a secret that expanded to nothing: no open server by mistake
+            raise RefusionError(f"${API_KEY_ENV} is set but holds no key (got {os.environ[API_KEY_ENV]!r}); "
+                                "give a key, or unset it to serve without one")
         return cls(decoding=params_from_args(args), api_keys=keys, **{n: getattr(args, n) for n in names})
 
 
