@@ -397,6 +397,10 @@ def test_a_body_nested_too_deeply_is_one_line(server):
     assert status == 400 and err["message"] == "the request body is nested too deeply to read as JSON"
     status, _, payload = call(server, "POST", "/v1/messages", deep)
     assert status == 400 and json.loads(payload)["error"]["message"] == err["message"]
+    # an integer past Python's 4,300 digits: it read "There was an error parsing the body"
+    long = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}"
+    status, _, payload = call(server, "POST", CHAT, long)
+    assert status == 400 and "integer too long" in openai_error(payload, "invalid_json")["message"]
 
 
 def test_max_kv_bytes_below_one_request_is_refused_at_start(capsys):

@@ -80,6 +80,10 @@ def as_api_error(request, exc: Exception) -> APIError:
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
         if isinstance(exc.__cause__, RecursionError):  # FastAPI's parse of the body gave up
             message, code = "the request body is nested too deeply to read as JSON", "invalid_json"
+        elif isinstance(exc.__cause__, ValueError):  # Python's limit on an integer's digits (4,300), ...
+            message, code = ("the request body holds an integer too long to read (over 4,300 digits)"
+                             if "digits" in str(exc.__cause__) else "the request body is not JSON this server reads"
+                             ), "invalid_json"
         return APIError(status, message or str(exc.detail), code=code)
     err = exc.errors()[0]
     if err["type"] == "json_invalid":
