@@ -542,9 +542,21 @@ def test_fusing_into_any_quantized_base_gives_float_weights(mode, group):
             m.lora_b = mx.random.normal(m.lora_b.shape, key=mx.random.key(3)) * 0.05
     ids, pos = mx.array([[5, 9, 805, 805, 7, 3]]), mx.array([[0, 1, 4, 5, 2, 3]])
     want = logits_of(model, ids, pos)
+    lora = model.layers[0].self_attn.q_proj  # the sum in float32: the fp modes' dequantize gave bfloat16
+    base = lora.linear
+    exact = mx.dequantize(base.weight, base.scales, base.get("biases"), group_size=group, bits=base.bits,
+                          mode=mode, dtype=mx.float32) + (lora.scale * lora.lora_b.T) @ lora.lora_a.T
     assert fuse_adapters(model, dequantize=True) == 6
     q_proj = model.layers[0].self_attn.q_proj
     assert q_proj.weight.dtype == mx.float32 and q_proj.bias.dtype == mx.float32
+    np.testing.assert_allclose(np.array(q_proj.weight), np.array(exact), rtol=0, atol=1e-6)
+    from refusion_mlx.convert.fusion import dequantize  # --dequantize's other layers: float32 too
+
+    k_proj = model.layers[0].self_attn.k_proj
+    plain = mx.dequantize(k_proj.weight, k_proj.scales, k_proj.get("biases"), group_size=group, bits=k_proj.bits,
+                          mode=mode, dtype=mx.float32)
+    assert dequantize(model) > 0 and np.array_equal(np.array(model.layers[0].self_attn.k_proj.weight),
+                                                    np.array(plain))
     # the fp modes' kernels round their products apart from a float matmul of the dequantized weights
     np.testing.assert_allclose(logits_of(model, ids, pos), want, atol=1e-3 if mode == "affine" else 0.1)
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import RefusionError
-from ..models.adapters import fuse_adapter_folder, read_adapter_config
+from ..models.adapters import dequantized, fuse_adapter_folder, read_adapter_config
 from ..models.projections import hf_parameters
 from .converter import COPIED_FILES, declared_dtype, output_config
 from .shards import shard_names
@@ -48,12 +48,15 @@ def stored_dtype(config: dict, model_path: Path) -> str:
 
 
 def dequantize(model) -> int:
-    """Quantized layers back to plain ones (mlx-lm's ``dequantize_model``); how many there were."""
-    from mlx_lm.utils import dequantize_model
+    """Quantized layers back to plain ones, in float32 (mlx-lm's ``dequantize_model`` gives bfloat16 for
+    mxfp4, nvfp4 and mxfp8, whatever ``--dtype``); how many there were."""
+    from mlx.utils import tree_unflatten
 
-    count = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-    dequantize_model(model)
-    return count
+    plain = [(name, dequantized(m)) for name, m in model.named_modules()
+             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if plain:
+        model.update_modules(tree_unflatten(plain))
+    return len(plain)
 
 
 def write_fused(folder: Path, weights: dict) -> None:

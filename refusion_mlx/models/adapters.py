@@ -309,8 +309,13 @@ def fuse_adapters(model, dequantize: bool = False) -> int:
         base = module.linear
         dtype = next((a.dtype for a in (getattr(base, "scales", None), getattr(base, "bias", None), base.weight)
                       if a is not None and mx.issubdtype(a.dtype, mx.floating)), floats[0] if floats else mx.float32)
+        quantized = isinstance(base, nn.QuantizedLinear)
+        if quantized:  # dequantized in float32 here: MLX's default for uint8 scales (mxfp4, ...) is bfloat16
+            module.linear = dequantized(base)
         module.set_dtype(mx.float32)
-        layer = module.fuse(dequantize=dequantize)
+        layer = module.fuse(dequantize=True)
+        if quantized and not dequantize:
+            layer = nn.QuantizedLinear.from_linear(layer, base.group_size, base.bits, mode=base.mode)
         layer.set_dtype(dtype)
         if type(layer) is nn.Linear:  # the model's own Linear (no transpose per call)
             plain = Linear(layer.weight.shape[1], layer.weight.shape[0], bias="bias" in layer)
@@ -321,6 +326,22 @@ def fuse_adapters(model, dequantize: bool = False) -> int:
     if fused:
         model.update_modules(tree_unflatten(fused))
     return len(fused)
+
+
+def dequantized(base) -> nn.Module:
+    """A quantized layer as a float32 ``nn.Linear`` (its bias kept) or ``nn.Embedding``:
+    ``mx.dequantize`` gives bfloat16 by default for uint8 scales (mxfp4, nvfp4, mxfp8)."""
+    weight = mx.dequantize(base.weight, base.scales, base.get("biases"), group_size=base.group_size,
+                           bits=base.bits, mode=base.mode, dtype=mx.float32)
+    if isinstance(base, nn.QuantizedEmbedding):
+        table = nn.Embedding(*weight.shape)
+        table.weight = weight
+        return table
+    plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in base)
+    plain.weight = weight
+    if "bias" in base:
+        plain.bias = base.bias.astype(mx.float32)
+    return plain
 
 
 def fuse_adapter_folder(model, adapter_path: Union[str, Path], dequantize: bool = False) -> int:
