@@ -288,6 +288,9 @@ def test_adapter_files_that_do_not_match_their_config(lora_folder, tmp_path):
         "lora_over_dora": (dict(weights=dora), r"holds DoRA magnitudes \(m\), but adapter_config.json says "
                                                r"fine_tune_type lora"),
         "rank": (dict(weights=rank8), r"the file's rank is 8, lora_parameters.rank says 4"),
+        # the same rank, layers of another width: another model's adapters (it blamed the rank, 4 against 4)
+        "wider": (dict(weights={k: mx.zeros((v.shape[0] * 2, v.shape[1])) if k.endswith("lora_a") else v
+                                for k, v in weights.items()}), r"adapters trained for another model"),
         "fewer_layers": (dict(num_layers=1), r"model\.layers\.2\..* is not among the tensors adapter_config.json "
                                              r"describes \(lora, num_layers 1, rank 4\), nor are 13 more"),
         "more_layers": (dict(num_layers=3), r"lacks 14 of the 42 tensors"),

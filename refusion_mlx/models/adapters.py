@@ -251,16 +251,22 @@ def adapter_mismatch(expected: Dict[str, tuple], weights: Dict[str, mx.array], c
     if kind == "lora" and extra and all(k.endswith(".m") for k in extra):
         return ("the file holds DoRA magnitudes (m), but adapter_config.json says fine_tune_type lora "
                 "(set it to dora)")
+    embeddings = tuple(m + "." for m in EMBEDDING_MODULES)
     if shaped:
         k = shaped[0]
         got, want = tuple(weights[k].shape), expected[k]
         if k.endswith((".lora_a", ".lora_b")):
             rank = got[-1] if k.endswith(".lora_a") else got[0]
-            return (f"{k} has shape {got}, adapter_config.json ({described}) implies {want}: the file's rank is "
-                    f"{rank}, lora_parameters.rank says {lp.get('rank')}")
+            if rank != lp.get("rank"):
+                return (f"{k} has shape {got}, adapter_config.json ({described}) implies {want}: the file's rank "
+                        f"is {rank}, lora_parameters.rank says {lp.get('rank')}")
+            return (f"{k} has shape {got}, this model's layer implies {want}: adapters trained for another model "
+                    "(its layer sizes differ)")
+        if k.startswith(embeddings):
+            return (f"{k} has shape {got}, the model's is {want}: adapters trained for another model, or trained "
+                    "embeddings onto a quantized one (they go into an unquantized embedding and head only)")
         return f"{k} has shape {got}, the model's is {want}" + (
             f" (and {len(shaped) - 1} more mis-shaped)" if len(shaped) > 1 else "")
-    embeddings = tuple(m + "." for m in EMBEDDING_MODULES)
     if extra and all(k.startswith(embeddings) for k in extra) and not config.get("train_embeddings"):
         return (f"the file holds {extra[0]} (the embedding, final norm or head), but adapter_config.json does "
                 "not say train_embeddings: true")
