@@ -56,6 +56,9 @@ def test_train_is_mlx_lms_flag_and_test_alone_tests_the_saved_adapters(trained, 
     code, out, _ = run(["--data", DATA, "--adapter-path", trained, "--test", "--test-batches", "2"], capsys)
     assert code == 0 and f"Testing the adapters in {trained}" in out and "Training" not in out
     assert digest(trained) == before  # it trained 1000 steps over them before
+    share = next(line for line in out.splitlines() if line.startswith("Trainable parameters"))
+    adapters = sum(v.size for v in mx.load(str(trained / "adapters.safetensors")).values())
+    assert f"({adapters / 1e6:.3f}M/" in share and float(share.split()[2].rstrip("%")) < 100  # it said 104.364%
     tested = [line for line in out.splitlines() if line.startswith("Test loss")]
     code, base, _ = run(["--data", DATA, "--adapter-path", tmp_path / "none", "--test", "--test-batches", "2"],
                         capsys)

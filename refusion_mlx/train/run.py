@@ -174,7 +174,10 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     if o["resume_adapter_file"]:
         report(f"Loading fine-tuned weights from {o['resume_adapter_file']}")
         load_resume(model, o["resume_adapter_file"])
-    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    if saved:  # a loaded adapter is not frozen apart from its base: its own tensors are what was trained
+        trainable = sum(v.size for v in mx.load(str(adapter_dir / ADAPTER_FILE)).values())
+    else:
+        trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     total = parameter_count(model)
     report(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)")
     mask_id, pad_id = model.args.mask_token_id, int(tokenizer.eos_token_id)
