@@ -343,6 +343,74 @@ def test_page_works_behind_a_path_prefix(chromium, server, client):
     assert not errors and outside == [] and text == want
 
 
+# The page's fetch of an API, answered in the page: each call takes the next planned stream (its text, and
+# whether it ends), the request bodies are kept (``fake.bodies``), and ``fake.push(text)`` / ``fake.end()``
+# feed the open one. Stop errors it as a real fetch's body does.
+FAKE_FETCH = """plan => {
+    const real = window.fetch, fake = window.fake = {bodies: [], plan};
+    window.fetch = (path, options = {}) => {
+        if (!String(path).startsWith("v1/")) return real(path, options);
+        fake.bodies.push(JSON.parse(options.body));
+        const [text, ends] = fake.plan.shift();
+        const body = new ReadableStream({start(c) {
+            fake.push = (t) => c.enqueue(new TextEncoder().encode(t));
+            fake.end = () => c.close();
+            options.signal.addEventListener("abort", () => c.error(new DOMException("stopped", "AbortError")));
+            fake.push(text);
+            if (ends) fake.end();
+        }});
+        return Promise.resolve(new Response(body, {headers: {"Content-Type": "text/event-stream"}}));
+    };
+}"""
+
+
+def chunks_sse(n: int, start: int = 0, blocks: bool = True) -> str:
+    """A chat stream's events, one token (``x``) a step at positions ``start`` .. ``start + n - 1``: the
+    first (with blocks) announces ``start + n`` positions. No finish."""
+    def event(content, commits):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content},
+                                                   "finish_reason": None}], "commits": commits}) + "\n\n"
+    out = [event("", {"step": 0, "phase": "", "slots": [], "blocks": [16] * ((start + n) // 16)})] if blocks else []
+    out += [event("x", {"step": p + 1, "phase": "verify", "slots": [{"positions": [p], "ids": [87], "pieces": ["x"]}]})
+            for p in range(start, start + n)]
+    return "".join(out)
+
+
+def test_page_long_answer_stays_responsive(chromium, server):
+    """A long answer's burst of events (2,048 one-token steps read at once) is drawn within a bound, and
+    Stop, clicked while it is being handled, ends it at once: the page draws once a frame, only what
+    changed, and yields while it reads (it redrew every cell on every commit: seconds of frozen page)."""
+    from playwright.sync_api import sync_playwright
+
+    n, burst = 2048, chunks_sse(2048)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page, errors = chat_page(browser, server)
+            page.evaluate(FAKE_FETCH, [[burst, False], [burst, False]])
+            page.fill("#input", "Count.")
+            t0 = time.monotonic()
+            page.press("#input", "Enter", timeout=5000)
+            page.click("#stop", timeout=5000)
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
+            stop = (time.monotonic() - t0, page.get_attribute(".msg.assistant", "data-finish"))
+            page.fill("#input", "Count.")
+            t0 = time.monotonic()
+            page.press("#input", "Enter", timeout=5000)
+            page.wait_for_function(f"document.getElementById('slot-caption').textContent.endsWith("
+                                   f"'{n} of {n} committed')", timeout=5000, polling=50)
+            drawn = time.monotonic() - t0
+            cells = page.locator("#grid .cell:not(.masked)").count()
+            text = page.text_content(".msg.assistant:nth-child(4) .body")
+            page.click("#stop", timeout=5000)
+            page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=5000)
+        finally:
+            browser.close()
+    assert not errors
+    assert stop[0] < 2 and stop[1] == "stopped", stop
+    assert drawn < 3 and cells == n and text == "x" * n, (drawn, cells)
+
+
 def chat_page(browser, server, url=None, route=None):
     """The chat page, loaded (from ``url``: the server's own by default; ``route``: (pattern, handler) the
     browser answers those requests with), its budget set to MAX_TOKENS: (the page, the JS errors it raises)."""

@@ -201,7 +201,8 @@ function chosenSettings() {
 // -- the slot view ---------------------------------------------------------------
 
 function newTurn() {
-  return { blocks: [], cells: new Map(), step: 0, phase: "", fresh: new Set(), eos: null, slotSize: 0 };
+  return { blocks: [], cells: new Map(), step: 0, phase: "", fresh: new Set(), eos: null, slotSize: 0,
+           byStep: new Map(), dirty: new Set(), dirtySteps: new Set() };
 }
 
 function applyCommits(turn, commits) {
@@ -211,7 +212,17 @@ function applyCommits(turn, commits) {
     turn.slotSize = Math.max(turn.slotSize, slot.positions.length);
     slot.positions.forEach((pos, i) => {
       const piece = slot.pieces[i];
+      const old = turn.cells.get(pos);
+      if (old) { // committed again (not expected): it leaves its earlier step's line
+        const before = turn.byStep.get(old.step);
+        before.positions = before.positions.filter((p) => p !== pos);
+        turn.dirtySteps.add(old.step);
+      }
       turn.cells.set(pos, { piece, id: slot.ids[i], step: commits.step, phase: commits.phase });
+      if (!turn.byStep.has(commits.step)) turn.byStep.set(commits.step, { phase: commits.phase, positions: [] });
+      turn.byStep.get(commits.step).positions.push(pos);
+      turn.dirtySteps.add(commits.step);
+      turn.dirty.add(pos);
       turn.fresh.add(pos);
       if (piece === null && (turn.eos === null || pos < turn.eos)) turn.eos = pos;
     });
@@ -234,62 +245,107 @@ function stepColour(step, last) {
   return `hsl(${Math.round(215 - 185 * t)}, 75%, ${Math.round(86 - 6 * t)}%)`;
 }
 
+// What the slot view shows now: a long answer's stream only touches the cells and step lines that changed
+// (a rebuild on every commit made the page's work grow with the square of the answer's length).
+const view = { turn: null, blocks: null, end: -1, nodes: [], fresh: [], colouredAt: 0, rows: new Map() };
+
 function renderGrid(turn) {
-  const grid = $("grid");
   const total = turn.blocks.reduce((a, b) => a + b, 0);
   const end = turn.eos === null ? total : Math.min(total, turn.eos + 1);
-  const nodes = [];
-  let start = 0;
-  for (const length of turn.blocks) {
-    if (start >= end) break;
-    const block = el("div", "block");
-    for (let pos = start; pos < Math.min(start + length, end); pos++) {
-      const cell = turn.cells.get(pos);
-      const node = el("span", "cell");
-      node.dataset.pos = pos;
-      if (turn.slotSize && pos > start && (pos - start) % turn.slotSize === 0) node.classList.add("slot-start");
-      if (cell) {
-        node.dataset.step = cell.step;
-        node.style.background = stepColour(cell.step, turn.step);
-        if (turn.fresh.has(pos)) node.classList.add("fresh");
-        if (cell.piece === null) node.classList.add("eos");
-        node.title = `position ${pos} · step ${cell.step} (${cell.phase}) · token id ${cell.id}`;
-        node.append(el("span", "t", pieceText(cell.piece)), el("span", "s", String(cell.step)));
-      } else {
-        node.classList.add("masked");
-        node.title = `position ${pos} · masked`;
-        node.append(el("span", "t", "\u00a0"), el("span", "s", "\u00a0"));
-      }
-      block.append(node);
-    }
-    nodes.push(block);
-    start += length;
+  const whole = view.turn !== turn || view.blocks !== turn.blocks || view.end !== end;
+  if (whole) {
+    buildGrid(turn, end);
+  } else {
+    for (const pos of view.fresh) view.nodes[pos].classList.remove("fresh");
+    for (const pos of turn.dirty) if (pos < end) fillCell(view.nodes[pos], turn, pos);
   }
-  grid.replaceChildren(...nodes);
-  renderSteps(turn, end);
-  const done = [...turn.cells.keys()].filter((p) => p < end).length;
+  view.fresh = [...turn.fresh].filter((pos) => pos < end);
+  for (const pos of view.fresh) view.nodes[pos].classList.add("fresh");
+  if (whole || view.colouredAt !== turn.step) { // the colours run from the first step to the last one
+    for (const [pos, cell] of turn.cells) if (pos < end) view.nodes[pos].style.background = stepColour(cell.step, turn.step);
+  }
+  renderSteps(turn, end, whole);
+  view.colouredAt = turn.step;
+  turn.dirty.clear();
+  turn.dirtySteps.clear();
+  let done = 0;
+  for (const pos of turn.cells.keys()) if (pos < end) done++;
   $("slot-caption").textContent = turn.step
     ? `step ${turn.step} · ${turn.phase} · ${done} of ${end} committed`
     : `${end} positions, nothing committed yet`;
 }
 
-// One line per step: its colour, phase, how many tokens it committed and where.
-function renderSteps(turn, end) {
-  const steps = new Map();
-  for (const [pos, cell] of turn.cells) {
-    if (pos >= end) continue;
-    if (!steps.has(cell.step)) steps.set(cell.step, { phase: cell.phase, positions: [] });
-    steps.get(cell.step).positions.push(pos);
+function buildGrid(turn, end) {
+  Object.assign(view, { turn, blocks: turn.blocks, end, nodes: [], fresh: [] });
+  const blocks = [];
+  let start = 0;
+  for (const length of turn.blocks) {
+    if (start >= end) break;
+    const block = el("div", "block");
+    for (let pos = start; pos < Math.min(start + length, end); pos++) {
+      const node = el("span", "cell");
+      node.dataset.pos = pos;
+      if (turn.slotSize && pos > start && (pos - start) % turn.slotSize === 0) node.classList.add("slot-start");
+      fillCell(node, turn, pos);
+      view.nodes.push(node);
+      block.append(node);
+    }
+    blocks.push(block);
+    start += length;
   }
-  const rows = [...steps.keys()].sort((a, b) => a - b).map((step) => {
-    const { phase, positions } = steps.get(step);
-    const row = el("li");
-    const swatch = el("span", "swatch");
-    swatch.style.background = stepColour(step, turn.step);
-    row.append(swatch, el("span", null, `step ${step} · ${phase} · ${positions.length} tokens at ${ranges(positions)}`));
-    return row;
-  });
-  $("steps").replaceChildren(...rows);
+  $("grid").replaceChildren(...blocks);
+}
+
+function fillCell(node, turn, pos) {
+  const cell = turn.cells.get(pos);
+  if (cell) {
+    node.classList.remove("masked");
+    node.dataset.step = cell.step;
+    node.style.background = stepColour(cell.step, turn.step);
+    node.classList.toggle("eos", cell.piece === null);
+    node.title = `position ${pos} · step ${cell.step} (${cell.phase}) · token id ${cell.id}`;
+    node.replaceChildren(el("span", "t", pieceText(cell.piece)), el("span", "s", String(cell.step)));
+  } else {
+    node.classList.add("masked");
+    node.title = `position ${pos} · masked`;
+    node.replaceChildren(el("span", "t", "\u00a0"), el("span", "s", "\u00a0"));
+  }
+}
+
+// One line per step: its colour, phase, how many tokens it committed and where. A stream's steps come in
+// order: a new one is a line added at the end, and only the lines of the steps that changed are redrawn.
+function renderSteps(turn, end, whole) {
+  const list = $("steps");
+  const last = view.rows.size ? Math.max(...view.rows.keys()) : 0;
+  if (!whole && [...turn.dirtySteps].some((step) => !view.rows.has(step) && step < last)) whole = true;
+  if (whole) {
+    view.rows = new Map();
+    list.replaceChildren();
+  }
+  const steps = whole ? [...turn.byStep.keys()] : [...turn.dirtySteps];
+  for (const step of steps.sort((a, b) => a - b)) {
+    const row = stepRow(turn, step, end);
+    const old = view.rows.get(step);
+    if (old && row) old.replaceWith(row);
+    else if (old) old.remove();
+    else if (row) list.append(row);
+    if (row) view.rows.set(step, row);
+    else view.rows.delete(step);
+  }
+  if (!whole && view.colouredAt !== turn.step) {
+    for (const [step, row] of view.rows) row.firstChild.style.background = stepColour(step, turn.step);
+  }
+}
+
+function stepRow(turn, step, end) {
+  const { phase, positions } = turn.byStep.get(step);
+  const shown = positions.filter((pos) => pos < end);
+  if (!shown.length) return null;
+  const row = el("li");
+  const swatch = el("span", "swatch");
+  swatch.style.background = stepColour(step, turn.step);
+  row.append(swatch, el("span", null, `step ${step} · ${phase} · ${shown.length} tokens at ${ranges(shown)}`));
+  return row;
 }
 
 function ranges(positions) {
@@ -327,6 +383,38 @@ function setBusy(busy) {
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   $("input").disabled = busy;
+}
+
+// Drawing waits for the next animation frame: a burst of events (a long answer, a stream read at once) is
+// drawn once, not once per event. flush() draws what is pending now (a stream's end, a paced step).
+const drawing = { frame: 0, pending: new Set() };
+
+function draw(what) {
+  drawing.pending.add(what);
+  if (!drawing.frame) drawing.frame = requestAnimationFrame(flush);
+}
+
+function flush() {
+  cancelAnimationFrame(drawing.frame);
+  drawing.frame = 0;
+  const pending = [...drawing.pending];
+  drawing.pending.clear();
+  pending.forEach((what) => what());
+}
+
+// A long read yields to the page now and then (a message, not a timer: a hidden tab's timers are slowed),
+// so Stop, typing and drawing go on while a burst of events is handled.
+function yielder() {
+  let since = performance.now();
+  return async () => {
+    if (performance.now() - since < 12) return;
+    await new Promise((resolve) => {
+      const channel = new MessageChannel();
+      channel.port1.onmessage = resolve;
+      channel.port2.postMessage(null);
+    });
+    since = performance.now();
+  };
 }
 
 // a pause between replayed steps that Stop ends at once
@@ -396,18 +484,21 @@ async function send(text) {
   let answer = "";
   let finish = null;
   const t0 = performance.now();
+  const redraw = () => { // this answer's text and, if shown, its slots
+    const body = msg.querySelector(".body");
+    if (body.textContent !== answer) body.textContent = answer;
+    if (state.shown === turn) renderGrid(turn);
+  };
   const onEvent = async (name, data) => {
     const e = api.read(name, data);
     if (e.error) throw new Error(e.error);
-    if (e.text) {
-      answer += e.text;
-      msg.querySelector(".body").textContent = answer;
-    }
+    if (e.text) answer += e.text;
     if (e.finish) finish = e.finish;
-    if (e.commits) {
-      applyCommits(turn, e.commits);
-      if (state.shown === turn) renderGrid(turn);
-      if (pace && e.commits.step) await sleep(pace, controller.signal);
+    if (e.commits) applyCommits(turn, e.commits);
+    draw(redraw);
+    if (e.commits && pace && e.commits.step) {
+      flush(); // each step's frame, held
+      await sleep(pace, controller.signal);
     }
     if (e.usage) {
       const u = e.usage;
@@ -436,6 +527,7 @@ async function send(text) {
     const reader = resp.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
+    const breathe = yielder();
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
@@ -448,6 +540,7 @@ async function send(text) {
         for (const line of event.split("\n")) {
           if (line.startsWith("event: ")) name = line.slice(7);
           if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+          await breathe();
           stopped();
           await onEvent(name, JSON.parse(line.slice(6)));
         }
@@ -470,6 +563,7 @@ async function send(text) {
       current(controller, "error", "error");
     }
   } finally {
+    flush();
     msg.classList.remove("streaming");
     msg.dataset.finish = finish || "error";
     turn.fresh = new Set();
