@@ -364,16 +364,47 @@ FAKE_FETCH = """plan => {
 }"""
 
 
-def chunks_sse(n: int, start: int = 0, blocks: bool = True) -> str:
+def chunks_sse(n: int, start: int = 0, blocks: bool = True, finish: str | None = None) -> str:
     """A chat stream's events, one token (``x``) a step at positions ``start`` .. ``start + n - 1``: the
-    first (with blocks) announces ``start + n`` positions. No finish."""
+    first (with blocks) announces ``start + n`` positions; with ``finish``, its end (and ``[DONE]``)."""
     def event(content, commits):
         return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content},
                                                    "finish_reason": None}], "commits": commits}) + "\n\n"
     out = [event("", {"step": 0, "phase": "", "slots": [], "blocks": [16] * ((start + n) // 16)})] if blocks else []
     out += [event("x", {"step": p + 1, "phase": "verify", "slots": [{"positions": [p], "ids": [87], "pieces": ["x"]}]})
             for p in range(start, start + n)]
+    if finish:
+        out.append("data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+                   + "\n\ndata: [DONE]\n\n")
     return "".join(out)
+
+
+def test_page_stream_edges(chromium, server):
+    """A stream cut before its finish is shown as an error, not an answer, and leaves the conversation
+    with its question (it was shown as a finished answer and sent again with the next turn)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page, errors = chat_page(browser, server)
+            page.evaluate(FAKE_FETCH, [[chunks_sse(20), True], [chunks_sse(16, finish="length"), True]])
+            page.fill("#input", "one")
+            page.press("#input", "Enter")
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
+            cut = (page.get_attribute(".msg.assistant", "data-finish"), page.text_content(".msg.assistant .meta"),
+                   page.text_content("#status"))
+            page.fill("#input", "two")
+            page.press("#input", "Enter")
+            page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=5000)
+            finished = (page.get_attribute(".msg.assistant:nth-child(4)", "data-finish"), page.text_content("#status"))
+            bodies = page.evaluate("fake.bodies")
+        finally:
+            browser.close()
+    assert not errors
+    assert cut == ("error", "error: the connection closed before the answer finished", "error"), cut
+    assert finished == ("length", "ready")
+    assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
 
 
 def test_page_long_answer_stays_responsive(chromium, server):

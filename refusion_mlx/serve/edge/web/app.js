@@ -548,6 +548,9 @@ async function send(text) {
       msg.scrollIntoView({ block: "end" });
     }
     stopped();
+    // a stream cut before the API's finish (a proxy's timeout, a server gone) is not an answer: as a network
+    // error, it is shown as one, and it and its question leave the conversation
+    if (finish === null) throw new Error("the connection closed before the answer finished");
     keep(history, answer);
     current(controller, "ready", "");
   } catch (e) {
