@@ -379,16 +379,22 @@ def chunks_sse(n: int, start: int = 0, blocks: bool = True, finish: str | None =
     return "".join(out)
 
 
+def delta(text: str) -> str:
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}) + "\n\n"
+
+
 def test_page_stream_edges(chromium, server):
     """A stream cut before its finish is shown as an error, not an answer, and leaves the conversation
-    with its question (it was shown as a finished answer and sent again with the next turn)."""
+    with its question (it was shown as a finished answer and sent again with the next turn). The chat
+    follows a streamed answer down only while it is read at its bottom (it jumped there on every read)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True)
         try:
             page, errors = chat_page(browser, server)
-            page.evaluate(FAKE_FETCH, [[chunks_sse(20), True], [chunks_sse(16, finish="length"), True]])
+            page.evaluate(FAKE_FETCH, [[chunks_sse(20), True], [chunks_sse(16, finish="length"), True],
+                                       [delta("a\n" * 60), False]])
             page.fill("#input", "one")
             page.press("#input", "Enter")
             page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
@@ -399,12 +405,28 @@ def test_page_stream_edges(chromium, server):
             page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=5000)
             finished = (page.get_attribute(".msg.assistant:nth-child(4)", "data-finish"), page.text_content("#status"))
             bodies = page.evaluate("fake.bodies")
+            page.fill("#input", "three")
+            page.press("#input", "Enter")
+            last, scroll = ".msg.assistant:nth-child(6) .body", "document.getElementById('messages').scrollTop"
+            page.wait_for_function(f"document.querySelector('{last}').textContent.length == 120 && {scroll} > 0",
+                                   timeout=5000)
+            page.evaluate(f"{scroll} = 0")  # scrolled up, to read the first turn
+            page.evaluate("t => fake.push(t)", delta("b\n" * 20))
+            page.wait_for_function(f"document.querySelector('{last}').textContent.includes('b')", timeout=5000)
+            scrolled_up = page.evaluate(scroll)
+            page.evaluate(f"{scroll} = 1e6")  # back at the bottom: followed again
+            page.evaluate("t => fake.push(t)", delta("c\n" * 20))
+            page.wait_for_function(f"document.querySelector('{last}').textContent.includes('c')", timeout=5000)
+            at_bottom = page.evaluate("(l => l.scrollHeight - l.scrollTop - l.clientHeight)"
+                                      "(document.getElementById('messages'))")
+            page.click("#stop")
         finally:
             browser.close()
     assert not errors
     assert cut == ("error", "error: the connection closed before the answer finished", "error"), cut
     assert finished == ("length", "ready")
     assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
+    assert scrolled_up == 0 and at_bottom < 2, (scrolled_up, at_bottom)
 
 
 def test_page_long_answer_stays_responsive(chromium, server):

@@ -486,7 +486,12 @@ async function send(text) {
   const t0 = performance.now();
   const redraw = () => { // this answer's text and, if shown, its slots
     const body = msg.querySelector(".body");
-    if (body.textContent !== answer) body.textContent = answer;
+    if (body.textContent !== answer) {
+      const list = $("messages"); // the chat follows the answer down only if it was read at its bottom
+      const following = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
+      body.textContent = answer;
+      if (following) list.scrollTop = list.scrollHeight;
+    }
     if (state.shown === turn) renderGrid(turn);
   };
   const onEvent = async (name, data) => {
@@ -545,7 +550,6 @@ async function send(text) {
           await onEvent(name, JSON.parse(line.slice(6)));
         }
       }
-      msg.scrollIntoView({ block: "end" });
     }
     stopped();
     // a stream cut before the API's finish (a proxy's timeout, a server gone) is not an answer: as a network
