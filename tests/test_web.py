@@ -394,7 +394,7 @@ def test_page_stream_edges(chromium, server):
         try:
             page, errors = chat_page(browser, server)
             page.evaluate(FAKE_FETCH, [[chunks_sse(20), True], [chunks_sse(16, finish="length"), True],
-                                       [delta("a\n" * 60), False]])
+                                       [delta("a\n" * 60), False], [delta("d"), False]])
             page.fill("#input", "one")
             page.press("#input", "Enter")
             page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
@@ -420,6 +420,13 @@ def test_page_stream_edges(chromium, server):
             at_bottom = page.evaluate("(l => l.scrollHeight - l.scrollTop - l.clientHeight)"
                                       "(document.getElementById('messages'))")
             page.click("#stop")
+            page.wait_for_selector("#send", timeout=5000)
+            page.fill("#input", "four")
+            page.press("#input", "Enter")
+            page.wait_for_selector(".msg.assistant:nth-child(8) .body:text('d')", timeout=5000)
+            page.click("#new-chat")  # during the stream: a new, empty chat that is ready
+            page.wait_for_selector("#send", timeout=5000)
+            renewed = (page.text_content("#status"), page.locator(".msg").count())
         finally:
             browser.close()
     assert not errors
@@ -427,6 +434,7 @@ def test_page_stream_edges(chromium, server):
     assert finished == ("length", "ready")
     assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
     assert scrolled_up == 0 and at_bottom < 2, (scrolled_up, at_bottom)
+    assert renewed == ("ready", 0), renewed  # it said "stopped" (the aborted turn's status)
 
 
 def test_page_long_answer_stays_responsive(chromium, server):

@@ -594,6 +594,7 @@ function current(controller, text, kind) {
 
 function newChat() {
   if (state.controller) state.controller.abort();
+  state.controller = null; // the stopped turn is not this chat's: its status is not shown
   state.history = [];
   $("messages").replaceChildren();
   show(newTurn());
