@@ -385,7 +385,8 @@ def delta(text: str) -> str:
 
 def test_page_stream_edges(chromium, server):
     """A stream cut before its finish is shown as an error, not an answer, and leaves the conversation
-    with its question (it was shown as a finished answer and sent again with the next turn). The chat
+    with its question (it was shown as a finished answer and sent again with the next turn). A message
+    is sent as typed, but for blank lines around it (a pasted block lost its first indent). The chat
     follows a streamed answer down only while it is read at its bottom (it jumped there on every read)."""
     from playwright.sync_api import sync_playwright
 
@@ -395,7 +396,7 @@ def test_page_stream_edges(chromium, server):
             page, errors = chat_page(browser, server)
             page.evaluate(FAKE_FETCH, [[chunks_sse(20), True], [chunks_sse(16, finish="length"), True],
                                        [delta("a\n" * 60), False], [delta("d"), False]])
-            page.fill("#input", "one")
+            page.fill("#input", "\n    def f():\n        pass\n\n")  # pasted code: its indent is sent
             page.press("#input", "Enter")
             page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
             cut = (page.get_attribute(".msg.assistant", "data-finish"), page.text_content(".msg.assistant .meta"),
@@ -432,6 +433,7 @@ def test_page_stream_edges(chromium, server):
     assert not errors
     assert cut == ("error", "error: the connection closed before the answer finished", "error"), cut
     assert finished == ("length", "ready")
+    assert bodies[0]["messages"] == [{"role": "user", "content": "    def f():\n        pass"}]
     assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
     assert scrolled_up == 0 and at_bottom < 2, (scrolled_up, at_bottom)
     assert renewed == ("ready", 0), renewed  # it said "stopped" (the aborted turn's status)

@@ -604,9 +604,9 @@ function newChat() {
 function main() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
-    const text = $("input").value.trim();
-    if (!text || state.busy) return;
-    send(text);
+    const text = $("input").value;
+    if (!text.trim() || state.busy) return;
+    send(text.replace(/^\s*\n/, "").trimEnd()); // blank lines around it go; a first line's indent stays
   });
   $("input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) { // not an IME's Enter
