@@ -387,7 +387,8 @@ def test_page_stream_edges(chromium, server):
     """A stream cut before its finish is shown as an error, not an answer, and leaves the conversation
     with its question (it was shown as a finished answer and sent again with the next turn). A message
     is sent as typed, but for blank lines around it (a pasted block lost its first indent). The chat
-    follows a streamed answer down only while it is read at its bottom (it jumped there on every read)."""
+    follows a streamed answer down only while it is read at its bottom (it jumped there on every read).
+    The keyboard: Stop has it during a stream, Escape stops, Enter on an answer shows its slots."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -420,8 +421,16 @@ def test_page_stream_edges(chromium, server):
             page.wait_for_function(f"document.querySelector('{last}').textContent.includes('c')", timeout=5000)
             at_bottom = page.evaluate("(l => l.scrollHeight - l.scrollTop - l.clientHeight)"
                                       "(document.getElementById('messages'))")
-            page.click("#stop")
+            focused = page.evaluate("document.activeElement.id")  # the box is disabled: Stop has the keyboard
+            page.keyboard.press("Escape")  # stops
             page.wait_for_selector("#send", timeout=5000)
+            escaped = page.get_attribute(".msg.assistant:nth-child(6)", "data-finish")
+            page.focus(".msg.assistant")
+            page.keyboard.press("Enter")  # the first answer's slots, by keyboard
+            shown = page.eval_on_selector(".msg.assistant", "m => m.classList.contains('shown')")
+            labels = page.evaluate("""() => [document.getElementById('system').labels[0].textContent,
+                document.getElementById('json-schema').labels[0].textContent,
+                document.getElementById('status').getAttribute('role')]""")
             page.fill("#input", "four")
             page.press("#input", "Enter")
             page.wait_for_selector(".msg.assistant:nth-child(8) .body:text('d')", timeout=5000)
@@ -436,6 +445,8 @@ def test_page_stream_edges(chromium, server):
     assert bodies[0]["messages"] == [{"role": "user", "content": "    def f():\n        pass"}]
     assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
     assert scrolled_up == 0 and at_bottom < 2, (scrolled_up, at_bottom)
+    assert (focused, escaped, shown) == ("stop", "stopped", True)
+    assert labels == ["System prompt", "JSON schema", "status"]
     assert renewed == ("ready", 0), renewed  # it said "stopped" (the aborted turn's status)
 
 

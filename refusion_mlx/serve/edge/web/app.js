@@ -379,10 +379,12 @@ function addMessage(role, text) {
 }
 
 function setBusy(busy) {
+  const typing = document.activeElement === $("input") || document.activeElement === $("send");
   state.busy = busy;
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   $("input").disabled = busy;
+  if (busy && typing) $("stop").focus(); // the box is disabled: the keyboard is on Stop (Escape stops, too)
 }
 
 // Drawing waits for the next animation frame: a burst of events (a long answer, a stream read at once) is
@@ -470,6 +472,13 @@ async function send(text) {
   const msg = addMessage("assistant", "");
   msg.classList.add("streaming");
   msg.addEventListener("click", () => show(turn, msg));
+  msg.tabIndex = 0; // the keyboard's way to an answer's slots: Enter or Space on it
+  msg.addEventListener("keydown", (e) => {
+    if (e.target === msg && (e.key === "Enter" || e.key === " ")) {
+      e.preventDefault();
+      show(turn, msg);
+    }
+  });
   show(turn, msg);
   const api = APIS[$("api").value];
   const body = api.body(history, system, decoding, schema);
@@ -615,6 +624,9 @@ function main() {
     }
   });
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  document.addEventListener("keydown", (e) => { // Escape stops a stream (not when it closes the key dialog)
+    if (e.key === "Escape" && state.busy && state.controller && !$("key-dialog").open) state.controller.abort();
+  });
   $("new-chat").addEventListener("click", newChat);
   $("reset").addEventListener("click", () => {
     $("settings-form").reset();
