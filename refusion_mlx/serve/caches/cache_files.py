@@ -103,12 +103,12 @@ class CacheDir:
         used of this model's files, and the entry is written once more: the newest conversations are the
         ones kept (else the first few files would be, and every later write fail)."""
         arrays = cache.to_arrays()
-        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:  # it would push every other file out
+        size = sum(a.nbytes for a in arrays.values())
+        if size > self.max_bytes:  # it would push every other file out
             return
         final = self.path / entry_name(self.fingerprint, owner, tokens)
         error = self._write(final, arrays, owner)
-        if error is not None and getattr(error, "errno", None) in FULL and self._make_room(
-                sum(a.nbytes for a in arrays.values()), keep=final):
+        if error is not None and getattr(error, "errno", None) in FULL and self._make_room(size, keep=final):
             error = self._write(final, arrays, owner)
         if error is not None:
             log.warning("prompt cache: cannot write %s: %s", final, getattr(error, "strerror", None) or error)
