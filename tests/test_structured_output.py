@@ -377,3 +377,15 @@ def test_constraints_compile_once_on_the_requests_thread(server, oai, monkeypatc
     assert sorted(kind for kind, _ in compiled) == ["json_schema", "tool_calls"]
     assert all(name != "refusion-engine" for _, name in compiled)
     assert engine == []
+
+
+def test_the_grammar_engine_view_of_the_tokenizer_is_built_at_start(server):
+    """llguidance's view of the tokenizer (seconds at 151k tokens, in a lane's lock) is made while the server
+    starts, once, and shared by both lanes: the first request with tools does not build it."""
+    from refusion_mlx.decode.ll_tokenizer import _TOKENIZERS, hf_tokenizer
+
+    engine = server.engine
+    views = [_TOKENIZERS.get(hf_tokenizer(t), {}) for t in (engine.tokenizer, *engine.http_tokenizers)]
+    key = (engine.args.vocab_size, engine.eos_id)
+    assert all(key in v for v in views)
+    assert len({id(v[key]) for v in views}) == 1

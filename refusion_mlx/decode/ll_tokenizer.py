@@ -61,12 +61,7 @@ def ll_tokenizer(tokenizer, vocab: int, eos_id: int):
     import llguidance
     import llguidance.hf
 
-    hf = hf_tokenizer(tokenizer)
-    key = (vocab, eos_id)
-    try:
-        cached = _TOKENIZERS.setdefault(hf, {})
-    except TypeError:  # not weakly referable: not cached
-        cached = {}
+    hf, cached, key = hf_tokenizer(tokenizer), _cached(tokenizer), (vocab, eos_id)
     if key not in cached:
         try:
             seen = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=eos_id, slices=[])
@@ -75,6 +70,28 @@ def ll_tokenizer(tokenizer, vocab: int, eos_id: int):
         except Exception as e:
             raise DecodeError(f"constrained decoding needs a Hugging Face fast tokenizer ({e})") from None
     return cached[key]
+
+
+def _cached(tokenizer) -> dict:
+    """The views built for ``tokenizer``'s Hugging Face tokenizer, by (vocab, eos id)."""
+    try:
+        return _TOKENIZERS.setdefault(hf_tokenizer(tokenizer), {})
+    except TypeError:  # not weakly referable: not cached
+        return {}
+
+
+def warm(tokenizer, copies, vocab: int, eos_id: int) -> None:
+    """Build the view of ``tokenizer`` now and give it to ``copies`` too
+    (tokenizers loaded from the same folder, used on other threads: the view
+    reads none of them once built), so that no request waits seconds for it:
+    a server's first call with tools otherwise did, its lane held meanwhile.
+    A tokenizer llguidance cannot read is left to the first request to say so."""
+    try:
+        built = ll_tokenizer(tokenizer, vocab, eos_id)
+    except DecodeError:
+        return
+    for copy in copies:
+        _cached(copy)[(vocab, eos_id)] = built
 
 
 def one_token(tokenizer, text: str) -> bool:

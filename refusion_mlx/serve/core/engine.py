@@ -176,6 +176,7 @@ class Engine:
     def _run(self) -> None:
         try:
             from ...decode.batch import BatchGenerator
+            from ...decode.ll_tokenizer import warm as ll_warm
             from ...models.loading import load, load_tokenizer
 
             if self.dist is not None and self.dist.seed is not None:  # MLX's generator is this thread's own:
@@ -190,6 +191,7 @@ class Engine:
             self.args, self.eos_id = self.model.args, self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizers = (load_tokenizer(self.model.model_path), load_tokenizer(self.model.model_path))
+            ll_warm(self.tokenizer, self.http_tokenizers, self.args.vocab_size, self.eos_id)  # tools' grammars
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
                                       storage=self.storage)  # checked against the model's head dimension
             self.kv_cost, self.max_kv_bytes = admission_budget(self.model, self.storage, config.max_kv_bytes,
