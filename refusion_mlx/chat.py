@@ -12,8 +12,8 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, output_file, params_from_args,
-                  run, storage_from_args)
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, output_file,
+                  params_from_args, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
@@ -34,6 +34,7 @@ def build_parser() -> OneLineParser:
     add_model_args(parser)
     add_distributed_args(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
+    add_template_arg(parser)
     add_decoding_args(parser)
     add_kv_args(parser)
     parser.add_argument("--no-reuse", action="store_true",
@@ -75,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if trace is not None:
             trace.tokenizer = tokenizer
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse,
-                              storage=storage)
+                              storage=storage, template_kwargs=args.chat_template_config)
     except RefusionError as e:
         say_error(str(e))  # one line per problem
         return 1

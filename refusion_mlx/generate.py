@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from ._blas import describe as blas_description
 from ._callable import make_callable
-from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, fitted, params_from_args,
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fitted, params_from_args,
                   positive_int, read_input, read_text, run, storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     parser.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
                         help="tokenize the prompt as is")
+    add_template_arg(parser)
     add_decoding_args(parser)
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE|JSON",
@@ -68,6 +69,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.no_chat_template and args.system is not None:  # mlx-lm drops the system prompt there, unsaid
         parser.error("--system needs the chat template: --ignore-chat-template tokenizes the prompt as is")
+    if args.no_chat_template and args.chat_template_config is not None:
+        parser.error("--chat-template-config needs the chat template: --ignore-chat-template tokenizes the prompt "
+                     "as is")
 
     def body() -> int:
         params = params_from_args(args)
@@ -84,7 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
         ready(dist)
-        ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template)
+        ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template,
+                          template_kwargs=args.chat_template_config)
         params = fitted(params, len(ids), model, args.gen_length)  # the default shrunk to what the context leaves
         text, tokens, last = "", [], None
         with watchdog.armed():
@@ -139,8 +144,8 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
     storage = storage_from_args(args, model)  # the group size against the model's head dimension
     ready(dist)
-    ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template)
-           for it in items]
+    ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template,
+                       template_kwargs=args.chat_template_config) for it in items]
     params = [fitted_or_as_is(it, len(p), model, args.gen_length, f"[{i}] ")
               for i, (it, p) in enumerate(zip(items, ids))]
     with watchdog.armed():

@@ -8,7 +8,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args
+from .cli import OneLineParser, add_decoding_args, add_model_args, add_template_arg
 from .cli.launch import add_distributed_args, join
 from .distributed.group import say_error
 from .errors import RefusionError
@@ -29,6 +29,7 @@ def build_parser() -> OneLineParser:
     add_model_args(parser)  # --model, --adapter-path, --dtype
     add_distributed_args(parser)  # --pipeline (under mlx.launch)
     add_decoding_args(parser)  # server-wide defaults; requests override them
+    add_template_arg(parser)  # --chat-template-config (mlx_lm.server's --chat-template-args)
     add_server_args(parser)  # --host, --port, --max-batch, ...: ServerConfig's fields
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser

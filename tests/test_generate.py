@@ -231,6 +231,36 @@ def test_a_message_that_spells_a_special_token_is_text(demo):
     assert tok.decode(chat_prompt(tok, spoof)).count("SECRET") == 1
 
 
+def test_chat_template_variables_reach_the_template(demo, capsys):
+    """mlx-lm's --chat-template-config: the template's own variables (Qwen3's ``enable_thinking``), in
+    Python (chat_prompt, ChatSession) and on the command line; names the call sets itself are refused."""
+    from refusion_mlx.decode.conversation import ChatSession
+    from refusion_mlx.generate import chat_prompt
+
+    model, tok = demo
+    plain = chat_prompt(tok, "Who is Sven?")
+    quiet = chat_prompt(tok, "Who is Sven?", template_kwargs={"enable_thinking": False})
+    assert quiet[:len(plain)] == plain and tok.decode(quiet[len(plain):]) == "<think>\n\n</think>\n\n"
+    forged = {"enable_thinking": False, "note": "<|im_end|>"}  # a variable's text is text, as a message's is
+    assert chat_prompt(tok, "Who is Sven?", template_kwargs=forged) == quiet
+    session = ChatSession(model, tok, make_params(max_tokens=8), template_kwargs={"enable_thinking": False})
+    session.messages.append({"role": "user", "content": "Who is Sven?"})
+    assert session.prompt_ids() == quiet
+    for bad, needle in (([1], "must be an object"), ({"tools": []}, "set by the prompt itself"),
+                        ({"x y": 1}, "not a template variable's name"), ({"x": object()}, "JSON values only")):
+        with pytest.raises(DecodeError, match=needle):
+            chat_prompt(tok, "hi", template_kwargs=bad)
+    assert main(["--prompt", "Who is Sven?", "--max-tokens", "8", "--json", "--chat-template-config",
+                 '{"enable_thinking": false}']) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == quiet
+    for flags, needle in ((["--chat-template-config", "{x}"], "not JSON"),
+                          (["--chat-template-args", '{"messages": 1}'], "set by the prompt itself"),
+                          (["--ignore-chat-template", "--chat-template-config", "{}"], "needs the chat template")):
+        with pytest.raises(SystemExit) as e:
+            main(flags)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_a_template_reads_a_content_that_spells_a_special_token_as_it_is(demo_copy):
     """Only the spelling itself is set aside: a template's filters (``| trim``) see the content's text."""
     import json as json_

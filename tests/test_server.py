@@ -266,6 +266,9 @@ def test_docs_and_openapi(server):
     ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
     ({"store": "yes"}, "store"), ({"metadata": "x"}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
     ({"reasoning_effort": "ultra"}, "reasoning_effort"), ({"verbosity": 3}, "verbosity"),  # OpenAI's 400s
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"a-b": 1}}, "chat_template_kwargs"),
 ])
 def test_pydantic_errors_are_400_in_the_openai_envelope(server, fields, param):
     err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)
@@ -293,6 +296,28 @@ def test_openai_fields_that_change_nothing_are_taken(client, expected):
     r = chat(client, p, store=False, metadata={"app": "x"}, service_tier="auto", reasoning_effort="low",
              extra_body={"verbosity": "low"})
     assert r.choices[0].message.content == expected[p]
+
+
+def test_chat_template_kwargs_reach_the_template_over_the_servers_own(client, server):
+    """mlx_lm.server's and vLLM's ``chat_template_kwargs`` (a Qwen3 client's ``enable_thinking: false``)
+    were ignored: the prompt was the thinking one. They reach the template, over --chat-template-config."""
+    def prompt_tokens(**kw):
+        return chat(client, "Who is Sven?", max_tokens=2, **kw).usage.prompt_tokens
+
+    from refusion_mlx.generate import chat_prompt
+
+    thinking = prompt_tokens()
+    quiet = len(chat_prompt(server.engine.tokenizer, "Who is Sven?", template_kwargs={"enable_thinking": False}))
+    assert quiet > thinking
+    assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == quiet
+    assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == thinking
+    config = server.engine.config  # the server's own, under a request's
+    object.__setattr__(config, "chat_template_config", {"enable_thinking": False})
+    try:
+        assert prompt_tokens() == quiet
+        assert prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == thinking
+    finally:
+        object.__setattr__(config, "chat_template_config", None)
 
 
 def test_a_replayed_refusal_is_the_assistants_text(client, server):
@@ -756,6 +781,7 @@ def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
     (["--header-timeout", "-1"], "--header-timeout: must be a positive number of seconds"),
     (["--max-connections", "0"], "--max-connections: must be >= 1"),
     (["--max-stored-response-bytes", "lots"], "invalid size"),
+    (["--chat-template-config", "{enable_thinking: false}"], "--chat-template-config"),
 ])
 def test_cli_bad_flags_one_line(flags, needle):
     r = subprocess.run([sys.executable, "-m", "refusion_mlx.server", *flags], capture_output=True,

@@ -10,6 +10,7 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -60,7 +61,7 @@ def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype
     ``adapters=False`` leaves --adapter-path to a command that means something
     else by it (fuse); ``dtype_default``/``dtype_help`` for a command whose
     --dtype has another default or meaning (bench, fuse)."""
-    parser.add_argument("--model", type=model_name, help=model_help)
+    parser.add_argument("--model", "-m", type=model_name, help=model_help)
     if adapters:
         add_adapter_arg(parser)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=dtype_default,
@@ -106,6 +107,28 @@ def in_flags(message: str) -> str:
     """A message of the Python API (``gen_length must be ...``) in the flags the user typed (``--max-tokens``)."""
     message = message.replace("gen_length (max_tokens)", "gen_length")
     return re.sub(r"(?<![\w-])(" + "|".join(FLAG_OF) + r")(?![\w-])", lambda m: FLAG_OF[m.group(1)], message)
+
+
+def add_template_arg(parser: argparse.ArgumentParser) -> None:
+    """--chat-template-config (mlx-lm's generate; --chat-template-args, its
+    server's): the chat template's own variables, as a JSON object."""
+    parser.add_argument("--chat-template-config", "--chat-template-args", dest="chat_template_config",
+                        type=template_json, metavar="JSON",
+                        help='the chat template\'s own variables, a JSON object: \'{"enable_thinking": false}\'')
+
+
+def template_json(text: str) -> dict:
+    """argparse type: a JSON object of chat template variables (``decode.stream.template_options``)."""
+    from ..decode.stream import template_options
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    try:
+        return template_options(value, "the value")
+    except DecodeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .prefix import common_prefix
 
@@ -51,14 +51,18 @@ class ChatSession:
     ``turn_params`` (the turn's settings) and its record's ``max_tokens`` say.
     ``kv_bits`` / ``kv_group_size``: keep the conversation's keys and values
     quantized (``decode/kv_quant.py``), turn after turn (or ``storage``, a
-    :class:`~.kv_store.KVStorage` already made).
+    :class:`~.kv_store.KVStorage` already made). ``template_kwargs``: the
+    chat template's own variables, every turn (``{"enable_thinking": False}``).
     """
 
     def __init__(self, model, tokenizer, params=None, system: Optional[str] = None, reuse: bool = True, *,
                  kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
-                 storage=None):
+                 storage=None, template_kwargs: Optional[Dict[str, Any]] = None):
         from .kv_store import KVStorage
         from .params import RefusionParams
+        from .stream import template_options
+
+        self.template_kwargs = template_options(template_kwargs) if template_kwargs else None
 
         self.storage = KVStorage.given(storage, kv_bits, kv_group_size, model)  # a bad setting fails here
         self.model = model
@@ -87,7 +91,7 @@ class ChatSession:
     def prompt_ids(self) -> List[int]:
         from .stream import chat_prompt
 
-        return chat_prompt(self.tokenizer, self.messages, system=self.system)
+        return chat_prompt(self.tokenizer, self.messages, system=self.system, template_kwargs=self.template_kwargs)
 
     def _reusable(self, ids: List[int]) -> int:
         """Cut the cache to the longest prefix of ``ids`` it holds; return its length."""

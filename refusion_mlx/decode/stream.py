@@ -7,6 +7,7 @@ of the answer grew) and the slots committed at that step, for visualisers.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import sys
@@ -22,17 +23,26 @@ from .params import RefusionParams, make_params
 from .prompt import checked_text
 from .stats import DecodeStats
 
-__all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate"]
+__all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate", "template_options"]
+
+# apply_chat_template's own arguments and what a chat prompt sets itself: no template variable of a caller's
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs", "kwargs"})
 
 
 def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Optional[str] = None,
                 chat_template: bool = True, tools: Optional[List[Dict[str, Any]]] = None,
-                prefill: bool = False) -> List[int]:
+                prefill: bool = False, template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
     """Prompt ids as the reference builds them: chat template, then tokenize.
     ``tools``: function tools (``{"type": "function", "function": {...}}``)
     given to the template, which renders them (and tool messages) its own way.
     ``prefill``: the last message (the assistant's) is left open, for the
-    answer to continue it, instead of a new assistant turn after it."""
+    answer to continue it, instead of a new assistant turn after it.
+    ``template_kwargs``: the template's own variables (mlx-lm's
+    ``--chat-template-config``, e.g. ``{"enable_thinking": False}``), checked
+    by :func:`template_options`."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -41,7 +51,8 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
-        return _chat_ids(tokenizer, messages, {**opening, **({"tools": tools} if tools else {})})
+        own = template_options(template_kwargs) if template_kwargs else {}
+        return _chat_ids(tokenizer, messages, {**own, **opening, **({"tools": tools} if tools else {})})
     else:
         if not all(isinstance(m.get("content"), str) for m in messages):
             raise DecodeError("without a chat template every message's content must be text")
@@ -61,8 +72,7 @@ def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any])
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the Hugging Face tokenizer
     specials = sorted({t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values()
                        if getattr(t, "special", False) and t.content}, key=len, reverse=True)
-    tools = kwargs.get("tools")
-    carried = [s for m in messages for s in _carried(m)] + list(_strings(tools))
+    carried = [s for m in messages for s in _carried(m)] + list(_strings(kwargs))  # tools, template variables
     if not any(sp in s for s in carried for sp in specials):
         return list(tokenizer.encode(render_chat(tokenizer, messages, **kwargs)))
     nonce = secrets.token_hex(4)
@@ -79,7 +89,7 @@ def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any])
 
     marked = [{k: v if k == "role" or (k == "content" and m.get("role") == "assistant") else _changed(v, mark)
                for k, v in m.items()} for m in messages]
-    text = render_chat(tokenizer, marked, **{**kwargs, **({"tools": _changed(tools, mark)} if tools else {})})
+    text = render_chat(tokenizer, marked, **_changed(kwargs, mark))
     ids: List[int] = []
     for j, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", text)):
         if j % 2:  # a special token's spelling, as text
@@ -141,9 +151,30 @@ def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
     return message
 
 
+def template_options(value: Any, what: str = "template_kwargs") -> Dict[str, Any]:
+    """``value`` as variables for a chat template (``enable_thinking``, a
+    template's own switches): an object of JSON values whose names are not
+    the template call's own arguments (messages, tools, the turn's opening),
+    else one DecodeError naming ``what``."""
+    if not isinstance(value, dict):
+        raise DecodeError(f"{what} must be an object of the chat template's variables, e.g. "
+                          f'{{"enable_thinking": false}}; got {type(value).__name__}')
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DecodeError(f"{what}: {name!r} is not a template variable's name")
+        if name in TEMPLATE_ARGUMENTS:
+            raise DecodeError(f"{what}: {name!r} is set by the prompt itself, not a template variable")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise DecodeError(f"{what} must hold JSON values only: {e}") from None
+    return dict(value)
+
+
 def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
     """The chat template's text of ``messages`` (``kwargs``: the template's
-    own, e.g. ``add_generation_prompt``, ``tools``), thinking enabled; a
+    own, e.g. ``add_generation_prompt``, ``tools``), thinking enabled unless
+    ``kwargs`` say otherwise; a
     message that is not text, or a template that fails (a syntax error, its
     own ``raise_exception``), is one DecodeError; one whose size limit a
     prompt of millions of characters met says the prompt is too long."""
@@ -152,7 +183,7 @@ def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
             checked_text(m["content"], f"a {m.get('role', 'user')} message")
     try:
         with step_limit(tokenizer):  # a model folder's template is code: bounded steps and sizes
-            return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=True, **kwargs)
+            return tokenizer.apply_chat_template(messages, tokenize=False, **{"enable_thinking": True, **kwargs})
     except Exception as e:  # jinja2's errors (a limit's too), and what a template raises on purpose
         from jinja2.exceptions import SecurityError
 

@@ -17,12 +17,13 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..cli import add_kv_args, byte_size, params_from_args
 from ..decode.kv_store import KVStorage
 from ..decode.params import RefusionParams
-from ..errors import RefusionError
+from ..decode.stream import template_options
+from ..errors import DecodeError, RefusionError
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_QUEUE = 256
@@ -92,6 +93,7 @@ class ServerConfig:
     max_connections: Optional[int] = None  # None: the descriptor limit less a reserve (edge/connections.py)
     prompt_cache_scope: str = "user"
     call_grammar: str = "all"
+    chat_template_config: Optional[Dict[str, Any]] = None  # the chat template's variables, a request's over them
     storage: KVStorage = dataclasses.field(init=False, repr=False, compare=False)  # of kv_bits, kv_group_size
 
     def __post_init__(self):
@@ -128,6 +130,11 @@ class ServerConfig:
                                 f"got {self.prompt_cache_scope!r}")
         if self.call_grammar not in CALL_GRAMMARS:
             raise RefusionError(f"call_grammar must be one of {', '.join(CALL_GRAMMARS)}, got {self.call_grammar!r}")
+        if self.chat_template_config is not None:
+            try:
+                template_options(self.chat_template_config, "chat_template_config")
+            except DecodeError as e:
+                raise RefusionError(str(e)) from None
         for name in ("body_timeout", "header_timeout"):
             seconds = getattr(self, name)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:

@@ -228,8 +228,9 @@ class Answering:
             tokenizer = lane.tokenizer
             if isinstance(source, (ChatPrompt, list)):
                 prompt = source if isinstance(source, ChatPrompt) else ChatPrompt(source)
+                options = {**(self.config.chat_template_config or {}), **(prompt.template_kwargs or {})}
                 return chat_prompt(tokenizer, prompt.messages, tools=list(prompt.tools) or None,
-                                   prefill=prompt.prefill)
+                                   prefill=prompt.prefill, template_kwargs=options or None)
             return list(tokenizer.encode(source))
 
     def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:

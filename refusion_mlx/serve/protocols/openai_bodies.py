@@ -19,6 +19,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
+from ...decode.stream import template_options
+from ...errors import DecodeError
 from .bodies import (MAX_STOP, STRICT, UNSERVED, StreamOptions, decoding_given, field_error, include_commits,
                      refusing, with_decoding)
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
@@ -150,6 +152,9 @@ class ChatCompletionRequest(_Body):
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(
+        None, description='the chat template\'s own variables, over the server\'s --chat-template-config '
+                          '(mlx_lm.server\'s and vLLM\'s field): {"enable_thinking": false}')
 
     # OpenAI's fields that change nothing here, typed as OpenAI types them (a bad value is its 400)
     store: Optional[bool] = Field(None, description="accepted: chat completions are not stored")
@@ -158,6 +163,14 @@ class ChatCompletionRequest(_Body):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
         None, description="accepted: this model does not reason before answering")
     verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        try:
+            return None if value is None else template_options(value, "chat_template_kwargs")
+        except DecodeError as e:
+            raise field_error(str(e).removeprefix("chat_template_kwargs: ")) from None
 
     _refuse = refusing(HARMLESS, "n", "logprobs", "top_logprobs", "response_format", foreign=FOREIGN_CONSTRAINTS)
 
@@ -272,7 +285,8 @@ def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) 
     engine's draft request; ``index``: which of a text completion's prompts."""
     param = "messages" if kind == "chat" else "prompt"
     tools = chat_tools(body, terms.takes_tools) if kind == "chat" else ()
-    source = ChatPrompt(openai_messages(body.messages), tools) if kind == "chat" else body.prompt[index]
+    source = (ChatPrompt(openai_messages(body.messages), tools, template_kwargs=body.chat_template_kwargs)
+              if kind == "chat" else body.prompt[index])
     ids = terms.prompt_ids(source, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
