@@ -730,3 +730,29 @@ def test_default_dtype_is_float32_on_cpu(set_paths):
     model, _ = load()
     if mx.default_device() == mx.cpu:
         assert model.model.norm.weight.dtype == mx.float32
+
+
+def test_the_python_apis_default_budget_is_shrunk_to_the_context(demo):
+    """As the commands and the server do: a prompt that leaves less than the default 512 tokens gets
+    what it leaves (it was refused for a max_tokens the caller never gave); a budget given is the
+    caller's, refused when it does not fit."""
+    import refusion_mlx as rm
+    from refusion_mlx.decode.cache import CommittedCache
+
+    model, tok = demo
+    context = model.args.max_position_embeddings
+    ids = tok.encode(" ".join(["Sven"] * 40))
+    ids = (ids * (context // len(ids) + 1))[:context - 100]  # leaves 100 positions: 25 slots of 4
+    last = None
+    for last in rm.stream_generate(model, tok, ids, slot_size=4):
+        pass
+    assert last.finish_reason in ("stop", "length") and last.generation_tokens <= 100
+    assert [r.error for r in rm.batch_generate(model, tok, [ids, [17, 18]])] == [None, None]
+    with pytest.raises(DecodeError, match="max_tokens 200 exceeds"):
+        rm.generate(model, tok, ids, max_tokens=200)
+    cache = CommittedCache.for_model(model)  # a conversation's next turn: the cache's rows count too
+    for _ in rm.stream_generate(model, tok, ids[:context - 600], cache=cache, max_tokens=8):
+        pass
+    assert rm.generate(model, tok, ids[:480], cache=cache) is not None
+    with pytest.raises(DecodeError, match="leaves no whole slot"):
+        rm.generate(model, tok, ids + [17] * 99)

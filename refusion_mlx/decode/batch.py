@@ -27,10 +27,11 @@ from ..errors import DecodeError, RefusionError, brief
 from .answer import AnswerText, end_ids
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
+from .fit import fitted_default
 from .forward import run_passes
 from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
-from .params import RefusionParams, make_params
+from .params import RefusionParams, budget_given, make_params
 from .prompt import prompt_ids, prompt_list, wrapped
 from .response import GenerationResponse
 from .stats import DecodeStats
@@ -106,7 +107,7 @@ class BatchGenerator:
 
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
                cache: Optional[CommittedCache] = None, constraint: Union[Constraint, Compiled, None] = None,
-               logprobs: Optional[int] = None) -> int:
+               logprobs: Optional[int] = None, fit: bool = False) -> int:
         """Queue a request; returns its uid. A prompt over the context raises
         ``DecodeError`` here, before anything is queued.
 
@@ -122,6 +123,9 @@ class BatchGenerator:
         ``DecodeError`` here. ``logprobs``: each
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
+        ``fit`` (and ``params`` None): ``params``' budget is a default, not
+        the caller's, shrunk to the whole slots the context leaves after the
+        prompt (``decode.fit``, as the commands and the server shrink theirs).
         """
         if params is not None and not isinstance(params, RefusionParams):
             raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "
@@ -142,7 +146,10 @@ class BatchGenerator:
                                          self.eos_id)
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
-        decoder = RefusionDecoder(self.model, ids, params or RefusionParams(), mask_id=self.mask_id,
+        if params is None or fit:
+            used = (max(cache.positions) + 1 if cache.positions else 0) + len(ids)
+            params = fitted_default(params or RefusionParams(), used, self.model.args.max_position_embeddings)
+        decoder = RefusionDecoder(self.model, ids, params, mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
@@ -324,6 +331,7 @@ def stream_batch(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
 def _stream(model, tokenizer, prompts: List[Union[List[int], DecodeError]], params, max_batch: int,
             constraints, storage: Optional[KVStorage], kwargs) -> Iterator[Tuple[int, GenerationResponse]]:
     per_prompt = _params_per_prompt(params, kwargs, len(prompts))
+    fit = params is None and not budget_given(kwargs)  # a default budget: each prompt's shrunk to fit
     constraints = list(constraints) if constraints is not None else [None] * len(prompts)
     if len(constraints) != len(prompts):
         raise DecodeError(f"{len(constraints)} constraints for {len(prompts)} prompts")
@@ -334,7 +342,7 @@ def _stream(model, tokenizer, prompts: List[Union[List[int], DecodeError]], para
             try:
                 if isinstance(ids, DecodeError):
                     raise ids
-                index[gen.insert(ids, p, constraint=c)] = i
+                index[gen.insert(ids, p, constraint=c, fit=fit)] = i
             except RefusionError as e:  # this prompt fails alone
                 yield i, GenerationResponse("", [], [], "", 0, len(ids) if isinstance(ids, list) else 0, 0,
                                             finish_reason="error", error=str(e))

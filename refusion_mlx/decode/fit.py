@@ -18,7 +18,7 @@ from ..errors import DecodeError
 from .params import RefusionParams
 from .params import budget as budget_of
 
-__all__ = ["ContextError", "Fit", "fit_budget"]
+__all__ = ["ContextError", "Fit", "fit_budget", "fitted_default"]
 
 
 class ContextError(DecodeError):
@@ -46,6 +46,12 @@ def own_blocks(params: RefusionParams) -> Dict[str, Any]:
     ``block_length``), as :func:`fit_budget`'s ``fields``: settings a command
     was given are the reference's contract, as a request's own are."""
     return {k: getattr(params, k) for k in ("serial_num_blocks", "block_length") if getattr(params, k) is not None}
+
+
+def fitted_default(params: RefusionParams, prompt_tokens: int, context: int) -> RefusionParams:
+    """``params`` whose budget is a default (the caller asked none: the Python
+    API's), shrunk to what the context leaves after ``prompt_tokens``."""
+    return fit_budget(prompt_tokens, context, params, own_blocks(params)).params
 
 
 def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, fields: Optional[Dict[str, Any]] = None,

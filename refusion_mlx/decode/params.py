@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -241,6 +241,12 @@ MLX_LM_HINTS = {
     "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row)",
     "quantized_kv_start": "quantized_kv_start: not supported: kv_bits quantizes the cache from its first row",
 }
+
+
+def budget_given(kwargs: Dict[str, Any]) -> bool:
+    """Whether decoding keywords name a budget (``max_tokens`` or ``gen_length``); else the default's is
+    shrunk to what the context leaves (``BatchGenerator.insert``'s ``fit``)."""
+    return any(kwargs.get(k) is not None for k in ("gen_length", *(a for a, n in ALIASES.items() if n == "gen_length")))
 
 
 def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:

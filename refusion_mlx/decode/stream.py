@@ -19,7 +19,7 @@ from .batch import BatchGenerator, GenerationResponse, check_form
 from .cache import CommittedCache
 from .grammar import constraint_of
 from .kv_store import KVStorage
-from .params import RefusionParams, make_params
+from .params import RefusionParams, budget_given, make_params
 from .prompt import checked_text
 from .stats import DecodeStats
 
@@ -228,7 +228,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     gen = BatchGenerator(model, tokenizer, max_batch=1, storage=KVStorage.given(storage, kv_bits, kv_group_size))
     if cache is not None and (storage is not None or kv_bits is not None or kv_group_size is not None):
         check_form(cache, gen.storage)
-    uid = gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint)
+    uid = gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint,
+                     fit=params is None and not budget_given(kwargs))
     try:
         while gen.has_work:
             for response in gen.step():
