@@ -756,3 +756,40 @@ def test_the_python_apis_default_budget_is_shrunk_to_the_context(demo):
     assert rm.generate(model, tok, ids[:480], cache=cache) is not None
     with pytest.raises(DecodeError, match="leaves no whole slot"):
         rm.generate(model, tok, ids + [17] * 99)
+
+
+def test_a_tokenizer_that_adds_a_bos_and_a_template_that_writes_one_make_one(tmp_path):
+    """Llama-3's way: the tokenizer adds a BOS and the template writes one. The template's text is tokenized
+    as Hugging Face's apply_chat_template does (nothing added), and a text that begins with the BOS gets
+    no second one (mlx-lm's rule); both had two."""
+    import shutil
+
+    from refusion_mlx.decode.prompt import prompt_ids
+    from refusion_mlx.generate import chat_prompt
+    from refusion_mlx.models.loading import load_tokenizer
+
+    for name in os.listdir(DEMO_MODEL):
+        if name != "model.safetensors":
+            shutil.copy(DEMO_MODEL / name, tmp_path / name)
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = "<|beginoftext|>"
+    bos_id = next(t["id"] for t in data["added_tokens"] if t["content"] == bos)
+    data["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}], "pair": [
+        {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+        {"Sequence": {"id": "B", "type_id": 1}}], "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(bos_token=bos, add_bos_token=True, chat_template="{{- bos_token -}}" + config["chat_template"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("hi")[0] == bos_id  # the tokenizer adds one
+    messages = [{"role": "user", "content": "Who is Sven?"}]
+    ids = chat_prompt(tok, messages)
+    assert ids.count(bos_id) == 1 and ids == list(tok._tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=True, return_dict=False))
+    assert chat_prompt(tok, [{"role": "user", "content": "<|im_end|>"}]).count(bos_id) == 1  # a spelled token too
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt_ids(tok, text) == ids
+    assert prompt_ids(tok, "Who is Sven?")[0] == bos_id

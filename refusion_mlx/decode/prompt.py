@@ -62,10 +62,24 @@ def wrapped(tokenizer):
 
 
 def prompt_ids(tokenizer, prompt: Union[str, Sequence[int]], what: str = "the prompt") -> List[int]:
-    """The ids of one prompt: text tokenized as is, or token ids as given."""
+    """The ids of one prompt: text tokenized as is (the tokenizer's BOS added
+    unless the text begins with it, as mlx-lm takes a templated text), or
+    token ids as given."""
     if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and checked_text(prompt, what).startswith(bos):
+            return bare_ids(tokenizer, prompt)
         return list(tokenizer.encode(checked_text(prompt, what)))
     return token_ids(prompt, what)
+
+
+def bare_ids(tokenizer, text: str) -> List[int]:
+    """``text``'s ids with nothing added around them (no BOS), as Hugging
+    Face's ``apply_chat_template`` tokenizes a template's text."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # a tokenizer without the switch
+        return list(tokenizer.encode(text))
 
 
 def prompt_list(prompts: Any) -> list:

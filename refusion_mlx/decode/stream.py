@@ -20,7 +20,7 @@ from .cache import CommittedCache
 from .grammar import constraint_of
 from .kv_store import KVStorage
 from .params import RefusionParams, budget_given, make_params
-from .prompt import checked_text
+from .prompt import bare_ids, checked_text
 from .stats import DecodeStats
 
 __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate", "template_options"]
@@ -74,7 +74,7 @@ def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any])
                        if getattr(t, "special", False) and t.content}, key=len, reverse=True)
     carried = [s for m in messages for s in _carried(m)] + list(_strings(kwargs))  # tools, template variables
     if not any(sp in s for s in carried for sp in specials):
-        return list(tokenizer.encode(render_chat(tokenizer, messages, **kwargs)))
+        return bare_ids(tokenizer, render_chat(tokenizer, messages, **kwargs))  # a template writes its BOS
     nonce = secrets.token_hex(4)
     while any(nonce in s for s in carried):  # a sentinel no text of this conversation spells
         nonce = secrets.token_hex(4)
@@ -99,9 +99,7 @@ def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any])
                 ids += hf.encode(spelled[int(piece)], add_special_tokens=False)
         elif piece:
             ids += hf.encode(piece, add_special_tokens=False)
-    around = list(tokenizer.encode(""))  # what encode adds around a text: a BOS (Llama), rarely an EOS
-    head = around[:1] if around and around[0] == getattr(hf, "bos_token_id", None) else []
-    return head + ids + around[len(head):]
+    return ids
 
 
 def _carried(message: Dict[str, Any]):

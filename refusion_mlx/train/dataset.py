@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..decode.prompt import checked_text
-from ..decode.stream import render_chat
+from ..decode.stream import chat_prompt, render_chat
 from .._json import lines
 from ..errors import RefusionError
 from .batches import Record
@@ -42,11 +42,8 @@ def prompt_ids(tokenizer, messages: List[Dict[str, str]], tools=None) -> List[in
     (none for no messages: an assistant message alone is learned as text is)."""
     if not messages:
         return []
-    if getattr(tokenizer, "chat_template", None):
-        text = render_chat(tokenizer, messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
-    else:
-        text = checked_text("\n".join(m["content"] for m in messages))
-    return list(tokenizer.encode(text))
+    return chat_prompt(tokenizer, messages, chat_template=bool(getattr(tokenizer, "chat_template", None)),
+                       tools=tools or None)
 
 
 def response_ids(tokenizer, text: str) -> List[int]:
