@@ -323,6 +323,43 @@ def test_strict_tools_under_auto_constrain_calls_where_markers_are_tokens(demo):
     assert not allowed(start, '\n{"name": "sub", "arguments": {"a": 2}}\n', end)
 
 
+def test_a_format_beside_tools_is_its_json_or_the_calls(demo):
+    """A format with tools under auto: the format's JSON or the calls, nothing else (no text, no JSON outside
+    the schema, no call outside its tool's parameters) -- with the markers as tokens (the demo's) and spelled
+    as text (the golden fixture's: no JSON value starts with "<", so the grammar still holds the answer)."""
+    from refusion_mlx.decode.grammar import compile_constraint
+    from refusion_mlx.models.loading import load_tokenizer
+    from tests.helpers import FIXTURE_MODEL
+
+    model, demo_tokenizer = demo
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "required": ["a"], "additionalProperties": False}}
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+    for fmt, schema in ((Constraint.json_schema(city), city), (Constraint.json_object(), {"type": "object"})):
+        c = Constraint.tool_calls([add], "<tool_call>", "</tool_call>", optional=True, answer=fmt)
+        assert c.whole_answer
+        for tokenizer in (demo_tokenizer, load_tokenizer(FIXTURE_MODEL)):
+            eos = tokenizer.eos_token_id
+            compiled = compile_constraint(c, tokenizer, len(tokenizer.get_vocab()), eos)
+            marker = {m: tokenizer.convert_tokens_to_ids(m) if demo_tokenizer is tokenizer else m
+                      for m in ("<tool_call>", "</tool_call>")}
+
+            def allowed(*parts):
+                ids = [t for p in parts for t in ([p] if isinstance(p, int) else
+                                                  tokenizer.encode(p, add_special_tokens=False))]
+                return compiled.matcher().valid_prefix(ids + [eos]) == len(ids) + 1
+
+            call = (marker["<tool_call>"], '\n{"name": "add", "arguments": {"a": 2}}\n', marker["</tool_call>"])
+            assert allowed('{"city": "Bern"}') and allowed(*call) and allowed(*call, "\n", *call)
+            assert not allowed("Sven is a baker.") and not allowed("") and not allowed("Let me add.\n", *call)
+            assert not allowed('{"city": "Bern"}', *call)
+            assert allowed('{"town": 1}') == (schema != city)
+            assert not allowed(marker["<tool_call>"], '\n{"name": "add", "arguments": {"a": "two"}}\n',
+                               marker["</tool_call>"])
+    with pytest.raises(DecodeError, match="not a JSON Schema but a lark constraint"):
+        Constraint.tool_calls([add], "<tool_call>", "</tool_call>", answer=Constraint.lark('start: "x"'))
+
+
 def test_objects_that_list_their_properties_take_no_other_keys(demo):
     """A schema that lists properties and says nothing of others decodes as if it said
     "additionalProperties": false (vLLM's and xgrammar's default; OpenAI's strict schemas must): a small

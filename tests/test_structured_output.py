@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from refusion_mlx.serve.http_server import RefusionServer
+from tests.agent_server import TOOLS as DEMO_TOOLS  # the demo's own two tools: it calls them
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
@@ -30,6 +31,8 @@ ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99,
                                         "b": {"type": "integer", "minimum": -99, "maximum": 99}},
        "required": ["a", "b"], "additionalProperties": False}
 FIND = {"type": "object", "properties": {"name": {"enum": ["Sven", "Dara", "Quinn"]}}, "required": ["name"],
+        "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
         "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
          {"type": "function", "function": {"name": "find", "description": "a person", "parameters": FIND}}]
@@ -171,6 +174,64 @@ def test_strict_tools_under_auto(oai):
     assert calls  # the demo calls tools (its own two, examples/demo_model/tool_data.py): these too
 
 
+CALLED, PLAIN = "Where does Sven live?", "Give Alice's facts as JSON."  # the demo calls lookup_person, or not
+
+
+def test_tools_and_a_format_under_auto_answer_with_calls_or_the_json(oai):
+    """Tools (tool_choice auto) beside a format (``response_format``, ``text.format``, ``output_format``):
+    the answer is the calls or the format's JSON, as OpenAI's (the Agents SDK's ``output_type`` with tools).
+    The format's grammar alone made the call the demo opens text inside the JSON ('{"city": "searckup_pki"}').
+    tool_choice "none": the JSON; "required": the call. Chat completions here, streamed too."""
+    for fmt in (json_schema(CITY, "answer"), {"type": "json_object"}):
+        call = ask(oai, CALLED, tools=DEMO_TOOLS, response_format=fmt, max_tokens=48).choices[0]
+        assert call.finish_reason == "tool_calls" and not call.message.content, call
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in call.message.tool_calls] == [
+            ("lookup_person", {"name": "Sven"})]
+        text = ask(oai, PLAIN, tools=DEMO_TOOLS, response_format=fmt, max_tokens=48).choices[0]
+        assert text.finish_reason == "stop" and not text.message.tool_calls
+        jsonschema.validate(json.loads(text.message.content), fmt.get("json_schema", {}).get("schema", {}))
+    streamed = [c.choices[0] for c in oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": CALLED}], tools=DEMO_TOOLS, stream=True, max_tokens=48,
+        response_format=json_schema(CITY, "answer")) if c.choices]
+    assert [t.function.name for c in streamed for t in c.delta.tool_calls or ()] == ["lookup_person"]
+    assert streamed[-1].finish_reason == "tool_calls" and not "".join(c.delta.content or "" for c in streamed)
+    none = ask(oai, CALLED, tools=DEMO_TOOLS, tool_choice="none", response_format=json_schema(CITY, "answer"),
+               max_tokens=48).choices[0]
+    assert none.finish_reason == "stop" and not none.message.tool_calls
+    jsonschema.validate(json.loads(none.message.content), CITY)
+    forced = ask(oai, PLAIN, tools=DEMO_TOOLS, tool_choice="required", response_format=json_schema(CITY, "answer"),
+                 max_tokens=48).choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.tool_calls
+
+
+def test_tools_and_text_format_on_the_responses_api_answer_with_calls_or_the_json(oai):
+    """The Responses API's ``text.format`` beside tools under auto: a function_call item, or the JSON."""
+    functions = [{"type": "function", **t["function"]} for t in DEMO_TOOLS]
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": CITY}}
+    r = oai.responses.create(model="m", input=CALLED, max_output_tokens=48, tools=functions, text=fmt)
+    assert r.status == "completed" and r.output_text == ""
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == [
+        ("function_call", "lookup_person", {"name": "Sven"})]
+    r = oai.responses.create(model="m", input=PLAIN, max_output_tokens=48, tools=functions, text=fmt)
+    assert r.status == "completed" and [o.type for o in r.output] == ["message"]
+    jsonschema.validate(json.loads(r.output_text), CITY)
+
+
+def test_tools_and_output_format_on_the_messages_api_answer_with_calls_or_the_json(server):
+    """The Messages API's ``output_format`` beside tools under auto: a tool_use block, or the JSON."""
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
+                                 timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in DEMO_TOOLS]
+    for prompt, stop in ((CALLED, "tool_use"), (PLAIN, "end_turn")):
+        m = claude.messages.create(model="m", max_tokens=48, tools=tools, messages=[{"role": "user", "content": prompt}],
+                                   extra_body={"output_format": {"type": "json_schema", "schema": CITY}})
+        assert m.stop_reason == stop, m.content
+        if stop == "tool_use":
+            assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "lookup_person", {"name": "Sven"})]
+        else:
+            jsonschema.validate(json.loads(m.content[0].text), CITY)
+
+
 def test_text_that_spells_a_special_token_is_answered_as_text(oai):
     """A pattern spelling "<think>" got past the check for special tokens and failed mid-answer (a 400 after
     the work; under tool_choice auto a non-strict tool's pattern failed the whole request): it is text now."""
@@ -243,6 +304,9 @@ def test_a_schema_without_type_object_is_an_object_or_a_400(server, oai):
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {  # beside a format too
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}], "response_format": json_schema(CITY)},
+     "tools"),
 ])
 def test_a_schema_the_engine_cannot_take_is_one_400(oai, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -276,6 +340,7 @@ def test_call_grammar_constrains_auto_calls_in_one_place():
     text, then maybe calls under their tools' schemas; "strict", a format, a forced call, logprobs: as asked."""
     import dataclasses
 
+    from refusion_mlx.decode.grammar import Constraint
     from refusion_mlx.decode.params import RefusionParams
     from refusion_mlx.errors import RefusionError
     from refusion_mlx.serve.core.engine_request import EngineRequest
@@ -295,6 +360,12 @@ def test_call_grammar_constrains_auto_calls_in_one_place():
     odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "^(?=a)a+$"}}}}}  # a look-around: the engine cannot compile it
     assert with_call_grammar(dataclasses.replace(plain, tools=(odd,)), "all").constraint is None
+    fmt = Constraint.json_schema(CITY, "response_format")  # a format: its JSON or the calls, under either setting
+    for setting in ("all", "strict"):
+        spec = json.loads(with_call_grammar(dataclasses.replace(plain, constraint=fmt), setting).constraint.source)
+        assert spec["answer"] == CITY and not spec["optional"] and [t["name"] for t in spec["tools"]] == ["add", "find"]
+    formatted = dataclasses.replace(plain, constraint=fmt, tools=(odd,))  # tools it cannot take: the format alone
+    assert with_call_grammar(formatted, "all") is formatted
     assert ServerConfig().call_grammar == "all"
     with pytest.raises(RefusionError, match="call_grammar must be one of all, strict"):
         ServerConfig(call_grammar="always")
@@ -311,8 +382,6 @@ def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
         with urllib.request.urlopen(srv.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
             return parse(r.read().decode()).get('refusion_tool_calls_total{result="unparsed"}', 0)
 
-    from tests.agent_server import TOOLS as DEMO_TOOLS  # the demo's own two tools
-
     prompts = ["What is 45 - 18?", "Please add 6 and 78.", "What is 6 times 7?", "Who is Sven?"]
     free = RefusionServer(None, model_id="tiny-refusion", port=0, call_grammar="strict").start()
     try:
@@ -328,6 +397,9 @@ def test_call_grammar_strict_decodes_other_tools_calls_freely(server, oai):
                                        messages=[{"role": "user", "content": p}])
             assert not any("<tool_call>" in getattr(b, "text", "") for b in m.content), m.content
         assert unparsed(free) == before
+        formatted = ask(client, "Who is Sven?", tools=DEMO_TOOLS, response_format=json_schema(CITY, "answer"),
+                        max_tokens=48).choices[0]  # with a format the call is in its grammar, whatever the setting
+        assert [c.function.name for c in formatted.message.tool_calls or ()] == ["lookup_person"]
     finally:
         free.close()
     before = unparsed(server)

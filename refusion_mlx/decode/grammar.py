@@ -87,17 +87,21 @@ class Constraint:
 
     @classmethod
     def tool_calls(cls, tools: Sequence[Dict[str, Any]], start: str, end: str, parallel: bool = True,
-                   name: str = "tool_choice", optional: bool = False) -> "Constraint":
+                   name: str = "tool_choice", optional: bool = False,
+                   answer: Optional["Constraint"] = None) -> "Constraint":
         """A forced call: ``start``, a newline, ``{"name": ..., "arguments": ...}``
         with one of ``tools``' names (``{"name", "parameters"}``; the arguments
         valid under that tool's ``parameters`` schema), a newline, ``end`` --
         Qwen3's call format; several, one per line, when ``parallel``.
         ``optional`` (strict tools a model may call): text, then maybe the
         calls; only where the markers are tokens of their own, which text
-        cannot spell (elsewhere it compiles to no constraint)."""
+        cannot spell (elsewhere it compiles to no constraint). ``answer`` (a
+        ``json_schema`` or ``json_object`` constraint): that JSON, or the calls
+        (no JSON value starts with a marker, spelled or not)."""
         spec = {"tools": [{"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
                           for t in tools], "start": start, "end": end, "parallel": bool(parallel),
-                "optional": bool(optional)}
+                "optional": bool(optional) and answer is None,
+                "answer": None if answer is None else answer.schema}
         if not spec["tools"]:
             raise DecodeError(f"{name}: forcing a call needs at least one tool")
         too_large = next((f"{t['name']!r} are {p}" for t in spec["tools"] for p in [size_problem(t["parameters"])] if p),
@@ -110,6 +114,13 @@ class Constraint:
                               "end a call where its text is read: leave it out of constants, enums, patterns and "
                               "property names")
         return cls("tool_calls", json.dumps(spec), name).checked()
+
+    @property
+    def schema(self) -> Dict[str, Any]:
+        """A JSON constraint's schema (``json_object``'s: any object)."""
+        if self.kind not in ("json_schema", "json_object"):
+            raise DecodeError(f"{self.name}: not a JSON Schema but a {self.kind} constraint")
+        return json.loads(self.source) if self.kind == "json_schema" else {"type": "object"}
 
     @property
     def whole_answer(self) -> bool:
@@ -148,11 +159,8 @@ class Constraint:
 
         if self.kind == "tool_calls":
             return LLMatcher.grammar_from_lark(tool_call_lark(json.loads(self.source), one_token))
-        if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(for_decoding(json.loads(self.source)),
-                                                      defaults=dict(JSON_STYLE))
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=dict(JSON_STYLE))
+        if self.kind in ("json_schema", "json_object"):
+            return LLMatcher.grammar_from_json_schema(for_decoding(self.schema), defaults=dict(JSON_STYLE))
         if self.kind == "lark":
             return LLMatcher.grammar_from_lark(json_blocks_for_decoding(self.source))
         raise DecodeError(f"unknown constraint kind {self.kind!r}; known: {', '.join(KINDS)}")
@@ -209,6 +217,8 @@ def tool_call_lark(spec: Dict[str, Any], one_token) -> str:
     calls = 'call ("\\n" call)*' if spec["parallel"] else "call"
     if spec.get("optional"):  # text (which cannot hold a marker token), then maybe the calls
         calls = f"TEXT? ({calls})?\nTEXT: /(?s:.+)/"
+    elif spec.get("answer") is not None:  # the answer's JSON under its schema, or the calls
+        calls = f"answer | {calls}\n" + json_blocks_for_decoding(f"answer: %json {json.dumps(spec['answer'])}")
     return (f"start: {calls}\ncall: {marker(spec['start'])} \"\\n\" body \"\\n\" {marker(spec['end'])}\n"
             f"body: %json {json.dumps(body)}\n")
 

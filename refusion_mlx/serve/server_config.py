@@ -283,4 +283,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--call-grammar", choices=CALL_GRAMMARS, default="all",
                         help="under tool_choice auto, decode a call the model opens under its tool's parameters "
                              "schema, so it always parses: for every tool (all, default) or only tools marked "
-                             "strict (strict); only where the model's call markers are tokens of their own")
+                             "strict (strict); only where the model's call markers are tokens of their own "
+                             "(beside a response_format, every tool's calls are in its grammar either way)")

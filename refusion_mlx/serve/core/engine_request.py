@@ -167,30 +167,31 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
                           f"{draft.constraint.name}: it ends where its grammar does, and a stop string would cut it "
                           "short", draft.stop_param)
         request = dataclasses.replace(request, logprobs=draft.logprobs)
-    request = compiled(request, terms, asked=True)
     seed = request.params.seed
     if sample and seed is not None:
         request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                           seed=(seed + sample) % SEEDS))
-    request = compiled(with_call_grammar(request, terms.call_grammar), terms, asked=False)
-    return dataclasses.replace(request, cache_owner=cache_owner)
+    return dataclasses.replace(compiled(request, terms), cache_owner=cache_owner)
 
 
-def compiled(request: EngineRequest, terms: RequestTerms, asked: bool) -> EngineRequest:
-    """``request`` with its constraint compiled here, on the request's thread:
-    a large schema or many tools take up to a tenth of a second to compile,
-    which on the engine's thread would hold every running request. One the
-    request ``asked`` for and the tokenizer refuses is a Refusal naming its
-    field; the server's own call grammar is left off instead (nobody asked
-    for it: :func:`.structured.with_call_grammar`)."""
-    if request.constraint is None or request.compiled is not None or terms.compile is None:
-        return request
-    try:
-        return dataclasses.replace(request, compiled=terms.compile(request.constraint))
-    except DecodeError as e:
-        if not asked:
-            return dataclasses.replace(request, constraint=None)
-        raise Refusal(Reason.INVALID_VALUE, str(e), request.constraint.name) from None
+def compiled(request: EngineRequest, terms: RequestTerms) -> EngineRequest:
+    """``request`` under the server's call grammar
+    (:func:`.structured.with_call_grammar`), its constraint compiled here, on
+    the request's thread: a large schema or many tools take up to a tenth of
+    a second to compile, which on the engine's thread would hold every
+    running request. A call grammar the tokenizer refuses is left off
+    (nobody asked for it): the request is then compiled as it came; a
+    constraint the request asked for and the tokenizer refuses is a Refusal
+    naming its field."""
+    served = with_call_grammar(request, terms.call_grammar)
+    for made in (served, request) if served is not request else (request,):
+        if made.constraint is None or terms.compile is None:
+            return made
+        try:
+            return dataclasses.replace(made, compiled=terms.compile(made.constraint))
+        except DecodeError as e:
+            if made is request:
+                raise Refusal(Reason.INVALID_VALUE, str(e), made.constraint.name) from None
 
 
 def prompt_ids(source: Any, tokenize: Callable[[Any], List[int]], vocab_size: int, param: str) -> List[int]:

@@ -16,7 +16,8 @@
   its format, else strict tools' calls;
 * :func:`with_call_grammar` -- the server's ``--call-grammar all`` (the
   default): under "auto", every tool's calls as strict tools' are, so a call
-  the model opens always parses (one place, for the three APIs).
+  the model opens always parses; with a format and tools under "auto", the
+  format's JSON or the calls (one place, for the three APIs).
 
 A schema the engine cannot compile is a :class:`~.refusal.Refusal` naming
 the field: a 400 in the API's own error shape.
@@ -74,10 +75,11 @@ def response_format(value: Any, param: str, nested: bool = True, named: bool = F
 
 
 def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str = "tool_choice",
-                 strict: bool = False) -> Optional[Constraint]:
+                 strict: bool = False, answer: Optional[Constraint] = None) -> Optional[Constraint]:
     """The constraint of a forced call, or None when ``choice`` forces none
     (unless ``strict``: OpenAI's ``strict: true`` on a tool, with "auto", makes
-    the answer text and maybe calls whose arguments follow their schemas).
+    the answer text and maybe calls whose arguments follow their schemas --
+    or, with an ``answer`` format, that format's JSON or such calls).
 
     ``tools``: the request's tools in the template's form (checked, named);
     ``choice``: the API's raw tool_choice -- "required", ``{"type":
@@ -103,15 +105,20 @@ def forced_calls(tools: Sequence[dict], choice: Any, parallel: bool, param: str 
     spec = [{"name": f["name"], "parameters": f.get("parameters")} for f in functions]
     named = "tools" if optional else param  # strict tools' calls, or the call tool_choice forces
     return _checked(lambda: Constraint.tool_calls(spec, CALL_START, CALL_END, parallel and name is None, named,
-                                                  optional), "tools")
+                                                  optional, answer if optional else None), "tools")
 
 
 def request_constraint(tools: Sequence[dict], choice: Any, parallel: bool, strict: bool,
                        shape: Optional[Constraint]) -> Optional[Constraint]:
     """What a request's answer is decoded under: a forced call, else the
-    answer's format (``shape``: ``response_format``, ``text.format``), else
-    strict tools' optional calls, else nothing."""
-    return forced_calls(tools, choice, parallel) or shape or forced_calls(tools, choice, parallel, strict=strict)
+    answer's format (``shape``: ``response_format``, ``text.format``; with
+    tools under "auto", :func:`with_call_grammar` makes it that format or the
+    calls), else strict tools' optional calls, else nothing. A strict tool
+    the engine cannot take is a 400 with a format too."""
+    forced = forced_calls(tools, choice, parallel)
+    if forced is None and shape is not None and strict:
+        forced_calls(tools, choice, parallel, strict=strict, answer=shape)  # checked: the constraint is made later
+    return forced or shape or forced_calls(tools, choice, parallel, strict=strict)
 
 
 def any_strict(tools: Any, nested: bool = True) -> bool:
@@ -131,20 +138,25 @@ def _checked(make, param: str) -> Constraint:
 
 
 def with_call_grammar(request, setting: str):
-    """``request`` (an EngineRequest), its possible calls constrained when the
-    server's ``call_grammar`` is "all": a request with tools and no
-    constraint of its own (tool_choice "auto": "none" leaves no tools, a
-    forced call or a format has its constraint) is decoded as text, then maybe
-    calls valid under their tools' schemas. A request scored or asking for
-    logprobs is left as it is (the constrained mode decodes without slots'
-    scores), and so is one whose tools' schemas the engine cannot compile (a
-    look-around in a ``pattern``): nobody asked for this constraint, so it is
-    no reason to refuse the request (a strict tool's is, in the adapters)."""
-    if setting != "all" or not request.tools or request.constraint is not None or request.scoring is not None \
-            or request.logprobs is not None:
+    """``request`` (an EngineRequest), its possible calls constrained: with
+    tools under tool_choice "auto" ("none" leaves no tools, a forced call has
+    its own constraint), a request with no constraint of its own is decoded
+    as text, then maybe calls valid under their tools' schemas, when the
+    server's ``call_grammar`` is "all"; one with a format (``response_format``,
+    ``text.format``, ``output_format``) is decoded as that format's JSON or
+    such calls, whatever ``call_grammar`` says (its answer is decoded under a
+    grammar either way, and a call the grammar lacks could not be written at
+    all). A request scored or asking for logprobs is left as it is (the
+    constrained mode decodes without slots' scores), and so is one whose
+    tools' schemas the engine cannot compile (a look-around in a ``pattern``),
+    its format alone then: nobody asked for this constraint, so it is no
+    reason to refuse the request (a strict tool's is, in the adapters)."""
+    shape = request.constraint
+    if shape is None and setting != "all" or shape is not None and shape.kind not in ("json_schema", "json_object") \
+            or not request.tools or request.scoring is not None or request.logprobs is not None:
         return request
     try:
-        constraint = forced_calls(request.tools, "auto", request.parallel_tool_calls, strict=True)
+        constraint = forced_calls(request.tools, "auto", request.parallel_tool_calls, strict=True, answer=shape)
     except Refusal:
         return request
     return dataclasses.replace(request, constraint=constraint)
