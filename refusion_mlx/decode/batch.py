@@ -196,8 +196,6 @@ class BatchGenerator:
         The forward blocks (one host synchronisation) unless every request's
         pass in it keeps its values on the device (``run_passes``): one
         request planning while another drafts an infill makes it blocking."""
-        if not self.active and self.waiting:
-            mx.reset_peak_memory()  # the peak of this busy period
         while self.waiting and len(self.active) < self.max_batch:
             self.active.append(self.waiting.popleft())
         if not self.active:

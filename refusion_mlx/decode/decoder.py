@@ -173,7 +173,6 @@ class RefusionDecoder:
 
     def steps(self) -> Iterator[Step]:
         """Run the whole response alone, yielding each step that commits tokens."""
-        mx.reset_peak_memory()  # peak of this response (weights and cache included)
         while not self.done:
             p = self.next_pass()
             t0 = time.perf_counter()

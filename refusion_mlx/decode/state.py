@@ -173,7 +173,8 @@ class DecodeState:
         self.settle()
 
     def record_peak(self, peak_memory_gb: float) -> None:
-        """The peak memory the response was decoded in (weights and cache included)."""
+        """MLX's peak memory when the response ended (weights and cache included): the process's peak, never
+        reset here (as mlx-lm reads it; a caller's own measurement around it stands)."""
         self.stats.peak_memory_gb = peak_memory_gb
 
     # -- reading it -----------------------------------------------------------
