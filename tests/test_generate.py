@@ -183,6 +183,28 @@ def test_what_mlx_lm_users_pass_is_refused_with_what_to_give(demo):
         generate(model, tok, "hi", sampler=None)
     with pytest.raises(TypeError, match="logits_processors: not supported"):
         generate(model, tok, "hi", logits_processors=[])
+    with pytest.raises(LoadError, match="dtype must be one of"):  # mlx-lm's second argument: tokenizer_config
+        rm.load(None, {"eos_token": "<|im_end|>"})
+
+
+def test_a_prompt_that_is_no_conversation_is_one_clear_error(demo):
+    """None, a number, a message without content or with a number for it (the template dropped it: an empty
+    turn), a dict of prompts (its keys were decoded): one DecodeError each."""
+    import refusion_mlx as rm
+
+    model, tok = demo
+    for prompt, needle in ((None, "text or a list of messages"), (5, "got int"),
+                           ([{"role": "user"}], "a user message needs its content"),
+                           ([{"role": "user", "content": 5}], "content must be text")):
+        with pytest.raises(DecodeError, match=needle):
+            rm.chat_prompt(tok, prompt)
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    from refusion_mlx.models.loading import load_tokenizer  # the demo's template writes calls
+
+    assert rm.chat_prompt(load_tokenizer(DEMO_MODEL), [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": None, "tool_calls": [call]}])
+    with pytest.raises(DecodeError, match="got dict"):
+        rm.batch_generate(model, tok, {"Who is Sven?": [1, 2]})
 
 
 def test_a_message_that_spells_a_special_token_is_text(demo):

@@ -7,7 +7,7 @@ checks the ids against the model's vocabulary."""
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Sequence, Union
+from typing import Any, List, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -85,7 +85,7 @@ def bare_ids(tokenizer, text: str) -> List[int]:
 def prompt_list(prompts: Any) -> list:
     """A batch's prompts as a list; one prompt given alone (text, or a list
     of ids rather than a list of prompts) is a DecodeError saying so."""
-    if (isinstance(prompts, (str, bytes, bytearray)) or not hasattr(prompts, "__iter__")
+    if (isinstance(prompts, (str, bytes, bytearray, Mapping)) or not hasattr(prompts, "__iter__")
             or getattr(prompts, "ndim", 2) < 2):  # a 1-D array: one prompt's ids
         raise DecodeError(f"prompts must be a list of prompts (texts or token-id lists), got "
                           f"{type(prompts).__name__}; for one prompt, pass [prompt]")

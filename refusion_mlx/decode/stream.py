@@ -45,8 +45,11 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     by :func:`template_options`."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    else:
+    elif isinstance(prompt, (list, tuple)):
         messages = [_text_content(m) for m in prompt]
+    else:
+        raise DecodeError(f"the prompt must be text or a list of messages ({{\"role\": ..., \"content\": ...}}), "
+                          f"got {type(prompt).__name__}")
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
@@ -140,6 +143,10 @@ def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(message, dict):
         raise DecodeError(f"a message must be a dict with a role and content, got {type(message).__name__}")
     content = message.get("content")
+    if content is None and not (message.get("role") == "assistant" and message.get("tool_calls")):
+        raise DecodeError(f"a {message.get('role', 'message without a role')!s} message needs its content (text)")
+    if content is not None and not isinstance(content, (str, list)):
+        raise DecodeError(f"a message's content must be text, or a list of text parts, got {type(content).__name__}")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):

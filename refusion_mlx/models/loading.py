@@ -154,7 +154,7 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
         raise LoadError(f"{model_path}: " + "\n".join(problems))
     config = read_config(model_path)
     args = model_args(config)
-    if dtype is not None and dtype not in DTYPES:
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):  # mlx-lm's 2nd: tokenizer_config
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     files = weight_files(model_path)
     if dist is not None:  # one config.json, --dtype and device paths on every rank, before any weight is read
