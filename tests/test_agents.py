@@ -500,7 +500,7 @@ BAD = [
         {**CALL, "function": {"name": "calculator", "arguments": "not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
+     "messages[0].content[0].type"),
     # arguments nested past the parser (a string's nesting is not the body's): json.loads' RecursionError, a 500
     ("/v1/chat/completions", {"messages": user(SVEN) + [{"role": "assistant", "content": None, "tool_calls": [
         {**CALL, "function": {"name": "calculator", "arguments": "[" * 100000 + "]" * 100000}}]},

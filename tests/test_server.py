@@ -503,7 +503,8 @@ BAD = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].type"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "picture"}]}]}, 400, "messages[0].content"),
     (CHAT, {"messages": ["hi"]}, 400, "messages[0]"),
     (CHAT, user(max_tokens=-1), 400, "max_tokens"),
     (CHAT, user(max_tokens=0), 400, "max_tokens"),
@@ -551,6 +552,15 @@ def check_error(status, payload, want_status, want_param=None):
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_malformed_request_is_4xx(server, path, body, status, param):
     check_error(*raw(server, "POST", path, body), status, param)
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])
+def test_media_parts_are_refused_at_their_own_path(server, kind):
+    """As the Responses and Messages APIs say it: the part's type, and that the model reads text only."""
+    content = [{"type": "text", "text": "What is this?"}, {"type": kind, kind: {"url": "https://x/y.png"}}]
+    err = check_error(*raw(server, "POST", CHAT, user(content)), 400, "messages[0].content[1].type")
+    assert err["message"] == (f"messages[0].content[1].type: {kind} parts are not supported: the model reads text "
+                              "only") and err["code"] == "unsupported_parameter", err
 
 
 def test_invalid_combination_reports_the_decoder_message(server):

@@ -52,6 +52,7 @@ FOREIGN_CONSTRAINTS = {
 
 
 MAX_N = 16  # samples per prompt (n)
+MEDIA_PARTS = ("image_url", "input_audio", "file")  # chat's content parts a text-only model cannot read
 
 
 class _BodyBase(BaseModel):
@@ -163,6 +164,20 @@ class ChatCompletionRequest(_Body):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
         None, description="accepted: this model does not reason before answering")
     verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _media(cls, messages):
+        """An image, audio or file part is refused at its own path (before a message's content is read)."""
+        for i, m in enumerate(messages if isinstance(messages, list) else ()):
+            content = m.get("content") if isinstance(m, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise PydanticCustomError("unsupported_parameter", "{kind} parts are not supported: the model "
+                                              "reads text only", {"field": f"messages[{i}].content[{j}].type",
+                                                                  "kind": kind})
+        return messages
 
     @field_validator("chat_template_kwargs")
     @classmethod
