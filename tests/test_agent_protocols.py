@@ -139,6 +139,31 @@ def test_messages_are_checked_and_merged_as_anthropic_does(server):
     assert count([ask] + reply) == count([ask, {"role": "assistant", "content": "Sven\n\nlives"}])  # one prefill
 
 
+def test_chat_calls_are_each_answered_by_the_tool_messages_right_after(server):
+    """OpenAI's rule: an assistant message's tool_calls are each answered by the tool messages that follow it
+    (a final one too), else a 400 naming the assistant message and the unanswered ids."""
+    def made(*ids):
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "lookup_person", "arguments": "{}"}} for i in ids]}
+
+    def result(i):
+        return {"role": "tool", "tool_call_id": i, "content": "Hanoi"}
+
+    ask, said = {"role": "user", "content": "Where does Sven live?"}, {"role": "user", "content": "Thanks."}
+    for messages, param, missing in (([ask, made("a")], "messages[1]", "a"),
+                                     ([ask, made("a", "b"), result("a"), said], "messages[1]", "b"),
+                                     ([ask, made("a", "b"), said, result("a"), result("b")], "messages[1]", "a, b"),
+                                     ([ask, made("a"), result("a"), made("b", "c")], "messages[3]", "b, c")):
+        status, _, err = call(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+        assert status == 400 and err["error"]["param"] == param, (messages, err)
+        assert err["error"]["message"] == (
+            f"{param}: an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'; the following tool_call_ids did not have response messages: {missing}"), err
+    answered = [ask, made("a", "b"), result("b"), result("a"), said]
+    status, _, answer = call(server, "POST", "/v1/chat/completions", {"messages": answered, "max_tokens": 4})
+    assert status == 200, answer
+
+
 def test_max_tokens_past_the_context_is_cut_on_every_api(server):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                  "max_tokens": 100000}),

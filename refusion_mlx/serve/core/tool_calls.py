@@ -344,3 +344,20 @@ def check_results(messages: Sequence[dict], params: Sequence[str]) -> None:
         if m.get("role") == "tool" and m.get("tool_call_id") not in made:
             raise Refusal(Reason.INVALID_VALUE, f"{param}: a tool result for call {m.get('tool_call_id')!r}, "
                                                 "which no earlier assistant message made", param)
+
+
+
+def first_unanswered(messages: Sequence[dict], right_after: bool) -> Optional[Tuple[int, List[str]]]:
+    """The first message whose calls are not each answered by a tool result -- among the tool messages right
+    after it (``right_after``: OpenAI's chat rule), or anywhere after it -- and the ids left unanswered."""
+    first, later, run = None, set(), set()  # the results after a message; those of the tool messages right after it
+    for i in range(len(messages) - 1, -1, -1):  # from the end: one pass
+        m = messages[i]
+        missing = [c.get("id") for c in m.get("tool_calls") or () if c.get("id") not in (run if right_after else later)]
+        first = (i, missing) if missing else first
+        if m.get("role") == "tool":
+            run.add(m.get("tool_call_id"))
+            later.add(m.get("tool_call_id"))
+        else:
+            run = set()
+    return first

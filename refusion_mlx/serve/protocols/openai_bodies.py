@@ -26,7 +26,7 @@ from .bodies import (MAX_STOP, STRICT, UNSERVED, StreamOptions, decoding_given, 
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
-from ..core.tool_calls import arguments_object, check_results, function_tool, template_tools
+from ..core.tool_calls import arguments_object, check_results, first_unanswered, function_tool, template_tools
 from .openai_echo import context_tokens, scoring_of
 
 # OpenAI's fields refused unless they hold a value that changes nothing (with those every API refuses).
@@ -269,6 +269,13 @@ def openai_messages(messages: List[Message]) -> List[dict]:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
     check_results(out, [f"messages[{i}]" for i in range(len(out))])
+    unanswered = first_unanswered(out, right_after=True)
+    if unanswered:  # OpenAI's rule, in its words
+        i, ids = unanswered
+        raise Refusal(Reason.INVALID_VALUE, f"messages[{i}]: an assistant message with 'tool_calls' must be followed "
+                                            "by tool messages responding to each 'tool_call_id'; the following "
+                                            f"tool_call_ids did not have response messages: {', '.join(ids)}",
+                      f"messages[{i}]")
     return out
 
 
