@@ -275,6 +275,15 @@ def test_responses_function_call_round_trip_continues_from_the_cache(oai):
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
     assert whole.usage.input_tokens == second.usage.input_tokens
+    # a call with no function_call_output is refused, as OpenAI refuses it ("No tool output found ...")
+    made = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+    for fields, param in (({"input": [{"role": "user", "content": CALC}, made]}, "input[1]"),
+                          ({"input": "Thanks.", "previous_response_id": first.id}, "previous_response_id")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.responses.create(model="m", tools=RESPONSES_TOOLS, **fields)
+        assert e.value.body["param"] == param and e.value.body["message"] == (
+            f"{param}: no tool output found for function call {call.call_id} (a function_call_output item with its "
+            "call_id answers it)"), e.value.body
 
 
 def test_fields_an_sdk_sends_are_honoured_not_dropped(server, oai, claude):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, field_validator
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid, unsupported
 from ..core.structured import any_strict, request_constraint, response_format
-from ..core.tool_calls import arguments_object, check_results, function_tool, template_tools
+from ..core.tool_calls import arguments_object, check_results, first_unanswered, function_tool, template_tools
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
 from ..edge.security import KEY_SCOPE
@@ -229,7 +229,13 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
         history = [dict(m) for m in previous.conversation]
     new, params = input_messages(body.input)
     conversation = history + new
-    check_results(conversation, ["previous_response_id"] * len(history) + params)
+    params = ["previous_response_id"] * len(history) + params
+    check_results(conversation, params)
+    unanswered = first_unanswered(conversation, right_after=False)
+    if unanswered:  # as OpenAI refuses it
+        i, calls = unanswered
+        raise invalid(params[i], f"no tool output found for function call {', '.join(calls)} (a "
+                                 "function_call_output item with its call_id answers it)")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools, namespaces = response_tools(body, terms.takes_tools)
     if body.truncation == "auto":
