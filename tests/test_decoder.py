@@ -31,8 +31,8 @@ from tests.helpers import random_config, random_model
     (dict(temperature=float("nan")), "temperature must be >= 0 and finite"),
     (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
-    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*64\)"),  # an MLX key is unsigned 64-bit
-    (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(seed=-2 ** 63 - 1), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),  # a 64-bit integer
+    (dict(seed=2 ** 64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
 ])
 def test_invalid_parameters_raise_clear_errors(kwargs, message):
     with pytest.raises(DecodeError, match=message):
@@ -203,6 +203,7 @@ def test_seeded_sampling_is_reproducible():
 
     assert run(1) == run(1)
     assert len({tuple(run(s)) for s in range(6)}) > 1
+    assert run(-1) == run(2 ** 64 - 1) and run(-2 ** 63) == run(2 ** 63)  # a signed seed is its 64 bits
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-50, 1e-7])

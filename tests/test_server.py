@@ -352,6 +352,28 @@ def test_sampling_fields_apply_to_the_planning_drafts(client, expected):
     assert narrow == [expected[p]] * 2  # top_k=1 leaves only the argmax to sample
 
 
+def test_a_signed_64_bit_seed_is_taken_on_every_api(server):
+    """OpenAI's seed is a signed 64-bit integer (clients send -1): taken as its 64 bits (-1 is 2**64 - 1), and
+    answer k's seed + k wraps past 2**64 - 1; the other APIs and the scoring estimator take the same range."""
+    def answer(path, body):
+        status, payload = raw(server, "POST", path, body)
+        assert status == 200, payload
+        return json.loads(payload)
+
+    sampled = user("Count from 17 to 38.", max_tokens=12, temperature=1.5)
+    texts = [[c["message"]["content"] for c in answer(CHAT, {**sampled, **fields})["choices"]]
+             for fields in ({"seed": -1}, {"seed": 2 ** 64 - 1, "n": 2}, {"seed": 0}, {"seed": -2 ** 63})]
+    assert texts[0] == texts[1][:1] and texts[1][1:] == texts[2] and texts[3]
+    answer("/v1/responses", {"input": "Hi", "max_output_tokens": 4, "temperature": 1.0, "seed": -1})
+    answer("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "seed": -2 ** 63})
+    answer("/v1/completions", {"prompt": "1 2 3 4", "echo": True, "logprobs": 0, "max_tokens": 0,
+                               "logprob_estimator": "mc", "mc_num": 2, "context_tokens": 2, "seed": -1})
+    for path, body in ((CHAT, sampled), ("/v1/responses", {"input": "Hi"}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})):
+        status, payload = raw(server, "POST", path, {**body, "seed": -2 ** 63 - 1})
+        assert status == 400 and json.loads(payload)["error"]["message"].startswith("seed: "), payload
+
+
 # --------------------------------------------------------------------------
 # Batching and the prompt cache
 
@@ -517,7 +539,8 @@ BAD = [
     (CHAT, user(stream="yes"), 400, "stream"),
     (CHAT, user(stop=5), 400, "stop"),
     (CHAT, user(stop=[""]), 400, "stop"),
-    (CHAT, user(seed=-1), 400, "seed"),
+    (CHAT, user(seed=-2 ** 63 - 1), 400, "seed"),  # OpenAI's seed is a signed 64-bit integer, an MLX key unsigned
+    (CHAT, user(seed=2 ** 64), 400, "seed"),
     (CHAT, user(n=17), 400, "n"),
     (CHAT, user(model=7), 400, "model"),
     (CHAT, user(slot_size=0), 400, "slot_size"),

@@ -41,7 +41,7 @@ from . import commit, constrain, plan, prefill, verify
 from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
-from .params import RefusionParams
+from .params import RefusionParams, seed_bits
 from .state import DecodeState
 from .stats import DecodeStats, Step
 from .token_scores import SlotScores
@@ -102,7 +102,7 @@ class RefusionDecoder:
             params=params, layout=layout, mask_id=int(mask_id), eos_id=int(eos_id), vocab=vocab, cache=cache,
             start=len(cache), response_start=response_start,
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
-            key=mx.random.key(params.seed) if params.seed is not None else None,
+            key=mx.random.key(seed_bits(params.seed)) if params.seed is not None else None,
             matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs)
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()

@@ -19,6 +19,7 @@ from ..errors import DecodeError
 # (docs/benchmarks.md, "Block layout").
 DEFAULT_BLOCK_TOKENS = 16
 SEEDS = 2 ** 64  # a seed is one of MLX's random keys: an unsigned 64-bit integer
+MIN_SEED = -2 ** 63  # ... given as one, or as a signed one (OpenAI's seed; clients send -1)
 MAX_GEN_LENGTH = 2 ** 24  # most tokens an answer may ask for: past every model's context, and small enough to lay out
 
 
@@ -95,9 +96,8 @@ class RefusionParams:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < SEEDS):
-            raise DecodeError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.seed is not None:
+            seed_bits(self.seed)
         gen = budget(self.gen_length, S)
         if self.serial_num_blocks is not None and self.block_length is not None:
             raise DecodeError("give serial_num_blocks or block_length, not both")
@@ -119,6 +119,14 @@ class RefusionParams:
                 f"serial_num_blocks {n} does not cut gen_length {gen} into blocks of "
                 f"whole slots of {S} tokens")
         return BlockLayout(gen, [gen // n] * n, S)
+
+
+def seed_bits(seed) -> int:
+    """A seed as the unsigned 64-bit integer a random key is made of: a signed one modulo 2**64 (-1 is
+    2**64 - 1); not an integer in [-2**63, 2**64): a DecodeError."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not MIN_SEED <= seed < SEEDS:
+        raise DecodeError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    return seed % SEEDS
 
 
 def budget(max_tokens: int, slot_size: int) -> int:
@@ -219,7 +227,7 @@ FIELDS: Tuple[Field, ...] = (
           aliases=("temp",), default=f"default {_DEFAULTS.temperature:g}", request="temperature", openai=True,
           ge=0, le=2),
     Field("seed", int, "random seed for temperature > 0", flags=("--seed",), request="seed", openai=True,
-          ge=0, le=SEEDS - 1),
+          ge=MIN_SEED, le=SEEDS - 1),
     Field("top_p", float, "nucleus filter of the planning drafts (1: off)", request="top_p", openai=True,
           gt=0, le=1),
     Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", openai=True, ge=0),

@@ -46,6 +46,7 @@ from ..errors import DecodeError
 from ..models.kernels import logsumexp
 from .cache import CommittedCache
 from .forward import head_chunk_rows
+from .params import seed_bits
 from .prefill import PREFILL_CHUNK, chunks
 from .prompt import token_ids
 from .runner import Runner
@@ -219,7 +220,7 @@ class MCScorer:
             raise DecodeError(f"the context must leave 1 to {n - 1} tokens to score, got {context!r}")
         if isinstance(mc_num, bool) or not isinstance(mc_num, int) or mc_num < 1:
             raise DecodeError(f"mc_num must be a positive integer, got {mc_num!r}")
-        self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed))
+        self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed_bits(seed)))
         self.cache = CommittedCache.for_model(model)
         self._context = chunks(self.ids[:context], 0, chunk)
         self.done, self.total = 0, None
