@@ -62,12 +62,12 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     requests = {f.request: f for f in FIELDS if f.request is not None}
     assert set(requests) == set(PARAM_NAMES) - {"gen_length"} | {"max_tokens"}
     tools = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # structured output: not FIELDS
-    template = {"chat_template_kwargs"}  # the chat template's variables (decode/stream.py's template_options)
     scoring = {"echo", "logprobs", "logprob_estimator", "mc_num", "context_tokens"}  # serve/core/loglikelihood.py
     answers = {"n", "logprobs", "top_logprobs"}  # serve/protocols/openai_choices.py, serve/protocols/openai_logprobs.py
     accepted = {"store", "metadata", "service_tier", "reasoning_effort", "verbosity"}  # typed, changing nothing
+    template = {"chat_template_kwargs", "continue_final_message", "add_generation_prompt"}  # how the prompt renders
     for model, extra in ((ChatCompletionRequest, {"messages", "max_completion_tokens"} | answers | tools | accepted
-                                                  | template),
+                          | template),
                          (CompletionRequest, {"prompt", "n", "logprobs"} | scoring)):
         assert set(model.model_fields) - NOT_DECODING - extra == set(requests)
         for name, f in requests.items():

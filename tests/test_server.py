@@ -339,6 +339,31 @@ def test_a_replayed_refusal_is_the_assistants_text(client, server):
     assert err["message"].startswith("messages[0].content: an assistant message needs content")
 
 
+def test_continue_final_message_continues_the_assistants_message(client, server):
+    """vLLM's continue_final_message: the answer continues a final assistant message (the prompt leaves its
+    turn open, as completing the rendered text); without it the message is a closed turn, as OpenAI reads it.
+    add_generation_prompt is taken where it agrees (true alone, false with it); the rest is a 400."""
+    turns = [{"role": "user", "content": "Who is Sven?"}, {"role": "assistant", "content": "Sven lives"}]
+    rendered = "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\nSven lives"  # the demo's template
+    go_on = client.chat.completions.create(model="m", messages=turns, max_tokens=16,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = client.completions.create(model="m", prompt=rendered, max_tokens=16)
+    assert go_on.choices[0].message.content == text.choices[0].text
+    assert go_on.usage.prompt_tokens == text.usage.prompt_tokens
+    closed = client.chat.completions.create(model="m", messages=turns, max_tokens=16,
+                                            extra_body={"add_generation_prompt": True})
+    assert closed.usage.prompt_tokens > go_on.usage.prompt_tokens  # the turn closed, the answer's opened
+    for fields, param in (({"continue_final_message": True}, "continue_final_message"),
+                          ({"add_generation_prompt": False}, "add_generation_prompt")):
+        err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)
+        assert err["message"].startswith(f"{param}: "), err
+    for fields, param in (({"add_generation_prompt": True}, "add_generation_prompt"),
+                          ({"response_format": {"type": "json_object"}}, "response_format")):
+        body = {"messages": turns, "continue_final_message": True, **fields}
+        err = check_error(*raw(server, "POST", CHAT, body), 400, param)
+        assert err["message"].startswith(f"{param}: "), err
+
+
 def test_sampling_fields_apply_to_the_planning_drafts(client, expected):
     p = "Who is Sven?"
     greedy = chat(client, p, top_p=0.5, extra_body={"top_k": 3, "min_p": 0.2})  # temperature 0: the argmax

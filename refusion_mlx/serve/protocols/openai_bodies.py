@@ -156,6 +156,12 @@ class ChatCompletionRequest(_Body):
     chat_template_kwargs: Optional[Dict[str, Any]] = Field(
         None, description='the chat template\'s own variables, over the server\'s --chat-template-config '
                           '(mlx_lm.server\'s and vLLM\'s field): {"enable_thinking": false}')
+    continue_final_message: Optional[bool] = Field(
+        None, description="vLLM's field: the answer continues the final message, an assistant's (a prefill), "
+                          "instead of a new turn after it")
+    add_generation_prompt: Optional[bool] = Field(
+        None, description="vLLM's field: true (the default) opens the answer's turn; false only with "
+                          "continue_final_message")
 
     # OpenAI's fields that change nothing here, typed as OpenAI types them (a bad value is its 400)
     store: Optional[bool] = Field(None, description="accepted: chat completions are not stored")
@@ -178,6 +184,24 @@ class ChatCompletionRequest(_Body):
                                               "reads text only", {"field": f"messages[{i}].content[{j}].type",
                                                                   "kind": kind})
         return messages
+
+    @model_validator(mode="after")
+    def _opening(self):
+        """vLLM's pair: an answer opens a turn (add_generation_prompt) or continues the final assistant message."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError("invalid_value", "must be false with continue_final_message true: the answer "
+                                      "continues the final message instead of opening a turn",
+                                      {"field": "add_generation_prompt"})
+        if self.add_generation_prompt is False and not self.continue_final_message:
+            raise PydanticCustomError("invalid_value", "false needs continue_final_message true: an answer opens "
+                                      "a turn of its own, or continues the final assistant message",
+                                      {"field": "add_generation_prompt"})
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise PydanticCustomError("invalid_value", "the final message must be an assistant's, which the answer "
+                                      "continues (messages[{last}] is a {role} message)",
+                                      {"field": "continue_final_message", "last": len(self.messages) - 1,
+                                       "role": self.messages[-1].role})
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -307,12 +331,17 @@ def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) 
     engine's draft request; ``index``: which of a text completion's prompts."""
     param = "messages" if kind == "chat" else "prompt"
     tools = chat_tools(body, terms.takes_tools) if kind == "chat" else ()
-    source = (ChatPrompt(openai_messages(body.messages), tools, template_kwargs=body.chat_template_kwargs)
+    prefill = bool(getattr(body, "continue_final_message", False))
+    source = (ChatPrompt(openai_messages(body.messages), tools, prefill, body.chat_template_kwargs)
               if kind == "chat" else body.prompt[index])
     ids = terms.prompt_ids(source, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
-    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools), response_format(
-        body.response_format, "response_format")) if kind == "chat" else None
+    shape = response_format(body.response_format, "response_format") if kind == "chat" else None
+    if shape is not None and prefill:
+        raise Refusal(Reason.UNSUPPORTED, "response_format: not supported with continue_final_message: the answer "
+                      "is a whole JSON document, which cannot continue the final message", "response_format")
+    constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools),
+                                    shape) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
     return Draft(ids, getattr(body, name), decoding_given(body), "chat.completions" if kind == "chat" else
