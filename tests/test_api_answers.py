@@ -18,6 +18,9 @@ The CPU paths' two Monte Carlo scoring answers were recorded again when the
 estimator came to feed the context once (its numbers moved by at most 6e-6).
 The two answers of several choices gained ReFusion's ``layout`` and
 ``tokens_per_forward`` in their usage, as one answer's usage has them.
+A chat answer's message gained OpenAI's ``refusal: null`` and ``annotations: []``,
+and a stream with ``include_usage`` its ``"usage": null`` on every chunk before
+the usage chunk (added to both recordings, nothing else changed).
 Decimal numbers compare to 1e-4 (:func:`same_answer`): on an Intel Xeon
 MKL's float32 matmuls round the recording's logprobs (made on an AMD EPYC)
 differently in their sixth digit, with every token the same.

@@ -124,6 +124,7 @@ def test_chat_matches_python_api(client, expected):
         r = chat(client, p)
         assert r.choices[0].message.content == expected[p]
         assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.refusal is None and r.choices[0].message.annotations == []  # OpenAI's fields
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.prompt_tokens == expected[p, "ids"]
         assert 0 < r.usage.completion_tokens <= MAX_TOKENS
@@ -151,7 +152,7 @@ def test_chat_stream_in_order(client, expected):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_stream_options_include_usage(client, expected, n):
+def test_stream_options_include_usage(client, expected, server, n):
     chunks = list(chat(client, "Who is Sven?", stream=True, stream_options={"include_usage": True}, n=n))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert chunks[-1].usage.prompt_tokens == expected["Who is Sven?", "ids"]
@@ -159,6 +160,16 @@ def test_stream_options_include_usage(client, expected, n):
     assert all(c.usage is None for c in chunks[:-1])
     unasked = list(chat(client, "Who is Sven?", stream=True, stream_options={"include_usage": False}, n=n))
     assert all(c.usage is None and c.choices for c in unasked)
+    for path, body in ((CHAT, user(max_tokens=8, n=n)), ("/v1/completions", {"prompt": "1 2 3", "max_tokens": 8,
+                                                                              "n": n})):
+        raw_chunks = [json.loads(line[6:]) for line in raw(server, "POST", path, {
+            **body, "stream": True, "stream_options": {"include_usage": True}})[1].decode().splitlines()
+            if line.startswith("data: {")]
+        assert all("usage" in c and c["usage"] is None for c in raw_chunks[:-1]), raw_chunks  # as OpenAI sends them
+        assert raw_chunks[-1]["usage"]["completion_tokens"] > 0
+        unasked = [line for line in raw(server, "POST", path, {**body, "stream": True})[1].decode().splitlines()
+                   if line.startswith("data: {")]
+        assert unasked and all('"usage"' not in line for line in unasked)
 
 
 def test_completions(client):

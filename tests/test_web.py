@@ -59,7 +59,7 @@ def chat(content: str, **extra) -> dict:
 def test_default_stream_is_plain_openai(server, client):
     chunks = sse(server, chat(COUNT, stream=True, stream_options={"include_usage": True}))
     assert all("commits" not in c for c in chunks)
-    assert set(chunks[1]) == {"id", "object", "created", "model", "system_fingerprint", "choices"}
+    assert set(chunks[1]) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
     streamed = list(client.chat.completions.create(model="m", stream=True, **chat(COUNT)))
     assert all(not (c.model_extra or {}) for c in streamed)
     text = "".join(c.choices[0].delta.content or "" for c in streamed)

@@ -63,7 +63,8 @@ class CompletionWriter(Writer):
                                **({"tool_calls": calls} if calls else {})}
         else:
             choice["text"] = text or ""
-        return {**self.head, "choices": [choice]}
+        # asked for, usage comes in a chunk of its own; each other chunk has it null, as OpenAI's
+        return {**self.head, "choices": [choice], **({"usage": None} if self.include_usage else {})}
 
     def start(self) -> str:
         if self.request.include_commits:  # first, the answer's blocks, nothing committed yet
@@ -113,7 +114,8 @@ class CompletionWriter(Writer):
         if self.request is not None and self.request.logprobs is not None:
             choice["logprobs"] = (chat_logprobs if self.kind == "chat" else completion_logprobs)(answer.logprobs)
         if self.kind == "chat":
-            message = {"role": "assistant", "content": answer.text if answer.text or not answer.calls else None}
+            message = {"role": "assistant", "content": answer.text if answer.text or not answer.calls else None,
+                       "refusal": None, "annotations": []}  # as OpenAI's message has them: no refusal, no citations
             if answer.calls:
                 message["tool_calls"] = [tool_call_json(c) for c in answer.calls]
             choice["message"] = message
