@@ -34,6 +34,10 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})
+
+
 def __getattr__(name):
     """Import on first use, so ``python -m refusion_mlx.generate`` runs one copy."""
     if name in _EXPORTS:

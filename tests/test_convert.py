@@ -387,6 +387,10 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst)
     assert code == 1 and len(err) == 1 and "--force" in err[0]
     assert (dst / "keep.txt").read_text() == "mine"
+    import refusion_mlx as rm  # the Python function's words name its parameter too
+
+    with pytest.raises(RefusionError, match=r"force=True"):
+        rm.convert(FIXTURE_MODEL, dst)
     code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force", "-q")
     assert code == 1 and "not a model folder" in err[0]  # --force never deletes a folder of other files
     assert (dst / "keep.txt").read_text() == "mine"

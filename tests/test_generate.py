@@ -834,3 +834,22 @@ def test_decoding_leaves_the_callers_peak_memory_measurement_alone(demo):
     for _ in rm.batch_generate(model, tok, ["Who is Sven?"], max_tokens=8):
         pass
     assert mx.get_peak_memory() >= before and stats.peak_memory_gb * 1e9 >= before
+
+
+def test_mlx_lm_names_a_loop_reads_are_there(demo):
+    """stream_generate takes logprobs (as BatchGenerator.insert does), a response has mlx-lm's from_draft,
+    and the package lists its lazily imported names (a REPL's completion missed generate)."""
+    import refusion_mlx as rm
+
+    model, tok = demo
+    streamed = [r for r in rm.stream_generate(model, tok, "Who is Sven?", max_tokens=8, logprobs=2)]
+    gen = rm.BatchGenerator(model, tok)
+    gen.insert("Who is Sven?", make_params(max_tokens=8), logprobs=2)
+    batched = []
+    while gen.has_work:
+        batched += gen.step()
+    pairs = [lp for r in streamed for lp in r.logprobs or ()]
+    assert pairs and pairs == [lp for r in batched for lp in r.logprobs or ()]
+    assert len(pairs) == sum(len(r.tokens) for r in streamed) and all(len(top) == 2 for _, top in pairs)
+    assert streamed[-1].from_draft is False
+    assert {"generate", "stream_generate", "batch_generate", "load"} <= set(dir(rm))

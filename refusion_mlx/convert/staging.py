@@ -47,7 +47,7 @@ def check_destination(dst: Path, force: bool) -> None:
                                                              else "; give a folder's path"))
     if dst.exists() and any(dst.iterdir()):
         if not force:
-            raise RefusionError(f"{dst} exists and is not empty; pass --force to replace it")
+            raise RefusionError(f"{dst} exists and is not empty; pass --force (Python: force=True) to replace it")
         if not (dst / "config.json").is_file():
             raise RefusionError(f"{dst} is not a model folder (no config.json): --force replaces only a "
                                 "model folder; remove it yourself or give another path")
@@ -163,7 +163,8 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
             _PUBLISHED[dst.absolute()] = _identity(dst / "config.json")
             return
         if not force:
-            raise RefusionError(f"{dst} appeared during the conversion; pass --force to replace it")
+            raise RefusionError(f"{dst} appeared during the conversion; pass --force (Python: force=True) to "
+                                "replace it")
         old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
         os.rename(dst, old)
         try:

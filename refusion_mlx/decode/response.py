@@ -48,6 +48,11 @@ class GenerationResponse:
         return self.tokens[-1] if self.tokens else None
 
     @property
+    def from_draft(self) -> bool:
+        """mlx-lm's speculative-decoding flag: no draft model here (ReFusion drafts and verifies its own)."""
+        return False
+
+    @property
     def generation_tps(self) -> float:
         if self.stats is not None:
             return self.stats.tokens_per_second

@@ -205,7 +205,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
                     cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
                     json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
                     json_object: bool = False, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
-                    storage: Optional[KVStorage] = None, **kwargs) -> Iterator[GenerationResponse]:
+                    storage: Optional[KVStorage] = None, logprobs: Optional[int] = None,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
 
     Decoding parameters come as ``params`` or as keywords: ``max_tokens``
@@ -222,6 +223,10 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     A batch of one: the same loop as
     :func:`refusion_mlx.decode.batch.batch_generate` runs.
 
+    ``logprobs``: each response carries its tokens' log-probabilities, with
+    this many top tokens each (``GenerationResponse.logprobs``, as
+    ``BatchGenerator.insert`` gives them).
+
     Constrained decoding (docs/constrained.md): ``json_schema`` (a dict or
     JSON text), ``grammar`` (llguidance's Lark format) or ``json_object``
     (any JSON object): the answer matches it when it ends with EOS
@@ -234,7 +239,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     if cache is not None and (storage is not None or kv_bits is not None or kv_group_size is not None):
         check_form(cache, gen.storage)
     uid = gen.insert(prompt, params or make_params(**kwargs), cache=cache, constraint=constraint,
-                     fit=params is None and not budget_given(kwargs))
+                     logprobs=logprobs, fit=params is None and not budget_given(kwargs))
     try:
         while gen.has_work:
             for response in gen.step():
