@@ -17,12 +17,14 @@ compares constrained with unconstrained tokens per forward (target: >= 0.80).
 its own verification), ``no-drafts`` (no planned drafts verified: one
 token per pass plus forced ones, a left-to-right decoder that infills
 forced tokens), ``no-slot-rule`` (the bonus token always from the row
-before it, across slot boundaries too, against REFUSION.md §1's convention).
+before it, across slot boundaries too, against the model's convention that a
+slot's first token comes from the mask row at it).
 
 The cases: a permissive grammar (any text without angle brackets: the mode's
 own cost, the model's own text allowed), JSON Schemas (flat, nested, enums
 and arrays) and any JSON object. How fast a JSON answer goes depends on the
-model knowing JSON: the demo model knows its facts' sentences, not JSON.
+model knowing JSON: the demo model knows its people's facts as JSON (under
+that family's schema), not the other schemas' values.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from .speed_common import base_parser, check_json_path, load_model, write_json
 
 def whole_forwards(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int, seed: int) -> np.ndarray:
     """Per scored token, the estimate from a whole causal forward per sample
-    (REFUSION.md §8's layout: the context, the continuation's unmasked
+    (training's MDM layout, docs/training.md: the context, the continuation's unmasked
     tokens, then its masked ones as the mask id, each at its position)."""
     n, target, seq = len(ids), len(ids) - context, np.array(ids, np.int32)
     masks = mc_masks(target, mc_num, np.random.default_rng(seed))

@@ -1,9 +1,14 @@
 """The repository's shape: only the demo model and test fixtures are binary,
 imports run one way between the package's layers, and the package never
-imports the tooling beside it (convert/, benchmarks/, tests/) nor ships it."""
+imports the tooling beside it (convert/, benchmarks/, tests/) nor ships it;
+no page, help text or public docstring sends a reader to REFUSION.md, the
+specification kept outside this repository."""
 
 import ast
+import importlib
+import inspect
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +180,48 @@ def test_every_command_defines_main_where_python_m_runs_it():
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+SPEC = "REFUSION.md"  # the algorithm's specification, kept outside this repository
+OUTSIDE = "outside this repository"
+
+
+def _paragraphs_citing_the_spec(text: str) -> list:
+    """Paragraphs that name the specification without saying a reader does not have it."""
+    return [p for p in text.split("\n\n") if SPEC in p and OUTSIDE not in " ".join(p.split())]
+
+
+def test_no_doc_sends_a_reader_to_the_specification_file():
+    """A reader has the paper and docs/design.md, not REFUSION.md: a page may name it for
+    provenance only with "kept outside this repository" in the same paragraph."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
+    cited = {str(p.relative_to(ROOT)): found for p in pages if (found := _paragraphs_citing_the_spec(p.read_text()))}
+    assert not cited, cited
+    assert not any("docs/" + SPEC in p.read_text() for p in pages + _modules())
+
+
+@pytest.mark.parametrize("module", ["generate", "chat", "server", "fuse", "convert.__main__", "bench.__main__",
+                                    "train.__main__", "train.accuracy"])
+def test_no_help_text_names_the_specification_file(module, capsys):
+    main = importlib.import_module("refusion_mlx." + module).main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert SPEC not in capsys.readouterr().out
+
+
+def test_the_public_apis_docstrings_do_not_send_a_user_to_the_specification_file():
+    """``help()`` on what ``import refusion_mlx`` exports, and on the modules they come from."""
+    import refusion_mlx as rm
+    seen = {}
+    for name in rm.__all__:
+        obj = getattr(rm, name)
+        for doc_of in (obj, sys.modules.get(getattr(obj, "__module__", None) or "")):
+            seen[f"{name}: {getattr(doc_of, '__name__', doc_of)}"] = inspect.getdoc(doc_of) or ""
+        if inspect.isclass(obj):
+            for attr, value in vars(obj).items():
+                if not attr.startswith("_"):
+                    seen[f"{name}.{attr}"] = inspect.getdoc(value) or ""
+    seen["refusion_mlx.decode"] = sys.modules["refusion_mlx.decode"].__doc__
+    cited = {where: found for where, doc in seen.items() if (found := _paragraphs_citing_the_spec(doc))}
+    assert not cited, cited

@@ -5,7 +5,7 @@ priced (``forecast``) or replayed bare at a real shape (``shapes``).
 
 A *recorded* profile is a real model's forwards (``shapes.record``). A
 *derived* profile decodes the same prompts, token counts and settings by the
-decoder's rules (docs/REFUSION.md section 4), with the model's confidence
+decoder's rules (the plan / verify / infill loop, docs/design.md), with the model's confidence
 set by one knob instead of by a model:
 
 * each round plans every open slot of the block (one forward as wide as the

@@ -161,7 +161,7 @@ class BatchGenerator:
         """Ids besides EOS that end an answer: the tokenizer's other end ids
         (mlx-lm's ``eos_token_ids``: a checkpoint's ``generation_config.json``
         list, ``add_eos_token``). The decoder's algorithm knows EOS alone
-        (REFUSION.md); an answer reaching one of these ends there, "stop"."""
+        (the paper's loop); an answer reaching one of these ends there, "stop"."""
         vocab = self.model.args.vocab_size
         return frozenset(t for t in end_ids(self.tokenizer) if 0 <= t < vocab) - {self.eos_id}
 

@@ -1,7 +1,7 @@
 """The committed sequence and its KV cache, as one object.
 
 ReFusion's cache holds exactly the committed tokens, in commit order, each
-with its own position id (REFUSION.md §3). Every forward pass writes its keys
+with its own position id (as the paper lays it out). Every forward pass writes its keys
 and values into the rows just after the committed ones (the *scratch* rows):
 
 * ``extend(n)``: a pass of n tokens appended in sequence order (prefill,

@@ -1,4 +1,4 @@
-"""ReFusion's slot-level plan-and-infill decoding loop for one request (REFUSION.md §4).
+"""ReFusion's slot-level plan-and-infill decoding loop for one request (the paper's, arXiv 2512.13586; docs/design.md).
 
 For each block, while it has open slots:
 

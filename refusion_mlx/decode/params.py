@@ -1,4 +1,5 @@
-"""Decoding parameters, named as in the reference ``generate_refusion`` (REFUSION.md §2)."""
+"""Decoding parameters, named as in the authors' reference ``generate_refusion`` (the project's
+specification, REFUSION.md §2, kept outside this repository, lists them; docs/serving.md, Decoding flags)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Decoding settings the ReFusion authors used per benchmark (REFUSION.md §2)."""
+"""Decoding settings the ReFusion authors used per benchmark (https://arxiv.org/abs/2512.13586;
+recorded in the project's specification, REFUSION.md §2, kept outside this repository)."""
 
 from typing import Any, Dict, Optional
 

@@ -1,4 +1,4 @@
-"""What every run reports (REFUSION.md §6), and what one decoding step committed."""
+"""What every run reports (docs/design.md, Statistics), and what one decoding step committed."""
 
 from __future__ import annotations
 

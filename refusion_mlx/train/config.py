@@ -86,7 +86,7 @@ OPTIONS: Dict[str, Option] = {
                                  "without --train or --iters only tests the adapters in --adapter-path, as mlx-lm "
                                  "does"),
     "mask_prompt": Option(bool, False, "mlx-lm's flag: accepted; the objective never learns the prompt here "
-                                       "(REFUSION.md section 8)"),
+                                       "(the prompt carries no label: docs/training.md, The objective)"),
     "test": Option(bool, False, "evaluate on test.jsonl after training"),
     "test_batches": Option(int, 500, "test batches, -1: the whole test.jsonl (default: 500)"),
     "quantized_matmul": Option(str, "auto", "how quantized layers multiply while training: kernel "
