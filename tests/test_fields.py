@@ -89,6 +89,20 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     assert all(getattr(request, name) == body[name] for name in requests)
 
 
+def test_only_openais_own_fields_are_marked_openai():
+    """``openai=True`` is a field OpenAI's API defines (its schema description and the web
+    page's label drop "ReFusion"); top_k and min_p are not OpenAI's: its clients send them in
+    extra_body, as slot_size, and they are labelled as ReFusion's."""
+    from openai.types.chat.completion_create_params import CompletionCreateParamsBase as Chat
+    from openai.types.completion_create_params import CompletionCreateParamsBase as Legacy
+    requests = {f.request: f for f in FIELDS if f.request is not None}
+    for api in (Chat, Legacy):
+        assert {name for name, f in requests.items() if f.openai} == set(requests) & set(api.__annotations__)
+    for name in ("top_k", "min_p"):
+        assert requests[name].request_description().startswith("ReFusion: ")
+        assert ChatCompletionRequest.model_fields[name].description.startswith("ReFusion: ")
+
+
 def test_the_prompts_file_takes_exactly_the_tables_names_and_aliases():
     defaults = RefusionParams()
     for name in list(PARAM_NAMES) + list(ALIASES):

@@ -231,8 +231,8 @@ FIELDS: Tuple[Field, ...] = (
           ge=MIN_SEED, le=SEEDS - 1),
     Field("top_p", float, "nucleus filter of the planning drafts (1: off)", request="top_p", openai=True,
           gt=0, le=1),
-    Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", openai=True, ge=0),
-    Field("min_p", float, "min-p filter of the planning drafts (0: off)", request="min_p", openai=True,
+    Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", ge=0),
+    Field("min_p", float, "min-p filter of the planning drafts (0: off)", request="min_p",
           ge=0, le=1),
 )
 
