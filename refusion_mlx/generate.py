@@ -14,7 +14,7 @@ from typing import List, Optional
 from ._blas import describe as blas_description
 from ._callable import make_callable
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fitted, params_from_args,
-                  positive_int, read_input, read_text, run, storage_from_args, without_line_end)
+                  positive_int, read_input, read_text, run, Spelled, spelled, storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
 from .decode.batch import batch_generate
@@ -44,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompts-file", metavar="FILE",
                          help="many prompts decoded in batches: one per line, or JSONL objects with 'prompt' "
                               "and optional per-prompt settings ('-' reads standard input)")
-    parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
-    parser.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
-                        help="tokenize the prompt as is")
+    parser.add_argument("--system", "--system-prompt", dest="system", action=Spelled, help="system message")
+    parser.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action=Spelled,
+                        nargs=0, default=False, help="tokenize the prompt as is")
     add_template_arg(parser)
     add_decoding_args(parser)
     shape = parser.add_mutually_exclusive_group()
@@ -60,18 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --prompts-file: requests decoded together (default 8)")
     parser.add_argument("--verbose", action="store_true", help="print statistics to standard error")
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (text, output_ids, statistics) instead of streaming")
+                        help="print one JSON object (text, output_ids, prompt_ids, finish_reason, stats) instead "
+                             "of streaming; with --prompts-file one a line, with index and error too")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.no_chat_template and args.system is not None:  # mlx-lm drops the system prompt there, unsaid
-        parser.error("--system needs the chat template: --ignore-chat-template tokenizes the prompt as is")
-    if args.no_chat_template and args.chat_template_config is not None:
-        parser.error("--chat-template-config needs the chat template: --ignore-chat-template tokenizes the prompt "
-                     "as is")
+    for needs in ("system", "chat_template_config"):  # mlx-lm drops the system prompt there, unsaid
+        if args.no_chat_template and getattr(args, needs) is not None:
+            parser.error(f"{spelled(args, needs)} needs the chat template: {spelled(args, 'no_chat_template')} "
+                         "tokenizes the prompt as is")
 
     def body() -> int:
         params = params_from_args(args)

@@ -281,6 +281,17 @@ def test_chat_template_variables_reach_the_template(demo, capsys):
         with pytest.raises(SystemExit) as e:
             main(flags)
         assert e.value.code == 2 and needle in capsys.readouterr().err
+    # the error names the spellings the user typed, not an alias they did not
+    for flags, said in ((["--system", "hi", "--no-chat-template"], "--system needs the chat template: "
+                                                                    "--no-chat-template tokenizes"),
+                        (["--system-prompt", "hi", "--ignore-chat-template"], "--system-prompt needs the chat "
+                                                                              "template: --ignore-chat-template"),
+                        (["--chat-template-args", "{}", "--no-chat-template"], "--chat-template-args needs the "
+                                                                               "chat template: --no-chat-template")):
+        with pytest.raises(SystemExit) as e:
+            main(flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and err.count("\n") == 1, err
 
 
 def test_a_template_reads_a_content_that_spells_a_special_token_as_it_is(demo_copy):
@@ -602,6 +613,9 @@ def test_module_entry_point_json():
     out = json.loads(proc.stdout)
     assert out["output_ids"] == [593, 357, 311, 706, 13, 681, 352, 351, 275, 555, 13, 681, 355, 275,
                                  535, 356, 622, 13, 801]
+    from refusion_mlx.generate import build_parser
+    said = next(a.help for a in build_parser()._actions if "--json" in a.option_strings)
+    assert all(key in said for key in out), (said, list(out))  # --help names every key it prints
 
 
 # -- loading --------------------------------------------------------------------

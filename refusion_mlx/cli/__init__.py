@@ -8,9 +8,9 @@ Nothing below the commands imports this package; the library works without it.
 
 from .flags import (OneLineParser, add_adapter_arg, add_decoding_args, add_kv_args, add_model_args, add_template_arg,
                     byte_size, count, fitted, output_file, params_from_args, positive_int, positive_ints, read_input, read_text,
-                    run, storage_from_args, without_line_end)
+                    Spelled, run, spelled, storage_from_args, without_line_end)
 from .output import check_writable, write_text
 
 __all__ = ["OneLineParser", "add_adapter_arg", "add_decoding_args", "add_kv_args", "add_model_args", "add_template_arg",
            "byte_size", "check_writable", "count", "fitted", "output_file", "params_from_args", "positive_int", "positive_ints",
-           "read_input", "read_text", "run", "storage_from_args", "without_line_end", "write_text"]
+           "Spelled", "read_input", "read_text", "run", "spelled", "storage_from_args", "without_line_end", "write_text"]

@@ -109,11 +109,25 @@ def in_flags(message: str) -> str:
     return re.sub(r"(?<![\w-])(" + "|".join(FLAG_OF) + r")(?![\w-])", lambda m: FLAG_OF[m.group(1)], message)
 
 
+class Spelled(argparse.Action):
+    """Stores a flag's value (``True`` for one with ``nargs=0``) and, as ``<dest>_as``, the
+    spelling the user typed among its aliases, so an error names the flag on their command line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        setattr(namespace, self.dest + "_as", option_string)
+
+
+def spelled(args: argparse.Namespace, dest: str) -> str:
+    """The flag the user typed for ``dest`` (a :class:`Spelled` option they gave)."""
+    return getattr(args, dest + "_as")
+
+
 def add_template_arg(parser: argparse.ArgumentParser) -> None:
     """--chat-template-config (mlx-lm's generate; --chat-template-args, its
     server's): the chat template's own variables, as a JSON object."""
     parser.add_argument("--chat-template-config", "--chat-template-args", dest="chat_template_config",
-                        type=template_json, metavar="JSON",
+                        type=template_json, metavar="JSON", action=Spelled,
                         help='the chat template\'s own variables, a JSON object: \'{"enable_thinking": false}\'')
 
 
