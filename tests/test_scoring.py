@@ -5,6 +5,7 @@ the demo's own multiple-choice questions ranked by both."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -155,3 +156,33 @@ def test_the_demo_ranks_the_right_answer_of_its_own_questions_first(demo):
         right["ar"] += int(np.argmax(ar)) == r["answer"]
         right["mc"] += int(np.argmax(mc)) == r["answer"]
     assert right["ar"] >= 0.8 * len(rows) and right["mc"] >= 0.8 * len(rows), right  # chance: a quarter
+
+
+def test_the_lm_eval_recipe_runs_lm_eval_as_this_pythons_module(tmp_path, monkeypatch):
+    """lm_eval installed in this Python but its script not on PATH (a venv not activated, pip --user):
+    the recipe runs ``python -m lm_eval``, where it said "lm_eval is not installed"."""
+    import importlib.util
+    import subprocess
+
+    fake = tmp_path / "site" / "lm_eval"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no lm_eval script anywhere on it
+    spec = importlib.util.spec_from_file_location("lm_eval_recipe_run", TASK.parent / "run.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+
+    class Server:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    calls = []
+    monkeypatch.setattr(recipe, "start_server", lambda model, port, preset=None: Server())
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(sys, "argv", ["run.py", "--tasks", "demo_facts", "--output", str(tmp_path / "out")])
+    assert recipe.main() == 0
+    assert [cmd[:3] for cmd in calls] == [[sys.executable, "-m", "lm_eval"]]

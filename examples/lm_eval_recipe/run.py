@@ -108,8 +108,8 @@ def main() -> int:
                         help="score multiple-choice tasks with the Monte Carlo estimator, this many samples "
                              "(default: the AR estimator)")
     args = parser.parse_args()
-    if shutil.which("lm_eval") is None or (args.mc_num is not None and importlib.util.find_spec("lm_eval") is None):
-        print('error: lm_eval is not installed (in this Python, for --mc-num); pip install "lm_eval[api]"',
+    if importlib.util.find_spec("lm_eval") is None:  # run as this Python's module: no script on PATH needed
+        print(f'error: lm_eval is not installed in this Python ({sys.executable}); pip install "lm_eval[api]"',
               file=sys.stderr)
         return 1
     status = 0
@@ -117,7 +117,8 @@ def main() -> int:
         preset = AUTHORS_TASKS[task][1] if task in AUTHORS_TASKS else None
         server = start_server(args.model, args.port, preset)
         try:
-            lm_eval = ["lm_eval"] if args.mc_num is None else [sys.executable, str(HERE / "refusion_lm.py")]
+            lm_eval = [sys.executable, "-m", "lm_eval"] if args.mc_num is None else [sys.executable,
+                                                                                     str(HERE / "refusion_lm.py")]
             cmd = [*lm_eval, *lm_eval_args(task, args.port, args.output, args.limit, args.mc_num)]
             print("$", " ".join(cmd), flush=True)
             status |= subprocess.call(cmd)
