@@ -96,3 +96,23 @@ def test_the_adapters_load_for_generate(experiment):
     rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
     again = exact_match(model, tok, rows)
     assert again["correct"] == after["new"]["correct"]
+
+
+def test_run_py_names_the_unseen_prompts_it_scored_the_fused_model_on(tmp_path, monkeypatch, capsys):
+    """``run.py --n-test 20``: the fused model is scored on the 20 unseen prompts there are, and its
+    line says 20 (it said "first 50 unseen prompts: 0/20")."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # run.py puts its folder first: taken back after
+    monkeypatch.setitem(sys.modules, "make_data", None)  # and imports its make_data: dropped after
+    del sys.modules["make_data"]
+    spec = importlib.util.spec_from_file_location("new_family_run", EXAMPLE / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    monkeypatch.setattr(run, "exact_match", lambda model, tokenizer, rows, **kw: {  # the counting, not the decoding
+        "correct": 0, "total": len(rows), "accuracy": 0.0, "families": {}})
+    monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path / "run"), "--n-test", "20", "--config", "none",
+                                      "--", "--iters", "1", "--val-batches", "0"])
+    run.main()
+    out = capsys.readouterr().out
+    assert "fused model (bf16 weights), 20 unseen prompts: 0/20 exact" in out, out

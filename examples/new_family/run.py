@@ -110,7 +110,8 @@ def main() -> int:
     print()
     print(f"training: {result.iterations if result else 0} iterations in {train_s:.0f} s")
     if fused_same:
-        print(f"fused model (bf16 weights), first 50 unseen prompts: {fused_same[0]}/{fused_same[1]} exact")
+        (correct, total), first = fused_same, "first " if fused_same[1] < len(new_rows) else ""
+        print(f"fused model (bf16 weights), {first}{total} unseen prompts: {correct}/{total} exact")
     ok_new = new_acc >= NEW_TARGET
     ok_old = old_after >= OLD_KEEP * old_before
     print(f"new family: {100 * new_acc:.1f}% (target >= {100 * NEW_TARGET:.0f}%): {'ok' if ok_new else 'MISSED'}")
