@@ -13,11 +13,13 @@ counting rows, and multi-turn conversations built from the same tasks.
 
 ``valid.jsonl`` (for the trainer's validation loss) is built the same way
 from the mix's ``valid.jsonl``; ``conversations.jsonl`` holds 3-turn
-conversations over valid rows, for ``evaluate.py``, and ``alone.jsonl`` the
-same third questions asked alone: the two files' scores compare a question in
-a conversation with itself asked alone. Deterministic in ``--seed``.
+conversations over valid rows, for ``python -m refusion_mlx.train.accuracy
+--data``, and ``alone.jsonl`` the same third questions asked alone: the two
+files' scores compare a question in a conversation with itself asked alone.
+Deterministic in ``--seed``.
 
     python examples/demo_model/build_data.py --tasks ../shared/fixtures/tiny-refusion-tasks --out demo_data
+    python -m refusion_mlx.train.accuracy --data demo_data/conversations.jsonl
 """
 
 from __future__ import annotations
