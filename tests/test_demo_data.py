@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import demo_example_module
 
 
@@ -258,3 +260,14 @@ def test_other_tool_rows_answer_in_text_from_whatever_the_tool_returned(tmp_path
     held = " ".join(r["messages"][-2]["content"] for r in read(tmp_path / "checks" / "tool_other_calls.jsonl"))
     assert any(p in held for p in td.HELD_OUT_PLACES + td.HELD_OUT_TOPICS)
     assert not any(p in trained for p in td.HELD_OUT_PLACES + td.HELD_OUT_TOPICS)
+
+
+def test_a_tasks_folder_without_the_training_rows_is_one_line(tmp_path):
+    """``--tasks examples/demo_model/tasks`` (the repository's validation rows alone): one line, no traceback."""
+    bd = build_data_module()
+    write_tasks(tmp_path / "tasks")
+    (tmp_path / "tasks" / "train.jsonl").unlink()
+    with pytest.raises(SystemExit) as e:
+        bd.build(tmp_path / "tasks", tmp_path / "out")
+    assert str(e.value).startswith("error: --tasks ") and "has no train.jsonl" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -37,6 +37,15 @@ def read_jsonl(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def check_mix(tasks: Path) -> None:
+    """One line, not a traceback, when ``tasks`` is not the whole task mix (this repository holds only
+    its validation rows, ``examples/demo_model/tasks/valid.jsonl``)."""
+    missing = [name for name in ("train.jsonl", "valid.jsonl") if not (tasks / name).is_file()]
+    if missing:
+        raise SystemExit(f"error: --tasks {tasks} has no {' or '.join(missing)}: the whole task mix is the "
+                         "shared fixtures' tiny-refusion-tasks (this repository holds only its valid.jsonl)")
+
+
 def write_jsonl(path: Path, rows: list) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -82,6 +91,7 @@ def build(tasks: Path, out: Path, seed: int = 0, n_conversations: int = 12000, n
     keys the evaluation conversations' third questions are drawn from (default: any row).
     """
     rng = random.Random(seed)
+    check_mix(tasks)
     train = read_jsonl(tasks / "train.jsonl")
     valid = read_jsonl(tasks / "valid.jsonl")
     valid_prompts = {r["messages"][0]["content"] for r in valid}
