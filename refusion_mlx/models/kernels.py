@@ -76,9 +76,45 @@ def exp(x: mx.array) -> mx.array:
     return mx.where(x > -87.0, p * scale, 0.0)
 
 
-@PerShape
+# Training on the CPU paths differentiates through these kernels. Left to MLX, a backward pass keeps every
+# intermediate of exp's polynomial (a LoRA run on the demo peaked at 0.211 GB against 0.089 GB on MLX's own
+# exp); each kernel below states its own gradient, from its inputs or its output, which the forward keeps.
+
+@mx.custom_function
 def _swiglu_cpu(gate: mx.array, up: mx.array) -> mx.array:
+    return _swiglu_fused(gate, up)
+
+
+@PerShape
+def _swiglu_fused(gate: mx.array, up: mx.array) -> mx.array:
     return gate / (1.0 + exp(-gate)) * up
+
+
+@PerShape
+def _swiglu_grads(gate: mx.array, up: mx.array, cotangent: mx.array):
+    s = 1.0 / (1.0 + exp(-gate))  # sigmoid, recomputed: d silu(g) = s + g s (1 - s)
+    return cotangent * up * (s + gate * s * (1.0 - s)), cotangent * gate * s
+
+
+@_swiglu_cpu.vjp
+def _swiglu_vjp(primals, cotangent, output):
+    return _swiglu_grads(*primals, cotangent)
+
+
+@mx.custom_function
+def _softmax_cpu(x: mx.array) -> mx.array:
+    e = exp(x - mx.max(x, axis=-1, keepdims=True))
+    return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@PerShape
+def _softmax_grad(probs: mx.array, cotangent: mx.array) -> mx.array:
+    return probs * (cotangent - mx.sum(cotangent * probs, axis=-1, keepdims=True))
+
+
+@_softmax_cpu.vjp
+def _softmax_vjp(primals, cotangent, output):
+    return _softmax_grad(output, cotangent)
 
 
 @partial(mx.compile, shapeless=True)
@@ -97,8 +133,7 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis, computed in float32 (``precise``)."""
     if not _cpu_float32(x):
         return mx.softmax(x, axis=-1, precise=True)
-    e = exp(x - mx.max(x, axis=-1, keepdims=True))
-    return e / mx.sum(e, axis=-1, keepdims=True)
+    return _softmax_cpu(x)
 
 
 def logsumexp(x: mx.array) -> mx.array:
