@@ -147,8 +147,8 @@ def test_the_queue_counts_the_requests_beyond_the_free_rows():
 
 def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
     """Eight prompts of an hour's Monte Carlo scoring in a batch of eight held every row: a chat waited for
-    all of them. Scoring now holds all rows but one, and each engine turn does one piece of one scoring
-    request in turn (it did one of each: a chat that came waited for seven pieces)."""
+    all of them. Scoring now holds all rows but one, one per request, and each engine turn does one piece of
+    one scoring request in turn (it did one of each: a chat that came waited for seven pieces)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -164,7 +164,8 @@ def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
     chat = EngineRequest([1, 2, 3], RefusionParams(gen_length=8))
     scorers = [Job(dataclasses.replace(chat, scoring=Scoring()), loop=None) for _ in range(4)]
     with queue.wake:
-        queue.put(scorers)
+        for job in scorers:  # four requests of one prompt
+            queue.put([job])
     admitted = queue.next_turn(1 << 40).admitted
     assert admitted == scorers[:3]
     for uid, job in enumerate(admitted, 1):
@@ -192,6 +193,50 @@ def test_scoring_leaves_a_row_for_a_chat_and_takes_turns():
     for _ in range(4):
         engine._score()
     assert stepped[6:] == [-1, -3, -4, -1]  # no one skipped or served twice when the set changed
+
+
+def test_a_scoring_request_holds_one_row_and_the_next_has_the_next_piece(monkeypatch):
+    """One request's prompts filled every scoring row, and a scoring request that came was admitted only
+    when one of them had been scored whole (a 4-token score waited 5.3 s, or 513 s behind Monte Carlo
+    prompts): a request now holds one row, its prompts scored in turn, and the newcomer's first piece is
+    the one after the piece under way when it came."""
+    from refusion_mlx.serve.core import loglikelihood
+    from refusion_mlx.serve.core.engine import Engine
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.loglikelihood import Scoring, ScoringTask
+    from refusion_mlx.serve.server_config import ServerConfig
+    from tests.helpers import FIXTURE_MODEL
+
+    pieces, queued = [], threading.Event()
+    step = ScoringTask.step
+
+    def logged(task, model, tokenizer):
+        pieces.append(task.request.prompt_ids[0])  # which request: its first token
+        if len(pieces) == 1:
+            queued.wait(60)  # the newcomer comes during the first piece
+        return step(task, model, tokenizer)
+
+    monkeypatch.setattr(ScoringTask, "step", logged)
+    chunked = loglikelihood.ARScorer
+    monkeypatch.setattr(loglikelihood, "ARScorer", lambda *a: chunked(*a, chunk=8))  # pieces of 8 tokens
+    engine = Engine(ServerConfig(model=str(FIXTURE_MODEL), max_batch=4))
+    engine.start()
+    try:
+        rng = np.random.default_rng(0)
+        score = lambda first, n: EngineRequest([first] + rng.integers(10, 800, n - 1).tolist(),  # noqa: E731
+                                               engine.config.decoding, scoring=Scoring(extra=0))
+        big = engine.submit_all([score(1, 40) for _ in range(3)], None)
+        while not pieces:
+            time.sleep(0.01)
+        assert len([j for j in engine.running.values() if j.task is not None]) == 1  # one row of three
+        small = engine.submit(score(2, 4), None)
+        queued.set()
+        deadline = time.monotonic() + 120
+        while any(j.kv_bytes for j in big + [small]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop(timeout=30)
+    assert pieces[:3] == [1, 2, 1] and pieces.count(2) == 1 and not any(j.kv_bytes for j in big)
 
 
 def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():

@@ -294,7 +294,8 @@ class Engine:
         if job.request.scoring is not None:
             self._scored += 1
             job.task, job.uid = ScoringTask(job.request, int(self.model.args.mask_token_id)), -self._scored
-            job.served_at = self._score_turns  # its turns come after those already waiting
+            # its first piece next, but for those that waited longer than the one just served
+            job.served_at = self._score_turns - 0.5
             self.queue.started(job)
             return job.post("start")
 
@@ -319,15 +320,16 @@ class Engine:
         job.post("start")
 
     def _score(self) -> None:
-        """A piece of one scoring request's work (:meth:`.loglikelihood.ScoringTask.step`), each in turn; the
-        finished end. A request that comes waits for one piece, not one of each; decoding then has the
-        engine for as long as the piece took (``Scheduler.scored``)."""
+        """A piece of one scoring request's work (:meth:`.loglikelihood.ScoringTask.step`), each in turn (a
+        request has one job running: the scheduler's), the finished end. A request that comes has the next
+        piece, after those waiting longer than the one just served; decoding then has the engine for as long
+        as the piece took (``Scheduler.scored``)."""
         t0 = time.monotonic()
         scoring = [j for j in self.running.values() if j.task is not None]
         if not scoring:
             return
         self._score_turns += 1
-        job = min(scoring, key=lambda j: (j.served_at, -j.uid))  # the longest unserved (a new one: at the back)
+        job = min(scoring, key=lambda j: (j.served_at, -j.uid))  # the longest unserved
         job.served_at = self._score_turns
         result = job.task.step(self.model, self.tokenizer)
         if isinstance(result, Refusal):

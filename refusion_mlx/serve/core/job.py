@@ -59,7 +59,7 @@ class Job:
         self.cache = None  # its CommittedCache, once started
         self.cached = 0  # prompt tokens the prompt cache held
         self.task = None  # a scoring request's ScoringTask, once started
-        self.served_at = 0  # scoring: the engine's scoring turn that last did a piece of it (or started it)
+        self.served_at = 0.0  # scoring: the engine's scoring turn that last did a piece of it (started: that less 0.5)
         self.client_seen = time.monotonic()  # when the HTTP side last found its client there
         self.entry_chars = 0  # characters of the tokens whose logprobs went out (or were held, with calls)
         self.held: List[Tuple[int, dict]] = []  # (offset, entry) of tokens the call splitter has not decided

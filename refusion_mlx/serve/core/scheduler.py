@@ -13,7 +13,12 @@ arrive of the requests holding the fewest rows (so one request's many
 choices never keep a later request's one behind them); the job chosen that
 does not fit waits for memory, and the rest with it. Scoring jobs hold at
 most all rows but one (:func:`scoring_rows`): an hour of log-likelihood work
-in eight prompts leaves a row for the next chat. A job's start and its
+in eight prompts leaves a row for the next chat. And a scoring request holds
+one of them at a time, its prompts scored one after another: the engine does
+one piece of scoring a turn whatever the rows, so more would add nothing but
+make the next scoring request wait for one of its prompts to end (a
+24-prompt job held every scoring row, and a 4-token score waited for a whole
+prompt of it, or the whole job). A job's start and its
 leaving are recorded here (:meth:`started`, :meth:`left`), so ``/health``
 sees one consistent view.
 """
@@ -33,7 +38,7 @@ PEERS = 64  # waiting requests compared with one being admitted
 
 
 def scoring_rows(max_batch: int) -> int:
-    """Batch rows scoring jobs may hold at once: all but one (one, in a batch of one)."""
+    """Batch rows scoring jobs may hold at once, one per request: all but one (one, in a batch of one)."""
     return max(1, max_batch - 1)
 
 
@@ -94,10 +99,10 @@ class Scheduler:
             self._purge()  # jobs whose client left while they waited
             live = [j for j in self.running.values() if not j.cancelled.is_set()]
             held = collections.Counter(j.group for j in live)
-            scoring = sum(j.request.scoring is not None for j in live)
+            scoring = {j.group for j in live if j.request.scoring is not None}  # one row each
             while len(plan.admitted) < room:
-                takes = [j for j in self.waiting
-                         if j.request.scoring is None or scoring < scoring_rows(self.max_batch)]
+                takes = [j for j in self.waiting if j.request.scoring is None
+                         or (len(scoring) < scoring_rows(self.max_batch) and j.group not in scoring)]
                 if not takes:
                     break
                 job = min(takes, key=lambda j: held[j.group])  # the first among the least served
@@ -108,7 +113,8 @@ class Scheduler:
                     break
                 self.waiting.remove(job)
                 held[job.group] += 1
-                scoring += job.request.scoring is not None
+                if job.request.scoring is not None:
+                    scoring.add(job.group)
                 self.kv_reserved += job.kv_bytes
                 plan.admitted.append(job)
             self.starting = len(plan.admitted)
