@@ -286,7 +286,8 @@ def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_ser
 
 def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
     """Echo scoring under two ranks (each running its layers of every scoring
-    piece): the AR and the Monte Carlo estimates are those of one process."""
+    piece): the AR and the Monte Carlo estimates are those of one process
+    with the same quantized cache (--kv-bits 8)."""
     from refusion_mlx.decode.scoring import score_ar, score_mc
     from refusion_mlx.models.loading import load
 
@@ -294,8 +295,8 @@ def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
     model, tok = load(FIXTURE_MODEL)
     ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
     context = len(ids) - 3
-    want_ar = score_ar(model, [ids])[0].logprobs[1:]
-    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2).logprobs[context:]
+    want_ar = score_ar(model, [ids], kv_bits=8)[0].logprobs[1:]
+    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2, kv_bits=8).logprobs[context:]
     for body, want, skip in (({}, want_ar, 1),
                              ({"logprob_estimator": "mc", "mc_num": 8, "seed": 2, "context_tokens": context},
                               want_mc, context)):

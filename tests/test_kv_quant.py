@@ -187,11 +187,51 @@ def test_admission_counts_quantized_bytes(demo):
     assert q8.as_dict()["bits"] == 8 and "--kv-bits" in q8.refusal(request, 10, 5).message
 
 
+def test_scoring_reads_through_the_quantized_cache_and_reserves_what_it_holds(demo, monkeypatch):
+    """Scoring built a float cache whatever --kv-bits said (a server's echo scores were the float
+    server's, bit for bit): score_ar / score_mc and the server's ScoringTask now keep keys and values as
+    the storage says, and admission reserves what the scorer's cache holds at its widest, in the cache's
+    growth steps (a 5-token score reserved 6 rows; its cache holds 256)."""
+    from refusion_mlx.decode.params import RefusionParams
+    from refusion_mlx.decode.scoring import score_ar, score_mc
+    from refusion_mlx.serve.core.engine_request import EngineRequest
+    from refusion_mlx.serve.core.loglikelihood import Scoring, ScoringTask
+    from refusion_mlx.serve.core.memory import KVCost
+
+    model, tok = demo
+    mask = int(model.args.mask_token_id)
+    ids = np.random.default_rng(1).integers(10, 800, 300).tolist()
+    q8 = KVStorage.of(8, model=model)
+    plain, coded = score_ar(model, [ids], 1, mask)[0], score_ar(model, [ids], 1, mask, kv_bits=8)[0]
+    assert plain.logprobs != coded.logprobs and np.mean(np.abs(np.subtract(plain.logprobs[1:], coded.logprobs[1:]))) < 0.1
+    assert score_ar(model, [ids], 1, mask, storage=q8)[0] == coded
+    mc = score_mc(model, ids, 200, mask, 8, kv_bits=4)
+    assert mc.logprobs != score_mc(model, ids, 200, mask, 8).logprobs and mc == score_mc(model, ids, 200, mask, 8,
+                                                                                         storage=KVStorage.of(4))
+    held, free = [], CommittedCache.free
+    monkeypatch.setattr(CommittedCache, "free", lambda cache: (held.append(cache.nbytes), free(cache)))
+    for storage in (None, q8):
+        cost = KVCost.of(model, storage)
+        for spec, n in ((Scoring("ar", 1, 1), 5), (Scoring("ar", 0, 0), 300), (Scoring("mc", 1, 1, 40, 100), 300),
+                        (Scoring("mc", 0, 0, 8, 298), 300)):
+            request = EngineRequest(ids[:n], RefusionParams(), scoring=spec)
+            task = ScoringTask(request, mask, storage)
+            while task.step(model, tok) is None:
+                held.append(task.scorer.cache.nbytes)
+            assert task.scorer.cache.storage == (storage or KVStorage())
+            assert max(held) == cost.need(request), (storage, spec)
+            held.clear()
+
+
+ECHO = {"prompt": "Sven lives in Paris and Zoe lives in Rome.", "echo": True, "logprobs": 1, "max_tokens": 1}
+
+
 def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tmp_path):
     """A server with --kv-bits 8: /health and /metrics say so, a request's
     kv_bits is a 400, more slow requests run at once under 2 MiB than the
     float server's two, nothing is lost, and its prompt cache on disk comes
-    back after a restart with the same setting (and not with float)."""
+    back after a restart with the same setting (and not with float); its echo scores are read through
+    the codes (they were the float server's, bit for bit)."""
     from tests.test_server_ops import GROWTH_BYTES, ask, call, five_slow_watched, metrics, serve, wait_idle
 
     folder = str(tmp_path / "cache")
@@ -207,6 +247,7 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
         need = 256 * kv["bytes_per_token"] + 16 * kv["scratch_bytes_per_token"]
         state = wait_idle(srv)
         ask(srv, "Who is Sven?", max_tokens=8)
+        _, coded = call(srv, "POST", "/v1/completions", ECHO)
     assert [s for s, _ in out] == [200] * 5 and len({json.dumps(o["choices"][0]["text"]) for _, o in out}) == 1
     assert max(h["active"] for h in seen) == min(5, 2 * GROWTH_BYTES // need) >= 4  # float: 2 (tests/test_server_ops.py)
     assert state["kv"]["reserved_bytes"] == 0
@@ -215,7 +256,10 @@ def test_server_admits_more_under_the_same_max_kv_bytes_and_reloads_its_codes(tm
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     with serve(prompt_cache_dir=folder, **f32) as srv:  # float: the quantized files are skipped, never misread
         _, plain = ask(srv, "Who is Sven?", max_tokens=8)
+        _, scored = call(srv, "POST", "/v1/completions", ECHO)
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    values = [r["choices"][0]["logprobs"]["token_logprobs"][1:] for r in (coded, scored)]
+    assert values[0] != values[1] and np.allclose(*values, atol=0.5)  # echo scores read through the codes too
 
 
 def test_bad_settings_are_one_line_errors(demo, capsys):

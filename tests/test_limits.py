@@ -218,7 +218,7 @@ def test_a_scoring_request_holds_one_row_and_the_next_has_the_next_piece(monkeyp
 
     monkeypatch.setattr(ScoringTask, "step", logged)
     chunked = loglikelihood.ARScorer
-    monkeypatch.setattr(loglikelihood, "ARScorer", lambda *a: chunked(*a, chunk=8))  # pieces of 8 tokens
+    monkeypatch.setattr(loglikelihood, "ARScorer", lambda *a, **k: chunked(*a, chunk=8, **k))  # pieces of 8 tokens
     engine = Engine(ServerConfig(model=str(FIXTURE_MODEL), max_batch=4))
     engine.start()
     try:

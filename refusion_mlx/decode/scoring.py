@@ -46,6 +46,7 @@ from ..errors import DecodeError
 from ..models.kernels import logsumexp
 from .cache import CommittedCache
 from .forward import head_chunk_rows
+from .kv_store import KVStorage
 from .params import seed_bits
 from .prefill import PREFILL_CHUNK, chunks
 from .prompt import token_ids
@@ -107,10 +108,11 @@ class ARScorer:
     feeds the next chunk (at most ``chunk`` tokens) into the scorer's cache
     and scores its rows (evaluated: nothing but the cache is held after
     it); :meth:`result` once :attr:`finished`. ``top`` and ``next_mask``
-    as :func:`score_ar`."""
+    as :func:`score_ar`; ``storage``: how the cache keeps the keys and
+    values (a :class:`~.kv_store.KVStorage`; None: the model's dtype)."""
 
     def __init__(self, model, ids: Sequence[int], top: int = 0, next_mask: Optional[int] = None,
-                 chunk: int = PREFILL_CHUNK):
+                 chunk: int = PREFILL_CHUNK, storage: Optional[KVStorage] = None):
         free_streams_at_thread_end()
         self.model, self.ids, self.top = model, scored_ids(model, ids), top
         if next_mask is not None:
@@ -118,7 +120,7 @@ class ARScorer:
         self.extra = next_mask is not None
         self.k = max(top, 1 if self.extra else 0)
         sequence = self.ids + ([next_mask] if self.extra else [])
-        self.cache = CommittedCache.for_model(model)
+        self.cache = CommittedCache.for_model(model, storage=storage)
         # one token, nothing drafted: nothing to score
         self._chunks = chunks(sequence if len(sequence) >= 2 else [], 0, chunk)
         self._parts: List[tuple] = []
@@ -159,17 +161,24 @@ class ARScorer:
         return s
 
 
-def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Optional[int] = None) -> List[Scored]:
+def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Optional[int] = None,
+             kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
+             storage: Optional[KVStorage] = None) -> List[Scored]:
     """The AR estimator over ``rows`` (token-id lists): token i of a row
     scored under the logits at i-1. ``top``: also the ``top`` most likely
     tokens at every scored position. ``next_mask``: the mask id, to draft the
     token after each row (a mask at the next position, which sees the whole
     row: the plan's greedy first draft). Each row on its own
     (:class:`ARScorer`), so its numbers do not depend on the rows beside
-    it: lm-eval's scores are the same alone and concurrent."""
+    it: lm-eval's scores are the same alone and concurrent. ``kv_bits`` (4
+    or 8) and ``kv_group_size``: read the text through a quantized cache, as
+    a server with ``--kv-bits`` does (or ``storage``, a
+    :class:`~.kv_store.KVStorage` already made), as ``stream_generate``
+    takes them."""
+    storage = KVStorage.given(storage, kv_bits, kv_group_size, model)
     out = []
     for r in rows:
-        scorer = ARScorer(model, r, top, next_mask)
+        scorer = ARScorer(model, r, top, next_mask, storage=storage)
         while not scorer.finished:
             scorer.step()
         out.append(scorer.result())
@@ -207,10 +216,11 @@ class MCScorer:
     cache until all of it is there, then scores the next ``rows`` samples
     (one infill pass over the cache, evaluated: the memory held does not
     grow with ``mc_num``); :meth:`result` gives the estimate once every
-    sample is in."""
+    sample is in. ``storage``: as :class:`ARScorer`'s."""
 
     def __init__(self, model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
-                 seed: int = 0, draft_top: Optional[int] = None, chunk: int = PREFILL_CHUNK):
+                 seed: int = 0, draft_top: Optional[int] = None, chunk: int = PREFILL_CHUNK,
+                 storage: Optional[KVStorage] = None):
         free_streams_at_thread_end()
         self.model, self.ids, self.context, self.mask_id = model, scored_ids(model, ids), context, mask_id
         scored_ids(model, [mask_id], "the mask id")
@@ -221,7 +231,7 @@ class MCScorer:
         if isinstance(mc_num, bool) or not isinstance(mc_num, int) or mc_num < 1:
             raise DecodeError(f"mc_num must be a positive integer, got {mc_num!r}")
         self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed_bits(seed)))
-        self.cache = CommittedCache.for_model(model)
+        self.cache = CommittedCache.for_model(model, storage=storage)
         self._context = chunks(self.ids[:context], 0, chunk)
         self.done, self.total = 0, None
 
@@ -291,15 +301,18 @@ class MCScorer:
 
 
 def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int = 128,
-             seed: int = 0, draft_top: Optional[int] = None) -> Scored:
+             seed: int = 0, draft_top: Optional[int] = None, kv_bits: Optional[int] = None,
+             kv_group_size: Optional[int] = None, storage: Optional[KVStorage] = None) -> Scored:
     """The Monte Carlo estimator of ``ids[context:]`` given ``ids[:context]``.
     Per continuation token, its share of the estimate (the mean over the
     samples of its weighted cross-entropy where masked, negated); they sum to
     the estimate. Context tokens are not scored (None). ``draft_top``: also
     draft the token after ``ids`` (a mask at the next position, as
     :func:`score_ar`), with this many top tokens. The context fed once,
-    then :data:`MC_ROWS` samples per forward (:class:`MCScorer`)."""
-    scorer = MCScorer(model, ids, context, mask_id, mc_num, seed, draft_top)
+    then :data:`MC_ROWS` samples per forward (:class:`MCScorer`). ``kv_bits``,
+    ``kv_group_size``, ``storage``: as :func:`score_ar`'s."""
+    scorer = MCScorer(model, ids, context, mask_id, mc_num, seed, draft_top,
+                      storage=KVStorage.given(storage, kv_bits, kv_group_size, model))
     while not scorer.finished:
         scorer.step(MC_ROWS)
     return scorer.result()

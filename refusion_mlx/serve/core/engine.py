@@ -293,7 +293,8 @@ class Engine:
 
         if job.request.scoring is not None:
             self._scored += 1
-            job.task, job.uid = ScoringTask(job.request, int(self.model.args.mask_token_id)), -self._scored
+            job.task = ScoringTask(job.request, int(self.model.args.mask_token_id), self.storage)
+            job.uid = -self._scored
             # its first piece next, but for those that waited longer than the one just served
             job.served_at = self._score_turns - 0.5
             self.queue.started(job)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 from ...decode.scoring import MC_ROWS, ARScorer, MCScorer
 from ...distributed.group import is_link_failure
@@ -67,23 +67,28 @@ class Scoring:
         return max(1, min(self.mc_num, MC_ROWS, SCORE_TOKENS // max(tokens - (self.context_tokens or 0), 1)))
 
 
-def scoring_rows(request) -> int:
-    """The KV rows a scoring request holds while it runs, what admission
-    reserves for it: "ar", its one forward's; "mc", its cache's: the
-    context, then a step's samples' continuations (or the continuation and
-    the drafted token) after it."""
+def scoring_rows(request) -> Tuple[int, int]:
+    """The KV rows a scoring request's cache holds while it runs, what
+    admission reserves for it, and how many of them its widest pass holds in
+    float besides until it is done (with ``--kv-bits``): "ar", the prompt and
+    the drafted token's mask, every row kept as it is written (a prompt's
+    rows), none in float; "mc", the context (kept so), then a step's
+    samples' continuations (or the continuation and the drafted token) after
+    it, which a pass writes."""
     spec, n = request.scoring, len(request.prompt_ids)
     if spec.estimator == "mc":
         target = n - spec.context_tokens
-        return spec.context_tokens + max(spec.rows_per_step(n) * target, target + 1)
-    return n + 1  # the prompt and the drafted token's mask, in its cache
+        widest = max(spec.rows_per_step(n) * target, target + spec.extra)
+        return spec.context_tokens + widest, widest
+    return n + spec.extra, 0
 
 
 class ScoringTask:
     """One scoring job's work, a piece per turn (:meth:`step`)."""
 
-    def __init__(self, request, mask_id: int):
+    def __init__(self, request, mask_id: int, storage=None):
         self.request, self.spec, self.mask_id = request, request.scoring, mask_id
+        self.storage = storage  # the server's KVStorage (--kv-bits), as its decoding caches keep keys and values
         self.scorer = None  # the estimator's, made at the first step
 
     def step(self, model, tokenizer) -> Optional[Union[Outcome, Refusal]]:
@@ -94,8 +99,9 @@ class ScoringTask:
         try:
             if self.scorer is None:
                 self.scorer = (MCScorer(model, ids, spec.context_tokens, self.mask_id, spec.mc_num, spec.seed,
-                                        spec.top if spec.extra else None) if spec.estimator == "mc"
-                               else ARScorer(model, ids, spec.top, self.mask_id))
+                                        spec.top if spec.extra else None, storage=self.storage)
+                               if spec.estimator == "mc" else ARScorer(model, ids, spec.top, self.mask_id,
+                                                                       storage=self.storage))
             if not self.scorer.finished:
                 self.scorer.step(*([spec.rows_per_step(len(ids))] if spec.estimator == "mc" else []))
             if not self.scorer.finished:

@@ -101,16 +101,25 @@ def widest_pass(request) -> int:
     return max(request.params.layout().block_lengths)
 
 
-def kv_need(request, row_bytes: int, scratch_row_bytes: int = 0) -> int:
-    """The KV bytes a request reserves while it runs: :func:`kv_rows` at
-    ``row_bytes``, and with a quantized cache its widest pass's rows at
-    ``scratch_row_bytes`` (:func:`kv_scratch_row_bytes`)."""
-    if getattr(request, "scoring", None) is not None:  # no cache kept: its widest forward's rows, while it runs
+def kv_span(request) -> Tuple[int, int]:
+    """The rows a request's cache can hold while it runs (:func:`kv_rows`)
+    and how many of them its widest pass keeps in float besides, with a
+    quantized cache (:func:`widest_pass`); a scoring request's are its
+    scorer's (``loglikelihood.scoring_rows``: no cache kept after it)."""
+    if getattr(request, "scoring", None) is not None:
         from .loglikelihood import scoring_rows
 
-        return scoring_rows(request) * (row_bytes + scratch_row_bytes)
-    need = kv_rows(len(request.prompt_ids), request.params.layout().gen_length) * row_bytes
-    return need + (widest_pass(request) * scratch_row_bytes if scratch_row_bytes else 0)
+        rows, widest = scoring_rows(request)
+        return kv_rows(rows, 0), widest
+    return kv_rows(len(request.prompt_ids), request.params.layout().gen_length), widest_pass(request)
+
+
+def kv_need(request, row_bytes: int, scratch_row_bytes: int = 0) -> int:
+    """The KV bytes a request reserves while it runs: its rows (:func:`kv_span`) at
+    ``row_bytes``, and with a quantized cache its widest pass's rows at
+    ``scratch_row_bytes`` (:func:`kv_scratch_row_bytes`)."""
+    rows, widest = kv_span(request)
+    return rows * row_bytes + widest * scratch_row_bytes
 
 
 @dataclass(frozen=True)
@@ -146,17 +155,14 @@ class KVCost:
         """The refusal of a request that can never fit, naming the numbers."""
         from .refusal import Reason, Refusal
 
-        if getattr(request, "scoring", None) is not None:  # scored: its widest forward's rows, no cache kept
-            from .loglikelihood import scoring_rows
-
-            rows = scoring_rows(request)
+        rows, widest = kv_span(request)
+        scratch = (f", and {widest} rows of {self.scratch_row_bytes} bytes its widest pass holds "
+                   "until they are committed (--kv-bits)" if self.scratch_row_bytes and widest else "")
+        if getattr(request, "scoring", None) is not None:  # scored: its scorer's rows, no cache kept
             return Refusal(Reason.KV_MEMORY_EXCEEDED, f"scoring the prompt needs {need} bytes of KV cache ({rows} "
-                           f"rows of {self.row_bytes + self.scratch_row_bytes} bytes: its widest forward); the "
-                           f"server's --max-kv-bytes is {max_bytes}", "prompt")
+                           f"rows of {self.row_bytes} bytes: the prompt and its widest forward, in multiples of "
+                           f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", "prompt")
         param = "max_output_tokens" if getattr(request, "api", "") == "responses" else "max_tokens"  # as its API names it
-        rows = kv_rows(len(request.prompt_ids), request.params.layout().gen_length)
-        scratch = (f", and {widest_pass(request)} rows of {self.scratch_row_bytes} bytes its widest pass holds "
-                   "until they are committed (--kv-bits)" if self.scratch_row_bytes else "")
         return Refusal(Reason.KV_MEMORY_EXCEEDED, f"the request needs {need} bytes of KV cache ({rows} rows of "
                        f"{self.row_bytes} bytes: prompt + {param} in whole slots, in multiples of "
                        f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", param)
