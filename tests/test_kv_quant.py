@@ -136,6 +136,26 @@ def test_python_api_chat_and_prompt_cache(demo):
     assert entries.nbytes * 4 < entry.capacity * spec.layers * KVStorage().row_bytes(spec)  # under a quarter of the float rows
 
 
+def test_batch_generator_takes_kv_bits_as_the_docs_say(demo):
+    """docs/serving.md lists BatchGenerator among the calls that take kv_bits= and kv_group_size=; it took
+    only storage= (a TypeError). Now as stream_generate: the same answer as the storage made of them."""
+    from refusion_mlx.decode.batch import BatchGenerator
+    from refusion_mlx.decode.params import make_params
+
+    model, tokenizer = demo
+    gen = BatchGenerator(model, tokenizer, kv_bits=8, kv_group_size=32)
+    assert gen.storage == KVStorage.of(8, 32)
+    answers = []
+    for g in (gen, BatchGenerator(model, tokenizer, storage=KVStorage.of(8, 32))):
+        uid = g.insert("Who is Sven?", make_params(max_tokens=8))
+        answers.append("".join(r.text for _ in range(64) if g.has_work for r in g.step() if r.uid == uid))
+    assert answers[0] == answers[1] and answers[0]
+    with pytest.raises(DecodeError, match="not both"):
+        BatchGenerator(model, tokenizer, kv_bits=8, storage=KVStorage.of(8))
+    with pytest.raises(DecodeError, match="kv_group_size"):
+        BatchGenerator(model, tokenizer, kv_bits=4, kv_group_size=48)
+
+
 def test_prompt_cache_files_round_trip_quantized_and_refuse_other_settings(demo, tmp_path):
     """Entries are written as codes and come back as codes bit for bit; a
     server keeping another form (float, other bits or groups) skips them, and

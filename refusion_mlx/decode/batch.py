@@ -81,13 +81,15 @@ class BatchGenerator:
     ``insert`` validates a request and queues it; ``step`` runs one forward
     over every active request and returns their responses; ``remove``
     cancels one. One thread drives it (MLX is not shared across threads).
-    ``storage``: how the requests' caches keep keys and values (a
-    :class:`~.kv_store.KVStorage`, ``KVStorage.of(kv_bits, kv_group_size)``
-    for quantized ones, ``decode/kv_quant.py``; None: the model's dtype),
-    checked against the model here (a DecodeError).
+    ``kv_bits`` (4 or 8) and ``kv_group_size`` (default 64): the requests'
+    caches keep their keys and values quantized (``decode/kv_quant.py``), as
+    mlx-lm takes them; or ``storage``, a :class:`~.kv_store.KVStorage`
+    already made (not both; None of them: the model's dtype); checked
+    against the model here (a DecodeError).
     """
 
-    def __init__(self, model, tokenizer, max_batch: int = 8, *, storage: Optional[KVStorage] = None):
+    def __init__(self, model, tokenizer, max_batch: int = 8, *, kv_bits: Optional[int] = None,
+                 kv_group_size: Optional[int] = None, storage: Optional[KVStorage] = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
         mask_id = getattr(model.args, "mask_token_id", None)
@@ -95,7 +97,7 @@ class BatchGenerator:
             raise DecodeError("the model has no mask_token_id; load it with refusion_mlx.load")
         self.model, self.tokenizer, self.max_batch = model, wrapped(tokenizer), max_batch
         # how the requests' caches keep keys and values (kv_bits: quantized, decode/kv_quant.py)
-        self.storage = (storage or KVStorage()).check(model)
+        self.storage = KVStorage.given(storage, kv_bits, kv_group_size, model)
         self.mask_id, self.eos_id = int(mask_id), int(tokenizer.eos_token_id)
         self.waiting: Deque[_Member] = deque()
         self.active: List[_Member] = []
