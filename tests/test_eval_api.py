@@ -119,6 +119,25 @@ def test_the_mc_estimator_and_echo_text(server, cases):
     assert text["text"] == "Who is Sven?" and text["logprobs"] is None
 
 
+def test_the_drafted_token_ends_the_text_as_a_generated_one(server):
+    """Echo with max_tokens 1: the drafted token's text follows generation's rules. A drafted EOS came
+    in the text with finish "length", and stop strings were ignored; now EOS ends it without text and a
+    stop string in the drafted token's text cuts it, both "stop" (as vLLM's echo does: its stop strings
+    are the generated text's, never the prompt's), while the token's score stays in logprobs, where lm-eval
+    drops the last entry whatever it is."""
+    chat = "<|im_start|>user\nWhere does Zoe live?<|im_end|>\n<|im_start|>assistant\nZoe lives in Bern"
+    ask = {"prompt": chat, "echo": True, "logprobs": 1, "max_tokens": 1}
+    eos = post(server, {**ask, "prompt": chat + "."})
+    choice = eos["choices"][0]
+    assert choice["text"] == chat + "." and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"][-1] == "<|im_end|>" and eos["usage"]["completion_tokens"] == 1
+    plain = post(server, ask)["choices"][0]
+    assert plain["text"] == chat + "." and plain["finish_reason"] == "length"
+    cut = post(server, {**ask, "stop": ["x", "."]})["choices"][0]
+    assert cut["text"] == chat and cut["finish_reason"] == "stop" and cut["logprobs"] == plain["logprobs"]
+    assert post(server, {**ask, "stop": ["Bern"]})["choices"][0] == plain  # the prompt's text is not cut
+
+
 def test_generate_until_prompt_lists_and_n(server):
     prompts = ["<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\n",
                "<|im_start|>user\nSpell the word coffee.<|im_end|>\n<|im_start|>assistant\n"]

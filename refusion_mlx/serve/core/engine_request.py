@@ -151,8 +151,9 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
         if len(ids) + extra > terms.context:
             raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt ({len(ids)} tokens) + max_tokens ({extra}) "
                           f"exceeds the model's context of {terms.context}", draft.prompt_param)
-        request = dataclasses.replace(resolve(ids[:1], max_tokens=1, **made), prompt_ids=list(ids), api=draft.api,
-                                      scoring=draft.scoring)
+        # its stop strings: the drafted token's (loglikelihood.drafted_text)
+        request = dataclasses.replace(resolve(ids[:1], max_tokens=1, stop=draft.stop, **made), prompt_ids=list(ids),
+                                      api=draft.api, scoring=draft.scoring)
     else:
         request = resolve(draft.ids, max_tokens=draft.max_tokens, stop=draft.stop,
                           include_commits=draft.include_commits, prompt_param=draft.prompt_param,

@@ -14,7 +14,8 @@ the Monte Carlo estimator (``"mc"``:
 into its cache, then :data:`SCORE_TOKENS` worth of samples' continuations
 over it, each step evaluated, so memory stays flat in ``mc_num``. A client that leaves stops
 it at the next turn. When done, the task gives the job's
-:class:`~.outcome.Outcome` (its :class:`~.outcome.ScoredPrompt`); a failure
+:class:`~.outcome.Outcome` (its :class:`~.outcome.ScoredPrompt`, and the
+drafted token's end as a generated token's: :func:`drafted_text`); a failure
 is the :class:`~.refusal.Refusal` the engine ends it with.
 """
 
@@ -24,11 +25,12 @@ import logging
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
+from ...decode.answer import end_ids
 from ...decode.scoring import MC_ROWS, ARScorer, MCScorer
 from ...distributed.group import is_link_failure
 from .outcome import Outcome, ScoredPrompt, Usage
 from .refusal import Reason, Refusal
-from .text import CharCounter, token_piece
+from .text import CharCounter, TextShaper, token_piece
 
 log = logging.getLogger("refusion_mlx.server")
 
@@ -106,18 +108,30 @@ class ScoringTask:
                 self.scorer.step(*([spec.rows_per_step(len(ids))] if spec.estimator == "mc" else []))
             if not self.scorer.finished:
                 return None
-            scored = self.scorer.result()
-            prompt = scored_prompt(tokenizer, ids, scored, spec)
+            return scored_outcome(tokenizer, ids, self.scorer.result(), spec, self.request.stop)
         except Exception as e:
             if is_link_failure(e):
                 raise
             log.exception("scoring failed")
             return Refusal(Reason.STEP_FAILED, f"scoring failed: {type(e).__name__}")
-        return Outcome("length", Usage(len(ids), spec.extra), scored=prompt)
 
 
-def scored_prompt(tokenizer, ids: List[int], scored, spec: Scoring) -> ScoredPrompt:
-    """The prompt ``ids`` and the ``spec.extra`` drafted token after it, from a ``decode.scoring.Scored``."""
+def drafted_text(tokenizer, token: int, stop) -> Tuple[str, str, Optional[str]]:
+    """The drafted token's text as a generated one's: (its text, the finish reason, the stop string that
+    cut it). An end id (EOS) ends the answer without text ("stop"); a ``stop`` string in its text cuts it
+    there ("stop"); else its whole text, the one token asked ("length")."""
+    if token in end_ids(tokenizer):
+        return "", "stop", None
+    shaper = TextShaper(stop, tokenizer.eos_token_id)
+    text, reason = shaper.feed(tokenizer.decode([token]), [token], final=True)
+    return text, reason or "length", shaper.hit
+
+
+def scored_outcome(tokenizer, ids: List[int], scored, spec: Scoring, stop=()) -> Outcome:
+    """The prompt ``ids`` and the ``spec.extra`` drafted token after it, from a ``decode.scoring.Scored``:
+    the drafted token's text under generation's rules (:func:`drafted_text`; its score is shown whatever
+    its text, as OpenAI's and vLLM's legacy echo show an end token's: the client's count of the prompt's
+    tokens stays whole)."""
     extra, top = spec.extra, spec.top
     tokens = list(ids) + ([scored.next_token] if extra else [])
     values = list(scored.logprobs) + ([scored.next_logprob] if extra else [])
@@ -127,7 +141,8 @@ def scored_prompt(tokenizer, ids: List[int], scored, spec: Scoring) -> ScoredPro
     named = [token_piece(tokenizer, t) for t in tokens]
     alternatives = [None if value is None or top <= 0 else [(token_piece(tokenizer, t)[0], lp) for t, lp in pairs[:top]]
                     for value, pairs in zip(values, tops)]
-    text = tokenizer.decode(list(ids)) + (tokenizer.decode([tokens[-1]]) if extra else "")
+    tail, reason, hit = drafted_text(tokenizer, tokens[-1], stop) if extra else ("", "length", None)
     count = CharCounter()
-    return ScoredPrompt(text, [name for name, _ in named], values, alternatives, spec.logprobs,
-                        [count(raw) for _, raw in named])
+    prompt = ScoredPrompt(tokenizer.decode(list(ids)) + tail, [name for name, _ in named], values, alternatives,
+                          spec.logprobs, [count(raw) for _, raw in named])
+    return Outcome(reason, Usage(len(ids), extra), hit, scored=prompt)
