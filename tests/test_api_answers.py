@@ -21,6 +21,9 @@ The two answers of several choices gained ReFusion's ``layout`` and
 A chat answer's message gained OpenAI's ``refusal: null`` and ``annotations: []``,
 and a stream with ``include_usage`` its ``"usage": null`` on every chunk before
 the usage chunk (added to both recordings, nothing else changed).
+The three answers with legacy ``top_logprobs`` (text logprobs, the two AR
+scorings) gained the token itself where it was not among the top ones, as
+OpenAI's legacy logprobs have it (``logprobs`` 0: only it, where echo had null).
 Decimal numbers compare to 1e-4 (:func:`same_answer`): on an Intel Xeon
 MKL's float32 matmuls round the recording's logprobs (made on an AMD EPYC)
 differently in their sixth digit, with every token the same.

@@ -89,7 +89,8 @@ def test_loglikelihood_batches_as_lm_eval_sends_them(server, cases):
             lp = choice["logprobs"]
             assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(ids) + 1
             assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-            assert all(len(d) == 1 for d in lp["top_logprobs"][1:])
+            for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+                assert top[token] == value and len(top) == (1 if next(iter(top)) == token else 2)
         scores = lm_eval_parse_logprobs(out, [ctxlen] * 4)
         np.testing.assert_allclose([s for s, _ in scores], direct, atol=1e-3)
         right += int(np.argmax([s for s, _ in scores])) == answer
@@ -136,6 +137,28 @@ def test_the_drafted_token_ends_the_text_as_a_generated_one(server):
     cut = post(server, {**ask, "stop": ["x", "."]})["choices"][0]
     assert cut["text"] == chat and cut["finish_reason"] == "stop" and cut["logprobs"] == plain["logprobs"]
     assert post(server, {**ask, "stop": ["Bern"]})["choices"][0] == plain  # the prompt's text is not cut
+
+
+def test_top_logprobs_hold_the_token_itself_as_openai_legacy_does(server):
+    """logprobs 0 gave echo a null top_logprobs at every position (the docs: only the first) and an answer
+    {} at each: OpenAI's and vLLM's legacy logprobs hold the token itself besides the k most likely (up to
+    k + 1 entries). Both do now; lm-eval's is_greedy (its value against the top's best) still reads true
+    exactly where the token is the most likely, since the best is always there with k >= 1."""
+    prompt = "<|im_start|>user\nWhere does Zoe live?<|im_end|>\n<|im_start|>assistant\nZoe lives in Rome."
+    for k in (0, 1, 3):
+        lp = post(server, {"prompt": prompt, "echo": True, "logprobs": k, "max_tokens": 1})["choices"][0]["logprobs"]
+        assert lp["top_logprobs"][0] is None and lp["token_logprobs"][0] is None
+        greedy = []
+        for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert top[token] == value and max(k, 1) <= len(top) <= k + 1
+            greedy.append(value == max(top.values()))
+            if k:
+                assert greedy[-1] == (next(iter(top)) == token) and list(top.values())[:k] == sorted(
+                    list(top.values())[:k], reverse=True)
+        assert k == 0 or not all(greedy)  # "Rome" is not the demo's answer: is_greedy reads false somewhere
+        answer = post(server, {"prompt": "Who is Sven?", "max_tokens": 8, "logprobs": k})["choices"][0]["logprobs"]
+        for token, value, top in zip(answer["tokens"], answer["token_logprobs"], answer["top_logprobs"]):
+            assert token in top and max(k, 1) <= len(top) <= k + 1 and (k or top == {token: value})
 
 
 def test_generate_until_prompt_lists_and_n(server):

@@ -139,7 +139,8 @@ def scored_outcome(tokenizer, ids: List[int], scored, spec: Scoring, stop=()) ->
     if extra:
         tops.append(scored.next_top)
     named = [token_piece(tokenizer, t) for t in tokens]
-    alternatives = [None if value is None or top <= 0 else [(token_piece(tokenizer, t)[0], lp) for t, lp in pairs[:top]]
+    # None where nothing scored the token (the first; mc: the context), as the answer's top_logprobs show it
+    alternatives = [None if value is None else [(token_piece(tokenizer, t)[0], lp) for t, lp in pairs[:top]]
                     for value, pairs in zip(values, tops)]
     tail, reason, hit = drafted_text(tokenizer, tokens[-1], stop) if extra else ("", "length", None)
     count = CharCounter()

@@ -46,7 +46,8 @@ class ScoredPrompt:
     (with a drafted token after it, if any), each token's name (``pieces``,
     :func:`.text.token_piece`'s), log-probability (``values``; None for a token
     nothing scored) and most likely alternatives (``top``: (name,
-    log-probability) pairs, None where none were asked), whether the answer
+    log-probability) pairs, as many as asked; None where nothing scored the
+    token), whether the answer
     shows them (``shown``), and the characters of ``text`` each token
     completes (``chars``: the steps of its offsets)."""
 

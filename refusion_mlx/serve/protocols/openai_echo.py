@@ -17,6 +17,7 @@ from typing import List, Optional
 from ..core.loglikelihood import MAX_SCORE_WORK, MC_NUM, Scoring
 from ..core.outcome import ScoredPrompt
 from ..core.refusal import Reason, Refusal
+from .openai_logprobs import legacy_top
 
 
 def context_tokens(body, index: int) -> Optional[int]:
@@ -79,14 +80,8 @@ def legacy_logprobs(scored: ScoredPrompt) -> Optional[dict]:
     for n in scored.chars if scored.chars is not None else [len(p) for p in scored.pieces]:
         offsets.append(at)
         at += n
-    tops = []
-    for piece, value, pairs in zip(scored.pieces, scored.values, scored.top):
-        if pairs is None:
-            tops.append(None)
-            continue
-        entry = {}
-        for s, lp in pairs:
-            entry.setdefault(s, lp)
-        tops.append(entry or {piece: value})  # mc: no alternatives, the token itself
+    # null where the token has no score (the first; mc: the context); mc has no alternatives: the token itself
+    tops = [None if pairs is None else legacy_top(pairs, piece, value)
+            for piece, value, pairs in zip(scored.pieces, scored.values, scored.top)]
     return {"tokens": list(scored.pieces), "token_logprobs": list(scored.values), "top_logprobs": tops,
             "text_offset": offsets}

@@ -23,6 +23,17 @@ def chat_logprobs(entries: List[dict]) -> dict:
                         for e in entries]}
 
 
+def legacy_top(pairs, token: str, logprob: float) -> dict:
+    """One token's ``top_logprobs`` in OpenAI's legacy shape: the (name, log-probability) ``pairs``, most
+    likely first (a name seen twice keeps its first), then the token itself when it is not among them, as
+    OpenAI's and vLLM's legacy logprobs have it (up to ``logprobs`` + 1 entries; ``logprobs`` 0: the token)."""
+    top = {}
+    for s, v in pairs:
+        top.setdefault(s, v)
+    top.setdefault(token, logprob)
+    return top
+
+
 def completion_logprobs(entries: List[dict], offset: int = 0) -> dict:
     """Text completions' legacy ``logprobs`` (``text_offset``: where each token starts in the text, from
     ``offset``)."""
@@ -30,11 +41,6 @@ def completion_logprobs(entries: List[dict], offset: int = 0) -> dict:
     for e in entries:
         offsets.append(offset)
         offset += e["chars"]
-    tops = []
-    for e in entries:
-        top = {}
-        for s, _, v in e["top"]:
-            top.setdefault(s, v)
-        tops.append(top)
+    tops = [legacy_top([(s, v) for s, _, v in e["top"]], e["token"], e["logprob"]) for e in entries]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": offsets}
