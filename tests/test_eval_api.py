@@ -339,6 +339,20 @@ def test_bad_scoring_requests_are_one_line_400s(server, body, param):
     assert status == 400 and err["param"] == param and "\n" not in err["message"], payload
 
 
+def test_a_context_tokens_that_splits_no_prompt_says_what_it_means_and_which_prompt(server):
+    """"must leave 1 to 59 of the prompt's 60 tokens to score, got 0" named neither what the number is nor,
+    in a list, which prompt: the message now says both."""
+    body = {"prompt": ["a b c", [5, 6, 7, 8]], "echo": True, "logprob_estimator": "mc", "context_tokens": [1, 0]}
+    status, payload = raw(server, "POST", COMPLETIONS, body)
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == "context_tokens"
+    assert err["message"] == ("context_tokens: prompt 1 (of 2) has 4 tokens, so context_tokens (how many of its "
+                              "first tokens are the context; the tokens after them are scored) must be 1 to 3; got 0")
+    status, payload = raw(server, "POST", COMPLETIONS, {**body, "prompt": [7], "context_tokens": 1})
+    assert status == 400 and json.loads(payload)["error"]["message"].startswith(
+        'context_tokens: the prompt has 1 token; "mc" needs 2 at least')
+
+
 def test_n_samples_share_the_prefilled_prompt(server, demo):
     from refusion_mlx.decode.stream import chat_prompt
 

@@ -227,7 +227,8 @@ class MCScorer:
         self.mc_num, self.draft_top = mc_num, draft_top
         n = len(self.ids)
         if isinstance(context, bool) or not isinstance(context, int) or not 0 < context < n:
-            raise DecodeError(f"the context must leave 1 to {n - 1} tokens to score, got {context!r}")
+            raise DecodeError(f"context: how many of the sequence's first tokens are the context (the tokens after "
+                              f"them are scored): 1 to {n - 1} for its {n} tokens, got {context!r}")
         if isinstance(mc_num, bool) or not isinstance(mc_num, int) or mc_num < 1:
             raise DecodeError(f"mc_num must be a positive integer, got {mc_num!r}")
         self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed_bits(seed)))

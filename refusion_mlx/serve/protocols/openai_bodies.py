@@ -343,7 +343,7 @@ def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) 
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools),
                                     shape) if kind == "chat" else None
     name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-    scoring = scoring_of(body, ids, context_tokens(body, index)) if kind == "text" else None
+    scoring = scoring_of(body, ids, context_tokens(body, index), index) if kind == "text" else None
     return Draft(ids, getattr(body, name), decoding_given(body), "chat.completions" if kind == "chat" else
                  "completions", stop=body.stop or (), include_commits=include_commits(body), prompt_param=param,
                  max_tokens_param=name, tools=tools, parallel_tool_calls=parallel, constraint=constraint,

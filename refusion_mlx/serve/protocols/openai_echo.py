@@ -31,8 +31,9 @@ def context_tokens(body, index: int) -> Optional[int]:
     return given
 
 
-def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[Scoring]:
-    """The request's Scoring (None: a plain generation), checked against its prompt ``ids``."""
+def scoring_of(body, ids: List[int], context_tokens: Optional[int], index: int = 0) -> Optional[Scoring]:
+    """The request's Scoring (None: a plain generation), checked against its prompt ``ids`` (``index``: its
+    place in the request's list of prompts)."""
     echo, estimator = bool(body.echo), body.logprob_estimator
     for name in ("logprob_estimator", "mc_num", "context_tokens"):
         if getattr(body, name) is not None and not echo:
@@ -51,8 +52,7 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[
                                                 "after the prompt's first context_tokens tokens; give it",
                           "context_tokens")
         if not 0 < context_tokens < len(ids):
-            raise Refusal(Reason.INVALID_VALUE, f"context_tokens: must leave 1 to {len(ids) - 1} of the prompt's "
-                                                f"{len(ids)} tokens to score, got {context_tokens}", "context_tokens")
+            raise Refusal(Reason.INVALID_VALUE, context_refusal(body, ids, context_tokens, index), "context_tokens")
     elif body.mc_num is not None or context_tokens is not None:
         name = "mc_num" if body.mc_num is not None else "context_tokens"
         raise Refusal(Reason.UNSUPPORTED, f'{name}: only with logprob_estimator "mc"', name)
@@ -60,6 +60,17 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int]) -> Optional[
                    body.seed if body.seed is not None else 0, body.logprobs is not None)
     check_work([spec.work(len(ids))], "mc_num" if estimator == "mc" else "prompt")
     return spec
+
+
+def context_refusal(body, ids: List[int], given: int, index: int) -> str:
+    """Why ``given`` cannot split prompt ``index`` (``ids``) into a context and a continuation to score."""
+    where = f"prompt {index} (of {len(body.prompt)})" if len(body.prompt) > 1 else "the prompt"
+    meaning = "how many of its first tokens are the context; the tokens after them are scored"
+    if len(ids) < 2:
+        return (f"context_tokens: {where} has 1 token; \"mc\" needs 2 at least, a context and a token to score "
+                f"(context_tokens: {meaning})")
+    return (f"context_tokens: {where} has {len(ids)} tokens, so context_tokens ({meaning}) must be 1 to "
+            f"{len(ids) - 1}; got {given}")
 
 
 def check_work(work, param: str) -> None:
