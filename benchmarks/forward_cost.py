@@ -48,6 +48,7 @@ hence the parts timed alone.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -285,11 +286,18 @@ def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
     return out + [{**r, "attention": None, "dtype": dtype, "q_bits": q_bits} for r in result["ar"]]
 
 
-def names(text: str, allowed) -> List[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values or any(v not in allowed for v in values):
-        raise ValueError(text)
-    return values
+def names(allowed) -> Callable[[str], List[str]]:
+    """argparse type: comma-separated names of ``allowed``; the error names the choices."""
+    def parse(text: str) -> List[str]:
+        values = [v.strip() for v in text.split(",")]
+        wrong = [v for v in values if v not in allowed]
+        if "" in wrong:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}: expected names of {', '.join(allowed)}")
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of {', '.join(allowed)} "
+                                             f"(comma-separated, e.g. {','.join(allowed[:2])})")
+        return values
+    return parse
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -309,9 +317,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="tokens per forward (default 1,2,4,8,16,32 on a GPU, 1,4,16 on the CPU)")
     parser.add_argument("--kv", type=positive_ints, default=[256, 1024, 4096] if on_gpu else [256, 1024],
                         help="cached rows before the pass (default 256,1024,4096 on a GPU, 256,1024 on the CPU)")
-    parser.add_argument("--phases", type=lambda t: names(t, PHASES), default=list(PHASES),
+    parser.add_argument("--phases", type=names(PHASES), default=list(PHASES),
                         help=f"of {', '.join(PHASES)} (default all)")
-    parser.add_argument("--attention", type=lambda t: names(t, backend.ATTENTION_MODES), default=["auto"],
+    parser.add_argument("--attention", type=names(backend.ATTENTION_MODES), default=["auto"],
                         help="how the GPU paths attend, one run each: auto (as measured per backend), fused, "
                              "unfused, bucketed (fused at a few padded shapes) (default auto)")
     parser.add_argument("--repeat", type=int, default=5 if on_gpu else 3,

@@ -272,13 +272,18 @@ def test_forward_cost_infill_layout():
     assert forward_cost.infill_layout(4) == (1, 0) and forward_cost.infill_layout(32) == (8, 0)
 
 
-@pytest.mark.parametrize("argv", [["--widths", "6"], ["--phases", "decode"], ["--attention", "flash"],
-                                  ["--repeat", "0"], ["--kv", "0"]])
-def test_forward_cost_bad_flags_exit_2(argv, capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["--widths", "6"], "whole slots"), (["--phases", "decode"], "'decode' is not one of plan, verify, infill"),
+    (["--attention", "flash"], "'flash' is not one of auto, fused, unfused, bucketed"),
+    (["--repeat", "0"], "--repeat"), (["--kv", "0"], "--kv"), (["--widths", "1,,4"], "an empty item"),
+    (["--kv", "256,"], "an empty item"), (["--phases", "plan,"], "an empty item")])
+def test_forward_cost_bad_flags_exit_2(argv, says, capsys):
+    """One line naming what is wrong (a list flag's choices; an empty item refused, not skipped)."""
     with pytest.raises(SystemExit) as e:
         forward_cost.main(["--shape", "tiny"] + argv)
     assert e.value.code == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "<lambda>" not in err[0]
 
 
 def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):

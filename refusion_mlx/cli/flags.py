@@ -234,13 +234,15 @@ def byte_size(text: str) -> int:
 
 
 def positive_ints(text: str) -> List[int]:
-    """argparse type: comma-separated integers >= 1 (``1,2,4,8``)."""
+    """argparse type: comma-separated integers >= 1 (``1,2,4,8``); an empty
+    item (``1,,4``, a trailing comma) is refused, not skipped."""
     try:
-        values = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+        values = [positive_int(x.strip()) for x in text.split(",")]
     except argparse.ArgumentTypeError:
         values = []
     if not values:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}")
+        empty = " (an empty item)" if any(not x.strip() for x in text.split(",")) else ""
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4,8, got {text!r}{empty}")
     return values
 
 
