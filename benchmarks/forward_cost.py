@@ -41,7 +41,8 @@ it):
   the same arrays with its own KV cache (``--no-ar``: skip it).
 
 A table per run and ``--json`` (``forward_cost``: one row per forward
-timed, AR's as ``phase: "ar"``, width 1). On CUDA, run under ``nsys``
+timed, AR's as ``phase: "ar"``, width 1; ``--json -``: the JSON on standard
+output, the tables on standard error; the path is checked before measuring). On CUDA, run under ``nsys``
 for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
 hence the parts timed alone.
 """
@@ -49,6 +50,7 @@ hence the parts timed alone.
 from __future__ import annotations
 
 import argparse
+import builtins
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -261,7 +263,11 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
     return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows}
 
 
-def print_tables(result: dict) -> None:
+def print_tables(result: dict, file=None) -> None:
+    """The tables and their key, on ``file`` (default standard output)."""
+    def print(*a):
+        builtins.print(*a, file=file or sys.stdout)
+
     split = any("proj" in r for r in result["rows"])
     parts = list(PARTS) + ["other"] if split else []
     headers = ["attention", "phase", "width", "kv", "ms", "build"] + parts + ["x AR"]
@@ -328,7 +334,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="every timed forward at the same cache length (default: one row longer each time)")
     parser.add_argument("--no-split", action="store_true", help="time whole forwards only")
     parser.add_argument("--no-ar", action="store_true", help="skip AR's one-token forward")
-    parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
+    parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file (-: standard output, "
+                        "the tables then on standard error)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be positive")
@@ -340,16 +347,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         from refusion_mlx.bench.shapes import build_models
 
-        check_json_path(args.json)
+        check_json_path(args.json, stdout=True)  # before the measurement, not after it
+        report = sys.stderr if args.json == "-" else sys.stdout  # --json -: the JSON is standard output
         if backend.paths() == "cpu" and args.attention != ["auto"]:
             print("note: --attention chooses how the GPU paths attend; on the CPU paths every mode runs the same "
                   "code (REFUSION_MLX_PATHS=gpu runs the GPU paths on any machine)", file=sys.stderr)
         print(f"building {args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}) "
-              f"with random weights on {device_description()}, {backend.paths()} paths", flush=True)
+              f"with random weights on {device_description()}, {backend.paths()} paths", file=report, flush=True)
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
         result = measure(model, ar_model, args.attention, args.phases, args.widths, args.kv, args.repeat,
                          args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True))
-        print_tables(result)
+        print_tables(result, report)
         write_json(args.json, {
             "device": device_description(), "mlx_version": package_version("mlx"),
             "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),

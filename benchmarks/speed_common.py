@@ -8,17 +8,15 @@ converted folder (``--model``).
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from refusion_mlx.bench.report import environment, header_lines
-from refusion_mlx.cli import OneLineParser, add_kv_args
+from refusion_mlx.cli import OneLineParser, add_kv_args, check_writable
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
 from refusion_mlx.decode.params import RefusionParams
@@ -124,12 +122,24 @@ def median(values: Sequence[float]) -> float:
 
 
 def write_json(path: Optional[str], payload: dict) -> None:
+    """``payload`` to ``path`` (``-``: standard output), as ``bench --json`` writes it."""
+    from refusion_mlx.bench.compare import write_json as write
+
+    write(path, payload)
+
+
+def check_json_path(path: Optional[str], stdout: bool = False) -> None:
+    """One line unless ``--json path`` can be written, before any work: a
+    folder, a missing folder, a place no file can be made (``/proc``). ``-``
+    (standard output) only where the script then prints its report on
+    standard error (``stdout``)."""
     if not path:
         return
-    Path(path).expanduser().write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-def check_json_path(path: Optional[str]) -> None:
-    if path and not Path(path).expanduser().resolve().parent.is_dir():
-        raise RefusionError(f"cannot write {path}: its folder does not exist")
+    if path == "-":
+        if not stdout:
+            raise RefusionError("--json -: this script prints its report on standard output; give the JSON a file")
+        return
+    try:
+        check_writable(path)
+    except OSError as e:
+        raise RefusionError(f"cannot write {path}: {e.strerror or e}") from None

@@ -468,3 +468,31 @@ def test_gpu_record_script_parses_and_names_its_steps(tmp_path):
     assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
     run = subprocess.run(["bash", str(wheels), "unpack"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.strip() == "usage: benchmarks/gpu_wheels.sh [prepare|install]"
+
+
+def test_forward_cost_json_to_stdout(capsys):
+    """``--json -``: the JSON alone on standard output, the tables on standard
+    error (as bench's --json -), and no file named ``-``."""
+    argv = ["--shape", "tiny", "--widths", "1", "--kv", "16", "--repeat", "1", "--phases", "plan", "--no-split"]
+    assert forward_cost.main(argv + ["--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["forward_cost"] and "x AR" in err and not Path("-").exists()
+
+
+@pytest.mark.parametrize("where", ["folder", "missing/x.json", "/proc/x.json"])
+def test_forward_cost_unwritable_json_fails_first(where, tmp_path, capsys):
+    """A --json path that cannot be written fails in one line before the measurement, not after it."""
+    path = str(tmp_path) if where == "folder" else where if where.startswith("/") else str(tmp_path / where)
+    assert forward_cost.main(["--shape", "tiny", "--widths", "1", "--kv", "16", "--json", path]) == 1
+    out, err = capsys.readouterr()
+    assert "building" not in out + err and err.strip().splitlines() == [err.strip()] and "cannot write" in err
+
+
+def test_speed_scripts_refuse_json_stdout_where_the_report_is():
+    """A script that prints its report on standard output refuses ``--json -`` (it wrote a file named -)."""
+    from benchmarks.speed_common import check_json_path
+    from refusion_mlx.errors import RefusionError
+
+    with pytest.raises(RefusionError, match="give the JSON a file"):
+        check_json_path("-")
+    check_json_path("-", stdout=True)
