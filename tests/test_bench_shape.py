@@ -359,3 +359,26 @@ def test_json_dash_keeps_standard_output_json(capsys):
     out, err = capsys.readouterr()
     assert set(json.loads(out)) >= {"shape", "forecast", "profiles"}
     assert "shape tiny" in err
+
+
+@pytest.mark.parametrize("content, says", [
+    ({"forward_cost": [{"dtype": "float32", "q_bits": None}]}, "forward_cost[0] has no phase"),
+    ({"forward_cost": "abc"}, "\"forward_cost\" is 'abc', not a list of rows"),
+    ({"forward_cost": [1]}, "forward_cost[0] is not a row"),
+    ({"forward_cost": [{"phase": "plan", "width": 0, "kv_len": 1, "ms": 1}]}, "forward_cost[0] has width 0"),
+    ({"forward_cost": [{"phase": "plan", "width": 1, "kv_len": 1, "ms": "x"}]}, "forward_cost[0] has ms 'x'"),
+    ({"forward_cost": [{"phase": "decode", "width": 1, "kv_len": 1, "ms": 1}]}, "has phase 'decode'"),
+    ([1], "no \"forward_cost\" list"), ("{", "not JSON"), (None, "is a folder, not a cost curve file")])
+def test_a_malformed_cost_curve_is_one_line(content, says, tmp_path, capsys):
+    """A --cost-curve file that is no cost curve: one line naming the file and what is wrong (a row without a
+    phase was a KeyError, a string of rows an AttributeError, a folder "no such file")."""
+    path = tmp_path / "curve.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps({"shape": "tiny", **content}
+                                                                           if isinstance(content, dict) else content))
+    assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and says in err[0], err
+

@@ -73,20 +73,13 @@ class CostCurve:
     @classmethod
     def load(cls, path: str, dtype: str, q_bits: Optional[int], shape: Optional[str] = None) -> "CostCurve":
         """From a ``forward_cost`` JSON or a GPU record (``benchmarks/records``):
-        its rows of ``dtype`` and ``q_bits``; one line if none, or if the file
-        measured another shape."""
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise BenchError(f"{path}: no such file (--cost-curve)")
-        try:
-            data = json.loads(p.read_text())
-            rows = data["forward_cost"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise BenchError(f"{path}: not a cost curve (the JSON of python -m benchmarks.forward_cost "
-                             "or a record of benchmarks/records)") from None
+        its rows of ``dtype`` and ``q_bits``; one line naming the file and what
+        is wrong if it is no cost curve, has none of those rows, or (``shape``
+        given) measured another shape or does not say which."""
+        data = _read(path)
         if shape and data.get("shape", shape) != shape:
             raise BenchError(f"{path} measured {data['shape']}, not {shape}")
-        mine = [r for r in rows if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
+        mine = [r for r in data["forward_cost"] if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
         if not mine:
             weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
             raise BenchError(f"{path} has no forwards in {weights}")
@@ -114,3 +107,42 @@ def price(curve: CostCurve, forwards, prompt_tokens: Sequence[int], generated: S
     return {"refusion_seconds": round(refusion, 6), "ar_seconds": round(ar, 6),
             "refusion_tok_s": round(tokens / refusion, 3), "ar_tok_s": round(tokens / ar, 3),
             "ratio": round(ar / refusion, 4)}
+
+
+# What a row of a curve must hold: key -> (its types, a check of its value, what it should be).
+ROW_KEYS = {"phase": (str, lambda v: v in ("ar", "plan", "verify", "infill"), "ar, plan, verify or infill"),
+            "width": (int, lambda v: v >= 1, "a positive integer"),
+            "kv_len": (int, lambda v: v >= 0, "a whole number"),
+            "ms": ((int, float), lambda v: v > 0, "a positive number of milliseconds")}
+
+
+def _read(path: str) -> dict:
+    """The JSON of ``path`` checked as a cost curve: a ``forward_cost`` list
+    of rows, each with a phase, width, cache length and milliseconds."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise BenchError(f"{path} is a folder, not a cost curve file (--cost-curve)")
+    if not p.exists():
+        raise BenchError(f"{path}: no such file (--cost-curve)")
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise BenchError(f"cannot read {path}: {e.strerror or e} (--cost-curve)") from None
+    except ValueError as e:
+        raise BenchError(f"{path}: not JSON ({e}); --cost-curve takes the JSON of python -m "
+                         "benchmarks.forward_cost or a record of benchmarks/records") from None
+    if not isinstance(data, dict) or "forward_cost" not in data:
+        raise BenchError(f"{path}: not a cost curve (no \"forward_cost\" list: the JSON of python -m "
+                         "benchmarks.forward_cost or a record of benchmarks/records)")
+    rows = data["forward_cost"]
+    if not isinstance(rows, list):
+        raise BenchError(f"{path}: not a cost curve (\"forward_cost\" is {rows!r:.40}, not a list of rows)")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise BenchError(f"{path}: forward_cost[{i}] is not a row (an object): {row!r:.40}")
+        for key, (types, good, what) in ROW_KEYS.items():
+            value = row.get(key)
+            if key not in row or isinstance(value, bool) or not isinstance(value, types) or not good(value):
+                said = f"has no {key}" if key not in row else f"has {key} {value!r}"
+                raise BenchError(f"{path}: forward_cost[{i}] {said}; it should be {what}")
+    return data
