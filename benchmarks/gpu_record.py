@@ -7,6 +7,8 @@ Reads each OUT's ``fc-*.json`` (``benchmarks.forward_cost``),
 (one OUT per device call: each call's files come back in a folder of their
 own) and writes one JSON record (default ``benchmarks/records/<device>-<date>.json``):
 ``device``, ``mlx_version``, ``commit`` (the tree measured), ``date``,
+``shape`` (the model shape every run measured, ``--shape``: what
+``bench --cost-curve`` checks a record against),
 ``forward_cost`` (every forward timed: ``{phase, width, kv_len, dtype,
 q_bits, ms}`` and its attention mode and parts; AR's one-token forward as
 ``phase: "ar"``, width 1), ``vs_ar`` (every derived profile of every
@@ -237,11 +239,16 @@ def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = 
         raise RefusionError(f"the runs were made on {len(devices)} devices ({', '.join(sorted(devices))}): "
                             "one record is one device's")
     device = first["device"]
+    measured = {_load(path).get("shape") for path in _files(outs, "fc-*.json") + shapes} - {None}
+    if len(measured) > 1:
+        raise RefusionError(f"the runs measured {len(measured)} model shapes ({', '.join(sorted(measured))}): "
+                            "one record is one shape's")
     vs = versus_ar(outs)
     mlx_version = first.get("mlx_version") or "unknown"
     logs = [log] if log else [out / "log.txt" for out in outs]
     return {"device": device, "mlx_version": mlx_version, "commit": commit or _head(),
-            "date": datetime.date.today().isoformat(), "golden": golden_line(*logs),
+            "date": datetime.date.today().isoformat(), "shape": next(iter(measured), None),
+            "golden": golden_line(*logs),
             "forward_cost": fc, "vs_ar": vs,
             "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)],
             "decisions": decisions(fc)}

@@ -6,6 +6,7 @@ against mlx-lm on the same weights."""
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -381,4 +382,22 @@ def test_a_malformed_cost_curve_is_one_line(content, says, tmp_path, capsys):
     assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and says in err[0], err
+
+
+def test_a_cost_curve_must_say_its_shape(tmp_path, capsys):
+    """A curve that does not say the shape it measured prices nothing (a GPU record had no "shape":
+    bench --shape qwen3-0.6b priced 0.6B from the 8B curve); the checked-in record says refusion-8b."""
+    from refusion_mlx.bench.cost_curve import CostCurve
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks" / "records" / "nvidia-h200-2026-11-28.json"
+    assert CostCurve.load(str(record), "bfloat16", None, "refusion-8b").ar
+    data = json.loads(record.read_text())
+    assert main(["--shape", "qwen3-0.6b", "--dtype", "bfloat16", "--forecast-only", "--cost-curve", str(record)]) == 1
+    assert "measured refusion-8b, not qwen3-0.6b" in capsys.readouterr().err
+    del data["shape"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert main(["--shape", "qwen3-0.6b", "--dtype", "bfloat16", "--forecast-only", "--cost-curve", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not say which model shape it measured" in err[0] and '"shape"' in err[0]
 

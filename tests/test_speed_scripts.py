@@ -15,6 +15,7 @@ import pytest
 from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, mc_scoring, overhead, profile_decoder,
                         scaling, soak, speed_common)
 from refusion_mlx.bench import forward_replay
+from refusion_mlx.errors import RefusionError
 
 
 def test_speed_model_shapes_have_the_published_sizes():
@@ -306,6 +307,7 @@ def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
     record = json.loads(path.read_text())
     assert {"device", "mlx_version", "commit", "forward_cost", "vs_ar", "targets", "golden"} <= set(record)
     assert record["commit"] == "abc" and record["golden"].startswith("33 passed")
+    assert record["shape"] == "tiny"  # what bench --cost-curve checks a record against
     assert any(x["phase"] == "ar" for x in record["forward_cost"])
     # each row carries its run's switches; the overlap run is compared with the same forwards without it
     assert {(x["overlap"], x["qmm_pad"]) for x in record["forward_cost"]} == {("auto", "auto"), ("on", "auto")}
@@ -491,8 +493,19 @@ def test_forward_cost_unwritable_json_fails_first(where, tmp_path, capsys):
 def test_speed_scripts_refuse_json_stdout_where_the_report_is():
     """A script that prints its report on standard output refuses ``--json -`` (it wrote a file named -)."""
     from benchmarks.speed_common import check_json_path
-    from refusion_mlx.errors import RefusionError
 
     with pytest.raises(RefusionError, match="give the JSON a file"):
         check_json_path("-")
     check_json_path("-", stdout=True)
+
+
+def test_gpu_record_of_two_shapes_is_refused(cost_run, tmp_path):
+    """One record is one shape's: a cost curve of one priced as another was the bug."""
+    out, _ = cost_run
+    other = tmp_path / "other"
+    other.mkdir()
+    run = json.loads((out / "fc-q4.json").read_text())
+    (other / "fc-other.json").write_text(json.dumps({**run, "shape": "qwen3-0.6b"}))
+    with pytest.raises(RefusionError, match="2 model shapes"):
+        gpu_record.build([out, other], commit="abc")
+

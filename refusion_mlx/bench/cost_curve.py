@@ -75,10 +75,17 @@ class CostCurve:
         """From a ``forward_cost`` JSON or a GPU record (``benchmarks/records``):
         its rows of ``dtype`` and ``q_bits``; one line naming the file and what
         is wrong if it is no cost curve, has none of those rows, or (``shape``
-        given) measured another shape or does not say which."""
+        given) measured another shape or does not say which (a curve of
+        another shape prices nothing of this one)."""
         data = _read(path)
-        if shape and data.get("shape", shape) != shape:
-            raise BenchError(f"{path} measured {data['shape']}, not {shape}")
+        if shape:
+            measured = data.get("shape")
+            if not isinstance(measured, str) or not measured:
+                raise BenchError(f"{path} does not say which model shape it measured (no \"shape\"), so it "
+                                 f"cannot price {shape}: add \"shape\": \"<the --shape it measured>\" to the file "
+                                 "(benchmarks.forward_cost and benchmarks.gpu_record write it)")
+            if measured != shape:
+                raise BenchError(f"{path} measured {measured}, not {shape}")
         mine = [r for r in data["forward_cost"] if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
         if not mine:
             weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
