@@ -310,9 +310,39 @@ def test_forecast_says_the_quantization_and_widths_it_assumes(tmp_path, capsys):
     assert main(["--shape", "refusion-8b", "--dtype", "bfloat16", "--q-bits", "4", "--forecast-only",
                  "--prompts", "1", "--max-tokens", "16"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "[d] 4-bit weights (group size 64)" in text and "M4 Max qkv 13, o 15, gate_up 13, down 13" in text
+    assert "[d] 4-bit weights (group size 64, bfloat16 activations)" in text and "M4 Max qkv 13, o 15, gate_up 13, down 13" in text
+    assert main(["--shape", "tiny", "--dtype", "bfloat16", "--forecast-only", "--prompts", "1", "--max-tokens",
+                 "16"]) == 0
+    assert "[d] bfloat16 weights" in (text := " ".join(capsys.readouterr().out.split()))
+    assert "2-15 rows once per 5 rows on M3 and later" in text
     assert main(["--shape", "tiny", "--forecast-only", "--prompts", "1", "--max-tokens", "16"]) == 0
-    assert "2-15 rows once per 5 rows on M3 and later" in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())  # float32: the footnote called them bfloat16/float16
+    assert "[d] float32 weights" in text and "once at every width" in text and "bfloat16/float16" not in text
+
+
+def test_float32_weights_are_streamed_once_at_every_width():
+    """gemv_wide (a pass per 5 rows) serves float16 and bfloat16 only: float32 takes gemv or a GEMM, one pass
+    (the forecast priced float32 as bf16); quantized weights are qmv(_wide) whatever the activations."""
+    from refusion_mlx.bench.forecast import REFERENCE_CHIP, OnAppleGPU, weight_reads
+
+    m4 = REFERENCE_CHIP
+    assert [weight_reads(r, 4096, 4096, None, m4, "float32") for r in (1, 2, 6, 11, 15, 16)] == [1] * 6
+    assert [weight_reads(r, 4096, 4096, None, m4, "float16") for r in (2, 6, 11)] == [1, 2, 3]
+    assert weight_reads(6, 4096, 4096, 4, m4, "float32") == weight_reads(6, 4096, 4096, 4, m4, "bfloat16") == 2
+    model, _ = build_models("qwen3-0.6b", "float32", None, materialize=False)
+    costs = Costs.of(model)
+    assert OnAppleGPU(costs, None, "float32").forward(10, 300, 10, m4)[0] == pytest.approx(
+        OnAppleGPU(costs, None, "float32").forward(10, 300, 10)[0])
+    assert OnAppleGPU(costs, None, "bfloat16").forward(10, 300, 10, m4)[0] > \
+        OnAppleGPU(costs, None, "float32").forward(10, 300, 10, m4)[0]
+
+
+def test_float32_forecast_is_bandwidth_bound_at_the_tokens_per_forward(capsys):
+    """bench --shape qwen3-0.6b --forecast-only (float32) printed 1.16/1.44/1.55/1.99x, bf16's prices."""
+    assert main(["--shape", "qwen3-0.6b", "--forecast-only", "--json", "-"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for p in r["profiles"]:
+        assert p["bandwidth_bound_ratio"] == pytest.approx(p["tokens_per_forward"], abs=0.01)
 
 
 def test_cost_curve_interpolates_and_prices(tmp_path, capsys):

@@ -19,7 +19,11 @@ few rows on an M3 or later streams each matrix once per tile of at most 5
 rows (``gemv_wide``, ``qmv_wide``) below the width where a GEMM takes
 over, 16 rows for bf16/fp16 and a per-chip, per-shape limit of 6-33 rows
 for quantized weights; on M1 and M2 a quantized matrix is streamed once
-per row below its limit.
+per row below its limit. float32 weights are streamed once at any width:
+``gemv_wide`` serves float16 and bfloat16 only (``gemv_wide_config``), so
+float32 takes ``gemv`` for one row and the steel GEMM (split-K where the
+output is small) from two, whose 16-row or wider tiles hold a pass of up
+to 15 rows in one tile row.
 """
 
 from __future__ import annotations
@@ -72,17 +76,20 @@ def qmv_row_limit(k: int, n: int, chip: Chip) -> int:
     return 14 if small else 10 if mid else 6
 
 
-def weight_reads(rows: int, k: int, n: int, q_bits: Optional[int], chip: Chip) -> int:
+def weight_reads(rows: int, k: int, n: int, q_bits: Optional[int], chip: Chip, dtype: str = "bfloat16") -> int:
     """How many times MLX's Metal kernels stream a (k, n) weight matrix for
     ``rows`` input rows. bf16/fp16: one row ``gemv``; 2-15 rows on an M3 or
     later ``gemv_wide``, one pass per tile of at most 5 rows; else a GEMM,
-    one pass. Quantized (affine): from :func:`qmv_row_limit` rows a split-K
+    one pass. float32 (``dtype``, not quantized): ``gemv`` or a GEMM, one
+    pass (``gemv_wide`` takes float16 and bfloat16 only). Quantized
+    (affine, any ``dtype``): from :func:`qmv_row_limit` rows a split-K
     GEMM, one pass; below it ``qmv_wide`` on an M3 or later (a pass per 5
     rows), ``qmv`` on M1/M2 (a pass per row)."""
     if rows <= 1:
         return 1 if rows == 1 else 0
     if not q_bits:
-        return -(-rows // 5) if chip.gen >= 15 and rows <= 15 else 1
+        wide = chip.gen >= 15 and rows <= 15 and dtype in ("bfloat16", "float16")
+        return -(-rows // 5) if wide else 1
     if rows >= qmv_row_limit(k, n, chip):
         return 1
     return -(-rows // 5) if chip.gen >= 15 else rows
@@ -103,10 +110,11 @@ class OnAppleGPU:
     step's rows in one call (``decode.forward.head_chunk_rows``), whatever
     paths this process runs, and each matrix is streamed as often as MLX's
     Metal kernels stream it for the forward's width (:func:`weight_reads`;
-    ``q_bits``: the weights' quantization). Without a chip: one pass."""
+    ``q_bits``: the weights' quantization, ``dtype`` their float type).
+    Without a chip: one pass."""
 
-    def __init__(self, costs, q_bits: Optional[int] = None):
-        self.costs, self.q_bits = costs, q_bits
+    def __init__(self, costs, q_bits: Optional[int] = None, dtype: str = "bfloat16"):
+        self.costs, self.q_bits, self.dtype = costs, q_bits, dtype
 
     def forward(self, tokens: int, visible: int, head_rows: int, chip: Optional[Chip] = None) -> tuple:
         c = self.costs
@@ -117,9 +125,9 @@ class OnAppleGPU:
             return b, f
         per_param = c.body_bytes / c.body_params
         for k, n, params in c.matrices:
-            b += (weight_reads(tokens, k, n, self.q_bits, chip) - 1) * params * per_param
+            b += (weight_reads(tokens, k, n, self.q_bits, chip, self.dtype) - 1) * params * per_param
         if head_rows:
-            b += (weight_reads(head_rows, c.hidden, c.vocab, self.q_bits, chip) - 1) * c.head_bytes
+            b += (weight_reads(head_rows, c.hidden, c.vocab, self.q_bits, chip, self.dtype) - 1) * c.head_bytes
         return b, f
 
 
@@ -145,13 +153,13 @@ def bytes_and_flops(costs, forwards: Sequence[tuple], chip: Optional[Chip] = Non
 
 
 def price(costs, forwards: Sequence[tuple], ar: Sequence[tuple], tokens: int,
-          chips: Sequence[Chip] = CHIPS, q_bits: Optional[int] = None) -> dict:
+          chips: Sequence[Chip] = CHIPS, q_bits: Optional[int] = None, dtype: str = "bfloat16") -> dict:
     """A profile's forecast against AR's forwards for the same tokens: per chip
     the two ceilings and their ratio; the bandwidth-bound ratio (AR's weight
     bytes per token over ReFusion's on :data:`REFERENCE_CHIP`: what it gives
     when no forward is compute bound); bytes and FLOPs per token there.
-    Priced as on Apple GPUs (:class:`OnAppleGPU`, ``q_bits``: the weights')."""
-    costs = OnAppleGPU(costs, q_bits)
+    Priced as on Apple GPUs (:class:`OnAppleGPU`, ``q_bits`` and ``dtype``: the weights')."""
+    costs = OnAppleGPU(costs, q_bits, dtype)
     rf_bytes, rf_flops = bytes_and_flops(costs, forwards, REFERENCE_CHIP)
     ar_bytes, ar_flops = bytes_and_flops(costs, ar, REFERENCE_CHIP)
     rows = []
@@ -257,15 +265,19 @@ def format_forecast(r: dict) -> str:
         "ReFusion's wide forwards run as close to the chip's limits as AR's one-token ones (it can never "
         "exceed the tokens per forward). On an H100 (MLX's CUDA backend, refusion-8b) they did not: "
         f"{h} (docs/benchmarks.md).")
-    lines += _note(kernel_note(r["config"], r.get("q_bits"), _chips(chips)))
+    lines += _note(kernel_note(r["config"], r.get("q_bits"), _chips(chips), r.get("dtype", "bfloat16")))
     return "\n".join(lines)
 
 
-def kernel_note(config: dict, q_bits: Optional[int], chips: Sequence[Chip]) -> str:
+def kernel_note(config: dict, q_bits: Optional[int], chips: Sequence[Chip], dtype: str = "bfloat16") -> str:
     """Footnote [d]: the weights' form and the widths at which the forecast
     has MLX's Metal kernels stream each matrix more than once."""
+    if not q_bits and dtype == "float32":
+        return ("[d] float32 weights, streamed as MLX's Metal kernels stream them: once at every width (gemv "
+                "for 1 row, a GEMM from 2: gemv_wide, which re-reads the weights every 5 rows, takes float16 "
+                "and bfloat16 only).")
     if not q_bits:
-        return ("[d] bfloat16/float16 weights, streamed as MLX's Metal kernels stream them: a 1-row forward "
+        return (f"[d] {dtype} weights, streamed as MLX's Metal kernels stream them: a 1-row forward "
                 "once (gemv), 2-15 rows once per 5 rows on M3 and later (gemv_wide: 2 passes from 6 rows, 3 from "
                 "11; M1/M2 take a GEMM), 16 rows and more once (GEMM).")
     d, hd = config["hidden_size"], config["head_dim"]
@@ -274,7 +286,7 @@ def kernel_note(config: dict, q_bits: Optional[int], chips: Sequence[Chip]) -> s
             ("head", d, config["vocab_size"]))
     limits = "; ".join(f"{c.name.split(' (')[0]} " + ", ".join(f"{m} {qmv_row_limit(k, n, c)}" for m, k, n in mats)
                        for c in chips)
-    return (f"[d] {q_bits}-bit weights (group size 64), streamed as MLX's Metal kernels stream them: below a "
+    return (f"[d] {q_bits}-bit weights (group size 64, {dtype} activations), streamed as MLX's Metal kernels stream them: below a "
             "matrix's GEMM row limit once per 5 rows on M3 and later (qmv_wide; once per row on M1/M2), from it "
             f"once (split-K GEMM); the limits at this shape, in rows: {limits}.")
 

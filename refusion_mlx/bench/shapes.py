@@ -328,7 +328,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     for p in derived + [recorded]:
         d = p.describe()
         d["recorded_with"] = (record_model or "bundled demo model") if p.source == "recorded" else None
-        d.update(price(costs, priced(p.forwards), ar_fw, tokens, q_bits=q_bits))
+        d.update(price(costs, priced(p.forwards), ar_fw, tokens, q_bits=q_bits, dtype=dtype))
         d["measured"] = None
         if cost_curve is not None:
             d["from_curve"] = curve_price(cost_curve, p.forwards, rec.prompt_tokens, rec.generated, tokens)
