@@ -18,8 +18,9 @@ a real shape with random weights (``bench.shapes``; ``--q-bits`` quantizes
 it):
 
 * **the whole forward**, as the decoder runs it (``Runner.hidden``, the LM
-  head on every row, one evaluation): median of ``--repeat`` runs, each at
-  a cache one row longer than the last, as in decoding (a backend that
+  head on every row, one evaluation): median (``ms``), fastest and slowest
+  (``ms_min``, ``ms_max``, ``spread``: their difference over the median)
+  of ``--repeat`` runs, each at a cache one row longer than the last, as in decoding (a backend that
   plans per shape pays for its plan every time; ``--fixed-kv``: the same
   length every run), and its ``build``: the host's time until the graph
   is built, before it is evaluated (Python's work per op; with
@@ -27,30 +28,42 @@ it):
   layers), which only overlapping can hide;
 * **its parts by op class**, each timed alone over every layer with the
   same shapes and weights: the q/k/v/o projections, the MLP, attention
-  (with its K/V write), the LM head; ``other`` is the whole minus the parts
-  (norms, RoPE, embedding, the mask, dispatch and the host sync), None
-  where the parts timed alone add up to more than the whole (a CPU runs
-  ops of the whole forward side by side; the parts are then shares, not a
-  sum). Each part's own evaluation round trip (``sync_ms``, an empty
-  evaluation) is taken out of it;
+  (with its K/V write), the LM head (medians); ``other`` is the whole
+  minus the parts (norms, RoPE, embedding, the mask, dispatch and the host
+  sync). Where the parts timed alone add up to more than the whole (a CPU
+  runs ops of the whole forward side by side, or other work slowed the
+  parts' timing; the parts are then shares, not a sum) ``other`` is None,
+  ``split_exceeds_total`` true and the table shows ``<0``. Each part's own
+  evaluation round trip (``sync_ms``, an empty evaluation) is taken out of it;
 * with quantized weights, every quantized matmul of the layers again, in
   one call (``qmm``) and in calls of at most 7 rows (``qmm_rows7``: MLX's
   CUDA backend takes its mat-vec kernel below 8 rows, a tiled GEMM from 8),
   in the JSON;
 * **AR's one-token forward** at the same cache length: mlx-lm's model on
-  the same arrays with its own KV cache (``--no-ar``: skip it).
+  the same arrays with its own KV cache, timed right after each of the
+  row's forwards (``ar_ms``), so ``x_ar`` is the median of like-for-like
+  ratios, each pair taken within a second of each other whatever the other
+  jobs on the machine do; its rows (``phase: "ar"``) hold every such forward
+  at that cache length (``--no-ar``: skip it).
+
+On a shared machine a timing is the device's cost plus what the other jobs
+took: the run records the load average (``load``: 1, 5 and 15 minutes at
+the start and the end, the highest 1-minute one between, and the cores)
+and warns in one line each (``warnings``) when it exceeded the cores or
+when repeats of a row differ by more than half their median
+(``benchmarks.forward_cost_report``).
 
 A table per run and ``--json`` (``forward_cost``: one row per forward
 timed, AR's as ``phase: "ar"``, width 1; ``--json -``: the JSON on standard
-output, the tables on standard error; the path is checked before measuring). On CUDA, run under ``nsys``
-for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
+output, the tables on standard error; the path is checked before
+measuring). On CUDA, run under ``nsys`` for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
 hence the parts timed alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import builtins
+import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -59,7 +72,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from refusion_mlx.bench.report import device_description, format_table, package_version
+from refusion_mlx.bench.report import device_description, package_version
 from refusion_mlx.cli import OneLineParser, positive_ints, run
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.packed import padded
@@ -67,10 +80,10 @@ from refusion_mlx.decode.runner import Runner
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.models import backend
 
+from .forward_cost_report import PARTS, load_now, print_tables, spread, warnings
 from .speed_common import check_json_path, median, write_json
 
 PHASES = ("plan", "verify", "infill")
-PARTS = ("proj", "mlp", "attn", "head")
 SLOT_SIZE = 4
 
 
@@ -95,6 +108,43 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
         mx.eval(fn())
         times.append(time.perf_counter() - t0)
     return median(times)
+
+
+class AROneToken:
+    """mlx-lm's one-token forward after ``kv_len`` cached rows (random keys
+    and values), the cache one row longer each call: the AR side of every
+    row at this cache length, timed right after each of its forwards
+    (:func:`forward_ms`), so that both sides of ``x_ar`` meet the machine in
+    the same state. One untimed call first."""
+
+    def __init__(self, ar_model, kv_len: int):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.cache = ar_model, make_prompt_cache(ar_model)
+        args = ar_model.args
+        K, D = args.num_key_value_heads, args.head_dim
+        dtype = ar_model.model.norm.weight.dtype
+        for c in self.cache:
+            kv = mx.random.normal((1, K, kv_len, D)).astype(dtype)
+            c.update_and_fetch(kv, kv)
+        mx.eval([c.state for c in self.cache])
+        self.token = mx.array([[1]], dtype=mx.int32)
+        self.times: List[float] = []
+        self.builds: List[float] = []
+        self.once(keep=False)
+
+    def once(self, keep: bool = True) -> float:
+        """Seconds of one forward (its graph built, then evaluated)."""
+        mx.synchronize()
+        t0 = time.perf_counter()
+        best = mx.argmax(self.model(self.token, cache=self.cache)[:, -1, :], axis=-1)
+        built = time.perf_counter()
+        mx.eval(best)
+        took = time.perf_counter() - t0
+        if keep:
+            self.times.append(took)
+            self.builds.append(built - t0)
+        return took
 
 
 class Filled:
@@ -125,13 +175,16 @@ class Filled:
         return self.cache.extend(width)
 
 
-def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool) -> Tuple[float, float]:
-    """Median ms of a whole forward of ``width`` tokens (LM head on every row),
-    and of the host's part before its evaluation: building the graph in
-    Python (with ``REFUSION_MLX_OVERLAP=on``, also starting its first layers)."""
+def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool,
+               ar: Optional[AROneToken] = None) -> Tuple[List[float], List[float], List[float]]:
+    """Seconds of ``repeat`` whole forwards of ``width`` tokens (LM head on
+    every row, after one untimed), of the host's part of each before its
+    evaluation: building the graph in Python (with
+    ``REFUSION_MLX_OVERLAP=on``, also starting its first layers), and of
+    ``ar``'s one-token forward timed right after each (none without ``ar``)."""
     runner = Runner.of(model)
     rng = np.random.default_rng(0)
-    times, builds = [], []
+    times, builds, ar_times = [], [], []
     for r in range(repeat + 1):
         write = filled.write(phase, width)
         start = len(filled.cache)
@@ -147,9 +200,11 @@ def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed
         if r:
             times.append(time.perf_counter() - t0)
             builds.append(built - t0)
+            if ar is not None:
+                ar_times.append(ar.once())
         if not fixed_kv:
             filled.grow_one()
-    return 1000 * median(times), 1000 * median(builds)
+    return times, builds, ar_times
 
 
 def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms: float) -> Dict[str, float]:
@@ -197,34 +252,6 @@ def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms
     return {name: max(0.0, 1000 * timed(fn, repeat) - sync_ms) for name, fn in fns.items()}
 
 
-def ar_ms(ar_model, kv_len: int, repeat: int) -> Tuple[float, float]:
-    """Median ms of mlx-lm's one-token forward after ``kv_len`` cached rows
-    (random keys and values), the cache one row longer each time, and of
-    building its graph (as :func:`forward_ms`)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(ar_model)
-    args = ar_model.args
-    K, D = args.num_key_value_heads, args.head_dim
-    dtype = ar_model.model.norm.weight.dtype
-    for c in cache:
-        kv = mx.random.normal((1, K, kv_len, D)).astype(dtype)
-        c.update_and_fetch(kv, kv)
-    mx.eval([c.state for c in cache])
-    token = mx.array([[1]], dtype=mx.int32)
-    times, builds = [], []
-    for r in range(repeat + 1):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        best = mx.argmax(ar_model(token, cache=cache)[:, -1, :], axis=-1)
-        built = time.perf_counter()
-        mx.eval(best)
-        if r:
-            times.append(time.perf_counter() - t0)
-            builds.append(built - t0)
-    return 1000 * median(times), 1000 * median(builds)
-
-
 def sync_cost_ms(repeat: int = 20) -> float:
     a = mx.zeros((1,))
     return 1000 * timed(lambda: a + 1, repeat)
@@ -232,58 +259,50 @@ def sync_cost_ms(repeat: int = 20) -> float:
 
 def measure(model, ar_model, attention: List[str], phases: List[str], widths: List[int], kv_lens: List[int],
             repeat: int, fixed_kv: bool = False, split: bool = True, log=None) -> dict:
+    """Every row (:func:`forward_ms`, split by :func:`parts_ms`), AR's
+    one-token forward by cache length from the forwards timed beside the
+    rows, and the machine's load average at the start, the end and its
+    highest between."""
     say = log or (lambda _m: None)
+    load = {"cores": os.cpu_count(), "start": load_now()}
+    peak = load["start"][0] if load["start"] else None
     sync_ms = sync_cost_ms()
-    rows, ar_rows = [], []
-    if ar_model is not None:
-        for kv in kv_lens:
-            ms, build = ar_ms(ar_model, kv, repeat)
-            ar_rows.append({"phase": "ar", "width": 1, "kv_len": kv, "ms": round(ms, 4), "build_ms": round(build, 4)})
-            say(f"AR one-token forward at {kv} cached rows: {ar_rows[-1]['ms']:.3f} ms")
-    ar_by_kv = {r["kv_len"]: r["ms"] for r in ar_rows}
+    rows = []
+    ar_times: Dict[int, List[float]] = {kv: [] for kv in kv_lens}
+    ar_builds: Dict[int, List[float]] = {kv: [] for kv in kv_lens}
     for mode in attention:
         with backend.setting(backend.ATTENTION_ENV, mode):
             for kv in kv_lens:
                 filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
+                ar = AROneToken(ar_model, kv) if ar_model is not None else None
                 for phase in phases:
                     for width in widths:
-                        ms, build = forward_ms(model, filled, phase, width, repeat, fixed_kv)
-                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, "ms": round(ms, 4),
-                               "build_ms": round(build, 4)}
+                        times, builds, paired = forward_ms(model, filled, phase, width, repeat, fixed_kv, ar)
+                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, **spread(times),
+                               "build_ms": round(1000 * median(builds), 4)}
                         if split:
                             parts = parts_ms(model, filled, phase, width, repeat, sync_ms)
                             row.update({k: round(v, 4) for k, v in parts.items()})
-                            rest = ms - sum(parts[p] for p in PARTS)
-                            row["other"] = round(rest, 4) if rest >= 0 else None  # parts not additive here
-                        if kv in ar_by_kv:
-                            row["x_ar"] = round(ms / ar_by_kv[kv], 3)
+                            rest = row["ms"] - sum(parts[p] for p in PARTS)
+                            row["other"] = round(rest, 4) if rest >= 0 else None
+                            row["split_exceeds_total"] = rest < 0  # the parts alone took longer than the whole
+                        if paired:
+                            row["ar_ms"] = round(1000 * median(paired), 4)
+                            row["x_ar"] = round(median([t / a for t, a in zip(times, paired)]), 3)
                         rows.append(row)
-                        say(f"{mode} {phase} width {width} at {kv}: {ms:.3f} ms")
-                del filled
-    return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows}
-
-
-def print_tables(result: dict, file=None) -> None:
-    """The tables and their key, on ``file`` (default standard output)."""
-    def print(*a):
-        builtins.print(*a, file=file or sys.stdout)
-
-    split = any("proj" in r for r in result["rows"])
-    parts = list(PARTS) + ["other"] if split else []
-    headers = ["attention", "phase", "width", "kv", "ms", "build"] + parts + ["x AR"]
-    body = [[r["attention"], r["phase"], r["width"], r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"]
-            + [f"{r[p]:.3f}" if r[p] is not None else "-" for p in parts]
-            + [f"{r['x_ar']:.2f}" if "x_ar" in r else "-"] for r in result["rows"]]
-    print(format_table(headers, body, left=[0, 1]))
-    if result["ar"]:
-        print()
-        print(format_table(["AR one-token forward", "kv", "ms", "build"],
-                           [["mlx-lm", r["kv_len"], f"{r['ms']:.3f}", f"{r['build_ms']:.3f}"] for r in result["ar"]]))
-    print(f"\nms per forward, median; build: the host's part before the evaluation (Python building the "
-          f"graph; on the CPU paths and with REFUSION_MLX_OVERLAP=on, also the first layers computed meanwhile); "
-          f"parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms): proj the q/k/v/o "
-          f"projections, mlp, attn attention with its K/V write, head the LM head, other the rest of the whole "
-          f"(-: the parts alone add up to more than the whole, as ops the whole runs side by side do on a CPU)")
+                        now = load_now()
+                        peak = max(peak, now[0]) if now and peak is not None else peak
+                        say(f"{mode} {phase} width {width} at {kv}: {row['ms']:.3f} ms (min {row['ms_min']:.3f})"
+                            + (f", AR {row['ar_ms']:.3f} ms: {row['x_ar']:.2f}x" if paired else ""))
+                if ar is not None:
+                    ar_times[kv] += ar.times
+                    ar_builds[kv] += ar.builds
+                del filled, ar
+    ar_rows = [{"phase": "ar", "width": 1, "kv_len": kv, **spread(ar_times[kv]),
+                "build_ms": round(1000 * median(ar_builds[kv]), 4), "samples": len(ar_times[kv])}
+               for kv in kv_lens if ar_times[kv]]
+    load.update(end=load_now(), peak_1min=peak)
+    return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows, "load": load}
 
 
 def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
@@ -329,7 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="how the GPU paths attend, one run each: auto (as measured per backend), fused, "
                              "unfused, bucketed (fused at a few padded shapes) (default auto)")
     parser.add_argument("--repeat", type=int, default=5 if on_gpu else 3,
-                        help="timed forwards per row (median; default 5 on a GPU, 3 on the CPU)")
+                        help="timed forwards per row (median, fastest, spread; default 5 on a GPU, 3 on the CPU)")
     parser.add_argument("--fixed-kv", action="store_true",
                         help="every timed forward at the same cache length (default: one row longer each time)")
     parser.add_argument("--no-split", action="store_true", help="time whole forwards only")
@@ -358,12 +377,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = measure(model, ar_model, args.attention, args.phases, args.widths, args.kv, args.repeat,
                          args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True))
         print_tables(result, report)
+        notes = warnings(result)
+        for line in notes:
+            print(f"warning: {line}", file=sys.stderr)
         write_json(args.json, {
             "device": device_description(), "mlx_version": package_version("mlx"),
             "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},
-            "sync_ms": result["sync_ms"], "forward_cost": record_rows(result, args.dtype, args.q_bits)})
+            "sync_ms": result["sync_ms"], "load": result["load"], "warnings": notes,
+            "forward_cost": record_rows(result, args.dtype, args.q_bits)})
         return 0
 
     return run(body)

@@ -253,19 +253,54 @@ def test_forward_cost_rows_parts_and_ar(cost_run):
         (a, p, w) for a in ("fused", "unfused", "bucketed") for p in ("plan", "verify", "infill") for w in (1, 4)}
     ar = [x for x in r["forward_cost"] if x["phase"] == "ar"]
     assert len(ar) == 1 and ar[0]["width"] == 1 and ar[0]["kv_len"] == 16 and ar[0]["ms"] > 0
+    assert ar[0]["samples"] == len(rows)  # one AR forward timed beside each of the rows' (--repeat 1)
     for x in rows + ar:  # the graph is built before it is evaluated: part of the forward's time
         assert 0 < x["build_ms"] < x["ms"]
-    for x in rows:
-        assert x["ms"] > 0 and x["kv_len"] == 16 and x["dtype"] == "float32" and x["q_bits"] is None
-        assert all(x[k] >= 0 for k in forward_cost.PARTS)
-        rest = x["ms"] - sum(x[k] for k in forward_cost.PARTS)  # parts alone may add up to more than the whole
-        assert x["other"] == pytest.approx(rest, abs=1e-3) if x["other"] is not None else rest < 0
-        assert x["x_ar"] == pytest.approx(x["ms"] / ar[0]["ms"], rel=1e-2)
+    check_cost_rows(rows, paths="gpu")
     assert r["paths"] == "gpu" and r["shape"] == "tiny"
     assert "x AR" in printed and "mlx-lm" in printed
     q = json.loads((out / "fc-q4.json").read_text())["forward_cost"]
     wide = [x for x in q if x["phase"] == "plan"][0]
     assert wide["q_bits"] == 4 and wide["qmm"] > 0 and wide["qmm_rows7"] > 0
+
+
+def check_cost_rows(rows: list, paths: str) -> None:
+    """What every row of a forward_cost run holds: its spread over the repeats,
+    the parts and what the whole leaves of them, AR's forward beside it."""
+    for x in rows:
+        assert x["ms"] > 0 and x["kv_len"] == 16 and x["dtype"] == "float32" and x["q_bits"] is None, paths
+        assert 0 < x["ms_min"] <= x["ms"] <= x["ms_max"]
+        assert x["spread"] is None or x["spread"] == pytest.approx((x["ms_max"] - x["ms_min"]) / x["ms"], abs=1e-2)
+        assert all(x[k] >= 0 for k in forward_cost.PARTS)
+        rest = x["ms"] - sum(x[k] for k in forward_cost.PARTS)  # parts alone may add up to more than the whole
+        assert x["split_exceeds_total"] is (rest < 0)
+        assert x["other"] == pytest.approx(rest, abs=1e-3) if x["other"] is not None else rest < 0
+        assert x["ar_ms"] > 0 and x["x_ar"] > 0
+
+
+def test_forward_cost_says_spread_load_and_noise():
+    """The warnings (one line each): a load average above the cores, repeats far apart; none on a quiet run.
+    A row whose parts exceed the whole shows <0 and says why, where it was a silent '-'."""
+    from benchmarks import forward_cost_report as report
+
+    row = {"attention": "auto", "phase": "plan", "width": 4, "kv_len": 256, "build_ms": 1.0, "proj": 3.0,
+           "mlp": 3.0, "attn": 1.0, "head": 1.0, "other": None, "split_exceeds_total": True, "x_ar": 1.5,
+           **report.spread([0.005, 0.006, 0.020])}
+    assert (row["ms"], row["ms_min"], row["ms_max"], row["spread"]) == (6.0, 5.0, 20.0, 2.5)
+    ar = {"phase": "ar", "width": 1, "kv_len": 256, "build_ms": 0.5, "samples": 3, **report.spread([0.004] * 3)}
+    noisy = {"rows": [row], "ar": [ar], "sync_ms": 0.01,
+             "load": {"cores": 2, "start": [5.0, 4.0, 3.0], "end": [1.0, 1.0, 1.0], "peak_1min": 5.0}}
+    said = report.warnings(noisy)
+    assert len(said) == 2 and "above the 2 cores (5 at the start" in said[0]
+    assert "1 of 2 rows' repeats differ by more than 50%" in said[1] and "5.000-20.000 ms" in said[1]
+    quiet = {**noisy, "rows": [{**row, **report.spread([0.005, 0.0051])}],
+             "load": {"cores": 2, "start": [0.1] * 3, "end": [0.2] * 3, "peak_1min": 0.2}}
+    assert report.warnings(quiet) == []
+    printed = io.StringIO()
+    report.print_tables(noisy, printed)
+    table = printed.getvalue()
+    assert "spread" in table and "250%" in table and " <0 " in table and "in 1 of 1 rows the parts alone took longer" \
+        in table and "load average (1, 5, 15 min) on 2 cores: [5.0, 4.0, 3.0]" in table
 
 
 def test_forward_cost_infill_layout():
