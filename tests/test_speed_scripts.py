@@ -214,6 +214,24 @@ def test_tools_run_from_the_repository_root():
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m benchmarks.soak "), proc.stderr
 
 
+@contextlib.contextmanager
+def device_paths(name: str):
+    """Run on the CPU or the GPU code paths (``REFUSION_MLX_PATHS``), whatever this machine is."""
+    from refusion_mlx.models import backend
+
+    old = os.environ.get(backend.ENV)
+    os.environ[backend.ENV] = name
+    try:
+        backend.mode()
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(backend.ENV)
+        else:
+            os.environ[backend.ENV] = old
+        backend.mode()
+
+
 @pytest.fixture(scope="module")
 def cost_run(tmp_path_factory):
     """The forward-cost instrument, small: the tiny shape on the GPU paths,
@@ -221,10 +239,7 @@ def cost_run(tmp_path_factory):
     from refusion_mlx.models import backend
 
     out = tmp_path_factory.mktemp("cost")
-    old = os.environ.get(backend.ENV)
-    os.environ[backend.ENV] = "gpu"
-    try:
-        backend.mode()
+    with device_paths("gpu"):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1",
@@ -236,13 +251,38 @@ def cost_run(tmp_path_factory):
                 assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1",
                                           "--attention", "bucketed", "--no-split", "--no-ar",
                                           "--json", str(out / "fc-bf16-overlap.json")]) == 0
-    finally:
-        if old is None:
-            os.environ.pop(backend.ENV)
-        else:
-            os.environ[backend.ENV] = old
-        backend.mode()
     return out, printed.getvalue()
+
+
+def test_forward_cost_on_the_cpu_paths(tmp_path, capsys):
+    """The instrument as a reviewer runs it on a CPU (the CPU paths; the fixture above runs the GPU ones),
+    small: every phase, two widths, one cache length, two repeats: the table's columns, every row's spread,
+    parts and AR ratio, the AR rows, the load and the warnings."""
+    path = tmp_path / "fc-cpu.json"
+    with device_paths("cpu"):
+        assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "2",
+                                  "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    header = next(line for line in out.splitlines() if line.startswith("attention"))
+    assert header.split() == ["attention", "phase", "width", "kv", "ms", "min", "spread", "build", "proj", "mlp",
+                              "attn", "head", "other", "x", "AR"]
+    assert "load average (1, 5, 15 min)" in out and "mlx-lm" in out
+    r = json.loads(path.read_text())
+    assert r["paths"] == "cpu" and r["shape"] == "tiny" and r["settings"]["repeat"] == 2
+    rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
+    assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
+        ("auto", p, w) for p in ("plan", "verify", "infill") for w in (1, 4)}
+    check_cost_rows(rows, paths="cpu")
+    assert all(x["spread"] is not None for x in rows)  # two repeats: a spread
+    (ar,) = [x for x in r["forward_cost"] if x["phase"] == "ar"]
+    assert ar["samples"] == 2 * len(rows) and ar["ms_min"] <= ar["ms"] <= ar["ms_max"]
+    load = r["load"]
+    assert load["cores"] == os.cpu_count() and set(load) == {"cores", "start", "end", "peak_1min"}
+    if hasattr(os, "getloadavg"):
+        assert len(load["start"]) == len(load["end"]) == 3 and load["peak_1min"] >= 0
+    assert isinstance(r["warnings"], list)
+    assert [line for line in err.splitlines() if line.startswith("warning: ")] == [f"warning: {w}" for w in
+                                                                                  r["warnings"]]
 
 
 def test_forward_cost_rows_parts_and_ar(cost_run):
