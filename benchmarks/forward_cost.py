@@ -72,6 +72,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from refusion_mlx._blas import blas_in_use
 from refusion_mlx.bench.report import device_description, package_version
 from refusion_mlx.cli import OneLineParser, positive_ints, run
 from refusion_mlx.decode.cache import CommittedCache
@@ -374,6 +375,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"building {args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}) "
               f"with random weights on {device_description()}, {backend.paths()} paths", file=report, flush=True)
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
+        if not on_gpu:  # its threads decide what a small matmul costs on a shared CPU (docs/benchmarks.md)
+            print(f"BLAS: {blas_in_use()}", file=report, flush=True)
         result = measure(model, ar_model, args.attention, args.phases, args.widths, args.kv, args.repeat,
                          args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True))
         print_tables(result, report)
@@ -381,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for line in notes:
             print(f"warning: {line}", file=sys.stderr)
         write_json(args.json, {
-            "device": device_description(), "mlx_version": package_version("mlx"),
+            "device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),
             "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},

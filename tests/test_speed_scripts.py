@@ -269,6 +269,7 @@ def test_forward_cost_on_the_cpu_paths(tmp_path, capsys):
     assert "load average (1, 5, 15 min)" in out and "mlx-lm" in out
     r = json.loads(path.read_text())
     assert r["paths"] == "cpu" and r["shape"] == "tiny" and r["settings"]["repeat"] == 2
+    assert r["blas"] and f"BLAS: {r['blas']}" in out  # its threads decide a small matmul's cost on a busy CPU
     rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
     assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
         ("auto", p, w) for p in ("plan", "verify", "infill") for w in (1, 4)}
