@@ -30,7 +30,14 @@
 set -u
 OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
 shift
-STEPS=${*:-fc-bf16 golden shape-bf16 fc-q4 shape-q4}
+ALL_STEPS="fc-bf16 golden shape-bf16 fc-q4 shape-q4"
+STEPS=${*:-$ALL_STEPS}
+for s in $STEPS; do  # every name checked before any step runs: a typo costs no device time
+  case " $ALL_STEPS " in
+    *" $s "*) ;;
+    *) echo "unknown step $s (steps: $ALL_STEPS)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 SHAPE=${SHAPE:-refusion-8b}
 export PYTHONUNBUFFERED=1
@@ -96,7 +103,6 @@ for s in $STEPS; do
     shape-q4)
       bench_shape q4 auto --q-bits 4
       bench_shape q4 bucketed --q-bits 4 ;;
-    *) echo "unknown step $s (fc-bf16 golden shape-bf16 fc-q4 shape-q4)"; exit 2 ;;
   esac
 done
 step "done: $FAILED failed"

@@ -539,7 +539,7 @@ def test_gpu_record_script_parses_and_names_its_steps(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     run = subprocess.run(["bash", str(script), str(tmp_path / "out"), "fc-bf17"], capture_output=True, text=True,
                          env={**os.environ, "PYTHON": sys.executable, "SHAPE": "tiny"}, timeout=120)
-    assert run.returncode == 2 and "unknown step fc-bf17" in run.stdout
+    assert run.returncode == 2 and "unknown step fc-bf17" in run.stderr
     for step in ("fc-bf16", "golden", "shape-bf16", "fc-q4", "shape-q4"):
         assert f"    {step})" in script.read_text()
     wheels = script.with_name("gpu_wheels.sh")  # the CUDA wheels in two carryable pieces
