@@ -26,7 +26,8 @@
 # Then python -m benchmarks.gpu_record OUT [OUT ...] (each call's folder) makes benchmarks/records/<device>-<date>.json
 # and prints, for each switch measured on and off, what the forwards say of it.
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
-# The exit status is the number of steps that failed (0: all ran), each also said where it failed.
+# The exit status is the number of steps that failed (0: all ran), each also said where it failed;
+# everything it prints also goes to OUT/log.txt (appended), so no tee is needed.
 set -u
 OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
 shift
@@ -42,6 +43,10 @@ PY=${PYTHON:-python3}
 SHAPE=${SHAPE:-refusion-8b}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" || exit 1
+if [ -z "${GPU_RECORD_LOGGING:-}" ]; then  # its own log, OUT/log.txt (appended), and its own exit status
+  GPU_RECORD_LOGGING=1 bash "$0" "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."  # the checkout's root: its benchmarks and tests, wherever this was started
 if ! $PY -c "import mlx.core, mlx_lm, pytest" 2>/dev/null; then

@@ -49,3 +49,16 @@ def test_every_step_name_is_checked_before_any_runs(fake, tmp_path):
     proc, calls = fake(str(tmp_path / "out"), "golden", "shape-bf17")
     assert proc.returncode == 2 and calls == []
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "unknown step shape-bf17" in proc.stderr
+
+
+def test_the_script_keeps_its_own_log_and_exit_status(fake, tmp_path):
+    """The documented calls piped the script into tee, so a call's status was
+    tee's (always 0); the script now writes OUT/log.txt itself and exits with
+    the number of steps that failed."""
+    out = tmp_path / "out"
+    proc, calls = fake(str(out), "fc-bf16", rc=3)
+    log = (out / "log.txt").read_text()
+    assert proc.returncode == log.count("step failed: 3") == len(calls) >= 1
+    assert f"done: {len(calls)} failed" in log and log == proc.stdout
+    proc, _ = fake(str(out), "golden")  # appended: a second call into the same folder keeps the first's lines
+    assert proc.returncode == 0 and (out / "log.txt").read_text().startswith(log)
