@@ -85,7 +85,7 @@ for s in $STEPS; do
       fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json"
       step "forward cost, bfloat16, REFUSION_MLX_OVERLAP=on"
       REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
-        --no-split --json "$OUT/fc-bf16-overlap.json" ;;
+        --no-split --no-ar --json "$OUT/fc-bf16-overlap.json" ;;
     golden)
       for mode in auto bucketed; do
         step "golden cases, float32 (attention $mode)"

@@ -62,3 +62,11 @@ def test_the_script_keeps_its_own_log_and_exit_status(fake, tmp_path):
     assert f"done: {len(calls)} failed" in log and log == proc.stdout
     proc, _ = fake(str(out), "golden")  # appended: a second call into the same folder keeps the first's lines
     assert proc.returncode == 0 and (out / "log.txt").read_text().startswith(log)
+
+
+def test_a_candidate_switch_run_skips_ar(fake, tmp_path):
+    """A run under a candidate switch (overlap on, the 4-bit padding off/on) timed
+    AR's forward too, rows the record tags with the switch and drops: time spent for nothing."""
+    _, calls = fake(str(tmp_path / "out"), "fc-bf16", "fc-q4")
+    switched = [c for c in calls if "REFUSION_MLX_OVERLAP=on" in c or "REFUSION_MLX_QMM_PAD=" in c]
+    assert switched and all("--no-ar" in c.split() for c in switched), switched
