@@ -1,50 +1,94 @@
 #!/usr/bin/env bash
-# The measurements of a GPU record (docs/benchmarks.md, "A wide forward on
-# the H200"), run from a checkout with mlx (its CUDA backend), mlx-lm and
+# The measurements of a GPU record for issue 49 (docs/benchmarks.md, "On a
+# lent GPU"), run from a checkout with mlx (its CUDA backend), mlx-lm and
 # pytest importable:
 #
-#     benchmarks/gpu_record.sh OUT [STEP ...]      # default: every step, in this order
+#     benchmarks/gpu_record.sh [--force] [--budget SECONDS] OUT [STEP ...]
+#     benchmarks/gpu_record.sh --plan [STEP ...]      # each step's device time, estimated; nothing runs
 #
 # Each step writes into OUT (a step that fails is logged and the next one
-# runs). The steps, in order of what they decide; on a lent GPU run one or
-# two a call (docs/benchmarks.md, "On a lent GPU"), so that each call's files
-# come back even if a later call's machine is lost:
-#   fc-bf16     the cost of a forward by width in bfloat16 at ReFusion-8B's
-#               shape, attention as the runtime takes it on CUDA (unfused for
-#               several query rows) and bucketed (fused at a few padded
-#               shapes), against mlx-lm's one-token forward (benchmarks.forward_cost);
-#               then whole forwards with REFUSION_MLX_OVERLAP=on (the first
-#               layers computing while Python builds the rest)
-#   golden      the golden cases in float32, alone and in one batch, as the
-#               runtime attends and bucketed, then on the CPU paths
-#   shape-bf16  bench --shape refusion-8b in bfloat16 with 8 requests at once:
-#               the runtime's attention, then bucketed
-#   fc-q4       the forward cost with 4-bit weights (both attentions), and narrow
-#               widths with the 4-bit padding off (REFUSION_MLX_QMM_PAD=off,
-#               the width policy's before) and on
-#   shape-q4    bench --shape refusion-8b with 4-bit weights, both attentions
+# runs). The steps, in the order issue 49 needs them (STEPS below, with what
+# each one costs at refusion-8b, estimated from the H200 run of 2026-11-28:
+# docs/benchmarks.md, "What each step costs"):
+#   the instrument (forward cost by width, bf16 and 4-bit, AR's rows beside);
+#   bench --shape against mlx-lm AR (1.5/2/2.5/3 tokens per forward, 8 at
+#   once in bf16); the golden cases in float32 as the runtime attends; then
+#   the candidates' runs (bucketed attention, the 4-bit padding off/on,
+#   REFUSION_MLX_OVERLAP=on) and the golden cases under them.
+# On a lent GPU run a few steps a call, as the docs' calls do: a call's
+# files come back when it ends. Steps estimated past one call's 540 s (a
+# command stops at 10 minutes) are refused unless --force; --budget SECONDS
+# instead skips each step that would end past SECONDS (the estimate against
+# the time left), so a last call runs what the lease still holds.
 # Then python -m benchmarks.gpu_record OUT [OUT ...] (each call's folder) makes benchmarks/records/<device>-<date>.json
 # and prints, for each switch measured on and off, what the forwards say of it.
-# SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 2 minutes on a CPU).
-# The exit status is the number of steps that failed (0: all ran), each also said where it failed;
-# everything it prints also goes to OUT/log.txt (appended), so no tee is needed.
+# SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 3 minutes on a CPU;
+# REFUSION_MLX_PATHS=gpu takes the GPU paths there). The estimates are refusion-8b's.
+# The exit status is the number of steps that failed (0: all ran; 2: bad arguments), each also said where it
+# failed; everything it prints also goes to OUT/log.txt (appended), so no tee is needed.
 set -u
-OUT=${1:?usage: benchmarks/gpu_record.sh OUT [fc-bf16 golden shape-bf16 fc-q4 shape-q4]}
-shift
-ALL_STEPS="fc-bf16 golden shape-bf16 fc-q4 shape-q4"
+# name                seconds  what (seconds: device time at refusion-8b on an H200, a fresh process each)
+STEPS_TABLE="\
+fc-bf16              120  forward cost by width, bf16: runtime's attention and bucketed, 3 phases, 1-32 tokens, 256/1k/4k rows, AR
+fc-q4                150  the same, 4-bit, plan and infill, 1-32 tokens, 256/4k rows (a machine's first 4-bit process: ~100 s of compiles)
+shape-bf16            85  bench --shape, bf16, runtime's attention: 1.5-3 tokens/forward against mlx-lm AR, and 8 at once
+shape-q4              55  bench --shape, 4-bit, runtime's attention
+golden                50  golden cases, float32, runtime's attention, alone and in one batch
+shape-bf16-bucketed   55  bench --shape, bf16, bucketed attention
+golden-bucketed       55  golden cases, float32, bucketed attention
+fc-q4-pad             60  4-bit plan passes of 1-8 tokens, REFUSION_MLX_QMM_PAD=off and =on (two processes)
+shape-q4-bucketed     55  bench --shape, 4-bit, bucketed attention
+fc-overlap            35  whole forwards with REFUSION_MLX_OVERLAP=on, both attentions
+golden-cpu            30  golden cases, float32, the CPU paths on the device"
+ALL_STEPS=$(awk '{print $1}' <<<"$STEPS_TABLE" | tr '\n' ' ')
+CALL_SECONDS=540
+usage="usage: benchmarks/gpu_record.sh [--force] [--budget SECONDS] OUT [STEP ...] | --plan [STEP ...]"
+estimate() { awk -v s="$1" '$1 == s {print $2}' <<<"$STEPS_TABLE"; }
+
+ARGS=("$@")
+FORCE="" BUDGET="" PLAN=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --force) FORCE=1; shift ;;
+    --plan) PLAN=1; shift ;;
+    --budget)
+      [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "--budget takes whole seconds ($usage)" >&2; exit 2; }
+      BUDGET=$2; shift 2 ;;
+    --help|-h) echo "$usage"; echo "$STEPS_TABLE"; exit 0 ;;
+    --*) echo "unknown option $1 ($usage)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [ -z "$PLAN" ]; then
+  [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
+  OUT=$1
+  shift
+fi
 STEPS=${*:-$ALL_STEPS}
+TOTAL=0
 for s in $STEPS; do  # every name checked before any step runs: a typo costs no device time
   case " $ALL_STEPS " in
-    *" $s "*) ;;
+    *" $s "*) TOTAL=$((TOTAL + $(estimate "$s"))) ;;
     *) echo "unknown step $s (steps: $ALL_STEPS)" >&2; exit 2 ;;
   esac
 done
-PY=${PYTHON:-python3}
 SHAPE=${SHAPE:-refusion-8b}
+if [ -n "$PLAN" ]; then
+  for s in $STEPS; do grep "^$s " <<<"$STEPS_TABLE"; done
+  echo "total: about $TOTAL s at refusion-8b (one call holds $CALL_SECONDS s: a command stops at 600)"
+  exit 0
+fi
+if [ "$SHAPE" = refusion-8b ] && [ $TOTAL -gt $CALL_SECONDS ] && [ -z "$FORCE$BUDGET" ]; then
+  echo "steps $(echo $STEPS) take about $TOTAL s at refusion-8b, more than one call's $CALL_SECONDS s (a command" \
+       "stops at 10 minutes): run them in the calls of docs/benchmarks.md (\"On a lent GPU\"), or pass --budget" \
+       "SECONDS or --force" >&2
+  exit 2
+fi
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" || exit 1
 if [ -z "${GPU_RECORD_LOGGING:-}" ]; then  # its own log, OUT/log.txt (appended), and its own exit status
-  GPU_RECORD_LOGGING=1 bash "$0" "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
+  GPU_RECORD_LOGGING=1 bash "$0" "${ARGS[@]}" 2>&1 | tee -a "$OUT/log.txt"
   exit "${PIPESTATUS[0]}"
 fi
 OUT=$(cd "$OUT" && pwd)
@@ -62,10 +106,12 @@ bench_shape() {  # $1: label, $2: attention mode, then extra flags
   local label=$1 mode=$2
   shift 2
   step "bench --shape $SHAPE $label (attention $mode)"
-  REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape "$SHAPE" --dtype bfloat16 --batch 8 "$@" \
+  REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape "$SHAPE" --dtype bfloat16 "$@" \
     --json "$OUT/shape-$label-$mode.json" || failed $?
 }
-golden() {  # the golden cases in float32, alone and in one batch, under the environment given
+golden() {  # $1: the label; then the environment: the golden cases in float32, alone and in one batch
+  step "golden cases, float32 ($1)"
+  shift
   local log
   log=$(env "$@" $PY -m pytest -q -p no:cacheprovider tests/test_golden.py -k token_exact \
         "tests/test_batch.py::test_every_golden_case_in_one_batch_is_token_exact" 2>&1)
@@ -79,35 +125,35 @@ $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(),
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 for s in $STEPS; do
+  if [ -n "$BUDGET" ] && [ $((SECONDS + $(estimate "$s"))) -gt "$BUDGET" ]; then
+    echo "== skipped $s: about $(estimate "$s") s, $((BUDGET - SECONDS)) s left of --budget $BUDGET"
+    continue
+  fi
   case $s in
     fc-bf16)
       step "forward cost, bfloat16"
-      fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json"
-      step "forward cost, bfloat16, REFUSION_MLX_OVERLAP=on"
-      REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
-        --no-split --no-ar --json "$OUT/fc-bf16-overlap.json" ;;
-    golden)
-      for mode in auto bucketed; do
-        step "golden cases, float32 (attention $mode)"
-        golden REFUSION_MLX_ATTENTION=$mode
-      done
-      step "golden cases, float32 (the CPU paths, on the device)"
-      golden REFUSION_MLX_PATHS=cpu ;;
-    shape-bf16)
-      bench_shape bf16 auto
-      bench_shape bf16 bucketed ;;
+      fc --attention auto,bucketed --widths 1,2,4,8,16,32 --kv 256,1024,4096 --json "$OUT/fc-bf16.json" ;;
     fc-q4)
       step "forward cost, 4-bit"
       fc --q-bits 4 --attention auto,bucketed --phases plan,infill --widths 1,4,8,16,32 --kv 256,4096 \
-        --json "$OUT/fc-q4.json"
+        --json "$OUT/fc-q4.json" ;;
+    shape-bf16) bench_shape bf16 auto --batch 8 ;;
+    shape-q4) bench_shape q4 auto --q-bits 4 ;;
+    golden) golden "attention auto" REFUSION_MLX_ATTENTION=auto ;;
+    shape-bf16-bucketed) bench_shape bf16 bucketed ;;
+    golden-bucketed) golden "attention bucketed" REFUSION_MLX_ATTENTION=bucketed ;;
+    fc-q4-pad)
       for pad in off on; do
         step "forward cost, 4-bit, narrow passes (REFUSION_MLX_QMM_PAD=$pad)"
         REFUSION_MLX_QMM_PAD=$pad fc --q-bits 4 --attention bucketed --phases plan --widths 1,2,4,7,8 \
           --kv 1024 --no-ar --no-split --json "$OUT/fc-q4-pad-$pad.json"
       done ;;
-    shape-q4)
-      bench_shape q4 auto --q-bits 4
-      bench_shape q4 bucketed --q-bits 4 ;;
+    shape-q4-bucketed) bench_shape q4 bucketed --q-bits 4 ;;
+    fc-overlap)
+      step "forward cost, bfloat16, REFUSION_MLX_OVERLAP=on"
+      REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
+        --no-split --no-ar --json "$OUT/fc-bf16-overlap.json" ;;
+    golden-cpu) golden "the CPU paths, on the device" REFUSION_MLX_PATHS=cpu ;;
   esac
 done
 step "done: $FAILED failed"
