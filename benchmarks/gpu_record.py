@@ -215,14 +215,16 @@ def decisions(forward_cost: List[dict]) -> List[dict]:
 
 def golden_line(*logs: Path) -> Optional[str]:
     """The golden cases' pytest summary from the logs: the line itself, or
-    ``mode: line`` for each attention mode the script ran them with, joined by "; "."""
+    ``label: line`` for each run the script labelled (``golden cases, float32
+    (attention auto)``: ``auto``; ``(the CPU paths, on the device)``: that), joined by "; "."""
     text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
-    parts = re.split(r"golden cases, float32(?: \(attention (\w+)\))?", text)
+    parts = re.split(r"golden cases, float32(?: \(([^)\n]*)\))?", text)
     found = []
-    for mode, text in zip(parts[1::2], parts[2::2]):
+    for label, text in zip(parts[1::2], parts[2::2]):
         line = re.search(r"^\d+ passed.*$|^.*failed.*$", text, re.M)
         if line:
-            found.append(f"{mode}: {line.group(0).strip()}" if mode else line.group(0).strip())
+            label = label and re.sub(r"^attention ", "", label)
+            found.append(f"{label}: {line.group(0).strip()}" if label else line.group(0).strip())
     return "; ".join(found) or None
 
 

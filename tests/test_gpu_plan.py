@@ -145,3 +145,13 @@ def test_every_command_the_script_makes_parses(fake, tmp_path, monkeypatch):
         argv = shlex.split(call.split("| ", 1)[1])
         if argv[1] in mains:
             assert mains[argv[1]](argv[2:]) == 0, call
+
+
+def test_the_record_labels_every_golden_run(fake, tmp_path):
+    """The CPU paths' run was the third entry of the record's golden line, unlabelled."""
+    from benchmarks import gpu_record
+
+    out = tmp_path / "out"
+    assert fake(str(out), "golden", "golden-bucketed", "golden-cpu")[0].returncode == 0
+    assert gpu_record.golden_line(out / "log.txt") == "; ".join(
+        f"{label}: 33 passed, 47 deselected in 1.00s" for label in ("auto", "bucketed", "the CPU paths, on the device"))
