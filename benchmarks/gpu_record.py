@@ -6,7 +6,9 @@ Reads each OUT's ``fc-*.json`` (``benchmarks.forward_cost``),
 ``shape-<weights>-<attention>.json`` (``bench --shape``) and ``log.txt``
 (one OUT per device call: each call's files come back in a folder of their
 own) and writes one JSON record (default ``benchmarks/records/<device>-<date>.json``):
-``device``, ``mlx_version``, ``commit`` (the tree measured), ``date``,
+``device``, ``mlx_version``, ``commit`` (the commit whose files the run
+measured, found from the ``tree`` its ``run.json`` stamped, or
+``uncommitted``), ``tree``, ``date`` (the run's UTC day),
 ``shape`` (the model shape every run measured, ``--shape``: what
 ``bench --cost-curve`` checks a record against),
 ``forward_cost`` (every forward timed: ``{phase, width, kv_len, dtype,
@@ -30,13 +32,14 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 from refusion_mlx.cli import OneLineParser, run
 from refusion_mlx.errors import RefusionError
+
+from .run_stamp import CHECKOUT, tree_commit
 
 RECORDS = Path(__file__).resolve().parent / "records"
 SHAPE_FILE = re.compile(r"shape-(?P<weights>[a-z0-9]+)-(?P<attention>[a-z]+)\.json$")
@@ -228,7 +231,22 @@ def golden_line(*logs: Path) -> Optional[str]:
     return "; ".join(found) or None
 
 
-def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = None) -> dict:
+def provenance(outs: List[Path], commit: Optional[str] = None, root: Path = CHECKOUT) -> dict:
+    """``commit``, ``tree`` and ``date`` of the runs in ``outs``, from their ``run.json``
+    (``benchmarks.run_stamp``): the commit of ``root`` whose files the runs measured
+    (``commit`` given: that one), or ``uncommitted``; the first run's UTC day."""
+    stamps = [_load(out / "run.json") for out in outs if (out / "run.json").is_file()]
+    trees = sorted({s["tree"] for s in stamps})
+    if len(trees) > 1 and not commit:
+        raise RefusionError(f"the calls measured {len(trees)} trees ({', '.join(t[:12] for t in trees)}): "
+                            "one record is one tree's (--commit names the one to record)")
+    if not stamps:  # folders from before the runs were stamped
+        return {"commit": commit or "unknown", "date": datetime.date.today().isoformat()}
+    found = commit or next((s["commit"] for s in stamps if s.get("commit")), None) or tree_commit(trees[0], root)
+    return {"commit": found or "uncommitted", "tree": trees[0], "date": min(s["date"] for s in stamps)}
+
+
+def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = None, root: Path = CHECKOUT) -> dict:
     """The record of the runs in ``outs`` (the golden line from ``log``, else from each folder's log.txt)."""
     fc = forward_costs(outs)
     shapes = [p for p in _files(outs, "shape-*.json") if SHAPE_FILE.search(p.name)]
@@ -248,20 +266,11 @@ def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = 
     vs = versus_ar(outs)
     mlx_version = first.get("mlx_version") or "unknown"
     logs = [log] if log else [out / "log.txt" for out in outs]
-    return {"device": device, "mlx_version": mlx_version, "commit": commit or _head(),
-            "date": datetime.date.today().isoformat(), "shape": next(iter(measured), None),
-            "golden": golden_line(*logs),
+    return {"device": device, "mlx_version": mlx_version, **provenance(outs, commit, root),
+            "shape": next(iter(measured), None), "golden": golden_line(*logs),
             "forward_cost": fc, "vs_ar": vs,
             "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)],
             "decisions": decisions(fc)}
-
-
-def _head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def record_name(device: str, date: str) -> str:
@@ -276,7 +285,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            description="Make a GPU record from what benchmarks/gpu_record.sh wrote.")
     parser.add_argument("out", nargs="+", help="the folders benchmarks/gpu_record.sh wrote (one per device call)")
     parser.add_argument("--log", help="the log with the golden cases' line (default: each OUT's log.txt)")
-    parser.add_argument("--commit", help="the commit measured (default: this checkout's HEAD)")
+    parser.add_argument("--commit", help="the commit measured (default: the one whose files each OUT's run.json "
+                                         "stamped, found in this checkout; else uncommitted)")
     parser.add_argument("--record", help="where to write (default benchmarks/records/<device>-<date>.json)")
     args = parser.parse_args(argv)
 

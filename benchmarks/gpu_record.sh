@@ -25,7 +25,8 @@
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 3 minutes on a CPU;
 # REFUSION_MLX_PATHS=gpu takes the GPU paths there). The estimates are refusion-8b's.
 # The exit status is the number of steps that failed (0: all ran; 2: bad arguments), each also said where it
-# failed; everything it prints also goes to OUT/log.txt (appended), so no tee is needed.
+# failed; everything it prints also goes to OUT/log.txt (appended), so no tee is needed. OUT/run.json
+# stamps the run's UTC day and the files it measured (benchmarks.run_stamp), which the record takes.
 set -u
 # name                seconds  what (seconds: device time at refusion-8b on an H200, a fresh process each)
 STEPS_TABLE="\
@@ -122,6 +123,7 @@ golden() {  # $1: the label; then the environment: the golden cases in float32, 
 
 step "device"
 $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())"
+$PY -m benchmarks.run_stamp "$OUT" || echo "no run.json: the record will not know the day or the tree measured"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 for s in $STEPS; do

@@ -2,7 +2,10 @@
 benchmarks/gpu_record.sh and benchmarks/gpu_wheels.sh, run here with a
 stand-in Python that records each measurement's command instead of running it."""
 
+import datetime
+import json
 import os
+import shutil
 import re
 import shlex
 import stat
@@ -127,7 +130,7 @@ def test_each_documented_call_fits_one_command_and_brings_back_at_most_8_files(f
         assert plan(*steps) <= 540, steps
         _, made = fake(str(tmp_path / f"call{i}"), *steps)
         files = {c.split()[c.split().index("--json") + 1] for c in made if "--json" in c.split()}
-        assert len(files) + 1 <= 8, files  # and log.txt
+        assert len(files) + 2 <= 8, files  # and log.txt, run.json
 
 
 def test_every_command_the_script_makes_parses(fake, tmp_path, monkeypatch):
@@ -155,3 +158,59 @@ def test_the_record_labels_every_golden_run(fake, tmp_path):
     assert fake(str(out), "golden", "golden-bucketed", "golden-cpu")[0].returncode == 0
     assert gpu_record.golden_line(out / "log.txt") == "; ".join(
         f"{label}: 33 passed, 47 deselected in 1.00s" for label in ("auto", "bucketed", "the CPU paths, on the device"))
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_record_names_the_runs_day_and_the_commit_it_measured(tmp_path):
+    """The record's commit was the HEAD where it was assembled, its date that
+    day: now both come from the run's run.json, the commit found from the hash
+    of the files the device's copy (no .git) measured."""
+    from benchmarks import gpu_record, run_stamp
+    from refusion_mlx.errors import RefusionError
+
+    repo = tmp_path / "repo"
+    for rel, text in (("refusion_mlx/a.py", "A = 1\n"), ("benchmarks/b.py", "B = 2\n"),
+                      ("benchmarks/records/r.json", "{}\n"), ("docs/x.md", "x\n")):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    _git(tmp_path, "init", "-q", str(repo))
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = _git(repo, "rev-parse", "HEAD")
+    assert run_stamp.stamp(repo)["commit"] == first  # where git works, the stamp names it too
+    device = tmp_path / "device"  # a lent GPU's copy: no .git, its caches and a new record beside the files
+    shutil.copytree(repo, device, ignore=shutil.ignore_patterns(".git"))
+    (device / "refusion_mlx" / "__pycache__").mkdir()
+    (device / "refusion_mlx" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")
+    (device / "benchmarks" / "records" / "new.json").write_text("{}\n")
+    (device / "docs" / "x.md").write_text("changed\n")
+    stamped = run_stamp.stamp(device)
+    assert stamped["commit"] is None and stamped["tree"] == run_stamp.commit_tree(repo, first)
+    assert stamped["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    (repo / "refusion_mlx" / "a.py").write_text("A = 2\n")  # the code moves on after the run
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    call2, call3 = tmp_path / "call2", tmp_path / "call3"
+    for out in (call2, call3):
+        out.mkdir()
+        (out / "run.json").write_text(json.dumps({**stamped, "date": "2026-11-28"}))
+    assert gpu_record.provenance([call2, call3], root=repo) == {"commit": first, "tree": stamped["tree"],
+                                                                "date": "2026-11-28"}
+    (device / "refusion_mlx" / "a.py").write_text("A = 3\n")  # measured from files no commit has
+    (call3 / "run.json").write_text(json.dumps(run_stamp.stamp(device)))
+    assert gpu_record.provenance([call3], root=repo)["commit"] == "uncommitted"
+    with pytest.raises(RefusionError, match="the calls measured 2 trees"):
+        gpu_record.provenance([call2, call3], root=repo)
+    assert gpu_record.provenance([call2, call3], "abc", root=repo)["commit"] == "abc"
+
+
+def test_the_script_stamps_its_folder(fake, tmp_path):
+    from benchmarks import run_stamp
+
+    out = tmp_path / "out"
+    assert fake(str(out), "golden")[0].returncode == 0
+    stamped = json.loads((out / "run.json").read_text())
+    assert stamped["tree"] == run_stamp.files_tree(ROOT)
+    assert stamped["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
