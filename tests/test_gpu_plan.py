@@ -214,3 +214,41 @@ def test_the_script_stamps_its_folder(fake, tmp_path):
     stamped = json.loads((out / "run.json").read_text())
     assert stamped["tree"] == run_stamp.files_tree(ROOT)
     assert stamped["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+@pytest.fixture
+def no_cuda(tmp_path):
+    """A PATH whose loader knows no library (ldconfig) and whose ldd answers LDD's lines."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("ldconfig", "exit 0"), ("ldd", 'printf "$LDD"')):
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+
+    def run(mode, site, ldd=""):
+        env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "PYTHON": sys.executable, "SITE": str(site),
+               "LDD": ldd, "LD_LIBRARY_PATH": ""}
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_wheels.sh"), mode], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    return run
+
+
+def test_the_wheels_name_a_missing_cuda_library_in_one_line(no_cuda, tmp_path):
+    """mlx-cuda-13 is carried without its NVIDIA dependencies: a machine
+    without one of their libraries is one line naming it, not a run that fails later."""
+    proc = no_cuda("verify", tmp_path / "nowhere")  # before the wheels are unpacked: the loader's view
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("mlx-cuda-13 cannot load here: libcuda.so.1 libcudnn.so.9") and "nvidia-cudnn-cu13" in line
+    lib = tmp_path / "site" / "mlx" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libmlx.so").write_bytes(b"")
+    proc = no_cuda("verify", tmp_path / "site", "\\tlibcudnn.so.9 => not found\\n\\tlibc.so.6 => /lib/libc.so.6\\n")
+    assert proc.returncode == 1 and "cannot load here: libcudnn.so.9 not found (it needs" in proc.stderr
+    proc = no_cuda("verify", tmp_path / "site", "\\tlibc.so.6 => /lib/libc.so.6\\n")  # all there, but no GPU here
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and line.endswith("(the CUDA driver and runtime) fails: mlx computes on "
+                                                  "Device(cpu, 0), not a GPU"), line
+    proc = no_cuda("unpack", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == "usage: benchmarks/gpu_wheels.sh [prepare|check|install|verify]"

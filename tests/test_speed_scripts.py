@@ -545,7 +545,7 @@ def test_gpu_record_script_parses_and_names_its_steps(tmp_path):
     wheels = script.with_name("gpu_wheels.sh")  # the CUDA wheels in two carryable pieces
     assert subprocess.run(["bash", "-n", str(wheels)]).returncode == 0
     run = subprocess.run(["bash", str(wheels), "unpack"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stderr.strip() == "usage: benchmarks/gpu_wheels.sh [prepare|install]"
+    assert run.returncode == 2 and run.stderr.strip() == "usage: benchmarks/gpu_wheels.sh [prepare|check|install|verify]"
 
 
 def test_forward_cost_json_to_stdout(capsys):
