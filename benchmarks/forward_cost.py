@@ -337,7 +337,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"model shape, random weights: {', '.join(SHAPES)} (default: refusion-8b on a GPU, "
                              "qwen3-0.6b on the CPU)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        default="bfloat16" if on_gpu else "float32")
+                        default="bfloat16" if on_gpu else "float32",
+                        help="the weights' dtype (default bfloat16 on a GPU, float32 on the CPU); on the CPU "
+                             "bfloat16 is for parity, not speed: MLX's CPU matmuls in bfloat16, 4-bit ones "
+                             "most, are several times slower than float32's")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
     parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32] if on_gpu else [1, 4, 16],
                         help="tokens per forward (default 1,2,4,8,16,32 on a GPU, 1,4,16 on the CPU)")

@@ -293,3 +293,11 @@ def test_every_documented_instrument_command_parses(monkeypatch, capsys):
         if rc:
             bad.append(f"{name}: python -m {tool} {args}: {capsys.readouterr().err.strip()}")
     assert not bad, bad
+
+
+def test_the_instrument_warns_that_bf16_on_the_cpu_is_for_parity(capsys):
+    from benchmarks import forward_cost
+
+    with pytest.raises(SystemExit):
+        forward_cost.main(["--help"])
+    assert "bfloat16 is for parity, not speed" in " ".join(capsys.readouterr().out.split())
