@@ -14,7 +14,8 @@
 #   bench --shape against mlx-lm AR (1.5/2/2.5/3 tokens per forward, 8 at
 #   once in bf16); the golden cases in float32 as the runtime attends; then
 #   the candidates' runs (bucketed attention, the 4-bit padding off/on,
-#   REFUSION_MLX_OVERLAP=on) and the golden cases under them.
+#   REFUSION_MLX_OVERLAP=on) and the golden cases under them; last, where
+#   nsys is installed, a trace of MLX's own NVTX ranges (nsys_*.csv).
 # On a lent GPU run a few steps a call, as the docs' calls do: a call's
 # files come back when it ends. Steps estimated past one call's 540 s (a
 # command stops at 10 minutes) are refused unless --force; --budget SECONDS
@@ -40,7 +41,8 @@ golden-bucketed       55  golden cases, float32, bucketed attention
 fc-q4-pad             60  4-bit plan passes of 1-8 tokens, REFUSION_MLX_QMM_PAD=off and =on (two processes)
 shape-q4-bucketed     55  bench --shape, 4-bit, bucketed attention
 fc-overlap            35  whole forwards with REFUSION_MLX_OVERLAP=on, both attentions
-golden-cpu            30  golden cases, float32, the CPU paths on the device"
+golden-cpu            30  golden cases, float32, the CPU paths on the device
+nsys                  60  MLX's NVTX ranges and CUDA kernels over a few bf16 forwards, under nsys (0 s without nsys)"
 ALL_STEPS=$(awk '{print $1}' <<<"$STEPS_TABLE" | tr '\n' ' ')
 CALL_SECONDS=540
 usage="usage: benchmarks/gpu_record.sh [--force] [--budget SECONDS] OUT [STEP ...] | --plan [STEP ...]"
@@ -110,6 +112,9 @@ bench_shape() {  # $1: label, $2: attention mode, then extra flags
   REFUSION_MLX_ATTENTION=$mode $PY -m refusion_mlx.bench --shape "$SHAPE" --dtype bfloat16 "$@" \
     --json "$OUT/shape-$label-$mode.json" || failed $?
 }
+nsys_path() {
+  command -v nsys 2>/dev/null || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1
+}
 golden() {  # $1: the label; then the environment: the golden cases in float32, alone and in one batch
   step "golden cases, float32 ($1)"
   shift
@@ -125,6 +130,7 @@ step "device"
 $PY -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())"
 $PY -m benchmarks.run_stamp "$OUT" || echo "no run.json: the record will not know the day or the tree measured"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+echo "nsys: $(nsys_path || true)"
 
 for s in $STEPS; do
   if [ -n "$BUDGET" ] && [ $((SECONDS + $(estimate "$s"))) -gt "$BUDGET" ]; then
@@ -156,6 +162,18 @@ for s in $STEPS; do
       REFUSION_MLX_OVERLAP=on fc --attention auto,bucketed --phases plan,infill --widths 1,16,32 --kv 1024,4096 \
         --no-split --no-ar --json "$OUT/fc-bf16-overlap.json" ;;
     golden-cpu) golden "the CPU paths, on the device" REFUSION_MLX_PATHS=cpu ;;
+    nsys)  # MLX's CUDA backend names each op's host work in an NVTX range; its Python API makes none
+      NSYS=$(nsys_path || true)
+      if [ -z "$NSYS" ]; then
+        step "nsys: not on this machine, no NVTX trace"
+        continue
+      fi
+      step "nsys: MLX's NVTX ranges and CUDA kernels, bfloat16 plan passes of 1 and 16 tokens and AR's"
+      trace=$(mktemp -d)/trace  # the trace itself stays on the device: its summaries come back
+      "$NSYS" profile --trace=cuda,nvtx --force-overwrite=true --output="$trace" $PY -m benchmarks.forward_cost \
+        --shape "$SHAPE" --dtype bfloat16 --phases plan --widths 1,16 --kv 1024 --no-split --repeat 3 || failed $?
+      "$NSYS" stats --report nvtx_sum,cuda_gpu_kern_sum --format csv --output "$OUT/nsys" "$trace.nsys-rep" \
+        >/dev/null || failed $? ;;
   esac
 done
 step "done: $FAILED failed"

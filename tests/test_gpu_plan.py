@@ -301,3 +301,25 @@ def test_the_instrument_warns_that_bf16_on_the_cpu_is_for_parity(capsys):
     with pytest.raises(SystemExit):
         forward_cost.main(["--help"])
     assert "bfloat16 is for parity, not speed" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_nsys_step_traces_where_nsys_is_and_costs_nothing_where_not(fake, tmp_path):
+    """MLX's CUDA backend names each op's host work in an NVTX range; the step
+    records them under nsys (its summaries come back, its forwards stay out of the record)."""
+    out = tmp_path / "out"
+    if not subprocess.run(["bash", "-c", "command -v nsys"], capture_output=True).returncode == 0:
+        proc, calls = fake(str(out), "nsys")
+        assert proc.returncode == 0 and calls == [] and "nsys: not on this machine" in proc.stdout
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nsys").write_text("""#!/usr/bin/env bash
+if [ "$1" = profile ]; then while [[ $1 != --output=* ]]; do shift; done; shift; exec "$@"; fi
+while [ "$1" != --output ]; do shift; done
+touch "$2_nvtx_sum.csv" "$2_cuda_gpu_kern_sum.csv"
+""")
+    (bin_ / "nsys").chmod(0o755)
+    proc, calls = fake(str(out), "nsys", env={"PATH": f"{bin_}:{os.environ['PATH']}"})
+    assert proc.returncode == 0 and f"nsys: {bin_ / 'nsys'}" in proc.stdout
+    (call,) = calls
+    assert "-m benchmarks.forward_cost" in call and "--json" not in call
+    assert sorted(p.name for p in out.glob("nsys*")) == ["nsys_cuda_gpu_kern_sum.csv", "nsys_nvtx_sum.csv"]
