@@ -19,11 +19,10 @@ it):
 
 * **the whole forward**, as the decoder runs it (``Runner.hidden``, the LM
   head on every row, one evaluation): median (``ms``), fastest and slowest
-  (``ms_min``, ``ms_max``, ``spread``: their difference over the median)
-  of ``--repeat`` runs, each at a cache one row longer than the last, as in decoding (a backend that
-  plans per shape pays for its plan every time; ``--fixed-kv``: the same
-  length every run), and its ``build``: the host's time until the graph
-  is built, before it is evaluated (Python's work per op; with
+  (``ms_min``, ``ms_max``, ``spread``: their difference over the median) of ``--repeat`` runs, each
+  at a cache one row longer than the last, as in decoding (a backend that plans per shape pays for its
+  plan every time; ``--fixed-kv``: the same length every run), and its ``build``: the host's time until
+  the graph is built, before it is evaluated (Python's work per op; with
   ``REFUSION_MLX_OVERLAP=on`` or on the CPU paths it also starts the first
   layers), which only overlapping can hide;
 * **its parts by op class**, each timed alone over every layer with the
@@ -338,9 +337,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "qwen3-0.6b on the CPU)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         default="bfloat16" if on_gpu else "float32",
-                        help="the weights' dtype (default bfloat16 on a GPU, float32 on the CPU); on the CPU "
-                             "bfloat16 is for parity, not speed: MLX's CPU matmuls in bfloat16, 4-bit ones "
-                             "most, are several times slower than float32's")
+                        help="the weights' dtype (default bfloat16 on a GPU, float32 on the CPU; on the CPU "
+                             "bfloat16 is for parity, not speed: several times slower, 4-bit most)")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
     parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32] if on_gpu else [1, 4, 16],
                         help="tokens per forward (default 1,2,4,8,16,32 on a GPU, 1,4,16 on the CPU)")
