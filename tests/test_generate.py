@@ -194,7 +194,7 @@ def test_a_prompt_that_is_no_conversation_is_one_clear_error(demo):
 
     model, tok = demo
     for prompt, needle in ((None, "text or a list of messages"), (5, "got int"),
-                           ([{"role": "user"}], "a user message needs its content"),
+                           ([{"role": "user"}], r"user message: its content \(text\) is missing"),
                            ([{"role": "user", "content": 5}], "content must be text")):
         with pytest.raises(DecodeError, match=needle):
             rm.chat_prompt(tok, prompt)
@@ -828,6 +828,7 @@ def test_a_tokenizer_that_adds_a_bos_and_a_template_that_writes_one_make_one(tmp
     assert chat_prompt(tok, [{"role": "user", "content": "<|im_end|>"}]).count(bos_id) == 1  # a spelled token too
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt_ids(tok, text) == ids
+    assert chat_prompt(tok, text, chat_template=False) == ids  # the commands' --no-chat-template, the server's text
     assert prompt_ids(tok, "Who is Sven?")[0] == bos_id
 
 

@@ -353,7 +353,8 @@ def test_a_replayed_refusal_is_the_assistants_text(client, server):
 def test_continue_final_message_continues_the_assistants_message(client, server):
     """vLLM's continue_final_message: the answer continues a final assistant message (the prompt leaves its
     turn open, as completing the rendered text); without it the message is a closed turn, as OpenAI reads it.
-    add_generation_prompt is taken where it agrees (true alone, false with it); the rest is a 400."""
+    add_generation_prompt false alone ends the prompt with the last message closed (vLLM's reading); with
+    continue_final_message it must be false."""
     turns = [{"role": "user", "content": "Who is Sven?"}, {"role": "assistant", "content": "Sven lives"}]
     rendered = "<|im_start|>user\nWho is Sven?<|im_end|>\n<|im_start|>assistant\nSven lives"  # the demo's template
     go_on = client.chat.completions.create(model="m", messages=turns, max_tokens=16,
@@ -364,10 +365,13 @@ def test_continue_final_message_continues_the_assistants_message(client, server)
     closed = client.chat.completions.create(model="m", messages=turns, max_tokens=16,
                                             extra_body={"add_generation_prompt": True})
     assert closed.usage.prompt_tokens > go_on.usage.prompt_tokens  # the turn closed, the answer's opened
-    for fields, param in (({"continue_final_message": True}, "continue_final_message"),
-                          ({"add_generation_prompt": False}, "add_generation_prompt")):
-        err = check_error(*raw(server, "POST", CHAT, user(**fields)), 400, param)
-        assert err["message"].startswith(f"{param}: "), err
+    shut = client.chat.completions.create(model="m", messages=turns, max_tokens=16,
+                                          extra_body={"add_generation_prompt": False})  # closed, none opened
+    shut_text = client.completions.create(model="m", prompt=rendered + "<|im_end|>\n", max_tokens=16)
+    assert shut.usage.prompt_tokens == shut_text.usage.prompt_tokens == closed.usage.prompt_tokens - 3
+    assert shut.choices[0].message.content == shut_text.choices[0].text
+    err = check_error(*raw(server, "POST", CHAT, user(continue_final_message=True)), 400, "continue_final_message")
+    assert err["message"].startswith("continue_final_message: "), err
     for fields, param in (({"add_generation_prompt": True}, "add_generation_prompt"),
                           ({"response_format": {"type": "json_object"}}, "response_format")):
         body = {"messages": turns, "continue_final_message": True, **fields}

@@ -125,9 +125,10 @@ class BatchGenerator:
         ``DecodeError`` here. ``logprobs``: each
         response also carries its tokens' log-probabilities
         (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
-        ``fit`` (and ``params`` None): ``params``' budget is a default, not
-        the caller's, shrunk to the whole slots the context leaves after the
-        prompt (``decode.fit``, as the commands and the server shrink theirs).
+        ``fit`` (always so when ``params`` is None): ``params``' budget is a
+        default, not the caller's, and is shrunk to the whole slots the
+        context leaves after the prompt (``decode.fit``, as the commands and
+        the server shrink theirs).
         """
         if params is not None and not isinstance(params, RefusionParams):
             raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "

@@ -66,11 +66,19 @@ def prompt_ids(tokenizer, prompt: Union[str, Sequence[int]], what: str = "the pr
     unless the text begins with it, as mlx-lm takes a templated text), or
     token ids as given."""
     if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        if bos and checked_text(prompt, what).startswith(bos):
-            return bare_ids(tokenizer, prompt)
-        return list(tokenizer.encode(checked_text(prompt, what)))
+        return text_ids(tokenizer, prompt, what)
     return token_ids(prompt, what)
+
+
+def text_ids(tokenizer, text: str, what: str = "the prompt") -> List[int]:
+    """A text prompt's ids (no chat template): what the tokenizer adds
+    around a text (a BOS), unless the text begins with that BOS already --
+    a template's text rendered elsewhere (mlx-lm's rule). The one home of
+    that rule: the Python API, the commands and the server's text prompts."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and checked_text(text, what).startswith(bos):
+        return bare_ids(tokenizer, text)
+    return list(tokenizer.encode(checked_text(text, what)))
 
 
 def bare_ids(tokenizer, text: str) -> List[int]:

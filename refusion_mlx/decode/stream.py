@@ -20,13 +20,13 @@ from .cache import CommittedCache
 from .grammar import constraint_of
 from .kv_store import KVStorage
 from .params import RefusionParams, budget_given, make_params
-from .prompt import bare_ids, checked_text
+from .prompt import bare_ids, checked_text, text_ids
 from .stats import DecodeStats
 
 __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate", "template_options"]
 
 # apply_chat_template's own arguments and what a chat prompt sets itself: no template variable of a caller's
-TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize",
                                 "add_generation_prompt", "continue_final_message", "padding", "truncation",
                                 "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                 "tokenizer_kwargs", "kwargs"})
@@ -34,12 +34,15 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
 
 def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Optional[str] = None,
                 chat_template: bool = True, tools: Optional[List[Dict[str, Any]]] = None,
-                prefill: bool = False, template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
+                prefill: bool = False, template_kwargs: Optional[Dict[str, Any]] = None,
+                add_generation_prompt: bool = True) -> List[int]:
     """Prompt ids as the reference builds them: chat template, then tokenize.
     ``tools``: function tools (``{"type": "function", "function": {...}}``)
     given to the template, which renders them (and tool messages) its own way.
     ``prefill``: the last message (the assistant's) is left open, for the
-    answer to continue it, instead of a new assistant turn after it.
+    answer to continue it, instead of a new assistant turn after it;
+    ``add_generation_prompt`` False (vLLM's field): neither, the prompt ends
+    with the last message closed.
     ``template_kwargs``: the template's own variables (mlx-lm's
     ``--chat-template-config``, e.g. ``{"enable_thinking": False}``), checked
     by :func:`template_options`."""
@@ -53,14 +56,14 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     if system is not None:
         messages = [{"role": "system", "content": system}] + messages
     if chat_template and getattr(tokenizer, "chat_template", None):
-        opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": True}
+        opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": add_generation_prompt}
         own = template_options(template_kwargs) if template_kwargs else {}
         return _chat_ids(tokenizer, messages, {**own, **opening, **({"tools": tools} if tools else {})})
     else:
         if not all(isinstance(m.get("content"), str) for m in messages):
             raise DecodeError("without a chat template every message's content must be text")
-        text = checked_text("\n".join(m["content"] for m in messages))
-    return list(tokenizer.encode(text))
+        text = "\n".join(m["content"] for m in messages)
+    return text_ids(tokenizer, text)
 
 
 def _chat_ids(tokenizer, messages: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> List[int]:
@@ -144,7 +147,8 @@ def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
         raise DecodeError(f"a message must be a dict with a role and content, got {type(message).__name__}")
     content = message.get("content")
     if content is None and not (message.get("role") == "assistant" and message.get("tool_calls")):
-        raise DecodeError(f"a {message.get('role', 'message without a role')!s} message needs its content (text)")
+        raise DecodeError(f"{message.get('role', 'a message without a role')!s} message: its content (text) is "
+                          "missing")
     if content is not None and not isinstance(content, (str, list)):
         raise DecodeError(f"a message's content must be text, or a list of text parts, got {type(content).__name__}")
     if isinstance(content, list):
@@ -172,7 +176,7 @@ def template_options(value: Any, what: str = "template_kwargs") -> Dict[str, Any
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise DecodeError(f"{what} must hold JSON values only: {e}") from None
+        raise DecodeError(f"{what}: JSON values only: {e}") from None
     return dict(value)
 
 

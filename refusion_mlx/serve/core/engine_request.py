@@ -82,14 +82,16 @@ class ChatPrompt:
     are objects, tool with ``tool_call_id``) and the function ``tools`` it
     renders; ``prefill``: the last message is the start of the answer, which
     the model continues (Anthropic's final assistant message), not a turn of
-    its own. Every chat-shaped API's adapter makes one. ``template_kwargs``:
-    the chat template's own variables the request sets (over the server's
-    ``--chat-template-config``)."""
+    its own; ``opened`` False: neither, the prompt ends with the last message
+    closed (vLLM's ``add_generation_prompt: false``). Every chat-shaped API's
+    adapter makes one. ``template_kwargs``: the chat template's own
+    variables the request sets (over the server's ``--chat-template-config``)."""
 
     messages: List[dict]
     tools: Tuple[dict, ...] = ()
     prefill: bool = False
     template_kwargs: Optional[Dict[str, Any]] = None
+    opened: bool = True
 
 
 @dataclass(frozen=True)

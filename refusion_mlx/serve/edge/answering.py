@@ -219,6 +219,7 @@ class Answering:
     def tokenize(self, source) -> List[int]:
         """A prompt's ids: a ChatPrompt through the chat template (within its
         limits: ``models.template_steps``), text as is, ids unchanged."""
+        from ...decode.prompt import text_ids
         from ...decode.stream import chat_prompt
 
         if isinstance(source, list) and source and isinstance(source[0], int):
@@ -230,8 +231,9 @@ class Answering:
                 prompt = source if isinstance(source, ChatPrompt) else ChatPrompt(source)
                 options = {**(self.config.chat_template_config or {}), **(prompt.template_kwargs or {})}
                 return chat_prompt(tokenizer, prompt.messages, tools=list(prompt.tools) or None,
-                                   prefill=prompt.prefill, template_kwargs=options or None)
-            return list(tokenizer.encode(source))
+                                   prefill=prompt.prefill, template_kwargs=options or None,
+                                   add_generation_prompt=prompt.opened)
+            return text_ids(tokenizer, source)
 
     def cache_owner(self, request: Request, user: Optional[str]) -> Optional[str]:
         """Whose prompt-cache entries a request continues and leaves (``--prompt-cache-scope``): the

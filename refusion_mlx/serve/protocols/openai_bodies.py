@@ -192,10 +192,6 @@ class ChatCompletionRequest(_Body):
             raise PydanticCustomError("invalid_value", "must be false with continue_final_message true: the answer "
                                       "continues the final message instead of opening a turn",
                                       {"field": "add_generation_prompt"})
-        if self.add_generation_prompt is False and not self.continue_final_message:
-            raise PydanticCustomError("invalid_value", "false needs continue_final_message true: an answer opens "
-                                      "a turn of its own, or continues the final assistant message",
-                                      {"field": "add_generation_prompt"})
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise PydanticCustomError("invalid_value", "the final message must be an assistant's, which the answer "
                                       "continues (messages[{last}] is a {role} message)",
@@ -332,8 +328,8 @@ def openai_request(body: _Body, kind: str, terms: RequestTerms, index: int = 0) 
     param = "messages" if kind == "chat" else "prompt"
     tools = chat_tools(body, terms.takes_tools) if kind == "chat" else ()
     prefill = bool(getattr(body, "continue_final_message", False))
-    source = (ChatPrompt(openai_messages(body.messages), tools, prefill, body.chat_template_kwargs)
-              if kind == "chat" else body.prompt[index])
+    source = (ChatPrompt(openai_messages(body.messages), tools, prefill, body.chat_template_kwargs,
+                         opened=body.add_generation_prompt is not False) if kind == "chat" else body.prompt[index])
     ids = terms.prompt_ids(source, param)
     parallel = getattr(body, "parallel_tool_calls", None) is not False
     shape = response_format(body.response_format, "response_format") if kind == "chat" else None
