@@ -164,6 +164,50 @@ def test_chat_calls_are_each_answered_by_the_tool_messages_right_after(server):
     assert status == 200, answer
 
 
+def test_chat_calls_each_in_its_own_message_are_answered_by_the_results_after_them(server):
+    """Codex's chat client writes each of a turn's parallel calls as its own assistant message, then the
+    results: the call-only messages are one group, answered by the tool messages right after it (any order);
+    a group left partly unanswered is still refused, naming the message of the first unanswered call."""
+    from refusion_mlx.models.loading import load_tokenizer
+    from refusion_mlx.serve.protocols.openai_bodies import ChatCompletionRequest, openai_messages
+
+    def made(i, content=None):
+        return {"role": "assistant", "content": content, "tool_calls": [{"id": i, "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": i})}}]}
+
+    def result(i):
+        return {"role": "tool", "tool_call_id": i, "content": f"sunny in {i}"}
+
+    system, ask, said = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hanoi, Oslo?"},
+                         {"role": "user", "content": "Thanks."})
+    tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    for messages in ([system, ask, made("call_a"), made("call_b"), result("call_a"), result("call_b")],
+                     [ask, made("call_a"), made("call_b"), result("call_b"), result("call_a"), said],
+                     [ask, made("call_a", "Checking."), made("call_b", ""), result("call_a"), result("call_b")]):
+        status, _, answer = call(server, "POST", "/v1/chat/completions",
+                                 {"messages": messages, "tools": tools, "max_tokens": 4})
+        assert status == 200, (messages, answer)
+    for messages, param, missing in (([ask, made("a"), made("b"), result("b"), said], "messages[1]", "a"),
+                                     ([ask, made("a"), made("b"), result("a")], "messages[2]", "b"),
+                                     ([ask, made("a"), made("b", "Hm."), result("a"), result("b")], "messages[1]",
+                                      "a"),
+                                     ([ask, made("a"), result("a"), made("b"), made("c"), result("c")],
+                                      "messages[3]", "b"),
+                                     ([ask, made("a"), said, made("b"), result("a"), result("b")], "messages[1]",
+                                      "a")):
+        status, _, err = call(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+        assert status == 400 and err["error"]["param"] == param, (messages, err)
+        assert err["error"]["message"].endswith(f"did not have response messages: {missing}"), err
+    # rendered as the template writes it: each call its own assistant turn, the results one user turn after them
+    grouped = openai_messages(ChatCompletionRequest.model_validate({"messages": [
+        ask, made("call_a"), made("call_b"), result("call_a"), result("call_b")]}).messages)
+    text = load_tokenizer(DEMO_MODEL).apply_chat_template(grouped, tools=tools, tokenize=False)
+    turn = ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n'
+            '</tool_call><|im_end|>\n')
+    assert text.endswith(turn % "call_a" + turn % "call_b" + "<|im_start|>user\n<tool_response>\nsunny in call_a\n"
+                         "</tool_response>\n<tool_response>\nsunny in call_b\n</tool_response><|im_end|>\n"), text
+
+
 def test_max_tokens_past_the_context_is_cut_on_every_api(server):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                  "max_tokens": 100000}),

@@ -349,15 +349,22 @@ def check_results(messages: Sequence[dict], params: Sequence[str]) -> None:
 
 def first_unanswered(messages: Sequence[dict], right_after: bool) -> Optional[Tuple[int, List[str]]]:
     """The first message whose calls are not each answered by a tool result -- among the tool messages right
-    after it (``right_after``: OpenAI's chat rule), or anywhere after it -- and the ids left unanswered."""
-    first, later, run = None, set(), set()  # the results after a message; those of the tool messages right after it
+    after it (``right_after``: OpenAI's chat rule), or anywhere after it -- and the ids left unanswered.
+    With ``right_after``, assistant messages that only make calls (no text) after one that makes calls are
+    one group, answered by the tool messages right after the group, in any order: clients (Codex's chat
+    client) write each of a turn's parallel calls as its own message, then the results."""
+    first, later, run = None, set(), set()  # the results after a message; those of the tool run right after its group
+    in_run = False  # the message after this one is a tool result
     for i in range(len(messages) - 1, -1, -1):  # from the end: one pass
         m = messages[i]
-        missing = [c.get("id") for c in m.get("tool_calls") or () if c.get("id") not in (run if right_after else later)]
+        calls = [c.get("id") for c in m.get("tool_calls") or ()]
+        missing = [c for c in calls if c not in (run if right_after else later)]
         first = (i, missing) if missing else first
         if m.get("role") == "tool":
+            run = run if in_run else set()  # a new run of results: those after the group before it
             run.add(m.get("tool_call_id"))
             later.add(m.get("tool_call_id"))
-        else:
-            run = set()
+        elif not (calls and m.get("role") == "assistant" and not m.get("content")):
+            run = set()  # but for a message that only makes calls: the group goes on before it
+        in_run = m.get("role") == "tool"
     return first
