@@ -277,13 +277,25 @@ def test_responses_function_call_round_trip_continues_from_the_cache(oai):
     assert whole.usage.input_tokens == second.usage.input_tokens
     # a call with no function_call_output is refused, as OpenAI refuses it ("No tool output found ...")
     made = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
-    for fields, param in (({"input": [{"role": "user", "content": CALC}, made]}, "input[1]"),
-                          ({"input": "Thanks.", "previous_response_id": first.id}, "previous_response_id")):
+    also, ask = {**made, "call_id": "call_also"}, {"role": "user", "content": CALC}
+    said, answered = ({"role": "assistant", "content": "Computing."},
+                      {"type": "function_call_output", "call_id": "call_also", "output": RESULT})
+    for fields, param in (({"input": [ask, made]}, "input[1]"),
+                          ({"input": "Thanks.", "previous_response_id": first.id}, "previous_response_id"),
+                          ({"input": [ask, also, made, answered]}, "input[2]"),  # the call's own item, not its turn's
+                          ({"input": [ask, said, made]}, "input[2]")):
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(model="m", tools=RESPONSES_TOOLS, **fields)
         assert e.value.body["param"] == param and e.value.body["message"] == (
             f"{param}: no tool output found for function call {call.call_id} (a function_call_output item with its "
             "call_id answers it)"), e.value.body
+    # consecutive calls are still one assistant turn, after the message before them: the prompt chat makes of it
+    both = [ask, said, also, made, answered, {**answered, "call_id": call.call_id}]
+    turn = {**said, "tool_calls": [{"id": c["call_id"], "type": "function", "function": {
+        "name": c["name"], "arguments": c["arguments"]}} for c in (also, made)]}
+    results = [{"role": "tool", "tool_call_id": i, "content": RESULT} for i in ("call_also", call.call_id)]
+    chat = oai.chat.completions.create(model="m", messages=[ask, turn] + results, max_tokens=1)
+    assert oai.responses.input_tokens.count(model="m", input=both).input_tokens == chat.usage.prompt_tokens
 
 
 def test_fields_an_sdk_sends_are_honoured_not_dropped(server, oai, claude):

@@ -118,7 +118,8 @@ def _text_of(content: Any, param: str) -> str:
 
 
 def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
-    """The input as the chat template's messages, and each one's field (for errors)."""
+    """The input as the chat template's messages, one an item (a ``function_call``: an assistant message
+    making the call, joined to its turn by :func:`one_turn` once checked), and each one's field (for errors)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], ["input"]
     messages: List[dict] = []
@@ -145,10 +146,6 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
                 raise invalid(param, "a function_call item needs call_id and name (strings)")
             args = arguments_object(arguments, f"{param}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # the calls of one turn, in one message
-                continue
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
@@ -161,6 +158,17 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
                                            "function_call_output)")
         params.append(param)
     return messages, params
+
+
+def one_turn(messages: List[dict]) -> List[dict]:
+    """Each call's message joined to the assistant message before it: the calls of one turn, in one message."""
+    out: List[dict] = []
+    for m in messages:
+        if m.get("tool_calls") and out and out[-1]["role"] == "assistant":
+            out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), *m["tool_calls"]]}
+        else:
+            out.append(m)
+    return out
 
 
 def response_tools(body, takes_tools: bool) -> tuple:
@@ -228,14 +236,14 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
                           f"{body.previous_response_id!r} (unknown, deleted or no longer kept)", "previous_response_id")
         history = [dict(m) for m in previous.conversation]
     new, params = input_messages(body.input)
-    conversation = history + new
     params = ["previous_response_id"] * len(history) + params
-    check_results(conversation, params)
-    unanswered = first_unanswered(conversation, right_after=False)
+    check_results(history + new, params)
+    unanswered = first_unanswered(history + new, right_after=False)  # a call an item: the item named
     if unanswered:  # as OpenAI refuses it
         i, calls = unanswered
         raise invalid(params[i], f"no tool output found for function call {', '.join(calls)} (a "
                                  "function_call_output item with its call_id answers it)")
+    conversation = history + one_turn(new)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools, namespaces = response_tools(body, terms.takes_tools)
     if body.truncation == "auto":
