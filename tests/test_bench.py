@@ -67,7 +67,7 @@ def test_end_to_end_both_sides_produce_tokens(cli_run):
 
 def test_json_has_documented_keys(cli_run):
     _, _, result = cli_run
-    assert set(result) == {"meta", "cases", "total"}
+    assert set(result) == {"meta", "cases", "total", "summary"}
     meta = result["meta"]
     for key in ("blas", "dtype", "device", "mlx", "mlx_lm", "refusion_mlx", "model", "model_shape",
                 "suite", "prompts", "preset", "repeat", "warmup"):
@@ -91,7 +91,7 @@ def test_table_printed(cli_run):
     assert "BLAS:" in out and "dtype: float32" in out and "device:" in out
     assert "mlx-lm" in out and "hidden 256, 4 layers" in out
     assert "ReFusion" in out and "AR" in out and "tok/fwd" in out
-    assert "ReFusion / AR tokens per second" in out
+    assert "ReFusion vs AR, same work: time to answer" in out and "ReFusion / AR tokens per second" in out
     assert "wrote" in out
 
 

@@ -4,8 +4,10 @@
 decoder and through mlx-lm's AR decoding of the very same weight arrays, in
 one process, interleaved, after a warm-up: same chat-templated prompt ids,
 same token budget, both greedy, both stopping at EOS. It prints the
-environment, a table per prompt and in total, and the ReFusion / AR
-tokens-per-second ratio; ``--json`` writes everything to a file.
+environment, a table per prompt and in total, and the headline
+(``headline``): time to answer over every prompt and tokens per second on
+the prompts both sides answered alike, then the plain tokens-per-second
+ratio; ``--json`` writes everything to a file.
 
     python -m refusion_mlx.bench                       # bundled demo model, default suite
     python -m refusion_mlx.bench --preset gsm8k --repeat 3 --json bench.json
@@ -28,6 +30,7 @@ from ..cli.output import write_text
 from ..decode.params import RefusionParams
 from ..decode.stream import chat_prompt
 from ..errors import DecodeError
+from .headline import LENGTH_TOLERANCE, headline_lines, match, ratio, summary
 from .report import environment, format_table, header_lines
 from .runs import RunResult, median_run, run_ar, run_refusion, share_weights, storage_of
 from .suite import BenchError, Suite, load_suite, resolve_params
@@ -102,10 +105,6 @@ def combine(side: str, runs: Sequence[RunResult]) -> RunResult:
         sum(r.steps for r in runs), "-", committed_tokens=sum(committed) if committed else None,
         lookahead_forwards=sum(r.lookahead_forwards for r in runs),
         prefill_tokens=sum(r.prefill_tokens for r in runs))
-
-
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return round(a / b, 4) if a is not None and b else None
 
 
 def _side_dict(run: RunResult, repeats: Sequence[RunResult], keep_output: bool = True) -> dict:
@@ -216,6 +215,8 @@ def summarize(suite: Suite, prompts, params, runs, sides, env: dict, settings: d
             entry["ratio"] = ratio(rf.tokens_per_second, arr.tokens_per_second)
             entry["decode_ratio"] = ratio(rf.decode_tokens_per_second, arr.decode_tokens_per_second)
             entry["same_answer"] = rf.output_ids == arr.output_ids
+            entry["time_ratio"] = ratio(arr.wall_seconds, rf.wall_seconds)
+            entry["match"] = match(entry["refusion"], entry["ar"])
         cases.append(entry)
     total: Dict[str, Any] = {}
     for s in sides:
@@ -230,25 +231,28 @@ def summarize(suite: Suite, prompts, params, runs, sides, env: dict, settings: d
     return {"meta": {**env, "suite": suite.name, "suite_source": suite.source,
                      "prompts": len(suite.cases), **settings,
                      "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-            "cases": cases, "total": total}
+            "cases": cases, "total": total, **({"summary": summary(cases)} if "ar" in sides else {})}
 
 
 # --------------------------------------------------------------------------
 # The report
 
 
-COLUMNS = ["#", "family", "prompt", "side", "tokens", "fwd", "tok/fwd", "tok/s", "dec tok/s",
+COLUMNS = ["#", "family", "prompt", "side", "tokens", "end", "fwd", "tok/fwd", "tok/s", "dec tok/s",
            "wall ms", "prefill", "plan", "verify", "inf-draft", "inf-verify", "AR steps", "other",
-           "peak MB", "x e2e", "x dec"]
+           "peak MB", "match", "x time", "x e2e", "x dec"]
+ENDS = {"stop": "eos", "length": "LEN"}  # how each answer ended: at EOS, or cut at the budget
+MATCHES = {"identical": "same", "length": "~len", None: "no"}
 
 
-def _row(index, family, prompt, side: str, d: dict, ratios=(None, None)) -> list:
+def _row(index, family, prompt, side: str, d: dict, ratios=(None, None, None, None)) -> list:
     ph = d["phase_seconds"]
 
     def ms(key):
         return ph[key] * 1000 if key in ph else None
 
-    return [index, family, prompt, LABELS[side], d["generated_tokens"], d["forwards"],
+    return [index, family, prompt, LABELS[side], d["generated_tokens"], ENDS.get(d.get("finish_reason"), "-"),
+            d["forwards"],
             d["tokens_per_forward"], d["tokens_per_second"], d["decode_tokens_per_second"],
             d["wall_seconds"] * 1000, d["prefill_seconds"] * 1000, ms("plan"), ms("verify"),
             ms("infill_draft"), ms("infill_verify"), ms("steps"),
@@ -258,7 +262,7 @@ def _row(index, family, prompt, side: str, d: dict, ratios=(None, None)) -> list
 
 def format_report(result: dict) -> str:
     """The terminal report of a ``run_benchmark`` result."""
-    meta, cases, total = result["meta"], result["cases"], result["total"]
+    meta, cases, total, head = result["meta"], result["cases"], result["total"], result.get("summary")
     sides = [s for s in SIDES if s in total]
     lines = header_lines(meta)
     distinct = {json.dumps(c["params"], sort_keys=True) for c in cases}
@@ -282,25 +286,28 @@ def format_report(result: dict) -> str:
     rows: List[list] = []
     for c in cases:
         for k, s in enumerate(sides):
-            ratios = (c.get("ratio"), c.get("decode_ratio")) if s == "refusion" and "ar" in sides else (None, None)
+            ratios = ((MATCHES[c["match"]], c["time_ratio"], c["ratio"], c["decode_ratio"])
+                      if s == "refusion" and "ar" in sides else (None,) * 4)
             first = k == 0
             rows.append(_row(c["index"] if first else "", c["family"] if first else "",
                              c["prompt"][:26] if first else "", s, c[s], ratios))
     rows.append([])
     for k, s in enumerate(sides):
-        ratios = (total.get("ratio"), total.get("decode_ratio")) if s == "refusion" else (None, None)
+        ratios = ((f"{len(head['matched_prompts'])}/{len(cases)}", head["time_to_answer_ratio"], total["ratio"],
+                   total["decode_ratio"]) if s == "refusion" and head else (None,) * 4)
         rows.append(_row("all" if k == 0 else "", "", "", s, total[s], ratios))
     lines += ["", format_table(COLUMNS, rows, left=[0, 1, 2, 3]), ""]
-    if "ratio" in total:
-        dec = f"{total['decode_ratio']:.2f}x" if total.get("decode_ratio") else "-"
-        lines.append(f"ReFusion / AR tokens per second: {total['ratio']:.2f}x end to end, "
-                     f"{dec} decode only; identical answers on "
-                     f"{total['same_answers']}/{len(cases)} prompts")
-    lines.append("tokens: answer up to and including EOS | fwd: model forwards | tok/s: tokens / wall | "
+    if head:
+        lines += headline_lines(head, total, len(cases))
+    lines.append("tokens: answer up to and including EOS | end: eos (ended at EOS) or LEN (cut at the budget) | "
+                 "fwd: model forwards | tok/s: tokens / wall | "
                  "dec tok/s: tokens after the prefill pass / (wall - prefill) | times in ms: prefill = ReFusion's first pass "
                  "(prompt + first block's masks) or AR's time to first token; plan/verify/inf-*: "
                  "ReFusion phases; AR steps: AR's token steps after the first; other: ReFusion wall "
-                 "time outside its phases | peak MB: peak MLX memory, weights included | x: ReFusion / AR")
+                 "time outside its phases | peak MB: peak MLX memory, weights included | match: same (identical "
+                 "answers), ~len (both ended at EOS, lengths within "
+                 f"{LENGTH_TOLERANCE:.0%}) or no | x time: AR wall / ReFusion wall "
+                 "(time to answer) | x e2e, x dec: ReFusion's tokens/s over AR's")
     return "\n".join(lines)
 
 
