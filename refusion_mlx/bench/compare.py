@@ -166,7 +166,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
         def once(side: str, i: int) -> RunResult:
             if side == "refusion":
                 return run_refusion(rmodel, tokenizer, prompts[i], params[i], kv)
-            return run_ar(ar_model, tokenizer, prompts[i], params[i].gen_length, kv)  # max_tokens, both sides
+            return run_ar(ar_model, tokenizer, prompts[i], params[i].gen_length, kv)  # the same budget, EOS not counted
 
         sides = SIDES if ar else SIDES[:1]
         for w in range(warmup):

@@ -146,7 +146,13 @@ class CountingModel:
 
 def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, kv: Optional[dict] = None) -> RunResult:
     """Decode once, greedily and left to right, with mlx-lm's stream_generate
-    (``kv`` with ``kv_bits``: its quantized cache, from the first token)."""
+    (``kv`` with ``kv_bits``: its quantized cache, from the first token).
+
+    ``max_tokens`` counts answer tokens as ReFusion's budget does, EOS not
+    included: mlx-lm's own ``max_tokens`` counts the EOS it generates, so it
+    is asked for one more, and a token past the budget that is not EOS is
+    dropped (the answer ends at the budget, "length"; the clock stops at the
+    budget's last token, and that step is counted as look-ahead)."""
     from mlx_lm.generate import generation_stream
     from mlx_lm.generate import stream_generate as ar_stream_generate
 
@@ -154,26 +160,30 @@ def run_ar(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, kv: Opt
     mx.synchronize()
     mx.reset_peak_memory()
     tokens: List[int] = []
-    text, last, first, calls = "", None, None, 0
+    text, last, first = "", None, None
+    seen: List[tuple] = []  # (time, forward calls) when each token reached Python
     t0 = time.perf_counter()
     quantized = {}
     if kv and kv.get("kv_bits"):
         quantized = dict(kv_bits=kv["kv_bits"], kv_group_size=kv.get("kv_group_size") or 64, quantized_kv_start=0)
-    for last in ar_stream_generate(counter, tokenizer, mx.array(list(prompt_ids)), max_tokens=max_tokens,
+    for last in ar_stream_generate(counter, tokenizer, mx.array(list(prompt_ids)), max_tokens=max_tokens + 1,
                                    **quantized):
-        now = time.perf_counter()
-        first = now if first is None else first
-        calls = counter.calls
+        seen.append((time.perf_counter(), counter.calls))
+        first = seen[0][0]
         tokens.append(int(last.token))
         text += last.text
-    end = time.perf_counter()
+    finish = last.finish_reason
+    if len(tokens) > max_tokens and finish != "stop":  # the budget's answer tokens, and no EOS after them
+        del tokens[max_tokens:], seen[max_tokens:]
+        text, finish = tokenizer.decode(tokens), "length"
+    end, calls = seen[-1]
     mx.synchronize(generation_stream)  # the look-ahead step, outside the clock
     peak = mx.get_peak_memory() / 1e9
     lookahead = 1 if calls > len(tokens) else 0
     phases = {"prefill": first - t0, "steps": end - first}
     return RunResult("ar", len(tokens), calls - lookahead, end - t0, first - t0, phases, peak,
-                     host_syncs=len(tokens), steps=len(tokens), finish_reason=last.finish_reason,
-                     output_ids=tokens, text=text, lookahead_forwards=lookahead,
+                     host_syncs=len(tokens), steps=len(tokens), finish_reason=finish,
+                     output_ids=tokens, text=text, lookahead_forwards=counter.calls - (calls - lookahead),
                      prefill_tokens=min(len(tokens), 1))
 
 
