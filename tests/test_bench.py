@@ -360,3 +360,31 @@ def test_layouts_bad_data_one_line(tmp_path, capsys):
         assert bench.main(["--layouts", "16", "--data", str(path)]) == 1
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_mode_records_its_settings(tiny_suite, tmp_path, capsys):
+    """--concurrency, --http, --conversation and --layouts write what they ran: suite, preset, decoding
+    settings, KV cache, chat template and dtype; the concurrency table's header says how it decoded."""
+    runs = {"levels": ["--concurrency", "1", "--rounds", "1", "--max-tokens", "16", "--kv-bits", "8"],
+            "http": ["--concurrency", "1", "--http", "--rounds", "1", "--max-tokens", "16"],
+            "conversation": ["--conversation", "2", "--max-tokens", "16"],
+            "layouts": ["--layouts", "default", "--budgets", "16", "--slot-sizes", "4"]}
+    for name, flags in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert bench.main(["--suite", str(tiny_suite), *flags, "--json", str(out)]) == 0
+        s = json.loads(out.read_text())["settings"]
+        assert (s["suite"], s["preset"], s["dtype"], s["chat_template"]) == ("tiny", None, "float32", True), name
+        assert {"kv_bits", "kv_group_size", "params", "overrides", "adapter_path"} <= set(s), name
+        if name != "layouts":
+            assert s["params"][0]["gen_length"] == 16 and s["params"][0]["slot_size"] == 4, name
+    assert json.loads((tmp_path / "levels.json").read_text())["settings"]["kv_bits"] == 8
+    assert json.loads((tmp_path / "layouts.json").read_text())["settings"]["budgets"] == [16]
+    bench.main(["--suite", str(tiny_suite), "--concurrency", "1", "--rounds", "1", "--max-tokens", "16"])
+    out = capsys.readouterr().out
+    assert "suite: tiny (2 prompts) | preset: none | decoding: per prompt" in out
+
+
+def test_no_chat_template_is_refused_where_prompts_are_chats(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--conversation", "2", "--no-chat-template"])
+    assert e.value.code == 2 and "--no-chat-template does not go with --conversation" in capsys.readouterr().err

@@ -133,6 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.record_with = args.record_with or args.model
     if args.kv_bits and args.layouts:
         parser.error("--kv-bits does not go with --layouts")
+    chat_only = [f"--{m}" for m in ("http", "conversation", "layouts", "shape") if getattr(args, m)]
+    if args.no_chat_template and chat_only:
+        parser.error(f"--no-chat-template does not go with {chat_only[0]}: it decodes chat-templated prompts")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:

@@ -124,6 +124,23 @@ def params_dict(p: RefusionParams) -> dict:
             "temperature": p.temperature, "seed": p.seed}
 
 
+def settings_line(settings: dict, params: Sequence[dict], ar: bool = False) -> str:
+    """One line of what was decoded: the suite, the preset and the decoding
+    settings (``params``: ``params_dict`` of each prompt)."""
+    if len({json.dumps(p, sort_keys=True) for p in params}) == 1:
+        p = params[0]
+        decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
+                    f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
+                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
+    else:
+        decoding = "per prompt (see --json)"
+    if ar and any(p["temperature"] for p in params):
+        decoding += " (a temperature is ReFusion's: mlx-lm's side decodes greedily)"
+    kv = f" | KV cache: {settings['kv_bits']}-bit" if settings.get("kv_bits") else ""
+    return (f"suite: {settings['suite']} ({settings['prompts']} prompts) | preset: {settings['preset'] or 'none'} | "
+            f"decoding: {decoding}{kv}")
+
+
 def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, Suite, None] = "default",
                   preset: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None,
                   dtype: str = "float32", repeat: int = 1, warmup: int = 1, ar: bool = True,
@@ -265,18 +282,7 @@ def format_report(result: dict) -> str:
     meta, cases, total, head = result["meta"], result["cases"], result["total"], result.get("summary")
     sides = [s for s in SIDES if s in total]
     lines = header_lines(meta)
-    distinct = {json.dumps(c["params"], sort_keys=True) for c in cases}
-    if len(distinct) == 1:
-        p = cases[0]["params"]
-        decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
-                    f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
-                    f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
-    else:
-        decoding = "per prompt (see --json)"
-    if "ar" in total and any(c["params"]["temperature"] for c in cases):
-        decoding += " (a temperature is ReFusion's: mlx-lm's side decodes greedily)"
-    lines.append(f"suite: {meta['suite']} ({meta['prompts']} prompts) | preset: {meta['preset'] or 'none'} | "
-                 f"decoding: {decoding}")
+    lines.append(settings_line(meta, [c["params"] for c in cases], ar="ar" in total))
     if "distributed" in meta:
         d = meta["distributed"]
         lines.append(f"distributed: {d['size']} ranks over {d['backend']}, {d['mode']} parallel; weights "

@@ -12,10 +12,27 @@ from typing import Any, Dict
 
 from ..decode.params import FIELDS, RefusionParams, make_params
 from ..decode.stream import chat_prompt
-from .compare import load_models, resolve_all
+from .compare import load_models, params_dict, resolve_all, settings_line
 from .concurrency import baseline
 from .report import environment, format_table, header_lines
 from .suite import Suite
+
+
+def settings_of(args, suite: Suite, overrides: Dict[str, Any], params, chat_template: bool = True) -> dict:
+    """What a measurement ran: the suite, preset and flags, each prompt's
+    decoding settings (``params``: those used), the KV cache, the chat
+    template and the dtype (its JSON's ``settings``)."""
+    return {"suite": suite.name, "suite_source": suite.source, "prompts": len(suite.cases), "preset": args.preset,
+            "overrides": dict(overrides), "params": [params_dict(p) for p in params], **_kv(args),
+            "chat_template": chat_template, "dtype": args.dtype, "adapter_path": args.adapter_path}
+
+
+def _rounds(args) -> str:
+    return f"{args.rounds} round{'s' if args.rounds != 1 else ''}"
+
+
+def _header(env: dict, settings: dict) -> list:
+    return header_lines(env) + [settings_line(settings, settings["params"])]
 
 
 def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
@@ -28,9 +45,11 @@ def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
                for c in suite.cases]
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
     results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log, kv=_kv(args))
-    text = "\n".join(header_lines(env) + ["", format_levels(results, format_table)])
-    return {"environment": env, "levels": [r.as_dict() for r in results], "rounds": args.rounds,
-            "report": text}
+    settings = settings_of(args, suite, overrides, params, not args.no_chat_template)
+    text = "\n".join(_header(env, settings) + [f"{_rounds(args)} of the suite, in process", "",
+                                               format_levels(results, format_table)])
+    return {"environment": env, "settings": settings, "levels": [r.as_dict() for r in results],
+            "rounds": args.rounds, "report": text}
 
 
 def _server(args, suite: Suite, overrides: Dict[str, Any], **kw):
@@ -80,8 +99,10 @@ def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
              d["first_text_p50_s"]] for d in levels]
     table = format_table(["streams", "requests", "tokens", "wall s", "tok/s", f"vs {clients}", "latency p50 s",
                           "p90 s", "first text p50 s"], rows)
-    return {"environment": env, "http_levels": levels, "rounds": args.rounds,
-            "report": "\n".join(header_lines(env) + ["", "through the HTTP server (streaming, loopback)", table])}
+    settings = settings_of(args, suite, overrides, params)
+    return {"environment": env, "settings": settings, "http_levels": levels, "rounds": args.rounds,
+            "report": "\n".join(_header(env, settings) + [
+                f"{_rounds(args)} of the suite through the HTTP server (streaming, loopback)", "", table])}
 
 
 def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
@@ -108,8 +129,9 @@ def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict
     table = format_table(["turn", "prompt tokens", "new since last turn", "cached", "prefilled (reuse)",
                           "prefilled (no reuse)", "answer tokens"], rows)
     same = all(a["answer"] == b["answer"] for a, b in zip(sides["reuse"], sides["no reuse"]))
-    return {"environment": env, "conversation": sides, "same_answers": same,
-            "report": "\n".join(header_lines(env) + ["", table, f"same answers with and without reuse: {same}"])}
+    settings = {**settings_of(args, suite, overrides, params[:1]), "turns": args.conversation}
+    return {"environment": env, "settings": settings, "conversation": sides, "same_answers": same,
+            "report": "\n".join(_header(env, settings) + ["", table, f"same answers with and without reuse: {same}"])}
 
 
 def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
@@ -122,6 +144,9 @@ def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
     result = run_layouts(args, model, tokenizer, suite, base, log)
     result["environment"] = env
+    result["settings"] = {**settings_of(args, suite, overrides, []), "base": params_dict(base),
+                          "budgets": args.budgets, "slot_sizes": args.slot_sizes, "layouts": args.layouts,
+                          "data": args.data, "limit": args.limit if args.data else None}
     result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])
     return result
 
