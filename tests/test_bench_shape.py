@@ -431,3 +431,14 @@ def test_a_cost_curve_must_say_its_shape(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not say which model shape it measured" in err[0] and '"shape"' in err[0]
 
+
+
+def test_the_demo_models_count_is_the_headers(tiny_run):
+    """The footnote on the demo's recorded forwards says the count the comparison's header says."""
+    from refusion_mlx.bench.report import format_parameters, model_shape
+    from refusion_mlx.models.loading import load
+
+    r, text = tiny_run
+    model, _ = load(None)
+    assert r["recorded_parameters"] == model_shape(model)["parameters"]
+    assert f"a {format_parameters(r['recorded_parameters'])}-parameter model" in " ".join(text.split())

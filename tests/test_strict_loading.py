@@ -169,7 +169,7 @@ def test_weights_that_cannot_fit_are_refused_before_anything_is_allocated(tmp_pa
     with pytest.raises(LoadError, match=r"the weights need 128\.0 GiB, more than this machine's"):
         load_model(folder, dtype="float32")
     assert mx.get_active_memory() == active
-    # the demo model under a memory limit below its weights (3.56M parameters: 14 MB in float32)
+    # the demo model under a memory limit below its weights (3.57M parameters: 14 MB in float32)
     monkeypatch.setattr(config_checks, "physical_memory", lambda: 8 << 20)
     with pytest.raises(LoadError, match=r"need 0\.0 GiB, more than this machine's 0\.0 GiB of memory"):
         load_model(DEMO_MODEL, dtype="float32")

@@ -32,7 +32,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .report import format_table
+from .report import format_parameters, format_table
 
 
 @dataclass(frozen=True)
@@ -249,8 +249,8 @@ def format_forecast(r: dict) -> str:
         if p["recorded_with"] == "bundled demo model":
             lines += _note(
                 f"[b] the bundled demo model's recorded forwards ({p['tokens_per_forward']:.2f} tokens per "
-                "forward): a 3.56M-parameter model certain of its synthetic answers. No real checkpoint is known "
-                "to reach this: the row is the demo's, to set beside the measurement, not a forecast for a "
+                f"forward): a {format_parameters(r['recorded_parameters'])}-parameter model certain of its "
+                "synthetic answers. No real checkpoint is known to reach this: the row is the demo's, to set beside the measurement, not a forecast for a "
                 "real model.")
         else:
             lines += _note(

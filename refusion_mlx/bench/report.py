@@ -58,10 +58,30 @@ def device_description() -> str:
     return f"gpu ({name})" if name else "gpu"
 
 
+def logical_parameters(model) -> int:
+    """The model's parameters as the checkpoint counts them: a quantized
+    weight's packed uint32 elements unpacked (x 32 / bits), its scales and
+    biases left out (the converter's count)."""
+    bits = {name: m.bits for name, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}
+    total = 0
+    for key, v in tree_flatten(model.parameters()):
+        owner, _, leaf = key.rpartition(".")
+        if owner in bits:
+            total += v.size * 32 // bits[owner] if leaf == "weight" else 0
+        else:
+            total += v.size
+    return total
+
+
+def format_parameters(n: int) -> str:
+    """A parameter count as every report prints it (3.57M, 8.19B)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def model_shape(model) -> Dict[str, Any]:
     """The architecture numbers that decide speed, plus the parameter count."""
     a = model.args
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    params = logical_parameters(model)
     return {
         "model_type": a.model_type,
         "hidden_size": a.hidden_size,
@@ -101,7 +121,7 @@ def header_lines(env: Dict[str, Any]) -> List[str]:
         f"model: {env['model']} ({s['model_type']}: hidden {s['hidden_size']}, "
         f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / "
         f"{s['num_key_value_heads']} KV heads, head_dim {s['head_dim']}, intermediate "
-        f"{s['intermediate_size']}, vocab {s['vocab_size']}; {s['parameters'] / 1e6:.2f}M parameters"
+        f"{s['intermediate_size']}, vocab {s['vocab_size']}; {format_parameters(s['parameters'])} parameters"
         f"{', quantized' if s['quantized'] else ''})",
         f"BLAS: {env['blas']} | dtype: {env['dtype']} | "
         f"device: {env['device']}",

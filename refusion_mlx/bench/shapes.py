@@ -103,6 +103,7 @@ class Recorded:
     prompt_tokens: List[int]
     generated: List[int]
     forwards: List[List[ForwardShape]]
+    parameters: int = 0  # the recording model's (report.logical_parameters)
 
     @property
     def shapes(self) -> List[ForwardShape]:
@@ -115,8 +116,10 @@ def record(suite: Suite, params, log=None, model_path: Optional[str] = None) -> 
     from ..decode.stream import chat_prompt
     from ..models.loading import load
 
+    from .report import logical_parameters
+
     model, tokenizer = load(model_path)
-    out = Recorded([], [], [])
+    out = Recorded([], [], [], logical_parameters(model))
     for case, p in zip(suite.cases, params):
         ids = chat_prompt(tokenizer, case.prompt, system=case.system)
         rec = RecordingModel(model)
@@ -339,6 +342,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
     layout = params[0].layout()
     result = {
         "shape": name, "recorded_with": record_model or "bundled demo model", "config": shape_config(name),
+        "recorded_parameters": rec.parameters,
         "parameters": n_params, "dtype": dtype, "q_bits": q_bits,
         "device": device_description(), "paths": f"{backend.paths()} ({backend.mode()})",
         "measured_on": ("gpu" if on_gpu() else "cpu") if measure else None, "forecast_for": "Apple GPUs",
