@@ -307,6 +307,11 @@ def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
         assert row["cached_tokens"] >= prev["prompt_tokens"] + prev["answer_tokens"] - 2
         assert row["prefilled_tokens"] < row["prompt_tokens"] // 2
     assert sum(r["prefilled_tokens"] for r in reuse) < sum(r["prefilled_tokens"] for r in fresh)
+    # what a perfect cache would prefill (new since the last turn, the answer's EOS counted as cached) is
+    # what the server prefilled with reuse
+    from refusion_mlx.bench.serving import new_since_previous_turn
+
+    assert new_since_previous_turn(fresh)[1:] == [r["prefilled_tokens"] for r in reuse[1:]]
 
 
 def test_count_layout_is_the_references_rule():

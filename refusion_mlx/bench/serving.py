@@ -147,14 +147,19 @@ def conversation(url: str, questions: Sequence[str], **fields) -> List[dict]:
         messages.append({"role": "assistant", "content": r.text})
         rows.append({"turn": k, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                      "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
-                     "answer_tokens": r.completion_tokens, "seconds": round(r.seconds, 4), "answer": r.text})
+                     "answer_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
+                     "seconds": round(r.seconds, 4), "answer": r.text})
     return rows
 
 
 def new_since_previous_turn(rows: Sequence[dict]) -> List[Optional[int]]:
     """Prompt tokens that are new at each turn: this turn's prompt minus the
-    previous turn's prompt and answer (what a perfect cache would prefill)."""
+    previous turn's prompt and answer, the EOS that ended it included (what a
+    perfect cache would prefill: the decode that wrote the answer also wrote
+    its EOS, which the chat template closes the turn with; the server's usage
+    leaves it out of ``answer_tokens``)."""
     out: List[Optional[int]] = [None]
     for prev, row in zip(rows, rows[1:]):
-        out.append(row["prompt_tokens"] - prev["prompt_tokens"] - prev["answer_tokens"])
+        answered = prev["answer_tokens"] + (prev.get("finish_reason") == "stop")
+        out.append(row["prompt_tokens"] - prev["prompt_tokens"] - answered)
     return out
