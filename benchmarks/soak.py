@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
-from refusion_mlx.cli import OneLineParser, add_model_args, byte_size, positive_int, run
+from refusion_mlx.cli import OneLineParser, add_model_args, byte_size, interrupt_once, positive_int, run
 from refusion_mlx.errors import RefusionError
 from .soak_report import failed, format_report, summarize
 
@@ -344,7 +344,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         return 0
 
-    return run(body)
+    with interrupt_once():  # a second Ctrl-C while the server shuts down ends at once
+        return run(body)
 
 
 def write_json(path: str, result: dict) -> None:

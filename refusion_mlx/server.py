@@ -8,7 +8,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args, add_template_arg
+from .cli import OneLineParser, add_decoding_args, add_model_args, add_template_arg, raise_interrupt_once
 from .cli.launch import add_distributed_args, join
 from .distributed.group import say_error
 from .errors import RefusionError
@@ -35,12 +35,6 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def _raise_interrupt(signum, frame):
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends at once
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt
-
-
 def _hang_up(signum, frame):
     """SIGHUP (the terminal that started the server closed) ends it as SIGTERM does: open streams end
     with an error event, waiting requests get 503, the prompt cache's files are whole."""
@@ -53,8 +47,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLogger().level))
 
     # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt_once)  # a second Ctrl-C ends at once
+    signal.signal(signal.SIGINT, raise_interrupt_once)
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # nohup's SIG_IGN stays
         signal.signal(signal.SIGHUP, _hang_up)
     with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, check_writable, output_file,
-                   positive_int, positive_ints, run, storage_from_args)
+from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, check_writable, interrupt_once,
+                   output_file, positive_int, positive_ints, run, storage_from_args)
 from ..cli.launch import add_distributed_args, join
 from ..decode.params import PARAM_NAMES
 from ..distributed import watchdog
@@ -184,7 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    kv_group_size=args.kv_group_size)
         return emit(format_report(result), result, dist is None or dist.leader)  # one file, from rank 0
 
-    with wired_limit():  # Metal: the weights stay resident while measuring
+    # a second Ctrl-C while the in-process server shuts down ends at once (not a teardown abort)
+    with wired_limit(), interrupt_once():  # Metal: the weights stay resident while measuring
         return run(body)
 
 

@@ -10,11 +10,13 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from ..decode.fit import fit_budget, own_blocks
 from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
@@ -289,6 +291,32 @@ def without_line_end(text: str) -> str:
     r"""``text`` without one line ending at its end (``\r\n``, as Windows writes it, ``\n``, or the ``\r``
     that ``input()`` leaves of a ``\r\n``): piped input's last newline is not part of a prompt."""
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith(("\n", "\r")) else text
+
+
+def raise_interrupt_once(signum, frame) -> None:
+    """A signal handler: the first Ctrl-C (or SIGTERM) raises KeyboardInterrupt, and a second ends the
+    process at once, by the signal. The shutdown the first began (a server's ``close``, which joins its
+    engine thread) is never cut short by a second KeyboardInterrupt: MLX work left running into
+    interpreter exit aborts the process ("terminate called without an active exception", exit 134)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_once() -> Iterator[None]:
+    """Ctrl-C is :func:`raise_interrupt_once` inside the block (the commands that run a server in
+    process); the handlers before it are back after it. A no-op off the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, raise_interrupt_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def run(body: Callable[[], int]) -> int:

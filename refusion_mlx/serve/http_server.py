@@ -94,14 +94,19 @@ class RefusionServer:
         self.engine.start()
 
     def start(self) -> "RefusionServer":
-        self.load()
-        self._thread = threading.Thread(target=self.serve_forever, name="refusion-http", daemon=True)
-        self._thread.start()
-        while not self.uvicorn.started and self._thread.is_alive():
-            time.sleep(0.01)
-        if not self.uvicorn.started:
+        """Load and serve on a background thread. On any failure (Ctrl-C included) the server is closed,
+        its engine thread ended, before the error goes on: ``with server:`` does not call ``close`` then."""
+        try:
+            self.load()
+            self._thread = threading.Thread(target=self.serve_forever, name="refusion-http", daemon=True)
+            self._thread.start()
+            while not self.uvicorn.started and self._thread.is_alive():
+                time.sleep(0.01)
+            if not self.uvicorn.started:
+                raise RefusionError(f"the HTTP server on port {self.port} stopped before it served (see the log)")
+        except BaseException:
             self.close()
-            raise RefusionError(f"the HTTP server on port {self.port} stopped before it served (see the log)")
+            raise
         return self
 
     def serve_forever(self) -> None:

@@ -93,11 +93,13 @@ class Engine:
     # -- life cycle and the HTTP side's calls ----------------------------------
 
     def start(self) -> None:
-        """Load the model on the engine thread; raise its RefusionError if it fails."""
+        """Load the model on the engine thread; raise its RefusionError if it fails (once the thread has
+        freed its arrays: MLX work left running at interpreter exit aborts the process)."""
         self._thread.start()
         while not self._ready.wait(0.1):
             pass
         if self._error is not None:
+            self._thread.join()
             raise self._error
 
     def stop(self, timeout: float = 0.0) -> None:
