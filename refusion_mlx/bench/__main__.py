@@ -44,8 +44,8 @@ def build_parser() -> OneLineParser:
                         help="'default' (the bundled suite) or a suite JSON file")
     add_decoding_args(parser)
     add_kv_args(parser)  # ReFusion's caches, and mlx-lm's (from the first token) on the AR side
-    parser.add_argument("--repeat", type=positive_int, default=1, help="timed runs per prompt and side (median shown)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per side first (default 1)")
+    parser.add_argument("--repeat", type=positive_int, help="timed runs per prompt and side (median shown; default 1)")
+    parser.add_argument("--warmup", type=int, help="untimed runs per side first (default 1)")
     parser.add_argument("--json", metavar="OUT", type=output_file,
                         help="also write the full report to this JSON file (-: to standard output, and the "
                              "table to standard error)")
@@ -100,7 +100,29 @@ def build_parser() -> OneLineParser:
 MODE_FLAGS = {"shape": ("q_bits", "record_with", "tokens_per_forward", "forecast_only", "batch", "cost_curve",
                         "prompts"),
               "layouts": ("budgets", "slot_sizes", "limit", "data"), "concurrency": ("rounds", "http")}
-MODE_DEFAULTS = {"prompts": 4, "budgets": [64, 128, 256, 512], "slot_sizes": [4, 8], "limit": 60, "rounds": 2}
+MODE_DEFAULTS = {"prompts": 4, "budgets": [64, 128, 256, 512], "slot_sizes": [4, 8], "limit": 60, "rounds": 2,
+                 "repeat": 1, "warmup": 1}
+# the flags a measurement does not read, refused with it (they would be ignored): the sweep sets the layout and
+# budget itself; the server applies the model's chat template to the chat messages it is sent
+UNREAD = {"layouts": ("gen_length", "slot_size", "block_length", "serial_num_blocks", "repeat", "warmup", "no_ar",
+                      "no_chat_template"),
+          "concurrency": ("repeat", "warmup", "no_ar"), "http": ("no_chat_template",),
+          "conversation": ("repeat", "warmup", "no_ar", "no_chat_template"), "shape": ("repeat", "warmup"),
+          "forecast_only": ("batch",)}
+
+
+def _refuse_unread(parser: OneLineParser, args) -> None:
+    """A flag of one measurement without it, or a flag the measurement given does not read: one line."""
+    spelled = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    given = [name for name, value in vars(args).items() if value is not None and value is not False]
+    for mode, flags in MODE_FLAGS.items():
+        for flag in flags:
+            if flag in given and not getattr(args, mode):
+                parser.error(f"{spelled[flag]} goes with {spelled[mode]}")
+    for mode, flags in UNREAD.items():
+        for flag in flags:
+            if flag in given and getattr(args, mode):
+                parser.error(f"{spelled[flag]} does not go with {spelled[mode]} (it does not read it)")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -110,19 +132,16 @@ def _same_file(a: str, b: str) -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.warmup < 0:
+    if args.warmup is not None and args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if args.shape is not None and args.shape not in SHAPES and args.shape not in HIDDEN_SHAPES:
         parser.error(f"unknown --shape {args.shape!r}; known: {', '.join(shape_names())}")
     modes_given = [f"--{m}" for m in ("shape", "layouts", "concurrency", "conversation") if getattr(args, m)]
     if len(modes_given) > 1:
         parser.error(f"{' and '.join(modes_given)} are separate measurements: give one")
-    for mode, flags in MODE_FLAGS.items():
-        for flag in flags:
-            if getattr(args, flag) not in (None, False) and not getattr(args, mode):
-                parser.error(f"--{flag.replace('_', '-')} goes with --{mode}")
+    _refuse_unread(parser, args)
     for flag, default in MODE_DEFAULTS.items():
-        setattr(args, flag, getattr(args, flag) or default)
+        setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
     if args.json and args.json != "-":
         inputs = [p for p in (args.suite if args.suite != "default" else None, args.data, args.cost_curve) if p]
         if any(_same_file(args.json, p) for p in inputs):

@@ -1,0 +1,28 @@
+"""bench refuses a flag the measurement given does not read (it was accepted and ignored)."""
+
+import pytest
+
+from refusion_mlx import bench
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layouts", "16", "--max-tokens", "8"], "--max-tokens does not go with --layouts"),
+    (["--layouts", "16", "--slot-size", "8"], "--slot-size does not go with --layouts"),
+    (["--layouts", "16", "--block-length", "8"], "--block-length does not go with --layouts"),
+    (["--layouts", "16", "--serial-num-blocks", "2"], "--serial-num-blocks does not go with --layouts"),
+    (["--layouts", "16", "--repeat", "3"], "--repeat does not go with --layouts"),
+    (["--layouts", "16", "--no-chat-template"], "--no-chat-template does not go with --layouts"),
+    (["--concurrency", "1", "--repeat", "5"], "--repeat does not go with --concurrency"),
+    (["--concurrency", "1", "--warmup", "0"], "--warmup does not go with --concurrency"),
+    (["--concurrency", "1", "--no-ar"], "--no-ar does not go with --concurrency"),
+    (["--concurrency", "1", "--http", "--no-chat-template"], "--no-chat-template does not go with --http"),
+    (["--conversation", "2", "--no-chat-template"], "--no-chat-template does not go with --conversation"),
+    (["--conversation", "2", "--repeat", "2"], "--repeat does not go with --conversation"),
+    (["--shape", "qwen3-0.6b", "--forecast-only", "--batch", "2"], "--batch does not go with --forecast-only"),
+    (["--shape", "qwen3-0.6b", "--repeat", "2"], "--repeat does not go with --shape"),
+])
+def test_a_flag_the_measurement_does_not_read_is_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
