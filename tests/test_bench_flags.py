@@ -26,3 +26,16 @@ def test_a_flag_the_measurement_does_not_read_is_refused(argv, message, capsys):
         bench.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_http_refuses_a_budget_past_the_context_as_in_process(tmp_path, capsys):
+    """The server cut the budget to what the context leaves: --http measured 2,403 tokens and exited 0."""
+    suite = tmp_path / "one.json"
+    suite.write_text('{"prompts": [{"prompt": "Who is Sven?"}]}')
+    lines = []
+    for mode in ([], ["--http"]):
+        assert bench.main(["--suite", str(suite), "--concurrency", "1", "--rounds", "1", "--max-tokens", "4000",
+                           *mode]) == 1
+        lines.append(capsys.readouterr().err.strip())
+    assert lines[0] == lines[1] and "exceeds the model's context of 2048" in lines[0]
+    assert len(lines[1].splitlines()) == 1

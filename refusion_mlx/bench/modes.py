@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict
 
+from ..decode.decoder import check_context
 from ..decode.params import FIELDS, RefusionParams, make_params
 from ..decode.stream import chat_prompt
 from .compare import load_models, params_dict, resolve_all, settings_line
@@ -86,6 +87,8 @@ def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
               for c, p in zip(suite.cases, params)]
     work = bodies * args.rounds
     with server:
+        for c, p in zip(suite.cases, params):  # the server would cut the budget: refused as in process
+            check_context(server.engine.model, len(chat_prompt(server.engine.tokenizer, c.prompt, system=c.system)), p)
         env = environment(server.engine.model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
         http_level(server.url, bodies[:max(args.concurrency)], max(args.concurrency))  # warm-up
         levels = []

@@ -79,16 +79,7 @@ class RefusionDecoder:
             raise DecodeError("the prompt is empty")
         self.first_position = (max(cache.positions) + 1) if cache.positions else 0
         response_start = self.first_position + len(self.prompt)
-        limit = model.args.max_position_embeddings
-        if response_start + layout.gen_length > limit:
-            asked = params.gen_length  # the budget the caller gave, decoded in whole slots
-            budget = f"max_tokens {asked}" + (f", {layout.gen_length} in whole slots" if asked != layout.gen_length
-                                              else "")
-            left = limit - response_start
-            raise DecodeError(f"prompt ({response_start} tokens) + {budget} exceeds the model's context of {limit} "
-                              "positions (" + (f"{left} are left after the prompt)" if left > 0 else
-                                               "the prompt alone fills it)" if left == 0 else
-                                               "the prompt alone is over it)"))
+        check_context(model, response_start, params)
         vocab = model.args.vocab_size
         eos_id = NO_EOS if eos_id is None else eos_id
         for name, tid in (("mask", mask_id), ("eos", eos_id)):
@@ -237,3 +228,19 @@ class RefusionDecoder:
     def response(self) -> List[int]:
         """Committed response ids in position order, up to and including the first EOS."""
         return self.state.response()
+
+
+def check_context(model, response_start: int, params: RefusionParams) -> None:
+    """The DecodeError of an answer at ``response_start`` (the prompt's length after the cache's) whose
+    budget, in whole slots, runs past the model's context; nothing when it fits."""
+    layout = params.layout()
+    limit = model.args.max_position_embeddings
+    if response_start + layout.gen_length > limit:
+        asked = params.gen_length  # the budget the caller gave, decoded in whole slots
+        budget = f"max_tokens {asked}" + (f", {layout.gen_length} in whole slots" if asked != layout.gen_length
+                                          else "")
+        left = limit - response_start
+        raise DecodeError(f"prompt ({response_start} tokens) + {budget} exceeds the model's context of {limit} "
+                          "positions (" + (f"{left} are left after the prompt)" if left > 0 else
+                                           "the prompt alone fills it)" if left == 0 else
+                                           "the prompt alone is over it)"))
