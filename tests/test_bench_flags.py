@@ -39,3 +39,22 @@ def test_http_refuses_a_budget_past_the_context_as_in_process(tmp_path, capsys):
         lines.append(capsys.readouterr().err.strip())
     assert lines[0] == lines[1] and "exceeds the model's context of 2048" in lines[0]
     assert len(lines[1].splitlines()) == 1
+
+
+def test_the_report_never_overwrites_the_bundled_suite_or_the_package(tmp_path, capsys):
+    """--json onto the bundled suite wrote over it, and every later run failed."""
+    from pathlib import Path
+
+    import refusion_mlx
+    from refusion_mlx.bench.suite import DEFAULT_SUITE
+
+    before = DEFAULT_SUITE.read_bytes()
+    package = Path(refusion_mlx.__file__).parent
+    for target, message in ((DEFAULT_SUITE, "is an input of this run"),
+                            (package / "bench" / ".." / "bench" / "suite.json", "is an input of this run"),
+                            (package / "report.json", "inside the installed refusion_mlx package")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--max-tokens", "8", "--no-ar", "--json", str(target)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+    assert DEFAULT_SUITE.read_bytes() == before and not (package / "report.json").exists()

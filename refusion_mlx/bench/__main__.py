@@ -20,7 +20,7 @@ from . import modes
 from .compare import format_report, resolve_all, run_benchmark, write_json
 from .layouts import add_layout_args
 from .shapes import HIDDEN_SHAPES, SHAPES, shape_names
-from .suite import BenchError, load_suite
+from .suite import DEFAULT_SUITE, BenchError, load_suite
 
 
 def positive_float(text: str) -> float:
@@ -143,9 +143,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     for flag, default in MODE_DEFAULTS.items():
         setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
     if args.json and args.json != "-":
-        inputs = [p for p in (args.suite if args.suite != "default" else None, args.data, args.cost_curve) if p]
-        if any(_same_file(args.json, p) for p in inputs):
+        suite = DEFAULT_SUITE if args.suite == "default" else args.suite
+        if any(_same_file(args.json, p) for p in (suite, args.data, args.cost_curve) if p):
             parser.error(f"--json {args.json} is an input of this run: give the report another file")
+        package = Path(__file__).resolve().parents[1]  # refusion_mlx, as installed
+        if package in Path(args.json).expanduser().resolve().parents:
+            parser.error(f"--json {args.json} is inside the installed refusion_mlx package: give the report "
+                         "another file")
     if args.shape is not None:
         if args.model and args.record_with and args.model != args.record_with:
             parser.error("--model and --record-with name the model that records the forwards: give one")
