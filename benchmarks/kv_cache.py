@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from refusion_mlx.bench.report import format_table
-from refusion_mlx.cli import OneLineParser, byte_size, run
+from refusion_mlx.cli import OneLineParser, byte_size, interrupt_once, run
 
 from .speed_common import check_json_path, write_json
 
@@ -145,17 +145,23 @@ def admission_section(args) -> List[dict]:
 
             def watch():
                 while not stop.is_set():
-                    seen.append(_call(port, "GET", "/health")[1]["active"])
+                    try:
+                        seen.append(_call(port, "GET", "/health")[1]["active"])
+                    except OSError:  # the server is closing (Ctrl-C): the run is over
+                        return
                     time.sleep(0.02)
 
             watcher = threading.Thread(target=watch)
             watcher.start()
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(args.requests) as pool:
-                out = list(pool.map(lambda _: _call(port, "POST", "/v1/completions", body), range(args.requests)))
+            try:
+                with ThreadPoolExecutor(args.requests) as pool:
+                    out = list(pool.map(lambda _: _call(port, "POST", "/v1/completions", body),
+                                        range(args.requests)))
+            finally:  # before the server closes, whatever ended the requests
+                stop.set()
+                watcher.join()
             wall = time.perf_counter() - t0
-            stop.set()
-            watcher.join()
             health = _call(port, "GET", "/health")[1]
             dtype_used = str(server.engine.model.cache_spec().dtype).replace("mlx.core.", "")
         kv = health["kv"]
@@ -235,7 +241,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_json(args.json, {"settings": {k: v for k, v in vars(args).items() if k != "json"}, **results})
         return 0
 
-    return run(body)
+    with interrupt_once():  # a second Ctrl-C while the server shuts down ends at once
+        return run(body)
 
 
 if __name__ == "__main__":

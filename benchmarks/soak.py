@@ -318,6 +318,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.duration <= 86400:
         parser.error(f"--duration must be within (0, 86400] seconds, got {args.duration}")
+    if args.url is not None and not _is_http_url(args.url):
+        parser.error(f"--url must be a server's http://HOST:PORT, got {args.url!r}")
     if args.json and not Path(args.json).expanduser().resolve().parent.is_dir():
         parser.error(f"cannot write {args.json}: its folder does not exist")
 
@@ -346,6 +348,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     with interrupt_once():  # a second Ctrl-C while the server shuts down ends at once
         return run(body)
+
+
+def _is_http_url(url: str) -> bool:
+    """http://HOST[:PORT] (the client speaks plain HTTP): a scheme, a host and a port that is a number."""
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:  # not a number, or past 65535
+        return False
+    return parts.scheme == "http" and bool(parts.hostname)
 
 
 def write_json(path: str, result: dict) -> None:

@@ -8,6 +8,7 @@ converted folder (``--model``).
 
 from __future__ import annotations
 
+import argparse
 import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence
@@ -19,8 +20,8 @@ from refusion_mlx.bench.report import environment, header_lines
 from refusion_mlx.cli import OneLineParser, add_kv_args, check_writable
 from refusion_mlx.decode.cache import CommittedCache
 from refusion_mlx.decode.decoder import RefusionDecoder
-from refusion_mlx.decode.params import RefusionParams
-from refusion_mlx.errors import RefusionError
+from refusion_mlx.decode.params import RefusionParams, seed_bits
+from refusion_mlx.errors import DecodeError, RefusionError
 
 # Threshold settings that fix the decoder's path whatever the weights say
 # (a random model is never confident, so the reference thresholds always take
@@ -32,13 +33,23 @@ MODES: Dict[str, dict] = {
 }
 
 
+def seed(text: str) -> int:
+    """argparse type: a seed as the runtime takes it, as the unsigned 64-bit number its random keys are made
+    of (``seed_bits``: -1 is 2**64 - 1), which numpy's generators take too (a negative one they refuse)."""
+    try:
+        return seed_bits(int(text))
+    except (ValueError, DecodeError):
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**64), got {text!r}") from None
+
+
 def base_parser(prog: str, description: str) -> OneLineParser:
     parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("--model", help="model folder (default: the bundled demo model); "
                         "make a real-shape one with python -m convert.make_checkpoint")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--slot-size", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random prompts (an integer in "
+                        "[-2**63, 2**64), as the runtime takes it)")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="decode the whole budget: the model's end-of-text does not stop a run (a random "
