@@ -36,8 +36,10 @@ from mlx.utils import tree_flatten
 from refusion_mlx.bench.report import format_table
 from refusion_mlx.cli import run, storage_from_args
 from refusion_mlx.decode.cache import CommittedCache
+from refusion_mlx.decode.decoder import check_context
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.decode.prefill import prefill
+from refusion_mlx.errors import DecodeError
 
 from .speed_common import (MODES, base_parser, check_json_path, decode, load_model, make_params,
                            random_prompt, write_json)
@@ -46,6 +48,8 @@ SECTIONS = ("budgets", "prompts", "slots")
 FLAT_TARGET = 0.20
 SLOT_TARGET = 1.05
 GB = 1e9
+DEFAULT_PROMPTS = (64, 128, 256, 512, 1024, 2048)  # the prompt table's lengths, cut to the model's context
+DEFAULT_LONG_PROMPT = 2048
 
 
 def timed(model, tokenizer, prompt, params: RefusionParams, cache=None, storage=None,
@@ -196,6 +200,33 @@ def summary(results: dict) -> dict:
     return out
 
 
+def fit_context(model, args, sections: List[str]) -> None:
+    """The defaults of --prompts and --long-prompt cut to what the model's context leaves beside their
+    budgets; then every section's longest run checked against it (``check_context``): a DecodeError naming
+    the flags, before anything is measured, rather than a section failing after the ones before it ran."""
+    context = model.args.max_position_embeddings
+    slots = max(args.slots) * args.slot_size
+    if args.prompts is None:
+        budget = make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode)
+        left = context - budget.layout().gen_length
+        args.prompts = sorted({min(n, left) for n in DEFAULT_PROMPTS if left >= 1})
+    if args.long_prompt is None:
+        args.long_prompt = max(2, min(DEFAULT_LONG_PROMPT, context - slots))
+    runs = {"budgets": [(f"--budgets {b} after --budget-prompt {args.budget_prompt}", args.budget_prompt,
+                         make_params(b, args.slot_size, args.block_length, args.mode)) for b in args.budgets],
+            "prompts": [(f"--prompts {n} with --prompt-budget {args.prompt_budget}", n,
+                         make_params(args.prompt_budget, args.slot_size, args.block_length, args.mode))
+                        for n in args.prompts or [context]],
+            "slots": [(f"--long-prompt {args.long_prompt} with --slots {max(args.slots)}", args.long_prompt,
+                       RefusionParams(gen_length=slots, slot_size=args.slot_size, block_length=slots))]}
+    for name in sections:
+        for what, prompt, params in runs[name]:
+            try:
+                check_context(model, prompt, params)
+            except DecodeError as e:
+                raise DecodeError(f"{what}: {e}") from None
+
+
 def int_list(text: str) -> List[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -213,10 +244,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget-prompt", type=int, default=64,
                         help="prompt of the budget table, prefilled outside the clock (default 64; a long one "
                              "times decoding at a long context)")
-    parser.add_argument("--prompts", type=int_list, default=[64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--prompts", type=int_list,
+                        help="prompt lengths of the prompt table (default 64, 128, ..., 2048, each cut to what "
+                             "the model's context leaves beside --prompt-budget)")
     parser.add_argument("--prompt-budget", type=int, default=128, help="budget of the prompt table")
     parser.add_argument("--slots", type=int_list, default=[1, 4, 8, 16])
-    parser.add_argument("--long-prompt", type=int, default=2048, help="prompt of the slots table")
+    parser.add_argument("--long-prompt", type=int,
+                        help="prompt of the slots table (default 2048, or what the model's context leaves "
+                             "beside the most slots)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per row of the budget and prompt tables (median kept)")
     args = parser.parse_args(argv)
@@ -224,9 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not sections or any(s not in SECTIONS for s in sections):
         parser.error(f"--sections takes {', '.join(SECTIONS)}")
     for name in ("block_length", "prompt_budget", "long_prompt", "slot_size", "repeat", "budget_prompt"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.long_prompt < 2:
+    if args.long_prompt is not None and args.long_prompt < 2:
         parser.error("--long-prompt must be at least 2")
 
     def body() -> int:
@@ -236,6 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         storage_from_args(args)  # a bad pair fails before the model loads
         model, tokenizer, env = load_model(args.model, args.dtype)
         args.storage = storage_from_args(args, model)
+        fit_context(model, args, sections)  # every row fits, or one line before any is measured
         print(f"scaling: slot {args.slot_size}, block {args.block_length}, mode {args.mode} "
               f"({MODES[args.mode]}); median of {args.repeat} run(s) per row; "
               f"KV cache: {args.storage.describe(model.cache_spec())}")

@@ -65,3 +65,25 @@ def test_kv_cache_admission_interrupted_stops_its_watcher_first(monkeypatch):
         kv_cache.admission_section(SimpleNamespace(**parsed))
     time.sleep(0.5)
     assert failures == [] and not [t for t in threading.enumerate() if "watch" in t.name]
+
+
+def test_scaling_defaults_fit_the_model_and_a_row_past_it_fails_first(tmp_path, capsys):
+    """--sections prompts (and slots) failed on the demo model with its defaults, a 2048-token prompt
+    beside a budget in a 2048-position context, after the sections before it had run: all was lost."""
+    import json
+
+    from benchmarks import scaling
+
+    out = tmp_path / "s.json"
+    assert scaling.main(["--sections", "prompts,slots", "--slots", "1,4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["prompts"] == [64, 128, 256, 512, 1024, 1920]
+    assert report["settings"]["long_prompt"] == 2048 - 16
+    assert [r["prompt_tokens"] for r in report["prompts"]][-1] == 1920
+    capsys.readouterr()
+    assert scaling.main(["--budgets", "16", "--prompts", "2048", "--slots", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == (
+        "error: --prompts 2048 with --prompt-budget 128: prompt (2048 tokens) + max_tokens 128 exceeds the "
+        "model's context of 2048 positions (the prompt alone fills it)")
+    assert "budget 16" not in captured.err and "vs budget" not in captured.out
