@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from refusion_mlx.bench.report import format_table
-from refusion_mlx.cli import OneLineParser, run
+from refusion_mlx.cli import OneLineParser, positive_int, run
 
 REAL_VOCAB = 151_671
 SPECIALS = (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -336,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated (default: all three)")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "refusion_mlx" / "bpe-151671.json"),
                         help="where the 151,671-token BPE is kept (built when missing)")
-    parser.add_argument("--repeat", type=int, default=3, help="walks per schema (the masks' times pooled)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="walks per schema (the masks' times pooled)")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
     args = parser.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -366,7 +366,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     print(f"{name}: not installed ({e})")
                     continue
                 pooled = None
-                for _ in range(max(args.repeat, 1)):
+                for _ in range(args.repeat):
                     one = measure(engine, hf, SCHEMAS)
                     if pooled is None:
                         pooled = one

@@ -16,6 +16,7 @@ estimate, computed in another order).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import List, Optional, Sequence
@@ -58,10 +59,11 @@ def shapes_arg(text: str) -> List[tuple]:
         context, _, scored = item.partition(":")
         try:
             pair = (int(context), int(scored))
-        except ValueError:
-            raise ValueError(f"--shapes: {item!r} is not CONTEXT:SCORED") from None
+        except ValueError:  # ArgumentTypeError: argparse shows its message (a ValueError's it drops)
+            raise argparse.ArgumentTypeError(f"{item!r} is not a shape: a shape is CONTEXT:SCORED, the "
+                                             "prompt's tokens and the answer's tokens scored (e.g. 500:5)") from None
         if min(pair) < 1:
-            raise ValueError(f"--shapes: {item!r} needs at least one token of context and one scored")
+            raise argparse.ArgumentTypeError(f"{item!r} needs at least one token of context and one scored")
         out.append(pair)
     return out
 

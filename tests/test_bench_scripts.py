@@ -87,3 +87,18 @@ def test_scaling_defaults_fit_the_model_and_a_row_past_it_fails_first(tmp_path, 
         "error: --prompts 2048 with --prompt-budget 128: prompt (2048 tokens) + max_tokens 128 exceeds the "
         "model's context of 2048 positions (the prompt alone fills it)")
     assert "budget 16" not in captured.err and "vs budget" not in captured.out
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("grammar_engines", ["--repeat", "0"], "argument --repeat: expected a positive integer"),
+    ("mc_scoring", ["--shapes", "100"], "a shape is CONTEXT:SCORED"),
+    ("mc_scoring", ["--shapes", "30:0"], "needs at least one token of context and one scored"),
+])
+def test_bad_counts_say_what_is_wrong(script, argv, message, capsys):
+    """grammar_engines --repeat 0 ran once; mc_scoring --shapes 100 said only 'invalid shapes_arg value'."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"benchmarks.{script}").main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
