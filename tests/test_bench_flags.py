@@ -22,10 +22,16 @@ from refusion_mlx import bench
     (["--shape", "qwen3-0.6b", "--repeat", "2"], "--repeat does not go with --shape"),
 ])
 def test_a_flag_the_measurement_does_not_read_is_refused(argv, message, capsys):
+    assert message in refused(argv, capsys)
+
+
+def refused(argv, capsys) -> str:
+    """bench's usage error for ``argv``: exit 2, one line."""
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
 
 
 def test_http_refuses_a_budget_past_the_context_as_in_process(tmp_path, capsys):
@@ -53,8 +59,5 @@ def test_the_report_never_overwrites_the_bundled_suite_or_the_package(tmp_path, 
     for target, message in ((DEFAULT_SUITE, "is an input of this run"),
                             (package / "bench" / ".." / "bench" / "suite.json", "is an input of this run"),
                             (package / "report.json", "inside the installed refusion_mlx package")):
-        with pytest.raises(SystemExit) as e:
-            bench.main(["--max-tokens", "8", "--no-ar", "--json", str(target)])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1
+        assert message in refused(["--max-tokens", "8", "--no-ar", "--json", str(target)], capsys)
     assert DEFAULT_SUITE.read_bytes() == before and not (package / "report.json").exists()
