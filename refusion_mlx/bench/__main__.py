@@ -107,7 +107,7 @@ MODE_DEFAULTS = {"prompts": 4, "budgets": [64, 128, 256, 512], "slot_sizes": [4,
 UNREAD = {"layouts": ("gen_length", "slot_size", "block_length", "serial_num_blocks", "repeat", "warmup", "no_ar",
                       "no_chat_template"),
           "concurrency": ("repeat", "warmup", "no_ar"), "http": ("no_chat_template",),
-          "conversation": ("repeat", "warmup", "no_ar", "no_chat_template"), "shape": ("repeat", "warmup"),
+          "conversation": ("repeat", "warmup", "no_ar", "no_chat_template"), "shape": ("repeat", "warmup", "no_chat_template"),
           "forecast_only": ("batch",)}
 
 
@@ -156,9 +156,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.record_with = args.record_with or args.model
     if args.kv_bits and args.layouts:
         parser.error("--kv-bits does not go with --layouts")
-    chat_only = [f"--{m}" for m in ("http", "conversation", "layouts", "shape") if getattr(args, m)]
-    if args.no_chat_template and chat_only:
-        parser.error(f"--no-chat-template does not go with {chat_only[0]}: it decodes chat-templated prompts")
     overrides = {name: getattr(args, name) for name in PARAM_NAMES if getattr(args, name, None) is not None}
 
     def body() -> int:
