@@ -13,7 +13,8 @@ measured, found from the ``tree`` its ``run.json`` stamped, or
 ``bench --cost-curve`` checks a record against),
 ``forward_cost`` (every forward timed: ``{phase, width, kv_len, dtype,
 q_bits, ms}`` and its attention mode and parts; AR's one-token forward as
-``phase: "ar"``, width 1), ``vs_ar`` (every derived profile of every
+``phase: "ar"``, width 1), ``runs`` (each forward-cost run's machine load,
+warnings and BLAS), ``vs_ar`` (every derived profile of every
 ``bench --shape`` run: ``{tokens_per_forward, dtype, q_bits,
 refusion_tok_s, ar_tok_s, ratio}``, its attention mode, and with
 ``--batch`` the requests at once against one at a time), ``golden`` (the
@@ -69,6 +70,13 @@ def forward_costs(outs: List[Path]) -> List[dict]:
         switches = {**SWITCHES, **run.get("switches", {})}
         rows += [{**r, **switches} for r in run["forward_cost"]]
     return rows
+
+
+def run_conditions(outs: List[Path]) -> List[dict]:
+    """Each forward-cost run's file with the machine's load while it ran and its warnings (a busy device's
+    timings say so in the record too)."""
+    return [{"file": path.name, **{k: run[k] for k in ("load", "warnings", "blas") if k in run}}
+            for path in _files(outs, "fc-*.json") for run in [_load(path)]]
 
 
 def _as_default(rows: List[dict]) -> List[dict]:
@@ -268,7 +276,7 @@ def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = 
     logs = [log] if log else [out / "log.txt" for out in outs]
     return {"device": device, "mlx_version": mlx_version, **provenance(outs, commit, root),
             "shape": next(iter(measured), None), "golden": golden_line(*logs),
-            "forward_cost": fc, "vs_ar": vs,
+            "forward_cost": fc, "runs": run_conditions(outs), "vs_ar": vs,
             "targets": [t for mode in ("auto", *CANDIDATES) for t in targets(fc, vs, mode)],
             "decisions": decisions(fc)}
 

@@ -384,6 +384,7 @@ def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
     assert {"device", "mlx_version", "commit", "forward_cost", "vs_ar", "targets", "golden"} <= set(record)
     assert record["commit"] == "abc" and record["golden"].startswith("33 passed")
     assert record["shape"] == "tiny"  # what bench --cost-curve checks a record against
+    assert record["runs"] and all({"file", "load", "warnings"} <= set(r) for r in record["runs"])  # how busy
     assert any(x["phase"] == "ar" for x in record["forward_cost"])
     # each row carries its run's switches; the overlap run is compared with the same forwards without it
     assert {(x["overlap"], x["qmm_pad"]) for x in record["forward_cost"]} == {("auto", "auto"), ("on", "auto")}
