@@ -393,3 +393,13 @@ def test_no_chat_template_is_refused_where_prompts_are_chats(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--conversation", "2", "--no-chat-template"])
     assert e.value.code == 2 and "--no-chat-template does not go with --conversation" in capsys.readouterr().err
+
+
+def test_the_settings_line_counts_one_block_in_the_singular():
+    from refusion_mlx.bench.compare import params_dict, settings_line
+    from refusion_mlx.decode.params import make_params
+
+    meta = {"suite": "s", "prompts": 1, "preset": None}
+    one = settings_line(meta, [params_dict(make_params(max_tokens=64, block_length=64))])
+    many = settings_line(meta, [params_dict(make_params(max_tokens=64, block_length=16))])
+    assert "1 block of 64" in one and "4 blocks of 16" in many

@@ -129,7 +129,8 @@ def settings_line(settings: dict, params: Sequence[dict], ar: bool = False) -> s
     settings (``params``: ``params_dict`` of each prompt)."""
     if len({json.dumps(p, sort_keys=True) for p in params}) == 1:
         p = params[0]
-        decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {p['blocks']} blocks of "
+        blocks = f"{p['blocks']} block{'s' if p['blocks'] != 1 else ''} of"
+        decoding = (f"gen_length {p['gen_length']}, slot_size {p['slot_size']}, {blocks} "
                     f"{'/'.join(map(str, p['block_lengths']))}, slot_threshold {p['slot_threshold']}, "
                     f"token_threshold {p['token_threshold']}, temperature {p['temperature']}")
     else:
