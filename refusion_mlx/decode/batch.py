@@ -150,8 +150,8 @@ class BatchGenerator:
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         if params is None or fit:
-            used = (max(cache.positions) + 1 if cache.positions else 0) + len(ids)
-            params = fitted_default(params or RefusionParams(), used, self.model.args.max_position_embeddings)
+            params = fitted_default(params or RefusionParams(), cache.next_position + len(ids),
+                                    self.model.args.max_position_embeddings)
         decoder = RefusionDecoder(self.model, ids, params, mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1

@@ -84,6 +84,11 @@ class CommittedCache:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._held())
 
+    @property
+    def next_position(self) -> int:
+        """The position after the last committed one: where a prompt that continues this cache starts."""
+        return max(self.positions) + 1 if self.positions else 0
+
     def reserve(self, rows: int, exact: bool = False) -> None:
         """Make room for ``rows`` scratch rows after the committed ones.
 

@@ -77,7 +77,7 @@ class RefusionDecoder:
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise DecodeError("the prompt is empty")
-        self.first_position = (max(cache.positions) + 1) if cache.positions else 0
+        self.first_position = cache.next_position
         response_start = self.first_position + len(self.prompt)
         check_context(model, response_start, params)
         vocab = model.args.vocab_size

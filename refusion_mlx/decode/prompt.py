@@ -75,10 +75,11 @@ def text_ids(tokenizer, text: str, what: str = "the prompt") -> List[int]:
     around a text (a BOS), unless the text begins with that BOS already --
     a template's text rendered elsewhere (mlx-lm's rule). The one home of
     that rule: the Python API, the commands and the server's text prompts."""
+    checked_text(text, what)
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and checked_text(text, what).startswith(bos):
+    if bos and text.startswith(bos):
         return bare_ids(tokenizer, text)
-    return list(tokenizer.encode(checked_text(text, what)))
+    return list(tokenizer.encode(text))
 
 
 def bare_ids(tokenizer, text: str) -> List[int]:
