@@ -252,6 +252,10 @@ def test_json_dash_is_standard_output(tiny_suite, tmp_path, capsys, monkeypatch)
     assert set(json.loads(out)) == {"meta", "cases", "total"}
     assert "ReFusion" in err and "tok/s" in err
     assert not (tmp_path / "-").exists()
+    header = next(line for line in err.splitlines() if line.startswith("#"))
+    # Without the AR side its columns are left out, not shown as dashes.
+    assert "tok/fwd" in header and not {"AR steps", "x time", "match"} & set(header.split("  "))
+    assert "AR's" not in err
 
 
 def test_missing_model_one_line_exit_1(tmp_path):

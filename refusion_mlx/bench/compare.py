@@ -261,6 +261,7 @@ COLUMNS = ["#", "family", "prompt", "side", "tokens", "end", "fwd", "tok/fwd", "
            "peak MB", "match", "x time", "x e2e", "x dec"]
 ENDS = {"stop": "eos", "length": "LEN"}  # how each answer ended: at EOS, or cut at the budget
 MATCHES = {"identical": "same", "length": "~len", None: "no"}
+AR_COLUMNS = ("AR steps", "match", "x time", "x e2e", "x dec")  # empty without the AR side (--no-ar)
 
 
 def _row(index, family, prompt, side: str, d: dict, ratios=(None, None, None, None)) -> list:
@@ -303,13 +304,22 @@ def format_report(result: dict) -> str:
         ratios = ((f"{len(head['matched_prompts'])}/{len(cases)}", head["time_to_answer_ratio"], total["ratio"],
                    total["decode_ratio"]) if s == "refusion" and head else (None,) * 4)
         rows.append(_row("all" if k == 0 else "", "", "", s, total[s], ratios))
-    lines += ["", format_table(COLUMNS, rows, left=[0, 1, 2, 3]), ""]
+    headers = COLUMNS
+    if "ar" not in sides:
+        keep = [i for i, h in enumerate(COLUMNS) if h not in AR_COLUMNS]
+        headers, rows = [COLUMNS[i] for i in keep], [[r[i] for i in keep] if r else r for r in rows]
+    lines += ["", format_table(headers, rows, left=[0, 1, 2, 3]), ""]
     if head:
         lines += headline_lines(head, total, len(cases))
-    lines.append("tokens: answer up to and including EOS | end: eos (ended at EOS) or LEN (cut at the budget) | "
-                 "fwd: model forwards | tok/s: tokens / wall | "
-                 "dec tok/s: tokens after the prefill pass / (wall - prefill) | times in ms: prefill = ReFusion's first pass "
-                 "(prompt + first block's masks) or AR's time to first token; plan/verify/inf-*: "
+    legend = ("tokens: answer up to and including EOS | end: eos (ended at EOS) or LEN (cut at the budget) | "
+              "fwd: model forwards | tok/s: tokens / wall | "
+              "dec tok/s: tokens after the prefill pass / (wall - prefill) | times in ms: prefill = ReFusion's first "
+              "pass (prompt + first block's masks)")
+    if "ar" not in sides:
+        lines.append(legend + "; plan/verify/inf-*: ReFusion phases; other: wall time outside its phases | "
+                     "peak MB: peak MLX memory, weights included")
+        return "\n".join(lines)
+    lines.append(legend + " or AR's time to first token; plan/verify/inf-*: "
                  "ReFusion phases; AR steps: AR's token steps after the first; other: ReFusion wall "
                  "time outside its phases | peak MB: peak MLX memory, weights included | match: same (identical "
                  "answers), ~len (both ended at EOS, lengths within "
