@@ -315,7 +315,44 @@ def test_conversation_reuses_the_previous_turns(tiny_suite, tmp_path):
     # what the server prefilled with reuse
     from refusion_mlx.bench.serving import new_since_previous_turn
 
-    assert new_since_previous_turn(fresh)[1:] == [r["prefilled_tokens"] for r in reuse[1:]]
+    assert new_since_previous_turn(reuse)[1:] == [r["prefilled_tokens"] for r in reuse[1:]]
+
+
+CONVERSATION = {"name": "conversation", "defaults": {"slot_size": 4, "slot_threshold": 0.6, "token_threshold": 0.3},
+                "prompts": [{"prompt": "Compute 45 + 27."}, {"prompt": "Please multiply 23 and 11."},
+                            {"prompt": "Tell me about Uma."}]}
+
+
+def test_conversation_sends_both_servers_the_same_prompts(tmp_path, capsys):
+    """The server without the prompt cache is sent the history of the one with it (each had sent its own
+    answers: once one answer differed, the rows compared two conversations, 846 prompt tokens against 870);
+    the turns whose answers differ are listed, and a turn whose max_tokens the server cut to fit the
+    context says so (X-Max-Tokens-Cut)."""
+    from refusion_mlx.bench.serving import conversation
+    from refusion_mlx.decode.stream import chat_prompt
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    suite, out = tmp_path / "conversation.json", tmp_path / "out.json"
+    suite.write_text(json.dumps(CONVERSATION))
+    assert bench.main(["--suite", str(suite), "--conversation", "3", "--max-tokens", "2020", "--json", str(out)]) == 0
+    result, report = json.loads(out.read_text()), capsys.readouterr().out
+    reuse, fresh = result["conversation"]["reuse"], result["conversation"]["no reuse"]
+    assert [r["prompt_tokens"] for r in fresh] == [r["prompt_tokens"] for r in reuse]
+    differ = [a["turn"] for a, b in zip(reuse, fresh) if a["answer"] != b["answer"]]
+    assert result["differing_answers"] == differ and result["same_answers"] == (not differ)
+    assert ("differ on" if differ else "the same on all 3 turns") in report
+    # 17 + 2020 tokens fit the 2048-token context; the later turns' prompts do not leave room for 2020
+    assert reuse[0]["max_tokens_cut"] is None and all(r["max_tokens_cut"].startswith("2020 -> ") for r in reuse[1:])
+    assert "\n2* " in report and "turn 3 2020 -> " in report
+    # the history sent is the given answers, not the server's own
+    questions = [c["prompt"] for c in CONVERSATION["prompts"]]
+    answers = ["Forty-two, as every guide says.", "Two hundred and fifty-three.", ""]
+    with RefusionServer(None, port=0, prompt_cache_bytes=0) as srv:
+        rows = conversation(srv.url, questions, answers, max_tokens=8)
+        tokenizer = srv.engine.tokenizer
+    messages = [{"role": role, "content": text} for q, a in zip(questions, answers)
+                for role, text in (("user", q), ("assistant", a))]
+    assert [r["prompt_tokens"] for r in rows] == [len(chat_prompt(tokenizer, messages[:k])) for k in (1, 3, 5)]
 
 
 def test_count_layout_is_the_references_rule():

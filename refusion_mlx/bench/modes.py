@@ -109,7 +109,8 @@ def run_http(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
 
 
 def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
-    """--conversation TURNS: prefilled tokens per turn, with and without the prompt cache."""
+    """--conversation TURNS: prefilled tokens per turn, with and without the prompt cache. The server
+    without it is sent the history of the one with it (its answers): the same prompts turn by turn."""
     from .serving import conversation, new_since_previous_turn
 
     questions = [suite.cases[i % len(suite.cases)].prompt for i in range(args.conversation)]
@@ -117,24 +118,38 @@ def run_conversation(args, suite: Suite, overrides: Dict[str, Any], log) -> dict
     env = None
     for name, cache_bytes in (("reuse", None), ("no reuse", 0)):
         kw = {} if cache_bytes is None else {"prompt_cache_bytes": cache_bytes}
+        history = [r["answer"] for r in sides["reuse"]] if sides else None
         server, params = _server(args, suite, overrides, **kw)
         with server:
             env = env or environment(server.engine.model, args.model or "bundled demo model")
-            sides[name] = conversation(server.url, questions, **_request_fields(params[0]))
+            sides[name] = conversation(server.url, questions, history, **_request_fields(params[0]))
         if log:
             log(f"{name}: prefilled {[r['prefilled_tokens'] for r in sides[name]]}")
-    new = new_since_previous_turn(sides["no reuse"])
-    rows = [[a["turn"], a["prompt_tokens"], n if n is not None else "-", a["cached_tokens"],
-             a["prefilled_tokens"], b["prefilled_tokens"], a["answer_tokens"]]
-            for a, b, n in zip(sides["reuse"], sides["no reuse"], new)]
-    total = [sum(r["prefilled_tokens"] for r in sides[k]) for k in ("reuse", "no reuse")]
+    reuse, fresh = sides["reuse"], sides["no reuse"]
+    new = new_since_previous_turn(reuse)
+    rows = [[f"{a['turn']}*" if a["max_tokens_cut"] else a["turn"], a["prompt_tokens"], n if n is not None else "-",
+             a["cached_tokens"], a["prefilled_tokens"], b["prefilled_tokens"], a["answer_tokens"]]
+            for a, b, n in zip(reuse, fresh, new)]
+    total = [sum(r["prefilled_tokens"] for r in side) for side in (reuse, fresh)]
     rows.append(["all", "", "", "", total[0], total[1], ""])
     table = format_table(["turn", "prompt tokens", "new since last turn", "cached", "prefilled (reuse)",
                           "prefilled (no reuse)", "answer tokens"], rows)
-    same = all(a["answer"] == b["answer"] for a, b in zip(sides["reuse"], sides["no reuse"]))
+    differ = [a["turn"] for a, b in zip(reuse, fresh) if a["answer"] != b["answer"]]
+    cut = [f"turn {a['turn']} {a['max_tokens_cut']}" for a in reuse if a["max_tokens_cut"]]
+    notes = [_differing(differ, len(reuse))] + [
+        f"* max_tokens cut by the server to fit the model's context (X-Max-Tokens-Cut): {', '.join(cut)}"] * bool(cut)
     settings = {**settings_of(args, suite, overrides, params[:1]), "turns": args.conversation}
-    return {"environment": env, "settings": settings, "conversation": sides, "same_answers": same,
-            "report": "\n".join(_header(env, settings) + ["", table, f"same answers with and without reuse: {same}"])}
+    return {"environment": env, "settings": settings, "conversation": sides, "same_answers": not differ,
+            "differing_answers": differ, "report": "\n".join(_header(env, settings) + ["", table] + notes)}
+
+
+def _differing(turns: list, of: int) -> str:
+    """The report's line on the answers that differ with and without the prompt cache (the same prompts)."""
+    if not turns:
+        return f"answers with and without reuse: the same on all {of} turns"
+    return (f"answers with and without reuse differ on {len(turns)} of {of} turns ({', '.join(map(str, turns))}): "
+            "a continued cache keeps the K/V each answer row was decoded with, not a fresh prefill's "
+            "(docs/serving.md, Prompt cache)")
 
 
 def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:

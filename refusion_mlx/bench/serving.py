@@ -6,7 +6,8 @@
 * ``conversation``: a multi-turn chat sent the way chat apps send it -- the
   whole history on every turn -- and what the server prefilled each turn
   (``usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens``),
-  with and without its prompt cache.
+  with and without its prompt cache; the server without it is sent the
+  history of the one with it (its answers), so both see the same prompts.
 
 The client is the standard library's ``http.client`` (no extra dependency),
 reading the SSE stream as a chat app does.
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..serve.edge.answering import CUT_HEADER
 from .suite import BenchError
 
 
@@ -37,6 +39,7 @@ class Reply:
     seconds: float
     first_text_seconds: float
     finish_reason: Optional[str] = None
+    max_tokens_cut: Optional[str] = None  # the server's X-Max-Tokens-Cut, "ASKED -> GIVEN": cut to fit the context
 
     @property
     def tokens_with_eos(self) -> int:
@@ -53,7 +56,7 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
     body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **fields}
     t0 = time.perf_counter()
     first = None
-    text, usage, finish = [], {}, None
+    text, usage, finish, cut = [], {}, None, None
     try:
         key = os.environ.get("REFUSION_MLX_API_KEY", "").split(",")[0].strip()  # a server with --api-key
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -61,6 +64,7 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
         resp = conn.getresponse()
         if resp.status != 200:
             raise BenchError(f"the server answered HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}")
+        cut = resp.getheader(CUT_HEADER)
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -78,7 +82,8 @@ def chat(url: str, messages: List[Dict[str, str]], timeout: float = 600.0, **fie
     seconds = time.perf_counter() - t0
     details = usage.get("prompt_tokens_details") or {}
     return Reply("".join(text), int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0)),
-                 int(details.get("cached_tokens", 0) or 0), seconds, first if first is not None else seconds, finish)
+                 int(details.get("cached_tokens", 0) or 0), seconds, first if first is not None else seconds, finish,
+                 cut)
 
 
 @dataclass
@@ -136,19 +141,24 @@ def http_level(url: str, requests: Sequence[dict], clients: int) -> HttpLevel:
     return out
 
 
-def conversation(url: str, questions: Sequence[str], **fields) -> List[dict]:
+def conversation(url: str, questions: Sequence[str], answers: Optional[Sequence[str]] = None,
+                 **fields) -> List[dict]:
     """Send a conversation turn by turn, the whole history each time (as chat
-    apps do); per turn: prompt tokens, cached tokens, prefilled tokens."""
+    apps do); per turn: prompt tokens, cached tokens, prefilled tokens, the
+    answer and ``max_tokens_cut`` (the server's ``X-Max-Tokens-Cut``: the
+    turn's budget was cut to fit the context, else None). ``answers``: the
+    assistant's turns of the history, in place of this server's own (another
+    run's, so that both are sent the same prompts)."""
     messages: List[Dict[str, str]] = []
     rows = []
     for k, q in enumerate(questions, 1):
         messages.append({"role": "user", "content": q})
         r = chat(url, list(messages), **fields)
-        messages.append({"role": "assistant", "content": r.text})
+        messages.append({"role": "assistant", "content": r.text if answers is None else answers[k - 1]})
         rows.append({"turn": k, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                      "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
                      "answer_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
-                     "seconds": round(r.seconds, 4), "answer": r.text})
+                     "max_tokens_cut": r.max_tokens_cut, "seconds": round(r.seconds, 4), "answer": r.text})
     return rows
 
 
