@@ -244,6 +244,56 @@ def test_every_api_refuses_the_fields_chat_refuses(server):
         assert status == 200, (path, answer)
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize("path, field, value, instead", [
+    ("/v1/responses", "response_format", {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+     "send text.format"),
+    ("/v1/responses", "response_format", {"type": "text"}, "send text.format"),
+    ("/v1/responses", "max_tokens", 5, "send max_output_tokens"),
+    ("/v1/responses", "max_completion_tokens", 5, "send max_output_tokens"),
+    ("/v1/responses", "stop", ["20"], "send stop to chat completions"),
+    ("/v1/responses", "guided_json", SCHEMA, 'send text.format {"type": "json_schema"'),
+    ("/v1/responses", "grammar", 'root ::= "yes"', 'send text.format {"type": "json_schema"'),
+    ("/v1/messages", "response_format", {"type": "json_object"}, "send output_config.format"),
+    ("/v1/messages", "stop", ["20"], "send stop_sequences"),
+    ("/v1/messages", "grammar", 'root ::= "yes"', 'send output_config.format {"type": "json_schema"'),
+    ("/v1/messages", "guided_choice", ["yes", "no"], 'send output_config.format {"type": "json_schema"'),
+])
+def test_other_apis_fields_that_would_change_the_answer_are_refused(server, path, field, value, instead):
+    """Chat's response_format, max_tokens and stop, and other servers' constraint fields, were ignored on the
+    Responses and Messages APIs: a 200 whose answer the client believed constrained, cut or stopped. A 400 in
+    the API's own shape naming the field and what that API takes instead (as OpenAI and Anthropic refuse them)."""
+    body = ({"input": "Count from 17 to 38.", "max_output_tokens": 40} if path == "/v1/responses" else
+            {"messages": [{"role": "user", "content": "Count from 17 to 38."}], "max_tokens": 40})
+    status, _, err = call(server, "POST", path, {**body, field: value})
+    assert status == 400, (field, err)
+    message = err["error"]["message"]
+    assert message.startswith(f"{field}: not supported by ") and instead in message and "\n" not in message, err
+    assert (err.get("type") == "error") == (path == "/v1/messages"), err
+    if path == "/v1/responses":
+        assert err["error"]["param"] == field and err["error"]["code"] == "unsupported_parameter", err
+    status, _, answer = call(server, "POST", path, {**body, "max_output_tokens": 4, field: None} if
+                             path == "/v1/responses" else {**body, "max_tokens": 4, field: None})
+    assert status == 200, answer  # null changes nothing
+
+
+def test_what_the_sdks_send_by_default_is_not_refused(server):
+    """The fields the anthropic SDK and Claude Code, and the openai SDK and Codex, send pass."""
+    status, _, answer = call(server, "POST", "/v1/messages", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": False, "temperature": 1,
+        "top_p": 0.9, "top_k": 5, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"},
+        "service_tier": "auto", "context_management": {"edits": []}, "stop_sequences": ["\n\nHuman:"],
+        "output_config": {"effort": "low"}})
+    assert status == 200, answer
+    status, _, answer = call(server, "POST", "/v1/responses", {
+        "input": "Hi", "max_output_tokens": 4, "reasoning": {"effort": "low", "summary": "auto"}, "store": False,
+        "include": [], "prompt_cache_key": "k", "parallel_tool_calls": True, "tool_choice": "auto",
+        "text": {"verbosity": "low"}, "service_tier": "auto", "temperature": 1, "top_p": 1, "truncation": "auto"})
+    assert status == 200, answer
+
+
 def _streamed(srv, path, body):
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
     conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})

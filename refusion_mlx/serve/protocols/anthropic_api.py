@@ -62,7 +62,9 @@ class _MessagesBase(_CountBase):
     metadata: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
 
-    _refuse = refusing()  # the server's settings (kv_bits) and other servers' sampler fields, as on every API
+    # the server's settings (kv_bits), other servers' sampler and constraint fields, as on every API, and
+    # OpenAI's response_format and stop (foreign_fields)
+    _refuse = refusing("messages")
 
     @field_validator("metadata")
     @classmethod

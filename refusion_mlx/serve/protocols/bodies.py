@@ -1,6 +1,8 @@
 """The request-body pieces every API shares (pydantic): strict types, the
-stop strings' bound, ``stream_options``, the server-wide settings and other
-servers' sampler fields no body may set (:func:`refuse_unserved`), and
+stop strings' bound, ``stream_options``, the server-wide settings, other
+servers' sampler fields and other APIs' and servers' fields for what an API
+names its own way (:func:`foreign_fields`) that no body may set
+(:func:`refuse_unserved`), and
 ReFusion's decoding fields, added to any API's body by
 :func:`with_decoding` and read back by :func:`decoding_given`.
 
@@ -36,6 +38,40 @@ UNSERVED = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logi
 DECODING_FIELDS = tuple(f.name for f in FIELDS if f.request == f.name)
 
 
+# How each API asks for an answer under a JSON Schema (chat's also serves /v1/completions, which has none).
+_SCHEMA = {"chat.completions": 'chat completions\' response_format {"type": "json_schema", "json_schema": '
+                               '{"name": ..., "schema": ...}}',
+           "responses": 'text.format {"type": "json_schema", "name": ..., "schema": ...}',
+           "messages": 'output_config.format {"type": "json_schema", "schema": ...}'}
+# Another API's name for what this API names its own way: its field -> this API's.
+_RENAMED = {"responses": {"response_format": "text.format", "max_tokens": "max_output_tokens",
+                          "max_completion_tokens": "max_output_tokens",
+                          "stop": "stop to chat completions, which cuts at stop strings (this API has none)"},
+            "messages": {"response_format": "output_config.format", "stop": "stop_sequences"}}
+
+
+def foreign_fields(api: str) -> Dict[str, str]:
+    """The fields that would change ``api``'s answer but that its body does not
+    read, each with why it is refused and what to send instead: other servers'
+    constraint fields (vLLM's guided_*, llama.cpp's grammar and json_schema)
+    on every API, and another API's name for a constraint, a limit or a stop
+    string (chat's response_format, max_tokens, stop on the Responses and
+    Messages APIs, as OpenAI and Anthropic refuse them). Ignored, they gave a
+    200 with an answer the client believed constrained, cut or stopped."""
+    schema = _SCHEMA.get(api, _SCHEMA["chat.completions"])
+    instead = {
+        "guided_json": schema, "json_schema": schema, "structured_outputs": schema,
+        "guided_choice": schema + ' with the schema {"enum": [...]} (the answer is then a JSON string)',
+        "guided_regex": schema + ' with the schema {"type": "string", "pattern": ...} (a JSON string)',
+        "guided_grammar": schema + ", or force a tool call with tool_choice",
+        "grammar": schema + ", or force a tool call with tool_choice",
+        "guided_decoding_backend": schema + " (this server's engine is llguidance)",
+        "guided_whitespace_pattern": schema + " (answers are written as compact as json.dumps writes)"}
+    why = {name: f"not supported by this server: send {to}" for name, to in instead.items()}
+    title = {"responses": "the Responses API", "messages": "the Messages API"}.get(api)
+    return {**why, **{name: f"not supported by {title}: send {to}" for name, to in _RENAMED.get(api, {}).items()}}
+
+
 def field_error(message: str) -> PydanticCustomError:
     """A body field's bad value, raised in a pydantic validator (the edge words it "FIELD: MESSAGE")."""
     return PydanticCustomError("invalid_value", message)
@@ -44,7 +80,7 @@ def field_error(message: str) -> PydanticCustomError:
 def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence[str] = (),
                     foreign: Optional[Dict[str, str]] = None):
     """Before validation, on every API's body: a field of PROCESS_SETTINGS,
-    one of ``foreign`` (another server's field: what to send instead) that is
+    one of ``foreign`` (:func:`foreign_fields`: why it is refused) that is
     set, or the first of ``harmless`` (field: the values that change nothing)
     holding another value, is refused (its name in ctx), but for the fields
     the body ``taken`` itself. The body is returned (a pydantic validator)."""
@@ -52,10 +88,9 @@ def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence
         if name in body:
             raise PydanticCustomError("unsupported_parameter", "set for the whole server when it starts ({flag}), "
                                       "not per request", {"field": name, "flag": flag})
-    for name, instead in (foreign or {}).items() if isinstance(body, dict) else ():
+    for name, why in (foreign or {}).items() if isinstance(body, dict) else ():
         if body.get(name) is not None:
-            raise PydanticCustomError("unsupported_parameter", "not supported by this server: send {instead}",
-                                      {"field": name, "instead": instead})
+            raise PydanticCustomError("unsupported_parameter", "{why}", {"field": name, "why": why})
     for name, values in harmless.items() if isinstance(body, dict) else ():
         value = body.get(name)
         if name not in taken and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
@@ -65,8 +100,10 @@ def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence
     return body
 
 
-def refusing(harmless: Dict[str, tuple] = UNSERVED, *taken: str, foreign: Optional[Dict[str, str]] = None):
-    """:func:`refuse_unserved` as a body's validator (before its fields are read)."""
+def refusing(api: str, harmless: Dict[str, tuple] = UNSERVED, *taken: str):
+    """:func:`refuse_unserved` as the validator of ``api``'s body (before its fields are read), with the
+    fields :func:`foreign_fields` names for it."""
+    foreign = foreign_fields(api)
     return model_validator(mode="before")(lambda body: refuse_unserved(body, harmless, taken, foreign))
 
 

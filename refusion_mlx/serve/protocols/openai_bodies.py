@@ -37,20 +37,6 @@ HARMLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)
             "web_search_options": (None,),  # spoken answers; a hosted search this server cannot run
             **UNSERVED}
 
-# Other servers' constraint fields (vLLM's guided_*, llama.cpp's grammar and json_schema): refused when set, with
-# what to send instead -- ignored, they gave a 200 with an answer the client believed constrained.
-_SCHEMA_INSTEAD = ('chat completions\' response_format {"type": "json_schema", "json_schema": {"name": ..., '
-                   '"schema": ...}}')
-FOREIGN_CONSTRAINTS = {
-    "guided_json": _SCHEMA_INSTEAD, "json_schema": _SCHEMA_INSTEAD, "structured_outputs": _SCHEMA_INSTEAD,
-    "guided_choice": _SCHEMA_INSTEAD + ' with the schema {"enum": [...]} (the answer is then a JSON string)',
-    "guided_regex": _SCHEMA_INSTEAD + ' with the schema {"type": "string", "pattern": ...} (a JSON string)',
-    "guided_grammar": _SCHEMA_INSTEAD + ", or force a tool call with tool_choice",
-    "grammar": _SCHEMA_INSTEAD + ", or force a tool call with tool_choice",
-    "guided_decoding_backend": _SCHEMA_INSTEAD + " (this server's engine is llguidance)",
-    "guided_whitespace_pattern": _SCHEMA_INSTEAD + " (answers are written as compact as json.dumps writes)"}
-
-
 MAX_N = 16  # samples per prompt (n)
 MEDIA_PARTS = ("image_url", "input_audio", "file")  # chat's content parts a text-only model cannot read
 
@@ -66,7 +52,7 @@ class _BodyBase(BaseModel):
     user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
                                 "(a request continues only the cached prompts of its own user and API key)")
 
-    _refuse = refusing(HARMLESS, foreign=FOREIGN_CONSTRAINTS)
+    _refuse = refusing("chat.completions", HARMLESS)
 
     @model_validator(mode="after")
     def _stream_options(self):
@@ -207,7 +193,7 @@ class ChatCompletionRequest(_Body):
         except DecodeError as e:
             raise field_error(str(e).removeprefix("chat_template_kwargs: ")) from None
 
-    _refuse = refusing(HARMLESS, "n", "logprobs", "top_logprobs", "response_format", foreign=FOREIGN_CONSTRAINTS)
+    _refuse = refusing("chat.completions", HARMLESS, "n", "logprobs", "top_logprobs", "response_format")
 
 
 def refuse_tools(body):
@@ -241,7 +227,7 @@ class CompletionRequest(_Body):
         None, description='"mc": the prompt\'s first tokens that are context (one per prompt, or one for all)')
 
     _no_tools = model_validator(mode="before")(refuse_tools)
-    _refuse = refusing(HARMLESS, "n", "logprobs", "echo", foreign=FOREIGN_CONSTRAINTS)
+    _refuse = refusing("completions", HARMLESS, "n", "logprobs", "echo")
 
     @field_validator("prompt", mode="before")
     @classmethod

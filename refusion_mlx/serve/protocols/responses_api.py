@@ -74,7 +74,9 @@ class _ResponsesBase(BaseModel):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="the most likely tokens beside each answer "
                                                                        "token's log-probability (implies them)")
 
-    _refuse = refusing()  # the server's settings (kv_bits) and other servers' sampler fields, as on every API
+    # the server's settings (kv_bits), other servers' sampler and constraint fields, as on every API, and chat's
+    # response_format, max_tokens and stop (foreign_fields)
+    _refuse = refusing("responses")
 
     @field_validator("reasoning")
     @classmethod
