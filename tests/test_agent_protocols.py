@@ -345,6 +345,58 @@ def test_head_is_answered_wherever_get_is_and_every_4xx_is_logged(server, caplog
     assert status == 400 and len(lines) == 1 and "temperature" in lines[0], caplog.text
 
 
+def _ids(headers) -> str:
+    """The response's request id: the same in OpenAI's x-request-id and Anthropic's request-id."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert lower["x-request-id"] == lower["request-id"] and lower["request-id"].startswith("req_"), headers
+    return lower["request-id"]
+
+
+def test_every_response_has_a_request_id_the_log_line_names(server, caplog, monkeypatch):
+    """No response carried a request id: a client (the SDKs' ``_request_id``) could not match a failure with
+    the server's log. Every response -- answers, streams, errors, in each API's shape -- has one, its own; an
+    Anthropic error body has it as request_id; the request's log line ends with it."""
+    import openai
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    messages = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with caplog.at_level(logging.INFO, logger="refusion_mlx.server"):
+        seen = []
+        for path, body in (("/v1/chat/completions", chat), ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
+                           ("/v1/messages", messages)):
+            status, headers, _ = call(server, "POST", path, body)
+            streamed_status, streamed, _ = _streamed(server, path, {**body, "stream": True})
+            assert status == streamed_status == 200, path
+            seen += [_ids(headers), _ids(streamed)]
+        status, headers, err = call(server, "POST", "/v1/messages", {**messages, "temperature": -1})
+        assert status == 400 and err["request_id"] == _ids(headers), err
+        status, headers, err = call(server, "POST", "/v1/chat/completions", {**chat, "temperature": -1})
+        assert status == 400 and "request_id" not in err and "request_id" not in err["error"], err  # OpenAI's shape
+        refused = _ids(headers)
+        status, headers, _ = call(server, "GET", "/v1/nope")
+        assert status == 404 and _ids(headers) not in seen
+        status, headers, _ = call(server, "POST", "/v1/chat/completions", {}, {"Content-Type": "text/plain"})
+        assert status == 415 and _ids(headers) not in seen
+        monkeypatch.setattr(server.engine, "health", lambda: 1 / 0)  # a bug: answered by FastAPI's last handler
+        status, headers, err = call(server, "GET", "/health", headers={"anthropic-version": "2023-06-01"})
+        assert status == 500 and err["request_id"] == _ids(headers) not in seen, err
+        monkeypatch.undo()
+    assert len(set(seen)) == len(seen)  # one per request
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line for line in lines if line.startswith("400 POST /v1/chat/completions") and
+            line.endswith(f"[{refused}]")], lines
+    assert [line for line in lines if line.startswith("stream ") and line.endswith(f"[{seen[1]}]")], lines
+    assert [line for line in lines if line.startswith("/v1/responses ") and line.endswith(f"[{seen[2]}]")], lines
+    oai = openai.OpenAI(base_url=server.url, api_key="local", max_retries=0)
+    raw = oai.chat.completions.with_raw_response.create(model="demo", max_tokens=4, messages=chat["messages"])
+    assert raw.parse()._request_id == _ids(dict(raw.headers))
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0)
+    assert claude.messages.create(model="demo", **messages)._request_id.startswith("req_")
+    with pytest.raises(anthropic.BadRequestError) as refusal:
+        claude.messages.create(model="demo", extra_body={"temperature": 2}, **messages)
+    assert refusal.value.request_id == refusal.value.body["request_id"]
+
+
 def test_a_prompt_over_the_tokenizers_length_warns_nothing(capfd, caplog):
     from refusion_mlx.models.loading import load_tokenizer
 

@@ -24,6 +24,7 @@ the usage chunk (added to both recordings, nothing else changed).
 The three answers with legacy ``top_logprobs`` (text logprobs, the two AR
 scorings) gained the token itself where it was not among the top ones, as
 OpenAI's legacy logprobs have it (``logprobs`` 0: only it, where echo had null).
+The Messages API's refusal gained Anthropic's ``request_id`` (both recordings).
 Decimal numbers compare to 1e-4 (:func:`same_answer`): on an Intel Xeon
 MKL's float32 matmuls round the recording's logprobs (made on an AMD EPYC)
 differently in their sixth digit, with every token the same.
@@ -129,7 +130,7 @@ REQUESTS = [
 VARYING = [
     (re.compile(r'"(created|created_at)": ?\d+'), r'"\1": 0'),
     (re.compile(r'"created_at": ?"[0-9T:+-]+"'), r'"created_at": "DATE"'),
-    (re.compile(r"(chatcmpl|cmpl|msg|resp|fc|call|toolu)[-_][0-9a-f]{12,}"), r"\1-ID"),
+    (re.compile(r"(chatcmpl|cmpl|msg|resp|fc|call|toolu|req)[-_][0-9a-f]{12,}"), r"\1-ID"),
     (re.compile(r"refusion-mlx-[0-9a-f]{8}"), "refusion-mlx-FP"),
 ]
 

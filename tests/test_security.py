@@ -162,10 +162,11 @@ def test_every_route_but_health_the_page_and_hello_needs_the_key(server):
         assert headers["x-frame-options"] == "DENY" and headers["content-security-policy"] == "frame-ancestors 'none'"
     assert call(server, "GET", "/v1/models", key=None, headers={"x-api-key": KEYS[1]})[0] == 200
     for headers in ({"x-api-key": "wrong"}, {"x-api-key": "wrong", "anthropic-version": "2023-06-01"}):
-        status, _, payload = call(server, "GET", "/v1/models", key=None, headers=headers)  # an Anthropic client's:
-        assert status == 401 and json.loads(payload) == {"type": "error", "error": {  # its own error shape
+        status, answered, payload = call(server, "GET", "/v1/models", key=None, headers=headers)  # an Anthropic
+        assert status == 401 and json.loads(payload) == {"type": "error", "error": {  # client's: its own shape
             "type": "authentication_error", "message": "the API key is not valid: send it as Authorization: "
-                                                       "Bearer KEY or x-api-key: KEY"}}
+                                                       "Bearer KEY or x-api-key: KEY"},
+            "request_id": answered["request-id"]}
     status, _, payload = call(server, "GET", "/v1/models/nope")  # an OpenAI client's: OpenAI's
     assert status == 404 and openai_error(payload, "model_not_found")["param"] == "model"
     with pytest.raises(anthropic.NotFoundError) as e:

@@ -12,7 +12,8 @@ the engine included -- is answered in the shape of the route's API
 code}}``, Anthropic's on ``/v1/messages``); a stream carries only final
 text, in answer order, as server-sent events. Before any route:
 :mod:`.edge.security`'s Host and Origin checks, the API key, and the body's
-type, size and arrival (415, 411, 413, 408).
+type, size and arrival (415, 411, 413, 408); around everything, the request's id
+(:mod:`.edge.request_ids`), in its response's headers and its log line.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .edge.answering import Answering, ClientGone
 from .edge.api_schema import schema_maker
 from .edge.http_errors import APIError, as_api_error, error_response, printable
 from .edge.page import add_page
+from .edge.request_ids import HEADERS, RequestIds, tagged
 from .edge.security import KEY_SCOPE, HeadAsGet, RequestGuard, SiteGuard
 from .protocols import tokenizer_api
 
@@ -47,12 +49,11 @@ def create_app(server) -> FastAPI:
                   # not a bodiless 307 an SDK does not follow
                   description="OpenAI-compatible server for a ReFusion model (batched, with a prompt cache).")
     # outermost last: the Host and Origin checks, CORS (with --allowed-origins), then the key and the body
-    def refused(error: APIError, scope) -> None:  # every error answered: counted, and a 4xx logged in one line
+    def refused(error: APIError, scope) -> None:  # every error answered: counted, and logged in one line
         engine.metrics.http_error(error.status)
-        if error.status < 500:
-            named = error.param and not error.message.startswith(error.param)
-            log.info("%d %s %s: %s", error.status, printable(scope["method"]), printable(scope["path"]),
-                     printable((f"{error.param}: " if named else "") + error.message))  # the client's text in it
+        named = error.param and not error.message.startswith(error.param)
+        log.info("%s", tagged(f"{error.status} {printable(scope['method'])} {printable(scope['path'])}: "
+                              + printable((f"{error.param}: " if named else "") + error.message), scope))
 
     app.add_middleware(HeadAsGet)  # innermost: the guards see the HEAD, the routes a GET
     app.add_middleware(RequestGuard, keys=config.api_keys, max_bytes=config.max_body_bytes,
@@ -62,7 +63,8 @@ def create_app(server) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-                           allow_headers=["*"])  # the SDKs' own too (x-stainless-*, anthropic-dangerous-...)
+                           allow_headers=["*"],  # the SDKs' own too (x-stainless-*, anthropic-dangerous-...)
+                           expose_headers=[h.decode() for h in HEADERS])  # the request id, to a page's SDK
     app.add_middleware(SiteGuard, bound=server.host, allowed_hosts=config.allowed_hosts + (config.host,),  # --host NAME
                        allowed_origins=config.allowed_origins, on_error=refused)
 
@@ -129,4 +131,6 @@ def create_app(server) -> FastAPI:
 
     add_page(app, server)  # the web chat at /
     app.openapi = schema_maker(app, config)  # the document as the server answers: its errors, not FastAPI's 422
+    stack = app.build_middleware_stack  # the request id outermost, around FastAPI's own error handling (a 500)
+    app.build_middleware_stack = lambda: RequestIds(stack())
     return app

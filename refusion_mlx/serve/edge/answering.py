@@ -38,6 +38,7 @@ from ..core.refusal import Reason, Refusal
 from ..core.tool_calls import ToolCall
 from .http_errors import printable
 from .lanes import Lanes
+from .request_ids import request_id, tagged
 from .security import KEY_SCOPE
 
 log = logging.getLogger("refusion_mlx.server")
@@ -89,10 +90,12 @@ class Writer:
     server-sent events to write (maybe none). ``answer`` is the body of a
     whole answer. Subclasses shape; they hold whatever state their events
     need. ``request``: the engine's request, set once it is made; ``cached``:
-    the prompt tokens the prompt cache held, set once the engine started it."""
+    the prompt tokens the prompt cache held, set once the engine started it;
+    ``request_id``: the HTTP request's id (an Anthropic error event's)."""
 
     request: Optional[EngineRequest] = None
     cached: int = 0
+    request_id: str = ""  # the HTTP request's id (.request_ids), set before the stream starts
 
     def start(self) -> str:
         return ""
@@ -254,6 +257,7 @@ class Answering:
         ``user``: the request's own name of its end user (OpenAI's ``user``,
         Anthropic's ``metadata.user_id``), which partitions the prompt cache."""
         t0 = time.perf_counter()
+        writer.request_id = request_id(request.scope)
         owner = self.cache_owner(request, user)
         writer.request = await self.off_loop(request, lambda: finish(make(), self.terms, owner))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
@@ -262,16 +266,16 @@ class Answering:
             writer.cached = job.cached
             headers = cut_header(writer.request)
             if stream:
-                events = sse(job, self.engine, writer, t0)
+                events = sse(job, self.engine, writer, t0, request.scope)
                 weakref.finalize(events, job.cancelled.set)  # also if the stream never starts
                 response = JobStream(job, events, headers)
                 job = None  # the stream owns it now
                 return response
             answer = await collect(job, self.engine, request)
-            _log(request.url.path, t0, answer.done)
+            _log(request.url.path, t0, answer.done, request.scope)
             return await json_answer(lambda: writer.answer(answer), headers)
         except ClientGone:
-            _log(request.url.path, t0, "client went away")
+            _log(request.url.path, t0, "client went away", request.scope)
             return Response(status_code=499)
         finally:
             if job is not None:
@@ -322,8 +326,8 @@ async def collect(job: Job, engine, request: Request) -> Answer:
     return answer
 
 
-async def sse(job: Job, engine, writer: Writer, t0: float):
-    """The job's events as the writer shapes them, until the end or an error."""
+async def sse(job: Job, engine, writer: Writer, t0: float, scope):
+    """The job's events as the writer shapes them, until the end or an error (``scope``: the request's)."""
     note: Any = "client went away"
     try:
         first = writer.start()
@@ -349,7 +353,7 @@ async def sse(job: Job, engine, writer: Writer, t0: float):
                 break
     finally:
         job.cancelled.set()
-        _log("stream", t0, note)
+        _log("stream", t0, note, scope)
 
 
 CUT_HEADER = "X-Max-Tokens-Cut"
@@ -381,7 +385,8 @@ class JobStream(StreamingResponse):
             self.job.cancelled.set()
 
 
-def _log(what: str, t0: float, note: Optional[Any]) -> None:
+def _log(what: str, t0: float, note: Optional[Any], scope) -> None:
+    """The request's line in the server's log (``scope``: its ASGI scope, whose id ends the line)."""
     if isinstance(note, Outcome):
         note = note.brief()
-    log.info("%s %.3fs %s", printable(what), time.perf_counter() - t0, note)
+    log.info("%s", tagged(f"{printable(what)} {time.perf_counter() - t0:.3f}s {note}", scope))

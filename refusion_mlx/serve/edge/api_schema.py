@@ -26,9 +26,9 @@ SCHEMAS = {
         "type": "object", "required": ["message", "type", "param", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": NULLABLE_STRING,
                        "code": NULLABLE_STRING}}}},
-    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+    "AnthropicError": {"type": "object", "required": ["type", "error", "request_id"], "properties": {
         "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
-            "type": {"type": "string"}, "message": {"type": "string"}}}}},
+            "type": {"type": "string"}, "message": {"type": "string"}}}, "request_id": {"type": "string"}}},
 }
 WHY = {
     400: "invalid request: not JSON, a wrong type or value, a prompt over the context (one line naming the field)",

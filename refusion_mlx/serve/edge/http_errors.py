@@ -1,7 +1,7 @@
 """Errors at the HTTP edge, in the shape of the route's API: OpenAI's
 ``{"error": {message, type, param, code}}`` (chat and text completions, the
 Responses API, everything else), Anthropic's ``{"type": "error", "error":
-{type, message}}`` on ``/v1/messages`` (:func:`anthropic_route`), and on the
+{type, message}, "request_id"}`` on ``/v1/messages`` (:func:`anthropic_route`), and on the
 routes every API's clients call (``/v1/models``) to a client of Anthropic's
 (:func:`client_shape`).
 
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from ..core.apis import error_shape
 from ..core.refusal import Refusal
+from .request_ids import request_id
 
 # pydantic's names for the members of a union in an error's location (str, literal['a','b'],
 # list[...], function-after[...]): not fields, so never part of the parameter's name
@@ -40,10 +41,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def anthropic_body(self) -> dict:
-        """Anthropic's error shape: its error type by status (:data:`ANTHROPIC_TYPES`)."""
+    def anthropic_body(self, request_id: str = "") -> dict:
+        """Anthropic's error shape: its error type by status (:data:`ANTHROPIC_TYPES`), and the request's id."""
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return {"type": "error", "error": {"type": kind, "message": self.message},
+                **({"request_id": request_id} if request_id else {})}
 
 
 # Anthropic's error types by HTTP status (its docs' table; 503 is our "retry later", its overloaded_error).
@@ -121,5 +123,5 @@ def error_response(error: APIError, scope) -> JSONResponse:
     """The error in the shape of the API whose route the request (its ASGI
     ``scope``) asked for; on a route of every API (``/v1/models``), of its client's."""
     shape = error_shape(scope["path"], client_shape(scope))
-    body = error.anthropic_body() if shape == "anthropic" else error.body()
+    body = error.anthropic_body(request_id(scope)) if shape == "anthropic" else error.body()
     return JSONResponse(body, error.status, headers={"Retry-After": "1"} if error.status == 503 else None)

@@ -110,4 +110,4 @@ class MessagesWriter(Writer):
                 + event("message_stop", {"type": "message_stop"}))
 
     def error(self, refusal: Refusal) -> str:
-        return event("error", refusal_error(refusal).anthropic_body())
+        return event("error", refusal_error(refusal).anthropic_body(self.request_id))

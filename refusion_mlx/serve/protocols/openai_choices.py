@@ -75,7 +75,7 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
         for job in jobs:
             job.cancelled.set()
         if isinstance(e, ClientGone):  # it left while its choices waited in the queue
-            _log(request.url.path, t0, "client went away")
+            _log(request.url.path, t0, "client went away", request.scope)
             return Response(status_code=499)
         raise
     first = writer_class(answering.server, body, kind)
@@ -83,16 +83,16 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     for w, r in zip(writers, requests):
         w.request = r
     if body.stream:
-        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0), cut_header(*requests))
+        return JobStream(_Jobs(jobs), _stream(jobs, writers, engine, n, t0, request.scope), cut_header(*requests))
     try:
         answers = await asyncio.gather(*(collect(job, engine, request) for job in jobs))
     except ClientGone:
-        _log(request.url.path, t0, "client went away")
+        _log(request.url.path, t0, "client went away", request.scope)
         return Response(status_code=499)
     finally:
         for job in jobs:
             job.cancelled.set()
-    _log(request.url.path, t0, f"{len(jobs)} choices")
+    _log(request.url.path, t0, f"{len(jobs)} choices", request.scope)
 
     def build() -> dict:
         bodies = [w.answer(a) for w, a in zip(writers, answers)]
@@ -114,8 +114,9 @@ class _Jobs:
             job.cancelled.set()
 
 
-async def _stream(jobs, writers, engine, n: int, t0: float):
-    """The choices' chunks as they come, each with its index; then the usage and [DONE]."""
+async def _stream(jobs, writers, engine, n: int, t0: float, scope):
+    """The choices' chunks as they come, each with its index; then the usage and [DONE] (``scope``: the
+    request's, for its log line)."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, job):
@@ -162,4 +163,4 @@ async def _stream(jobs, writers, engine, n: int, t0: float):
             t.cancel()
         for job in jobs:
             job.cancelled.set()
-        _log("stream", t0, note)
+        _log("stream", t0, note, scope)
