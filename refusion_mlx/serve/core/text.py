@@ -26,6 +26,8 @@ class TextShaper:
         self.text = ""  # all final text received
         self.sent = 0  # characters of self.text already released
         self.hit: Optional[str] = None  # the stop string the text was cut before
+        self._starts = [_Start(s) for s in self.stop if s]  # how much of each stop string the text ends with
+        self._seen = 0  # characters of self.text those have read
 
     def feed(self, text: str, tokens: Sequence[int], final: bool,
              widths: Optional[Callable[[], List[int]]] = None) -> Tuple[str, Optional[str]]:
@@ -76,19 +78,60 @@ class TextShaper:
         return spans
 
     def _held(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        tail = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), tail, -1):
-                if self.text.endswith(s[:k]):
-                    tail = k
-                    break
-        return tail
+        """Length of the longest tail of the text that begins some stop string:
+        each stop string's own, kept as the text grows (:class:`_Start`), so
+        a step reads its new text only, never the whole answer again (this
+        runs on the engine's thread)."""
+        held = max((start.advance(self.text, self._seen) for start in self._starts), default=0)
+        self._seen = len(self.text)
+        return held
 
     def _release(self, end: int) -> str:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent:end], end
         return piece
+
+
+class _Start:
+    """How much of a stop string the text read so far ends with: the length
+    of its longest start (shorter than the whole) the text ends with, kept
+    character by character with Knuth-Morris-Pratt's links (each skips the
+    starts that would fail on the same character), so a character costs at
+    most O(log len(stop)) steps and O(1) amortized, whatever the answer's
+    length; while nothing of it is matched, ``find`` skips to its first
+    character."""
+
+    def __init__(self, stop: str):
+        self.stop, self.matched = stop, 0
+        border = [-1, 0]  # border[k]: the longest proper start of stop[:k] that stop[:k] ends with
+        for k in range(1, len(stop)):
+            b = border[k]
+            while b >= 0 and stop[b] != stop[k]:
+                b = border[b]
+            border.append(b + 1)
+        self.restart = border[len(stop)]  # after the whole stop string (in a call's text, or already cut)
+        self.link = [-1] * len(stop)  # where a mismatch at k goes on: a border whose next character differs
+        for k in range(1, len(stop)):
+            b = border[k]
+            self.link[k] = b if stop[b] != stop[k] else self.link[b]
+
+    def advance(self, text: str, at: int) -> int:
+        """Read ``text`` from ``at``; the length matched now."""
+        stop, link, k, end = self.stop, self.link, self.matched, len(text)
+        while at < end:
+            if k == 0:
+                at = text.find(stop[0], at)
+                if at < 0:
+                    break
+            c = text[at]
+            while k >= 0 and stop[k] != c:
+                k = link[k]
+            k += 1
+            if k == len(stop):
+                k = self.restart
+            at += 1
+        self.matched = k
+        return k
 
 
 # --------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from .anthropic_events import MessagesWriter
-from .bodies import (MAX_STOP, STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing,
-                     with_decoding)
+from .bodies import (MAX_STOP, MAX_STOP_CHARS, STRICT, StreamOptions, check_stops, decoding_given, field_error,
+                     include_commits, refusing, with_decoding)
 
 
 class _CountBase(BaseModel):
@@ -56,7 +56,8 @@ class CountTokensRequest(_CountBase):
 
 class _MessagesBase(_CountBase):
     max_tokens: int = Field(ge=1, description="the answer's most tokens")
-    stop_sequences: Optional[List[str]] = Field(None, description=f"up to {MAX_STOP} strings")
+    stop_sequences: Optional[List[str]] = Field(None, description=f"up to {MAX_STOP} strings of at most "
+                                                f"{MAX_STOP_CHARS} characters")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
     metadata: Optional[Dict[str, Any]] = None
@@ -77,9 +78,7 @@ class _MessagesBase(_CountBase):
     @field_validator("stop_sequences")
     @classmethod
     def _stops(cls, value):
-        if value is not None and (len(value) > MAX_STOP or not all(value)):
-            raise field_error(f"takes up to {MAX_STOP} non-empty strings")
-        return value or None
+        return None if value is None else check_stops(value)
 
 
 # The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own.

@@ -1,5 +1,5 @@
 """The request-body pieces every API shares (pydantic): strict types, the
-stop strings' bound, ``stream_options``, the server-wide settings, other
+stop strings' bounds (:func:`check_stops`), ``stream_options``, the server-wide settings, other
 servers' sampler fields and other APIs' and servers' fields for what an API
 names its own way (:func:`foreign_fields`) that no body may set
 (:func:`refuse_unserved`), and
@@ -21,7 +21,8 @@ from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
 
-MAX_STOP = 16
+MAX_STOP = 16  # stop strings a request
+MAX_STOP_CHARS = 1000  # characters in one: each step holds back and checks as much of the answer, per stop string
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 # Settings of the server's process, not of a request: refused in a body whatever their value.
@@ -75,6 +76,19 @@ def foreign_fields(api: str) -> Dict[str, str]:
 def field_error(message: str) -> PydanticCustomError:
     """A body field's bad value, raised in a pydantic validator (the edge words it "FIELD: MESSAGE")."""
     return PydanticCustomError("invalid_value", message)
+
+
+def check_stops(items: list) -> Optional[list]:
+    """A body's stop strings (``stop``, ``stop_sequences``), refused past
+    :data:`MAX_STOP` or :data:`MAX_STOP_CHARS` or empty; None for none (a
+    pydantic validator's work: the edge words it "FIELD: MESSAGE")."""
+    if len(items) > MAX_STOP or not all(items):
+        raise field_error(f"takes up to {MAX_STOP} non-empty strings")
+    long = next((i for i, s in enumerate(items) if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise field_error(f"takes strings of at most {MAX_STOP_CHARS} characters (the one at [{long}] has "
+                          f"{len(items[long])})")
+    return items or None
 
 
 def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence[str] = (),

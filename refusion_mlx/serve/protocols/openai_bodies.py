@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 from ...decode.params import FIELDS
 from ...decode.stream import template_options
 from ...errors import DecodeError
-from .bodies import (MAX_STOP, STRICT, UNSERVED, StreamOptions, decoding_given, field_error, include_commits,
-                     refusing, with_decoding)
+from .bodies import (MAX_STOP, MAX_STOP_CHARS, STRICT, UNSERVED, StreamOptions, check_stops, decoding_given,
+                     field_error, include_commits, refusing, with_decoding)
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
@@ -46,7 +46,8 @@ class _BodyBase(BaseModel):
 
     model_config = STRICT
     model: Optional[str] = Field(None, description="any name; one model is served")
-    stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} strings")
+    stop: Union[str, List[str], None] = Field(None, description=f"up to {MAX_STOP} strings of at most "
+                                              f"{MAX_STOP_CHARS} characters")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
@@ -69,9 +70,7 @@ class _BodyBase(BaseModel):
             return None
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise field_error("must be a string or a list of strings")
-        if len(items) > MAX_STOP or not all(items):
-            raise field_error(f"takes 1 to {MAX_STOP} non-empty strings")
-        return items
+        return check_stops(items)
 
 
 # The body fields common to both endpoints: _BodyBase's and the decoding settings.
