@@ -12,7 +12,6 @@ knows no JSON; the guarantee does not depend on the model.
 from __future__ import annotations
 
 import json
-import re
 
 import jsonschema
 import pytest
@@ -220,9 +219,9 @@ def test_a_schema_nested_past_the_limits_is_one_clear_error(demo):
     deep = {"type": "array"}
     for _ in range(200):
         deep = {"type": "array", "items": deep}
-    for given in (deep, json.dumps(deep)):
+    for schema in (deep, json.dumps(deep)):
         with pytest.raises(DecodeError, match=r"^json_schema: the schema is nested over 32 levels"):
-            rm.generate(model, tokenizer, "hi", json_schema=given, max_tokens=4)
+            rm.generate(model, tokenizer, "hi", json_schema=schema, max_tokens=4)
     with pytest.raises(DecodeError, match="nested too deeply to read as JSON"):
         Constraint.json_schema("[" * 100000 + "]" * 100000)
     with pytest.raises(DecodeError, match=r"^tool_choice: the parameters of tool 'f' are nested over 32 levels"):
