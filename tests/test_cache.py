@@ -213,8 +213,8 @@ class StackedStore(KVStore):
     def set_committed(self, count):
         self.committed = count
 
-    def keep(self, index):
-        self.kv[:, :, :index.shape[0]] = mx.take(self.kv, index, axis=2)
+    def keep(self, index, start=0):
+        self.kv[:, :, start:start + index.shape[0]] = mx.take(self.kv, index, axis=2)
 
     def fork(self, index, capacity):
         new = StackedStore(self.spec, self.dtype)
@@ -308,6 +308,41 @@ def test_a_store_keeps_the_interfaces_contract(name, paths, set_paths):
     for wrong in ({}, fork.to_arrays(2)):
         with pytest.raises(ValueError):
             storage.new(SPEC).load_arrays(wrong, 3)
+
+
+@pytest.mark.parametrize("name", STORAGES)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 5, 7, 8], [0, 1, 2, 4, 3], [2, 0, 1], [0, 1, 2, 3]],
+                         ids=["interleaved-tail", "position-order", "all-moved", "prefix"])
+def test_keep_copies_only_the_rows_that_move(name, rows, monkeypatch):
+    """CommittedCache.keep leaves the leading rows already in place alone:
+    every store gathers only the rows from the first moved one on (none for
+    a prefix), and the kept rows read back as a gather of all of them would."""
+    cache = CommittedCache(CacheSpec(layers=2, kv_heads=2, head_dim=64, dtype=mx.float32, held=range(2)),
+                           growth=16, storage=STORAGES[name])
+    write = cache.extend(10)
+    for layer in range(2):
+        write.layer(layer).update(*rows_of(10 * layer, 10))
+    positions = [0, 1, 2, 3, 6, 4, 9, 5, 7, 8]
+    cache.commit(list(range(100, 110)), positions)
+    before = [[np.array(a) for a in s.read(10)] for s in cache.stores]
+    gathered = []
+    take = mx.take
+
+    def counting_take(a, index, axis=None, **kw):
+        gathered.append(index.shape[0])
+        return take(a, index, axis=axis, **kw)
+
+    monkeypatch.setattr(mx, "take", counting_take)
+    cache.keep(rows)
+    monkeypatch.undo()
+    start = next((i for i, r in enumerate(rows) if r != i), len(rows))
+    assert set(gathered) == ({len(rows) - start} if start < len(rows) else set())
+    assert cache.tokens == [100 + r for r in rows] and cache.positions == [positions[r] for r in rows]
+    assert all(cache.token_at(positions[r]) == 100 + r for r in rows)
+    assert all(cache.token_at(p) is None for r, p in enumerate(positions) if r not in rows)
+    for store, (keys, values) in zip(cache.stores, before):
+        assert np.array_equal(np.array(store.read(len(rows))[0]), keys[:, :, rows])
+        assert np.array_equal(np.array(store.read(len(rows))[1]), values[:, :, rows])
 
 
 def test_each_kind_of_store_names_its_form_and_row_cost():

@@ -146,19 +146,25 @@ class CommittedCache:
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only the given committed rows (in the given order); drop the rest.
 
-        Used between chat turns to drop slots committed beyond the answer's EOS.
+        Used after a response (its slots committed beyond the answer's EOS)
+        and between chat turns. Rows already in place -- the leading ``rows[i]
+        == i`` -- are left alone: the stores copy only the moved rows after
+        them (slots commit out of order, so the dropped rows are often
+        interleaved near the end), as mlx-lm trims its cache in place.
         """
         rows = list(rows)
-        if rows == list(range(len(rows))):
-            for p in self.positions[len(rows):]:
-                self._row_of.pop(p, None)
-            del self.tokens[len(rows):], self.positions[len(rows):]
-            self._tell_stores()
-            return
-        index = mx.array(rows, dtype=mx.int32)
-        for store in self._held():
-            store.keep(index)
-        self._adopt([self.tokens[r] for r in rows], [self.positions[r] for r in rows])
+        start = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        moved = rows[start:]
+        if moved:
+            index = mx.array(moved, dtype=mx.int32)
+            for store in self._held():
+                store.keep(index, start)
+        for p in self.positions[start:]:
+            self._row_of.pop(p, None)
+        self.tokens[start:] = [self.tokens[r] for r in moved]
+        self.positions[start:] = [self.positions[r] for r in moved]
+        self._row_of.update((p, r) for r, p in enumerate(self.positions[start:], start))
+        self._tell_stores()
 
     def _adopt(self, tokens: List[int], positions: List[int]) -> None:
         self.tokens, self.positions = tokens, positions

@@ -124,9 +124,10 @@ class KVStore:
         every commit (rows the passes wrote, adopted as they are), keep, fork
         and load. The float store keeps all rows alike and ignores it."""
 
-    def keep(self, index: mx.array) -> None:
-        """Rows ``[0, n)`` become the rows ``index`` (n of them, committed
-        ones) in that order, in place."""
+    def keep(self, index: mx.array, start: int = 0) -> None:
+        """Rows ``[start, start + n)`` become the rows ``index`` (n of them,
+        committed ones, none before ``start``) in that order, in place; rows
+        before ``start`` stay as they are and are not copied."""
         raise NotImplementedError
 
     def fork(self, index: mx.array, capacity: int) -> "KVStore":

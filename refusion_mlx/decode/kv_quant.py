@@ -212,10 +212,10 @@ class QuantizedStore(KVStore):
             self.scratch = None
         self.committed = self.coded = count
 
-    def keep(self, index: mx.array) -> None:
-        n = index.shape[0]
+    def keep(self, index: mx.array, start: int = 0) -> None:
+        end = start + index.shape[0]
         for buffer in self.codes:
-            buffer[:, :, :n, :] = mx.take(buffer, index, axis=2)
+            buffer[:, :, start:end, :] = mx.take(buffer, index, axis=2)
 
     def fork(self, index: mx.array, capacity: int) -> "QuantizedStore":
         """Copies of committed rows, committed in the new store; codes copied as they are."""

@@ -67,12 +67,12 @@ class FloatStore(KVStore):
     def read(self, length: int) -> Tuple[mx.array, mx.array]:
         return self.keys[:, :, :length, :], self.values[:, :, :length, :]
 
-    def keep(self, index: mx.array) -> None:
-        n = index.shape[0]
+    def keep(self, index: mx.array, start: int = 0) -> None:
+        end = start + index.shape[0]
         kept_k = mx.take(self.keys, index, axis=2)
         kept_v = mx.take(self.values, index, axis=2)
-        self.keys[:, :, :n, :] = kept_k
-        self.values[:, :, :n, :] = kept_v
+        self.keys[:, :, start:end, :] = kept_k
+        self.values[:, :, start:end, :] = kept_v
 
     def fork(self, index: mx.array, capacity: int) -> "FloatStore":
         new = type(self)(self.spec)
