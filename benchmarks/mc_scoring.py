@@ -11,7 +11,9 @@ authors' ``eval.py`` computes, every sample a whole causal forward of the
 context and the continuation (16 samples a forward, as the estimator
 did before). Reported per shape: seconds of each, the speed-up, and the
 largest difference between their per-token estimates (they are the same
-estimate, computed in another order).
+estimate, computed in another order). ``--kv-bits`` keeps the estimator's
+cache quantized (the reference has no cache: the difference then includes
+the quantization's).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from refusion_mlx.bench.report import format_table
-from refusion_mlx.cli import run
+from refusion_mlx.cli import run, storage_from_args
 from refusion_mlx.decode.scoring import MC_ROWS, mc_masks, score_mc
 
 from .speed_common import base_parser, check_json_path, load_model, write_json
@@ -70,7 +72,8 @@ def shapes_arg(text: str) -> List[tuple]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = base_parser("python -m benchmarks.mc_scoring",
-                         "The Monte Carlo estimator, context fed once, against a whole forward per sample.")
+                         "The Monte Carlo estimator, context fed once, against a whole forward per sample.",
+                         decodes=False)
     parser.add_argument("--shapes", type=shapes_arg, default=[(100, 20), (500, 5), (1000, 10)],
                         help="CONTEXT:SCORED token counts, comma-separated (default 100:20,500:5,1000:10)")
     parser.add_argument("--mc-num", type=int, default=128, help="samples per estimate (default 128)")
@@ -80,13 +83,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         check_json_path(args.json)
+        storage_from_args(args)  # a bad pair fails before the model loads
         model, _, env = load_model(args.model, args.dtype)
+        storage = storage_from_args(args, model)
         mask_id, rng = model.args.mask_token_id, np.random.default_rng(args.seed)
         rows = []
         for context, scored in args.shapes:
             ids = [int(t) for t in rng.integers(1, model.args.vocab_size - 1, context + scored)]
             t0 = time.perf_counter()
-            fast = score_mc(model, ids, context, mask_id, args.mc_num, args.seed).logprobs[context:]
+            fast = score_mc(model, ids, context, mask_id, args.mc_num, args.seed, storage=storage).logprobs[context:]
             t1 = time.perf_counter()
             slow = whole_forwards(model, ids, context, mask_id, args.mc_num, args.seed)
             t2 = time.perf_counter()
@@ -95,12 +100,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "speedup": round((t2 - t1) / (t1 - t0), 2),
                          "max_difference": float(np.max(np.abs(np.array(fast) - slow)))})
             print(f"{context}:{scored} done", file=sys.stderr, flush=True)
+        print(f"KV cache of the estimator: {storage.describe(model.cache_spec())}")
         print(format_table(["context", "scored", "mc_num", "context once s", "whole forwards s", "speed-up",
                             "largest difference"],
                            [[r["context"], r["scored"], r["mc_num"], f"{r['context_once_s']:.2f}",
                              f"{r['whole_forwards_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['max_difference']:.1e}"]
                             for r in rows]))
-        write_json(args.json, {"environment": env, "rows": rows})
+        write_json(args.json, {"environment": env, "kv_bits": storage.bits, "rows": rows})
         return 0
 
     return run(body)

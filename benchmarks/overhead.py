@@ -15,7 +15,11 @@ MLX's CPU backend runs the ops) and host (the main thread), for the decoder
 and the bare forwards; their host difference is the decoder's own work.
 
 Modes fix the decoding path whatever the weights (see speed_common.MODES);
-``--suite`` takes the suite's settings instead.
+``--suite`` takes the suite's settings instead. On the random prompt every
+run decodes its whole budget (EOS ignored: a random prompt's answer often
+ends at once, which leaves nothing to measure; ``--no-ignore-eos`` stops at
+it); the suite's prompts stop at their EOS unless ``--ignore-eos``.
+``--kv-bits`` keeps the decoder's caches and the bare replays' quantized.
 Target (issue): overhead <= 1.10x on the Qwen3-0.6B shape.
 """
 
@@ -28,7 +32,8 @@ from typing import List, Optional, Sequence, Tuple
 from refusion_mlx.bench.forward_replay import PHASE_ORDER, RecordingModel, by_phase, count_by_phase, prepare, replay
 from refusion_mlx.bench.report import format_table
 from refusion_mlx.bench.suite import load_suite, resolve_params
-from refusion_mlx.cli import run
+from refusion_mlx.cli import run, storage_from_args
+from refusion_mlx.decode.kv_store import KVStorage
 from refusion_mlx.decode.params import RefusionParams
 from refusion_mlx.decode.stream import chat_prompt
 from refusion_mlx.errors import RefusionError
@@ -47,14 +52,18 @@ def _thread_seconds() -> float:
     return time.thread_time()
 
 
-def measure_mode(model, tokenizer, prompt, params, repeat: int) -> dict:
+def measure_mode(model, tokenizer, prompt, params, repeat: int, storage: Optional[KVStorage] = None,
+                 ignore_eos: bool = False) -> dict:
     """Record, then alternate timed decoder runs with bare replays (one prompt)."""
-    return measure_jobs(model, tokenizer, [(prompt, params)], repeat)
+    return measure_jobs(model, tokenizer, [(prompt, params)], repeat, storage, ignore_eos)
 
 
-def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParams]], repeat: int) -> dict:
+def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParams]], repeat: int,
+                 storage: Optional[KVStorage] = None, ignore_eos: bool = False) -> dict:
     """Record every job's forwards, then alternate timed decoder runs of all
     jobs with bare replays of all their forwards; medians of the totals.
+    ``storage``: how the decoder's caches and the bare replays keep keys and
+    values (--kv-bits); ``ignore_eos``: every run decodes its whole budget.
 
     Besides wall times it takes the main thread's CPU time on both sides:
     the decoder's host work per step beyond what the bare forwards need
@@ -66,10 +75,10 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
     for prompt, params in jobs:
         recorder = RecordingModel(model)
         with counting_evals() as counted:
-            _, dec = decode(recorder, tokenizer, prompt, params)
+            _, dec = decode(recorder, tokenizer, prompt, params, storage=storage, ignore_eos=ignore_eos)
         evals += counted["evals"]
         recorded.append((recorder.shapes(), dec.stats))
-        prepared.append(prepare(model, recorded[-1][0]))
+        prepared.append(prepare(model, recorded[-1][0], storage=storage))
     shapes = [s for sh, _ in recorded for s in sh]
     walls, hosts, cpus, bares, bare_hosts, bare_cpus, runs = [], [], [], [], [], [], []
 
@@ -84,7 +93,7 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
             bare_all()
         h0, c0, wall, decs = _thread_seconds(), time.process_time(), 0.0, []
         for (prompt, params), (sh, _) in zip(jobs, recorded):
-            w, dec = decode(model, tokenizer, prompt, params)
+            w, dec = decode(model, tokenizer, prompt, params, storage=storage, ignore_eos=ignore_eos)
             if dec.stats.forwards != len(sh):
                 raise RefusionError(f"the timed run made {dec.stats.forwards} forwards, the recorded "
                                     f"one {len(sh)}: the decoder is not deterministic here")
@@ -108,6 +117,8 @@ def measure_jobs(model, tokenizer, jobs: Sequence[Tuple[List[int], RefusionParam
     return {
         "params": {k: getattr(first, k) for k in ("gen_length", "slot_size", "block_length", "serial_num_blocks",
                                                   "slot_threshold", "token_threshold")},
+        "ignore_eos": ignore_eos,
+        "kv_cache": (storage or KVStorage()).describe(model.cache_spec()),
         "prompts": len(jobs),
         "prompt_tokens": sum(len(p) for p, _ in jobs),
         "generated_tokens": total("generated_tokens"),
@@ -183,12 +194,11 @@ def suite_jobs(args, tokenizer) -> List[Tuple[List[int], RefusionParams]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = base_parser("python -m benchmarks.overhead", "Decoder overhead over bare forwards.")
-    parser.set_defaults(slot_size=None)
-    parser.add_argument("--modes", default="reference,parallel,infill",
-                        help=f"comma-separated, of {', '.join(MODES)}")
+    parser.set_defaults(slot_size=None, seed=None, ignore_eos=None)
+    parser.add_argument("--modes", help=f"comma-separated, of {', '.join(MODES)} (default all)")
     parser.add_argument("--gen-length", type=int, help="response budget (default 64)")
     parser.add_argument("--block-length", type=int, help="block size in tokens (default 16)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (default 64)")
+    parser.add_argument("--prompt-tokens", type=int, help="random prompt length (default 64)")
     parser.add_argument("--repeat", type=int, default=3, help="timed decoder runs and replays (median)")
     parser.add_argument("--suite", help="instead of --modes on a random prompt: the prompts of a bench "
                         "suite ('default' or a suite file), chat-templated, with its settings under the "
@@ -198,33 +208,46 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--slot-threshold", type=float, help="with --suite: tau_s")
     parser.add_argument("--token-threshold", type=float, help="with --suite: tau_t")
     args = parser.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        parser.error(f"unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(MODES)}")
     for name in ("gen_length", "block_length", "prompt_tokens", "repeat", "slot_size", "serial_num_blocks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.cases < 0:
         parser.error("--cases must be >= 0")
-    if args.suite is None:
+    if args.suite is not None:
+        if any(getattr(args, k) is not None for k in ("modes", "prompt_tokens", "seed")):
+            parser.error("--modes, --prompt-tokens and --seed make the random prompt's runs; --suite decodes "
+                         "the suite's prompts with its settings")
+        args.ignore_eos = bool(args.ignore_eos)  # the suite's answers end where they end, unless told
+    else:
         if any(getattr(args, k) is not None for k in ("serial_num_blocks", "slot_threshold", "token_threshold")):
             parser.error("--serial-num-blocks, --slot-threshold and --token-threshold need --suite "
                          "(--modes fix the thresholds)")
         args.gen_length = args.gen_length or 64
         args.block_length = args.block_length or 16
         args.slot_size = args.slot_size or 4
+        args.prompt_tokens = args.prompt_tokens or 64
+        args.seed = args.seed or 0
+        # a random prompt's answer often ends at once: measure the budget, unless told to stop at EOS
+        args.ignore_eos = args.ignore_eos is not False
+    modes = [m.strip() for m in (args.modes or ",".join(MODES)).split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        parser.error(f"unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(MODES)}")
 
     def body() -> int:
         check_json_path(args.json)
+        storage_from_args(args)  # a bad pair fails before the model loads
+        eos = "EOS ignored (the whole budget)" if args.ignore_eos else "stopping at EOS"
         if args.suite is not None:
             model, tokenizer, env = load_model(args.model, args.dtype)
+            storage = storage_from_args(args, model)
             jobs = suite_jobs(args, tokenizer)
             layout = jobs[0][1].layout().describe()
             print(f"decoder overhead: suite {args.suite}, {len(jobs)} prompts ({sum(len(p) for p, _ in jobs)} "
                   f"prompt tokens), budget {jobs[0][1].layout().gen_length}, first prompt's blocks "
-                  f"{layout['blocks']} x {layout['block_length']}, median of {args.repeat}\n")
-            results = {"suite": measure_jobs(model, tokenizer, jobs, args.repeat)}
+                  f"{layout['blocks']} x {layout['block_length']}, {eos}, KV cache "
+                  f"{storage.describe(model.cache_spec())}, median of {args.repeat}\n")
+            results = {"suite": measure_jobs(model, tokenizer, jobs, args.repeat, storage, args.ignore_eos)}
             print(f"  suite: overhead {results['suite']['overhead']:.3f}x", file=sys.stderr, flush=True)
             print(report(results))
             write_json(args.json, {"meta": env, "target": TARGET, "modes": results})
@@ -232,13 +255,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in modes:
             make_params(args.gen_length, args.slot_size, args.block_length, m).layout()
         model, tokenizer, env = load_model(args.model, args.dtype)
+        storage = storage_from_args(args, model)
         prompt = random_prompt(tokenizer, model, args.prompt_tokens, args.seed)
         print(f"decoder overhead: budget {args.gen_length}, slot {args.slot_size}, block {args.block_length}, "
-              f"random prompt of {len(prompt)} tokens, median of {args.repeat}; target <= {TARGET:.2f}x\n")
+              f"random prompt of {len(prompt)} tokens (seed {args.seed}), {eos}, KV cache "
+              f"{storage.describe(model.cache_spec())}, median of {args.repeat}; target <= {TARGET:.2f}x\n")
         results = {}
         for m in modes:
             params = make_params(args.gen_length, args.slot_size, args.block_length, m)
-            results[m] = measure_mode(model, tokenizer, prompt, params, args.repeat)
+            results[m] = measure_mode(model, tokenizer, prompt, params, args.repeat, storage, args.ignore_eos)
             print(f"  {m}: overhead {results[m]['overhead']:.3f}x", file=sys.stderr, flush=True)
         print(report(results))
         write_json(args.json, {"meta": env, "target": TARGET, "modes": results})

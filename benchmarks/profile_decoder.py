@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from refusion_mlx.bench.report import format_table
 from refusion_mlx.bench.suite import load_suite, resolve_params
-from refusion_mlx.cli import run
+from refusion_mlx.cli import run, storage_from_args
 from refusion_mlx.decode.stream import chat_prompt
 
 from .speed_common import MODES, base_parser, check_json_path, decode, load_model, write_json
@@ -107,7 +107,9 @@ def compile_check(model, sizes=(4, 16, 64)) -> List[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = base_parser("python -m benchmarks.profile_decoder", "Profile ReFusion decoder runs.")
+    parser = base_parser("python -m benchmarks.profile_decoder", "Profile ReFusion decoder runs.",
+                         random_prompts=False)
+    parser.set_defaults(slot_size=None)
     parser.add_argument("--suite", default="default", help="prompts to decode ('default' or a suite file)")
     parser.add_argument("--cases", type=int, default=0, help="only the first N prompts (default all)")
     parser.add_argument("--gen-length", type=int, help="override the suite's budget")
@@ -116,8 +118,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--top", type=int, default=25, help="functions listed (by own time)")
     parser.add_argument("--compile-check", action="store_true", help="also time eager vs mx.compile forwards")
     args = parser.parse_args(argv)
-    if args.cases < 0 or args.top < 1 or any(v is not None and v < 1 for v in (args.gen_length, args.block_length)):
-        parser.error("--cases must be >= 0; --top, --gen-length and --block-length positive")
+    if args.cases < 0 or args.top < 1 or any(v is not None and v < 1
+                                             for v in (args.gen_length, args.block_length, args.slot_size)):
+        parser.error("--cases must be >= 0; --top, --gen-length, --block-length and --slot-size positive")
 
     def body() -> int:
         check_json_path(args.json)
@@ -128,14 +131,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             overrides["gen_length"] = args.gen_length
         if args.block_length:
             overrides["block_length"] = args.block_length
+        if args.slot_size:
+            overrides["slot_size"] = args.slot_size
         params = [resolve_params(suite, c, None, overrides) for c in cases]
+        storage_from_args(args)  # a bad pair fails before the model loads
         model, tokenizer, env = load_model(args.model, args.dtype)
+        storage = storage_from_args(args, model)
         prompts = [chat_prompt(tokenizer, c.prompt, system=c.system) for c in cases]
 
         def run_all():
             total = 0
             for p, rp in zip(prompts, params):
-                _, dec = decode(model, tokenizer, p, rp)
+                _, dec = decode(model, tokenizer, p, rp, storage=storage, ignore_eos=args.ignore_eos)
                 total += dec.stats.forwards
             return total
 
@@ -152,7 +159,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         profiled = time.perf_counter() - t0
         stats = pstats.Stats(profiler, stream=io.StringIO())
         buckets = bucket_times(stats)
-        print(f"\n{len(cases)} prompt(s), {forwards} forwards: {plain * 1000:.1f} ms unprofiled, "
+        print(f"\n{len(cases)} prompt(s), {forwards} forwards, slot {params[0].slot_size}"
+              f"{', EOS ignored' if args.ignore_eos else ''}, KV cache {storage.describe(model.cache_spec())}: "
+              f"{plain * 1000:.1f} ms unprofiled, "
               f"{profiled * 1000:.1f} ms under cProfile ({plain / forwards * 1000:.2f} ms per forward unprofiled)")
         total = sum(buckets.values())
         print(format_table(["where (own time)", "ms", "share"],
@@ -160,7 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\ntop {args.top} functions by own time")
         top = top_functions(stats, args.top)
         print(format_table(["function", "calls", "own ms", "cumulative ms"], top))
-        result = {"meta": env, "prompts": len(cases), "forwards": forwards, "unprofiled_seconds": plain,
+        result = {"meta": env, "prompts": len(cases), "forwards": forwards, "slot_size": params[0].slot_size,
+                  "ignore_eos": args.ignore_eos, "kv_bits": storage.bits, "unprofiled_seconds": plain,
                   "profiled_seconds": profiled, "buckets_seconds": buckets,
                   "top": [dict(zip(("function", "calls", "own_ms", "cumulative_ms"), r)) for r in top]}
         if args.compile_check:

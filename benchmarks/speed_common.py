@@ -42,18 +42,25 @@ def seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**64), got {text!r}") from None
 
 
-def base_parser(prog: str, description: str) -> OneLineParser:
+def base_parser(prog: str, description: str, decodes: bool = True, random_prompts: bool = True) -> OneLineParser:
+    """The flags the speed scripts share. ``decodes``: the script runs the
+    decoder (--slot-size, --ignore-eos); ``random_prompts``: it makes random
+    prompts (--seed). A script leaves out what it does not honour, so such a
+    flag is refused in one line rather than silently ignored."""
     parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("--model", help="model folder (default: the bundled demo model); "
                         "make a real-shape one with python -m convert.make_checkpoint")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    parser.add_argument("--slot-size", type=int, default=4)
-    parser.add_argument("--seed", type=seed, default=0, help="seed of the random prompts (an integer in "
-                        "[-2**63, 2**64), as the runtime takes it)")
+    if decodes:
+        parser.add_argument("--slot-size", type=int, default=4)
+    if random_prompts:
+        parser.add_argument("--seed", type=seed, default=0, help="seed of the random prompts (an integer in "
+                            "[-2**63, 2**64), as the runtime takes it)")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="decode the whole budget: the model's end-of-text does not stop a run (a random "
-                             "prompt often ends the answer at once)")
+    if decodes:
+        parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                            help="decode the whole budget: the model's end-of-text does not stop a run (a random "
+                                 "prompt often ends the answer at once); --no-ignore-eos: it does")
     add_kv_args(parser)
     return parser
 

@@ -122,6 +122,58 @@ def test_profile_on_demo(tmp_path):
     assert result["forwards"] > 0 and len(result["top"]) == 5
 
 
+def spy(monkeypatch, module, name):
+    """Calls of ``module.name`` (a script's ``decode`` or ``score_mc``), each as (args, kwargs, result)."""
+    real, calls = getattr(module, name), []
+
+    def recorded(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append((args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
+def test_overhead_measures_the_whole_budget_and_honours_the_shared_flags(tmp_path, monkeypatch):
+    """The random prompt's runs decode the budget (they measured the demo's
+    3-token answer); --no-ignore-eos stops at EOS; --kv-bits reaches the
+    decoder's caches and the bare replays."""
+    base = ["--modes", "parallel", "--gen-length", "16", "--block-length", "8", "--prompt-tokens", "16",
+            "--repeat", "1"]
+    out = {}
+    for name, flags in (("default", []), ("stop", ["--no-ignore-eos"]), ("q8", ["--kv-bits", "8"])):
+        calls = spy(monkeypatch, overhead, "decode")
+        path = tmp_path / f"{name}.json"
+        assert overhead.main(base + flags + ["--json", str(path)]) == 0
+        out[name] = json.loads(path.read_text())["modes"]["parallel"]
+        storages = {None if kw.get("storage") is None else kw["storage"].bits for _, kw, _ in calls}
+        assert storages == {8 if name == "q8" else None}
+    assert out["default"]["generated_tokens"] == 16 and out["default"]["ignore_eos"] is True
+    assert out["stop"]["generated_tokens"] < 16 and out["stop"]["ignore_eos"] is False
+    assert "quantized to 8 bits" in out["q8"]["kv_cache"] and out["q8"]["generated_tokens"] == 16
+
+
+def test_profile_honours_the_shared_flags(tmp_path, monkeypatch):
+    """--slot-size, --ignore-eos and --kv-bits reach every decoder run (they were read and dropped)."""
+    calls = spy(monkeypatch, profile_decoder, "decode")
+    out = tmp_path / "profile.json"
+    assert profile_decoder.main(["--cases", "1", "--gen-length", "16", "--block-length", "8", "--slot-size", "8",
+                                 "--ignore-eos", "--kv-bits", "4", "--top", "5", "--json", str(out)]) == 0
+    assert calls and all(args[3].slot_size == 8 and kw["ignore_eos"] and kw["storage"].bits == 4
+                         for args, kw, _ in calls)
+    assert all(dec.stats.generated_tokens == 16 for _, _, (_, dec) in calls)
+    result = json.loads(out.read_text())
+    assert (result["slot_size"], result["ignore_eos"], result["kv_bits"]) == (8, True, 4)
+
+
+def test_mc_scoring_keeps_its_cache_as_kv_bits_says(tmp_path, monkeypatch):
+    calls = spy(monkeypatch, mc_scoring, "score_mc")
+    assert mc_scoring.main(["--shapes", "12:4", "--mc-num", "2", "--kv-bits", "8",
+                            "--json", str(tmp_path / "s.json")]) == 0
+    assert [kw["storage"].bits for _, kw, _ in calls] == [8]
+
+
 def test_profile_counts_the_whole_model_as_model_python():
     """The model's Python is every family's file, what they share, the joined
     projections and the runner that drives a decode pass, not Qwen3's file alone."""
@@ -145,6 +197,12 @@ def test_profile_counts_the_whole_model_as_model_python():
     (overhead.main, ["--serial-num-blocks", "2"]),  # the suite's settings need --suite
     (scaling.main, ["--sections", "bogus"]), (scaling.main, ["--budgets", "0"]),
     (profile_decoder.main, ["--cases", "-1"]),
+    # shared flags a script cannot honour are refused, not ignored
+    (profile_decoder.main, ["--seed", "5"]),  # the suite's prompts, greedy: no seed to take
+    (mc_scoring.main, ["--slot-size", "8"]), (mc_scoring.main, ["--ignore-eos"]),  # no decoder runs
+    (overhead.main, ["--suite", "default", "--seed", "5"]),  # the seed of the random prompt
+    (overhead.main, ["--suite", "default", "--prompt-tokens", "8"]),
+    (overhead.main, ["--suite", "default", "--modes", "parallel"]),
 ])
 def test_script_bad_flags_exit_2(main, argv, capsys):
     with pytest.raises(SystemExit) as e:
