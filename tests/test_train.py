@@ -183,6 +183,34 @@ def test_batch_order():
     assert any(batch[-1] - batch[0] > 3 for p in dealt for batch in p)  # lengths mixed
 
 
+def test_evaluation_samples_batches_of_every_length(monkeypatch):
+    """--val-batches N and --test-batches N visit the length-sorted batches in a random order, as mlx-lm's
+    evaluate does (not the N shortest), and every evaluation of a run the same batches."""
+    from refusion_mlx.train import trainer
+
+    seen = []
+
+    def loss(model, batch, ar_weight):
+        seen.append(tuple(sorted(int(n) for n in np.array(batch["response_length"]))))
+        return mx.array(0.0)
+
+    monkeypatch.setattr(trainer, "refusion_loss", loss)
+    records = [Record([1, 2], list(range(10, 10 + n))) for n in range(40, 0, -1)]  # longest first
+    groups = [tuple(range(1 + 4 * k, 5 + 4 * k)) for k in range(10)]
+
+    def visited(num_batches, seed=0):
+        seen.clear()
+        trainer.evaluate(nn.Linear(2, 2), records, 4, num_batches, 805, 64, seed)
+        return list(seen)
+
+    first = visited(3)
+    assert len(first) == 3 and set(first) <= set(groups)
+    assert first != groups[:3]  # not the shortest rows alone
+    assert visited(3) == first  # fixed: evaluations of a run compare
+    assert sorted(visited(-1)) == groups  # all: each batch once
+    assert {visited(1, seed)[0] for seed in range(10)} != {groups[0]}
+
+
 def test_batch_order_option(tmp_path, capsys):
     data = Path(__file__).parent / "fixtures" / "train-data"
     folder = tmp_path / "a"

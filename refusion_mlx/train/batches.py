@@ -124,7 +124,7 @@ def make_example(record: Record, mask_id: int, rng: np.random.Generator, slot_si
 
 
 def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rng: np.random.Generator,
-                    max_seq_length: Optional[int] = None, loop: bool = False, shuffle: bool = True,
+                    max_seq_length: Optional[int] = None, loop: bool = False,
                     slot_sizes: Sequence[int] = SLOT_SIZES, pad_id: int = 0,
                     pad_to: int = PAD_TO, draft_fraction: float = 0.0,
                     by_length: bool = True, draft_run: int = 1) -> Iterator[Dict[str, np.ndarray]]:
@@ -136,19 +136,19 @@ def iterate_batches(records: Sequence[Record], batch_size: int, mask_id: int, rn
     its masks in runs of ``draft_run``.
     ``by_length`` (mlx-lm's way, least padding): batches of records of about
     one length, the same batches every pass in a shuffled order. Without it
-    (and with ``shuffle``) every pass deals the records into new batches at
-    random: rows of one length share a decision's position (where a count
-    ends), and a batch of them rewards a position rule over reading the prompt.
+    every pass deals the records into new batches at random: rows of one
+    length share a decision's position (where a count ends), and a batch of
+    them rewards a position rule over reading the prompt. The order comes
+    from ``rng`` alone: a generator seeded anew gives the same batches.
     """
     groups = batch_indices(records, batch_size)
     if not groups:
         raise RefusionError(f"{len(records)} examples are fewer than the batch size {batch_size}")
     while True:
-        if shuffle and not by_length:
+        if not by_length:
             deal = rng.permutation(len(records)).tolist()
             groups = [deal[i:i + batch_size] for i in range(0, len(deal) - batch_size + 1, batch_size)]
-        order = rng.permutation(len(groups)) if shuffle else range(len(groups))
-        for g in order:
+        for g in rng.permutation(len(groups)):
             examples = [make_example(records[i], mask_id, rng, slot_sizes, draft_fraction, max_seq_length,
                                      draft_run)
                         for i in groups[g]]

@@ -190,15 +190,19 @@ def evaluate(model, records: Sequence[Record], batch_size: int, num_batches: int
              progress: Optional[Callable[[], None]] = None, quantized_matmul: str = "auto",
              slot_sizes: Sequence[int] = SLOT_SIZES, draft_fraction: float = 0.0,
              ar_weight: float = 1.0, draft_run: int = 1) -> float:
-    """Mean batch loss over ``num_batches`` batches (-1: all), in a fixed order
-    and with fixed corruption draws (``seed``), so evaluations compare."""
+    """Mean batch loss over ``num_batches`` batches (-1: all), with fixed
+    draws (``seed``), so evaluations compare.
+
+    As in mlx-lm the batches (of about one length each) come in a random
+    order, so a few batches sample rows of every length; the order is drawn
+    from ``seed`` anew at each call, so every evaluation of a run sees the
+    same batches with the same corruption draws."""
     was_training = model.training
     undo = dequantizing_matmuls(model, quantized_matmul)
     model.eval()
     rng = np.random.default_rng(seed)
-    batches = iterate_batches(records, batch_size, mask_id, rng, max_seq_length, shuffle=False,
-                              slot_sizes=slot_sizes, pad_id=pad_id, draft_fraction=draft_fraction,
-                              draft_run=draft_run)
+    batches = iterate_batches(records, batch_size, mask_id, rng, max_seq_length, slot_sizes=slot_sizes,
+                              pad_id=pad_id, draft_fraction=draft_fraction, draft_run=draft_run)
     total, count = 0.0, 0
     try:
         for batch in itertools.islice(batches, None if num_batches == -1 else num_batches):
