@@ -1,9 +1,9 @@
 """An mlx-lm LoRA user's commands and habits against ``refusion_mlx.train``:
 ``--train`` is not ``--train-embeddings``, ``--test`` without ``--train``
 tests the saved adapters (and trains nothing over them), a data folder
-without valid.jsonl trains, mlx-lm's other flags (``--mask-prompt``,
-``--grad-accumulation-steps``, its optimizers) run, a schedule's rate is
-checked, a Ctrl-C before the first step or a failed save leaves the
+without valid.jsonl trains, a split the run does not use is never read,
+mlx-lm's other flags (``--mask-prompt``, ``--grad-accumulation-steps``, its
+optimizers) run, a schedule's rate is checked, a Ctrl-C before the first step or a failed save leaves the
 adapter folder as it was, every bad row names its line, and ``fine_tune``
 takes Paths and refuses a misspelt option."""
 
@@ -73,6 +73,32 @@ def test_no_valid_jsonl_trains_without_validation(tmp_path, capsys):
     code, out, _ = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1"], capsys)
     assert code == 0 and "has no valid.jsonl: training without validation" in out
     assert (tmp_path / "a" / "adapters.safetensors").is_file()
+
+
+def test_a_split_the_run_does_not_use_is_never_read(tmp_path, capsys):
+    """Only the splits a run uses are read: a bad test.jsonl does not stop training without --test, an
+    empty valid.jsonl does not stop --val-batches 0, a bad train.jsonl does not stop a test-only run
+    (each stopped the run before it started)."""
+    data = tmp_path / "d"
+    data.mkdir()
+    for name in ("train", "valid", "test"):
+        (data / f"{name}.jsonl").write_bytes((DATA / f"{name}.jsonl").read_bytes())
+    with open(data / "test.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": "word " * 3000, "completion": "a"}) + "\n")
+    code, out, err = run(["--data", data, "--adapter-path", tmp_path / "a", "--iters", "1", "--val-batches", "1"],
+                         capsys)
+    assert code == 0 and "Iter 1:" in out, err
+    code, _, err = run(["--data", data, "--adapter-path", tmp_path / "b", "--iters", "1", "--test"], capsys)
+    assert code == 1 and "test.jsonl:9: the prompt has" in err  # read when used
+    (data / "test.jsonl").write_bytes((DATA / "test.jsonl").read_bytes())
+    (data / "valid.jsonl").write_text("\n")
+    code, out, err = run(["--data", data, "--adapter-path", tmp_path / "c", "--iters", "1", "--val-batches", "0"],
+                         capsys)
+    assert code == 0 and "Iter 1:" in out, err
+    (data / "train.jsonl").write_text('{"prompt": "a"\n')
+    code, out, err = run(["--data", data, "--adapter-path", tmp_path / "c", "--iters", "0", "--test",
+                          "--test-batches", "1"], capsys)
+    assert code == 0 and "Test loss" in out, err
 
 
 @pytest.mark.parametrize("extra", [["--grad-accumulation-steps", "2"], ["--optimizer", "sgd"],

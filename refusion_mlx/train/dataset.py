@@ -157,14 +157,11 @@ def read_jsonl(path: Path, tokenizer, keys: Features = Features()) -> List[Recor
     return records
 
 
-def load_split(data: Path, name: str, tokenizer, required: bool,
-               keys: Features = Features()) -> Optional[List[Record]]:
-    """``name``.jsonl of the data folder: its records, None if absent and not required."""
+def load_split(data: Path, name: str, tokenizer, keys: Features = Features()) -> List[Record]:
+    """``name``.jsonl of the data folder: its records (an error if absent or empty)."""
     path = data / f"{name}.jsonl"
     if not path.is_file():
-        if required:
-            raise RefusionError(f"{data} has no {name}.jsonl")
-        return None
+        raise RefusionError(f"{data} has no {name}.jsonl")
     records = read_jsonl(path, tokenizer, keys)
     if not records:
         raise RefusionError(f"{path} holds no examples")
@@ -205,15 +202,17 @@ def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: i
 def load_datasets(data, tokenizer, test: bool = False, train: bool = True, valid: Optional[bool] = None,
                   keys: Features = Features()
                   ) -> Tuple[Optional[List[Record]], Optional[List[Record]], Optional[List[Record]]]:
-    """(train, valid, test) records of a data folder.
+    """(train, valid, test) records of a data folder: the splits the run uses, None for the others.
 
-    train.jsonl is required when ``train``, valid.jsonl when ``valid`` (None:
-    as ``train``), test.jsonl when ``test``; one not required is read if present.
+    train.jsonl is read when ``train``, valid.jsonl when ``valid`` (None: as
+    ``train``), test.jsonl when ``test``; each one read must exist and hold
+    examples. A split the run does not use is never read, so its rows can
+    neither stop the run nor cost its tokenizing.
     """
     valid = train if valid is None else valid
     data = Path(data).expanduser()
     if not data.is_dir():
         raise RefusionError(f"--data {data}: no such folder" if not data.exists() else
                             f"--data {data} is a file; give the folder holding train.jsonl and valid.jsonl")
-    return (load_split(data, "train", tokenizer, train, keys), load_split(data, "valid", tokenizer, valid, keys),
-            load_split(data, "test", tokenizer, test, keys))
+    return tuple(load_split(data, name, tokenizer, keys) if used else None
+                 for name, used in zip(SPLITS, (train, valid, test)))
