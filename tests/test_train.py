@@ -474,6 +474,9 @@ def test_replay_mixes_the_known_tasks_in(tmp_path, tok):
     assert len({id(r) for r in mixed[10:]}) == 15  # drawn without repeats while the pool lasts
     assert with_replay(new, old, 1.5, seed=0) == mixed  # reproducible
     assert len(with_replay(new, old[:3], 2.0, seed=0)) == 30  # a small pool repeats
+    for ratio in (float("inf"), float("nan"), 1e300, 101.0):  # an OverflowError, a ValueError, 298 GiB
+        with pytest.raises(RefusionError, match="--replay-ratio must be between 0 and 100"):
+            with_replay(new, old, ratio, seed=0)
     lines = []
     fine_tune(adapter_path=str(tmp_path / "r"), iters=1, replay_data=str(DATA / "train.jsonl"), replay_ratio=0.5,
               report=lines.append, **QUICK)
@@ -672,7 +675,10 @@ def test_slot_sizes_reach_every_example(tmp_path, capsys, monkeypatch):
     (["--data", str(DATA), "--iters", "ten"], "invalid int value"),
     (["--data", str(DATA), "--num-layers", "0"], "--num-layers must be -1"),
     (["--data", str(DATA), "--config", "/nonexistent.yaml"], "no such file"),
-    (["--data", str(DATA), "--replay-ratio", "-0.5"], "--replay-ratio must be at least 0"),
+    (["--data", str(DATA), "--replay-ratio", "-0.5"], "--replay-ratio must be between 0 and 100"),
+    (["--data", str(DATA), "--replay-ratio", "inf"], "--replay-ratio must be between 0 and 100"),
+    (["--data", str(DATA), "--replay-ratio", "nan"], "--replay-ratio must be between 0 and 100"),
+    (["--data", str(DATA), "--replay-ratio", "1e9"], "--replay-ratio must be between 0 and 100"),
     (["--data", str(DATA), "--slot-sizes", "4,0"], "slot_sizes must be positive integers"),
     (["--data", str(DATA), "--slot-sizes", "four"], "slot_sizes must be positive integers"),
     (["--data", str(DATA), "--adapter-path", ""], "--adapter-path must name a folder, not an empty string"),

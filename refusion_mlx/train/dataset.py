@@ -33,6 +33,7 @@ from ..decode.stream import chat_prompt, render_chat
 from .._json import lines
 from ..errors import RefusionError
 from .batches import Record
+from .config import check_replay_ratio
 
 SPLITS = ("train", "valid", "test")
 
@@ -182,7 +183,7 @@ def replay_records(source, tokenizer, keys: Features = Features()) -> List[Recor
 
 
 def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: int) -> List[Record]:
-    """``train`` plus ``ratio`` replayed rows per training row, drawn once from ``seed``.
+    """``train`` plus ``ratio`` replayed rows per training row (0 to 100), drawn once from ``seed``.
 
     Rehearsing the tasks a model already knows while it learns a new one is
     what keeps a full fine-tune from erasing them. Rows repeat only when
@@ -190,8 +191,7 @@ def with_replay(train: List[Record], replay: List[Record], ratio: float, seed: i
     """
     import numpy as np
 
-    if ratio < 0:
-        raise RefusionError(f"--replay-ratio must be at least 0, got {ratio}")
+    check_replay_ratio(ratio)
     k = int(round(ratio * len(train)))
     rng = np.random.default_rng(seed)
     picks = rng.permutation(len(replay))[:k].tolist()
