@@ -158,6 +158,8 @@ def test_runs_of_masks_and_what_they_see():
         seen.add(first)
     assert len(seen) > 1  # the boundaries move between examples
     assert run_starts(5, 1, None).tolist() == [0, 1, 2, 3, 4]
+    huge = run_starts(5, 3_000_000_000, np.random.default_rng(0))  # past int32 (a --max-seq-length that large)
+    assert huge.dtype == np.int32 and huge.tolist() == [0] * 5  # one run, from the response's start
     e = build_draft_example([1, 2, 3], [7, 8, 9, 10, 11], MASK, run=3, rng=np.random.default_rng(0))
     starts = run_starts(5, 3, np.random.default_rng(0))
     assert e.input_ids.tolist() == [1, 2, 3, 7, 8, 9, 10, 11] + [MASK] * 5
@@ -204,6 +206,13 @@ def test_draft_run_option(tmp_path, capsys):
         train_main(["--data", str(data), "--draft-run", "0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--draft-run must be at least 1" in err and len(err.strip().splitlines()) == 1
+    for argv in (["--draft-run", "3000000000"], ["--draft-run", "65", "--max-seq-length", "64"]):
+        with pytest.raises(SystemExit) as exit_:  # an int32 OverflowError mid-run
+            train_main(["--data", str(data), "--adapter-path", str(tmp_path / "b"), "--iters", "1",
+                        "--draft-fraction", "1", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+        assert "--draft-run must be at most --max-seq-length" in err
 
 
 def test_loss_uses_the_runs(tiny):

@@ -226,6 +226,9 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
     for name, low in minimum.items():
         if v[name] < low:
             raise OptionError(f"{flag(name)} must be at least {low}, got {v[name]}")
+    if v["draft_run"] > v["max_seq_length"]:  # no response is longer: a longer run changes nothing
+        raise OptionError(f"--draft-run must be at most --max-seq-length ({v['max_seq_length']}), "
+                          f"got {v['draft_run']}")
     for name in ("val_batches", "test_batches"):
         if v[name] < -1:
             raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")

@@ -166,4 +166,5 @@ def run_starts(length: int, run: int, rng: Optional[np.random.Generator]) -> np.
     if rng is None:
         raise RefusionError("runs of masks longer than one need a random generator")
     shift = int(rng.integers(run))  # positions before the first full run
+    k = k.astype(np.int64)  # run and shift may pass int32's range (a run longer than any response)
     return np.where(k < shift, 0, shift + (k - shift) // run * run).astype(np.int32)
