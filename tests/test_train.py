@@ -125,6 +125,7 @@ def test_tool_rows_learn_the_templates_calls(tmp_path):
     ('{"messages": [{"role": "user", "content": "hi"}]}', "train.jsonl:2: the last message must be the assistant"),
     ('{"prompt": "hi", "completion": 3}', "train.jsonl:2: \"prompt\" and \"completion\" must both be strings"),
     ('{"question": "hi"}', "train.jsonl:2: unknown format"),
+    ('{"text": ' + "[" * 100000 + "]" * 100000 + "}", "train.jsonl:2: not valid JSON \\(nested too deeply"),
 ])
 def test_malformed_lines_name_file_and_line(tok, tmp_path, line, message):
     good = '{"prompt": "a", "completion": "b"}'

@@ -151,6 +151,8 @@ def read_jsonl(path: Path, tokenizer, keys: Features = Features()) -> List[Recor
             detail = (f"{e.msg.removesuffix(' at')} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
                       else str(e).split(":")[0])
             raise RefusionError(f"{where}: not valid JSON ({detail})") from None
+        except RecursionError:  # json parses nesting by recursion
+            raise RefusionError(f"{where}: not valid JSON (nested too deeply to read)") from None
         try:
             records.append(encode_line(obj, tokenizer, where, keys))
         except RefusionError as e:  # the template's and the text checks' errors name the row too
