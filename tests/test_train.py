@@ -640,6 +640,22 @@ def test_yaml_config_and_flags(tmp_path, capsys):
     assert saved["objective"]["slot_sizes"] == [4, 8, 16, 32]  # the paper's, unless asked
 
 
+def test_a_config_written_from_mlx_lms_defaults_is_read(tmp_path):
+    """mlx-lm's CONFIG_DEFAULTS as a YAML file: its options this trainer has no use for (report_to: null,
+    clear_cache_threshold: 0, trust_remote_code: false ...) are accepted at those values (they were unknown)."""
+    import yaml
+    from mlx_lm.lora import CONFIG_DEFAULTS
+
+    from refusion_mlx.train.config import MLX_LM_OFF, merge
+
+    assert set(MLX_LM_OFF) <= set(CONFIG_DEFAULTS)
+    config = tmp_path / "mlx-lm.yaml"
+    config.write_text(yaml.safe_dump(CONFIG_DEFAULTS))
+    o = merge({"data": str(DATA)}, str(config))
+    assert o["learning_rate"] == 1e-5 and o["batch_size"] == 4 and o["train"] is False
+    assert not set(MLX_LM_OFF) & set(o)  # accepted, not options of this trainer
+
+
 def test_slot_sizes_reach_every_example(tmp_path, capsys, monkeypatch):
     """--slot-sizes (flag or YAML list) is the size every training example draws from, and is recorded."""
     import refusion_mlx.train.batches as batches
@@ -697,6 +713,12 @@ def test_usage_errors(argv, message, capsys):
     ("iters: [\n", "not valid YAML"),
     ("slot_sizes: [4, 2.5]\n", "slot_sizes must be positive integers"),
     ("slot_sizes: {a: 1}\n", "slot_sizes must be"),
+    ("report_to: wandb\n", "report_to: 'wandb' is refused: reporting to wandb or swanlab is not supported here"),
+    ("project_name: runs\n", "project_name: 'runs' is refused"),
+    ("clear_cache_threshold: 2\n", "clear_cache_threshold: 2 is refused"),
+    ("trust_remote_code: true\n", "trust_remote_code: true is refused: a ReFusion model needs no code"),
+    ("trust_remote_code: 0\n", "trust_remote_code: 0 is refused"),
+    ("config: other.yaml\n", "config: 'other.yaml' is refused: a config file cannot name another"),
 ])
 def test_yaml_errors(text, message, tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(text)

@@ -3,12 +3,15 @@
 YAML keys are the flag names with underscores (``learning_rate: 1e-4``),
 plus mlx-lm's nested blocks ``lora_parameters`` (rank, scale, dropout,
 keys), ``lr_schedule`` (mlx-lm's ``build_schedule`` format) and
-``optimizer_config`` (per-optimizer keyword arguments). An unknown key is an
-error, and so is a value of the wrong type or out of range.
+``optimizer_config`` (per-optimizer keyword arguments), and mlx-lm's options
+it has no use for at their off values (``report_to: null`` ...:
+``MLX_LM_OFF``). An unknown key is an error, and so is a value of the wrong
+type or out of range.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -107,6 +110,26 @@ OPTIONS: Dict[str, Option] = {
     "lr_schedule": Option(dict, None, "", yaml_only=True),
     "optimizer_config": Option(dict, None, "", yaml_only=True),
 }
+
+# mlx-lm's options (its CONFIG_DEFAULTS) this trainer has no use for: a YAML file may set them to mlx-lm's
+# default, their off value (a config written from mlx-lm's defaults carries them); any other value is refused
+# with the reason. As flags they are unknown (exit 2).
+MLX_LM_OFF: Dict[str, Tuple[Any, str]] = {
+    "report_to": (None, "reporting to wandb or swanlab is not supported here"),
+    "project_name": (None, "it names report_to's project, and reporting is not supported here"),
+    "clear_cache_threshold": (0, "clearing MLX's cache while training is not supported here"),
+    "trust_remote_code": (False, "a ReFusion model needs no code of its own"),
+    "config": (None, "a config file cannot name another; give its options here or as flags"),
+}
+
+
+def check_off(key: str, value: Any, source: str) -> None:
+    """An OptionError unless ``value`` is the off value of mlx-lm's option ``key`` (MLX_LM_OFF)."""
+    off, reason = MLX_LM_OFF[key]
+    if value != off or isinstance(value, bool) != isinstance(off, bool):  # 0 is not false, nor false 0
+        shown = json.dumps(value) if isinstance(value, bool) else repr(value)  # as YAML writes it
+        raise OptionError(f"{source}: {key}: {shown} is refused: {reason} "
+                          f"(mlx-lm's default, {json.dumps(off)}, is accepted)")
 
 
 def check_data(value) -> None:
@@ -208,6 +231,9 @@ def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any
         data = read_yaml(yaml_path)
         rank_given = rank_given or data.get("rank") is not None
         for key, value in data.items():
+            if key in MLX_LM_OFF:
+                check_off(key, value, source)
+                continue
             if key not in OPTIONS:
                 raise OptionError(f"{source}: unknown option {key!r}")
             values[key] = _typed(key, value, source)
