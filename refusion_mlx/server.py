@@ -8,7 +8,8 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_decoding_args, add_model_args, add_template_arg, raise_interrupt_once
+from .cli import (OneLineParser, add_decoding_args, add_model_args, add_template_arg, handle_unless_ignored,
+                  raise_interrupt_once)
 from .cli.launch import add_distributed_args, join
 from .distributed.group import say_error
 from .errors import RefusionError
@@ -49,8 +50,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
     signal.signal(signal.SIGTERM, raise_interrupt_once)  # a second Ctrl-C ends at once
     signal.signal(signal.SIGINT, raise_interrupt_once)
-    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # nohup's SIG_IGN stays
-        signal.signal(signal.SIGHUP, _hang_up)
+    if hasattr(signal, "SIGHUP"):
+        handle_unless_ignored(signal.SIGHUP, _hang_up)  # nohup's SIG_IGN stays
     with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
         server = dist = None
         try:

@@ -464,20 +464,29 @@ sys.exit(convert.main(sys.argv[1:]))
 """
 
 
+def slow_conversion(dst: Path, **popen) -> subprocess.Popen:
+    """A conversion of the demo to ``dst`` in a process of its own, 0.1 s a tensor."""
+    return subprocess.Popen([sys.executable, "-c", SLOW_CONVERTER, "--hf-path", str(FIXTURE_MODEL),
+                             "--mlx-path", str(dst)], cwd=REPO, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def signal_mid_write(proc: subprocess.Popen, dst: Path, sig: int) -> None:
+    """Send ``sig`` once a few tensors of the conversion to ``dst`` are written."""
+    staging = dst.parent / f".{dst.name}.partial-{proc.pid}"
+    deadline = time.time() + 60
+    while not (staging / "model.safetensors.partial").is_file() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # a few tensors in
+    proc.send_signal(sig)
+
+
 def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
     import mlx_lm
 
     runs = {sig: tmp_path / f"out-{sig.name}" for sig in (signal.SIGKILL, signal.SIGTERM)}
-    procs = {sig: subprocess.Popen([sys.executable, "-c", SLOW_CONVERTER, "--hf-path", str(FIXTURE_MODEL),
-                                    "--mlx-path", str(dst)], cwd=REPO, stderr=subprocess.PIPE, text=True)
-             for sig, dst in runs.items()}
+    procs = {sig: slow_conversion(dst) for sig, dst in runs.items()}
     for sig, proc in procs.items():
-        staging = tmp_path / f".{runs[sig].name}.partial-{proc.pid}"
-        deadline = time.time() + 60
-        while not (staging / "model.safetensors.partial").is_file() and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a few tensors in
-        proc.send_signal(sig)
+        signal_mid_write(proc, runs[sig], sig)
     for sig, proc in procs.items():
         _, err = proc.communicate(timeout=60)
         dst = runs[sig]
@@ -495,6 +504,22 @@ def test_killed_or_terminated_mid_write_leaves_nothing_loadable(tmp_path):
                 mlx_lm.load(str(staging))
             conv.convert(FIXTURE_MODEL, dst, progress=False)  # ...and the next run clears it away
             assert h.leftovers(dst) == [dst.name]
+
+
+def test_a_hangup_under_nohup_leaves_the_conversion_running(tmp_path):
+    """nohup starts the command with SIGHUP ignored, and it stays ignored (it ended the conversion,
+    "terminated", exit 129); a hangup without nohup still ends it, as SIGTERM does."""
+    ignored, default = tmp_path / "nohup", tmp_path / "plain"
+    procs = {ignored: slow_conversion(ignored, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)),
+             default: slow_conversion(default)}
+    for dst, proc in procs.items():
+        signal_mid_write(proc, dst, signal.SIGHUP)
+    _, err = procs[ignored].communicate(timeout=120)
+    assert procs[ignored].returncode == 0, err
+    assert load(ignored)[0].args.mask_token_id == 805
+    _, err = procs[default].communicate(timeout=120)
+    assert procs[default].returncode == 128 + signal.SIGHUP and "terminated" in err.splitlines()[-1], err
+    assert h.leftovers(default) == []
 
 
 # --------------------------------------------------------------------------

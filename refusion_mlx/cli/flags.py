@@ -293,6 +293,15 @@ def without_line_end(text: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith(("\n", "\r")) else text
 
 
+def handle_unless_ignored(sig: int, handler) -> Optional[object]:
+    """Install ``handler`` for ``sig`` unless the signal is ignored: ``nohup`` starts a command with SIGHUP
+    ignored, and it stays so (as for any Python program, and mlx-lm's). Returns the handler it replaced,
+    to put back; None when it left the signal alone."""
+    if signal.getsignal(sig) is signal.SIG_IGN:
+        return None
+    return signal.signal(sig, handler)
+
+
 def raise_interrupt_once(signum, frame) -> None:
     """A signal handler: the first Ctrl-C (or SIGTERM) raises KeyboardInterrupt, and a second ends the
     process at once, by the signal. The shutdown the first began (a server's ``close``, which joins its

@@ -1,7 +1,8 @@
 """``python -m refusion_mlx.convert``: a ReFusion checkpoint (Hugging Face
 PyTorch format) to an MLX folder, :func:`refusion_mlx.convert.convert` from
 the command line. SIGTERM and SIGHUP, like Ctrl-C, leave the destination as
-it was, unless the new folder was already in place: the message says which."""
+it was, unless the new folder was already in place: the message says which
+(a signal that is ignored, as ``nohup`` ignores SIGHUP, stays ignored)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-from ..cli import OneLineParser
+from ..cli import OneLineParser, handle_unless_ignored
 from ..distributed.group import say_error
 from ..errors import RefusionError
 from .converter import convert, format_summary
@@ -31,16 +32,18 @@ def _terminate(signum, frame):
 
 @contextmanager
 def termination_raises() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ``Signalled`` for the duration (main thread only)."""
+    """SIGTERM and SIGHUP raise ``Signalled`` for the duration (main thread only), unless they are
+    ignored: under ``nohup`` a hangup leaves the conversion running."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: handle_unless_ignored(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 SETTINGS = re.compile(r"(?<![\w-])(q_bits|q_group_size|q_mode|quant_predicate)\b")
