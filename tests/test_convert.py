@@ -572,6 +572,18 @@ def test_the_command_names_its_flags(tmp_path, capsys):
     assert code == 2 and "error: --q-bits does not go with --quant-predicate mixed_2_6" in err[-1], err
 
 
+def test_the_command_takes_each_modes_own_group_size(tmp_path, capsys):
+    """--q-group-size was checked against the affine sizes whatever the mode: nvfp4's own 16 was refused."""
+    code, err, out = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "nv", "--q-mode", "nvfp4",
+                               "--q-group-size", "16")
+    assert code == 0 and "4-bit nvfp4 (group size 16)" in out, err
+    quant = json.loads((tmp_path / "nv" / "config.json").read_text())["quantization"]
+    assert (quant["mode"], quant["group_size"], quant["bits"]) == ("nvfp4", 16, 4)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "a", "--q-group-size", "16")
+    assert code == 2 and err == ["python -m refusion_mlx.convert: error: --q-group-size must be one of 32, 64, "
+                                 "128, got 16"], err
+
+
 # --------------------------------------------------------------------------
 # --force: the swap of the old folder for the new one
 

@@ -19,7 +19,7 @@ from ..distributed.group import say_error
 from ..errors import RefusionError
 from .converter import convert, format_summary
 from .staging import outcome
-from .quant_plan import DTYPES, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
+from .quant_plan import DTYPES, MODE_DEFAULTS, Q_BITS, Q_GROUP_SIZES, Q_MODES, RECIPES, quant_settings
 
 
 class Signalled(BaseException):
@@ -62,8 +62,13 @@ def build_parser() -> OneLineParser:
                         help="source: a local folder or a Hugging Face repo id")
     parser.add_argument("--mlx-path", default="mlx_model", help="destination folder (default: mlx_model)")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize (default 4-bit affine, group 64)")
-    parser.add_argument("--q-bits", type=int, choices=Q_BITS, help="bits per weight (affine)")
-    parser.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, help="quantization group size")
+    # no choices: quant_settings checks both against --q-mode (the other modes fix their own), in one line
+    fixed = ", ".join(f"{mode} {group}" for mode, (group, _) in MODE_DEFAULTS.items() if mode != "affine")
+    parser.add_argument("--q-bits", type=int, metavar="BITS",
+                        help=f"bits per weight (affine: {', '.join(map(str, Q_BITS))}; default 4)")
+    parser.add_argument("--q-group-size", type=int, metavar="SIZE",
+                        help=f"quantization group size (affine: {', '.join(map(str, Q_GROUP_SIZES))}; default 64; "
+                             f"the other modes fix theirs: {fixed})")
     parser.add_argument("--q-mode", default="affine", choices=Q_MODES, help="quantization mode")
     parser.add_argument("--quant-predicate", choices=list(RECIPES), metavar="RECIPE",
                         help="mixed-precision recipe: " + "; ".join(f"{k}: {v}" for k, v in RECIPES.items()))
