@@ -282,6 +282,20 @@ def test_other_quantization_modes(tmp_path):
     assert out.shape == (1, 3, 806) and bool(mx.isfinite(out).all())
 
 
+def test_5_bit_converts_loads_and_decodes(tmp_path, capsys):
+    """MLX packs 5 bits, mlx_lm convert writes them and the loader reads them: the converter refused them."""
+    import mlx_lm
+    import refusion_mlx as rm
+
+    code, err, out = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / "q5", "--q-bits", "5")
+    assert code == 0 and "5-bit affine (group size 64)" in out, err
+    model, tokenizer = load(tmp_path / "q5")
+    assert model.lm_head.bits == 5 and model.model.layers[0].mlp.down_proj.bits == 5
+    text = rm.generate(model, tokenizer, rm.chat_prompt(tokenizer, "Count from 1 to 5."), max_tokens=16)
+    assert text.strip(), text
+    mlx_lm.load(str(tmp_path / "q5"))
+
+
 # --------------------------------------------------------------------------
 # Bad inputs: one line on stderr, exit != 0, nothing at the destination
 
@@ -338,7 +352,7 @@ def test_malformed_checkpoint_one_line_error_and_no_destination(tmp_path, capsys
     assert not (src / "PWNED").exists()
 
 
-@pytest.mark.parametrize("flags", [["--q-bits", "5"], ["--q-group-size", "48"], ["--dtype", "int8"],
+@pytest.mark.parametrize("flags", [["--q-bits", "7"], ["--q-group-size", "48"], ["--dtype", "int8"],
                                    ["--q-mode", "nvfp4", "--q-group-size", "64"],
                                    ["--quant-predicate", "nonsense"], ["--q-mode", "mxfp4", "--quant-predicate", "mixed_3_6"],
                                    ["--quant-predicate", "mixed_2_6", "--q-bits", "8"]])  # its summary said 8-bit
@@ -548,11 +562,11 @@ def test_a_config_without_rope_theta_gets_transformers_default(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(q_bits=5), "q_bits must be one of 2, 3, 4, 6, 8, got 5"),
-    (dict(q_bits=4.0), "q_bits must be one of 2, 3, 4, 6, 8, got 4.0"),  # a TypeError of mx.quantize
-    (dict(q_bits="4"), "q_bits must be one of 2, 3, 4, 6, 8, got '4'"),
-    (dict(q_bits=True), "q_bits must be one of 2, 3, 4, 6, 8, got True"),
-    (dict(q_bits=0), "q_bits must be one of 2, 3, 4, 6, 8, got 0"),  # it meant the default
+    (dict(q_bits=7), "q_bits must be one of 2, 3, 4, 5, 6, 8, got 7"),
+    (dict(q_bits=4.0), "q_bits must be one of 2, 3, 4, 5, 6, 8, got 4.0"),  # a TypeError of mx.quantize
+    (dict(q_bits="4"), "q_bits must be one of 2, 3, 4, 5, 6, 8, got '4'"),
+    (dict(q_bits=True), "q_bits must be one of 2, 3, 4, 5, 6, 8, got True"),
+    (dict(q_bits=0), "q_bits must be one of 2, 3, 4, 5, 6, 8, got 0"),  # it meant the default
     (dict(q_group_size=64.0), "q_group_size must be one of 32, 64, 128, got 64.0"),
     (dict(q_mode="nvfp4", q_bits=8), "q_mode nvfp4 needs group size 16 and 4 bits, got group size 16 and 8 bits"),
     (dict(q_mode=["affine"]), "q_mode must be one of affine, mxfp4, nvfp4, mxfp8, got ['affine']"),

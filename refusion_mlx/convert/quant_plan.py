@@ -18,9 +18,10 @@ from mlx.utils import tree_flatten
 
 from ..errors import RefusionError
 from ..models import registry
+from ..models.config_checks import QUANT_BITS
 from .shards import Spec
 
-Q_BITS = [2, 3, 4, 6, 8]
+Q_BITS = list(QUANT_BITS)  # what the loader reads back
 Q_GROUP_SIZES = [32, 64, 128]
 Q_MODES = ["affine", "mxfp4", "nvfp4", "mxfp8"]
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}

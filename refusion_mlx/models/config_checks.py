@@ -50,6 +50,7 @@ TAGS = {"F64": (8, True), "F32": (4, True), "F16": (2, True), "BF16": (2, True),
         "I32": (4, False), "U32": (4, False), "I16": (2, False), "U16": (2, False), "I8": (1, False),
         "U8": (1, False), "BOOL": (1, False), "F8_E4M3": (1, True), "F8_E5M2": (1, True)}
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # the bits MLX's affine quantization packs (mx.quantize)
 MAX_ROPE_FACTOR = 1024  # a RoPE scaling factor (published ones: up to 64)
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -150,8 +151,9 @@ def quantization_problems(config: Dict[str, Any]) -> List[str]:
     group, bits, mode = quant.get("group_size", 64), quant.get("bits", 4), quant.get("mode", "affine")
     if not _is_int(group) or group not in (16, 32, 64, 128):
         out.append(f"quantization.group_size must be 16, 32, 64 or 128, got {_shown(group)}")
-    if not _is_int(bits) or bits not in (2, 3, 4, 5, 6, 8):
-        out.append(f"quantization.bits must be 2, 3, 4, 5, 6 or 8, got {_shown(bits)}")
+    if not _is_int(bits) or bits not in QUANT_BITS:
+        out.append(f"quantization.bits must be {', '.join(map(str, QUANT_BITS[:-1]))} or {QUANT_BITS[-1]}, "
+                   f"got {_shown(bits)}")
     if not isinstance(mode, str):
         out.append(f"quantization.mode must be a string, got {_shown(mode)}")
     for key, value in quant.items():
