@@ -672,6 +672,23 @@ def test_the_next_run_undoes_a_force_killed_between_its_renames(tmp_path, capsys
     assert h.leftovers(dst) == ["out"]
 
 
+def test_stale_folders_are_matched_by_their_exact_name(tmp_path, capsys, monkeypatch):
+    """The cleanup of what a killed conversion left globbed the destination's name: 'o*' put back
+    another folder's moved-aside copy, and 'model[1]' never found its own staging folder."""
+    monkeypatch.chdir(tmp_path)
+    pid = dead_pid()
+    other = tmp_path / f".other.replaced-{pid}"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", "o*", "-q")
+    assert code == 0 and not any("put back" in line for line in err), err
+    assert (other / "config.json").read_text() == "{}" and is_quantized(tmp_path / "o*")
+    stale = tmp_path / f".model[1].partial-{pid}"
+    stale.mkdir()
+    assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", "model[1]", "-q")[0] == 0
+    assert not stale.exists() and h.leftovers(tmp_path / "model[1]") == ["model[1]"]
+
+
 @pytest.mark.parametrize("module,argv,code,message", [
     ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--shards", "0"], 2, "--shards: expected a positive integer"),
     ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--layers", "0"], 2, "--layers: expected a positive integer"),

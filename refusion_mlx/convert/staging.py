@@ -19,7 +19,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 DEFERRED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _PUBLISHED: Dict[Path, Tuple[int, int]] = {}  # destination -> (device, inode) of the config.json published there
@@ -84,7 +84,7 @@ def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
     """A hidden sibling of ``dst`` that becomes ``dst`` only if the body completes."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     recover_stale(dst)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    tmp = sibling(dst, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     _PUBLISHED.pop(dst.absolute(), None)
@@ -101,9 +101,8 @@ def recover_stale(dst: Path) -> None:
     beside ``dst``: a destination it had moved aside is put back if nothing
     took its place (else removed), a staging folder is removed."""
     for kind in ("replaced", "partial"):
-        for p in sorted(dst.parent.glob(f".{dst.name}.{kind}-*")):
-            pid = p.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or pid_alive(int(pid)):
+        for p, pid in siblings(dst, kind):
+            if pid_alive(pid):
                 continue
             if kind == "replaced" and not (dst.exists() or dst.is_symlink()):
                 os.rename(p, dst)
@@ -111,6 +110,28 @@ def recover_stale(dst: Path) -> None:
                       f"moved it to {p.name})", file=sys.stderr)
             else:
                 remove_path(p)
+
+
+def sibling(dst: Path, kind: str, pid: int) -> Path:
+    """The hidden folder beside ``dst`` of the conversion ``pid``: its staging folder
+    (``partial``) or the old destination it moved aside (``replaced``)."""
+    return dst.parent / f"{_sibling_prefix(dst, kind)}{pid}"
+
+
+def _sibling_prefix(dst: Path, kind: str) -> str:
+    return f".{dst.name}.{kind}-"
+
+
+def siblings(dst: Path, kind: str) -> List[Tuple[Path, int]]:
+    """Every ``sibling(dst, kind, pid)`` there is, with its pid: names compared exactly
+    (a glob would take ``[`` or ``*`` in the name for a pattern)."""
+    prefix = _sibling_prefix(dst, kind)
+    try:
+        names = sorted(os.listdir(dst.parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    pids = [(name, name[len(prefix):]) for name in names if name.startswith(prefix)]
+    return [(dst.parent / name, int(pid)) for name, pid in pids if pid.isascii() and pid.isdigit()]
 
 
 def remove_path(p: Path) -> None:
@@ -165,7 +186,7 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
         if not force:
             raise RefusionError(f"{dst} appeared during the conversion; pass --force (Python: force=True) to "
                                 "replace it")
-        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        old = sibling(dst, "replaced", os.getpid())
         os.rename(dst, old)
         try:
             os.rename(tmp, dst)
@@ -182,7 +203,7 @@ def outcome(dst: Path) -> str:
     published = _PUBLISHED.get(dst.absolute())
     if published is not None and _identity(dst / "config.json") == published:
         return f"{dst} holds the new model (it was complete)"
-    aside = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+    aside = sibling(dst, "replaced", os.getpid())
     if not (dst.exists() or dst.is_symlink()) and (aside.exists() or aside.is_symlink()):
         return f"{dst} is missing: its old folder is {aside}, rename it back"
     return f"{dst} left as it was"
