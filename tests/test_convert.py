@@ -426,6 +426,34 @@ def test_existing_destination_needs_force(tmp_path, capsys):
     assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", empty)[0] == 0
 
 
+def test_a_link_or_the_current_folder_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+    """Each passed the checks, was converted, then failed ("appeared during the conversion", "Device or
+    resource busy", a traceback once the current folder was gone), or --force replaced a link by a folder."""
+    conv.convert(FIXTURE_MODEL, tmp_path / "model", progress=False)
+    for link, target in (("out", "empty"), ("dangling", "nowhere"), ("model-link", "model")):
+        (tmp_path / link).symlink_to(target)
+    (tmp_path / "empty").mkdir()
+    sub = tmp_path / "here" / "sub"
+    sub.mkdir(parents=True)
+    link = "is a symbolic link (to {}); give the folder it points to, or a new path"
+    current = "is the current folder, which the model would replace; give a new path, such as {}/model"
+    cases = [(tmp_path, "out", [], tmp_path / "out", link.format("empty")),
+             (tmp_path, "dangling", [], tmp_path / "dangling", link.format("nowhere")),
+             (tmp_path, "model-link", ["--force"], tmp_path / "model-link", link.format("model")),
+             (tmp_path / "model", ".", ["--force"], tmp_path / "model", current.format(tmp_path / "model")),
+             (sub, ".", [], sub, current.format(sub)), (sub, "../sub", [], sub, current.format(sub)),
+             (sub, "..", ["--force"], sub.parent, "holds the current folder, which replacing it would remove; "
+                                                  "give another path")]
+    for cwd, given, flags, dst, message in cases:
+        monkeypatch.chdir(cwd)
+        code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", given, "-q", *flags)
+        assert code == 1 and err == [f"error: {dst} {message}"], (given, err)
+    assert [(tmp_path / n).readlink().name for n in ("out", "dangling", "model-link")] == ["empty", "nowhere", "model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "empty", "here", "model", "model-link", "out"]
+    assert not any((tmp_path / "empty").iterdir()) and not any((tmp_path / "here" / "sub").iterdir())
+    assert not is_quantized(tmp_path / "model")
+
+
 def test_failed_force_keeps_the_old_destination(tmp_path, capsys):
     dst = tmp_path / "out"
     conv.convert(FIXTURE_MODEL, dst, progress=False)

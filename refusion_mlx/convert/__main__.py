@@ -11,7 +11,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator, List, Optional
 
 from ..cli import OneLineParser, handle_unless_ignored
@@ -86,7 +85,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         quant_settings(args.quantize, args.q_bits, args.q_group_size, args.q_mode, args.quant_predicate)
     except RefusionError as e:
         parser.error(flag_names(str(e)))
-    dst = Path(args.mlx_path).expanduser()
     try:
         with termination_raises():
             summary = convert(args.hf_path, args.mlx_path, quantize=args.quantize,
@@ -96,13 +94,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         say_error(str(e))  # one line per problem
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted: {outcome(dst)}", file=sys.stderr)
+        print(f"interrupted: {outcome(args.mlx_path)}", file=sys.stderr)
         return 130
     except Signalled as e:
-        print(f"terminated: {outcome(dst)}", file=sys.stderr)
+        print(f"terminated: {outcome(args.mlx_path)}", file=sys.stderr)
         return 128 + e.args[0]
     except OSError as e:
-        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {outcome(dst)}", file=sys.stderr)
+        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {outcome(args.mlx_path)}", file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line, and the staging folder is gone
         print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)

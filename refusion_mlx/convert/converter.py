@@ -309,8 +309,7 @@ def convert(hf_path: Union[str, Path], mlx_path: Union[str, Path] = "mlx_model",
     """
     qs = quant_settings(quantize, q_bits, q_group_size, q_mode, quant_predicate)
     check_choice("dtype", dtype, list(DTYPES), str)
-    dst = Path(mlx_path).expanduser()
-    check_destination(dst, force)
+    dst = check_destination(mlx_path, force)
     src = resolve_source(hf_path)
     check_overlap(src, dst, "--mlx-path {dst} would replace the source checkpoint {src}")
     config = read_config(src)

@@ -82,9 +82,8 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     if dtype is not None and dtype not in DTYPES:
         raise RefusionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     src = resolve_model_path(model)
-    dst = Path(save_path).expanduser()
     read_adapter_config(adapter_path)
-    check_destination(dst, force)
+    dst = check_destination(save_path, force)
     for other, flag in ((src, "--model"), (Path(adapter_path).expanduser(), "--adapter-path")):
         check_overlap(other, dst, "--save-path {dst} overlaps " + flag + " {src}", nested=True)
     dtype = dtype or stored_dtype(read_config(src), src)

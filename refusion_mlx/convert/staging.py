@@ -19,7 +19,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 DEFERRED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _PUBLISHED: Dict[Path, Tuple[int, int]] = {}  # destination -> (device, inode) of the config.json published there
@@ -27,10 +27,33 @@ _PUBLISHED: Dict[Path, Tuple[int, int]] = {}  # destination -> (device, inode) o
 from ..errors import RefusionError
 
 
-def check_destination(dst: Path, force: bool) -> None:
-    """Refuse an existing non-empty destination unless forced, and even
-    forced anything but a model folder (a file, a folder without
-    config.json: data, say); never the home or root folder."""
+def destination(path: Union[str, Path]) -> Path:
+    """Where a conversion to ``path`` writes, decided once: absolute, the folders above it
+    resolved (a link among them followed), its own name as given (``.`` and ``..``: the
+    folder they name), so the staging folder and the renames all act on the same place."""
+    try:
+        p = Path(path).expanduser().absolute()
+    except RuntimeError as e:  # ~user with no such user
+        raise RefusionError(f"{path}: {e}") from None
+    return p.resolve() if p.name in ("", "..") else p.parent.resolve() / p.name
+
+
+def check_destination(path: Union[str, Path], force: bool) -> Path:
+    """The ``destination`` of ``path``, checked: an existing non-empty one
+    refused unless forced, and even forced anything but a model folder (a
+    file, a folder without config.json: data, say); never a symbolic link
+    (renamed into place, the model would replace the link, not fill the folder
+    it names), the current folder or one holding it, the home or root folder."""
+    dst = destination(path)
+    if dst.is_symlink():
+        raise RefusionError(f"{dst} is a symbolic link (to {os.readlink(dst)}); give the folder it points to, "
+                            "or a new path")
+    cwd = Path.cwd()
+    if dst == cwd:
+        raise RefusionError(f"{dst} is the current folder, which the model would replace; give a new path, "
+                            f"such as {dst / 'model'}")
+    if dst in cwd.parents:
+        raise RefusionError(f"{dst} holds the current folder, which replacing it would remove; give another path")
     above = next((p for p in dst.parents if p.exists() or p.is_symlink()), None)
     if above is not None and not above.is_dir():
         raise RefusionError(f"{dst}: {above} is a file, not a folder")
@@ -54,6 +77,7 @@ def check_destination(dst: Path, force: bool) -> None:
     resolved = dst.resolve()
     if resolved in (Path.home().resolve(), Path(resolved.anchor)):
         raise RefusionError(f"refusing to write the model into {dst}")
+    return dst
 
 
 def check_overlap(src: Path, dst: Path, message: str, nested: bool = False) -> None:
@@ -197,9 +221,10 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
         remove_path(old)
 
 
-def outcome(dst: Path) -> str:
-    """What a conversion to ``dst`` that failed or was interrupted left there,
-    in words: the new model when it had been published, else ``dst`` as it was."""
+def outcome(path: Union[str, Path]) -> str:
+    """What a conversion to ``path`` that failed or was interrupted left there,
+    in words: the new model when it had been published, else the destination as it was."""
+    dst = destination(path)
     published = _PUBLISHED.get(dst.absolute())
     if published is not None and _identity(dst / "config.json") == published:
         return f"{dst} holds the new model (it was complete)"
