@@ -717,6 +717,41 @@ def test_stale_folders_are_matched_by_their_exact_name(tmp_path, capsys, monkeyp
     assert not stale.exists() and h.leftovers(tmp_path / "model[1]") == ["model[1]"]
 
 
+def test_a_long_name_converts_and_one_too_long_is_one_line(tmp_path, capsys):
+    """The staging folder '.NAME.partial-PID' is 15 bytes longer than NAME: a name of 250 bytes failed
+    (File name too long) once converted, and a name that could not be checked ended in a traceback."""
+    from refusion_mlx.convert import staging
+
+    dst = tmp_path / ("m" * 250)
+    stale = staging.sibling(dst, "partial", dead_pid())
+    stale.mkdir()  # what a SIGKILL left: found and removed under its shortened name
+    assert len(stale.name) <= 255 and stale.name.startswith(".mmm")
+    assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "-q")[0] == 0
+    assert h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", dst, "--force")[0] == 0
+    assert not is_quantized(dst) and sorted(p.name for p in tmp_path.iterdir()) == [dst.name]
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", tmp_path / ("m" * 256), "-q")
+    assert code == 1 and err[-1].startswith("error: ") and "File name too long" in err[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]
+
+
+def test_a_destination_that_cannot_be_checked_is_one_line(tmp_path, capsys, monkeypatch):
+    """A folder above it that this user cannot enter: exists() raises PermissionError; the error's own
+    message checked the destination again, and its traceback was all the user saw."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    exists = Path.exists
+
+    def no_entry(self):
+        if locked in self.parents:
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self)
+
+    monkeypatch.setattr(Path, "exists", no_entry)
+    code, err, _ = h.run_cli(capsys, "--hf-path", FIXTURE_MODEL, "--mlx-path", locked / "model", "-q")
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "Permission denied" in err[0], err
+    assert not any(locked.iterdir())
+
+
 @pytest.mark.parametrize("module,argv,code,message", [
     ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--shards", "0"], 2, "--shards: expected a positive integer"),
     ("make_checkpoint", ["{tmp}/out", "--shape", "tiny", "--layers", "0"], 2, "--layers: expected a positive integer"),

@@ -100,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"terminated: {outcome(args.mlx_path)}", file=sys.stderr)
         return 128 + e.args[0]
     except OSError as e:
-        print(f"error: {e.strerror or e} ({e.filename or args.mlx_path}); {outcome(args.mlx_path)}", file=sys.stderr)
+        where = e.filename or args.mlx_path
+        print(f"error: {e.strerror or e} ({where}); {outcome(args.mlx_path)}", file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line, and the staging folder is gone
         print(f"error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)

@@ -11,6 +11,7 @@ run, which puts the old folder back."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
+NAME_MAX = 255  # bytes of a file name (Linux, macOS)
+PID_DIGITS = 10  # the most a pid takes in a name
 DEFERRED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _PUBLISHED: Dict[Path, Tuple[int, int]] = {}  # destination -> (device, inode) of the config.json published there
 
@@ -43,8 +46,18 @@ def check_destination(path: Union[str, Path], force: bool) -> Path:
     refused unless forced, and even forced anything but a model folder (a
     file, a folder without config.json: data, say); never a symbolic link
     (renamed into place, the model would replace the link, not fill the folder
-    it names), the current folder or one holding it, the home or root folder."""
-    dst = destination(path)
+    it names), the current folder or one holding it, the home or root folder.
+    One that cannot be checked (a folder above it that cannot be entered, a
+    name too long) is refused in one line too."""
+    try:
+        dst = destination(path)
+        _check_destination(dst, force)
+    except OSError as e:
+        raise RefusionError(f"cannot check the destination {path}: {e.strerror or e}") from None
+    return dst
+
+
+def _check_destination(dst: Path, force: bool) -> None:
     if dst.is_symlink():
         raise RefusionError(f"{dst} is a symbolic link (to {os.readlink(dst)}); give the folder it points to, "
                             "or a new path")
@@ -58,7 +71,7 @@ def check_destination(path: Union[str, Path], force: bool) -> Path:
     if above is not None and not above.is_dir():
         raise RefusionError(f"{dst}: {above} is a file, not a folder")
     # the folder is built beside dst and renamed into place: refused now, not once the model is written
-    if dst.is_dir() and not dst.is_symlink() and os.path.ismount(dst):
+    if dst.is_dir() and os.path.ismount(dst):
         raise RefusionError(f"{dst} is a mount point, and the model is written beside it then renamed into "
                             f"place; give a folder inside it ({dst / 'model'})")
     if above is not None and not os.access(above, os.W_OK | os.X_OK):
@@ -77,7 +90,6 @@ def check_destination(path: Union[str, Path], force: bool) -> Path:
     resolved = dst.resolve()
     if resolved in (Path.home().resolve(), Path(resolved.anchor)):
         raise RefusionError(f"refusing to write the model into {dst}")
-    return dst
 
 
 def check_overlap(src: Path, dst: Path, message: str, nested: bool = False) -> None:
@@ -111,7 +123,7 @@ def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
     tmp = sibling(dst, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _PUBLISHED.pop(dst.absolute(), None)
+    _PUBLISHED.pop(dst, None)
     try:
         yield tmp
         publish(tmp, dst, force)
@@ -143,7 +155,16 @@ def sibling(dst: Path, kind: str, pid: int) -> Path:
 
 
 def _sibling_prefix(dst: Path, kind: str) -> str:
-    return f".{dst.name}.{kind}-"
+    """``.NAME.KIND-``; where that and a pid would not fit in a file name
+    (:data:`NAME_MAX` bytes), NAME cut short and a hash of the whole of it."""
+    prefix = f".{dst.name}.{kind}-"
+    if len(os.fsencode(prefix)) + PID_DIGITS <= NAME_MAX:
+        return prefix
+    digest = hashlib.sha256(os.fsencode(dst.name)).hexdigest()[:16]
+    stem = dst.name
+    while len(os.fsencode(f".{stem}~{digest}.{kind}-")) + PID_DIGITS > NAME_MAX:
+        stem = stem[:-1]
+    return f".{stem}~{digest}.{kind}-"
 
 
 def siblings(dst: Path, kind: str) -> List[Tuple[Path, int]]:
@@ -205,7 +226,7 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
             dst.rmdir()
         if not (dst.exists() or dst.is_symlink()):
             os.rename(tmp, dst)
-            _PUBLISHED[dst.absolute()] = _identity(dst / "config.json")
+            _PUBLISHED[dst] = _identity(dst / "config.json")
             return
         if not force:
             raise RefusionError(f"{dst} appeared during the conversion; pass --force (Python: force=True) to "
@@ -217,19 +238,22 @@ def publish(tmp: Path, dst: Path, force: bool) -> None:
         except BaseException:
             os.rename(old, dst)
             raise
-        _PUBLISHED[dst.absolute()] = _identity(dst / "config.json")
+        _PUBLISHED[dst] = _identity(dst / "config.json")
         remove_path(old)
 
 
 def outcome(path: Union[str, Path]) -> str:
     """What a conversion to ``path`` that failed or was interrupted left there,
     in words: the new model when it had been published, else the destination as it was."""
-    dst = destination(path)
-    published = _PUBLISHED.get(dst.absolute())
+    try:
+        dst = destination(path)
+    except (OSError, RefusionError):  # it could not be checked, so it was never replaced
+        return f"{path} left as it was"
+    published = _PUBLISHED.get(dst)
     if published is not None and _identity(dst / "config.json") == published:
         return f"{dst} holds the new model (it was complete)"
     aside = sibling(dst, "replaced", os.getpid())
-    if not (dst.exists() or dst.is_symlink()) and (aside.exists() or aside.is_symlink()):
+    if not os.path.lexists(dst) and os.path.lexists(aside):  # (lexists: False where they cannot be seen)
         return f"{dst} is missing: its old folder is {aside}, rename it back"
     return f"{dst} left as it was"
 
