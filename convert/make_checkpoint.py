@@ -6,8 +6,9 @@ Shapes are Qwen3's (0.6B, 1.7B, 8B) with ReFusion's resized vocabulary
 (151671 rows, ``mask_token_id`` 151670), or ``tiny`` for tests. Weights are
 random bf16, written shard by shard (memory stays near one shard), named and
 ordered as Hugging Face's ``save_pretrained`` writes them. The tokenizer is the
-demo model's, with EOS ``<|im_end|>``: at ``tiny`` smaller than the embedding
-(a padded vocabulary, which is legal), at a real shape grown to the
+demo model's, with EOS ``<|im_end|>`` and its ``<|mask|>`` at the config's
+``mask_token_id`` (``move_mask_token``): at ``tiny`` smaller than the embedding
+(a padded vocabulary, which is legal; mask id 805, the demo's), at a real shape grown to the
 embedding's rows with tokens no text encodes to (``pad_tokenizer``). Generated checkpoints are for tests and
 benchmarks only; never commit them.
 """
@@ -30,6 +31,7 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
                    "generation_config.json"]
 REFUSION_VOCAB, REFUSION_MASK = 151671, 151670
+MASK, DEMO_MASK = "<|mask|>", 805  # the demo tokenizer's mask token and its id (the tiny shape's mask id)
 
 SHAPES: Dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -58,7 +60,7 @@ def make_config(shape: str = "tiny", **overrides) -> dict:
     config.update(SHAPES[shape])
     config.update(overrides)
     if shape == "tiny" and "mask_token_id" not in overrides:
-        config["mask_token_id"] = config["vocab_size"] - 1
+        config["mask_token_id"] = DEMO_MASK
     return {k: v for k, v in config.items() if v is not None or k in ("rope_scaling", "sliding_window")}
 
 
@@ -160,21 +162,49 @@ def make_checkpoint(out: Path, shape: str = "tiny", fmt: str = "safetensors", sh
     if copy_tokenizer:
         for f in TOKENIZER_FILES:
             shutil.copy(DEMO / f, out / f)
+        move_mask_token(out, config.get("mask_token_id"))
         pad_tokenizer(out, config["vocab_size"])
     return out
+
+
+def move_mask_token(folder: Path, mask_id: Optional[int]) -> None:
+    """The demo tokenizer's ``<|mask|>`` moved to the config's ``mask_token_id`` (they name the same
+    token: the loader refuses a config that contradicts its tokenizer) where no other token has that
+    id; its old id is left free (``pad_tokenizer`` fills it). An id another token has is left as it
+    is: a checkpoint the loader refuses."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    used = set(data["model"]["vocab"].values()) | {t["id"] for t in data["added_tokens"]}
+    if mask_id is None or mask_id in used:
+        return
+    for t in data["added_tokens"]:
+        if t["content"] == MASK:
+            t["id"] = mask_id
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    added = json.loads((folder / "added_tokens.json").read_text())
+    added[MASK] = mask_id
+    (folder / "added_tokens.json").write_text(json.dumps(added, ensure_ascii=False))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {(str(mask_id) if v["content"] == MASK else k): v
+                                      for k, v in config["added_tokens_decoder"].items()}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2))
 
 
 def pad_tokenizer(folder: Path, vocab_size: int) -> None:
     """The demo tokenizer in ``folder`` grown to ``vocab_size`` tokens where the embedding is over twice its
     size (a real shape's 151,671 rows): the loader refuses a tokenizer that small as one whose vocabulary
-    files are missing. The new tokens (``<pad816>`` ...) take the free ids; no text encodes to them."""
+    files are missing. Else only the free ids below its highest are filled (transformers would close
+    such a gap, moving the ids above it). The new tokens (``<pad816>`` ...) take the free ids; no text
+    encodes to them."""
     data = json.loads((folder / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
-    used = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
-    if 2 * len(used) >= vocab_size:
+    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    used = set(vocab.values()) | set(added.values())
+    top = vocab_size if 2 * len(used) < vocab_size else max(used) + 1
+    extra = {f"<pad{i}>": i for i in range(top) if i not in used}
+    if not extra:
         return
-    extra = {f"<pad{i}>": i for i in range(vocab_size) if i not in used}
     vocab.update(extra)
+    vocab.update(added)  # tokenizers numbers an added token the vocabulary lacks after the vocabulary: kept here
     (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
     slow = json.loads((folder / "vocab.json").read_text())
     slow.update(extra)
@@ -190,7 +220,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shards", type=positive_int, default=3, help="shard count of the sharded formats")
     parser.add_argument("--layers", type=positive_int, help="override num_hidden_layers (smaller 8B-wide models)")
     parser.add_argument("--vocab-size", type=positive_int, help=f"embedding rows (default {REFUSION_VOCAB})")
-    parser.add_argument("--mask-token-id", type=int, help=f"default {REFUSION_MASK}; -1 leaves it out")
+    parser.add_argument("--mask-token-id", type=int, help=f"default {REFUSION_MASK} (tiny: {DEMO_MASK}), the "
+                        f"tokenizer's {MASK} moved there; -1 leaves it out")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tie", action="store_true", default=None, help="tie_word_embeddings: true")
     tie.add_argument("--untied", dest="tie", action="store_false", help="tie_word_embeddings: false")

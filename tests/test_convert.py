@@ -52,7 +52,7 @@ def demo_out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Tiny random checkpoints (padded vocabulary: 1024 rows, 806 tokens) in every input format."""
+    """Tiny random checkpoints (padded vocabulary: 1024 rows, 816 tokens) in every input format."""
     root = tmp_path_factory.mktemp("tiny")
     made = {fmt: make_checkpoint(root / fmt, "tiny", fmt) for fmt in
             ("safetensors", "sharded-safetensors", "bin", "sharded-bin")}
@@ -163,7 +163,7 @@ def test_output_loads_in_both_runtimes_with_the_same_logits(tiny, tmp_path):
         ours, tok = load(dst, dtype="float32")
         theirs, tok2 = mlx_lm.load(str(dst))
         theirs.set_dtype(mx.float32)
-        assert ours.args.mask_token_id == 1023 and tok2.eos_token_id == tok.eos_token_id == 801
+        assert ours.args.mask_token_id == 805 and tok2.eos_token_id == tok.eos_token_id == 801
         ids = mx.array(np.random.default_rng(0).integers(0, 806, 40))[None]
         a = ours(ids, mx.arange(40))
         b = theirs(ids)
@@ -193,6 +193,10 @@ def test_a_checkpoint_of_a_real_vocabulary_converts_and_loads(tmp_path):
     model, tokenizer = load(tmp_path / "out")
     assert len(tokenizer._tokenizer) == 151671 and tokenizer.encode("Who is Sven?") == \
         load(FIXTURE_MODEL)[1].encode("Who is Sven?")  # the demo's text encodes as before
+    # the tokenizer's <|mask|> is the config's mask id, and its other tokens kept their ids (they were
+    # numbered after the padding: <|mask|> 151660, EOS 151656 against the config's 801)
+    assert tokenizer.get_vocab()["<|mask|>"] == model.args.mask_token_id == 151670
+    assert tokenizer.eos_token_id == 801 and tokenizer.encode("<tool_call>") == [806]
 
 
 # --------------------------------------------------------------------------
@@ -314,6 +318,11 @@ MALFORMED = {
     "unexpected-tensor": ("safetensors", h.add_tensor, "unexpected tensors: model.layers.0.mlp.extra_proj"),
     "no-mask-id": ("safetensors", h.strip_mask_token, "no mask token"),
     "mask-outside": ("safetensors", lambda f: h.edit_config(f, mask_token_id=5000), "outside the vocabulary"),
+    "mask-is-eos": ("safetensors", lambda f: h.edit_config(f, mask_token_id=801),
+                    "config.json: mask_token_id 801 is an end (EOS) token id, not a mask token (the tokenizer's "
+                    "<|mask|> is 805)"),
+    "mask-not-the-tokenizers": ("safetensors", lambda f: h.edit_config(f, mask_token_id=17),
+                                "config.json: mask_token_id 17 is not the tokenizer's <|mask|>, which is 805"),
     "eos-outside": ("safetensors", lambda f: h.edit_config(f, eos_token_id=9999), "eos token id 9999 is outside"),
     "no-vocabulary": ("safetensors", lambda f: [(f / n).unlink() for n in ("tokenizer.json", "vocab.json",
                                                                             "merges.txt") if (f / n).exists()],

@@ -340,7 +340,7 @@ def test_parameter_aliases_and_unknowns():
 
 def test_padded_vocabulary_ids_do_not_break_text(tmp_path):
     """Embedding rows beyond the tokenizer: ids there stay in output_ids, text skips them."""
-    config = random_config(vocab_size=1200, mask_token_id=1100)
+    config = random_config(vocab_size=1200)  # the tokenizer's 816 tokens and its <|mask|>, 805
     folder = write_checkpoint(random_model(config, seed=3, scale=2.0, layer_std=1.0), tmp_path / "m", config)
     model, tokenizer = load(folder)
     out = list(stream_generate(model, tokenizer, [800, 265, 198], max_tokens=32, slot_size=4))
@@ -681,17 +681,39 @@ def test_mask_id_falls_back_to_the_tokenizer(demo_copy):
     assert model.args.mask_token_id == 805
 
 
-def test_mask_id_from_config_wins(demo_copy):
+def drop_mask_token(folder):
+    """The tokenizer's <|mask|> renamed: a tokenizer without one."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
+        path = folder / name
+        path.write_text(path.read_text().replace("<|mask|>", "<|unused|>"))
+
+
+@pytest.mark.parametrize("mask_id,message", [
+    (17, "config.json: mask_token_id 17 is not the tokenizer's <|mask|>, which is 805"),  # a text token
+    (801, "config.json: mask_token_id 801 is an end (EOS) token id, not a mask token (the tokenizer's <|mask|> "
+          "is 805)"),
+])
+def test_a_config_mask_id_that_is_not_the_tokenizers_is_refused(demo_copy, mask_id, message):
+    """The config's mask id is the tokenizer's <|mask|> (it loaded, and decoded masks as text)."""
+    edit_config(demo_copy, mask_token_id=mask_id)
+    with pytest.raises(LoadError) as e:
+        load(demo_copy)
+    assert str(e.value) == message
+
+
+def test_mask_id_from_config_wins_when_the_tokenizer_has_none(demo_copy):
+    drop_mask_token(demo_copy)
     edit_config(demo_copy, mask_token_id=17)
     model, _ = load(demo_copy)
     assert model.args.mask_token_id == 17
+    edit_config(demo_copy, mask_token_id=801)  # an end token still is not a mask
+    with pytest.raises(LoadError, match=r"mask_token_id 801 is an end .* \(the tokenizer has no <\|mask\|>\)$"):
+        load(demo_copy)
 
 
 def test_no_mask_id_anywhere(demo_copy):
     edit_config(demo_copy, mask_token_id=None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
-        path = demo_copy / name
-        path.write_text(path.read_text().replace("<|mask|>", "<|unused|>"))
+    drop_mask_token(demo_copy)
     with pytest.raises(LoadError, match="no mask token"):
         load(demo_copy)
 

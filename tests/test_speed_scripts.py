@@ -38,12 +38,12 @@ def test_generated_speed_model_loads_and_decodes(tmp_path):
     from refusion_mlx.decode.decoder import RefusionDecoder
     from refusion_mlx.decode.params import RefusionParams
 
-    out = make_checkpoint(tmp_path / "tiny", "tiny", "safetensors", vocab_size=1500, mask_token_id=1499)
+    out = make_checkpoint(tmp_path / "tiny", "tiny", "safetensors", vocab_size=1500)
     model, tokenizer = rm.load(out)
-    assert model.args.vocab_size == 1500 and model.args.mask_token_id == 1499
+    assert model.args.vocab_size == 1500 and model.args.mask_token_id == 805  # the demo tokenizer's <|mask|>
     assert len(tokenizer) < model.args.vocab_size  # a padded vocabulary
     dec = RefusionDecoder(model, [1, 2, 3], RefusionParams(gen_length=8, slot_size=4, block_length=8),
-                          mask_id=1499, eos_id=tokenizer.eos_token_id)
+                          mask_id=805, eos_id=tokenizer.eos_token_id)
     list(dec.steps())
     assert dec.stats.forwards > 0
 

@@ -33,8 +33,8 @@ from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
 from .quant_plan import DTYPES, QuantPlan, check_choice, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
-from ..models.loading import (HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_mask_id,
-                    resolve_model_path, tokenizer_problems)
+from ..models.loading import HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_model_path
+from ..models.tokenizer_checks import resolve_mask_id, tokenizer_problems
 
 TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
@@ -161,20 +161,18 @@ def check_sizes(src: Path, args, ckpt: Checkpoint) -> None:
 
 
 def check_tokenizer(src: Path, config: dict, args) -> int:
-    """The mask id (config or tokenizer), an EOS token, and no token without an embedding row."""
+    """No token without an embedding row, an EOS token, then the mask id (config or tokenizer,
+    the two agreeing: ``tokenizer_checks.resolve_mask_id``)."""
     tokenizer = load_tokenizer(src)
-    mask_id = resolve_mask_id(config, tokenizer)
-    if not 0 <= mask_id < args.vocab_size:
-        raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {args.vocab_size}")
-    if tokenizer.eos_token_id is None:
-        raise LoadError("the tokenizer defines no eos_token")
     if len(tokenizer) > args.vocab_size:
         raise LoadError(f"the embedding has {args.vocab_size} rows but the tokenizer has "
                         f"{len(tokenizer)} tokens")
+    if tokenizer.eos_token_id is None:
+        raise LoadError("the tokenizer defines no eos_token")
     problems = tokenizer_problems(src, config, tokenizer, args.vocab_size)
     if problems:  # as loading refuses them: the converted folder would not load
         raise LoadError("\n".join(problems))
-    return mask_id
+    return resolve_mask_id(src, config, tokenizer, args.vocab_size)
 
 
 def declared_dtype(config: dict) -> Optional[str]:

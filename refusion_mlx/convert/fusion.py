@@ -29,8 +29,8 @@ from ..models.projections import hf_parameters
 from .converter import COPIED_FILES, declared_dtype, output_config
 from .shards import shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
-from ..models.loading import (DTYPES, load_model, load_tokenizer, read_config, resolve_mask_id,
-                             resolve_model_path)
+from ..models.loading import DTYPES, load_model, load_tokenizer, read_config, resolve_model_path
+from ..models.tokenizer_checks import resolve_mask_id
 
 MAX_SHARD_GB = 5
 
@@ -89,7 +89,7 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     dtype = dtype or stored_dtype(read_config(src), src)
     model_obj, config = load_model(src, dtype=dtype)
     tokenizer = load_tokenizer(src)
-    mask_id = resolve_mask_id(config, tokenizer)
+    mask_id = resolve_mask_id(src, config, tokenizer, model_obj.args.vocab_size)
     fused = fuse_adapter_folder(model_obj, adapter_path, dequantize=dequantize_weights)
     config = dict(config)
     quant = config.get("quantization")

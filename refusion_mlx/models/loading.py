@@ -16,10 +16,9 @@ from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
                             weight_problems)
-from .template_steps import MAX_TEMPLATE_CHARS
+from .tokenizer_checks import resolve_mask_id, tokenizer_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
-MASK_TOKEN = "<|mask|>"
 
 # What a model folder needs from the hub: no other weights formats, no docs.
 HUB_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -305,35 +304,6 @@ def load_tokenizer(model_path: Path):
     return tokenizer
 
 
-def tokenizer_problems(folder: Path, config: Dict[str, Any], tokenizer, vocab_size: int) -> List[str]:
-    """What makes a folder's tokenizer unfit for a vocabulary of ``vocab_size``,
-    one line each: too few tokens (its vocabulary files missing: real
-    checkpoints pad the vocabulary by a few hundred ids at most), or an end
-    token (config.json, generation_config.json, the tokenizer's) the model
-    could never write, or a chat template past its size (``template_steps``)."""
-    size = len(getattr(tokenizer, "_tokenizer", tokenizer))
-    out = [] if 2 * size >= vocab_size else [
-        f"the tokenizer holds {size} tokens for a vocabulary of {vocab_size}: are its vocabulary files "
-        "(tokenizer.json, or vocab.json and merges.txt) missing?"]
-    given = config_checks.folder_configs(folder, config)
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
-        out.append(f"the chat template is {len(template)} characters long (the most is {MAX_TEMPLATE_CHARS})")
-    return out + config_checks.token_id_problems(given, [tokenizer.eos_token_id], vocab_size)
-
-
-def resolve_mask_id(config: Dict[str, Any], tokenizer) -> int:
-    """config.json's mask_token_id, else the tokenizer's <|mask|> token."""
-    mask_id = config.get("mask_token_id")
-    if isinstance(mask_id, int) and not isinstance(mask_id, bool):
-        return mask_id
-    vocab = tokenizer.get_vocab()
-    if MASK_TOKEN in vocab:
-        return int(vocab[MASK_TOKEN])
-    raise LoadError(
-        f"no mask token: config.json has no mask_token_id and the tokenizer has no {MASK_TOKEN}")
-
-
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
          lazy: bool = False, join_projections: bool = True, adapter_path: Optional[Union[str, Path]] = None,
          dist=None, fuse: Optional[bool] = None):
@@ -379,15 +349,12 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
         projections.join_projections(model)
     projections.pad_quantized(model)  # narrow passes of a quantized model: one read of each weight on CUDA
     tokenizer = load_tokenizer(model_path)
-    mask_id = resolve_mask_id(config, tokenizer)
-    if not 0 <= mask_id < model.args.vocab_size:
-        raise LoadError(f"mask token id {mask_id} is outside the vocabulary of {model.args.vocab_size}")
     if tokenizer.eos_token_id is None:
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
     problems = tokenizer_problems(model_path, config, tokenizer, model.args.vocab_size)
     if problems:
         raise LoadError(f"{model_path}: " + "\n".join(problems))
-    model.args.mask_token_id = mask_id
+    model.args.mask_token_id = resolve_mask_id(model_path, config, tokenizer, model.args.vocab_size)
     # the checkpoint's other end ids end an answer too, as mlx-lm's load has its tokenizer stop at them
     named = config_checks.end_ids(config_checks.folder_configs(model_path, config))
     tokenizer.eos_token_ids = {tokenizer.eos_token_id, *named}
