@@ -371,6 +371,14 @@ def test_invalid_flags_exit_2_in_one_line(tmp_path, capsys, flags):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type(tmp_path):
+    """As docs/convert.md says: architectures is checked where the config lists any."""
+    src = shutil.copytree(FIXTURE_MODEL, tmp_path / "src")
+    h.edit_config(src, architectures=None)
+    conv.convert(src, tmp_path / "out", progress=False)
+    assert load(tmp_path / "out")[0].args.model_type == "qwen3"
+
+
 def test_pytorch_bin_without_torch_names_the_extra(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     code, err, _ = h.run_cli(capsys, "--hf-path", tiny["bin"], "--mlx-path", tmp_path / "out")
