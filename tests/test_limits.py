@@ -603,9 +603,11 @@ def test_hostile_model_folders_are_refused_in_one_line(tmp_path):
     link = folder(tmp_path / "link")
     os.symlink("/etc/hostname", link / "notes.txt")
     refused(link, "outside the model folder")
-    shards = folder(tmp_path / "shards")
-    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../model.safetensors"}}))
-    refused(shards, "outside the model folder")
+    shards = folder(tmp_path / "shards")  # the index names a shard once per tensor: said once, not re-wrapped
+    weight_map = {f"w{i}": "../model.safetensors" for i in range(5)}
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    refused(shards, "model.safetensors.index.json names the shard '../model.safetensors', outside the model folder")
+    assert str(_error(load, shards)).count("\n") == 0 and "malformed" not in str(_error(load, shards))
     eos = folder(tmp_path / "eos")
     (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": 10 ** 9}))
     refused(eos, "eos token id 1000000000 is outside the vocabulary")

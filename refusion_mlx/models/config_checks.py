@@ -325,7 +325,8 @@ def folder_problems(folder: Path) -> List[str]:
 
 def shard_problems(folder: Path, names: Iterable[Any]) -> List[str]:
     """Shard names from ``model.safetensors.index.json`` that would leave the
-    folder: not a plain string, absolute, with ``..``, or resolving outside."""
+    folder: not a plain string, absolute, with ``..``, or resolving outside;
+    one line a name (the index names a shard once per tensor)."""
     out = []
     root = folder.resolve()
     for name in names:
@@ -333,7 +334,7 @@ def shard_problems(folder: Path, names: Iterable[Any]) -> List[str]:
             out.append(f"model.safetensors.index.json names a shard {_shown(name)}: not a file name")
         elif Path(name).is_absolute() or ".." in Path(name).parts or not (folder / name).resolve().is_relative_to(root):
             out.append(f"model.safetensors.index.json names the shard {name!r}, outside the model folder")
-    return out
+    return list(dict.fromkeys(out))
 
 
 TOKEN_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")

@@ -84,11 +84,11 @@ def weight_files(model_path: Path) -> List[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             outside = config_checks.shard_problems(model_path, weight_map.values())
-            if outside:
-                raise LoadError("\n".join(outside))
-            names = sorted(set(weight_map.values()))
+            names = [] if outside else sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise LoadError(f"{index} is malformed: {e}") from None
+        if outside:  # raised here, not in the try: a LoadError is a ValueError, and would be wrapped again
+            raise LoadError("\n".join(outside))
         missing = [n for n in names if not (model_path / n).is_file()]
         if missing:
             raise LoadError(f"{model_path}: shard {missing[0]} named in the index is missing")
