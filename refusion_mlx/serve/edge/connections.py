@@ -10,8 +10,9 @@ protocol with two bounds (``ServerConfig``):
   arrived this many seconds after it opened (or after the first bytes of
   its next request) is closed; an idle keep-alive connection is uvicorn's
   to time out;
-* a request whose headers are over h11's 16 KiB gets 431 (uvicorn answers
-  any request h11 cannot read with 400);
+* a request whose headers are over 16 KiB gets 431, however they arrived
+  (:class:`BoundedHeaders`; uvicorn answers any request h11 cannot read
+  with 400);
 * ``max_connections`` -- past this many open connections, the oldest one
   still waiting for its headers is closed to make room (a new one, when
   every other is being answered); the default leaves room under the
@@ -43,11 +44,40 @@ def default_max_connections() -> int:
     return max(16, min(4096, limit))
 
 
+class BoundedHeaders(h11.Connection):
+    """h11's server side, with the bound on a request's headers (its request line and header fields) kept
+    whatever the reads they came in: h11 bounds only a header block still incomplete in its buffer, so
+    one that arrives whole in a read passed at any size. ``status``: 431 once a request's headers were
+    refused as too large (by h11 or here)."""
+
+    def __init__(self, limit: int):
+        super().__init__(h11.SERVER, max_incomplete_event_size=limit)
+        self.limit, self.status = limit, None
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.status = e.error_status_hint
+            raise
+        if isinstance(event, h11.Request):
+            size = (len(b"%s %s HTTP/1.1\r\n\r\n" % (event.method, event.target))  # as sent, but for spaces
+                    + sum(len(name) + len(value) + 4 for name, value in event.headers))
+            if size > self.limit:
+                self.status = 431
+                raise h11.RemoteProtocolError("request header fields too large", error_status_hint=431)
+        return event
+
+
 def protocol(header_timeout: float, max_connections: int):
     """uvicorn's h11 protocol, bounded: see the module's text."""
 
     class Bounded(H11Protocol):
         header_timer = None
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = BoundedHeaders(self.config.h11_max_incomplete_event_size or MAX_HEADER_BYTES)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -78,17 +108,16 @@ def protocol(header_timeout: float, max_connections: int):
                 self._time_headers()  # the next request's first bytes, after a keep-alive pause
 
         def send_400_response(self, msg: str) -> None:
-            # h11 refuses a request whose headers outgrow its buffer (16 KiB) as any malformed one; that
-            # request gets 431, as RFC 6585 has it, naming the limit
-            pending = self.conn.trailing_data[0]
-            limit = self.config.h11_max_incomplete_event_size or MAX_HEADER_BYTES
-            if len(pending) <= limit or b"\r\n\r\n" in pending:
+            # uvicorn answers every request h11 refuses with 400; one whose headers are over the bound
+            # (16 KiB) gets 431, as RFC 6585 has it, naming the limit
+            if self.conn.status != 431:
                 return super().send_400_response(msg)
-            body = json.dumps({"error": {"message": f"the request's headers are over {limit // 1024} KiB",
+            body = json.dumps({"error": {"message": f"the request's headers are over {self.conn.limit // 1024} KiB",
                                          "type": "invalid_request_error", "param": None,
                                          "code": "request_header_fields_too_large"}}).encode()
             for event in (h11.Response(status_code=431, reason=b"Request Header Fields Too Large",
-                                       headers=[(b"content-type", b"application/json"), (b"connection", b"close")]),
+                                       headers=[(b"content-type", b"application/json"), (b"connection", b"close"),
+                                                (b"content-length", b"%d" % len(body))]),
                           h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
             self.transport.close()
