@@ -398,6 +398,32 @@ def test_connections_that_never_finish_their_headers_are_cut(server):
     assert cut == len(socks)
 
 
+def test_idle_keep_alive_connections_make_room_for_new_ones(server):
+    """An idle keep-alive connection (answered, between two requests) waits for headers too: at
+    --max-connections the oldest goes, where the new client was reset."""
+    idle = []
+    for _ in range(24):  # --max-connections 24, all answered and kept alive
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        assert response.status == 200 and response.read() and not response.will_close
+        idle.append(conn.sock)
+    for _ in range(3):
+        status, _ = call(server, "GET", "/health")  # the new client is answered
+        assert status == 200
+    closed = []
+    for s in idle:
+        s.settimeout(0.2)
+        try:
+            closed.append(s.recv(64) == b"")
+        except socket.timeout:
+            closed.append(False)
+        except OSError:
+            closed.append(True)
+        s.close()
+    assert closed[0] and closed == sorted(closed, reverse=True), closed  # the oldest ones went
+
+
 def test_tokenizing_a_long_text_leaves_the_event_loop_free(server):
     text = "Sven lives in Hanoi and works as a baker. " * 20000  # 840 KB
     tokenizer, box = in_thread(call, server, "POST", "/tokenize", {"prompt": text})

@@ -273,8 +273,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="a connection whose request headers have not all come within this long is closed "
                              f"(default {DEFAULT_HEADER_TIMEOUT:g})")
     parser.add_argument("--max-connections", type=_positive, metavar="N",
-                        help="open connections taken at once; past it the oldest one still waiting for its "
-                             "headers is closed (default: the process's file-descriptor limit less 128, at most "
+                        help="open connections taken at once; past it the oldest one still waiting for a "
+                             "request's headers (an idle keep-alive one too) is closed (default: the process's file-descriptor limit less 128, at most "
                              "4096)")
     parser.add_argument("--prompt-cache-scope", choices=CACHE_SCOPES, default="user",
                         help="whose cached prompts a request continues: user (default) those of its own API key "

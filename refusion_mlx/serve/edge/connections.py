@@ -14,9 +14,10 @@ protocol with two bounds (``ServerConfig``):
   (:class:`BoundedHeaders`; uvicorn answers any request h11 cannot read
   with 400);
 * ``max_connections`` -- past this many open connections, the oldest one
-  still waiting for its headers is closed to make room (a new one, when
-  every other is being answered); the default leaves room under the
-  process's descriptor limit (:func:`default_max_connections`).
+  still waiting for its headers -- an idle keep-alive connection, between
+  two requests, included -- is closed to make room (a new one, when every
+  other is being answered); the default leaves room under the process's
+  descriptor limit (:func:`default_max_connections`).
 
 :class:`OncePerInterval` keeps a repeated log line (asyncio's accept error)
 to one per interval.
@@ -74,6 +75,7 @@ def protocol(header_timeout: float, max_connections: int):
 
     class Bounded(H11Protocol):
         header_timer = None
+        waiting_since = 0.0  # when it began to wait for a request's headers: opened, or its last answer sent
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -81,9 +83,12 @@ def protocol(header_timeout: float, max_connections: int):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.waiting_since = self.loop.time()
             if len(self.connections) > max_connections:  # over the cap: the oldest still without headers goes
-                waiting = [c for c in self.connections if c is not self and c.header_timer is not None]
-                oldest = min(waiting, key=lambda c: c.header_timer.when(), default=self)
+                # (h11 is IDLE on their side until a request's headers are in, and again once it is answered)
+                waiting = [c for c in self.connections if c is not self and c.conn.their_state is h11.IDLE
+                           and not c.transport.is_closing()]  # (one closed already is not counted twice)
+                oldest = min(waiting, key=lambda c: c.waiting_since, default=self)
                 oldest.transport.close()
                 if oldest is self:  # every other one is being answered: this one waits for none of them
                     return
@@ -106,6 +111,10 @@ def protocol(header_timeout: float, max_connections: int):
                     self.header_timer = None
             elif self.header_timer is None and self.conn.their_state is h11.IDLE:
                 self._time_headers()  # the next request's first bytes, after a keep-alive pause
+
+        def on_response_complete(self) -> None:
+            self.waiting_since = self.loop.time()  # idle, or the next request's headers are on their way
+            super().on_response_complete()
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn answers every request h11 refuses with 400; one whose headers are over the bound
