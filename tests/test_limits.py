@@ -613,6 +613,25 @@ def test_a_queued_client_that_leaves_logs_no_traceback(server, caplog):
     assert "client went away" in caplog.text
 
 
+def test_a_client_that_closes_its_side_with_its_request_is_cancelled_at_once(server, caplog):
+    """A FIN right after the request -- shutdown(SHUT_WR), or a client that left: TCP tells them apart only
+    when an answer is written to it -- is a client gone, as a queued client that leaves. A request that
+    finished within the first look (0.25 s) was logged and counted completed, its answer written nowhere."""
+    body = json.dumps({"prompt": "1 2 3 4 5 6", "max_tokens": 8}).encode()  # one step, well within 0.25 s
+    before = call(server, "GET", "/health")[1]
+    with caplog.at_level(logging.INFO):
+        sock = socket.create_connection((server.host, server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(30)
+        assert sock.recv(65536) == b""
+        sock.close()
+        assert wait_for(lambda: call(server, "GET", "/health")[1]["cancelled"] == before["cancelled"] + 1)
+    assert call(server, "GET", "/health")[1]["completed"] == before["completed"]
+    assert "client went away" in caplog.text
+
+
 def folder(tmp_path):
     out = tmp_path / "model"
     shutil.copytree(DEMO_MODEL, out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -60,7 +59,9 @@ class Job:
         self.cached = 0  # prompt tokens the prompt cache held
         self.task = None  # a scoring request's ScoringTask, once started
         self.served_at = 0.0  # scoring: the engine's scoring turn that last did a piece of it (started: that less 0.5)
-        self.client_seen = time.monotonic()  # when the HTTP side last found its client there
+        # when the HTTP side last found its client there; 0: not looked yet, so it looks at once (a client
+        # that closed its side with its request -- gone, or half-closed: one FIN -- is cancelled at once)
+        self.client_seen = 0.0
         self.entry_chars = 0  # characters of the tokens whose logprobs went out (or were held, with calls)
         self.held: List[Tuple[int, dict]] = []  # (offset, entry) of tokens the call splitter has not decided
         self.chars = CharCounter()  # the answer's tokens as characters of its text
