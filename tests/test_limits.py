@@ -424,6 +424,42 @@ def test_idle_keep_alive_connections_make_room_for_new_ones(server):
     assert closed[0] and closed == sorted(closed, reverse=True), closed  # the oldest ones went
 
 
+def server_side(server, sock):
+    """The server's protocol of the connection ``sock`` opened (in-process: its uvicorn's connections)."""
+    port = sock.getsockname()[1]
+    found = []
+    assert wait_for(lambda: found.extend(c for c in server.uvicorn.server_state.connections
+                                         if c.client and c.client[1] == port) or found)
+    return found[0]
+
+
+def test_a_client_that_reads_none_of_its_stream_is_cut(server, monkeypatch):
+    """A stream whose client reads nothing held its connection open forever, its answer piling up in the
+    server's buffer: after SEND_TIMEOUT s of a full buffer the connection is cut and the request cancelled."""
+    from refusion_mlx.serve.edge import connections
+
+    monkeypatch.setattr(connections, "SEND_TIMEOUT", 0.3, raising=False)
+    before = call(server, "GET", "/health")[1]
+    body = json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 900."}], "max_tokens": 256,
+                       "n": 16, "slot_threshold": 1.0, "token_threshold": 1.0, "logprobs": True,
+                       "top_logprobs": 20, "stream": True}).encode()  # 8 rounds of --max-batch 2
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect((server.host, server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    # the kernel's buffers, small, so that the server's own fills within a few steps (it would after
+    # megabytes, as it does for n=16 choices with top_logprobs)
+    writer = server_side(server, sock)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    writer.loop.call_soon_threadsafe(writer.transport.set_write_buffer_limits, 4096)
+    assert wait_for(lambda: writer not in server.uvicorn.server_state.connections)
+    assert wait_for(lambda: call(server, "GET", "/health")[1]["active"] == 0)
+    state = call(server, "GET", "/health")[1]
+    assert state["cancelled"] > before["cancelled"] and state["queued"] == 0
+    sock.close()
+
+
 def test_tokenizing_a_long_text_leaves_the_event_loop_free(server):
     text = "Sven lives in Hanoi and works as a baker. " * 20000  # 840 KB
     tokenizer, box = in_thread(call, server, "POST", "/tokenize", {"prompt": text})

@@ -1,10 +1,10 @@
-"""Connections that hold the server without a request are cut.
+"""Connections that hold the server without a request, or without taking its answer, are cut.
 
 uvicorn times out an idle keep-alive connection, but not one that opens and
 never finishes its headers; and it takes every connection it can accept, so
 a few thousand such sockets use up the process's file descriptors and the
 accept error is logged without end. :func:`protocol` makes uvicorn's h11
-protocol with two bounds (``ServerConfig``):
+protocol with these bounds (``ServerConfig``'s, and a constant's):
 
 * ``header_timeout`` -- a connection whose request headers have not all
   arrived this many seconds after it opened (or after the first bytes of
@@ -13,6 +13,10 @@ protocol with two bounds (``ServerConfig``):
 * a request whose headers are over 16 KiB gets 431, however they arrived
   (:class:`BoundedHeaders`; uvicorn answers any request h11 cannot read
   with 400);
+* :data:`SEND_TIMEOUT` -- a connection whose answer its client takes none
+  of (the transport's buffer stays over its high mark, so uvicorn waits to
+  write) for this long is closed, the buffer dropped: nginx's
+  ``send_timeout``; a stream's request is cancelled then;
 * ``max_connections`` -- past this many open connections, the oldest one
   still waiting for its headers -- an idle keep-alive connection, between
   two requests, included -- is closed to make room (a new one, when every
@@ -35,6 +39,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
 MAX_HEADER_BYTES = 16 * 1024  # h11's bound on a request's headers (uvicorn's h11_max_incomplete_event_size)
+SEND_TIMEOUT = 60.0  # seconds a client may take none of its answer (nginx's send_timeout), then it is cut
 RESERVED_FDS = 128  # descriptors kept free of connections: model files, the prompt cache's, logs
 
 
@@ -74,7 +79,7 @@ def protocol(header_timeout: float, max_connections: int):
     """uvicorn's h11 protocol, bounded: see the module's text."""
 
     class Bounded(H11Protocol):
-        header_timer = None
+        header_timer = send_timer = None
         waiting_since = 0.0  # when it began to wait for a request's headers: opened, or its last answer sent
 
         def __init__(self, *args, **kwargs) -> None:
@@ -112,6 +117,21 @@ def protocol(header_timeout: float, max_connections: int):
             elif self.header_timer is None and self.conn.their_state is h11.IDLE:
                 self._time_headers()  # the next request's first bytes, after a keep-alive pause
 
+        def pause_writing(self) -> None:  # the transport's buffer is over its high mark: its client reads nothing
+            super().pause_writing()
+            if self.send_timer is None:
+                self.send_timer = self.loop.call_later(SEND_TIMEOUT, self._send_late)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.send_timer is not None:
+                self.send_timer.cancel()
+                self.send_timer = None
+
+        def _send_late(self) -> None:
+            self.send_timer = None
+            self.transport.abort()  # not close(): that waits for the buffer to drain, which never comes
+
         def on_response_complete(self) -> None:
             self.waiting_since = self.loop.time()  # idle, or the next request's headers are on their way
             super().on_response_complete()
@@ -132,9 +152,10 @@ def protocol(header_timeout: float, max_connections: int):
             self.transport.close()
 
         def connection_lost(self, exc) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-                self.header_timer = None
+            for timer in (self.header_timer, self.send_timer):
+                if timer is not None:
+                    timer.cancel()
+            self.header_timer = self.send_timer = None
             super().connection_lost(exc)
 
     return Bounded
