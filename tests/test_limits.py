@@ -433,6 +433,24 @@ def server_side(server, sock):
     return found[0]
 
 
+def unread_stream(server):
+    """A stream of 16 choices (8 rounds of --max-batch 2) whose client reads none of it, and the server's
+    side of its connection, once its send buffer is full (the kernel's buffers made small, so that it
+    fills within a few steps: it would after megabytes, as it does for n=16 with top_logprobs)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 900."}], "max_tokens": 256,
+                       "n": 16, "slot_threshold": 1.0, "token_threshold": 1.0, "logprobs": True,
+                       "top_logprobs": 20, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect((server.host, server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    writer = server_side(server, sock)
+    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    writer.loop.call_soon_threadsafe(writer.transport.set_write_buffer_limits, 4096)
+    return sock, writer
+
+
 def test_a_client_that_reads_none_of_its_stream_is_cut(server, monkeypatch):
     """A stream whose client reads nothing held its connection open forever, its answer piling up in the
     server's buffer: after SEND_TIMEOUT s of a full buffer the connection is cut and the request cancelled."""
@@ -440,24 +458,43 @@ def test_a_client_that_reads_none_of_its_stream_is_cut(server, monkeypatch):
 
     monkeypatch.setattr(connections, "SEND_TIMEOUT", 0.3, raising=False)
     before = call(server, "GET", "/health")[1]
-    body = json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 900."}], "max_tokens": 256,
-                       "n": 16, "slot_threshold": 1.0, "token_threshold": 1.0, "logprobs": True,
-                       "top_logprobs": 20, "stream": True}).encode()  # 8 rounds of --max-batch 2
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    sock.connect((server.host, server.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    # the kernel's buffers, small, so that the server's own fills within a few steps (it would after
-    # megabytes, as it does for n=16 choices with top_logprobs)
-    writer = server_side(server, sock)
-    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    writer.loop.call_soon_threadsafe(writer.transport.set_write_buffer_limits, 4096)
+    sock, writer = unread_stream(server)
     assert wait_for(lambda: writer not in server.uvicorn.server_state.connections)
     assert wait_for(lambda: call(server, "GET", "/health")[1]["active"] == 0)
     state = call(server, "GET", "/health")[1]
     assert state["cancelled"] > before["cancelled"] and state["queued"] == 0
     sock.close()
+
+
+def test_a_stop_answers_a_body_still_coming_and_cuts_a_stream_nobody_reads(caplog):
+    """A stop with a body still coming (--body-timeout: 30 s) or a stream its client does not read (no
+    bound then) waited out uvicorn's graceful shutdown (5 s), which then cancelled them: "Exception in ASGI
+    application" with its traceback, and a plain-text 500 to the body's client. Now that client gets the
+    stop's 503 in its API's shape, and the stream's connection is cut at the stop."""
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    srv = RefusionServer(str(DEMO_MODEL), model_id="demo", port=0, max_batch=2).start()
+    try:
+        body = json.dumps({"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+        slow = socket.create_connection((srv.host, srv.port))
+        slow.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:-10].encode())  # the rest never comes
+        sock, writer = unread_stream(srv)
+        assert wait_for(lambda: writer.flow.write_paused)
+    finally:
+        with caplog.at_level(logging.INFO):
+            srv.close()
+    slow.settimeout(10)
+    reply = b""
+    while chunk := slow.recv(65536):
+        reply += chunk
+    assert reply.startswith(b"HTTP/1.1 503 "), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1]) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+    assert writer not in srv.uvicorn.server_state.connections
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    sock.close()
+    slow.close()
 
 
 def test_tokenizing_a_long_text_leaves_the_event_loop_free(server):

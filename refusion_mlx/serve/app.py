@@ -57,7 +57,8 @@ def create_app(server) -> FastAPI:
 
     app.add_middleware(HeadAsGet)  # innermost: the guards see the HEAD, the routes a GET
     app.add_middleware(RequestGuard, keys=config.api_keys, max_bytes=config.max_body_bytes,
-                       body_timeout=config.body_timeout, metrics_public=config.metrics_public, on_error=refused)
+                       body_timeout=config.body_timeout, metrics_public=config.metrics_public, on_error=refused,
+                       stopping=lambda: engine.stopping_since is not None)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -16,7 +16,9 @@ protocol with these bounds (``ServerConfig``'s, and a constant's):
 * :data:`SEND_TIMEOUT` -- a connection whose answer its client takes none
   of (the transport's buffer stays over its high mark, so uvicorn waits to
   write) for this long is closed, the buffer dropped: nginx's
-  ``send_timeout``; a stream's request is cancelled then;
+  ``send_timeout``; a stream's request is cancelled then. A stop waits for
+  no such client: at the stop (uvicorn's ``shutdown``), or once its buffer
+  fills after it, the connection is cut at once;
 * ``max_connections`` -- past this many open connections, the oldest one
   still waiting for its headers -- an idle keep-alive connection, between
   two requests, included -- is closed to make room (a new one, when every
@@ -80,6 +82,7 @@ def protocol(header_timeout: float, max_connections: int):
 
     class Bounded(H11Protocol):
         header_timer = send_timer = None
+        stopping = False  # the server is stopping: a client that reads nothing is not waited for
         waiting_since = 0.0  # when it began to wait for a request's headers: opened, or its last answer sent
 
         def __init__(self, *args, **kwargs) -> None:
@@ -120,7 +123,7 @@ def protocol(header_timeout: float, max_connections: int):
         def pause_writing(self) -> None:  # the transport's buffer is over its high mark: its client reads nothing
             super().pause_writing()
             if self.send_timer is None:
-                self.send_timer = self.loop.call_later(SEND_TIMEOUT, self._send_late)
+                self.send_timer = self.loop.call_later(0 if self.stopping else SEND_TIMEOUT, self._send_late)
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -131,6 +134,12 @@ def protocol(header_timeout: float, max_connections: int):
         def _send_late(self) -> None:
             self.send_timer = None
             self.transport.abort()  # not close(): that waits for the buffer to drain, which never comes
+
+        def shutdown(self) -> None:  # the server stops: uvicorn waits for the answers under way, a while
+            super().shutdown()
+            self.stopping = True
+            if self.flow.write_paused:  # its client reads none of it: holding the stop up, then a traceback
+                self.transport.abort()
 
         def on_response_complete(self) -> None:
             self.waiting_since = self.loop.time()  # idle, or the next request's headers are on their way

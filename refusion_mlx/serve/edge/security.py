@@ -18,7 +18,8 @@ with no body and no ``Content-Type`` goes on, and a route that needs a body
 answers its 400), a
 ``Content-Length`` or a chunked body, not both (411, 400), within
 ``--max-body-bytes`` (413), its whole
-body within ``--body-timeout`` seconds of its headers (408), and no string
+body within ``--body-timeout`` seconds of its headers (408; 503 when the
+server stops while it is still coming), and no string
 in it with an unpaired UTF-16 surrogate (400, naming the field); the body
 is then handed to the app as read.
 
@@ -39,7 +40,8 @@ import re
 import time
 from typing import Callable, Iterable, Optional, Tuple
 
-from .http_errors import APIError, error_response
+from ..core.refusal import Reason, Refusal
+from .http_errors import APIError, error_response, refusal_error
 from .lanes import BODY_BYTES
 
 KEY_SCOPE = "refusion.key"  # the scope entry holding the hash of the API key a request presented
@@ -47,6 +49,7 @@ WILDCARDS = ("0.0.0.0", "::", "")
 # what a browser may load without the key: the page itself, which asks for the key
 PUBLIC_PAGE = ("/", "/web/app.js", "/web/style.css")
 PUBLIC = ("/health", "/v1/health", "/api/hello")  # /api/hello: a client's connection check, no key
+STOP_CHECK = 0.25  # seconds between two looks at whether the server is stopping, while a body arrives
 
 
 def key_id(key: str) -> str:
@@ -195,11 +198,14 @@ def _json_type(value: Optional[str]) -> bool:
 class RequestGuard:
     """ASGI middleware: the API key (401), then a POST's Content-Type (415; none for no body),
     Content-Length (411, 413), a body that arrives in time (408) and holds
-    text only (400: :func:`unpaired_surrogate`)."""
+    text only (400: :func:`unpaired_surrogate`). ``stopping()``: whether the
+    server is stopping, when a body still to come is waited for no longer (503)."""
 
     def __init__(self, app, keys: Tuple[str, ...] = (), max_bytes: int = 1 << 20, body_timeout: float = 30.0,
-                 metrics_public: bool = False, on_error: Optional[Callable[[APIError, dict], None]] = None):
+                 metrics_public: bool = False, on_error: Optional[Callable[[APIError, dict], None]] = None,
+                 stopping: Callable[[], bool] = lambda: False):
         self.app, self.max_bytes, self.body_timeout, self.on_error = app, max_bytes, body_timeout, on_error
+        self.stopping = stopping
         self.keys = tuple(k.encode() for k in keys)
         self.public = PUBLIC + (("/metrics",) if metrics_public else ())
 
@@ -259,7 +265,9 @@ class RequestGuard:
             body, more = await self.read(receive)
             if body is None:  # the client left
                 return
-            if body is False:
+            if body is False and self.stopping():
+                error = refusal_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
+            elif body is False:
                 error = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s of its "
                                       "headers", code="request_timeout")
             elif len(body) > self.max_bytes:  # chunked: known only as it comes
@@ -284,18 +292,26 @@ class RequestGuard:
             self.on_error(error, scope)
         response = error_response(error, scope)
         response.headers.update(headers or {})
-        if error.status == 408 or _header(scope, b"transfer-encoding") is not None:  # a body left unread
+        if error.status in (408, 503) or _header(scope, b"transfer-encoding") is not None:  # a body left unread
             response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
-    async def read(self, receive):
-        """(the body, whether more of it is still to come): bytes (once over the limit, what came so far),
-        None when the client leaves, False when it stalls past the timeout."""
-        parts, size, deadline = [], 0, time.monotonic() + self.body_timeout
+    async def next_message(self, receive, deadline: float):
+        """The client's next message; None when none comes by ``deadline`` (monotonic) or the server stops."""
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                return await asyncio.wait_for(receive(), max(0.0, min(deadline - time.monotonic(), STOP_CHECK)))
             except asyncio.TimeoutError:
+                if self.stopping() or time.monotonic() >= deadline:
+                    return None
+
+    async def read(self, receive):
+        """(the body, whether more of it is still to come): bytes (once over the limit, what came so far),
+        None when the client leaves, False when it stalls past the timeout or the server stops meanwhile."""
+        parts, size, deadline = [], 0, time.monotonic() + self.body_timeout
+        while True:
+            message = await self.next_message(receive, deadline)
+            if message is None:
                 return False, False
             if message["type"] == "http.disconnect":
                 return None, False
@@ -307,9 +323,8 @@ class RequestGuard:
     async def drain(self, receive, length: int) -> None:
         left, deadline = min(length, 64 << 20), time.monotonic() + 5
         while left > 0 and time.monotonic() < deadline:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            message = await self.next_message(receive, deadline)
+            if message is None:
                 return
             left = left - len(message.get("body", b"")) if message.get("more_body") else 0
 
