@@ -200,6 +200,17 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _flush_or_drop_stdout() -> bool:
+    """What standard output still holds written now (True), or, where it cannot be (a full disk), dropped
+    (:func:`_quiet_stdout`; False): Python's flush at exit would fail again and say so in a note of its own."""
+    try:
+        sys.stdout.flush()
+        return True
+    except (OSError, ValueError):
+        _quiet_stdout()
+        return False
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -332,9 +343,12 @@ def run(body: Callable[[], int]) -> int:
     """Run a command's body: a RefusionError, a file-system error or MLX's
     own failure (out of memory) is one line on stderr and exit 1, Ctrl-C is "interrupted" and exit 130 (a
     :class:`~refusion_mlx.errors.Terminated`, SIGTERM, "terminated" and 143)
-    -- never a traceback."""
+    -- never a traceback. What the body printed is flushed before it returns, so a full disk is said here
+    and not at the interpreter's exit."""
     try:
-        return body()
+        code = body()
+        sys.stdout.flush()
+        return code
     except RefusionError as e:
         distributed_group.say_error(str(e))
         return 1
@@ -349,8 +363,8 @@ def run(body: Callable[[], int]) -> int:
     except BrokenPipeError:  # the reader left (``| head``): quiet, as cat and grep are
         _quiet_stdout()
         return 141
-    except OSError as e:
-        name = getattr(e, "filename", None)
+    except OSError as e:  # a file's, or standard output's (a full disk: what it could not take is dropped)
+        name = getattr(e, "filename", None) or (None if _flush_or_drop_stdout() else "standard output")
         print(f"error: {e.strerror or e}" + (f": {name}" if name else ""), file=sys.stderr)
         return 1
     except UnicodeEncodeError as e:

@@ -1,0 +1,32 @@
+"""The commands' standard streams as a user's shell gives them: block-buffered (no PYTHONUNBUFFERED), a full
+disk, a log that takes both streams, Ctrl-C, input that is not UTF-8."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# a user's environment: Python buffers standard output when it is not a terminal
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+ENV["PYTHONPATH"] = os.pathsep.join(sys.path)
+
+
+def command(name: str, *argv: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"refusion_mlx.{name}", *argv], env={**ENV, **kwargs.pop("env", {})},
+                          timeout=180, **kwargs)
+
+
+def test_a_full_disk_under_standard_output_is_one_line_and_exit_1(tmp_path):
+    """The answer is written before the command returns, where a failed write is one line and exit 1, and what
+    could not be written is dropped: never Python's "Exception ignored" note at exit (exit 120)."""
+    (tmp_path / "p.txt").write_text("Who is Sven?\nCount from 1 to 5.\n")
+    runs = [("generate", ["--max-tokens", "16", "--json"], None), ("generate", ["--max-tokens", "16"], None),
+            ("generate", ["--max-tokens", "16", "--prompts-file", str(tmp_path / "p.txt")], None),
+            ("chat", ["--max-tokens", "16"], b"Who is Sven?\n")]
+    for name, argv, given in runs:
+        with open("/dev/full", "wb") as full:
+            proc = command(name, *argv, input=given, stdout=full, stderr=subprocess.PIPE)
+        err = proc.stderr.decode()
+        assert proc.returncode == 1, (argv, proc.returncode, err)
+        assert err.endswith("error: No space left on device: standard output\n") and "Exception" not in err, err
