@@ -17,7 +17,7 @@ from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args,
                   positive_int, read_input, read_text, run, Spelled, spelled, storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .decode.answer import AnswerText
-from .decode.batch import batch_generate
+from .decode.batch import BatchResult, stream_batch
 from .decode.grammar import Constraint
 from .decode.params import PARAM_NAMES, make_params
 from .decode.prompts_file import parse_prompts
@@ -137,7 +137,9 @@ def _is_json(text: str) -> bool:
 
 def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> int:
     """Decode every prompt of ``--prompts-file`` in batches; print each
-    answer (or one JSON object per line with ``--json``) in file order.
+    answer (or one JSON object per line with ``--json``) in file order, as
+    soon as it and every answer before it are done (Ctrl-C keeps what was
+    printed; a JSONL reader reads them as they come).
     Exit status 1 if any prompt failed alone (the others are still printed)."""
     text = read_input(args.prompts_file, "--prompts-file")
     items = parse_prompts(text, args.prompts_file, params)
@@ -148,27 +150,36 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
                        template_kwargs=args.chat_template_config) for it in items]
     params = [fitted_or_as_is(it, len(p), model, args.gen_length, f"[{i}] ")
               for i, (it, p) in enumerate(zip(items, ids))]
+    results = [BatchResult(prompt_ids=p) for p in ids]
+    printed = 0
     with watchdog.armed():
         one = (constraint or {}).get("grammar")
-        results = batch_generate(model, tokenizer, ids, params, max_batch=args.batch_size,
-                                 constraints=[one] * len(ids), storage=storage)
-    for i, r in enumerate(results):
-        if args.json:
-            print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,
-                              "finish_reason": r.finish_reason, "error": r.error,
-                              "stats": with_distributed(r.stats.as_dict() if r.stats else None, dist)}))
-        elif r.error is not None:
-            print(f"[{i}] error: {r.error}")
-        else:
-            print(f"[{i}] {r.text}")
-        if args.verbose and r.stats is not None:
-            print(f"[{i}] {format_stats(r.stats)}", file=sys.stderr)
+        for i, response in stream_batch(model, tokenizer, ids, params, max_batch=args.batch_size,
+                                        constraints=[one] * len(ids), storage=storage):
+            if results[i].add(response):
+                while printed < len(results) and results[printed].finish_reason is not None:
+                    print_result(args, printed, results[printed], dist)
+                    printed += 1
     failed = [i for i, r in enumerate(results) if r.error is not None]
     if failed:
         print(f"error: {len(failed)} of {len(results)} prompts failed (first: [{failed[0]}] "
               f"{results[failed[0]].error})", file=sys.stderr)
         return 1
     return 0
+
+
+def print_result(args, i: int, r: BatchResult, dist=None) -> None:
+    """A prompts file's ``i``-th answer on standard output (its statistics on standard error with --verbose)."""
+    if args.json:
+        print(json.dumps({"index": i, "text": r.text, "output_ids": r.output_ids, "prompt_ids": r.prompt_ids,
+                          "finish_reason": r.finish_reason, "error": r.error,
+                          "stats": with_distributed(r.stats.as_dict() if r.stats else None, dist)}), flush=True)
+    elif r.error is not None:
+        print(f"[{i}] error: {r.error}", flush=True)
+    else:
+        print(f"[{i}] {r.text}", flush=True)
+    if args.verbose and r.stats is not None:
+        print(f"[{i}] {format_stats(r.stats)}", file=sys.stderr)
 
 
 def fitted_or_as_is(item, prompt_tokens: int, model, given: Optional[int], where: str):

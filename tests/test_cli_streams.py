@@ -30,3 +30,28 @@ def test_a_full_disk_under_standard_output_is_one_line_and_exit_1(tmp_path):
         err = proc.stderr.decode()
         assert proc.returncode == 1, (argv, proc.returncode, err)
         assert err.endswith("error: No space left on device: standard output\n") and "Exception" not in err, err
+
+
+def test_a_prompts_file_prints_each_answer_once_it_and_those_before_are_done(tmp_path):
+    """Answers come in file order as they are done, not all at the end: Ctrl-C keeps the ones printed (exit
+    130, "interrupted"), and a reader of the output (a JSONL consumer) reads the first before the last is
+    decoded."""
+    import signal
+
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("".join(f"Count from {i} to {i + 30}.\n" for i in range(1, 81)))
+    proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", str(prompts),
+                             "--max-tokens", "128", "--batch-size", "2"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = proc.stdout.readline()  # the first answer, while the others decode
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    lines = (first + rest).splitlines(keepends=True)
+    assert proc.returncode == 130 and err.endswith("interrupted\n"), (proc.returncode, err)
+    assert first.startswith("[0] 1 2 3") and 1 <= len(lines) < 80, lines
+    assert [line.split()[0] for line in lines] == [f"[{i}]" for i in range(len(lines))]
+    assert all(line.endswith("\n") for line in lines)

@@ -289,6 +289,14 @@ class BatchResult:
     prompt_ids: List[int] = field(default_factory=list)
     error: Optional[str] = None
 
+    def add(self, response: GenerationResponse) -> bool:
+        """Take one of the prompt's responses (as :func:`stream_batch` yields them); True once it is the last."""
+        self.text += response.text
+        self.output_ids += response.tokens
+        if response.finish_reason is not None:
+            self.finish_reason, self.stats, self.error = response.finish_reason, response.stats, response.error
+        return response.finish_reason is not None
+
 
 def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
                    params: Union[RefusionParams, Sequence[RefusionParams], None] = None,
@@ -310,11 +318,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     results = [BatchResult(prompt_ids=i if isinstance(i, list) else []) for i in ids]
     storage = KVStorage.given(storage, kv_bits, kv_group_size)
     for index, response in _stream(model, tokenizer, ids, params, max_batch, constraints, storage, kwargs):
-        r = results[index]
-        r.text += response.text
-        r.output_ids += response.tokens
-        if response.finish_reason is not None:
-            r.finish_reason, r.stats, r.error = response.finish_reason, response.stats, response.error
+        results[index].add(response)
     return results
 
 
