@@ -56,6 +56,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise RefusionError(f"--frame-time must be within 0..10 seconds, got {args.frame_time}")
         if sys.stdin is None:
             raise RefusionError("the chat reads its turns from standard input, which is closed")
+        # a line's undecodable bytes kept as such (what Python's UTF-8 locales do): that turn fails in one
+        # line and the chat goes on, as under a strict locale (PYTHONIOENCODING=utf-8:strict) too
+        if hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="surrogateescape")
         params = params_from_args(args)
         storage = storage_from_args(args)  # a bad --kv-bits / --kv-group-size pair fails before the model loads
         dist = join(args)  # under mlx.launch: rank 0 reads the user's lines and writes; every rank decodes

@@ -55,3 +55,19 @@ def test_a_prompts_file_prints_each_answer_once_it_and_those_before_are_done(tmp
     assert first.startswith("[0] 1 2 3") and 1 <= len(lines) < 80, lines
     assert [line.split()[0] for line in lines] == [f"[{i}]" for i in range(len(lines))]
     assert all(line.endswith("\n") for line in lines)
+
+
+def test_a_line_that_is_not_utf8_fails_its_turn_alone_in_any_locale(capsys):
+    """The chat reads a line with a byte that is not UTF-8 as a UTF-8 locale does (the byte kept as such),
+    under a strict one (PYTHONIOENCODING=utf-8:strict) too: that turn fails in one line and the next is
+    answered; never a traceback. Any command's input read strictly elsewhere is one line too."""
+    from refusion_mlx.cli import run
+
+    for encoding in ("utf-8:strict", "utf-8"):
+        proc = command("chat", "--max-tokens", "32", input=b"Who is \xff Sven?\nWho is Zoe?\n",
+                       capture_output=True, env={"PYTHONIOENCODING": encoding})
+        out, err = proc.stdout.decode(), proc.stderr.decode()
+        assert proc.returncode == 1 and "Traceback" not in err, (encoding, err)
+        assert "error: a user message is not valid UTF-8 text" in err and "Zoe" in out, (encoding, out, err)
+    assert run(lambda: b"Who is \xff Sven?".decode("utf-8")) == 1
+    assert capsys.readouterr().err == "error: an input is not utf-8 text (invalid start byte)\n"

@@ -367,6 +367,9 @@ def run(body: Callable[[], int]) -> int:
         name = getattr(e, "filename", None) or (None if _flush_or_drop_stdout() else "standard output")
         print(f"error: {e.strerror or e}" + (f": {name}" if name else ""), file=sys.stderr)
         return 1
+    except UnicodeDecodeError as e:  # (a ValueError) an input read in a strict encoding
+        print(f"error: an input is not {e.encoding} text ({e.reason})", file=sys.stderr)
+        return 1
     except UnicodeEncodeError as e:
         print(f"error: standard output's encoding ({e.encoding}) cannot write the text; set PYTHONIOENCODING=utf-8",
               file=sys.stderr)
