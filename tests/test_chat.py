@@ -228,6 +228,25 @@ def test_piped_turns_that_fail_make_a_failing_exit(loaded):
     assert "error:" in err.getvalue() and "/reset" not in err.getvalue()  # no history: a reset would not help
 
 
+def test_ctrl_c_at_the_prompt_is_interrupted_and_exit_130(loaded, capsys):
+    """Ctrl-C while the chat waits for a line ends it as Ctrl-C ends every command: "interrupted", exit 130
+    (it was "bye" and exit 0, as end of input is)."""
+    from refusion_mlx.cli import run
+
+    lines = ["Who is Sven?"]
+
+    def read(prompt):
+        if not lines:
+            raise KeyboardInterrupt
+        return lines.pop()
+
+    out, err = io.StringIO(), io.StringIO()
+    assert run(lambda: repl(session(loaded), Terminal(read, out, err, interactive=True))) == 130
+    assert capsys.readouterr().err == "interrupted\n" and "bye" not in err.getvalue()
+    assert out.getvalue().startswith("Sven lives in Hanoi.") and out.getvalue().endswith("\n\n")
+    assert run_repl(loaded, ["Who is Sven?"])[0] == 0  # end of input stays a quiet exit 0
+
+
 def test_a_turn_that_fails_in_mlx_is_one_line_and_the_chat_goes_on(loaded, monkeypatch):
     """Out of memory in one turn: "error: ..." for that turn, the next turn is answered (it ended the chat
     with a traceback once the library raised MLX's own error)."""

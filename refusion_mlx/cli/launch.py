@@ -90,8 +90,8 @@ def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callab
     """``read`` on rank 0, its lines on every rank: the chat's turns are the
     same everywhere. While rank 0 waits for the user it broadcasts a
     heartbeat each second, so no rank's collective waits long enough for
-    the watchdog. End of input (or Ctrl-C at the prompt) is EOFError on
-    every rank."""
+    the watchdog. End of input is EOFError on every rank, Ctrl-C at the
+    prompt KeyboardInterrupt."""
     if not dist.leader:
         def follow(prompt: str) -> str:
             while True:
@@ -100,6 +100,8 @@ def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callab
                     return line
                 if kind == "eof":
                     raise EOFError
+                if kind == "interrupt":
+                    raise KeyboardInterrupt
         return follow
 
     def lead(prompt: str) -> str:
@@ -114,17 +116,18 @@ def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callab
 
         beater = threading.Thread(target=beat, name="refusion-heartbeat", daemon=True)
         beater.start()
-        line = None
+        line, ended = None, EOFError
         try:
             line = read(prompt)
-        except (EOFError, KeyboardInterrupt):
-            pass
+        except (EOFError, KeyboardInterrupt) as e:
+            ended = type(e)
         finally:
             done.set()
             beater.join()  # its last broadcast done: the ranks' collectives stay in one order
-        broadcast(dist, ("eof", None) if line is None else ("line", line))
         if line is None:
-            raise EOFError
+            broadcast(dist, ("interrupt" if ended is KeyboardInterrupt else "eof", None))
+            raise ended
+        broadcast(dist, ("line", line))
         return line
 
     return lead

@@ -131,15 +131,18 @@ def repl(session: ChatSession, term: Terminal, visualize: bool = False, trace: O
     """Read lines until /quit or end of input; each line is a user turn or a command (:func:`command_of`).
 
     Returns the exit status: 0, or 1 when turns were piped in and one of them failed (a script must see it;
-    at a terminal the user has read the error already)."""
+    at a terminal the user has read the error already). Ctrl-C at the prompt is raised (KeyboardInterrupt:
+    the command's "interrupted" and exit 130); during an answer it drops that turn (:func:`run_turn`)."""
     prompt = ">> " if term.interactive else ""
     failed = 0
     while True:
         try:
             line = term.read(prompt)
-        except (EOFError, KeyboardInterrupt):
-            if term.interactive:
+        except (EOFError, KeyboardInterrupt) as e:
+            if term.interactive:  # the prompt's line ended
                 term.out.write("\n")
+            if isinstance(e, KeyboardInterrupt):  # as at any other time: "interrupted", exit 130 (cli.run)
+                raise
             break
         if not line.strip():
             continue
