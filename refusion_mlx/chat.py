@@ -15,6 +15,7 @@ from typing import List, Optional
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, output_file,
                   params_from_args, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, shared_input
+from .cli.mlx_lm_flags import add_end_tokens, add_mlx_lm_args
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
 from .decode.conversation import ChatSession
@@ -45,6 +46,7 @@ def build_parser() -> OneLineParser:
                         help="with --visualize, the least time a step stays on screen (default 0.08; 0: as fast "
                              "as it decodes)")
     parser.add_argument("--trace", metavar="FILE", type=output_file, help="write each step's commits as JSON to FILE")
+    add_mlx_lm_args(parser)
     return parser
 
 
@@ -73,6 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
+        add_end_tokens(tokenizer, model, args.extra_eos_token)
         ready(dist)
         if dist is not None:
             term = Terminal(read=shared_input(dist, term.read), out=sys.stdout,

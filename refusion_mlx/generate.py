@@ -16,6 +16,7 @@ from ._callable import make_callable
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fitted, params_from_args,
                   positive_int, read_input, read_text, run, Spelled, spelled, storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
+from .cli.mlx_lm_flags import add_end_tokens, add_mlx_lm_args, add_verbose_arg
 from .decode.answer import AnswerText
 from .decode.batch import BatchResult, stream_batch
 from .decode.grammar import Constraint
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_args(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="with --prompts-file: requests decoded together (default 8)")
-    parser.add_argument("--verbose", action="store_true", help="print statistics to standard error")
+    add_verbose_arg(parser, "print statistics to standard error")
+    add_mlx_lm_args(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, output_ids, prompt_ids, finish_reason, stats) instead "
                              "of streaming; with --prompts-file one a line, with index and error too")
@@ -87,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         prompt = without_line_end(read_input("-", "--prompt")) if args.prompt == "-" else args.prompt
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
+        add_end_tokens(tokenizer, model, args.extra_eos_token)
         ready(dist)
         ids = chat_prompt(tokenizer, prompt, system=args.system, chat_template=not args.no_chat_template,
                           template_kwargs=args.chat_template_config)
@@ -145,6 +148,7 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     items = parse_prompts(text, args.prompts_file, params)
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
     storage = storage_from_args(args, model)  # the group size against the model's head dimension
+    add_end_tokens(tokenizer, model, args.extra_eos_token)
     ready(dist)
     ids = [chat_prompt(tokenizer, it.prompt, system=args.system, chat_template=not args.no_chat_template,
                        template_kwargs=args.chat_template_config) for it in items]

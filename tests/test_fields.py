@@ -48,11 +48,10 @@ def test_the_cli_takes_exactly_the_tables_flags():
             assert actions[f.name].help == f.flag_help()
             for flag in f.flags:
                 assert getattr(parser.parse_args([flag, str(SAMPLE[f.type])]), f.name) == SAMPLE[f.type]
-    assert set(actions) == {"gen_length", "slot_size", "serial_num_blocks", "block_length", "slot_threshold",
-                            "token_threshold", "temperature", "seed"}
+    assert set(actions) == set(PARAM_NAMES)  # every setting: the sampling filters too, as mlx-lm's flags
     flags = {flag for f in FIELDS for flag in f.flags}
     assert flags == {"--max-tokens", "--gen-length", "--slot-size", "--serial-num-blocks", "--block-length",
-                     "--slot-threshold", "--token-threshold", "--temp", "--seed"}
+                     "--slot-threshold", "--token-threshold", "--temp", "--seed", "--top-p", "--top-k", "--min-p"}
     with pytest.raises(SystemExit):  # one layout
         parser.parse_args(["--serial-num-blocks", "2", "--block-length", "8"])
     assert "blocks of 16 tokens" in " ".join(parser.format_help().split())

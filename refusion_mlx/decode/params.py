@@ -229,10 +229,10 @@ FIELDS: Tuple[Field, ...] = (
           ge=0, le=2),
     Field("seed", int, "random seed for temperature > 0", flags=("--seed",), request="seed", openai=True,
           ge=MIN_SEED, le=SEEDS - 1),
-    Field("top_p", float, "nucleus filter of the planning drafts (1: off)", request="top_p", openai=True,
-          gt=0, le=1),
-    Field("top_k", int, "top-k filter of the planning drafts (0: off)", request="top_k", ge=0),
-    Field("min_p", float, "min-p filter of the planning drafts (0: off)", request="min_p",
+    Field("top_p", float, "nucleus filter of the planning drafts (1: off)", flags=("--top-p",), request="top_p",
+          openai=True, gt=0, le=1),
+    Field("top_k", int, "top-k filter of the planning drafts (0: off)", flags=("--top-k",), request="top_k", ge=0),
+    Field("min_p", float, "min-p filter of the planning drafts (0: off)", flags=("--min-p",), request="min_p",
           ge=0, le=1),
 )
 
@@ -241,14 +241,37 @@ PARAM_NAMES = tuple(f.name for f in FIELDS)
 ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 
 
-# mlx-lm's generate keywords that have no like here, and what to give instead
+# mlx-lm's generate keywords and command-line flags (``max_kv_size``: ``--max-kv-size``) that have no like here,
+# and what to give instead: make_params says it of a keyword, generate and chat of a flag (cli.mlx_lm_flags)
 MLX_LM_HINTS = {
     "sampler": "sampler: give temp, top_p, top_k and min_p (what mlx-lm's make_sampler takes)",
     "logits_processors": "logits_processors: not supported (ReFusion scores whole slots; no repetition penalty "
                          "or logit bias)",
     "prompt_cache": "prompt_cache: give cache=CommittedCache.for_model(model) (refusion_mlx.decode.cache)",
-    "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row)",
+    "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row; kv_bits 8 or 4 keeps them in "
+                   "less memory)",
     "quantized_kv_start": "quantized_kv_start: not supported: kv_bits quantizes the cache from its first row",
+    "prompt_cache_file": "prompt_cache_file: not supported (the chat keeps its cache between turns; the server "
+                         "keeps prompt caches, on disk with --prompt-cache-dir)",
+    "draft_model": "draft_model: not supported (ReFusion drafts whole slots itself and verifies them: no draft "
+                   "model)",
+    "num_draft_tokens": "num_draft_tokens: not supported (ReFusion drafts whole slots of slot_size tokens)",
+    "xtc_probability": "xtc_probability: not supported (no XTC sampling; temperature, top_p, top_k and min_p "
+                       "shape the drafts)",
+    "xtc_threshold": "xtc_threshold: not supported (no XTC sampling; temperature, top_p, top_k and min_p shape "
+                     "the drafts)",
+    "min_tokens_to_keep": "min_tokens_to_keep: not supported (the filters always keep the most likely token)",
+    "prefill_step_size": "prefill_step_size: not supported (a prompt is prefilled in chunks of 512 tokens)",
+    "quantize_activations": "quantize_activations: not supported (quantize the weights: python -m "
+                            "refusion_mlx.convert -q)",
+    "trust_remote_code": "trust_remote_code: not supported (this package builds the model; no checkpoint's own "
+                         "code is run)",
+    "eos_token": "eos_token: give extra_eos_token (an end token besides the tokenizer's)",
+    "use_default_chat_template": "use_default_chat_template: not supported (the checkpoint's own chat template "
+                                 "is used)",
+    "image": "image: not supported (ReFusion reads text only)",
+    "prefill_response": "prefill_response: not supported here (the server's continue_final_message continues an "
+                        "assistant message)",
 }
 
 
