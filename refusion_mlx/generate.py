@@ -104,9 +104,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json:
             print(json.dumps({"text": text, "output_ids": tokens, "prompt_ids": ids,
                               "finish_reason": last.finish_reason,
-                              "stats": with_distributed(last.stats.as_dict(), dist)}))
-        else:
-            print()
+                              "stats": with_distributed(last.stats.as_dict(), dist)}), flush=True)
+        else:  # the answer's line ended and written before any statistics on stderr (a log of both)
+            print(flush=True)
         if args.verbose:
             print(format_stats(last.stats), file=sys.stderr)
             print(f"BLAS: {blas_description()}", file=sys.stderr)

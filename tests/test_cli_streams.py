@@ -71,3 +71,22 @@ def test_a_line_that_is_not_utf8_fails_its_turn_alone_in_any_locale(capsys):
         assert "error: a user message is not valid UTF-8 text" in err and "Zoe" in out, (encoding, out, err)
     assert run(lambda: b"Who is \xff Sven?".decode("utf-8")) == 1
     assert capsys.readouterr().err == "error: an input is not utf-8 text (invalid start byte)\n"
+
+
+def test_a_log_of_both_streams_has_each_answer_before_its_statistics(tmp_path):
+    """``generate --verbose > log 2>&1``: the answer's line is ended and written before the statistics go to
+    standard error (they ran into its last line, and its newline came last, at exit)."""
+    (tmp_path / "p.txt").write_text("Who is Sven?\nCount from 1 to 5.\n")
+    log = tmp_path / "log.txt"
+    for argv in (["--prompt", "Who is Sven?"], ["--prompt", "Who is Sven?", "--json"],
+                 ["--prompts-file", str(tmp_path / "p.txt")]):
+        with open(log, "wb") as both:
+            proc = command("generate", "--max-tokens", "32", "--verbose", *argv, stdout=both, stderr=both)
+        lines = log.read_text().splitlines()
+        assert proc.returncode == 0 and not log.read_text().endswith("\n\n"), log.read_text()
+        answers = [i for i, line in enumerate(lines) if "Sven lives in" in line or line.startswith("[1] 1 ")]
+        stats = [i for i, line in enumerate(lines) if "layout: blocks of" in line]
+        assert len(answers) == len(stats) == (2 if "--prompts-file" in argv else 1), lines
+        for answer, stat in zip(answers, stats):
+            assert answer < stat and "layout: blocks" not in lines[answer], lines
+            assert lines[stat].removeprefix("[0] ").removeprefix("[1] ").startswith("layout: "), lines
