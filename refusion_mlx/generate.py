@@ -96,11 +96,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         params = fitted(params, len(ids), model, args.gen_length)  # the default shrunk to what the context leaves
         text, tokens, last = "", [], None
         with watchdog.armed():
-            for last in stream_generate(model, tokenizer, ids, params=params, storage=storage, **constraint):
-                text += last.text
-                tokens += last.tokens
-                if not args.json:
-                    print(last.text, end="", flush=True)
+            try:
+                for last in stream_generate(model, tokenizer, ids, params=params, storage=storage, **constraint):
+                    text += last.text
+                    tokens += last.tokens
+                    if not args.json:
+                        print(last.text, end="", flush=True)
+            except KeyboardInterrupt:  # a partial answer's line ended before "interrupted" (cli.run)
+                if text and not args.json and not text.endswith("\n"):
+                    print(flush=True)
+                raise
         if args.json:
             print(json.dumps({"text": text, "output_ids": tokens, "prompt_ids": ids,
                               "finish_reason": last.finish_reason,

@@ -90,3 +90,22 @@ def test_a_log_of_both_streams_has_each_answer_before_its_statistics(tmp_path):
         for answer, stat in zip(answers, stats):
             assert answer < stat and "layout: blocks" not in lines[answer], lines
             assert lines[stat].removeprefix("[0] ").removeprefix("[1] ").startswith("layout: "), lines
+
+
+def test_ctrl_c_in_a_streamed_answer_ends_its_line_before_interrupted(capsys, monkeypatch):
+    """``interrupted`` comes on a line of its own, as the chat's "[interrupted: ...]" does: it was written
+    right after the partial answer ("0, 1, 2, 3interrupted")."""
+    import refusion_mlx.generate as generate
+
+    real = generate.stream_generate
+
+    def interrupted(*args, **kwargs):
+        for response in real(*args, **kwargs):
+            yield response
+            if response.text:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "stream_generate", interrupted)
+    assert generate.main(["--prompt", "Count from 1 to 40.", "--max-tokens", "64"]) == 130
+    out, err = capsys.readouterr()
+    assert out.startswith("1 ") and out.endswith("\n") and out.count("\n") == 1 and err == "interrupted\n", (out, err)
