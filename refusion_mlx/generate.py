@@ -150,7 +150,8 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     printed; a JSONL reader reads them as they come).
     Exit status 1 if any prompt failed alone (the others are still printed)."""
     text = read_input(args.prompts_file, "--prompts-file")
-    items = parse_prompts(text, args.prompts_file, params)
+    system_flag = spelled(args, "system") if args.system is not None else "--system"
+    items = parse_prompts(text, args.prompts_file, params, args.system, system_flag)  # each line checked
     model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
     storage = storage_from_args(args, model)  # the group size against the model's head dimension
     add_end_tokens(tokenizer, model, args.extra_eos_token)

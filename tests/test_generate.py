@@ -444,6 +444,39 @@ def test_settings_errors_name_what_the_user_wrote(demo, capsys, tmp_path):
         list(stream_generate(model, tokenizer, [5] * 3000, max_tokens=8))
 
 
+def test_a_prompts_file_line_is_read_by_the_rules_of_the_api_and_the_server(demo, capsys, tmp_path):
+    """A line given both names of a setting is refused as make_params refuses it (the last key won); a role
+    is one the server takes (developer read as system; "bogus" was rendered as a turn); --system and the
+    line's own system message are refused (two system turns); null is the command line's value, as OpenAI
+    reads it (it was "got None")."""
+    from refusion_mlx.generate import chat_prompt
+
+    model, tokenizer = demo
+    jsonl = tmp_path / "p.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Sven?"}]
+    for lines, flags, said in (
+            ([{"prompt": "Count from 1 to 90.", "max_tokens": 8, "gen_length": 32}], [],
+             ":1: give max_tokens or gen_length, not both"),
+            ([{"messages": [{"role": "bogus", "content": "Who is Sven?"}]}], [],
+             ":1: messages[0].role must be one of system, developer, user, assistant, tool, got 'bogus'"),
+            ([{"prompt": "Who is Zoe?"}, {"messages": chat}], ["--system-prompt", "Be nice."],
+             ":2: give --system-prompt or a system message in the messages, not both")):
+        jsonl.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        code, out, err = run_main(capsys, "--prompts-file", str(jsonl), *flags)
+        assert code == 1 and out == "" and err == f"error: {jsonl}{said}\n", err
+    developer = [{"role": "developer", "content": "Be brief."}, chat[1]]
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"messages": chat}, {"messages": developer, "max_tokens": None, "seed": None},
+        {"prompt": "Count from 1 to 90.", "max_tokens": 8, "gen_length": 8})))
+    code, out, err = run_main(capsys, "--prompts-file", str(jsonl), "--max-tokens", "16", "--json")
+    system, as_system, same = map(json.loads, out.splitlines())
+    assert code == 0 and as_system["output_ids"] == system["output_ids"] and 0 < len(system["output_ids"]) <= 16
+    assert as_system["prompt_ids"] == system["prompt_ids"] == chat_prompt(tokenizer, chat)
+    assert len(same["output_ids"]) == 8 and same["finish_reason"] == "length"
+    with pytest.raises(DecodeError, match="give system or a system message in the messages, not both"):
+        chat_prompt(tokenizer, chat, system="Be nice.")
+
+
 def test_cli_into_a_pipe_that_closes_early_is_quiet():
     """``generate ... | head -c 5``: the reader left, so the command stops without a word, as cat does."""
     proc = subprocess.run(f"{sys.executable} -m refusion_mlx.generate -p 'Count from 1 to 40' --max-tokens 64 "

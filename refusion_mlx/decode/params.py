@@ -281,18 +281,26 @@ def budget_given(kwargs: Dict[str, Any]) -> bool:
     return any(kwargs.get(k) is not None for k in ("gen_length", *(a for a, n in ALIASES.items() if n == "gen_length")))
 
 
-def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
-    """RefusionParams from keyword arguments, checked; the aliases of
-    ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
-    ``preset``: one of ``PRESETS`` first, the keywords over it; with a
-    budget of its own (``max_tokens``) the preset keeps its block length
-    (:func:`.presets.preset`), as the CLI's ``--preset`` does."""
+def settings_named(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Decoding settings with each alias of ``ALIASES`` (``max_tokens``, ``temp``) under its setting's name;
+    a setting given by both names, with two values, is a DecodeError (make_params, a prompts file's line)."""
+    kwargs = dict(kwargs)
     for alias, name in ALIASES.items():
         if alias in kwargs:
             value = kwargs.pop(alias)
             if name in kwargs and kwargs[name] != value:
                 raise DecodeError(f"give {alias} or {name}, not both")
             kwargs[name] = value
+    return kwargs
+
+
+def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
+    """RefusionParams from keyword arguments, checked; the aliases of
+    ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
+    ``preset``: one of ``PRESETS`` first, the keywords over it; with a
+    budget of its own (``max_tokens``) the preset keeps its block length
+    (:func:`.presets.preset`), as the CLI's ``--preset`` does."""
+    kwargs = settings_named(kwargs)
     unknown = sorted(set(kwargs) - set(PARAM_NAMES))
     if unknown:
         hints = [MLX_LM_HINTS[k] for k in unknown if k in MLX_LM_HINTS]

@@ -7,7 +7,7 @@ checks the ids against the model's vocabulary."""
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Mapping, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -49,6 +49,25 @@ def token_ids(value: Any, what: str = "the prompt") -> List[int]:
             raise DecodeError(f"{what} must hold integer token ids, got {t!r}")
         out.append(int(t))
     return out
+
+
+# a chat message's roles, OpenAI's: what the server's chat completions and a prompts file take
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def template_role(role: str) -> str:
+    """A message's role as a chat template reads it: OpenAI's developer is the system."""
+    return "system" if role == "developer" else role
+
+
+def with_system(messages: List[Dict[str, Any]], system: Optional[str], name: str = "system") -> List[Dict[str, Any]]:
+    """``messages`` after a system message of ``system`` (given by ``name``; None: as they are). Messages
+    that hold their own system message are a DecodeError: two system turns are not what either meant."""
+    if system is None:
+        return messages
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        raise DecodeError(f"give {name} or a system message in the messages, not both")
+    return [{"role": "system", "content": system}] + messages
 
 
 def wrapped(tokenizer):

@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Union
 
 from .._json import lines as text_lines
 from ..errors import DecodeError, RefusionError
-from .params import ALIASES, PARAM_NAMES, RefusionParams
+from .params import ALIASES, PARAM_NAMES, RefusionParams, settings_named
+from .prompt import CHAT_ROLES, template_role, with_system
 
 __all__ = ["ALIASES", "PromptItem", "parse_prompts"]
 
@@ -31,18 +32,22 @@ class PromptItem:
     max_tokens: Optional[int] = None
 
 
-def parse_prompts(text: str, source: str, defaults: RefusionParams) -> List[PromptItem]:
+def parse_prompts(text: str, source: str, defaults: RefusionParams, system: Optional[str] = None,
+                  system_flag: str = "--system") -> List[PromptItem]:
     """The prompts of a file, each with its settings; a bad line is a
-    one-line RefusionError naming it."""
+    one-line RefusionError naming it. ``system``: the system message every
+    prompt gets (``system_flag``); a line with its own is refused, as
+    :func:`.prompt.with_system` refuses both."""
     lines = [(n, line) for n, line in enumerate(text_lines(text), 1) if line.strip()]
     if not lines:
         raise RefusionError(f"{source}: no prompts")
     if not lines[0][1].lstrip().startswith("{"):
         return [PromptItem(line, defaults) for _, line in lines]
-    return [_json_item(n, line, source, defaults) for n, line in lines]
+    return [_json_item(n, line, source, defaults, system, system_flag) for n, line in lines]
 
 
-def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> PromptItem:
+def _json_item(n: int, line: str, source: str, defaults: RefusionParams, system: Optional[str] = None,
+               system_flag: str = "--system") -> PromptItem:
     where = f"{source}:{n}"
     try:
         obj = json.loads(line)
@@ -57,9 +62,17 @@ def _json_item(n: int, line: str, source: str, defaults: RefusionParams) -> Prom
         raise RefusionError(f"{where}: give 'prompt' (a string) or 'messages'")
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise RefusionError(f"{where}: 'prompt' must be a non-empty string")
-    if messages is not None and not _valid_messages(messages):
-        raise RefusionError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
-    settings = {ALIASES.get(k, k): v for k, v in obj.items()}
+    if messages is not None:
+        messages = _messages(messages, where)
+        try:
+            with_system(messages, system, system_flag)
+        except DecodeError as e:
+            raise RefusionError(f"{where}: {e}") from None
+    obj = {k: v for k, v in obj.items() if v is not None}  # null: the command line's, as in a request
+    try:
+        settings = settings_named(obj)  # make_params' rule: a setting given by both its names is refused
+    except DecodeError as e:
+        raise RefusionError(f"{where}: {e}") from None
     written = {ALIASES[k]: k for k in obj if k in ALIASES}  # a setting's name as the line spells it
     unknown = sorted(set(settings) - set(PARAM_NAMES))
     if unknown:
@@ -83,7 +96,15 @@ def _as_written(message: str, written: Dict[str, str]) -> str:
     return message
 
 
-def _valid_messages(messages) -> bool:
-    return isinstance(messages, list) and bool(messages) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages)
+def _messages(messages, where: str) -> List[Dict[str, str]]:
+    """A line's chat: {role, content} objects with text content and the server's roles (developer read as
+    system, as the server reads it), or a one-line RefusionError."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise RefusionError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            raise RefusionError(f"{where}: messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                f"{m['role']!r}")
+    return [{**m, "role": template_role(m["role"])} for m in messages]

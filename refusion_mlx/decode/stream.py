@@ -20,7 +20,7 @@ from .cache import CommittedCache
 from .grammar import constraint_of
 from .kv_store import KVStorage
 from .params import RefusionParams, budget_given, make_params
-from .prompt import bare_ids, checked_text, text_ids
+from .prompt import bare_ids, checked_text, text_ids, with_system
 from .stats import DecodeStats
 
 __all__ = ["GenerationResponse", "chat_prompt", "format_stats", "generate", "stream_generate", "template_options"]
@@ -53,8 +53,7 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     else:
         raise DecodeError(f"the prompt must be text or a list of messages ({{\"role\": ..., \"content\": ...}}), "
                           f"got {type(prompt).__name__}")
-    if system is not None:
-        messages = [{"role": "system", "content": system}] + messages
+    messages = with_system(messages, system)
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": add_generation_prompt}
         own = template_options(template_kwargs) if template_kwargs else {}

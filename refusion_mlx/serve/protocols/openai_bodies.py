@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
+from ...decode.prompt import CHAT_ROLES, template_role
 from ...decode.stream import template_options
 from ...errors import DecodeError
 from .bodies import (MAX_STOP, MAX_STOP_CHARS, STRICT, UNSERVED, StreamOptions, check_stops, decoding_given,
@@ -99,7 +100,7 @@ class ToolCallIn(BaseModel):
 
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]
     content: Union[str, List[TextPart], None] = None
     tool_calls: Optional[List[ToolCallIn]] = Field(None, description="assistant: the calls it made")
     tool_call_id: Optional[str] = Field(None, description="tool: the call this message answers")
@@ -259,7 +260,7 @@ def openai_messages(messages: List[Message]) -> List[dict]:
             raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].content: {'an' if m.role == 'assistant' else 'a'} "
                                                 f"{m.role} message needs content (a string or text parts)",
                           f"messages[{i}].content")
-        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        message = {"role": template_role(m.role), "content": content or ""}
         if m.tool_calls:
             if m.role != "assistant":
                 raise Refusal(Reason.INVALID_VALUE, f"messages[{i}].tool_calls: only an assistant message makes "

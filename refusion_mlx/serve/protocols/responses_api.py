@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, Field, field_validator
 
+from ...decode.prompt import template_role
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal, invalid, unsupported
 from ..core.structured import any_strict, request_constraint, response_format
@@ -140,7 +141,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]]) -> tuple:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"{param}.role", f"must be user, assistant, system or developer, got {role!r}")
-            messages.append({"role": "system" if role == "developer" else role,
+            messages.append({"role": template_role(role),
                              "content": _text_of(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
