@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from .cli import OneLineParser, add_model_args, run
+from .cli import OneLineParser, adapter_folder, add_model_args, run
 from .convert.fusion import fuse
 from .errors import RefusionError
 
@@ -23,7 +23,8 @@ def build_parser() -> OneLineParser:
     add_model_args(parser, adapters=False,
                    model_help="base model folder or hub repo id (default: the bundled demo model)",
                    dtype_help="dtype of the written floating tensors (default: the checkpoint's)")
-    parser.add_argument("--adapter-path", default="adapters", help="adapter folder (default: adapters)")
+    parser.add_argument("--adapter-path", type=adapter_folder, default="adapters",
+                        help="adapter folder (default: adapters)")
     parser.add_argument("--save-path", default="fused_model", help="output folder (default: fused_model)")
     parser.add_argument("--dequantize", action="store_true", help="write plain (dequantized) weights")
     parser.add_argument("--force", action="store_true",

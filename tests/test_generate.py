@@ -543,12 +543,16 @@ def test_cli_json_schema_and_grammar(capsys, tmp_path):
 @pytest.mark.parametrize("argv", [["--slot-size", "four"], ["--dtype", "float8"], ["--preset", "nope"],
                                   ["--serial-num-blocks", "2", "--block-length", "8"], ["--bogus"],
                                   ["--json-schema", "{}", "--grammar", "g"], ["--model", ""],
+                                  ["--adapter-path", ""],  # as --model "": it read the current folder
                                   ["--ignore-chat-template", "--system", "Be brief."]])  # mlx-lm drops it unsaid
 def test_cli_usage_errors_are_one_line(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and ". has no" not in err
+    from refusion_mlx.fuse import main as fuse
+
+    for command in (main, fuse) if argv == ["--adapter-path", ""] else (main,):
+        with pytest.raises(SystemExit) as exit_info:
+            command(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and ". has no" not in err
 
 
 def test_module_entry_point_bad_input_has_no_traceback():

@@ -72,7 +72,7 @@ def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype
 
 def add_adapter_arg(parser: argparse.ArgumentParser) -> None:
     """--adapter-path: fine-tuned adapters (mlx-lm's format, python -m refusion_mlx.train) on the model."""
-    parser.add_argument("--adapter-path",
+    parser.add_argument("--adapter-path", type=adapter_folder,
                         help="folder of fine-tuned adapters to apply (adapter_config.json + adapters.safetensors)")
 
 
@@ -259,18 +259,20 @@ def positive_ints(text: str) -> List[int]:
     return values
 
 
-def model_name(value: str) -> str:
-    """argparse type of --model: a folder or hub id, not an empty string (which named the current folder)."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("must name a model folder or hub repo id, not an empty string")
-    return value
+def named(what: str) -> Callable[[str], str]:
+    """An argparse type: a name of ``what``, not an empty string (which a folder's path reads as the current
+    folder)."""
+    def name(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"must name {what}, not an empty string")
+        return value
+
+    return name
 
 
-def output_file(value: str) -> str:
-    """argparse type of a file a command writes: a name, not an empty string."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("must name a file, not an empty string")
-    return value
+model_name = named("a model folder or hub repo id")  # --model
+adapter_folder = named("an adapter folder")  # --adapter-path
+output_file = named("a file")  # a file a command writes
 
 
 def read_text(path: str) -> str:
