@@ -8,9 +8,8 @@ Nothing below the commands imports this package; the library works without it.
 
 from .flags import (OneLineParser, Spelled, adapter_folder, add_adapter_arg, add_decoding_args, add_kv_args,
                     add_model_args, add_template_arg, byte_size, count, fitted, handle_unless_ignored, interrupt_once,
-                    output_file,
-                    params_from_args, positive_int, positive_ints, raise_interrupt_once, read_input, read_text, run,
-                    spelled, storage_from_args, without_line_end)
+                    output_file, params_from_args, positive_int, positive_ints, raise_interrupt_once, read_input,
+                    read_text, run, spelled, storage_from_args, without_line_end)
 from .output import check_writable, write_text
 
 __all__ = ["OneLineParser", "Spelled", "adapter_folder", "add_adapter_arg", "add_decoding_args", "add_kv_args",
