@@ -372,9 +372,9 @@ def test_step_plan_crosses_to_the_other_ranks():
     from refusion_mlx.serve.core.job import Job, Turn
 
     request = EngineRequest([5, 6, 7], RefusionParams(gen_length=8), ("\n",))
-    plan = Turn(cancelled=[3], admitted=[Job(request, loop=None)], peers=[[5, 6, 7], [5, 6]])
+    plan = Turn(cancelled=[3], admitted=[Job(request, loop=None)], score=False)
     copy = Turn.from_wire(pickle.loads(pickle.dumps(plan.wire())), lambda r: Job(r, loop=None))
-    assert copy.cancelled == [3] and copy.peers == plan.peers and not copy.stop
+    assert copy.cancelled == [3] and not copy.score and not copy.stop
     assert [j.request for j in copy.admitted] == [request] and copy.admitted[0].uid is None
     copy.admitted[0].post("text", "x")  # nobody listens on the other ranks: a no-op
     assert Turn.from_wire(Turn(stop=True).wire(), Job).stop

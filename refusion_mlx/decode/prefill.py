@@ -2,8 +2,10 @@
 
 The one home of chunked prefill. The decoder yields these passes from its
 loop, so they batch with other requests' (``RefusionDecoder._prefill_head``:
-it leaves the prompt's last chunk to its first planning pass); the server's
-prompt cache runs them directly (``prefill``: a shared prefix, all of it).
+it leaves the prompt's last chunk to its first planning pass; the server's
+requests that share a prefix wait for the first to land it, so it is
+prefilled once and a chunk a step); ``prefill`` runs them alone (a cache
+filled outside any batch: the benchmarks, the tests).
 Chunks bound the attention scores a long prompt materialises (a 2048-token
 prompt on the 0.6B shape: 3.04 GB peak in chunks of 512, 3.41 GB in one pass).
 """

@@ -17,21 +17,21 @@ of its owner's, in memory, on disk and after a restart alike.
 
 Every entry has an ``owner`` (``EngineRequest.cache_owner``: a hash of the
 API key and ``user`` of the request that left it; "" is everyone's): a
-request only ever continues -- and a shared prefix is only ever prefilled
-once for -- requests of its own owner, so the ``cached_tokens`` it is told
-say nothing of anyone else's prompts. An owner of None reads and leaves
-nothing. The cache holds one model's entries (the server's);
-``fingerprint`` names it (the files carry it).
+request only ever continues -- and only ever waits for a shared prefix
+(:meth:`PromptCache.waits`) of -- requests of its own owner, so the
+``cached_tokens`` it is told say nothing of anyone else's prompts. An
+owner of None reads and leaves nothing. The cache holds one model's
+entries (the server's); ``fingerprint`` names it (the files carry it).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from ...decode.prefix import ordered, prefix_length
 
-# tokens requests must share (beyond the cache) to prefill them once for all
+# tokens a request must share with one ahead of it (beyond the cache) to wait for that one's rows
 SHARED_PREFIX = 16
 
 
@@ -57,6 +57,20 @@ class PromptCache:
         first pass needs one. A cache of no bytes (``--prompt-cache-bytes 0``)
         reuses nothing, running requests' rows neither: every prompt is prefilled.
         """
+        n, best = self._best(ids, owner, running)
+        if best is None:
+            return 0, None
+        key, cache, rows = best
+        if rows is None:  # an entry: rows in position order
+            self.entries.move_to_end(key)
+            if self.store is not None:
+                self.store.touch(*key)
+        return n, cache.fork(range(n) if rows is None else rows[:n])
+
+    def _best(self, ids: Sequence[int], owner: Optional[str], running: Iterable) -> Tuple[int, Optional[tuple]]:
+        """(n, source): how many tokens of ``ids`` (all but the last, at most) the source holding
+        the most of them holds, and that source ((owner, tokens), cache, rows: None for an entry),
+        None when no source holds any (:meth:`lookup`)."""
         if owner is None or self.max_bytes <= 0:
             return 0, None
         sources = [(key, cache, None) for key, cache in self.entries.items() if key[0] == owner]
@@ -67,40 +81,35 @@ class PromptCache:
             if m > n:
                 best, n = source, m
         n = min(n, len(ids) - 1)
-        if best is None or n <= 0:
-            return 0, None
-        key, cache, rows = best
-        if rows is None:  # an entry: rows in position order
-            self.entries.move_to_end(key)
-            if self.store is not None:
-                self.store.touch(*key)
-        return n, cache.fork(range(n) if rows is None else rows[:n])
+        return (n, best) if n > 0 else (0, None)
 
-    def start(self, model, ids: Sequence[int], owner: Optional[str], running: Iterable,
-              peers: Sequence[Tuple[Optional[str], Sequence[int]]], new_cache) -> Tuple[int, int, object]:
-        """Where a new request's prompt ``ids`` starts: ``(cached, n, cache)``,
-        the rows ``owner``'s entries held for it, the rows its cache holds now
-        and that cache (its own; ``new_cache()`` makes an empty one). When
-        ``peers`` ((owner, prompt) of the requests admitted or waiting beside
-        it) of the same owner share ``SHARED_PREFIX`` more tokens with it than
-        the cache held, they are prefilled now and kept here, once for all."""
-        cached, cache = self.lookup(ids, owner, running)
-        n = cached
-        mine = [p for o, p in peers if o == owner] if owner is not None else []
-        shared = min(len(ids) - 1, max((prefix_length(ids, p) for p in mine), default=0))
-        if shared - n >= SHARED_PREFIX and self.max_bytes > 0:
-            from ...decode.prefill import prefill  # imported on first use, as mlx is
-
-            cache = cache or new_cache()
-            prefill(model, cache, ids[n:shared])
-            self.insert(cache, owner)
-            n = shared
-        return cached, n, cache or new_cache()
+    def waits(self, ids: Sequence[int], owner: Optional[str], ahead: List[list], running: Iterable) -> bool:
+        """Whether a request of ``owner`` with prompt ``ids`` waits for the prompt of
+        one ahead of it to land. ``ahead``: [owner, prompt, held] of requests started
+        before it whose prompts are not all in their caches yet; ``held``, how many
+        tokens of that prompt the cache and ``running`` hold, is filled in when first
+        needed (None till then: a turn finds it once). It waits while one of its owner
+        shares ``SHARED_PREFIX`` more of its tokens than that (what any source holds
+        of the part they share is the same for both prompts): that request prefills
+        them (a chunk a step, in the batch's forwards), and this one then starts from
+        its rows (:meth:`lookup`) -- prefilled once, with no engine turn of its own."""
+        if owner is None or self.max_bytes <= 0:
+            return False
+        for other in ahead:
+            o, prompt, held = other
+            if o != owner or len(ids) <= SHARED_PREFIX or list(ids[:SHARED_PREFIX]) != list(prompt[:SHARED_PREFIX]):
+                continue
+            if held is None:
+                held = other[2] = self._best(prompt, owner, running)[0]
+            k = held + SHARED_PREFIX
+            if len(ids) > k and list(ids[:k]) == list(prompt[:k]):
+                return True
+        return False
 
     def insert(self, cache, owner: Optional[str] = "") -> None:
-        """Keep a compact copy of ``cache`` (a finished request's, or a prefix
-        prefilled for many) as ``owner``'s; entries of that owner it extends are
-        dropped, then the least recently used ones beyond the byte budget."""
+        """Keep a compact copy of ``cache`` (a finished request's) as ``owner``'s;
+        entries of that owner it extends are dropped, then the least recently
+        used ones beyond the byte budget."""
         tokens, rows = ordered(cache)
         if self.max_bytes <= 0 or not tokens or owner is None:
             return

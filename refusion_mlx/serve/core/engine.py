@@ -4,9 +4,9 @@ It loads the model and drives one :class:`BatchGenerator`. Each turn of its
 loop takes a :class:`Turn` from the :class:`~.scheduler.Scheduler` --
 requests whose client has gone leave, waiting requests are admitted up to
 ``max_batch`` within ``max_kv_bytes`` -- starts each admitted request from
-the longest prefix of its prompt the prompt cache holds (its own copy; a
-prefix several admitted or waiting requests share is prefilled once and
-cached), scores the scoring ones (:mod:`.loglikelihood`), then one
+the longest prefix of its prompt the prompt cache or a running request
+holds (its own copy; a request that shares a prefix with one ahead of it
+that is still prefilling it waits for those rows: the scheduler's), scores the scoring ones (:mod:`.loglikelihood`), then one
 ``step()`` runs one batched forward. Each request's :class:`~.job.Job`
 shapes its responses into events -- final in-order text, calls, the end
 as an :class:`~.outcome.Outcome` -- which go to its asyncio queue; a
@@ -75,7 +75,8 @@ class Engine:
         self.eos_id: Optional[int] = None  # the tokenizer's, known once it is loaded
         self.tool_format = None  # the model's ToolFormat (None: it takes no tools), known once it is loaded
         self.metrics = ServerMetrics()
-        self.queue = Scheduler(config.max_batch, config.max_queue, self.metrics)  # the queue, the batch, admission
+        self.queue = Scheduler(config.max_batch, config.max_queue, self.metrics,  # the queue, the batch, admission
+                               self.prompt_cache)
         self.running = self.queue.running  # the batch's jobs by uid (the scheduler's)
         self.busy_since: Optional[float] = None  # when the round in progress (admission, step) began
         self.model = self.tokenizer = self.gen = None
@@ -257,9 +258,9 @@ class Engine:
         for uid in plan.cancelled:
             if uid in self.running:
                 self._close(self.running[uid], "cancelled")
-        for i, job in enumerate(plan.admitted):
+        for job in plan.admitted:
             try:
-                self._start(job, plan.peers[:i] + plan.peers[i + 1:])
+                self._start(job)
             except Exception as e:  # a bug or out of memory: this request fails, the server stays up
                 if is_link_failure(e):
                     raise
@@ -287,9 +288,8 @@ class Engine:
         for job in list(self.running.values()):
             self._close(job, "failed", error)
 
-    def _start(self, job: Job, peers: List[tuple]) -> None:
-        """Start a request; ``peers``: (cache owner, prompt ids) of the others admitted
-        or waiting (a prefix they share with one of its owner is prefilled once).
+    def _start(self, job: Job) -> None:
+        """Start a request from the rows the prompt cache or a running request holds of its prompt.
         A scoring request gets its task, and a uid below 0 (the generator knows it not)."""
         from ...decode.cache import CommittedCache
 
@@ -302,11 +302,9 @@ class Engine:
             self.queue.started(job)
             return job.post("start")
 
-        ids, owner = job.request.prompt_ids, job.request.cache_owner
-        running = [(j.request.cache_owner, j.cache) for j in self.running.values() if j.cache is not None]
-        new_cache = lambda: CommittedCache.for_model(self.model, storage=self.storage)  # noqa: E731
-        job.cached, n, job.cache = self.prompt_cache.start(self.model, ids, owner, running, peers, new_cache)
-        self.metrics.add("prefill_tokens", n - job.cached)  # a prefix shared with its peers, prefilled once
+        ids = job.request.prompt_ids
+        n, cache = self.prompt_cache.lookup(ids, job.request.cache_owner, self.queue.caches())
+        job.cached, job.cache = n, cache or CommittedCache.for_model(self.model, storage=self.storage)
         try:
             request = job.request
             constraint = request.compiled if request.compiled is not None else request.constraint

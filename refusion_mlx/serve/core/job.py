@@ -178,14 +178,12 @@ def token_entries(tokenizer, tokens, scores, chars: CharCounter) -> List[dict]:
 @dataclass
 class Turn:
     """What one turn of the engine's loop does, decided by rank 0: close the
-    ``cancelled`` running requests (by uid), start the ``admitted`` ones
-    (``peers``: the (cache owner, prompt) they are compared with for a shared
-    prefix, the admitted first, in order), do a piece of the scoring
-    requests' work when ``score``, then step the batch; or ``stop``."""
+    ``cancelled`` running requests (by uid), start the ``admitted`` ones, in
+    order, do a piece of the scoring requests' work when ``score``, then step
+    the batch; or ``stop``."""
 
     cancelled: List[int] = field(default_factory=list)
     admitted: List[Job] = field(default_factory=list)
-    peers: List[tuple] = field(default_factory=list)
     stop: bool = False
     score: bool = True
 
@@ -193,10 +191,10 @@ class Turn:
         """What rank 0 broadcasts: the admitted requests without their compiled
         constraints (a grammar's matcher stays in its process; the others compile their own)."""
         requests = [dataclasses.replace(j.request, compiled=None) for j in self.admitted]
-        return self.cancelled, requests, self.peers, self.stop, self.score
+        return self.cancelled, requests, self.stop, self.score
 
     @classmethod
     def from_wire(cls, wire: tuple, job: Callable[[EngineRequest], Job]) -> "Turn":
         """The plan rank 0 broadcast; ``job`` makes each admitted request's Job (``Engine.job``)."""
-        cancelled, requests, peers, stop, score = wire
-        return cls(cancelled, [job(r) for r in requests], peers, stop, score)
+        cancelled, requests, stop, score = wire
+        return cls(cancelled, [job(r) for r in requests], stop, score)

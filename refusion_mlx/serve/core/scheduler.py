@@ -11,7 +11,11 @@ jobs whose client left leave; queued jobs are admitted while a batch row
 and their KV reservation (:mod:`.memory`) are free, each time the first to
 arrive of the requests holding the fewest rows (so one request's many
 choices never keep a later request's one behind them); the job chosen that
-does not fit waits for memory, and the rest with it. Scoring jobs hold at
+does not fit waits for memory, and the rest with it. A job whose prompt
+shares a prefix with one started ahead of it that is still prefilling it
+waits (the others go on) until those rows land, then starts from them
+(:meth:`.caches.prompt_cache.PromptCache.waits`): a prefix is prefilled
+once, a chunk a step in the batch's forwards. Scoring jobs hold at
 most all rows but one (:func:`scoring_rows`): an hour of log-likelihood work
 in eight prompts leaves a row for the next chat. And a scoring request holds
 one of them at a time, its prompts scored one after another: the engine does
@@ -26,15 +30,12 @@ sees one consistent view.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 from typing import Dict, List, Optional
 
 from .job import Job, Turn
 from .refusal import Reason, Refusal
-
-PEERS = 64  # waiting requests compared with one being admitted
 
 
 def scoring_rows(max_batch: int) -> int:
@@ -46,10 +47,13 @@ class Scheduler:
     """The queue (``waiting``), the batch (``running``, by uid), the requests
     taken from the queue but not yet in the batch (``starting``, counted as
     queued) and the KV bytes reserved (``kv_reserved``), guarded by ``wake``;
-    ``metrics``: where a request that leaves the queue unstarted is counted."""
+    ``metrics``: where a request that leaves the queue unstarted is counted;
+    ``prompt_cache``: the engine's, which says whether a job waits for a
+    prefix (None: none does)."""
 
-    def __init__(self, max_batch: int, max_queue: int, metrics):
+    def __init__(self, max_batch: int, max_queue: int, metrics, prompt_cache=None):
         self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        self.prompt_cache = prompt_cache
         self.score_after = 0.0  # when decoding has had its share after the last piece of scoring
         self.waiting: "collections.deque[Job]" = collections.deque()
         self.running: Dict[int, Job] = {}
@@ -88,10 +92,10 @@ class Scheduler:
     def next_turn(self, max_kv_bytes: int, decoding: bool = False) -> Turn:
         """This turn's plan: the running requests whose client left, then the
         queued ones admitted in order within a batch row and ``max_kv_bytes``
-        (their reservations made now), and the peers they are compared with
-        for a shared prefix (the admitted first, then up to PEERS waiting);
-        whether the scoring requests do a piece of work: while others are
-        ``decoding``, scoring gets at most half the engine's time (:meth:`scored`)."""
+        (their reservations made now), but those that wait for a prefix a
+        request ahead of them is prefilling (:meth:`_waits`); whether the
+        scoring requests do a piece of work: while others are ``decoding``,
+        scoring gets at most half the engine's time (:meth:`scored`)."""
         plan = Turn(cancelled=[uid for uid, j in self.running.items() if j.cancelled.is_set()])
         room = self.max_batch - len(self.running) + len(plan.cancelled)
         freed = sum(self.running[uid].kv_bytes for uid in plan.cancelled)
@@ -100,12 +104,21 @@ class Scheduler:
             live = [j for j in self.running.values() if not j.cancelled.is_set()]
             held = collections.Counter(j.group for j in live)
             scoring = {j.group for j in live if j.request.scoring is not None}  # one row each
+            prefixed = set()  # jobs waiting this turn for a prefix
+            sources = self.caches()
+            ahead = [[j.request.cache_owner, j.request.prompt_ids, None] for j in live  # prompts still prefilling
+                     if j.cache is not None and len(j.cache) < len(j.request.prompt_ids)]
             while len(plan.admitted) < room:
-                takes = [j for j in self.waiting if j.request.scoring is None
-                         or (len(scoring) < scoring_rows(self.max_batch) and j.group not in scoring)]
-                if not takes:
+                takes = [j for j in self.waiting if j not in prefixed and (j.request.scoring is None
+                         or (len(scoring) < scoring_rows(self.max_batch) and j.group not in scoring))]
+                job = None
+                for j in sorted(takes, key=lambda j: held[j.group]):  # the first among the least served
+                    if not self._waits(j, ahead, sources):
+                        job = j
+                        break
+                    prefixed.add(j)
+                if job is None:
                     break
-                job = min(takes, key=lambda j: held[j.group])  # the first among the least served
                 if self.kv_reserved - freed + job.kv_bytes > max_kv_bytes:
                     if not job.waited:
                         job.waited = True
@@ -117,13 +130,24 @@ class Scheduler:
                     scoring.add(job.group)
                 self.kv_reserved += job.kv_bytes
                 plan.admitted.append(job)
+                if job.request.scoring is None:
+                    ahead.append([job.request.cache_owner, job.request.prompt_ids, None])
             self.starting = len(plan.admitted)
-            peers = plan.admitted + list(itertools.islice(self.waiting, PEERS))
-        plan.peers = [(j.request.cache_owner, j.request.prompt_ids) for j in peers]
         # a decoding request admitted now decodes this turn: it has its share before the next piece
         decoding = decoding or any(j.request.scoring is None for j in plan.admitted)
         plan.score = not decoding or time.monotonic() >= self.score_after
         return plan
+
+    def _waits(self, job: Job, ahead: List[list], sources: List[tuple]) -> bool:
+        """Whether a decoding ``job`` waits for a prefix that one ``ahead`` of it -- admitted this turn, or
+        in the batch still prefilling its prompt -- is prefilling and the cache and ``sources`` (the batch's
+        caches) do not hold (:meth:`.caches.prompt_cache.PromptCache.waits`)."""
+        return (self.prompt_cache is not None and job.request.scoring is None and bool(ahead)
+                and self.prompt_cache.waits(job.request.prompt_ids, job.request.cache_owner, ahead, sources))
+
+    def caches(self) -> List[tuple]:
+        """(cache owner, cache) of the requests in the batch: rows a new prompt may start from."""
+        return [(j.request.cache_owner, j.cache) for j in self.running.values() if j.cache is not None]
 
     def scored(self, seconds: float) -> None:
         """A piece of scoring took ``seconds``: decoding has the engine as long before the next."""

@@ -3,10 +3,10 @@
 answers per prompt), choice ``index`` = prompt * n + sample.
 
 Every choice is its own engine request, all submitted at once, so the
-engine admits them together and decodes them in one batch (continuous
-batching); ``n`` answers of one prompt share its prefilled rows (the prompt
-cache's shared-prefix start, :meth:`..caches.prompt_cache.PromptCache.start`). A
-refusal of any choice refuses the request (a plain 4xx, nothing decoded
+engine decodes them in one batch (continuous batching); ``n`` answers of
+one prompt share its prefilled rows (the first prefills it, the others are
+admitted once its rows are in: :meth:`..caches.prompt_cache.PromptCache.waits`).
+A refusal of any choice refuses the request (a plain 4xx, nothing decoded
 kept); once admitted, the answers are collected together, or streamed as
 their chunks come, each chunk naming its choice's index.
 """
