@@ -115,3 +115,25 @@ def committed_cache(rows: int = 4096):
 def commit(cache, positions, tokens):
     """Commit ``tokens`` at ``positions`` as a step of the decoder does."""
     cache.commit(list(tokens), list(positions))
+
+
+class StandInCache:
+    """What the prompt cache reads of a CommittedCache, without arrays: ``tokens``
+    at rows 0, 1, ... in position order, 100 bytes a row."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    nbytes = property(lambda self: 100 * len(self.tokens))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def in_position_order(self):
+        return [(r, r, t) for r, t in enumerate(self.tokens)]
+
+    def token_at(self, position):
+        return self.tokens[position] if position < len(self.tokens) else None
+
+    def fork(self, rows, exact=False):
+        return StandInCache([self.tokens[r] for r in rows])

@@ -525,3 +525,40 @@ def test_an_entry_over_the_budget_is_not_kept_and_evicts_nothing(demo, tmp_path)
     entries.insert(prefilled(list(range(30, 90))))  # 60 rows
     assert [len(k[1]) for k in entries.entries] == [20]
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def test_the_prompt_cache_index_answers_as_a_scan_of_its_sequences():
+    """serve/caches/token_trie.py against a scan of the sequences it holds, through random adds and
+    removes (sequences that begin others included): the longest shared prefix, a sequence that begins
+    with a query, those a query begins with; no node but the root is left empty or with one edge."""
+    import random
+
+    from refusion_mlx.decode.prefix import prefix_length
+    from refusion_mlx.serve.caches.token_trie import TokenTrie
+
+    def shape(node, root=True):
+        assert root or node.end is not None or len(node.edges) > 1
+        for token, (run, child) in node.edges.items():
+            assert run[0] == token
+            shape(child, False)
+
+    rng = random.Random(0)
+    for _ in range(40):
+        trie, kept = TokenTrie(), set()
+        for _ in range(100):
+            seq = tuple(rng.randrange(3) for _ in range(rng.randrange(1, 8)))
+            if rng.random() < 0.6 and seq not in kept:
+                trie.add(seq)
+                kept.add(seq)
+            elif kept:
+                gone = rng.choice(sorted(kept))
+                trie.remove(gone)
+                kept.discard(gone)
+            shape(trie.root)
+            query = tuple(rng.randrange(3) for _ in range(rng.randrange(9)))
+            n, s = trie.longest(query)
+            assert n == max((prefix_length(k, query) for k in kept), default=0) and bool(trie) == bool(kept)
+            assert (s is None) == (not kept) and (s is None or s in kept and prefix_length(s, query) == n)
+            cover = trie.covering(query)
+            assert cover in kept if any(k[:len(query)] == query for k in kept) else cover is None
+            assert sorted(trie.prefixes(query)) == sorted(k for k in kept if query[:len(k)] == k)

@@ -250,16 +250,7 @@ def test_requests_sharing_a_prefix_wait_for_the_first_to_land_it_and_no_others_w
     from refusion_mlx.serve.core.job import Job
     from refusion_mlx.serve.core.metrics import ServerMetrics
     from refusion_mlx.serve.core.scheduler import Scheduler
-
-    class Rows:  # what the prompt cache reads of a running request's CommittedCache
-        def __init__(self, tokens):
-            self.tokens = list(tokens)
-
-        def __len__(self):
-            return len(self.tokens)
-
-        def in_position_order(self):
-            return [(r, r, t) for r, t in enumerate(self.tokens)]
+    from tests.helpers import StandInCache as Rows
 
     system = list(range(100, 140))
     queue = Scheduler(8, 16, ServerMetrics(), PromptCache(1 << 30))

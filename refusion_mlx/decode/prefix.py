@@ -23,6 +23,17 @@ def prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def held_length(cache, ids: Sequence[int]) -> int:
+    """How many leading tokens of ``ids`` the cache holds at positions 0, 1, 2, ...
+    (up to the first gap), read by position: in time that grows with that
+    count, not with the cache's rows (a running request's cache, read at each
+    admission)."""
+    n = 0
+    while n < len(ids) and cache.token_at(n) == ids[n]:
+        n += 1
+    return n
+
+
 def common_prefix(cache, ids: Sequence[int]) -> tuple:
     """(n, rows): the cache's rows for positions 0..n-1, whose tokens equal ids[:n].
 

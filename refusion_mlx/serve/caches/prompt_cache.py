@@ -13,7 +13,11 @@ written to disk, an entry replaced by its extension is deleted there, and a
 hit marks its file used; entries evicted from memory stay on disk. A cache
 whose rows an entry holds already (its tokens begin that entry's) adds
 nothing and marks that entry used, so an entry is never a prefix of another
-of its owner's, in memory, on disk and after a restart alike.
+of its owner's, in memory, on disk and after a restart alike. Each owner's
+entries are indexed by their tokens (:class:`.token_trie.TokenTrie`), so a
+lookup, and the checks an insert makes, walk the prompt once, however many
+entries are kept; a running request's rows are read by position
+(``decode.prefix.held_length``), not sorted.
 
 Every entry has an ``owner`` (``EngineRequest.cache_owner``: a hash of the
 API key and ``user`` of the request that left it; "" is everyone's): a
@@ -27,9 +31,10 @@ entries (the server's); ``fingerprint`` names it (the files carry it).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ...decode.prefix import ordered, prefix_length
+from ...decode.prefix import common_prefix, held_length, ordered
+from .token_trie import TokenTrie
 
 # tokens a request must share with one ahead of it (beyond the cache) to wait for that one's rows
 SHARED_PREFIX = 16
@@ -42,6 +47,7 @@ class PromptCache:
         self.max_bytes, self.store, self.fingerprint = max_bytes, store, fingerprint
         # (owner, tokens) -> compact cache, oldest use first
         self.entries: "OrderedDict[Tuple[str, tuple], object]" = OrderedDict()
+        self.index: Dict[str, TokenTrie] = {}  # owner -> the tokens of its entries
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -57,31 +63,31 @@ class PromptCache:
         first pass needs one. A cache of no bytes (``--prompt-cache-bytes 0``)
         reuses nothing, running requests' rows neither: every prompt is prefilled.
         """
-        n, best = self._best(ids, owner, running)
-        if best is None:
+        n, key, cache = self._best(ids, owner, running)
+        if cache is None:
             return 0, None
-        key, cache, rows = best
-        if rows is None:  # an entry: rows in position order
-            self.entries.move_to_end(key)
-            if self.store is not None:
-                self.store.touch(*key)
-        return n, cache.fork(range(n) if rows is None else rows[:n])
+        if key is None:  # a running request's: its rows for positions 0..n-1
+            return n, cache.fork(common_prefix(cache, ids[:n])[1])
+        self.entries.move_to_end(key)  # an entry: rows in position order
+        if self.store is not None:
+            self.store.touch(*key)
+        return n, cache.fork(range(n))
 
-    def _best(self, ids: Sequence[int], owner: Optional[str], running: Iterable) -> Tuple[int, Optional[tuple]]:
-        """(n, source): how many tokens of ``ids`` (all but the last, at most) the source holding
-        the most of them holds, and that source ((owner, tokens), cache, rows: None for an entry),
-        None when no source holds any (:meth:`lookup`)."""
+    def _best(self, ids: Sequence[int], owner: Optional[str], running: Iterable) -> Tuple[int, Optional[tuple], object]:
+        """(n, key, cache): how many tokens of ``ids`` (all but the last, at most) the source holding
+        the most of them holds, its key (None for a running request's cache) and that cache
+        (None when no source holds any: :meth:`lookup`)."""
         if owner is None or self.max_bytes <= 0:
-            return 0, None
-        sources = [(key, cache, None) for key, cache in self.entries.items() if key[0] == owner]
-        sources += [((owner, tokens), c, rows) for o, c in running if o == owner for tokens, rows in [ordered(c)]]
-        best, n = None, 0
-        for source in sources:
-            m = prefix_length(source[0][1], ids)
+            return 0, None, None
+        n, tokens = self.index[owner].longest(ids) if owner in self.index else (0, None)
+        key = None if tokens is None else (owner, tokens)
+        best = None if key is None else self.entries[key]
+        for o, cache in running:
+            m = held_length(cache, ids) if o == owner else 0
             if m > n:
-                best, n = source, m
+                n, key, best = m, None, cache
         n = min(n, len(ids) - 1)
-        return (n, best) if n > 0 else (0, None)
+        return (n, key, best) if n > 0 else (0, None, None)
 
     def waits(self, ids: Sequence[int], owner: Optional[str], ahead: List[list], running: Iterable) -> bool:
         """Whether a request of ``owner`` with prompt ``ids`` waits for the prompt of
@@ -148,7 +154,8 @@ class PromptCache:
         owner, tokens = key
         if key in self.entries:
             return key
-        return next((k for k in self.entries if k[0] == owner and k[1][:len(tokens)] == tokens), None)
+        cover = self.index[owner].covering(tokens) if owner in self.index else None
+        return None if cover is None else (owner, cover)
 
     def _add(self, key: Tuple[str, tuple], entry) -> Optional[list]:
         """Keep ``entry``; drop its owner's entries it extends (returned), then the least recently used
@@ -157,11 +164,27 @@ class PromptCache:
         if entry.nbytes > self.max_bytes:
             return None
         owner, tokens = key
-        extended = [k for k in self.entries if k[0] == owner and k[1] == tokens[:len(k[1])] and k != key]
+        trie = self.index.get(owner)
+        extended = [(owner, t) for t in trie.prefixes(tokens) if t != tokens] if trie is not None else []
         for old in extended + [key] * (key in self.entries):
-            self.nbytes -= self.entries.pop(old).nbytes
+            self._drop(old)
         self.entries[key] = entry
+        self.index.setdefault(owner, TokenTrie()).add(tokens)
         self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes:
-            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+            self._drop(next(iter(self.entries)))
         return extended
+
+    def _drop(self, key: Tuple[str, tuple]) -> None:
+        """Take an entry out of memory (the one place one goes)."""
+        self.nbytes -= self.entries.pop(key).nbytes
+        trie = self.index[key[0]]
+        trie.remove(key[1])
+        if not trie:
+            del self.index[key[0]]
+
+    def clear(self) -> None:
+        """Let every entry go from memory (the engine is ending; the store keeps its files)."""
+        self.entries.clear()
+        self.index.clear()
+        self.nbytes = 0

@@ -388,7 +388,7 @@ class Engine:
         interpreter exit, they can abort the process)."""
         import mlx.core as mx
 
-        self.prompt_cache.entries.clear()
+        self.prompt_cache.clear()
         self.model = self.tokenizer = self.gen = None
         gc.collect()
         try:
