@@ -374,8 +374,16 @@ function addMessage(role, text) {
   body.dir = "auto"; // right-to-left text reads right to left
   msg.append(el("div", "who", role), body, el("div", "meta"));
   $("messages").append(msg);
-  msg.scrollIntoView({ block: "end" });
   return msg;
+}
+
+// A change to the chat (an answer's text, the line under it): the chat follows it down only if it was read at
+// its bottom, so the newest turn stays in view whole, and a reader scrolled up to an earlier one is left there.
+function changeChat(change) {
+  const list = $("messages");
+  const following = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
+  change();
+  if (following) list.scrollTop = list.scrollHeight;
 }
 
 function setBusy(busy) {
@@ -471,6 +479,7 @@ async function send(text) {
   const turn = newTurn();
   const msg = addMessage("assistant", "");
   msg.classList.add("streaming");
+  msg.scrollIntoView({ block: "end" }); // a new turn: the chat goes to its end (the cursor's line in view)
   msg.addEventListener("click", () => show(turn, msg));
   msg.tabIndex = 0; // the keyboard's way to an answer's slots: Enter or Space on it
   msg.addEventListener("keydown", (e) => {
@@ -495,12 +504,7 @@ async function send(text) {
   const t0 = performance.now();
   const redraw = () => { // this answer's text and, if shown, its slots
     const body = msg.querySelector(".body");
-    if (body.textContent !== answer) {
-      const list = $("messages"); // the chat follows the answer down only if it was read at its bottom
-      const following = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
-      body.textContent = answer;
-      if (following) list.scrollTop = list.scrollHeight;
-    }
+    if (body.textContent !== answer) changeChat(() => { body.textContent = answer; });
     if (state.shown === turn) renderGrid(turn);
   };
   const onEvent = async (name, data) => {
@@ -521,7 +525,7 @@ async function send(text) {
       if (u.tpf != null) parts.push(`${u.tpf} tokens/forward`);
       if (u.cached) parts.push(`${u.cached} of ${u.prompt} prompt tokens cached`);
       parts.push(`${secs} s`, `finish: ${finish}`);
-      msg.querySelector(".meta").textContent = parts.join(" · ");
+      changeChat(() => { msg.querySelector(".meta").textContent = parts.join(" · "); });
     }
   };
   try {
@@ -570,12 +574,15 @@ async function send(text) {
     if (e.name === "AbortError") {
       keep(history, answer);
       finish = "stopped";
-      msg.querySelector(".meta").textContent = answer ? "stopped" : "stopped before any text (left out)";
+      const note = answer ? "stopped" : "stopped before any text (left out)";
+      changeChat(() => { msg.querySelector(".meta").textContent = note; });
       current(controller, "stopped", "");
     } else {
       history.pop(); // the failed question leaves the conversation
-      msg.classList.add("error");
-      msg.querySelector(".meta").textContent = "error: " + e.message;
+      changeChat(() => {
+        msg.classList.add("error");
+        msg.querySelector(".meta").textContent = "error: " + e.message;
+      });
       current(controller, "error", "error");
     }
   } finally {

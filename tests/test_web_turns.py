@@ -1,0 +1,85 @@
+"""The web chat page's turns at their edges, in headless Chromium (tests/browser.py's ``chromium``, as in
+tests/test_web.py, whose helpers these tests share): where the chat is scrolled when an answer ends, fails or
+is stopped; what the keyboard does during an answer; what a failed turn leaves to retry; the settings kept.
+Most turns are answered in the page (tests/test_web.py's ``FAKE_FETCH``), so each stream's timing is the
+test's; one in-process server on the bundled demo model serves the page and the real answers.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import pytest
+
+from refusion_mlx.serve.http_server import RefusionServer
+from tests.test_web import FAKE_FETCH, chat_page, delta
+
+# the chat's last message: how far its end lies below what the chat shows (0 or less: in view)
+BELOW = """() => { const list = document.getElementById('messages');
+    return list.lastElementChild.getBoundingClientRect().bottom - list.getBoundingClientRect().bottom; }"""
+SCROLL = "document.getElementById('messages').scrollTop"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RefusionServer(None, port=0) as s:
+        yield s
+
+
+def finish_sse(finish: str = "length", tokens: int = 40) -> str:
+    """A chat stream's end: the finish, the usage chunk (the answer's line of statistics), ``[DONE]``."""
+    chunks = [{"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+              {"choices": [], "usage": {"completion_tokens": tokens, "prompt_tokens": 9, "tokens_per_forward": 1.0,
+                                        "prompt_tokens_details": {"cached_tokens": 0}}}]
+    return "".join("data: " + json.dumps(c) + "\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+@contextmanager
+def chat_in_browser(chromium, server):
+    """The chat page (tests/test_web.py's ``chat_page``) in a headless browser of its own, with no storage kept
+    from another test; it raised no JavaScript error by the end."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page, errors = chat_page(browser, server)
+            yield page
+        finally:
+            browser.close()
+    assert not errors
+
+
+def streamed(page, n: int, text: str) -> None:
+    """Waits until the ``n``-th message (an answer) shows ``text`` and the chat followed it down."""
+    page.wait_for_function(f"document.querySelector('.msg:nth-child({n}) .body').textContent === {json.dumps(text)}"
+                           f" && {SCROLL} > 0", timeout=5000)
+
+
+def test_the_end_of_each_answer_stays_in_view(chromium, server):
+    """The line under an answer (its statistics, its error, "stopped") comes into view with it while the chat is
+    read at its bottom: the statistics were drawn before the text's last frame, which then measured the chat as
+    scrolled up and stayed; an error or a stop never scrolled. A reader scrolled up is left where they are."""
+    text = "a\n" * 39 + "a"  # no line of its own for the cursor, which leaves with the stream
+    with chat_in_browser(chromium, server) as page:
+        page.evaluate(FAKE_FETCH, [[delta(text), False]] * 4)
+        below = []
+        for n, end in ((2, finish_sse()), (4, 'data: {"error": {"message": "the model failed"}}\n\n'),
+                       (6, None), (8, finish_sse())):
+            page.fill("#input", f"turn {n // 2}")
+            page.press("#input", "Enter")
+            streamed(page, n, text)
+            if n == 8:
+                page.evaluate(f"{SCROLL} = 0")  # scrolled up, to read an earlier turn
+            if end is None:
+                page.keyboard.press("Escape")
+            else:
+                page.evaluate("t => { fake.push(t); fake.end(); }", end)
+            page.wait_for_selector(f".msg.assistant:nth-child({n})[data-finish]", timeout=5000)
+            below.append((page.text_content(f".msg:nth-child({n}) .meta"), page.evaluate(BELOW)))
+        scrolled_up = page.evaluate(SCROLL)
+    metas = [meta.split(" · ")[-1] for meta, _ in below]
+    assert metas == ["finish: length", "error: the model failed", "stopped", "finish: length"], below
+    assert all(px <= 0 for _, px in below[:3]), below
+    assert scrolled_up == 0 and below[3][1] > 0, below
