@@ -388,7 +388,7 @@ def test_page_stream_edges(chromium, server):
     with its question (it was shown as a finished answer and sent again with the next turn). A message
     is sent as typed, but for blank lines around it (a pasted block lost its first indent). The chat
     follows a streamed answer down only while it is read at its bottom (it jumped there on every read).
-    The keyboard: Stop has it during a stream, Escape stops, Enter on an answer shows its slots."""
+    The keyboard: the box keeps it during a stream, Escape stops, Enter on an answer shows its slots."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -421,7 +421,7 @@ def test_page_stream_edges(chromium, server):
             page.wait_for_function(f"document.querySelector('{last}').textContent.includes('c')", timeout=5000)
             at_bottom = page.evaluate("(l => l.scrollHeight - l.scrollTop - l.clientHeight)"
                                       "(document.getElementById('messages'))")
-            focused = page.evaluate("document.activeElement.id")  # the box is disabled: Stop has the keyboard
+            focused = page.evaluate("document.activeElement.id")  # the box keeps the keyboard
             page.keyboard.press("Escape")  # stops
             page.wait_for_selector("#send", timeout=5000)
             escaped = page.get_attribute(".msg.assistant:nth-child(6)", "data-finish")
@@ -445,7 +445,7 @@ def test_page_stream_edges(chromium, server):
     assert bodies[0]["messages"] == [{"role": "user", "content": "    def f():\n        pass"}]
     assert bodies[1]["messages"] == [{"role": "user", "content": "two"}]
     assert scrolled_up == 0 and at_bottom < 2, (scrolled_up, at_bottom)
-    assert (focused, escaped, shown) == ("stop", "stopped", True)
+    assert (focused, escaped, shown) == ("input", "stopped", True)
     assert labels == ["System prompt", "JSON schema", "status"]
     assert renewed == ("ready", 0), renewed  # it said "stopped" (the aborted turn's status)
 

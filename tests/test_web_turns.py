@@ -83,3 +83,33 @@ def test_the_end_of_each_answer_stays_in_view(chromium, server):
     assert metas == ["finish: length", "error: the model failed", "stopped", "finish: length"], below
     assert all(px <= 0 for _, px in below[:3]), below
     assert scrolled_up == 0 and below[3][1] > 0, below
+
+
+def test_enter_during_an_answer_sends_nothing_and_stops_nothing(chromium, server):
+    """A second Enter (a double tap, a key's auto-repeat) while an answer is pending leaves it alone: the keyboard
+    went to Stop, where Enter clicked it and the question was dropped. The box stays open: the next question is
+    typed during the answer and sent by Enter once it has ended."""
+    with chat_in_browser(chromium, server) as page:
+        page.evaluate(FAKE_FETCH, [["", False], ["", False]])
+        page.fill("#input", "one")
+        page.press("#input", "Enter")
+        page.keyboard.press("Enter")  # at once: nothing is on screen yet
+        page.evaluate("t => fake.push(t)", delta("a"))
+        page.wait_for_function("document.querySelector('.msg.assistant .body').textContent === 'a'",
+                               timeout=5000)
+        page.keyboard.type("two")
+        page.keyboard.down("Enter")  # held: the key repeats
+        page.keyboard.down("Enter")
+        page.keyboard.up("Enter")
+        during = (page.locator(".msg").count(), page.input_value("#input"), page.evaluate("fake.bodies.length"),
+                  page.evaluate("document.activeElement.id"))
+        page.evaluate("t => { fake.push(t); fake.end(); }", finish_sse(tokens=1))
+        page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
+        first = page.get_attribute(".msg.assistant", "data-finish")
+        page.keyboard.press("Enter")
+        page.wait_for_selector(".msg:nth-child(4)", timeout=5000)
+        sent = page.evaluate("fake.bodies[1].messages")
+    assert during == (2, "two", 1, "input"), during
+    assert first == "length"
+    assert sent == [{"role": "user", "content": "one"}, {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "two"}]

@@ -386,13 +386,14 @@ function changeChat(change) {
   if (following) list.scrollTop = list.scrollHeight;
 }
 
+// While an answer streams the box stays open and keeps the keyboard: the next question can be typed, Enter
+// sends nothing until the answer ends (a second Enter is not a Stop), and Escape or the Stop button stops it.
 function setBusy(busy) {
-  const typing = document.activeElement === $("input") || document.activeElement === $("send");
+  const clicked = document.activeElement === $("send"); // Send hides: the keyboard goes to the box
   state.busy = busy;
   $("send").hidden = busy;
   $("stop").hidden = !busy;
-  $("input").disabled = busy;
-  if (busy && typing) $("stop").focus(); // the box is disabled: the keyboard is on Stop (Escape stops, too)
+  if (busy && clicked) $("input").focus();
 }
 
 // Drawing waits for the next animation frame: a burst of events (a long answer, a stream read at once) is
