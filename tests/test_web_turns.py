@@ -113,3 +113,26 @@ def test_enter_during_an_answer_sends_nothing_and_stops_nothing(chromium, server
     assert first == "length"
     assert sent == [{"role": "user", "content": "one"}, {"role": "assistant", "content": "a"},
                     {"role": "user", "content": "two"}]
+
+
+def test_the_keyboard_stays_where_the_user_is_when_an_answer_ends(chromium, server):
+    """Typing in another box (the system prompt, a setting) while an answer streams goes on there when it ends:
+    the page put the keyboard back in the message box after every answer (the text typed was split across two
+    boxes; a phone's keyboard popped up). It moves only from Stop, which hides, to the box."""
+    with chat_in_browser(chromium, server) as page:
+        page.evaluate(FAKE_FETCH, [[delta("a"), False], [delta("b"), False]])
+        page.fill("#input", "one")
+        page.press("#input", "Enter")
+        page.click("#system")
+        page.keyboard.type("Be ")
+        page.evaluate("t => { fake.push(t); fake.end(); }", finish_sse(tokens=1))
+        page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
+        page.keyboard.type("brief.")
+        typed = (page.input_value("#system"), page.input_value("#input"))
+        page.fill("#input", "two")
+        page.press("#input", "Enter")
+        page.click("#stop")
+        page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=5000)
+        after_stop = page.evaluate("document.activeElement.id")
+    assert typed == ("Be brief.", ""), typed
+    assert after_stop == "input"

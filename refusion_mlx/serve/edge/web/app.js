@@ -388,12 +388,13 @@ function changeChat(change) {
 
 // While an answer streams the box stays open and keeps the keyboard: the next question can be typed, Enter
 // sends nothing until the answer ends (a second Enter is not a Stop), and Escape or the Stop button stops it.
+// The keyboard moves only from the button that hides (Send, then Stop) to the box, never from elsewhere.
 function setBusy(busy) {
-  const clicked = document.activeElement === $("send"); // Send hides: the keyboard goes to the box
+  const hiding = document.activeElement === $(busy ? "send" : "stop");
   state.busy = busy;
   $("send").hidden = busy;
   $("stop").hidden = !busy;
-  if (busy && clicked) $("input").focus();
+  if (hiding) $("input").focus();
 }
 
 // Drawing waits for the next animation frame: a burst of events (a long answer, a stream read at once) is
@@ -593,7 +594,6 @@ async function send(text) {
     turn.fresh = new Set();
     if (state.shown === turn) renderGrid(turn);
     setBusy(false);
-    $("input").focus();
   }
 }
 
