@@ -136,3 +136,43 @@ def test_the_keyboard_stays_where_the_user_is_when_an_answer_ends(chromium, serv
         after_stop = page.evaluate("document.activeElement.id")
     assert typed == ("Be brief.", ""), typed
     assert after_stop == "input"
+
+
+def test_a_failed_question_goes_back_to_the_box(chromium, server):
+    """A refused or failed turn can be sent again: its question, which leaves the conversation, is marked so on
+    screen and put back in the message box (unless the next one is being typed there), where Enter sends it
+    once (the box was emptied, so "retry later" meant typing it again). A stopped turn's box stays empty."""
+    question = "Who is Sven?"
+    with chat_in_browser(chromium, server) as page:
+        sent = []
+        page.on("request", lambda r: sent.append(json.loads(r.post_data)) if "/v1/" in r.url else None)
+        page.fill("input[name=slot_size]", "3")  # refused: block_length 16 is not a multiple of it
+        page.fill("input[name=block_length]", "16")
+        page.fill("#input", question)
+        page.press("#input", "Enter")
+        page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+        refused = (page.text_content(".msg.assistant .meta"), page.input_value("#input"),
+                   page.eval_on_selector(".msg.user", "m => [m.className, m.querySelector('.meta').textContent]"))
+        page.fill("input[name=slot_size]", "")
+        page.fill("input[name=block_length]", "")
+        page.press("#input", "Enter")  # the retry
+        page.wait_for_selector(".msg.assistant:nth-child(4)[data-finish]", timeout=15000)
+        retried = (page.get_attribute(".msg.assistant:nth-child(4)", "data-finish"),
+                   page.get_attribute(".msg.user:nth-child(3)", "class"))
+        page.evaluate(FAKE_FETCH, [[delta("a"), False], [delta("b"), False]])
+        page.fill("#input", "fails")
+        page.press("#input", "Enter")
+        page.keyboard.type("next")  # typed during the answer: it stays
+        page.evaluate("t => { fake.push(t); fake.end(); }", 'data: {"error": {"message": "the model failed"}}\n\n')
+        page.wait_for_selector(".msg.assistant:nth-child(6)[data-finish]", timeout=5000)
+        kept = page.input_value("#input")
+        page.fill("#input", "stopped")
+        page.press("#input", "Enter")
+        page.keyboard.press("Escape")
+        page.wait_for_selector(".msg.assistant:nth-child(8)[data-finish]", timeout=5000)
+        stopped = page.input_value("#input")
+    assert refused == ("error: block_length 16 is not a multiple of slot_size 3", question,
+                       ["msg user left-out", "left out of the conversation"]), refused
+    assert [body["messages"] for body in sent] == [[{"role": "user", "content": question}]] * 2
+    assert retried[0] in ("stop", "length") and retried[1] == "msg user", retried
+    assert kept == "next" and stopped == ""

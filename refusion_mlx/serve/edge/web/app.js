@@ -477,7 +477,7 @@ async function send(text) {
   $("input").value = ""; // checked: the message leaves the box (an error above left it there)
   const history = state.history; // this conversation's (New chat starts another)
   history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const question = addMessage("user", text);
   const turn = newTurn();
   const msg = addMessage("assistant", "");
   msg.classList.add("streaming");
@@ -577,11 +577,16 @@ async function send(text) {
       keep(history, answer);
       finish = "stopped";
       const note = answer ? "stopped" : "stopped before any text (left out)";
-      changeChat(() => { msg.querySelector(".meta").textContent = note; });
+      changeChat(() => {
+        if (!answer) leaveOut(question);
+        msg.querySelector(".meta").textContent = note;
+      });
       current(controller, "stopped", "");
     } else {
-      history.pop(); // the failed question leaves the conversation
+      history.pop(); // the failed question leaves the conversation, and goes back to the box to be sent again
+      if (!$("input").value) $("input").value = text; // (unless a next one is being typed there)
       changeChat(() => {
+        leaveOut(question);
         msg.classList.add("error");
         msg.querySelector(".meta").textContent = "error: " + e.message;
       });
@@ -602,6 +607,13 @@ async function send(text) {
 function keep(history, answer) {
   if (answer) history.push({ role: "assistant", content: answer });
   else history.pop();
+}
+
+// A question that left the conversation (its answer failed, or was stopped before any text) stays on screen,
+// marked: it is not sent with the next turn.
+function leaveOut(question) {
+  question.classList.add("left-out");
+  question.querySelector(".meta").textContent = "left out of the conversation";
 }
 
 // The status of a turn that is still the page's (not one that New chat left behind).
