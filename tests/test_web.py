@@ -345,7 +345,8 @@ def test_page_works_behind_a_path_prefix(chromium, server, client):
 
 # The page's fetch of an API, answered in the page: each call takes the next planned stream (its text, and
 # whether it ends), the request bodies are kept (``fake.bodies``), and ``fake.push(text)`` / ``fake.end()``
-# feed the open one. Stop errors it as a real fetch's body does.
+# feed the open one; ``fake.fail()`` breaks it off as a server killed does. Stop errors it as a real fetch's
+# body does.
 FAKE_FETCH = """plan => {
     const real = window.fetch, fake = window.fake = {bodies: [], plan};
     window.fetch = (path, options = {}) => {
@@ -355,6 +356,7 @@ FAKE_FETCH = """plan => {
         const body = new ReadableStream({start(c) {
             fake.push = (t) => c.enqueue(new TextEncoder().encode(t));
             fake.end = () => c.close();
+            fake.fail = () => c.error(new TypeError("network error"));
             options.signal.addEventListener("abort", () => c.error(new DOMException("stopped", "AbortError")));
             fake.push(text);
             if (ends) fake.end();

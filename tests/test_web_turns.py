@@ -176,3 +176,18 @@ def test_a_failed_question_goes_back_to_the_box(chromium, server):
     assert [body["messages"] for body in sent] == [[{"role": "user", "content": question}]] * 2
     assert retried[0] in ("stop", "length") and retried[1] == "msg user", retried
     assert kept == "next" and stopped == ""
+
+
+def test_a_stream_broken_off_says_so(chromium, server):
+    """A server killed during an answer breaks the stream off (the body's read fails): the page says what
+    docs/serving.md says, "the connection closed before the answer finished", not the browser's "network error"."""
+    with chat_in_browser(chromium, server) as page:
+        page.evaluate(FAKE_FETCH, [[delta("a"), False]])
+        page.fill("#input", "one")
+        page.press("#input", "Enter")
+        page.wait_for_function("document.querySelector('.msg.assistant .body').textContent === 'a'",
+                               timeout=5000)
+        page.evaluate("fake.fail()")
+        page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
+        cut = (page.text_content(".msg.assistant .meta"), page.text_content("#status"))
+    assert cut == ("error: the connection closed before the answer finished", "error"), cut

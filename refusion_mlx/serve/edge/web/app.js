@@ -549,7 +549,8 @@ async function send(text) {
     let buffer = "";
     const breathe = yielder();
     for (;;) {
-      const { value, done } = await reader.read();
+      // a body broken off (a server killed, a proxy's reset) ends as a closed one does, checked below
+      const { value, done } = await reader.read().catch(() => { stopped(); return { done: true }; });
       if (done) break;
       buffer += decoder.decode(value, { stream: true });
       let cut;
