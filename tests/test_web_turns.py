@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 
+import openai
 import pytest
 
 from refusion_mlx.serve.http_server import RefusionServer
-from tests.test_web import FAKE_FETCH, chat_page, delta
+from tests.test_web import COUNT, FAKE_FETCH, MAX_TOKENS, chat_page, delta
 
 # the chat's last message: how far its end lies below what the chat shows (0 or less: in view)
 BELOW = """() => { const list = document.getElementById('messages');
@@ -191,3 +192,30 @@ def test_a_stream_broken_off_says_so(chromium, server):
         page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
         cut = (page.text_content(".msg.assistant .meta"), page.text_content("#status"))
     assert cut == ("error: the connection closed before the answer finished", "error"), cut
+
+
+def test_a_64_bit_seed_is_sent_as_typed(chromium, server):
+    """A seed past a double's exact integers goes to the server as typed: 9007199254740993 went as ...992, and
+    2**64 - 1 (the bound /web/settings.json gives) as 2**64, which the server refused. The answer is the API's
+    for that seed; past the bound, the server's one line."""
+    top = 2**64 - 1
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    want = client.chat.completions.create(model="m", messages=[{"role": "user", "content": COUNT}], seed=top,
+                                          temperature=1.5, max_tokens=MAX_TOKENS).choices[0].message.content
+    seeds = [top, 2**53 + 1, -(2**63), top + 1]
+    with chat_in_browser(chromium, server) as page:
+        sent = []
+        page.on("request", lambda r: sent.append(r.post_data) if "/v1/" in r.url else None)
+        page.fill("input[name=temperature]", "1.5")
+        turns = []
+        for seed in seeds:
+            page.click("#new-chat")
+            page.fill("input[name=seed]", str(seed))
+            page.fill("#input", COUNT)
+            page.press("#input", "Enter")
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=15000)
+            turns.append((page.text_content(".msg.assistant .body"), page.text_content(".msg.assistant .meta")))
+    assert [json.loads(body)["seed"] for body in sent] == seeds
+    assert turns[0][0] == want and "finish: length" in turns[0][1], turns[0]
+    assert all("error" not in meta for _, meta in turns[:3]), turns
+    assert turns[3][1] == "error: seed: Input should be less than or equal to 18446744073709551615", turns[3]

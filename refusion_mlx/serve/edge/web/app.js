@@ -187,15 +187,26 @@ function saveSettings() {
   localStorage.setItem(STORE, JSON.stringify(values));
 }
 
-// The request's decoding fields: the ones set (the server checks them and names a bad one).
+// The request's decoding fields: the ones set (the server checks them and names a bad one). An integer past a
+// double's exact ones (a 64-bit seed: up to 2**64 - 1) is a BigInt, sent as typed (bodyJSON), not rounded.
 function chosenSettings() {
   const out = {};
   for (const input of $("settings-form").querySelectorAll("input")) {
     if (input.validity.badInput) throw new Error(input.name + ": not a number");
-    if (input.value.trim() === "") continue;
-    out[input.name] = Number(input.value);
+    const value = input.value.trim();
+    if (value === "") continue;
+    const exact = input.dataset.type === "int" && /^-?\d+$/.test(value) && !Number.isSafeInteger(Number(value));
+    out[input.name] = exact ? BigInt(value) : Number(value);
   }
   return out;
+}
+
+// A request's body as JSON, its BigInts written exactly (JSON.stringify refuses them; the decoding fields
+// are at the top of every API's body).
+function bodyJSON(body) {
+  const entries = Object.entries(body).filter(([, v]) => v !== undefined)
+    .map(([k, v]) => JSON.stringify(k) + ":" + (typeof v === "bigint" ? String(v) : JSON.stringify(v)));
+  return "{" + entries.join(",") + "}";
 }
 
 // -- the slot view ---------------------------------------------------------------
@@ -534,7 +545,7 @@ async function send(text) {
     const resp = await authorizedFetch(api.path, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body),
+      body: bodyJSON(body),
       signal: controller.signal,
     });
     if (!resp.ok) {
