@@ -219,3 +219,21 @@ def test_a_64_bit_seed_is_sent_as_typed(chromium, server):
     assert turns[0][0] == want and "finish: length" in turns[0][1], turns[0]
     assert all("error" not in meta for _, meta in turns[:3]), turns
     assert turns[3][1] == "error: seed: Input should be less than or equal to 18446744073709551615", turns[3]
+
+
+@pytest.mark.parametrize("stored", ["null", "{bad", "[1]", '{"max_tokens": {"a": 1}, "seed": "7"}'])
+def test_unreadable_stored_settings_are_passed_over(chromium, server, stored):
+    """Settings in local storage the page cannot read (``null``, not JSON, a hand's edit) leave the server's
+    defaults and the page ready, and the next edit is kept: the page said "cannot read the settings: Cannot read
+    properties of null" and never saved an edit again. What can be read is used."""
+    with chat_in_browser(chromium, server) as page:
+        page.evaluate("s => localStorage.setItem('refusion-mlx-settings', s)", stored)
+        page.reload()
+        page.wait_for_selector("input[name=max_tokens]")
+        page.wait_for_function("document.getElementById('status').textContent !== 'loading…'")
+        loaded = (page.text_content("#status"), page.input_value("input[name=max_tokens]"),
+                  page.input_value("input[name=seed]"))
+        page.fill("input[name=max_tokens]", "20")
+        kept = page.evaluate("JSON.parse(localStorage.getItem('refusion-mlx-settings'))")
+    assert loaded == ("ready", "", "7" if "seed" in stored else ""), loaded
+    assert kept["max_tokens"] == "20", kept

@@ -155,11 +155,10 @@ async function loadSettings() {
     fields.forEach((f) => set.append(fieldInput(f)));
     form.append(set);
   }
-  const saved = JSON.parse(localStorage.getItem(STORE) || "{}");
+  const saved = storedSettings();
   for (const input of form.querySelectorAll("input")) {
-    if (saved[input.name] != null) input.value = saved[input.name];
+    if (typeof saved[input.name] === "string") input.value = saved[input.name];
   }
-  form.addEventListener("input", saveSettings);
 }
 
 function fieldInput(f) {
@@ -179,12 +178,24 @@ function fieldInput(f) {
   return label;
 }
 
+// The settings kept in local storage, as saveSettings writes them. Anything else (a value another version or a
+// hand wrote, storage turned off) is passed over, the server's defaults apply, and the next edit replaces it.
+function storedSettings() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(STORE) || "{}");
+    if (saved !== null && typeof saved === "object" && !Array.isArray(saved)) return saved;
+  } catch (e) { /* not JSON, or no storage */ }
+  return {};
+}
+
 function saveSettings() {
   const values = {};
   for (const input of $("settings-form").querySelectorAll("input")) {
     if (input.value !== "") values[input.name] = input.value;
   }
-  localStorage.setItem(STORE, JSON.stringify(values));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(values));
+  } catch (e) { /* no storage (full, or off): the settings apply, unkept */ }
 }
 
 // The request's decoding fields: the ones set (the server checks them and names a bad one). An integer past a
@@ -660,6 +671,7 @@ function main() {
     if (e.key === "Escape" && state.busy && state.controller && !$("key-dialog").open) state.controller.abort();
   });
   $("new-chat").addEventListener("click", newChat);
+  $("settings-form").addEventListener("input", saveSettings);
   $("reset").addEventListener("click", () => {
     $("settings-form").reset();
     localStorage.removeItem(STORE);
