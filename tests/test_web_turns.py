@@ -237,3 +237,26 @@ def test_unreadable_stored_settings_are_passed_over(chromium, server, stored):
         kept = page.evaluate("JSON.parse(localStorage.getItem('refusion-mlx-settings'))")
     assert loaded == ("ready", "", "7" if "seed" in stored else ""), loaded
     assert kept["max_tokens"] == "20", kept
+
+
+def test_every_setting_is_kept_and_reset(chromium, server):
+    """The system prompt, the JSON schema, the endpoint and ms per step are kept across a reload, as the decoding
+    fields are (a reload lost them), and Reset clears them all, as its title says (it left them in place)."""
+    panel = {"#system": "Be brief.", "#json-schema": '{"type": "object"}', "#pace": "300",
+             "input[name=max_tokens]": "20"}
+    read = "sel => document.querySelector(sel).value"
+    with chat_in_browser(chromium, server) as page:
+        for selector, value in panel.items():
+            page.fill(selector, value)
+        page.select_option("#api", "responses")
+        page.reload()
+        page.wait_for_selector("input[name=max_tokens]")
+        kept = {selector: page.evaluate(read, selector) for selector in [*panel, "#api"]}
+        page.click("#reset")
+        reset = {selector: page.evaluate(read, selector) for selector in [*panel, "#api"]}
+        page.reload()
+        page.wait_for_selector("input[name=max_tokens]")
+        reloaded = {selector: page.evaluate(read, selector) for selector in [*panel, "#api"]}
+    assert kept == {**panel, "#api": "responses"}, kept
+    defaults = {"#system": "", "#json-schema": "", "#pace": "0", "input[name=max_tokens]": "", "#api": "chat"}
+    assert reset == reloaded == defaults, (reset, reloaded)

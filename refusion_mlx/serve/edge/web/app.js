@@ -155,10 +155,7 @@ async function loadSettings() {
     fields.forEach((f) => set.append(fieldInput(f)));
     form.append(set);
   }
-  const saved = storedSettings();
-  for (const input of form.querySelectorAll("input")) {
-    if (typeof saved[input.name] === "string") input.value = saved[input.name];
-  }
+  restoreSettings(form.querySelectorAll("input"));
 }
 
 function fieldInput(f) {
@@ -188,10 +185,30 @@ function storedSettings() {
   return {};
 }
 
+// Every setting of the panel is kept: the decoding fields by name, the rest (#panel-form: the system prompt,
+// the JSON schema, the endpoint, ms per step) by id. The fields come with the server's list, the rest at once.
+const settingKey = (control) => control.name || control.id;
+
+function panelControls() {
+  return [...$("settings-form").querySelectorAll("input"), ...$("panel-form").elements];
+}
+
+function restoreSettings(controls) {
+  const saved = storedSettings();
+  for (const control of controls) {
+    const value = saved[settingKey(control)];
+    if (typeof value !== "string") continue;
+    if (control.tagName === "SELECT" && ![...control.options].some((o) => o.value === value)) continue;
+    control.value = value;
+  }
+}
+
+// On every edit, over what was kept: a setting not on the page yet (a field, before the server's list) stays.
 function saveSettings() {
-  const values = {};
-  for (const input of $("settings-form").querySelectorAll("input")) {
-    if (input.value !== "") values[input.name] = input.value;
+  const values = storedSettings();
+  for (const control of panelControls()) {
+    if (control.value !== "") values[settingKey(control)] = control.value;
+    else delete values[settingKey(control)];
   }
   try {
     localStorage.setItem(STORE, JSON.stringify(values));
@@ -671,10 +688,14 @@ function main() {
     if (e.key === "Escape" && state.busy && state.controller && !$("key-dialog").open) state.controller.abort();
   });
   $("new-chat").addEventListener("click", newChat);
-  $("settings-form").addEventListener("input", saveSettings);
-  $("reset").addEventListener("click", () => {
+  for (const form of [$("settings-form"), $("panel-form")]) form.addEventListener("input", saveSettings);
+  restoreSettings($("panel-form").elements);
+  $("reset").addEventListener("click", () => { // every setting back to its default, and none kept
     $("settings-form").reset();
-    localStorage.removeItem(STORE);
+    $("panel-form").reset();
+    try {
+      localStorage.removeItem(STORE);
+    } catch (e) { /* no storage */ }
   });
   show(newTurn());
   loadSettings()
