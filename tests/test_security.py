@@ -151,7 +151,7 @@ def test_every_route_but_health_the_page_and_hello_needs_the_key(server):
     assert status == 401 and json.loads(payload)["error"]["type"] == "authentication_error"
     status, _, payload = call(server, "GET", "/v1/models", key="wrong-key")
     assert status == 401 and "not valid" in openai_error(payload)["message"]
-    for path in ("/health", "/", "/web/app.js", "/web/style.css", "/api/hello"):
+    for path in ("/health", "/", "/web/app.js", "/web/settings.js", "/web/slots.js", "/web/style.css", "/api/hello"):
         assert call(server, "GET", path, key=None)[0] == 200, path
     assert call(server, "HEAD", "/api/hello", key=None)[0] == 200  # Claude Code's connection check, keyless
     status, _, payload = call(server, "GET", "/health", key=None)  # up or not: nothing of the traffic, nor the

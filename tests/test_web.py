@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -109,10 +110,13 @@ def test_commits_cover_the_answer_out_of_order(server, client):
 
 def test_page_files_and_settings(server):
     with urllib.request.urlopen(base(server) + "/") as resp:
-        assert resp.headers["Content-Type"].startswith("text/html") and b'src="web/app.js"' in resp.read()
-    with urllib.request.urlopen(base(server) + "/web/app.js") as resp:
-        assert resp.headers["Content-Type"].startswith("text/javascript")
-        assert b"innerHTML" not in resp.read()  # model text goes in as text only
+        assert resp.headers["Content-Type"].startswith("text/html")
+        scripts = re.findall(r'<script src="([^"]+)"></script>', resp.read().decode())
+    assert scripts == ["web/slots.js", "web/settings.js", "web/app.js"]  # app.js last: it starts the page
+    for script in scripts:
+        with urllib.request.urlopen(base(server) + "/" + script) as resp:
+            assert resp.headers["Content-Type"].startswith("text/javascript")
+            assert b"innerHTML" not in resp.read()  # model text goes in as text only
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(base(server) + "/web/secrets.txt")
     assert err.value.code == 404 and json.load(err.value)["error"]["code"] == "not_found"

@@ -47,7 +47,7 @@ from .lanes import BODY_BYTES
 KEY_SCOPE = "refusion.key"  # the scope entry holding the hash of the API key a request presented
 WILDCARDS = ("0.0.0.0", "::", "")
 # what a browser may load without the key: the page itself, which asks for the key
-PUBLIC_PAGE = ("/", "/web/app.js", "/web/style.css")
+PUBLIC_PAGE = ("/", "/web/app.js", "/web/settings.js", "/web/slots.js", "/web/style.css")
 PUBLIC = ("/health", "/v1/health", "/api/hello")  # /api/hello: a client's connection check, no key
 STOP_CHECK = 0.25  # seconds between two looks at whether the server is stopping, while a body arrives
 
