@@ -549,6 +549,26 @@ def test_a_client_that_reads_none_of_its_stream_is_cut(server, monkeypatch):
     sock.close()
 
 
+def test_a_slow_reader_that_keeps_reading_is_not_cut(server, monkeypatch):
+    """SEND_TIMEOUT is time without progress, as nginx's send_timeout: the timer ran from the buffer going
+    over its high mark until it fell under its low one, so a client reading a big answer slowly but steadily
+    was cut mid-answer. It is cut once it stops reading."""
+    from refusion_mlx.serve.edge import connections
+
+    monkeypatch.setattr(connections, "SEND_TIMEOUT", 0.3, raising=False)
+    sock, writer = unread_stream(server)
+    assert wait_for(lambda: writer.flow.write_paused)
+    sock.settimeout(5)
+    got, until = 0, time.monotonic() + 2.0  # more than six timeouts, the buffer kept over its high mark
+    while time.monotonic() < until:
+        got += len(sock.recv(1024))
+        time.sleep(0.05)
+        assert writer in server.uvicorn.server_state.connections, f"cut after {got} bytes"
+    assert writer.flow.write_paused  # still behind: the reader is slow, not gone
+    assert wait_for(lambda: writer not in server.uvicorn.server_state.connections)  # it stopped reading
+    sock.close()
+
+
 def test_a_stop_answers_a_body_still_coming_and_cuts_a_stream_nobody_reads(caplog):
     """A stop with a body still coming (--body-timeout: 30 s) or a stream its client does not read (no
     bound then) waited out uvicorn's graceful shutdown (5 s), which then cancelled them: "Exception in ASGI

@@ -15,8 +15,9 @@ protocol with these bounds (``ServerConfig``'s, and a constant's):
   with 400);
 * :data:`SEND_TIMEOUT` -- a connection whose answer its client takes none
   of (the transport's buffer stays over its high mark, so uvicorn waits to
-  write) for this long is closed, the buffer dropped: nginx's
-  ``send_timeout``; a stream's request is cancelled then. A stop waits for
+  write, and it shrinks by not one byte) for this long is closed, the buffer
+  dropped: nginx's ``send_timeout``, time without progress (a slow reader
+  that keeps reading is never cut); a stream's request is cancelled then. A stop waits for
   no such client: at the stop (uvicorn's ``shutdown``), or once its buffer
   fills after it, the connection is cut at once;
 * ``max_connections`` -- past this many open connections, the oldest one
@@ -123,7 +124,10 @@ def protocol(header_timeout: float, max_connections: int):
         def pause_writing(self) -> None:  # the transport's buffer is over its high mark: its client reads nothing
             super().pause_writing()
             if self.send_timer is None:
-                self.send_timer = self.loop.call_later(0 if self.stopping else SEND_TIMEOUT, self._send_late)
+                self._time_send(0 if self.stopping else SEND_TIMEOUT)
+
+        def _time_send(self, seconds: float) -> None:
+            self.send_timer = self.loop.call_later(seconds, self._send_late, self.transport.get_write_buffer_size())
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -131,8 +135,11 @@ def protocol(header_timeout: float, max_connections: int):
                 self.send_timer.cancel()
                 self.send_timer = None
 
-        def _send_late(self) -> None:
+        def _send_late(self, buffered: int) -> None:
             self.send_timer = None
+            if not self.stopping and self.transport.get_write_buffer_size() < buffered:
+                self._time_send(SEND_TIMEOUT)  # its client took some: it is slow, not gone
+                return
             self.transport.abort()  # not close(): that waits for the buffer to drain, which never comes
 
         def shutdown(self) -> None:  # the server stops: uvicorn waits for the answers under way, a while
