@@ -24,9 +24,10 @@ def test_a_full_disk_under_standard_output_is_one_line_and_exit_1(tmp_path):
     runs = [("generate", ["--max-tokens", "16", "--json"], None), ("generate", ["--max-tokens", "16"], None),
             ("generate", ["--max-tokens", "16", "--prompts-file", str(tmp_path / "p.txt")], None),
             ("chat", ["--max-tokens", "16"], b"Who is Sven?\n")]
-    for name, argv, given in runs:
-        with open("/dev/full", "wb") as full:
-            proc = command(name, *argv, input=given, stdout=full, stderr=subprocess.PIPE)
+    unbuffered_runs = [(run, {"PYTHONUNBUFFERED": "1"}) for run in (runs[1], runs[3])]
+    for (name, argv, given), unbuffered in [(run, {}) for run in runs] + unbuffered_runs:
+        with open("/dev/full", "wb") as full:  # unbuffered (as many containers set), the write itself raises
+            proc = command(name, *argv, input=given, stdout=full, stderr=subprocess.PIPE, env=unbuffered)
         err = proc.stderr.decode()
         assert proc.returncode == 1, (argv, proc.returncode, err)
         assert err.endswith("error: No space left on device: standard output\n") and "Exception" not in err, err
@@ -109,3 +110,21 @@ def test_ctrl_c_in_a_streamed_answer_ends_its_line_before_interrupted(capsys, mo
     assert generate.main(["--prompt", "Count from 1 to 40.", "--max-tokens", "64"]) == 130
     out, err = capsys.readouterr()
     assert out.startswith("1 ") and out.endswith("\n") and out.count("\n") == 1 and err == "interrupted\n", (out, err)
+
+
+def test_a_file_a_full_disk_refuses_is_named(tmp_path):
+    """A full disk's write error names no file: ``write_text`` (a report, a trace) names its own, so the
+    one line says which output failed, not standard output's."""
+    from refusion_mlx.cli.output import write_text
+
+    for unbuffered in ({}, {"PYTHONUNBUFFERED": "1"}):
+        proc = command("chat", "--max-tokens", "8", "--trace", "/dev/full", input=b"Who is Sven?\n",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=unbuffered)
+        err = proc.stderr.decode()
+        assert proc.returncode == 1 and err.endswith("No space left on device: /dev/full\n"), err
+    try:
+        write_text("/dev/full", "x" * 10000)
+    except OSError as e:
+        assert e.filename == "/dev/full"
+    else:
+        raise AssertionError("a write to /dev/full did not fail")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import re
@@ -192,6 +193,9 @@ def fitted(params: RefusionParams, prompt_tokens: int, model, given: Optional[in
     return fit.params
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write's errors; a file's name them (output.write_text)
+
+
 def _quiet_stdout() -> None:
     """Standard output onto the null device: Python's flush at exit finds no reader and would say so."""
     try:
@@ -366,7 +370,10 @@ def run(body: Callable[[], int]) -> int:
         _quiet_stdout()
         return 141
     except OSError as e:  # a file's, or standard output's (a full disk: what it could not take is dropped)
-        name = getattr(e, "filename", None) or (None if _flush_or_drop_stdout() else "standard output")
+        name = getattr(e, "filename", None)
+        if name is None and (not _flush_or_drop_stdout() or e.errno in FULL):  # unbuffered, the write raised
+            _quiet_stdout()  # at once and Python dropped its data: the flush after it finds nothing left
+            name = "standard output"
         print(f"error: {e.strerror or e}" + (f": {name}" if name else ""), file=sys.stderr)
         return 1
     except UnicodeDecodeError as e:  # (a ValueError) an input read in a strict encoding

@@ -49,8 +49,18 @@ def check_writable(path: str) -> None:
 
 def write_text(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path``: a regular file through a temporary
-    sibling renamed into place; anything else (a device, a pipe) directly."""
+    sibling renamed into place; anything else (a device, a pipe) directly. A
+    failed write names ``path`` (a full disk's error names no file)."""
     path = os.path.expanduser(path)
+    try:
+        _write(path, text)
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+def _write(path: str, text: str) -> None:
     st = _stat(path)
     if st is not None and not stat.S_ISREG(st.st_mode):
         with open(path, "w", encoding="utf-8") as f:
