@@ -416,7 +416,7 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     # a bound past 16 digits on one side: the other side is held as many digits past it, not contradicted
     assert bounded_integers({"type": "integer", "minimum": 10 ** 17})["maximum"] == 10 ** 17 + 10 ** 16 - 1
     assert bounded_integers({"type": "integer", "exclusiveMaximum": -10 ** 17})["minimum"] == -10 ** 17 - 10 ** 16 + 1
-    assert takes({"type": "integer", "minimum": 10 ** 17}, str(10 ** 17 + 5))
+    assert takes({"type": "integer", "minimum": 2 ** 53}, str(2 ** 53 + 5))
 
 
 
@@ -439,6 +439,25 @@ def test_integers_a_const_or_enum_gives_are_not_bounded_and_are_written_exactly(
         m = compile_constraint(Constraint.json_schema({"type": "integer", "const": value}), tokenizer,
                                model.args.vocab_size, tokenizer.eos_token_id).matcher()
         assert tokenizer.decode(m.forced()) == str(value)
+
+
+@pytest.mark.parametrize("key, value", [("minimum", 2 ** 53 + 1), ("maximum", -(2 ** 53) - 1), ("minimum", 1e17),
+                                        ("exclusiveMinimum", 2 ** 53), ("exclusiveMaximum", -(2 ** 53)),
+                                        ("multipleOf", 2 ** 60)])
+def test_a_bound_the_engine_would_hold_rounded_is_refused(demo, key, value):
+    """A minimum of 2**53 + 1 was held as 2**53, which the answer then was ("stop" with an integer below its
+    minimum); an exclusive bound of 2**53 let 2**53 pass. Such a bound is one clear error naming it."""
+    from refusion_mlx.decode.grammar import compile_constraint
+
+    model, tokenizer = demo
+    with pytest.raises(DecodeError, match=rf"^s: cannot be compiled: the {key} -?[\d.e+]+ is past what the grammar "
+                                          r"engine holds exactly \(bounds within 2\*\*53"):
+        Constraint.json_schema({"type": "array", "items": {"type": "integer", key: value}}, "s")
+    for schema in ({"type": "integer", "minimum": 2 ** 53, "maximum": 2 ** 53},
+                   {"type": "integer", "exclusiveMinimum": 2 ** 53 - 3, "exclusiveMaximum": 2 ** 53 - 1}):
+        m = compile_constraint(Constraint.json_schema(schema), tokenizer, model.args.vocab_size,
+                               tokenizer.eos_token_id).matcher()
+        assert tokenizer.decode(m.forced()) == str(schema.get("minimum", 2 ** 53 - 2))
 
 
 @pytest.mark.parametrize("schema, instance", [

@@ -2,8 +2,9 @@
 then narrowed to what a small model can finish (objects that list their
 properties closed to others, integers without bounds held to 16 digits
 unless a const or enum gives their values), and formats the engine does not
-know dropped; a constant it cannot write exactly is refused. What is
-decoded under the narrowed schema is valid under the schema as given."""
+know dropped; a constant it cannot write exactly, or a bound it cannot hold
+exactly, is refused. What is decoded under the narrowed schema is valid under
+the schema as given."""
 
 from __future__ import annotations
 
@@ -109,9 +110,20 @@ def bounded_integers(schema: Any) -> Any:
 EXACT = 2 ** 53  # the engine holds a JSON number as a 64-bit float: integers are exact up to this size
 
 
+_BOUNDS = ("minimum", "maximum", "multipleOf")  # past EXACT in size: held rounded (2**53 + 1 let 2**53 pass)
+_EXCLUSIVE = ("exclusiveMinimum", "exclusiveMaximum")  # at EXACT too: the engine steps an integer's past it
+
+
 def _exact_values(s: dict) -> dict:
     """``s``, once each number its ``const`` and ``enum`` give is one the engine writes as given (a larger
-    integer was written rounded: 9999999999999999 as 10000000000000000); else a ValueError naming it."""
+    integer was written rounded: 9999999999999999 as 10000000000000000) and each bound one it holds as given;
+    else a ValueError naming it."""
+    for key in _BOUNDS + _EXCLUSIVE:
+        value = s.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and (abs(value) > EXACT or key in _EXCLUSIVE and abs(value) >= EXACT):
+            raise ValueError(f"the {key} {value} is past what the grammar engine holds exactly (bounds within "
+                             f"2**53 = {EXACT} in size, exclusive ones under it)")
     stack = [s[k] for k in ("const", "enum") if k in s]
     while stack:
         value = stack.pop()
