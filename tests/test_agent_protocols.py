@@ -331,6 +331,19 @@ def test_anthropic_structured_output_is_decoded_under_the_schema(server):
             assert status == 400 and err["error"]["message"].startswith(f"{field}: not supported with a prefill"), err
 
 
+def test_output_format_and_output_config_format_together_are_refused(server):
+    """Both given: output_config.format was ignored (an array's schema decoded as the object's). Anthropic's
+    invalid_request_error names the conflict, on count_tokens too."""
+    obj = {"type": "json_schema", "schema": {"type": "object"}}
+    arr = {"type": "json_schema", "schema": {"type": "array", "items": {"type": "integer"}}}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        status, _, err = call(server, "POST", path, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                     "output_format": obj, "output_config": {"format": arr}})
+        assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+        assert err["error"]["message"].startswith("output_format: give output_format or output_config.format, "
+                                                  "not both"), err
+
+
 def test_head_is_answered_wherever_get_is_and_every_4xx_is_logged(server, caplog):
     for path in ("/", "/v1/models", "/health"):
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)

@@ -290,6 +290,9 @@ def output_format(body, prefill: bool = False):
     """The answer's format (``output_format``, or ``output_config.format``) as a constraint (None: text);
     refused after a ``prefill``, which a whole JSON document cannot continue (as Anthropic refuses it)."""
     config = body.output_config
+    if body.output_format is not None and (config or {}).get("format") is not None:
+        raise invalid("output_format", "give output_format or output_config.format, not both (output_format is "
+                                       "the older name of output_config.format)")
     if body.output_format is not None:
         field, shape = "output_format", response_format(body.output_format, "output_format", nested=False)
     elif config is not None and not isinstance(config.get("format", {}), dict):
