@@ -144,6 +144,17 @@ def test_budget_ends_before_the_grammar_closes(demo):
     assert text.startswith('{"a": "')
 
 
+def test_the_budget_ends_the_answer_the_same_way_at_every_max_tokens(demo):
+    """Where the grammar accepts at the budget's end, EOS is forced there ("stop", exactly max_tokens tokens),
+    at every budget: the loop ran to the budget rounded up to whole slots, so only a budget of whole slots got
+    the EOS, and every other one was cut past it ("length") after forwards on tokens past the budget."""
+    model, tokenizer = demo
+    free = Constraint.lark("start: /[a-zA-Z .,]+/")
+    for most in range(3, 10):
+        ((text, ids, finish),) = decode_all(model, tokenizer, [("Who is Sven?", free, make_params(max_tokens=most))])
+        assert (finish, len(ids)) == ("stop", most + 1) and ids[-1] == tokenizer.eos_token_id, (most, text)
+
+
 def test_json_object_and_lark_grammar(demo):
     model, tokenizer = demo
     results = decode_all(model, tokenizer, [

@@ -83,7 +83,8 @@ def decode(state: DecodeState, tail: List[int],
     """
     S, p = state.slot_size, state.params
     window = state.layout.block_lengths[0]
-    end = state.response_start + state.layout.gen_length  # answer positions are before it (EOS may be at it)
+    # the answer's positions are before the budget asked, not the whole slots it is decoded in (EOS may be at it)
+    end = state.response_start + p.gen_length
     frontier = state.response_start
     known = after(state, [], frontier, end)
     buffered: Dict[int, Tuple[int, float]] = {}  # position -> (draft, confidence) of the latest mask rows
