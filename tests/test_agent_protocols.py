@@ -344,6 +344,21 @@ def test_output_format_and_output_config_format_together_are_refused(server):
                                                   "not both"), err
 
 
+@pytest.mark.parametrize("fmt", [{"type": "json_object"}, {"type": "text"}, "json", {"schema": {}}])
+def test_a_format_type_anthropic_lacks_is_refused(server, fmt):
+    """Chat's json_object was taken as output_config.format (Anthropic has json_schema alone): a 400 in
+    Anthropic's shape naming the type it takes, for either field."""
+    for field, fields in (("output_config.format", {"output_config": {"format": fmt}}),
+                          ("output_format", {"output_format": fmt})):
+        if not isinstance(fmt, dict) and field == "output_format":
+            continue  # not an object: the body's own check refuses it
+        status, _, err = call(server, "POST", "/v1/messages", {"messages": [{"role": "user", "content": "Hi"}],
+                                                               "max_tokens": 8, **fields})
+        assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+        assert err["error"]["message"] == f'{field}: must be {{"type": "json_schema", "schema": {{...}}}}, the one ' \
+                                          "format type the Messages API takes", err
+
+
 def test_head_is_answered_wherever_get_is_and_every_4xx_is_logged(server, caplog):
     for path in ("/", "/v1/models", "/health"):
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)

@@ -287,19 +287,20 @@ def check_thinking(body) -> None:
 
 
 def output_format(body, prefill: bool = False):
-    """The answer's format (``output_format``, or ``output_config.format``) as a constraint (None: text);
-    refused after a ``prefill``, which a whole JSON document cannot continue (as Anthropic refuses it)."""
+    """The answer's format (``output_format``, or ``output_config.format``: a ``json_schema``, Anthropic's
+    one type) as a constraint (None: text); refused after a ``prefill``, which a whole JSON document cannot continue (as Anthropic refuses it)."""
     config = body.output_config
     if body.output_format is not None and (config or {}).get("format") is not None:
         raise invalid("output_format", "give output_format or output_config.format, not both (output_format is "
                                        "the older name of output_config.format)")
     if body.output_format is not None:
-        field, shape = "output_format", response_format(body.output_format, "output_format", nested=False)
-    elif config is not None and not isinstance(config.get("format", {}), dict):
-        raise invalid("output_config.format", 'must be an object such as {"type": "json_schema", "schema": {...}}')
+        field, value = "output_format", body.output_format
     else:
-        field = "output_config.format"
-        shape = response_format((config or {}).get("format"), field, nested=False)
+        field, value = "output_config.format", (config or {}).get("format")
+    if value is not None and not (isinstance(value, dict) and value.get("type") == "json_schema"):  # not chat's
+        raise invalid(field, 'must be {"type": "json_schema", "schema": {...}}, the one format type the Messages '
+                             "API takes")
+    shape = response_format(value, field, nested=False)
     if shape is not None and prefill:
         raise unsupported(field, "not supported with a prefill (a final assistant message of text): the answer "
                                  "is a whole JSON document, which cannot continue the prefill")
