@@ -552,6 +552,8 @@ BAD = [
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
      "text.format.name"),
+    ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x", "strict": "yes",
+                                                          "schema": {"type": "object"}}}}, "text.format.strict"),
     ("/v1/responses", {"input": [{"role": "user", "content": CALC}, {"type": "function_call", "call_id": "c1",
                                                                       "name": "calculator"}]}, "input[1].arguments"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tools": ANTHROPIC_TOOLS, "tool_choice": {}},

@@ -303,6 +303,10 @@ def test_a_schema_without_type_object_is_an_object_or_a_400(server, oai):
     ({"response_format": json_schema({"type": "nope"})}, "response_format.json_schema.schema"),
     ({"response_format": json_schema('{"type": "object"}')}, "response_format.json_schema.schema"),  # text
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    # as OpenAI: a schema's name is required (the Responses API's rule too), strict is a boolean
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": CITY}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}, "tools"),

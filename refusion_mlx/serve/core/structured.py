@@ -37,11 +37,12 @@ from .tool_calls import check_schema_size
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
-def response_format(value: Any, param: str, nested: bool = True, named: bool = False) -> Optional[Constraint]:
+def response_format(value: Any, param: str, nested: bool = True, named: bool = True) -> Optional[Constraint]:
     """``{"type": "text"}`` (None), ``{"type": "json_object"}`` or ``{"type":
-    "json_schema", ...}`` with ``name``, ``schema``, ``strict`` (under
+    "json_schema", ...}`` with ``name``, ``schema``, ``strict`` (a boolean or null; under
     ``json_schema`` when ``nested``, as chat completions; flat as the
-    Responses API's ``text.format``); ``named``: ``name`` is required (the Responses API's rule)."""
+    Responses API's ``text.format``); ``named``: ``name`` is required (OpenAI's rule, on both APIs;
+    Anthropic's format has none)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -64,6 +65,9 @@ def response_format(value: Any, param: str, nested: bool = True, named: bool = F
         raise Refusal(Reason.INVALID_VALUE, f"{where}.name: must be a string", f"{where}.name")
     if name is None and named:
         raise Refusal(Reason.INVALID_VALUE, f"{where}.name: is required (the schema's name)", f"{where}.name")
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise Refusal(Reason.INVALID_VALUE, f"{where}.strict: must be a boolean, got {spec['strict']!r}",
+                      f"{where}.strict")
     if "schema" not in spec and not nested:  # chat completions may leave it out; the Responses API may not
         raise Refusal(Reason.INVALID_VALUE, f"{where}.schema: is required (a JSON Schema)", f"{where}.schema")
     schema = spec.get("schema", {"type": "object"})

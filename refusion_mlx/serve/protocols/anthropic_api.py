@@ -300,7 +300,7 @@ def output_format(body, prefill: bool = False):
     if value is not None and not (isinstance(value, dict) and value.get("type") == "json_schema"):  # not chat's
         raise invalid(field, 'must be {"type": "json_schema", "schema": {...}}, the one format type the Messages '
                              "API takes")
-    shape = response_format(value, field, nested=False)
+    shape = response_format(value, field, nested=False, named=False)
     if shape is not None and prefill:
         raise unsupported(field, "not supported with a prefill (a final assistant message of text): the answer "
                                  "is a whole JSON document, which cannot continue the prefill")

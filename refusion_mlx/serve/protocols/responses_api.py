@@ -255,8 +255,7 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
         ids = terms.prompt_ids(ChatPrompt(system + conversation, tools), "input")
     parallel = body.parallel_tool_calls is not False
     constraint = request_constraint(tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),
-                                    response_format((body.text or {}).get("format"), "text.format", nested=False,
-                                                    named=True))
+                                    response_format((body.text or {}).get("format"), "text.format", nested=False))
     draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
                   max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
                   parallel_tool_calls=parallel, constraint=constraint, logprobs=answer_logprobs(body),
