@@ -531,6 +531,26 @@ def test_a_call_whose_arguments_spell_its_marker_is_refused_and_eos_is_not_text(
                            tokenizer.eos_token_id)
 
 
+def test_a_grammar_naming_a_token_that_is_not_text_is_refused(demo):
+    """The mask token named in a grammar was committed into the answer and the cache as a decided token;
+    padding (<|endoftext|>) likewise. Such a grammar is one clear error, in the Python API and the CLI; tokens
+    chat templates write as text (<think>) stay nameable."""
+    from refusion_mlx.decode.grammar import compile_constraint
+
+    model, tokenizer = demo
+    mask = model.args.mask_token_id
+    for source, what in (('start: "x" <|mask|> "y"', "the model's mask token"), (f'start: "x" <[{mask}]>', "the "
+                         "model's mask token"), ('start: "x" <|endoftext|>', "a special token, which is not text")):
+        with pytest.raises(DecodeError, match=rf"^g: names {what}.*: leave it out of the grammar$"):
+            compile_constraint(Constraint.lark(source, "g"), tokenizer, model.args.vocab_size,
+                               tokenizer.eos_token_id, mask_id=mask)
+        gen = BatchGenerator(model, tokenizer)
+        with pytest.raises(DecodeError, match=f"names {what}"):
+            gen.insert(rm.chat_prompt(tokenizer, "hi"), make_params(max_tokens=8), constraint=Constraint.lark(source))
+    compile_constraint(Constraint.lark('start: "x" <think> "y"'), tokenizer, model.args.vocab_size,
+                       tokenizer.eos_token_id, mask_id=mask)
+
+
 def test_forced_text_is_committed_even_where_several_tokenizations_could_spell_it(demo):
     """llguidance forces a token only where one tokenization is possible; the demo's vocabulary spells a key's
     '": "' as one token or as three, so none is forced there. Matcher.forced gives the whole forced text, in

@@ -146,7 +146,7 @@ class BatchGenerator:
             grammar = constraint
         elif constraint is not None:
             grammar = compile_constraint(as_constraint(constraint), self.tokenizer, self.model.args.vocab_size,
-                                         self.eos_id)
+                                         self.eos_id, mask_id=self.mask_id)
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         if params is None or fit:

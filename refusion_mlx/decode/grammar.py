@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import DecodeError
 from .json_schema import check_schema, for_decoding, size_problem, without_format
-from .ll_tokenizer import hf_tokenizer, ll_tokenizer, one_token
+from .ll_tokenizer import check_named_tokens, ll_tokenizer, one_token
 from .matcher import Matcher, allowed_forced
 
 # compact JSON as json.dumps writes it: ", " between items, ": " after keys
@@ -295,9 +295,10 @@ class Compiled:
 
 
 def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: int,
-                       lock=contextlib.nullcontext()) -> Optional[Compiled]:
+                       lock=contextlib.nullcontext(), mask_id: Optional[int] = None) -> Optional[Compiled]:
     """Compile ``constraint`` for ``tokenizer``; a schema or grammar the engine
-    refuses is one ``DecodeError`` naming it. None: nothing to constrain
+    refuses is one ``DecodeError`` naming it, and so is a Lark grammar naming a
+    token that is not text (``mask_id``: the model's mask token). None: nothing to constrain
     (optional calls whose markers this tokenizer spells as text). ``lock``
     is held while the Hugging Face tokenizer is read (the server's lane
     lock), not while the engine compiles (seconds, for some schemas)."""
@@ -316,9 +317,8 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
             raise
         except Exception as e:  # the engine's own refusal of the text
             raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(e)}") from None
-        if constraint.kind == "lark" and _names_token(constraint.source, tokenizer, eos_id):
-            raise DecodeError(f"{constraint.name}: names the end-of-sequence token, which ends an answer by "
-                              "itself: leave it out of the grammar")
+        if constraint.kind == "lark":
+            check_named_tokens(constraint.source, constraint.name, tokenizer, eos_id, mask_id)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error:
         raise DecodeError(f"{constraint.name}: cannot be compiled: {engine_message(messages[0])}")
@@ -369,16 +369,6 @@ def _spelled_marker(spec: Dict[str, Any]) -> Optional[str]:
     """A call marker (``</tool_call>``) that a tool's name or the text its parameters' schema writes spells."""
     strings = [t["name"] for t in spec["tools"]] + _answer_strings([t["parameters"] for t in spec["tools"]])
     return next((m for m in (spec["end"], spec["start"]) if any(m in text for text in strings)), None)
-
-
-def _names_token(source: str, tokenizer, token: int) -> bool:
-    """Whether a Lark grammar names ``token`` (``<|im_end|>`` or ``<[801]>``) outside its quoted strings."""
-    bare = re.sub(r'"(?:\\.|[^"\\])*"', "", source)
-    try:
-        name = hf_tokenizer(tokenizer).convert_ids_to_tokens(token)
-    except Exception:
-        name = None
-    return f"<[{token}]>" in bare or bool(name) and name in bare
 
 
 _LISTING = re.compile(r"^\s*(\d+ \||\^+$)")  # the grammar the engine made (a schema's as Lark), line by line

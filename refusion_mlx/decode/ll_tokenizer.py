@@ -15,7 +15,9 @@ always text, and a special token is written only where a grammar names it
 from __future__ import annotations
 
 import json
+import re
 import weakref
+from typing import Optional
 
 from ..errors import DecodeError
 
@@ -102,3 +104,30 @@ def one_token(tokenizer, text: str) -> bool:
         return isinstance(i, int) and i != getattr(hf, "unk_token_id", None) and hf.convert_ids_to_tokens(i) == text
     except Exception:
         return False
+
+
+def check_named_tokens(source: str, name: str, tokenizer, eos_id: int, mask_id: Optional[int]) -> None:
+    """A Lark grammar (``source``, called ``name`` in errors) names no token that is not text: EOS (it ends an
+    answer by itself), the model's mask token (it was committed as a decided token) or the tokenizer's other
+    special tokens (padding, begin of text). Tokens that chat templates write as text (``<tool_call>``,
+    ``<think>``) may be named."""
+    if names_token(source, tokenizer, eos_id):
+        raise DecodeError(f"{name}: names the end-of-sequence token, which ends an answer by itself: leave it "
+                          "out of the grammar")
+    special = [mask_id] + list(getattr(hf_tokenizer(tokenizer), "all_special_ids", None) or [])
+    named = next((t for t in special if t is not None and t != eos_id
+                  and names_token(source, tokenizer, t)), None)
+    if named is not None:
+        what = "the model's mask token, which marks a position not yet decided" if named == mask_id \
+            else "a special token, which is not text"
+        raise DecodeError(f"{name}: names {what} (id {named}): leave it out of the grammar")
+
+
+def names_token(source: str, tokenizer, token: int) -> bool:
+    """Whether a Lark grammar names ``token`` (``<|im_end|>`` or ``<[801]>``) outside its quoted strings."""
+    bare = re.sub(r'"(?:\\.|[^"\\])*"', "", source)
+    try:
+        name = hf_tokenizer(tokenizer).convert_ids_to_tokens(token)
+    except Exception:
+        name = None
+    return f"<[{token}]>" in bare or bool(name) and name in bare

@@ -204,7 +204,7 @@ class Answering:
                 return self._compiled[key]
         lane = self.lanes.current()  # its tokenizer's lock held while the tokenizer is read, not while compiling
         made = compile_constraint(constraint, lane.tokenizer, self.vocab_size, lane.tokenizer.eos_token_id,
-                                  lock=lane.lock)
+                                  lock=lane.lock, mask_id=getattr(self.engine.args, "mask_token_id", None))
         with self._compiled_lock:
             self._compiled[key] = made
             while len(self._compiled) > COMPILED_KEPT:
