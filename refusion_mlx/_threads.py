@@ -22,13 +22,18 @@ class _ThreadEnd:
     """Held by one thread only; collected as that thread ends, in it."""
 
     def __del__(self):
-        try:
-            import mlx.core as mx
+        free_streams()
 
-            mx.synchronize()
-            mx.clear_streams()
-        except Exception:  # interpreter shutdown, or an MLX without clear_streams: nothing to free then
-            pass
+
+def free_streams() -> None:
+    """Free the calling thread's MLX streams, its work done (the thread must not use MLX after)."""
+    try:
+        import mlx.core as mx
+
+        mx.synchronize()
+        mx.clear_streams()
+    except Exception:  # interpreter shutdown, or an MLX without clear_streams: nothing to free then
+        pass
 
 
 def free_streams_at_thread_end() -> None:

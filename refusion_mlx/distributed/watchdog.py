@@ -10,6 +10,11 @@ one line to standard error and ends the process with status 1. Once a stop
 is asked (:func:`hurry`: the server closing, a signal from ``mlx.launch``
 after another rank died) the limit is ``STOP_GRACE`` s: a collective that
 lost its peer mid-evaluation waits for ever, and the stop would hang.
+
+A rank that cannot go on ends by :func:`end` (the watchdog's timeout, the
+server's engine when the backend says a peer is gone): what the command
+registered with :func:`before_exit` (the server answering its open
+requests) runs first, for at most ``LAST_WORDS`` s.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import contextlib
 import os
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NoReturn, Optional
 
 ENV = "REFUSION_MLX_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
 STOP_GRACE = 5.0  # seconds without progress once a stop is asked (a healthy step ends well within)
+LAST_WORDS = 10.0  # seconds what before_exit registered may take before an ending rank exits
 
 
 def timeout_from_env() -> float:
@@ -90,10 +96,30 @@ class Watchdog:
                                    f"(a rank died or the link is down){tail}\n")
                     errors().flush()
                 finally:
-                    os._exit(1)
+                    end()
 
 
 _watchdog: Optional[Watchdog] = None
+_before_exit: Optional[Callable[[], object]] = None
+
+
+def before_exit(fn: Optional[Callable[[], object]]) -> None:
+    """``fn`` runs when this rank ends (:func:`end`), before it exits (None: nothing runs)."""
+    global _before_exit
+    _before_exit = fn
+
+
+def end() -> NoReturn:
+    """End this rank's process with status 1, its one line said. What
+    :func:`before_exit` registered runs first, on a thread of its own for at
+    most ``LAST_WORDS`` s (it may wait on a lock a collective that never ends
+    holds); MLX is not torn down (a collective left waiting would hang that)."""
+    fn = _before_exit
+    if fn is not None:
+        last = threading.Thread(target=fn, name="refusion-last-words", daemon=True)
+        last.start()
+        last.join(LAST_WORDS)
+    os._exit(1)
 
 
 def install(rank: int, timeout: Optional[float] = None) -> Watchdog:

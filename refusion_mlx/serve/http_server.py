@@ -27,6 +27,7 @@ from .core.text import TextShaper
 from .edge.connections import OncePerInterval, default_max_connections, protocol
 from .edge.security import exposure_warning
 from .server_config import ServerConfig
+from ..distributed import watchdog
 from ..errors import RefusionError
 
 __all__ = ["RefusionServer", "ServerConfig", "TextShaper"]
@@ -84,6 +85,10 @@ class RefusionServer:
         self.uvicorn = _Uvicorn(uvicorn_config)
         self.uvicorn.engine = self.engine
         self._thread: Optional[threading.Thread] = None
+        self._served = threading.Event()  # uvicorn is not running (set: not started yet, or done)
+        self._served.set()
+        if dist is not None:  # a rank that ends on a lost peer answers its open requests first
+            watchdog.before_exit(self._last_words)
 
     @property
     def url(self) -> str:
@@ -110,7 +115,19 @@ class RefusionServer:
         return self
 
     def serve_forever(self) -> None:
-        self.uvicorn.run(sockets=[self.socket])
+        self._served.clear()
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self._served.set()
+
+    def _last_words(self) -> None:
+        """This rank is ending (a rank died, a collective timed out: ``watchdog.end``): every open request
+        gets its "shutting down" answer -- from the engine, else from the HTTP side itself (``STOP_WAIT``) --
+        and uvicorn's graceful shutdown delivers them before the process exits."""
+        self.engine.stop()
+        self.uvicorn.should_exit = True
+        self._served.wait()
 
     def close(self) -> None:
         """End open requests (503), stop serving, stop the engine thread."""

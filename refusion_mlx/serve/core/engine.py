@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from typing import List, Optional, Tuple
 
+from ..._threads import free_streams
 from ...distributed import watchdog
 from ...distributed.broadcast import barrier, broadcast
 from ...distributed.group import is_link_failure, lost_ranks, say_error
@@ -211,18 +211,22 @@ class Engine:
             self._release()
             return
         self._ready.set()
+        lost = None
         try:
             self._serve()
         except BaseException as e:  # a bug: requests get a 500 rather than hang
             if is_link_failure(e):  # a rank died or the link broke: the server cannot go on
-                say_error(lost_ranks(e))
-                os._exit(1)
-            log.exception("the engine failed")
-            self._failed = True
-            self._end_all(Refusal(Reason.ENGINE_FAILED, "the model engine failed"))
+                lost = e
+            else:
+                log.exception("the engine failed")
+                self._failed = True
+                self._end_all(Refusal(Reason.ENGINE_FAILED, "the model engine failed"))
         finally:
             self._stopping.set()  # no request is taken from now on
             self._end_all(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
+            if lost is not None:  # its line, then the HTTP side delivers those answers and the process ends
+                say_error(lost_ranks(lost))
+                watchdog.end()
             self._release()
 
     def _serve(self) -> None:
@@ -386,13 +390,7 @@ class Engine:
     def _release(self) -> None:
         """Free this thread's arrays and MLX streams before it ends (left for
         interpreter exit, they can abort the process)."""
-        import mlx.core as mx
-
         self.prompt_cache.clear()
         self.model = self.tokenizer = self.gen = None
         gc.collect()
-        try:
-            mx.synchronize()
-            mx.clear_streams()
-        except Exception:  # pragma: no cover - older MLX without clear_streams
-            pass
+        free_streams()
