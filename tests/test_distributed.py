@@ -499,22 +499,46 @@ def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path):
     assert b"Traceback" not in err + err1 and b"Fatal" not in err + err1, (err + err1).decode()
 
 
-def test_ranks_given_different_models_say_so_in_one_line(tmp_path):
-    """Another config.json on rank 1 (here a longer context): every rank says which rank differs and exits 1
-    (they failed at the first collective as a lost rank, or timed out)."""
+def _other_model(folder: Path) -> Path:
+    """The fixture with one layer's weight halved in place (the safetensors header and size unchanged) and
+    another chat template: what a rank given another folder of the same config.json loads."""
     import shutil
 
-    other = tmp_path / "other"
+    import numpy as np
+
+    other = folder / "other"
     shutil.copytree(FIXTURE_MODEL, other)
-    config = json.loads((other / "config.json").read_text())
-    config["max_position_embeddings"] *= 2
-    (other / "config.json").write_text(json.dumps(config))
+    weights = other / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    info = json.loads(raw[8:8 + n])["model.layers.1.mlp.down_proj.weight"]
+    assert info["dtype"] == "BF16"
+    a, b = (8 + n + offset for offset in info["data_offsets"])
+    high = np.frombuffer(bytes(raw[a:b]), np.uint16).astype(np.uint32) << 16  # bfloat16 as float32
+    raw[a:b] = ((high.view(np.float32) * 0.5).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    weights.write_bytes(raw)
+    (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + "{# another #}")
+    return other
+
+
+def test_a_model_fingerprint_sees_a_tensor_changed_under_the_same_header(tmp_path):
+    from refusion_mlx.models.fingerprint import model_parts
+
+    mine, other = model_parts(FIXTURE_MODEL), model_parts(_other_model(tmp_path))
+    assert {k for k in mine if mine[k] != other[k]} == {"model.safetensors", "chat_template.jinja"}
+    assert set(mine) >= {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_ranks_given_different_models_say_so_in_one_line(tmp_path):
+    """Another model folder on rank 1 with the same config.json (a weight scaled, another chat template):
+    every rank says which rank differs, and what, and exits 1 (they decoded other text unsaid, or failed at
+    a collective as a lost rank)."""
     flags = ["--prompt", "Count from 1 to 9.", "--max-tokens", "8"]
-    procs = _start_ranks(tmp_path, [["--model", str(FIXTURE_MODEL), *flags], ["--model", str(other), *flags]],
-                         timeout_s="20")
+    procs = _start_ranks(tmp_path, [["--model", str(FIXTURE_MODEL), *flags],
+                                    ["--model", str(_other_model(tmp_path)), *flags]], timeout_s="20")
     errs = [p.communicate(timeout=60)[1].decode() for p in procs]
     for p, err in zip(procs, errs):
         assert p.returncode == 1 and "Traceback" not in err, err
         assert err.strip().splitlines()[-1].endswith(
-            "rank 1 loaded another model than rank 0 (its config.json, --dtype or REFUSION_MLX_PATHS differ): "
+            "rank 1 loaded another model than rank 0 (its chat_template.jinja, model.safetensors differ): "
             "give every rank the same"), err

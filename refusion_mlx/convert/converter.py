@@ -33,7 +33,8 @@ from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
 from .quant_plan import DTYPES, QuantPlan, check_choice, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
 from .staging import check_destination, check_overlap, copy_side_files, staging_folder, write_index
-from ..models.loading import HUB_PATTERNS, load_tokenizer, model_args, read_config, resolve_model_path
+from ..models.fingerprint import MODEL_FILES
+from ..models.loading import load_tokenizer, model_args, read_config, resolve_model_path
 from ..models.tokenizer_checks import resolve_mask_id, tokenizer_problems
 
 TAG_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -67,10 +68,10 @@ class Summary:
 
 def resolve_source(hf_path: Union[str, Path]) -> Path:
     """A local folder, or a hub repo: config, tokenizer and weights only (.bin if no safetensors)."""
-    path = resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"])
+    path = resolve_model_path(hf_path, allow_patterns=MODEL_FILES + ["tokenizer.model"])
     if Path(hf_path).expanduser().exists() or any(path.glob("model*.safetensors")):
         return path
-    return resolve_model_path(hf_path, allow_patterns=HUB_PATTERNS + ["tokenizer.model"] + BIN_PATTERNS)
+    return resolve_model_path(hf_path, allow_patterns=MODEL_FILES + ["tokenizer.model"] + BIN_PATTERNS)
 
 
 # --------------------------------------------------------------------------

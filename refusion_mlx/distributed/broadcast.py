@@ -4,11 +4,12 @@ which requests joined, left or were cancelled)."""
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Dict
 
 import mlx.core as mx
 import numpy as np
 
+from .._version import __version__
 from . import watchdog
 from .group import Distributed, DistributedError
 
@@ -31,24 +32,41 @@ def broadcast(dist: Distributed, value: Any = None) -> Any:
     return value if dist.leader else pickle.loads(raw)
 
 
+def gather(dist: Distributed, value: Any) -> list:
+    """Every rank's ``value``, in rank order, on every rank: two all-sums (the
+    sizes, then the bytes, each rank's at its own place) under the watchdog."""
+    data = pickle.dumps(value)
+    with watchdog.armed():
+        sizes = np.zeros(dist.size, np.int32)
+        sizes[dist.rank] = len(data)
+        sizes = np.array(mx.distributed.all_sum(mx.array(sizes), group=dist.group, stream=mx.cpu))
+        watchdog.pet()
+        ends = np.cumsum(sizes)
+        buf = np.zeros(int(ends[-1]), np.uint8)
+        buf[ends[dist.rank] - len(data):ends[dist.rank]] = np.frombuffer(data, np.uint8)
+        raw = np.array(mx.distributed.all_sum(mx.array(buf), group=dist.group, stream=mx.cpu)).tobytes()
+        watchdog.pet()
+    return [pickle.loads(raw[end - size:end]) for size, end in zip(sizes, ends)]
+
+
 def barrier(dist: Distributed) -> None:
     """Every rank got here (loading done, say)."""
     with watchdog.armed():
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=dist.group, stream=mx.cpu))
 
 
-def same_model(dist: Distributed, described: str) -> None:
-    """Every rank loads the model rank 0 loads (``described``: its config.json,
-    --dtype and device paths, as text), or every rank raises one
-    DistributedError naming the ranks that differ. Mismatched ranks failed
-    later, at a collective, as a lost rank or a timeout."""
-    leader = broadcast(dist, described)
-    differs = np.zeros(dist.size, np.int32)
-    differs[dist.rank] = int(described != leader)
-    with watchdog.armed():
-        ranks = np.flatnonzero(np.array(mx.distributed.all_sum(mx.array(differs), group=dist.group,
-                                                               stream=mx.cpu)))
-    if ranks.size:
-        names = ", ".join(map(str, ranks))
-        raise DistributedError(f"rank{'s' if ranks.size > 1 else ''} {names} loaded another model than rank 0 "
-                               "(its config.json, --dtype or REFUSION_MLX_PATHS differ): give every rank the same")
+def same_model(dist: Distributed, parts: Dict[str, str]) -> None:
+    """Every rank loads what rank 0 loads, under the same refusion-mlx and MLX:
+    ``parts``, a hash per file of its model (``models/fingerprint.py``) and
+    its settings (``--dtype``, the device paths); or every rank raises one
+    DistributedError naming the ranks that differ and what. Mismatched ranks
+    decoded other text unsaid, or failed later at a collective, as a lost rank."""
+    everyone = gather(dist, {**parts, "refusion-mlx version": __version__, "MLX version": mx.__version__})
+    lead = everyone[0]
+    differ = {rank: {k for k in {*lead, *mine} if lead.get(k) != mine.get(k)}
+              for rank, mine in enumerate(everyone) if mine != lead}
+    if differ:
+        many, what = len(differ) > 1, sorted(set().union(*differ.values()))
+        raise DistributedError(f"rank{'s' if many else ''} {', '.join(map(str, differ))} loaded another model "
+                               f"than rank 0 ({'their' if many else 'its'} {', '.join(what)} "
+                               f"differ{'' if len(what) > 1 else 's'}): give every rank the same")

@@ -16,13 +16,10 @@ from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
                             weight_problems)
+from .fingerprint import MODEL_FILES, model_parts
 from .tokenizer_checks import resolve_mask_id, tokenizer_problems
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
-
-# What a model folder needs from the hub: no other weights formats, no docs.
-HUB_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-                "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "*.jinja"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -46,7 +43,7 @@ def resolve_model_path(path_or_repo: Union[str, Path, None],
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise LoadError(f"huggingface-hub is needed to fetch {text}: {e}") from e
     try:
-        return Path(snapshot_download(text, allow_patterns=allow_patterns or HUB_PATTERNS))
+        return Path(snapshot_download(text, allow_patterns=allow_patterns or MODEL_FILES))
     except HFValidationError:
         raise LoadError(f"no model folder at {text}, and it is not a valid hub repo id") from None
     except Exception as e:  # offline, not cached, unknown repo, network error
@@ -156,8 +153,8 @@ def load_model(model_path: Path, dtype: Optional[str] = None, lazy: bool = False
     if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):  # mlx-lm's 2nd: tokenizer_config
         raise LoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     files = weight_files(model_path)
-    if dist is not None:  # one config.json, --dtype and device paths on every rank, before any weight is read
-        same_model(dist, json.dumps([config, dtype, backend.mode()], sort_keys=True, default=str))
+    if dist is not None:  # the same files, --dtype and device paths on every rank, before any weight is read
+        same_model(dist, {**model_parts(model_path), "--dtype": str(dtype), "REFUSION_MLX_PATHS": backend.mode()})
     check_weights(model_path, config, args, files, dtype, dist)
     model = registry.build(args)
     if dist is not None:

@@ -5,11 +5,12 @@ A file holds an entry's committed rows (``CommittedCache.to_arrays``: each
 layer's arrays as its store names them, for the float store ``keys.{layer}``
 and ``values.{layer}`` of shape ``(1, kv_heads, rows, head_dim)``), its
 ``tokens`` and ``positions`` (int32), and in its metadata the format, the
-model's fingerprint (a hash of the model's config -- its quantization
-included --, the form its keys and values are stored in
-(``KVStorage.describe``: the float store's dtype), and the size, head and
-tail of its weight and adapter files) and the entry's owner (a hash of the
-API key and ``user`` that made it, :mod:`.prompt_cache`). Its name is the
+model's fingerprint (a hash of the model's files -- config, tokenizer,
+weights' headers and samples of every tensor, adapters:
+``models/fingerprint.py`` -- and of the form its keys and values are
+stored in, ``KVStorage.describe``: the float store's dtype) and the entry's
+owner (a hash of the API key and ``user`` that made it,
+:mod:`.prompt_cache`). Its name is the
 fingerprint's first 16 characters, then a hash of the fingerprint, the
 owner and the tokens: servers of different models (or dtypes, adapters,
 quantizations) sharing a folder each read, trim and replace only their own
@@ -30,12 +31,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import stat
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Tuple
+
+from ...models.fingerprint import model_parts
 
 log = logging.getLogger("refusion_mlx.server")
 
@@ -44,27 +48,14 @@ SUFFIX = ".safetensors"
 TMP = ".tmp-"  # files being written: never read, removed at start-up once stale
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that more room would let through
 STALE_SECONDS = 60
-_SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
 
 
 def model_fingerprint(model_path, stored_as: str, adapter_path=None) -> str:
-    """A short hash that changes with the model's config, weights or adapters,
-    or the form its keys and values are stored in (``stored_as``:
+    """A short hash that changes with the model's files (``models/fingerprint.py``: config, tokenizer,
+    weights, adapters) or the form its keys and values are stored in (``stored_as``:
     ``KVStorage.describe``, the dtype for the float store)."""
-    h = hashlib.sha256(f"{FORMAT}|{stored_as}".encode())
-    for folder in (model_path, adapter_path):
-        if folder is None:
-            continue
-        folder = Path(folder)
-        for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-            size = f.stat().st_size
-            h.update(f"|{f.name}|{size}|".encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(_SAMPLE))
-                if size > 2 * _SAMPLE:
-                    fh.seek(size - _SAMPLE)
-                    h.update(fh.read(_SAMPLE))
-    return h.hexdigest()[:32]
+    parts = model_parts(model_path, adapter_path)
+    return hashlib.sha256(json.dumps([FORMAT, stored_as, parts], sort_keys=True).encode()).hexdigest()[:32]
 
 
 def entry_name(fingerprint: str, owner: str, tokens: Sequence[int]) -> str:
