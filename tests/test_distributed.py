@@ -379,6 +379,44 @@ def test_a_server_whose_rank_was_killed_answers_its_open_requests(tmp_path):
          "(REFUSION_MLX_COLLECTIVE_TIMEOUT sets the limit)"]), err
 
 
+def test_ranks_wait_for_a_rank_that_loads_slowly(tmp_path):
+    """Rank 0 takes 6 s to find its model (a download) and 6 s more before reading its weights (a slow disk)
+    under a 4-s limit on collectives: rank 1 waits for it, in the ranks' model check and in the barrier
+    after loading, and both answer (the watchdog ended rank 1 in the first of those waits)."""
+    argv = ["6", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL), "--prompt", "Count from 1 to 9.",
+            "--max-tokens", "8"]
+    procs = _start_ranks(tmp_path, argv, timeout_s="4", command="tests.slow_load")
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err.decode() for _, err in outs]
+    assert outs[0][0].strip() and not outs[1][0], outs  # rank 0 answered, alone
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_rank_that_dies_while_another_loads_ends_the_wait_with_one_line(tmp_path, monkeypatch, dead):
+    """Loading's waits have their own limit (REFUSION_MLX_LOAD_TIMEOUT, 2 s here). Rank 1 killed while it
+    waits for rank 0's slow loading ends rank 0 with one line once it gets to the wait (the collective
+    waited for ever, unwatched); rank 0 killed so ends rank 1 (its collective came back incomplete, and it
+    exited 1 unsaid: a traceback into its quiet standard error). Never a wait without end."""
+    monkeypatch.setenv("REFUSION_MLX_LOAD_TIMEOUT", "2")
+    argv = ["6", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL), "--prompt", "Count from 1 to 9."]
+    procs = _start_ranks(tmp_path, argv, timeout_s="20", command="tests.slow_load")
+    left = procs[1 - dead]
+    try:
+        _wait_for(procs[0].stderr, b"loads slowly")  # both ranks have joined; rank 1 goes on to wait for rank 0
+        time.sleep(2)
+        procs[dead].send_signal(signal.SIGKILL)
+        _, err = left.communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    lines = [line for line in err.decode().splitlines() if line.startswith("error")]
+    assert left.returncode == 1 and len(lines) == 1, err.decode()
+    rank = f"error: rank {1 - dead}:"
+    assert lines[0].startswith((f"{rank} lost the other ranks",
+                                f"{rank} no progress from the other ranks for 2 s while they load the model")), lines
+
+
 def test_a_silent_collective_times_out_with_one_line():
     """A link that goes quiet (a peer stopped, a cable pulled) raises nothing:
     the watchdog ends the rank. (Shown here without a second rank; under

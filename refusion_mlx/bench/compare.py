@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from ..cli.launch import ready
 from ..cli.output import write_text
 from ..decode.params import RefusionParams
 from ..decode.stream import chat_prompt
@@ -169,10 +170,7 @@ def run_benchmark(model: Union[str, Path, None] = None, suite: Union[str, Path, 
     say = log or (lambda _msg: None)
     rmodel, tokenizer, ar_model = load_models(None if model is None else str(model), dtype, ar, adapter_path,
                                               dist)
-    if dist is not None:
-        from ..distributed.broadcast import barrier
-
-        barrier(dist)
+    ready(dist)
     label = str(model) if model is not None else "bundled demo model (refusion_mlx/demo/tiny-refusion)"
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=chat_template)
                for c in suite.cases]

@@ -47,9 +47,11 @@ def join(args) -> Optional[dgroup.Distributed]:
 
 
 def ready(dist: Optional[dgroup.Distributed]) -> None:
-    """Every rank has loaded its share (a barrier under the watchdog)."""
+    """Every rank has loaded its share: a barrier under the loading's limit, not the collectives' (another
+    rank may read its weights from a slow disk: ``watchdog.loading``); the collectives' holds again from here."""
     if dist is not None:
-        barrier(dist)
+        with watchdog.loading():
+            barrier(dist)
 
 
 def agreed_steps(dist: Optional[dgroup.Distributed], steps: Iterator[T]) -> Iterator[T]:

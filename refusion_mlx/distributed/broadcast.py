@@ -24,12 +24,13 @@ def broadcast(dist: Distributed, value: Any = None) -> Any:
         data = pickle.dumps(value) if dist.leader else b""
         size = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=dist.group, stream=mx.cpu)
         n = int(size.item())
+        _check(dist, n > 0 and (n == len(data) or not dist.leader))
         watchdog.pet()
         buf = np.frombuffer(data, np.uint8) if dist.leader else np.zeros(n, np.uint8)
         out = mx.distributed.all_sum(mx.array(buf), group=dist.group, stream=mx.cpu)
         raw = np.array(out, copy=False).tobytes()
         watchdog.pet()
-    return value if dist.leader else pickle.loads(raw)
+    return value if dist.leader else _unpickle(dist, raw)
 
 
 def gather(dist: Distributed, value: Any) -> list:
@@ -40,17 +41,33 @@ def gather(dist: Distributed, value: Any) -> list:
         sizes = np.zeros(dist.size, np.int32)
         sizes[dist.rank] = len(data)
         sizes = np.array(mx.distributed.all_sum(mx.array(sizes), group=dist.group, stream=mx.cpu))
+        _check(dist, sizes.min() > 0 and sizes[dist.rank] == len(data))
         watchdog.pet()
         ends = np.cumsum(sizes)
         buf = np.zeros(int(ends[-1]), np.uint8)
         buf[ends[dist.rank] - len(data):ends[dist.rank]] = np.frombuffer(data, np.uint8)
         raw = np.array(mx.distributed.all_sum(mx.array(buf), group=dist.group, stream=mx.cpu)).tobytes()
         watchdog.pet()
-    return [pickle.loads(raw[end - size:end]) for size, end in zip(sizes, ends)]
+    return [_unpickle(dist, raw[end - size:end]) for size, end in zip(sizes, ends)]
+
+
+def _check(dist: Distributed, whole: bool) -> None:
+    """A collective whose peer is gone does not always raise: MLX's ring can fail its pending work and
+    return what the buffers hold. What came back is not what was sent: raised as the backend's failure
+    (``group.is_link_failure``), before a second collective waits on the dead peer for ever."""
+    if not whole:
+        raise RuntimeError(f"[{dist.backend}] a collective came back incomplete")
+
+
+def _unpickle(dist: Distributed, raw: bytes) -> Any:
+    try:
+        return pickle.loads(raw)
+    except Exception:  # bytes no rank sent (:func:`_check`)
+        _check(dist, False)
 
 
 def barrier(dist: Distributed) -> None:
-    """Every rank got here (loading done, say)."""
+    """Every rank got here (under the watchdog)."""
     with watchdog.armed():
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=dist.group, stream=mx.cpu))
 
@@ -61,7 +78,8 @@ def same_model(dist: Distributed, parts: Dict[str, str]) -> None:
     its settings (``--dtype``, the device paths); or every rank raises one
     DistributedError naming the ranks that differ and what. Mismatched ranks
     decoded other text unsaid, or failed later at a collective, as a lost rank."""
-    everyone = gather(dist, {**parts, "refusion-mlx version": __version__, "MLX version": mx.__version__})
+    with watchdog.loading():  # rank 0 may still be downloading the model
+        everyone = gather(dist, {**parts, "refusion-mlx version": __version__, "MLX version": mx.__version__})
     lead = everyone[0]
     differ = {rank: {k for k in {*lead, *mine} if lead.get(k) != mine.get(k)}
               for rank, mine in enumerate(everyone) if mine != lead}

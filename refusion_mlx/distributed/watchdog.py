@@ -11,6 +11,12 @@ is asked (:func:`hurry`: the server closing, a signal from ``mlx.launch``
 after another rank died) the limit is ``STOP_GRACE`` s: a collective that
 lost its peer mid-evaluation waits for ever, and the stop would hang.
 
+The collectives that wait for the other ranks to load the model
+(:func:`loading`: one rank may be downloading it, another reading a slow
+disk) have a limit of their own, ``REFUSION_MLX_LOAD_TIMEOUT`` (default an
+hour), only there so that a rank that died or hangs while the others wait
+ends them at last; a stop still ends them in ``STOP_GRACE`` s.
+
 A rank that cannot go on ends by :func:`end` (the watchdog's timeout, the
 server's engine when the backend says a peer is gone): what the command
 registered with :func:`before_exit` (the server answering its open
@@ -27,15 +33,17 @@ from typing import Callable, Iterator, NoReturn, Optional
 
 ENV = "REFUSION_MLX_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
+LOAD_ENV = "REFUSION_MLX_LOAD_TIMEOUT"
+DEFAULT_LOAD_TIMEOUT = 3600.0  # seconds a rank waits for the others to download and read the model
 STOP_GRACE = 5.0  # seconds without progress once a stop is asked (a healthy step ends well within)
 LAST_WORDS = 10.0  # seconds what before_exit registered may take before an ending rank exits
 
 
-def timeout_from_env() -> float:
-    """Seconds a collective may wait (``REFUSION_MLX_COLLECTIVE_TIMEOUT``, default 120)."""
-    raw = os.environ.get(ENV)
+def timeout_from_env(name: str = ENV, default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds a collective may wait (``REFUSION_MLX_COLLECTIVE_TIMEOUT``, default 120; or ``name``'s)."""
+    raw = os.environ.get(name)
     if not raw:
-        return DEFAULT_TIMEOUT
+        return default
     try:
         value = float(raw)
     except ValueError:
@@ -43,15 +51,16 @@ def timeout_from_env() -> float:
     if not value > 0:
         from .group import DistributedError
 
-        raise DistributedError(f"{ENV}={raw!r} must be a positive number of seconds")
+        raise DistributedError(f"{name}={raw!r} must be a positive number of seconds")
     return value
 
 
 class Watchdog:
-    def __init__(self, timeout: float, rank: int):
-        self.timeout, self.rank = timeout, rank
+    def __init__(self, timeout: float, rank: int, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
+        self.timeout, self.rank, self.load_timeout = timeout, rank, load_timeout
         self._last = time.monotonic()
         self._armed = 0
+        self._loading = 0  # blocks waiting on the other ranks' loading: load_timeout
         self.stopping = False  # hurried: a stop was asked
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -83,14 +92,29 @@ class Watchdog:
             with self._lock:
                 self._armed -= 1
 
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """``load_timeout`` inside the block (until a stop); the clock starts again after it."""
+        with self._lock:
+            self._loading += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loading -= 1
+            self.pet()
+
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
-            if self._armed and time.monotonic() - self._last > self.timeout:
+            loading = bool(self._loading) and not self.stopping
+            limit = self.load_timeout if loading else self.timeout
+            if self._armed and time.monotonic() - self._last > limit:
                 from .group import errors
 
-                waited = f"{self.timeout:g} s" + (" after the stop" if self.stopping else "")
-                tail = "" if self.stopping else f"; stopping ({ENV} sets the limit)"
+                waited = (f"{limit:g} s" + (" after the stop" if self.stopping else "")
+                          + (" while they load the model" if loading else ""))
+                tail = "" if self.stopping else f"; stopping ({LOAD_ENV if loading else ENV} sets the limit)"
                 try:
                     errors().write(f"error: rank {self.rank}: no progress from the other ranks for {waited} "
                                    f"(a rank died or the link is down){tail}\n")
@@ -126,7 +150,8 @@ def install(rank: int, timeout: Optional[float] = None) -> Watchdog:
     """The process's watchdog (started on first call)."""
     global _watchdog
     if _watchdog is None:
-        _watchdog = Watchdog(timeout_from_env() if timeout is None else timeout, rank)
+        _watchdog = Watchdog(timeout_from_env() if timeout is None else timeout, rank,
+                             timeout_from_env(LOAD_ENV, DEFAULT_LOAD_TIMEOUT))
         _watchdog.start()
     return _watchdog
 
@@ -155,4 +180,15 @@ def armed() -> Iterator[None]:
         yield
         return
     with _watchdog.armed():
+        yield
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """Collectives inside the block wait for the other ranks to load the model
+    (a download, a slow disk): ``REFUSION_MLX_LOAD_TIMEOUT`` is their limit."""
+    if _watchdog is None:
+        yield
+        return
+    with _watchdog.loading():
         yield

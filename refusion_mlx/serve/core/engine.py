@@ -38,8 +38,9 @@ import time
 from typing import List, Optional, Tuple
 
 from ..._threads import free_streams
+from ...cli.launch import ready
 from ...distributed import watchdog
-from ...distributed.broadcast import barrier, broadcast
+from ...distributed.broadcast import broadcast
 from ...distributed.group import is_link_failure, lost_ranks, say_error
 from ...errors import RefusionError, brief
 from ..caches.prompt_cache import PromptCache
@@ -189,8 +190,7 @@ class Engine:
             config = self.config
             self.model, self.tokenizer = load(config.model, dtype=config.dtype, adapter_path=config.adapter_path,
                                               dist=self.dist)
-            if self.dist is not None:
-                barrier(self.dist)
+            ready(self.dist)
             self.args, self.eos_id = self.model.args, self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
             self.http_tokenizers = (load_tokenizer(self.model.model_path), load_tokenizer(self.model.model_path))
