@@ -120,7 +120,8 @@ def _start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate",
         if timeout_s is not None:
             env["REFUSION_MLX_COLLECTIVE_TIMEOUT"] = timeout_s
         own = argv[rank] if argv and isinstance(argv[0], list) else argv  # a list per rank, or one for both
-        procs.append(subprocess.Popen([sys.executable, "-m", command, *own], cwd=ROOT, env=env,
+        run = ["-m", command] if isinstance(command, str) else command  # a module, or the interpreter's arguments
+        procs.append(subprocess.Popen([sys.executable, *run, *own], cwd=ROOT, env=env,
                                       stdin=subprocess.PIPE if feed is not None and rank == 0 else None,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     if feed is not None:  # rank 0 reads the user's lines (a chat); they reach the others by broadcast
@@ -209,6 +210,26 @@ def pipeline_server(tmp_path_factory):
     quantized (--kv-bits 8: each rank keeps its own layers' codes)."""
     with _two_rank_server(tmp_path_factory.mktemp("ranks"), ["--pipeline", "--kv-bits", "8"]) as served:
         yield served
+
+
+def test_the_python_api_samples_alike_on_every_rank(tmp_path):
+    """distributed.group.init seeds MLX's generator alike on every rank, so unseeded sampling in the Python
+    API draws alike. Only the commands' join seeded it: MLX seeds each process from the clock (in ms) at its
+    first draw, so ranks that got there at different times (rank 1 half a second later here, as a rank on
+    another machine would) drew apart, decoded apart, and the ring failed or hung."""
+    code = ("import sys, time\nimport refusion_mlx as rm\nfrom refusion_mlx.distributed import group\n"
+            "dist = group.init()\ntime.sleep(0.5 * dist.rank)\nmodel, tok = rm.load(sys.argv[1], dist=dist)\n"
+            "for p in ['Who is Sven?', 'Count from 1 to 30.']:\n"
+            "    print(repr(rm.generate(model, tok, rm.chat_prompt(tok, p), max_tokens=32, temperature=1.0)))\n")
+    procs = _start_ranks(tmp_path, [str(FIXTURE_MODEL)], command=["-c", code])
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err.decode() for _, err in outs]
+    assert outs[0][0] == outs[1][0] and len(outs[0][0].splitlines()) == 2, outs
 
 
 def test_a_tensor_parallel_server_samples_alike_on_every_rank(tmp_path):

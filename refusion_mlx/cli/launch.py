@@ -4,12 +4,9 @@ start the collectives' watchdog. Alone (no launcher) all of it is a no-op."""
 from __future__ import annotations
 
 import argparse
-import secrets
 import signal
 import threading
 from typing import Callable, Iterator, Optional, TypeVar
-
-import mlx.core as mx
 
 from ..distributed import group as dgroup
 from ..distributed import watchdog
@@ -27,22 +24,16 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 def join(args) -> Optional[dgroup.Distributed]:
-    """The group this command runs in (None alone). Ranks other than 0 print
-    nothing to standard output from here on; a collective that stops making
-    progress ends the process (``distributed.watchdog``); MLX's global random
-    generator gets the same seed on every rank."""
+    """The group this command runs in (None alone; ``distributed.group.init``,
+    which seeds MLX's random generator alike on every rank). Ranks other than
+    0 print nothing to standard output from here on; a collective that stops
+    making progress ends the process (``distributed.watchdog``)."""
     dist = dgroup.init(pipeline=getattr(args, "pipeline", False))
     if dist is None:
         return None
     dgroup.filter_backend_noise()
     dgroup.quiet_followers(dist)
     watchdog.install(dist.rank)
-    # unseeded sampling draws from MLX's global generator: one seed for every
-    # rank, or their drafts (and then their batches) would part. MLX keeps a
-    # generator per thread: a thread that decodes (the server's engine) seeds
-    # its own with dist.seed
-    dist.seed = broadcast(dist, secrets.randbits(63))
-    mx.random.seed(dist.seed)
     return dist
 
 

@@ -9,6 +9,7 @@ command runs alone, as before, and never touches ``mx.distributed``.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class Distributed:
     mode: str = "tensor"
     weight_bytes: int = 0  # the whole model's (recorded by the loader)
     weight_bytes_per_rank: int = 0  # this rank's share
-    seed: Optional[int] = None  # the random seed every rank got (cli.launch.join): a decoding thread takes it
+    seed: Optional[int] = None  # the random seed every rank got (init): a decoding thread takes it
 
     def record_weights(self, whole: int, this_rank: int) -> None:
         self.weight_bytes, self.weight_bytes_per_rank = int(whole), int(this_rank)
@@ -96,7 +97,13 @@ def _hostfile_names_peers(path: str) -> bool:
 
 def init(pipeline: bool = False) -> Optional[Distributed]:
     """Join the group ``mlx.launch`` started (once per process), or None when
-    running alone (no launcher, or a group of one)."""
+    running alone (no launcher, or a group of one).
+
+    MLX's global random generator gets the same seed on every rank, one rank
+    0 drew: unseeded sampling draws from it, and ranks that drew apart would
+    decode apart (then wait on each other's collectives). MLX keeps a
+    generator per thread: a thread that decodes (the server's engine) seeds
+    its own with ``seed``."""
     global _current
     if _current is not None:
         _current.mode = "pipeline" if pipeline else "tensor"
@@ -112,7 +119,11 @@ def init(pipeline: bool = False) -> Optional[Distributed]:
         raise DistributedError(f"cannot join the {backend} group: {' '.join(str(e).split())}") from None
     if group.size() < 2:
         return None
+    from .broadcast import broadcast  # (it builds on this module)
+
     _current = Distributed(group, backend, "pipeline" if pipeline else "tensor")
+    _current.seed = broadcast(_current, secrets.randbits(63))
+    mx.random.seed(_current.seed)
     return _current
 
 
