@@ -85,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         session = ChatSession(model, tokenizer, params, system=args.system, reuse=not args.no_reuse,
                               storage=storage, template_kwargs=args.chat_template_config)
     except RefusionError as e:
-        say_error(str(e))  # one line per problem
+        say_error(e)  # one line per problem
         return 1
     except KeyboardInterrupt:  # while the model loads: as every command says it (cli.run)
         print("interrupted", file=sys.stderr)

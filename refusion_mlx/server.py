@@ -77,7 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      server.url[:-3])
             server.serve_forever()
         except RefusionError as e:
-            say_error(str(e))
+            say_error(e)
             return 1
         except KeyboardInterrupt:
             pass

@@ -596,8 +596,22 @@ def test_ranks_given_different_models_say_so_in_one_line(tmp_path):
     procs = _start_ranks(tmp_path, [["--model", str(FIXTURE_MODEL), *flags],
                                     ["--model", str(_other_model(tmp_path)), *flags]], timeout_s="20")
     errs = [p.communicate(timeout=60)[1].decode() for p in procs]
-    for p, err in zip(procs, errs):
-        assert p.returncode == 1 and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1].endswith(
-            "rank 1 loaded another model than rank 0 (its chat_template.jinja, model.safetensors differ): "
-            "give every rank the same"), err
+    assert [p.returncode for p in procs] == [1, 1] and "Traceback" not in "".join(errs), errs
+    assert errs[0].strip().splitlines()[-1] == (  # said once, by rank 0
+        "error: rank 0: rank 1 loaded another model than rank 0 (its chat_template.jinja, model.safetensors "
+        "differ): give every rank the same") and "error" not in errs[1], errs
+
+
+@pytest.mark.parametrize("where", ["every rank", "rank 1"])
+def test_a_failure_on_the_way_to_ready_is_said_once(tmp_path, where):
+    """A missing model folder on every rank is one line, rank 0's (each rank said it); on rank 1 alone it is
+    rank 1's line, said once (by rank 0, whom rank 1 met where it waited for it: meeting.meet)."""
+    missing = str(tmp_path / "nowhere")
+    flags = ["--prompt", "Count from 1 to 9.", "--max-tokens", "8"]
+    argv = [["--model", missing if where == "every rank" else str(FIXTURE_MODEL), *flags],
+            ["--model", missing, *flags]]
+    procs = _start_ranks(tmp_path, argv, timeout_s="20")
+    errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], errs
+    said = [line for err in errs for line in err.splitlines() if "error" in line]
+    assert said == [f"error: rank {0 if where == 'every rank' else 1}: no model folder at {missing}"], errs

@@ -356,7 +356,7 @@ def run(body: Callable[[], int]) -> int:
         sys.stdout.flush()
         return code
     except RefusionError as e:
-        distributed_group.say_error(str(e))
+        distributed_group.say_error(e)
         return 1
     except RecursionError:  # (a RuntimeError) json and yaml parse nesting by recursion
         print("error: an input (a JSON or YAML file, or a schema) is nested too deeply to read", file=sys.stderr)

@@ -11,7 +11,8 @@ from typing import Callable, Iterator, Optional, TypeVar
 from ..distributed import group as dgroup
 from ..distributed import watchdog
 from .._threads import free_streams_at_thread_end
-from ..distributed.broadcast import barrier, broadcast
+from ..distributed.broadcast import broadcast
+from ..distributed.meeting import checkpoint
 
 T = TypeVar("T")
 
@@ -38,11 +39,12 @@ def join(args) -> Optional[dgroup.Distributed]:
 
 
 def ready(dist: Optional[dgroup.Distributed]) -> None:
-    """Every rank has loaded its share: a barrier under the loading's limit, not the collectives' (another
-    rank may read its weights from a slow disk: ``watchdog.loading``); the collectives' holds again from here."""
+    """Every rank has loaded its share: the ranks' last meeting on their way (``distributed.meeting``:
+    under the loading's limit, not the collectives'; a rank that failed on the way says so there). From
+    here a rank's error is its own line."""
     if dist is not None:
-        with watchdog.loading():
-            barrier(dist)
+        checkpoint(dist)
+        dist.meeting = False
 
 
 def agreed_steps(dist: Optional[dgroup.Distributed], steps: Iterator[T]) -> Iterator[T]:

@@ -1,17 +1,18 @@
 """Host values rank 0 decides and every rank must follow (the server's step:
-which requests joined, left or were cancelled)."""
+which requests joined, left or were cancelled), and every rank's values on
+every rank (:func:`gather`: the ranks meeting on their way to ready,
+``meeting.py``)."""
 
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from .._version import __version__
 from . import watchdog
-from .group import Distributed, DistributedError
+from .group import Distributed
 
 
 def broadcast(dist: Distributed, value: Any = None) -> Any:
@@ -64,27 +65,3 @@ def _unpickle(dist: Distributed, raw: bytes) -> Any:
         return pickle.loads(raw)
     except Exception:  # bytes no rank sent (:func:`_check`)
         _check(dist, False)
-
-
-def barrier(dist: Distributed) -> None:
-    """Every rank got here (under the watchdog)."""
-    with watchdog.armed():
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=dist.group, stream=mx.cpu))
-
-
-def same_model(dist: Distributed, parts: Dict[str, str]) -> None:
-    """Every rank loads what rank 0 loads, under the same refusion-mlx and MLX:
-    ``parts``, a hash per file of its model (``models/fingerprint.py``) and
-    its settings (``--dtype``, the device paths); or every rank raises one
-    DistributedError naming the ranks that differ and what. Mismatched ranks
-    decoded other text unsaid, or failed later at a collective, as a lost rank."""
-    with watchdog.loading():  # rank 0 may still be downloading the model
-        everyone = gather(dist, {**parts, "refusion-mlx version": __version__, "MLX version": mx.__version__})
-    lead = everyone[0]
-    differ = {rank: {k for k in {*lead, *mine} if lead.get(k) != mine.get(k)}
-              for rank, mine in enumerate(everyone) if mine != lead}
-    if differ:
-        many, what = len(differ) > 1, sorted(set().union(*differ.values()))
-        raise DistributedError(f"rank{'s' if many else ''} {', '.join(map(str, differ))} loaded another model "
-                               f"than rank 0 ({'their' if many else 'its'} {', '.join(what)} "
-                               f"differ{'' if len(what) > 1 else 's'}): give every rank the same")

@@ -13,7 +13,7 @@ import secrets
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -24,6 +24,15 @@ MODES = ("tensor", "pipeline")
 
 class DistributedError(RefusionError):
     """The group cannot be formed or cannot go on (a rank died, a link broke)."""
+
+
+class Agreed(DistributedError):
+    """Failures every rank has heard of (the ranks met over them: ``meeting.py``), ``said`` as (rank,
+    message): rank 0 says each as that rank's line (:func:`say_error`), the other ranks nothing."""
+
+    def __init__(self, said: List[Tuple[int, str]]):
+        super().__init__("\n".join(f"rank {rank}: {message}" for rank, message in said))
+        self.said = said
 
 
 # MLX's messages when a peer is gone (raised from an evaluation)
@@ -61,6 +70,7 @@ class Distributed:
     weight_bytes: int = 0  # the whole model's (recorded by the loader)
     weight_bytes_per_rank: int = 0  # this rank's share
     seed: Optional[int] = None  # the random seed every rank got (init): a decoding thread takes it
+    meeting: bool = True  # on the way to ready: a rank that fails meets the others (meeting.py)
 
     def record_weights(self, whole: int, this_rank: int) -> None:
         self.weight_bytes, self.weight_bytes_per_rank = int(whole), int(this_rank)
@@ -151,13 +161,26 @@ def errors():
     return _errors if _errors is not None else sys.stderr
 
 
-def say_error(message: str) -> None:
+def say_error(error: Union[str, BaseException]) -> None:
     """This rank's one-line error: ``error: rank N: message`` (``error:
     message`` alone), on :func:`errors`; a message of several lines (one
-    per bad value) is that many such lines."""
-    rank = "" if _current is None else f"rank {_current.rank}: "
+    per bad value) is that many such lines. ``error``: the message, or the
+    exception whose message it is. Under ``mlx.launch``, an exception on the
+    way to ready (not a lost link) is first taken to the other ranks
+    (``meeting.meet``): rank 0 alone then says every rank's failure, each
+    distinct one once; an :class:`Agreed` one is said by rank 0 alone."""
+    said = [(None if _current is None else _current.rank, str(error))]
+    if isinstance(error, Agreed):
+        said = error.said if _current is None or _current.leader else []
+    elif isinstance(error, BaseException) and _current is not None and _current.meeting \
+            and not (isinstance(error, RuntimeError) and is_link_failure(error)):  # (a lost link: none to meet)
+        from .meeting import meet
+
+        said = meet(_current, str(error))
     out = errors()
-    out.write("".join(f"error: {rank}{line}\n" for line in str(message).splitlines() or [""]))
+    for rank, message in said:
+        label = "" if rank is None else f"rank {rank}: "
+        out.write("".join(f"error: {label}{line}\n" for line in message.splitlines() or [""]))
     out.flush()
 
 

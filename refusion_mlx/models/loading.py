@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from .. import _blas
 from .._json import read_json_object
-from ..distributed.broadcast import same_model
+from ..distributed.meeting import same_model
 from ..errors import ConfigError, LoadError
 from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
