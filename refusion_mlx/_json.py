@@ -16,16 +16,21 @@ def lines(text: str) -> List[str]:
     return out[:-1] if out and out[-1] == "" else out
 
 
-def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict[str, Any]:
-    """The JSON object in ``path``; ``error`` for unreadable, invalid or non-object files."""
+def read_json(path: Path, error: Type[RefusionError] = LoadError) -> Any:
+    """The JSON value in ``path``; ``error`` for unreadable or invalid files."""
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except ValueError as e:  # not JSON, not UTF-8, or a number past Python's 4300 digits
         raise error(f"{path} is not valid JSON: {' '.join(str(e).split())}") from None
     except RecursionError:
         raise error(f"{path} is nested too deeply to read as JSON") from None
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def read_json_object(path: Path, error: Type[RefusionError] = LoadError) -> Dict[str, Any]:
+    """The JSON object in ``path``; ``error`` for unreadable, invalid or non-object files."""
+    data = read_json(path, error)
     if not isinstance(data, dict):
         raise error(f"{path} is not a JSON object")
     return data

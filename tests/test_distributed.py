@@ -452,6 +452,48 @@ def test_a_silent_collective_times_out_with_one_line():
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: no progress from the other ranks for 0.5 s")
 
 
+@pytest.mark.parametrize("text, says", [
+    (None, "MLX_HOSTFILE: cannot read {path}: No such file or directory"),
+    ("[]", "MLX_HOSTFILE: {path} lists no hosts"),
+    ("{}", "MLX_HOSTFILE: {path} must hold a JSON list of hosts, one per rank (as mlx.launch writes it), not a dict"),
+    ('{"bad', "MLX_HOSTFILE: {path} is not valid JSON: "),
+    ("[[]]", 'MLX_HOSTFILE: {path}: host 0 must be an "ip:port" or a list of them, got []'),
+    ('[["127.0.0.1:1"], 7]', 'MLX_HOSTFILE: {path}: host 1 must be an "ip:port" or a list of them, got 7'),
+    ('[["127.0.0.1:1"], ["127.0.0.1:2"]]', "MLX_RANK='2' is not a rank of the 2 hosts MLX_HOSTFILE={path} lists"),
+])
+def test_a_bad_hostfile_is_one_line_before_mlx_reads_it(tmp_path, monkeypatch, text, says):
+    """MLX_HOSTFILE is checked before MLX reads it: an empty list or object killed the process (a floating
+    point exception, exit 136), a missing file was a JSON parse error of empty input."""
+    from refusion_mlx.distributed import group
+    from refusion_mlx.distributed.group import DistributedError
+
+    path = tmp_path / "hosts.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv("MLX_RANK", "2")
+    monkeypatch.setenv("MLX_HOSTFILE", str(path))
+    with pytest.raises(DistributedError) as raised:
+        group.init()
+    assert str(raised.value).startswith(says.format(path=path)), raised.value
+
+
+def test_a_hostfile_of_one_host_runs_alone(tmp_path, monkeypatch):
+    """mlx.launch -n 1 writes an empty hostfile; a list of one host is alone too (MLX's ring of one waited
+    for ever). And the command line says a bad hostfile in one line, exit 1."""
+    from refusion_mlx.distributed import group
+
+    path = tmp_path / "hosts.json"
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(path))
+    for text in ("\n", '[["127.0.0.1:1"]]'):
+        path.write_text(text)
+        assert group.init() is None
+    path.write_text("[]")
+    run = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompt", "hi"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stderr) == (1, f"error: MLX_HOSTFILE: {path} lists no hosts\n")
+
+
 def test_tensor_parallel_checks_are_one_line():
     args = model_args(read_config(FIXTURE_MODEL))  # 4 heads, 2 KV heads
     check_tensor_parallel(args, 2)

@@ -13,10 +13,12 @@ import secrets
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from .._json import read_json
 from ..errors import RefusionError
 
 MODES = ("tensor", "pipeline")
@@ -97,12 +99,37 @@ class Distributed:
 _current: Optional[Distributed] = None
 
 
-def _hostfile_names_peers(path: str) -> bool:
+class _HostfileError(DistributedError):
+    def __init__(self, message: str):
+        super().__init__(f"MLX_HOSTFILE: {message}")
+
+
+def _ring_hosts(path: str) -> int:
+    """How many hosts the ring's ``MLX_HOSTFILE`` names (0: an empty file, which
+    ``mlx.launch -n 1`` writes), checked before MLX reads it: a missing file, a
+    file that is not a JSON list of hosts (each an "ip:port" or a list of
+    them, as mlx.launch writes), an empty list (MLX died of it: a floating
+    point exception) or an ``MLX_RANK`` outside it is one line."""
     try:
-        with open(path) as f:
-            return bool(f.read().strip())
-    except OSError:
-        return True  # let the backend say what is wrong with it
+        if not Path(path).read_text().strip():
+            return 0
+    except (OSError, ValueError):
+        pass  # read_json says what is wrong with it
+    hosts = read_json(Path(path), _HostfileError)
+    if not isinstance(hosts, list):
+        raise _HostfileError(f"{path} must hold a JSON list of hosts, one per rank (as mlx.launch writes it), "
+                             f"not a {type(hosts).__name__}")
+    if not hosts:
+        raise _HostfileError(f"{path} lists no hosts")
+    for i, host in enumerate(hosts):
+        ips = host if isinstance(host, list) else [host]
+        if not ips or not all(isinstance(ip, str) and ip for ip in ips):
+            raise _HostfileError(f"{path}: host {i} must be an \"ip:port\" or a list of them, got {host!r}")
+    rank = os.environ.get("MLX_RANK", "")
+    if not (rank.isdigit() and int(rank) < len(hosts)):
+        raise DistributedError(f"MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts MLX_HOSTFILE={path} "
+                               f"lists (0 to {len(hosts) - 1})")
+    return len(hosts)
 
 
 def init(pipeline: bool = False) -> Optional[Distributed]:
@@ -121,8 +148,8 @@ def init(pipeline: bool = False) -> Optional[Distributed]:
     backend = launched_backend()
     if backend is None:
         return None
-    if backend == "ring" and not _hostfile_names_peers(os.environ["MLX_HOSTFILE"]):
-        return None  # mlx.launch -n 1 writes an empty hostfile: alone
+    if backend == "ring" and _ring_hosts(os.environ["MLX_HOSTFILE"]) < 2:
+        return None  # mlx.launch -n 1 writes an empty hostfile: alone (MLX's ring of one host waits for ever)
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:
