@@ -1,6 +1,6 @@
 """``python -m tests.slow_load SECONDS MODULE ARGS...``: ``python -m MODULE ARGS`` with rank 0's loading
 SECONDS slower twice over -- before its model folder is found (a download) and before its weights are read
-(a slow disk) -- while the other ranks wait for it (``tests/test_distributed.py``)."""
+(a slow disk) -- while the other ranks wait for it (``tests/test_distributed_start.py``)."""
 
 import os
 import runpy

@@ -30,8 +30,12 @@ def checkpoint(dist: Distributed, payload: Any = None) -> list:
     """Every rank's ``payload``, in rank order; or, when a rank met the
     others here with its failure (:func:`meet`), :class:`~.group.Agreed`
     naming the failures, raised on every rank that did not fail."""
-    with watchdog.loading():  # another rank may still be downloading or reading the model
-        everyone = gather(dist, (True, payload))
+    try:
+        with watchdog.loading():  # another rank may still be downloading or reading the model
+            everyone = gather(dist, (True, payload))
+    except BaseException:  # a lost link (whoever reports it, wrapped or not): nobody left to meet
+        dist.meeting = False
+        raise
     said = _failures(everyone)
     if said:
         dist.meeting = False

@@ -1,0 +1,115 @@
+"""Two ranks on loopback started as ``mlx.launch --backend ring`` starts
+them -- each with ``MLX_RANK`` and ``MLX_HOSTFILE`` -- so that a test sees
+each rank's own exit status and standard error (``tests/test_distributed*.py``):
+a command's (:func:`start_ranks`), a server's once it answers
+(:func:`two_rank_server`)."""
+
+import contextlib
+import http.client
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import FIXTURE_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports free now (mlx.launch gives rank i ``--starting-port`` + i)."""
+    for _ in range(50):
+        socks = []
+        try:
+            first = socket.socket()
+            first.bind(("127.0.0.1", 0))
+            socks.append(first)
+            base = first.getsockname()[1]
+            for i in range(1, n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate", feed=None):
+    """Two ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
+    so the test sees rank 0's own exit status. ``timeout_s`` None: the
+    collectives' default timeout (120 s)."""
+    hostfile = tmp_path / "hosts.json"
+    port = free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        env.pop("REFUSION_MLX_COLLECTIVE_TIMEOUT", None)
+        if timeout_s is not None:
+            env["REFUSION_MLX_COLLECTIVE_TIMEOUT"] = timeout_s
+        own = argv[rank] if argv and isinstance(argv[0], list) else argv  # a list per rank, or one for both
+        run = ["-m", command] if isinstance(command, str) else command  # a module, or the interpreter's arguments
+        procs.append(subprocess.Popen([sys.executable, *run, *own], cwd=ROOT, env=env,
+                                      stdin=subprocess.PIPE if feed is not None and rank == 0 else None,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    if feed is not None:  # rank 0 reads the user's lines (a chat); they reach the others by broadcast
+        procs[0].stdin.write(feed)
+        procs[0].stdin.flush()
+    return procs
+
+
+def wait_for(stream, needle: bytes, timeout: float = 60) -> bytes:
+    """Read ``stream`` (a pipe) until ``needle`` shows; what was read."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while needle not in seen:
+        assert time.monotonic() < deadline, seen
+        if select.select([stream], [], [], 0.5)[0]:
+            chunk = os.read(stream.fileno(), 4096)
+            assert chunk, seen
+            seen += chunk
+    return seen
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+@contextlib.contextmanager
+def two_rank_server(folder, flags, timeout_s=None, model=FIXTURE_MODEL):
+    """A server on two ranks, started as mlx.launch starts them, once it answers: (HTTP port, [rank 0, 1])."""
+    port = _free_port()
+    procs = start_ranks(folder, [*(["--model", str(model)] if model else []), "--port", str(port), *flags],
+                         timeout_s=timeout_s, command="refusion_mlx.server")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _get(port, "/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
+            time.sleep(0.2)
+        yield port, procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
