@@ -516,6 +516,20 @@ def server_side(server, sock):
     return found[0]
 
 
+def slow_steps(monkeypatch, seconds=0.01):
+    """Every engine step takes ``seconds`` more (the demo model is fast enough to end a request before a
+    test's cut comes)."""
+    from refusion_mlx.decode.batch import BatchGenerator
+
+    step = BatchGenerator.step
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchGenerator, "step", slow)
+
+
 def unread_stream(server):
     """A stream of 16 choices (8 rounds of --max-batch 2) whose client reads none of it, and the server's
     side of its connection, once its send buffer is full (the kernel's buffers made small, so that it
@@ -542,6 +556,8 @@ def test_a_client_that_reads_none_of_its_stream_is_cut(server, monkeypatch):
     monkeypatch.setattr(connections, "SEND_TIMEOUT", 0.3, raising=False)
     before = call(server, "GET", "/health")[1]
     sock, writer = unread_stream(server)
+    assert wait_for(lambda: writer.flow.write_paused)
+    slow_steps(monkeypatch)  # the request outlives the cut: the demo decodes its 16 answers within a second
     assert wait_for(lambda: writer not in server.uvicorn.server_state.connections)
     assert wait_for(lambda: call(server, "GET", "/health")[1]["active"] == 0)
     state = call(server, "GET", "/health")[1]
