@@ -260,19 +260,23 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
     ("/v1/messages", "stop", ["20"], "send stop_sequences"),
     ("/v1/messages", "grammar", 'root ::= "yes"', 'send output_config.format {"type": "json_schema"'),
     ("/v1/messages", "guided_choice", ["yes", "no"], 'send output_config.format {"type": "json_schema"'),
+    ("/v1/chat/completions", "max_output_tokens", 5, "send max_tokens"),
+    ("/v1/chat/completions", "stop_sequences", ["20"], "send stop"),
+    ("/v1/completions", "stop_sequences", ["20"], "send stop"),
 ])
 def test_other_apis_fields_that_would_change_the_answer_are_refused(server, path, field, value, instead):
     """Chat's response_format, max_tokens and stop, and other servers' constraint fields, were ignored on the
     Responses and Messages APIs: a 200 whose answer the client believed constrained, cut or stopped. A 400 in
     the API's own shape naming the field and what that API takes instead (as OpenAI and Anthropic refuse them)."""
     body = ({"input": "Count from 17 to 38.", "max_output_tokens": 40} if path == "/v1/responses" else
+            {"prompt": "Count from 17 to 38.", "max_tokens": 40} if path == "/v1/completions" else
             {"messages": [{"role": "user", "content": "Count from 17 to 38."}], "max_tokens": 40})
     status, _, err = call(server, "POST", path, {**body, field: value})
     assert status == 400, (field, err)
     message = err["error"]["message"]
     assert message.startswith(f"{field}: not supported by ") and instead in message and "\n" not in message, err
     assert (err.get("type") == "error") == (path == "/v1/messages"), err
-    if path == "/v1/responses":
+    if path != "/v1/messages":
         assert err["error"]["param"] == field and err["error"]["code"] == "unsupported_parameter", err
     status, _, answer = call(server, "POST", path, {**body, "max_output_tokens": 4, field: None} if
                              path == "/v1/responses" else {**body, "max_tokens": 4, field: None})

@@ -48,7 +48,9 @@ _SCHEMA = {"chat.completions": 'chat completions\' response_format {"type": "jso
 _RENAMED = {"responses": {"response_format": "text.format", "max_tokens": "max_output_tokens",
                           "max_completion_tokens": "max_output_tokens",
                           "stop": "stop to chat completions, which cuts at stop strings (this API has none)"},
-            "messages": {"response_format": "output_config.format", "stop": "stop_sequences"}}
+            "messages": {"response_format": "output_config.format", "stop": "stop_sequences"},
+            "chat.completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"},
+            "completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"}}
 
 
 def foreign_fields(api: str) -> Dict[str, str]:
@@ -57,7 +59,8 @@ def foreign_fields(api: str) -> Dict[str, str]:
     constraint fields (vLLM's guided_*, llama.cpp's grammar and json_schema)
     on every API, and another API's name for a constraint, a limit or a stop
     string (chat's response_format, max_tokens, stop on the Responses and
-    Messages APIs, as OpenAI and Anthropic refuse them). Ignored, they gave a
+    Messages APIs, as OpenAI and Anthropic refuse them; their max_output_tokens
+    and stop_sequences on chat and text completions). Ignored, they gave a
     200 with an answer the client believed constrained, cut or stopped."""
     schema = _SCHEMA.get(api, _SCHEMA["chat.completions"])
     instead = {
@@ -69,7 +72,8 @@ def foreign_fields(api: str) -> Dict[str, str]:
         "guided_decoding_backend": schema + " (this server's engine is llguidance)",
         "guided_whitespace_pattern": schema + " (answers are written as compact as json.dumps writes)"}
     why = {name: f"not supported by this server: send {to}" for name, to in instead.items()}
-    title = {"responses": "the Responses API", "messages": "the Messages API"}.get(api)
+    title = {"responses": "the Responses API", "messages": "the Messages API", "chat.completions": "chat completions",
+             "completions": "text completions"}[api]
     return {**why, **{name: f"not supported by {title}: send {to}" for name, to in _RENAMED.get(api, {}).items()}}
 
 
