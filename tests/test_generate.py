@@ -568,7 +568,6 @@ def test_module_entry_point_closed_streams_and_an_early_ctrl_c():
     error is the null device (the chat answers); Ctrl-C while the command still imports is exit 130 and
     "interrupted", as it is later: never a traceback."""
     import signal
-    import time
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     for command in ("generate", "chat"):
@@ -580,22 +579,36 @@ def test_module_entry_point_closed_streams_and_an_early_ctrl_c():
     proc = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", "--max-tokens", "8"], input="Who is Sven?\n",
                           capture_output=True, text=True, env=env, timeout=120, preexec_fn=lambda: os.close(2))
     assert proc.returncode == 0 and "Sven" in proc.stdout
-    for delay in (0.5, 1.0):  # while it imports, or waits for its prompts (standard input, never closed here)
+    for delay in (0.2, 1.5):  # while it imports, or waits for its prompts (standard input, never closed here)
         proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", "-"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env,  # a shell's background job (`pytest &`) ignores SIGINT, and so would
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # its child
-        time.sleep(delay)
-        proc.send_signal(signal.SIGINT)
+        interrupt_once_importing(proc, delay)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
+
+
+def interrupt_once_importing(proc, delay: float) -> None:
+    """Ctrl-C ``delay`` seconds after the process loads a BLAS or MLX (the package's imports have begun): a
+    fixed delay from its start fell, on a loaded machine, before Python ran the package's first line -- a
+    traceback no program can prevent. Without /proc (macOS), a delay from the start."""
+    import signal
+    import time
+
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while maps.exists() and time.monotonic() < deadline and not any(
+            lib in maps.read_text(errors="replace") for lib in ("libmlx", "mkl", "openblas", "libblas")):
+        time.sleep(0.005)
+    time.sleep(delay if maps.parent.exists() else delay + 0.3)
+    proc.send_signal(signal.SIGINT)
 
 
 def test_a_console_script_starts_as_python_m_does(tmp_path):
     """refusion-generate (pip's console script: its argv[0] is the script's path) names itself in its usage,
     and Ctrl-C while it imports is "interrupted" and exit 130, as under ``python -m``: never a traceback."""
     import signal
-    import time
     import tomllib
 
     from refusion_mlx._startup import SCRIPTS
@@ -611,12 +624,11 @@ def test_a_console_script_starts_as_python_m_does(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: refusion-generate [-h]"), proc.stdout[:200]
-    for delay in (0.3, 0.6):  # while it imports
+    for delay in (0.0, 0.3):  # while it imports
         proc = subprocess.Popen([sys.executable, str(script), "--prompts-file", "-"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        time.sleep(delay)
-        proc.send_signal(signal.SIGINT)
+        interrupt_once_importing(proc, delay)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
 
