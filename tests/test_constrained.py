@@ -145,14 +145,24 @@ def test_budget_ends_before_the_grammar_closes(demo):
 
 
 def test_the_budget_ends_the_answer_the_same_way_at_every_max_tokens(demo):
-    """Where the grammar accepts at the budget's end, EOS is forced there ("stop", exactly max_tokens tokens),
-    at every budget: the loop ran to the budget rounded up to whole slots, so only a budget of whole slots got
-    the EOS, and every other one was cut past it ("length") after forwards on tokens past the budget."""
+    """A grammar that would take more at the budget's end is cut there at every budget: exactly max_tokens
+    tokens, no EOS, "length" -- as an unconstrained answer is. The loop once ran to the budget rounded up to
+    whole slots (forwards on tokens past the budget), then forced an EOS wherever the grammar accepted, which
+    reported free text cut by the budget as finished ("stop")."""
     model, tokenizer = demo
     free = Constraint.lark("start: /[a-zA-Z .,]+/")
     for most in range(3, 10):
         ((text, ids, finish),) = decode_all(model, tokenizer, [("Who is Sven?", free, make_params(max_tokens=most))])
-        assert (finish, len(ids)) == ("stop", most + 1) and ids[-1] == tokenizer.eos_token_id, (most, text)
+        assert (finish, len(ids)) == ("length", most) and tokenizer.eos_token_id not in ids, (most, text)
+
+
+def test_a_grammar_that_allows_nothing_more_ends_with_eos_at_the_budget(demo):
+    """Where the grammar is complete exactly at the budget's end, its EOS still ends the answer ("stop")."""
+    model, tokenizer = demo
+    spelled = tokenizer.encode("no. yes.")
+    ((text, ids, finish),) = decode_all(model, tokenizer, [
+        ("Is Sven a baker?", Constraint.lark('start: "no. yes."'), make_params(max_tokens=len(spelled)))])
+    assert (finish, text, ids) == ("stop", "no. yes.", spelled + [tokenizer.eos_token_id])
 
 
 def test_json_object_and_lark_grammar(demo):

@@ -128,16 +128,18 @@ def decode(state: DecodeState, tail: List[int],
 def after(state: DecodeState, decided: List[int], first: int, end: int) -> List[int]:
     """``decided`` (allowed tokens from position ``first``) and what the
     grammar forces after them, all handed to the matcher; EOS once the
-    grammar is complete, or complete at the budget's end. Positions stop at
-    ``end``; an EOS may stand at ``end`` itself (the answer then holds
-    exactly ``gen_length`` tokens and ends as "stop")."""
+    grammar is complete (nothing else may follow). Positions stop at ``end``;
+    an EOS the model drafts may stand at ``end`` itself (the answer then holds
+    exactly ``gen_length`` tokens and ends as "stop"). A grammar that still
+    accepts more at the budget's end is cut there, as an unconstrained answer
+    is ("length"): forcing EOS would report a cut answer as finished."""
     state.decide(decided)
     out = list(decided)
     if not (out and out[-1] == state.eos_id):
         forced = state.matcher.forced()[:max(end - first - len(out), 0)]
         state.decide(forced)
         out += forced
-        if state.matcher.stopped or (first + len(out) >= end and state.matcher.accepting):
+        if state.matcher.stopped:
             state.decide([state.eos_id])
             out.append(state.eos_id)
     return out

@@ -100,10 +100,6 @@ class Matcher:
         """Nothing but EOS may follow."""
         return self.m.is_stopped()
 
-    @property
-    def accepting(self) -> bool:
-        return self.m.is_accepting()
-
     def error(self) -> Optional[str]:
         return self.m.get_error() if self.m.is_error() else None
 
