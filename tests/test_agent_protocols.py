@@ -263,18 +263,32 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
     ("/v1/chat/completions", "max_output_tokens", 5, "send max_tokens"),
     ("/v1/chat/completions", "stop_sequences", ["20"], "send stop"),
     ("/v1/completions", "stop_sequences", ["20"], "send stop"),
+    ("/v1/chat/completions", "gen_length", 8, "not a field of chat completions; send max_tokens"),
+    ("/v1/chat/completions", "temp", 1.5, "send temperature"),
+    ("/v1/chat/completions", "preset", "gsm8k", "send slot_size, serial_num_blocks"),
+    ("/v1/completions", "gen_length", 8, "send max_tokens"),
+    ("/v1/completions", "temp", 1.5, "send temperature"),
+    ("/v1/responses", "gen_length", 8, "send max_output_tokens"),
+    ("/v1/responses", "temp", 1.5, "send temperature"),
+    ("/v1/responses", "preset", "gsm8k", "or start the server with --preset"),
+    ("/v1/messages", "gen_length", 8, "send max_tokens"),
+    ("/v1/messages", "temp", 1.5, "send temperature"),
+    ("/v1/messages", "preset", "gsm8k", "send slot_size, serial_num_blocks"),
 ])
 def test_other_apis_fields_that_would_change_the_answer_are_refused(server, path, field, value, instead):
     """Chat's response_format, max_tokens and stop, and other servers' constraint fields, were ignored on the
-    Responses and Messages APIs: a 200 whose answer the client believed constrained, cut or stopped. A 400 in
-    the API's own shape naming the field and what that API takes instead (as OpenAI and Anthropic refuse them)."""
+    Responses and Messages APIs: a 200 whose answer the client believed constrained, cut or stopped; so were
+    the names make_params, a prompts file and a bench suite take for a setting (gen_length 8 decoded 87
+    tokens, temp 1.5 greedily). A 400 in the API's own shape naming the field and what that API takes
+    instead (as OpenAI and Anthropic refuse them)."""
     body = ({"input": "Count from 17 to 38.", "max_output_tokens": 40} if path == "/v1/responses" else
             {"prompt": "Count from 17 to 38.", "max_tokens": 40} if path == "/v1/completions" else
             {"messages": [{"role": "user", "content": "Count from 17 to 38."}], "max_tokens": 40})
     status, _, err = call(server, "POST", path, {**body, field: value})
     assert status == 400, (field, err)
     message = err["error"]["message"]
-    assert message.startswith(f"{field}: not supported by ") and instead in message and "\n" not in message, err
+    assert message.startswith((f"{field}: not supported by ", f"{field}: not a field of ")), err
+    assert instead in message and "\n" not in message, err
     assert (err.get("type") == "error") == (path == "/v1/messages"), err
     if path != "/v1/messages":
         assert err["error"]["param"] == field and err["error"]["code"] == "unsupported_parameter", err

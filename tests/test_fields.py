@@ -16,7 +16,7 @@ from refusion_mlx.decode.prompts_file import parse_prompts
 from refusion_mlx.errors import RefusionError
 from refusion_mlx.serve.protocols.anthropic_api import MessagesRequest
 from refusion_mlx.serve.protocols.responses_api import ResponsesRequest
-from refusion_mlx.serve.protocols.bodies import DECODING_FIELDS
+from refusion_mlx.serve.protocols.bodies import DECODING_FIELDS, foreign_fields
 from refusion_mlx.serve.protocols.openai_bodies import ChatCompletionRequest, CompletionRequest
 
 SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
@@ -86,6 +86,20 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     body.update({name: (1 if f.type is int else 0.5) for name, f in requests.items()})
     request = ChatCompletionRequest.model_validate(body)
     assert all(getattr(request, name) == body[name] for name in requests)
+
+
+def test_a_settings_other_names_are_refused_where_a_body_does_not_take_them():
+    """Every name and alias of the table that is not an API's own name for the setting, and ``preset``, is
+    refused by that API (a 400, not a request decoded with the server's defaults); no field an API's
+    body reads ever is."""
+    names = {name for f in FIELDS for name in (f.name, *f.aliases)} | {"preset"}
+    for api, model in (("chat.completions", ChatCompletionRequest), ("completions", CompletionRequest),
+                       ("responses", ResponsesRequest), ("messages", MessagesRequest)):
+        refused = foreign_fields(api)
+        assert not set(refused) & set(model.model_fields), api
+        assert names - set(model.model_fields) <= set(refused), api
+    assert foreign_fields("responses")["gen_length"].endswith("send max_output_tokens")
+    assert foreign_fields("messages")["temp"].endswith("send temperature")
 
 
 def test_only_openais_own_fields_are_marked_openai():

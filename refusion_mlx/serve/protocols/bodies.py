@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...decode.params import FIELDS
+from ...decode.presets import PRESETS
 
 MAX_STOP = 16  # stop strings a request
 MAX_STOP_CHARS = 1000  # characters in one: each step holds back and checks as much of the answer, per stop string
@@ -53,6 +54,17 @@ _RENAMED = {"responses": {"response_format": "text.format", "max_tokens": "max_o
             "completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"}}
 
 
+def _settings_other_names(api: str) -> Dict[str, str]:
+    """The names make_params, a prompts file and a bench suite take for a decoding setting that ``api``'s
+    body names otherwise (``gen_length``, ``temp``; ``max_tokens`` on the Responses API), each with the
+    body's name for it, and ``preset`` with the settings a preset sets."""
+    own = {f.request: _RENAMED.get(api, {}).get(f.request, f.request) for f in FIELDS if f.request is not None}
+    names = {name: own[f.request] for f in FIELDS if f.request is not None for name in (f.name, *f.aliases)
+             if name != own[f.request]}
+    preset = ", ".join(own[f.request] for f in FIELDS if any(f.name in p for p in PRESETS.values()))
+    return {**names, "preset": f"{preset} (a preset's settings), or start the server with --preset"}
+
+
 def foreign_fields(api: str) -> Dict[str, str]:
     """The fields that would change ``api``'s answer but that its body does not
     read, each with why it is refused and what to send instead: other servers'
@@ -60,8 +72,10 @@ def foreign_fields(api: str) -> Dict[str, str]:
     on every API, and another API's name for a constraint, a limit or a stop
     string (chat's response_format, max_tokens, stop on the Responses and
     Messages APIs, as OpenAI and Anthropic refuse them; their max_output_tokens
-    and stop_sequences on chat and text completions). Ignored, they gave a
-    200 with an answer the client believed constrained, cut or stopped."""
+    and stop_sequences on chat and text completions), and a decoding setting's
+    other names (:func:`_settings_other_names`: ``gen_length``, ``temp``,
+    ``preset``). Ignored, they gave a 200 with an answer the client believed
+    constrained, cut, stopped or decoded as asked."""
     schema = _SCHEMA.get(api, _SCHEMA["chat.completions"])
     instead = {
         "guided_json": schema, "json_schema": schema, "structured_outputs": schema,
@@ -74,7 +88,9 @@ def foreign_fields(api: str) -> Dict[str, str]:
     why = {name: f"not supported by this server: send {to}" for name, to in instead.items()}
     title = {"responses": "the Responses API", "messages": "the Messages API", "chat.completions": "chat completions",
              "completions": "text completions"}[api]
-    return {**why, **{name: f"not supported by {title}: send {to}" for name, to in _RENAMED.get(api, {}).items()}}
+    other = {name: f"not a field of {title}; send {to}" for name, to in _settings_other_names(api).items()}
+    return {**why, **other,
+            **{name: f"not supported by {title}: send {to}" for name, to in _RENAMED.get(api, {}).items()}}
 
 
 def field_error(message: str) -> PydanticCustomError:
