@@ -132,10 +132,39 @@ def test_wired_limit_is_a_no_op_off_metal(monkeypatch):
         pass
 
 
-def test_wired_limit_sets_and_restores_on_metal(monkeypatch):
+@pytest.fixture
+def reported(monkeypatch):
+    """Make the device report ``info`` (``mx.device_info``), read afresh."""
+    def report(info):
+        monkeypatch.setattr(mx, "device_info", lambda: info)
+        backend._reported_memory.cache_clear()
+    yield report
+    backend._reported_memory.cache_clear()
+
+
+def test_the_device_memory_is_what_the_device_reports(reported):
+    """One home for the device's memory: a CUDA device's (80 GiB here) sizes the server's --max-kv-bytes
+    default as it does the logits budget; it took the host's physical memory there."""
+    import mlx.nn as nn
+
+    from refusion_mlx.serve.core import memory
+
+    reported({"device_name": "NVIDIA H100", "architecture": "sm_90", "memory_size": 80 << 30})
+    assert backend.device_memory() == (80 << 30, "the device's memory") and backend.memory_size() == 80 << 30
+    model = nn.Linear(4, 4)
+    assert memory.default_max_kv_bytes(model, 1 << 30, 4096) == int(0.9 * (80 << 30)) - 80 - (1 << 30)
+    reported({"memory_size": 64 << 30, "max_recommended_working_set_size": 48 << 30})  # a Mac
+    assert backend.device_memory() == (48 << 30, "Metal's recommended working set")
+    assert backend.logits_budget() == (48 << 30) // backend.LOGITS_MEMORY_FRACTION
+    reported({"device_name": "AMD EPYC", "architecture": "x86_64"})  # the CPU: the host's memory
+    assert backend.device_memory() == (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
+    assert backend.memory_size() is None and backend.logits_budget() == backend.FALLBACK_LOGITS_BUDGET_BYTES
+
+
+def test_wired_limit_sets_and_restores_on_metal(monkeypatch, reported):
     calls = []
     monkeypatch.setattr(backend, "_is_metal", lambda: True)
-    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 1 << 30})
+    reported({"max_recommended_working_set_size": 1 << 30})
     monkeypatch.setattr(mx, "set_wired_limit", lambda n: calls.append(n) or 7)
     monkeypatch.setattr(mx, "synchronize", lambda *a: None)
     with pytest.raises(KeyError):

@@ -1,8 +1,10 @@
 """The one switch between the GPU paths and the CPU paths.
 
-MLX runs the same graph on a Metal (or CUDA) GPU and on the CPU, but what is
-fast differs. Every device-specific choice of the runtime asks this module,
-and nothing else, which side it is on:
+MLX runs the same graph on a Metal (or CUDA) GPU and on the CPU, but what is fast differs. Every choice of
+the runtime between the paths asks this module, and nothing else, which side it is on, and so does every
+question of the device's memory (:func:`device_memory`, :func:`memory_size`). Two choices follow MLX's
+default device itself, as the paths do not change its kernels: training's dequantizing matmuls on the CPU
+(``train.trainer``) and the slow-BLAS warning (``_blas``).
 
 ========================  ==================================  =====================================
 choice                    GPU paths                           CPU paths
@@ -35,12 +37,11 @@ default dtype             the checkpoint's                    float32
 wired memory              :func:`wired_limit` on Metal        nothing
 ========================  ==================================  =====================================
 
-The mode is ``auto`` (the default: the GPU paths when ``mx.default_device()``
-is the GPU, else the CPU paths), ``gpu`` or ``cpu``, from the environment
-variable ``REFUSION_MLX_PATHS``, read on first use and again whenever a model
-loads (:func:`mode`). Forcing ``gpu`` on a CPU runs the GPU paths
-on MLX's CPU kernels -- slower, but how the tests check on a machine without
-a GPU that both sides decode the golden cases token for token.
+The mode is ``auto`` (the default: the GPU paths when ``mx.default_device()`` is the GPU, else the CPU
+paths), ``gpu`` or ``cpu``, from the environment variable ``REFUSION_MLX_PATHS``, read on first use and
+again whenever a model loads (:func:`mode`). Forcing ``gpu`` on a CPU runs the GPU paths on MLX's CPU
+kernels -- slower, but how the tests check on a machine without a GPU that both sides decode the golden
+cases token for token.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
-from typing import Hashable, Iterator, Optional
+from typing import Hashable, Iterator, Optional, Tuple
 
 import mlx.core as mx
 
@@ -57,8 +59,7 @@ from ..errors import RefusionError
 
 ENV = "REFUSION_MLX_PATHS"
 MODES = ("auto", "gpu", "cpu")
-# How the GPU paths attend: MLX's fused kernel, the unfused matmuls, or as
-# measured for the backend (:func:`fused_attention`)
+# How the GPU paths attend: MLX's fused kernel, the unfused matmuls, or as measured for the backend (fused_attention)
 ATTENTION_ENV = "REFUSION_MLX_ATTENTION"
 ATTENTION_MODES = ("auto", "fused", "unfused", "bucketed")
 
@@ -326,31 +327,37 @@ def paths() -> str:
     return "gpu" if gpu_paths() else "cpu"
 
 
+# A device's memory as it reports it, the first found: Metal's recommended working set (what its GPU keeps), CUDA's.
+_MEMORY_KEYS = (("max_recommended_working_set_size", "Metal's recommended working set"),
+                ("memory_size", "the device's memory"), ("total_memory", "the device's memory"))
+
+
 @functools.lru_cache(maxsize=None)
-def _memory_size(device: str) -> Optional[int]:
+def _reported_memory(device: str) -> Optional[Tuple[int, str]]:
     try:
         info = mx.device_info()
     except Exception:
         return None
-    for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
-        value = info.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return next(((info[k], what) for k, what in _MEMORY_KEYS if isinstance(info.get(k), int) and info[k] > 0), None)
+
+
+def device_memory() -> Tuple[int, str]:
+    """(bytes, what they are): the memory the default device's arrays may take, as the device reports
+    it (Metal, CUDA: :data:`_MEMORY_KEYS`), else (the CPU) the host's physical memory."""
+    return _reported_memory(str(mx.default_device())) or (
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory")
 
 
 def memory_size() -> Optional[int]:
-    """The default device's memory in bytes, when it reports one (Metal, CUDA)."""
-    return _memory_size(str(mx.default_device()))
+    """The default device's memory in bytes (:func:`device_memory`) when it reports one (Metal, CUDA)."""
+    return (_reported_memory(str(mx.default_device())) or (None,))[0]
 
 
 def logits_budget() -> int:
     """Bytes of float32 logits the GPU paths' LM head may hold at once:
     1/16 of the device's memory, or 1 GiB when it reports none."""
     size = memory_size()
-    if size is None:
-        return FALLBACK_LOGITS_BUDGET_BYTES
-    return max(1, size // LOGITS_MEMORY_FRACTION)
+    return FALLBACK_LOGITS_BUDGET_BYTES if size is None else max(1, size // LOGITS_MEMORY_FRACTION)
 
 
 def _is_metal() -> bool:
@@ -371,24 +378,17 @@ def model_bytes(model) -> int:
 def wired_limit(model=None) -> Iterator[None]:
     """Keep the model's memory wired (resident) on Metal while the block runs.
 
-    Sets ``mx.set_wired_limit`` to the device's recommended working-set size
-    and restores the previous limit after synchronising (the limit must not
-    change under a running evaluation). Nothing on the CPU or CUDA, or when
-    the device recommends no size. ``model`` (optional): warn on stderr when
-    its weights come near that size (they cannot all stay resident).
-    """
-    if not _is_metal():
-        yield
-        return
-    size = mx.device_info().get("max_recommended_working_set_size")
-    if not isinstance(size, int) or size <= 0:
+    Sets ``mx.set_wired_limit`` to the device's recommended working-set size and restores the previous
+    limit after synchronising (the limit must not change under a running evaluation). Nothing on the CPU
+    or CUDA, or when the device recommends no size. ``model`` (optional): warn on stderr when its weights
+    come near that size (they cannot all stay resident)."""
+    size = memory_size() if _is_metal() else None  # Metal's recommended working set
+    if size is None:
         yield
         return
     if model is not None:
         need = model_bytes(model)
         if need > 0.9 * size:
-            import sys
-
             print(f"warning: the model takes {need >> 20} MB, close to the {size >> 20} MB "
                   "the GPU keeps resident: decoding may be slow", file=sys.stderr)
     old = mx.set_wired_limit(size)

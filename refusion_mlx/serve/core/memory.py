@@ -6,16 +6,15 @@ prompt plus the budget in whole slots, in multiples of the cache's growth rows
 them (:func:`kv_row_bytes`; ``--kv-bits`` quantizes them), and with a
 quantized cache the rows its widest pass holds in float until they are
 committed (:func:`kv_scratch_row_bytes`, :func:`widest_pass`).
-Without ``--max-kv-bytes`` the budget is 90% of the device's memory --
-Metal's recommended working set on a Mac, the physical memory otherwise --
-less the weights and the prompt cache's budget (:func:`default_max_kv_bytes`);
+Without ``--max-kv-bytes`` the budget is 90% of the device's memory
+(``models.backend.device_memory``: Metal's recommended working set on a Mac,
+a CUDA device's memory, the physical memory on the CPU) less the weights and the prompt cache's budget (:func:`default_max_kv_bytes`);
 the rest is left to a step's activations and transient copies.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -52,22 +51,12 @@ def kv_row_bytes(model, storage=None) -> int:
     return spec.layers * (storage or KVStorage()).row_bytes(spec)
 
 
-def device_memory() -> Tuple[int, str]:
-    """(bytes, what they are): Metal's recommended working set on a Mac, else the physical memory."""
-    import mlx.core as mx
-
-    if mx.metal.is_available():
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
-
-
 def default_max_kv_bytes(model, prompt_cache_bytes: int, row_bytes: int) -> int:
     """--max-kv-bytes when not given (logged with its derivation); a RefusionError
     when the weights and the prompt cache leave no room for one request."""
-    from mlx.utils import tree_flatten
+    from ...models.backend import device_memory, model_bytes
 
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = model_bytes(model)
     total, what = device_memory()
     value = int(total * MEMORY_FRACTION) - weights - prompt_cache_bytes
     how = (f"{MEMORY_FRACTION:.0%} of {what} ({gib(total)}) - weights ({gib(weights)}) - "
