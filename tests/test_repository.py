@@ -59,32 +59,62 @@ def _layer_of(parts):
     raise AssertionError(f"refusion_mlx.{name} is in no layer of tests/test_repository.py")
 
 
-def _imported(path: Path):
-    """refusion_mlx submodules a module imports, as tuples of name parts."""
-    rel = path.relative_to(ROOT / "refusion_mlx").with_suffix("").parts
-    package = rel[:-1] if path.name != "__init__.py" else rel[:-1]
-    for node in ast.walk(ast.parse(path.read_text())):
+def _top(name: str):
+    """``from refusion_mlx import name`` (or ``from . import name`` at the top): a module or
+    subpackage, else a name the package's ``__init__`` gives."""
+    package = ROOT / "refusion_mlx"
+    return (name,) if (package / name).is_dir() or (package / f"{name}.py").is_file() else ("__init__",)
+
+
+def _imported(source: str, package):
+    """refusion_mlx submodules a module of ``package`` (its name parts below refusion_mlx) imports, as
+    tuples of name parts: relative imports, ``from refusion_mlx(.x) import y`` and ``import refusion_mlx.x``."""
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = list(package[: len(package) - (node.level - 1)])
             target = base + (node.module.split(".") if node.module else [])
             if target:
                 yield tuple(target)
-            else:  # "from . import x"
+            else:  # "from . import x" at the top
                 for alias in node.names:
-                    yield (alias.name,)
+                    yield _top(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module == "refusion_mlx":
+            for alias in node.names:
+                yield _top(alias.name)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("refusion_mlx."):
             yield tuple(node.module.split(".")[1:])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "refusion_mlx":
+                    yield tuple(parts[1:]) or ("__init__",)
+
+
+def _wrong_imports(rel, source: str):
+    """The imports of the module ``rel`` (name parts below refusion_mlx) of a layer after its own."""
+    here = _layer_of(rel)
+    return [f"{'/'.join(rel)} imports {'.'.join(target)}" for target in _imported(source, rel[:-1])
+            if _layer_of(target) > here]
 
 
 def test_imports_run_one_way():
     wrong = []
     for path in (ROOT / "refusion_mlx").rglob("*.py"):
-        rel = path.relative_to(ROOT / "refusion_mlx").with_suffix("").parts
-        here = _layer_of(rel if rel != ("__init__",) else ("__init__",))
-        for target in _imported(path):
-            if _layer_of(target) > here:
-                wrong.append(f"{'/'.join(rel)} imports {'.'.join(target)}")
+        wrong += _wrong_imports(path.relative_to(ROOT / "refusion_mlx").with_suffix("").parts, path.read_text())
     assert not wrong, wrong
+
+
+def test_the_layer_check_sees_every_form_of_import():
+    """``import refusion_mlx.x`` and ``from refusion_mlx import x`` were not read: a module of decode
+    importing the server or the bench that way passed."""
+    source = ("import refusion_mlx.serve.app\nfrom refusion_mlx import bench\nfrom refusion_mlx.serve import app\n"
+              "from ..serve import app\nimport refusion_mlx\nfrom refusion_mlx import PRESETS\n"
+              "from refusion_mlx import errors\nfrom .. import models\nimport numpy\n")
+    assert _wrong_imports(("decode", "fit"), source) == [
+        "decode/fit imports serve.app", "decode/fit imports bench", "decode/fit imports serve",
+        "decode/fit imports serve", "decode/fit imports __init__", "decode/fit imports __init__"]
+    assert _wrong_imports(("serve", "app"), source.replace("bench", "decode")) == [
+        "serve/app imports __init__", "serve/app imports __init__"]
 
 
 def test_the_package_never_imports_the_repository_tooling():
