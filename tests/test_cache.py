@@ -131,7 +131,7 @@ def test_fork_copies_rows_and_leaves_the_source_alone():
     write = cache.extend(5)
     kv = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
     for i in range(2):
-        write.layer(i).update_and_fetch(kv + i, kv - i)
+        write.layer(i).update(kv + i, kv - i)
     cache.commit([10, 11, 12, 13, 14], [0, 1, 2, 4, 3])
     fork = cache.fork([0, 1, 2, 4])
     assert fork.tokens == [10, 11, 12, 14] and fork.positions == [0, 1, 2, 3]

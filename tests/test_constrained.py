@@ -386,19 +386,19 @@ def test_objects_that_list_their_properties_take_no_other_keys(demo):
     model ran on writing keys nobody asked for until the budget. Allowing others stays possible; data (const,
     enum) is left alone; tool arguments too."""
     from refusion_mlx.decode.grammar import compile_constraint
-    from refusion_mlx.decode.json_schema import closed_objects
+    from refusion_mlx.decode.json_schema import for_decoding
 
     model, tokenizer = demo
     inner = {"type": "object", "properties": {"a": {"type": "integer"}}}
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": inner},
                                                "c": {"const": {"properties": {"x": 1}}}},
               "$defs": {"d": {"anyOf": [inner]}}}
-    closed = closed_objects(schema)
+    closed = for_decoding(schema)
     assert closed["additionalProperties"] is False and closed["properties"]["items"]["items"]["additionalProperties"] \
         is False and closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
     assert closed["properties"]["c"] == {"const": {"properties": {"x": 1}}}  # a value, not a schema
     assert "additionalProperties" not in schema and "additionalProperties" not in inner  # the caller's untouched
-    assert closed_objects({**inner, "additionalProperties": True})["additionalProperties"] is True
+    assert for_decoding({**inner, "additionalProperties": True})["additionalProperties"] is True
 
     def takes(constraint, text):
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -417,14 +417,13 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     """An integer with no bound is written in at most 16 digits (llama.cpp's JSON grammars cap them so):
     the demo ran on writing an age's digits until its budget ended. Given bounds are kept."""
     from refusion_mlx.decode.grammar import compile_constraint
-    from refusion_mlx.decode.json_schema import bounded_integers
+    from refusion_mlx.decode.json_schema import for_decoding
 
     model, tokenizer = demo
-    assert bounded_integers({"type": "integer"}) == {"type": "integer", "maximum": 10 ** 16 - 1,
-                                                     "minimum": -(10 ** 16 - 1)}
-    assert bounded_integers({"type": "integer", "minimum": 0}) == {"type": "integer", "minimum": 0,
-                                                                   "maximum": 10 ** 16 - 1}
-    assert bounded_integers({"type": "number"}) == {"type": "number"}
+    assert for_decoding({"type": "integer"}) == {"type": "integer", "maximum": 10 ** 16 - 1, "minimum": -(10 ** 16 - 1)}
+    assert for_decoding({"type": "integer", "minimum": 0}) == {"type": "integer", "minimum": 0,
+                                                               "maximum": 10 ** 16 - 1}
+    assert for_decoding({"type": "number"}) == {"type": "number"}
 
     def takes(schema, text):
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -434,9 +433,9 @@ def test_integers_without_bounds_are_held_to_sixteen_digits(demo):
     age = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
     assert takes(age, '{"age": ' + "9" * 16 + "}") and takes(age, '{"age": -' + "9" * 16 + "}")
     assert not takes(age, '{"age": ' + "1" * 17)
-    # a bound past 16 digits on one side: the other side is held as many digits past it, not contradicted
-    assert bounded_integers({"type": "integer", "minimum": 10 ** 17})["maximum"] == 10 ** 17 + 10 ** 16 - 1
-    assert bounded_integers({"type": "integer", "exclusiveMaximum": -10 ** 17})["minimum"] == -10 ** 17 - 10 ** 16 + 1
+    # a positive minimum (a negative maximum): the other side is held 16 digits past it, not contradicted
+    assert for_decoding({"type": "integer", "minimum": 2 ** 53})["maximum"] == 2 ** 53 + 10 ** 16 - 1
+    assert for_decoding({"type": "integer", "exclusiveMaximum": 1 - 2 ** 53})["minimum"] == 2 - 2 ** 53 - 10 ** 16
     assert takes({"type": "integer", "minimum": 2 ** 53}, str(2 ** 53 + 5))
 
 
@@ -446,11 +445,11 @@ def test_integers_a_const_or_enum_gives_are_not_bounded_and_are_written_exactly(
     The engine holds numbers as 64-bit floats (it wrote the const 9999999999999999 as 10000000000000000):
     an integer past 2**53 in a const or enum is one clear error naming the limit."""
     from refusion_mlx.decode.grammar import compile_constraint
-    from refusion_mlx.decode.json_schema import bounded_integers
+    from refusion_mlx.decode.json_schema import for_decoding
 
     model, tokenizer = demo
-    assert bounded_integers({"type": "integer", "const": 10 ** 19}) == {"type": "integer", "const": 10 ** 19}
-    assert bounded_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
+    assert for_decoding({"type": "integer", "const": 2 ** 53}) == {"type": "integer", "const": 2 ** 53}
+    assert for_decoding({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
     for schema in ({"type": "integer", "const": 12345678901234567890}, {"type": "integer", "enum": [1, 2 ** 64]},
                    {"const": 9999999999999999}, {"properties": {"a": {"const": {"b": [-(2 ** 53) - 1]}}}}):
         with pytest.raises(DecodeError, match=r"^s: cannot be compiled: the integer -?\d+ in a const or enum is past "

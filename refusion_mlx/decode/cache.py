@@ -328,10 +328,6 @@ class _LayerWrite:
         the cache's capacity: a padded batch (``decode.packed``) masks them."""
         return self.store.read_padded(self.write.visible if length is None else length)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.update(keys, values)
-        return self.fetch()
-
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         """Write this pass's keys and values, then attend over the rows it sees
         (``mask``: the pass's mask in the form ``cpu_paths.attend`` takes)."""

@@ -42,6 +42,11 @@ def without_format(schema: Any, fmt: str) -> Any:
 
 
 def _closed(s: dict) -> dict:
+    """``s`` with ``"additionalProperties": false`` when it lists its properties and says nothing of
+    others (as OpenAI's strict schemas must, and as vLLM and xgrammar decode by default): what it accepts
+    is valid under ``s``, and a model cannot run on writing keys nobody asked for. A schema that allows
+    other keys says so (``"additionalProperties": true`` or a schema). Left as it is: an object that
+    requires a key it does not list (and, in :func:`for_decoding`, a schema :func:`_composed`)."""
     listed = set(s.get("properties") or ()) if isinstance(s.get("properties", {}), dict) else set()
     required = s.get("required") if isinstance(s.get("required"), list) else []
     if ("properties" in s or "patternProperties" in s) and "additionalProperties" not in s \
@@ -64,24 +69,13 @@ def _composed(schema: Any) -> bool:
     return bool(found)
 
 
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``"additionalProperties": false`` in every object schema
-    that lists its properties and says nothing of others (as OpenAI's strict
-    schemas must, and as vLLM and xgrammar decode by default): what it
-    accepts is valid under ``schema``, and a model cannot run on writing keys
-    nobody asked for. A schema that allows other keys says so
-    (``"additionalProperties": true`` or a schema). Left as it is: a schema
-    whose objects take their properties from several schemas together
-    (``allOf``, a ``$ref`` beside properties), and an object that requires a
-    key it does not list."""
-    return schema if _composed(schema) else map_schemas(schema, _closed)
-
-
 INTEGER_DIGITS = 16  # an integer with no bound in its schema is written in at most this many digits
 _TOP = 10 ** INTEGER_DIGITS - 1
 
 
 def _bounded(s: dict) -> dict:
+    """``s``, an integer with no bound on a side, held to ``INTEGER_DIGITS`` digits there (llama.cpp's JSON
+    grammars cap them so too): a small model otherwise writes digits until its budget ends."""
     kind = s.get("type")
     if kind != "integer" and not (isinstance(kind, list) and "integer" in kind and "number" not in kind) \
             or "const" in s or "enum" in s:  # the values are given: no bound to add
@@ -98,13 +92,6 @@ def _bounded(s: dict) -> dict:
 def _bound(s: dict, *keys: str):
     values = [s[k] for k in keys if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)]
     return values[0] if values else None
-
-
-def bounded_integers(schema: Any) -> Any:
-    """``schema`` with integers that have no bound on a side held to
-    ``INTEGER_DIGITS`` digits there (llama.cpp's JSON grammars cap them so
-    too): a small model otherwise writes digits until its budget ends."""
-    return map_schemas(schema, _bounded)
 
 
 EXACT = 2 ** 53  # the engine holds a JSON number as a 64-bit float: integers are exact up to this size
@@ -138,8 +125,10 @@ def _exact_values(s: dict) -> dict:
 
 
 def for_decoding(schema: Any) -> Any:
-    """The schema a request's answer is decoded under: its objects closed (:func:`closed_objects`), its
-    integers bounded, its constants checked (one walk)."""
+    """The schema a request's answer is decoded under, in one walk: its objects closed (:func:`_closed`)
+    unless they take their properties from several schemas together (:func:`_composed`: ``allOf``, a
+    ``$ref`` beside properties), its integers bounded (:func:`_bounded`), its constants and bounds checked
+    (:func:`_exact_values`: a ValueError naming one the engine cannot hold exactly)."""
     close = not _composed(schema)
     return map_schemas(schema, lambda s: _bounded(_closed(_exact_values(s)) if close else _exact_values(s)))
 

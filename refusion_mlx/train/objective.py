@@ -8,8 +8,6 @@ import mlx.core as mx
 
 from .examples import IGNORE
 
-BATCH_KEYS = ("input_ids", "position_ids", "labels", "mdm", "mask_prob", "response_length")
-
 
 def token_cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
     """Cross-entropy of every token in float32, (B, T); 0 where the label is IGNORE.
