@@ -1,4 +1,4 @@
-"""The repository's shape: only the demo model and test fixtures are binary,
+"""The repository's shape: only the demo model, the test fixtures and the web page's screenshots are binary,
 imports run one way between the package's layers, and the package never
 imports the tooling beside it (convert/, benchmarks/, tests/) nor ships it;
 no page, help text or public docstring sends a reader to REFUSION.md, the
@@ -40,11 +40,11 @@ def is_binary(path: Path) -> bool:
     return b"\0" in path.read_bytes()[:8192]
 
 
-def test_only_the_demo_model_and_fixtures_are_binary():
+def test_only_the_demo_model_fixtures_and_screenshots_are_binary():
     files = tracked_files()
     assert "README.md" in files and any(f.startswith("refusion_mlx/demo/") for f in files)
     strays = [f for f in files if not f.startswith(BINARY_HOMES) and (ROOT / f).is_file() and is_binary(ROOT / f)]
-    assert not strays, f"binary files outside the demo model and fixtures: {strays}"
+    assert not strays, f"binary files outside {', '.join(BINARY_HOMES)}: {strays}"
 
 
 def test_no_module_is_named_utils():

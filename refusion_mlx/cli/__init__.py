@@ -3,7 +3,11 @@
 (``repl``), its live slot view (``slot_view``) and its trace (``trace``);
 the files a command writes (``output``).
 
-Nothing below the commands imports this package; the library works without it.
+The layers below it (``models``, ``decode``) never import this package: the
+Python API works without it. The commands use it, and so do the layers above
+it: ``convert``'s and ``train``'s commands (``train.accuracy`` too), the
+server's configuration (``serve.server_config``: the flags into settings) and
+engine (``cli.launch.ready``: a rank's start signal), and ``bench``.
 """
 
 from .flags import (OneLineParser, Spelled, adapter_folder, add_adapter_arg, add_decoding_args, add_kv_args,

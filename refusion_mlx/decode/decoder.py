@@ -226,7 +226,8 @@ class RefusionDecoder:
     # -- the answer ----------------------------------------------------------
 
     def response(self) -> List[int]:
-        """Committed response ids in position order, up to and including the first EOS."""
+        """Committed response ids in position order, up to and including the first EOS, and cut after
+        ``params.gen_length`` ids besides EOS (:meth:`DecodeState.response`)."""
         return self.state.response()
 
 

@@ -36,7 +36,7 @@ class KVStore:
     classmethods with the same settings."""
 
     # A padded batch attends over this kind's rows read back in the model's
-    # dtype (``fetch``), so MLX's fused kernel can take them at bucketed
+    # dtype (:meth:`read_padded`), so MLX's fused kernel can take them at bucketed
     # shapes (``backend.bucketed_attention``); False for a kind whose batch
     # attends through its own call (:meth:`attend_batch`).
     FLOAT_ROWS = True
@@ -77,7 +77,8 @@ class KVStore:
         (one per request, this pass's rows written) in one call, with the
         batch's ``padding`` (``decode.packed.PackedWrite``); None: this kind
         has no such call, and the batch reads each store's rows
-        (:meth:`fetch` through the cache layer) into one float attention."""
+        (:meth:`read_padded`, through the cache layer's ``_LayerWrite.fetch``)
+        into one float attention."""
         return None
 
     # -- rows -----------------------------------------------------------------
