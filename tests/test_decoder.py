@@ -306,3 +306,33 @@ def test_steps_decide_and_only_the_state_commits():
     assert state.open_slots == [4] and state.eos_committed and state.stats.committed_tokens == 5
     assert [c.tokens for c in step.commits] == [[10, 11, 12, 13], [801]]
     assert state.response() == [10, 11, 12, 13, 801]  # committed ids in position order, up to EOS
+
+
+def test_only_the_states_methods_change_it():
+    """decode/state.py's contract: the steps and the loops read a DecodeState, and what changes it (a
+    field, a statistic, the committed rows of its cache) is one of its methods. The decoder set
+    stats.generated_tokens itself, and it and the constrained loop each committed the prompt's tail."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import refusion_mlx.decode as decode
+
+    wrong = []
+    for path in Path(decode.__file__).parent.glob("*.py"):
+        if path.name == "state.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call):
+                targets = []
+                if re.search(r"\bstate\.cache\.(commit|keep|load_arrays)$", ast.unparse(node.func)):
+                    wrong.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+            else:
+                continue
+            wrong += [f"{path.name}:{node.lineno} {ast.unparse(t)} =" for t in targets
+                      if re.search(r"\bstate\.\w", ast.unparse(t))]
+    assert not wrong, wrong

@@ -98,9 +98,8 @@ def decode(state: DecodeState, tail: List[int],
         masks = 0 if done else max(min(window, end - kend - len(drafts)), 0)
         run = Run(frontier, known, drafts, masks)
         passed = yield constrained_pass(state, tail, run)
-        if tail:  # the first pass also prefilled the prompt's tail
-            state.cache.commit(tail, list(range(state.response_start - len(tail), state.response_start)))
-            tail = []
+        state.commit_prompt_tail(tail)  # the first pass also prefilled the prompt's tail
+        tail = []
         commits = state.commit_run(known, frontier)
         frontier = run.kend
         if state.eos_committed or run.head == 0:

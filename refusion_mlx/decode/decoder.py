@@ -159,8 +159,7 @@ class RefusionDecoder:
         kept to the conversation before position ``end`` -- the answer as far
         as it became final, as :meth:`DecodeState.settle` keeps a finished one."""
         self.close()
-        self.state.cut_at(end)
-        self.state.stats.generated_tokens = max(end - self.response_start, 0)
+        self.state.end_at(end)
 
     def steps(self) -> Iterator[Step]:
         """Run the whole response alone, yielding each step that commits tokens."""
@@ -205,9 +204,7 @@ class RefusionDecoder:
         """(a) plan, (b) verify, then commit -- or (c) infill, then commit."""
         state = self.state
         planned = yield plan.plan_pass(state, tail)
-        if tail:  # the first pass also prefilled the prompt's tail
-            start = state.response_start - len(tail)
-            state.cache.commit(tail, list(range(start, state.response_start)))
+        state.commit_prompt_tail(tail)  # the first pass also prefilled the prompt's tail
         confidence = planned["confidence"]
         selected = plan.select(confidence, state.params.slot_threshold)
         checking, positions = verify.verify_pass(state, planned["drafts"], confidence, selected)

@@ -6,8 +6,11 @@ they never assign to it. What changes the state is one of its methods:
 
 * :meth:`DecodeState.open_block` starts the next block's slots;
 * :meth:`DecodeState.next_key` draws the key of a sampled planning pass;
+* :meth:`DecodeState.commit_prompt_tail` commits the prompt's last tokens,
+  which the first planning pass prefilled;
 * :meth:`DecodeState.commit` applies a commit decision: the tokens join the
-  committed cache, the statistics count them, the decided slots close;
+  committed cache, the statistics count them, the decided slots close
+  (:meth:`DecodeState.record_scores` keeps their scores when asked);
 * :meth:`DecodeState.decide` hands tokens decided in position order to the
   request's grammar matcher (constrained mode, ``constrain.py``), and
   :meth:`DecodeState.commit_run` commits a run of consecutive positions;
@@ -16,13 +19,17 @@ they never assign to it. What changes the state is one of its methods:
   (:meth:`DecodeState.count_masks` the host's grammar-mask time);
 * :meth:`DecodeState.finish` counts the answer and settles the cache
   (:meth:`DecodeState.settle`: committed rows beyond the answer's end -- its
-  EOS, or the cut at ``gen_length`` -- are dropped);
+  EOS, or the cut at ``gen_length`` -- are dropped), and
+  :meth:`DecodeState.end_at` ends it early (:meth:`DecodeState.cut_at`);
   :meth:`DecodeState.record_peak` keeps the peak memory.
 
 Ownership of the committed cache: whoever passes a cache in (a chat session,
 the server's prompt cache) owns it; without one the state makes its own.
-While the request decodes, only the state's methods (and the passes it
-hands out, through ``CommittedCache.extend`` / ``infill``) write to it. When
+While the request decodes, the state's methods commit the answer's rows and
+the prompt's tail; the passes write their rows through
+``CommittedCache.extend`` / ``infill``, and before them the decoder reserves
+every row the request can write (``CommittedCache.reserve``) and prefills
+the prompt's head (``prefill.passes``, which commits each chunk). When
 the request finishes, the cache is settled to prompt + answer and handed
 back with the final response (``GenerationResponse.cache``) for the owner
 to keep, reuse or drop; the state keeps no reference a caller must free.
@@ -86,6 +93,12 @@ class DecodeState:
             return None
         self.key, key = mx.random.split(self.key)
         return key
+
+    def commit_prompt_tail(self, tail: Sequence[int]) -> None:
+        """The prompt's last tokens, which the first planning pass prefilled, join the committed cache
+        (the rows before the answer's first position)."""
+        if len(tail):
+            self.cache.commit(list(tail), list(range(self.response_start - len(tail), self.response_start)))
 
     def commit(self, phase: str, flat: np.ndarray, end: int, positions: List[int], closed: Set[int]) -> Step:
         """Commit ``flat[:end]`` at ``positions[:end]`` (whole slots, the last
@@ -171,6 +184,12 @@ class DecodeState:
         """The response is complete: count the answer and settle the cache."""
         self.stats.generated_tokens = len(self.response())
         self.settle()
+
+    def end_at(self, end: int) -> None:
+        """The response ends before its loop does: the cache keeps the conversation before position
+        ``end`` (:meth:`cut_at`), and the answer counted is what lies before it."""
+        self.cut_at(end)
+        self.stats.generated_tokens = max(end - self.response_start, 0)
 
     def record_peak(self, peak_memory_gb: float) -> None:
         """MLX's peak memory when the response ended (weights and cache included): the process's peak, never
