@@ -142,6 +142,24 @@ def test_interrupted_turn_is_dropped(loaded):
     assert s.turns[-1].reused_tokens == held
 
 
+def test_a_turn_refused_while_another_streams_changes_nothing(loaded):
+    """A second turn while the first's answer still streams is refused, and neither the cache the open
+    answer decodes into nor the history loses anything (it once cut rows out of the cache first)."""
+    whole = session(loaded, max_tokens=48)
+    whole.send(TURNS[0])
+    reference = whole.send(TURNS[1])
+    s = session(loaded, max_tokens=48)
+    s.send(TURNS[0])
+    stream = s.stream(TURNS[1])
+    text = next(stream).text
+    rows = list(zip(s.cache.positions, s.cache.tokens))
+    with pytest.raises(RefusionError, match="the cache is in use"):
+        s.send("Who is Zoe?")
+    assert list(zip(s.cache.positions, s.cache.tokens)) == rows and s.messages[-1]["content"] == TURNS[1]
+    text += "".join(r.text for r in stream)
+    assert text == reference and s.messages[-1] == {"role": "assistant", "content": reference}
+
+
 def test_context_overflow_is_a_clean_error(loaded):
     s = session(loaded, max_tokens=4000)
     with pytest.raises(RefusionError, match="context"):

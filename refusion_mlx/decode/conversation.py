@@ -116,10 +116,13 @@ class ChatSession:
             self.cache = self._new_cache()
 
     def stream(self, text: str) -> Iterator:
-        """Answer ``text`` in the conversation; yields GenerationResponses."""
+        """Answer ``text`` in the conversation; yields GenerationResponses.
+        While an earlier turn's answer is still streaming, a DecodeError that changes nothing."""
+        from .decoder import check_free
         from .fit import fit_budget, own_blocks
         from .stream import stream_generate
 
+        check_free(self.cache)  # before the history or the cache is touched: the open turn's, both
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids()

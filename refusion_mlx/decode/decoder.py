@@ -70,10 +70,7 @@ class RefusionDecoder:
         self.model = model
         layout = params.layout()
         cache = cache if cache is not None else CommittedCache.for_model(model)
-        holder = cache.decoding() if cache.decoding is not None else None
-        if holder is not None and not holder.done:
-            raise DecodeError("the cache is in use: a response is still decoding into it (finish or close it "
-                              "first)")
+        check_free(cache)
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise DecodeError("the prompt is empty")
@@ -226,6 +223,13 @@ class RefusionDecoder:
         """Committed response ids in position order, up to and including the first EOS, and cut after
         ``params.gen_length`` ids besides EOS (:meth:`DecodeState.response`)."""
         return self.state.response()
+
+
+def check_free(cache: CommittedCache) -> None:
+    """The DecodeError of a cache a response is still decoding into (one at a time); nothing when it is free."""
+    holder = cache.decoding() if cache.decoding is not None else None
+    if holder is not None and not holder.done:
+        raise DecodeError("the cache is in use: a response is still decoding into it (finish or close it first)")
 
 
 def check_context(model, response_start: int, params: RefusionParams) -> None:
