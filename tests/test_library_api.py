@@ -121,6 +121,40 @@ def test_a_cache_let_go_of_mid_answer_keeps_what_was_answered_and_serves_one_ans
     assert again.startswith("Zoe")
 
 
+@pytest.mark.parametrize("question, settings, fail_at", [
+    ("Count from 40 down to 1.", {"max_tokens": 96, "block_length": 32}, 2),  # a slot committed past a gap
+    ("Count from 17 to 60.", {"max_tokens": 128, "block_length": 32, "slot_threshold": 0.3}, 3),  # text out
+])
+def test_an_answer_that_fails_midway_leaves_the_cache_what_was_answered(demo, monkeypatch, question, settings,
+                                                                        fail_at):
+    """A request that fails mid-answer settles the caller's cache as one let go of does: the prompt and
+    the text released, no holes, free for the next answer (it once kept slots committed beyond a gap)."""
+    from refusion_mlx.decode import commit
+
+    model, tok = demo
+    first = rm.chat_prompt(tok, question)
+    real, calls = commit.after_verify, []
+
+    def fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("simulated fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(commit, "after_verify", fails)
+    cache, released = rm.CommittedCache.for_model(model), []
+    with pytest.raises(RuntimeError, match="simulated fault"):
+        for r in rm.stream_generate(model, tok, first, cache=cache, **settings):
+            released += r.tokens
+    monkeypatch.undo()
+    assert cache.positions == list(range(len(first) + len(released)))
+    assert cache.tokens == first + released
+    again = rm.generate(model, tok, tok.encode("<|im_end|>\n<|im_start|>user\nWho is Sven?<|im_end|>\n"
+                                               "<|im_start|>assistant\n", add_special_tokens=False),
+                        cache=cache, max_tokens=16)
+    assert again.startswith("Sven")
+
+
 def test_the_tokenizers_other_end_ids_end_an_answer(tmp_path, prompt):
     folder = tmp_path / "model"
     shutil.copytree(DEMO_MODEL, folder)

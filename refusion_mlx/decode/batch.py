@@ -68,7 +68,13 @@ class _Member:
         return r
 
     def failure(self, e: Exception) -> GenerationResponse:
-        self.decoder.close()  # its cache is free for a next response (a conversation's, after a failed turn)
+        # as a request let go of: its cache holds the conversation up to what the answer released, no holes,
+        # and is free for a next response; one that cannot even be cut (out of memory) is emptied, not left torn
+        try:
+            self.decoder.end_early(self.answer.next)
+        except Exception:
+            self.decoder.close()
+            self.decoder.cache.free()
         return GenerationResponse("", [], [], "", self.steps, len(self.decoder.prompt),
                                   self.answer.length, finish_reason="error", stats=self.decoder.stats,
                                   uid=self.uid, error=_message(e), error_param=getattr(e, "param", None),

@@ -217,8 +217,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
     (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
     CommittedCache to continue (chat), one response at a time; left
-    before the answer ends, it keeps the prompt and the answer's text so far
-    (as mlx-lm's prompt cache does). ``kv_bits`` (4 or 8) and
+    before the answer ends (a break, or an error raised mid-answer), it keeps
+    the prompt and the answer's text so far (as mlx-lm's prompt cache does). ``kv_bits`` (4 or 8) and
     ``kv_group_size`` (default 64): keep the committed keys and values
     quantized, as mlx-lm takes them (or ``storage``, a
     :class:`~.kv_store.KVStorage` already made); a ``cache`` keeps its own
