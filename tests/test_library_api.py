@@ -197,6 +197,20 @@ def test_the_scorers_check_their_ids(demo, prompt):
     assert len(score_ar(model, [prompt + [5]])[0].logprobs) == len(prompt) + 1
 
 
+def test_the_scorers_refuse_a_sequence_past_the_context(demo):
+    """As the decoder and the server refuse them (it once scored positions the model never learned)."""
+    model, mask = demo[0], demo[0].args.mask_token_id
+    limit = model.args.max_position_embeddings
+    fits = [5] * limit
+    assert len(score_ar(model, [fits])[0].logprobs) == limit
+    for call in (lambda: score_ar(model, [fits + [5]]), lambda: score_ar(model, [fits], next_mask=mask),
+                 lambda: score_mc(model, fits + [5], limit - 2, mask, mc_num=1),
+                 lambda: score_mc(model, fits, limit - 2, mask, mc_num=1, draft_top=0)):
+        with pytest.raises(DecodeError, match=f"exceeds the model's context of {limit} positions"):
+            call()
+    assert len(score_mc(model, fits, limit - 2, mask, mc_num=1).logprobs) == limit
+
+
 def test_a_server_config_takes_a_models_path_and_the_decoding_made_by_make_params(demo):
     from refusion_mlx.errors import RefusionError
     from refusion_mlx.serve.server_config import ServerConfig

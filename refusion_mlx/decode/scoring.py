@@ -103,6 +103,15 @@ def scored_ids(model, ids, what: str = "the sequence scored") -> List[int]:
     return out
 
 
+def check_length(model, n: int, drafted: bool) -> None:
+    """The DecodeError of a sequence of ``n`` tokens (and, ``drafted``, a mask after it) past the model's
+    context, as the decoder refuses a prompt and budget past it (``decoder.check_context``)."""
+    limit = model.args.max_position_embeddings
+    if n + drafted > limit:
+        raise DecodeError(f"the sequence scored ({n} tokens)" + (" + the drafted token" if drafted else "")
+                          + f" exceeds the model's context of {limit} positions")
+
+
 class ARScorer:
     """The AR estimator of one sequence a chunk at a time: :meth:`step`
     feeds the next chunk (at most ``chunk`` tokens) into the scorer's cache
@@ -117,6 +126,7 @@ class ARScorer:
         self.model, self.ids, self.top = model, scored_ids(model, ids), top
         if next_mask is not None:
             scored_ids(model, [next_mask], "the mask id")
+        check_length(model, len(self.ids), next_mask is not None)
         self.extra = next_mask is not None
         self.k = max(top, 1 if self.extra else 0)
         sequence = self.ids + ([next_mask] if self.extra else [])
@@ -174,7 +184,8 @@ def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Opti
     or 8) and ``kv_group_size``: read the text through a quantized cache, as
     a server with ``--kv-bits`` does (or ``storage``, a
     :class:`~.kv_store.KVStorage` already made), as ``stream_generate``
-    takes them."""
+    takes them. A row (with ``next_mask``, and its mask) past the model's
+    context is a DecodeError, as a prompt past it is to the decoder."""
     storage = KVStorage.given(storage, kv_bits, kv_group_size, model)
     out = []
     for r in rows:
@@ -231,6 +242,7 @@ class MCScorer:
                               f"them are scored): 1 to {n - 1} for its {n} tokens, got {context!r}")
         if isinstance(mc_num, bool) or not isinstance(mc_num, int) or mc_num < 1:
             raise DecodeError(f"mc_num must be a positive integer, got {mc_num!r}")
+        check_length(model, n, draft_top is not None)
         self.samples = mc_samples(n - context, mc_num, np.random.default_rng(seed_bits(seed)))
         self.cache = CommittedCache.for_model(model, storage=storage)
         self._context = chunks(self.ids[:context], 0, chunk)
@@ -311,7 +323,7 @@ def score_mc(model, ids: Sequence[int], context: int, mask_id: int, mc_num: int 
     draft the token after ``ids`` (a mask at the next position, as
     :func:`score_ar`), with this many top tokens. The context fed once,
     then :data:`MC_ROWS` samples per forward (:class:`MCScorer`). ``kv_bits``,
-    ``kv_group_size``, ``storage``: as :func:`score_ar`'s."""
+    ``kv_group_size``, ``storage``: as :func:`score_ar`'s; past the context, its DecodeError."""
     scorer = MCScorer(model, ids, context, mask_id, mc_num, seed, draft_top,
                       storage=KVStorage.given(storage, kv_bits, kv_group_size, model))
     while not scorer.finished:

@@ -102,7 +102,8 @@ class ScoringTask:
             if self.scorer is None:
                 self.scorer = (MCScorer(model, ids, spec.context_tokens, self.mask_id, spec.mc_num, spec.seed,
                                         spec.top if spec.extra else None, storage=self.storage)
-                               if spec.estimator == "mc" else ARScorer(model, ids, spec.top, self.mask_id,
+                               if spec.estimator == "mc" else ARScorer(model, ids, spec.top,
+                                                                       self.mask_id if spec.extra else None,
                                                                        storage=self.storage))
             if not self.scorer.finished:
                 self.scorer.step(*([spec.rows_per_step(len(ids))] if spec.estimator == "mc" else []))
