@@ -195,6 +195,13 @@ def test_the_scorers_check_their_ids(demo, prompt):
     with pytest.raises(DecodeError, match="mc_num must be a positive integer"):
         score_mc(model, prompt + [5, 6], len(prompt), model.args.mask_token_id, mc_num=0)
     assert len(score_ar(model, [prompt + [5]])[0].logprobs) == len(prompt) + 1
+    vocab = model.args.vocab_size
+    for top in (vocab, 1.5, True, -1):  # were MLX's and pybind's own errors, or (-1) taken as 0
+        with pytest.raises(DecodeError, match=f"top must be an integer from 0 to {vocab - 1}"):
+            score_ar(model, [prompt], top=top)
+        with pytest.raises(DecodeError, match=f"draft_top must be an integer from 0 to {vocab - 1}"):
+            score_mc(model, prompt + [5, 6], len(prompt), model.args.mask_token_id, mc_num=1, draft_top=top)
+    assert len(score_ar(model, [prompt], top=np.int64(3))[0].top[1]) == 3
 
 
 def test_the_scorers_refuse_a_sequence_past_the_context(demo):

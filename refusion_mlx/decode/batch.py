@@ -35,6 +35,7 @@ from .params import RefusionParams, budget_given, make_params
 from .prompt import prompt_ids, prompt_list, wrapped
 from .response import GenerationResponse
 from .stats import DecodeStats
+from .token_scores import check_top
 
 
 @dataclass
@@ -143,10 +144,8 @@ class BatchGenerator:
             _a_committed_cache(cache)
         ids = prompt_ids(self.tokenizer, prompt)
         vocab = self.model.args.vocab_size
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs < vocab):
-            raise DecodeError(f"logprobs must be an integer from 0 to {vocab - 1} (top tokens per token), "
-                              f"got {logprobs!r}")
+        if logprobs is not None:
+            logprobs = check_top(logprobs, vocab, "logprobs")
         grammar = None
         if isinstance(constraint, Compiled):  # compiled already (the server does it on the request's thread)
             grammar = constraint

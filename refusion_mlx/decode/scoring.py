@@ -51,6 +51,7 @@ from .params import seed_bits
 from .prefill import PREFILL_CHUNK, chunks
 from .prompt import token_ids
 from .runner import Runner
+from .token_scores import check_top
 
 MC_ROWS = 16  # samples per forward of the Monte Carlo estimator (built lazily, evaluated together)
 
@@ -123,7 +124,8 @@ class ARScorer:
     def __init__(self, model, ids: Sequence[int], top: int = 0, next_mask: Optional[int] = None,
                  chunk: int = PREFILL_CHUNK, storage: Optional[KVStorage] = None):
         free_streams_at_thread_end()
-        self.model, self.ids, self.top = model, scored_ids(model, ids), top
+        self.model, self.ids = model, scored_ids(model, ids)
+        self.top = check_top(top, model.args.vocab_size, "top")
         if next_mask is not None:
             scored_ids(model, [next_mask], "the mask id")
         check_length(model, len(self.ids), next_mask is not None)
@@ -176,7 +178,8 @@ def score_ar(model, rows: Sequence[Sequence[int]], top: int = 0, next_mask: Opti
              storage: Optional[KVStorage] = None) -> List[Scored]:
     """The AR estimator over ``rows`` (token-id lists): token i of a row
     scored under the logits at i-1. ``top``: also the ``top`` most likely
-    tokens at every scored position. ``next_mask``: the mask id, to draft the
+    tokens at every scored position (an integer from 0 to the vocabulary's
+    size - 1, as ``logprobs`` everywhere; else a DecodeError). ``next_mask``: the mask id, to draft the
     token after each row (a mask at the next position, which sees the whole
     row: the plan's greedy first draft). Each row on its own
     (:class:`ARScorer`), so its numbers do not depend on the rows beside
@@ -235,7 +238,8 @@ class MCScorer:
         free_streams_at_thread_end()
         self.model, self.ids, self.context, self.mask_id = model, scored_ids(model, ids), context, mask_id
         scored_ids(model, [mask_id], "the mask id")
-        self.mc_num, self.draft_top = mc_num, draft_top
+        self.mc_num = mc_num
+        self.draft_top = None if draft_top is None else check_top(draft_top, model.args.vocab_size, "draft_top")
         n = len(self.ids)
         if isinstance(context, bool) or not isinstance(context, int) or not 0 < context < n:
             raise DecodeError(f"context: how many of the sequence's first tokens are the context (the tokens after "

@@ -21,7 +21,17 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import DecodeError
+
 FLOOR = float(np.log(np.float32(1e-45)))  # log of float32's smallest probability: never -inf in JSON
+
+
+def check_top(value, vocab: int, name: str) -> int:
+    """``value`` as a count of top tokens per token (an integer from 0 to ``vocab`` - 1, not a bool), or one
+    DecodeError naming ``name``: the rule of every caller's ``logprobs`` / ``top``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab:
+        raise DecodeError(f"{name} must be an integer from 0 to {vocab - 1} (top tokens per token), got {value!r}")
+    return int(value)
 
 
 def logprob(p: float) -> float:
