@@ -62,3 +62,20 @@ def test_first_token_is_the_plans_and_the_rest_the_verifications(demo):
     assert drafted.next_token == ids[0] and scores[0][0] == pytest.approx(drafted.next_logprob, abs=1e-4)
     read = score_ar(model, [prompt + ids])[0].logprobs[len(prompt) + 1:]
     np.testing.assert_allclose([lp for lp, _ in scores[1:]], read, atol=1e-4)
+
+
+def test_logprobs_with_a_constraint_are_refused_as_the_server_refuses_them(demo):
+    """The constrained mode keeps no slots' scores: the library refuses the pair (it once answered with a
+    None for every token), in the server's words."""
+    from refusion_mlx.decode.grammar import Constraint
+    from refusion_mlx.decode.stream import stream_generate
+    from refusion_mlx.errors import DecodeError
+
+    model, tok = demo
+    prompt = chat_prompt(tok, "Give Sven's facts as JSON.")
+    with pytest.raises(DecodeError, match="^logprobs: not supported with an answer constrained by json_schema$"):
+        next(stream_generate(model, tok, prompt, max_tokens=16, logprobs=3, json_schema={"type": "object"}))
+    gen = BatchGenerator(model, tok)
+    with pytest.raises(DecodeError, match="logprobs: not supported with an answer constrained by grammar"):
+        gen.insert(prompt, make_params(max_tokens=16), constraint=Constraint.lark('start: "a"'), logprobs=0)
+    assert not gen.has_work

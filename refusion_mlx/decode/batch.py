@@ -35,7 +35,7 @@ from .params import RefusionParams, budget_given, make_params
 from .prompt import prompt_ids, prompt_list, wrapped
 from .response import GenerationResponse
 from .stats import DecodeStats
-from .token_scores import check_top
+from .token_scores import check_top, unscored
 
 
 @dataclass
@@ -131,7 +131,8 @@ class BatchGenerator:
         :class:`~.grammar.Compiled`); one it cannot compile raises
         ``DecodeError`` here. ``logprobs``: each
         response also carries its tokens' log-probabilities
-        (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``).
+        (``GenerationResponse.logprobs``) with this many top tokens (``decode.token_scores``);
+        not with a ``constraint`` (a DecodeError: the constrained mode keeps no scores).
         ``fit`` (always so when ``params`` is None): ``params``' budget is a
         default, not the caller's, and is shrunk to the whole slots the
         context leaves after the prompt (``decode.fit``, as the commands and
@@ -152,6 +153,8 @@ class BatchGenerator:
         elif constraint is not None:
             grammar = compile_constraint(as_constraint(constraint), self.tokenizer, self.model.args.vocab_size,
                                          self.eos_id, mask_id=self.mask_id)
+        if grammar is not None and logprobs is not None:  # the constrained mode keeps no scores
+            raise DecodeError(unscored("logprobs", grammar.constraint.name))
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         if params is None or fit:

@@ -228,7 +228,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
 
     ``logprobs``: each response carries its tokens' log-probabilities, with
     this many top tokens each (``GenerationResponse.logprobs``, as
-    ``BatchGenerator.insert`` gives them).
+    ``BatchGenerator.insert`` gives them); not with a constraint (below), a DecodeError.
 
     Constrained decoding (docs/constrained.md): ``json_schema`` (a dict or
     JSON text), ``grammar`` (llguidance's Lark format) or ``json_object``

@@ -34,6 +34,12 @@ def check_top(value, vocab: int, name: str) -> int:
     return int(value)
 
 
+def unscored(param: str, constraint_name: str) -> str:
+    """Why ``param`` (logprobs) is refused beside a constraint: the constrained mode (``constrain.py``)
+    decides tokens without the slots' scores, so an answer's tokens would have none."""
+    return f"{param}: not supported with an answer constrained by {constraint_name}"
+
+
 def logprob(p: float) -> float:
     return min(0.0, float(np.log(p))) if p > 0 else FLOOR  # (a float32 softmax can round past 1)
 

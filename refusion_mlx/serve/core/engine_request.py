@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ...decode.grammar import Constraint
 from ...decode.fit import ContextError, fit_budget
 from ...decode.params import SEEDS, BlockLayout, RefusionParams
+from ...decode.token_scores import unscored
 from ...errors import DecodeError
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
@@ -163,8 +164,8 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
                           parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint,
                           **made)
         if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
-            raise Refusal(Reason.UNSUPPORTED, f"{draft.logprobs_param}: not supported with an answer constrained "
-                                              f"by {draft.constraint.name}", draft.logprobs_param)
+            raise Refusal(Reason.UNSUPPORTED, unscored(draft.logprobs_param, draft.constraint.name),
+                          draft.logprobs_param)
         if draft.stop and draft.constraint is not None and draft.constraint.whole_answer:
             raise Refusal(Reason.UNSUPPORTED, f"{draft.stop_param}: not supported with an answer constrained by "
                           f"{draft.constraint.name}: it ends where its grammar does, and a stop string would cut it "
