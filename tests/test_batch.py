@@ -69,11 +69,11 @@ def test_requests_join_and_leave_mid_batch(demo, golden_cases):
 def test_a_bad_request_fails_alone(demo, golden_cases):
     model, tokenizer = demo
     good = golden_cases[5]
-    prompts = [good["prompt_ids"], [1] * 2000, good["prompt_ids"], [tokenizer.eos_token_id, 99999]]
+    prompts = [good["prompt_ids"], [1] * 2048, good["prompt_ids"], [tokenizer.eos_token_id, 99999]]
     params = [params_of(good), params_of(good), RefusionParams(slot_size=0), params_of(good)]
     results = batch_generate(model, tokenizer, prompts, params)
     assert results[0].output_ids == good["output_ids"] and results[0].error is None
-    assert results[1].finish_reason == "error" and "exceeds the model's context" in results[1].error
+    assert results[1].finish_reason == "error" and "the model's context is 2048" in results[1].error
     assert results[2].finish_reason == "error" and "slot_size" in results[2].error
     assert results[3].finish_reason == "error" and "outside the vocabulary" in results[3].error
     with pytest.raises(DecodeError, match="2 parameter sets for 3 prompts"):

@@ -234,3 +234,28 @@ def test_a_cut_keeps_a_commands_own_block_count_as_the_servers_request_does():
     server = fit_budget(12, 2048, RefusionParams(slot_size=8), {"serial_num_blocks": 3, "slot_size": 8},
                         max_tokens=3000).params
     assert cli.layout().block_lengths == server.layout().block_lengths == [672, 672, 672]
+
+
+def test_the_python_api_cuts_a_budget_past_the_context_as_the_commands_do(demo):
+    """A max_tokens given past what the context leaves is cut to it, by the commands' and the server's rule
+    (decode/fit.py), its block count kept (mlx-lm never refuses here; the library once did)."""
+    from types import SimpleNamespace
+
+    from refusion_mlx.cli.flags import fitted
+    from refusion_mlx.decode.batch import BatchGenerator
+
+    model, tokenizer = demo
+    ids = chat_prompt(tokenizer, "Who is Sven?")
+    context = model.args.max_position_embeddings
+    bare = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=context))
+    for settings in ({"max_tokens": 4096}, {"max_tokens": 3000, "slot_size": 8, "serial_num_blocks": 3},
+                     {"max_tokens": 2040, "block_length": 64}):
+        *_, last = stream_generate(model, tokenizer, ids, **settings)
+        cut = fitted(make_params(**settings), len(ids), bare, settings["max_tokens"])
+        assert last.finish_reason == "stop" and last.stats.layout == cut.layout().describe()
+        assert len(ids) + cut.layout().gen_length <= context
+    gen = BatchGenerator(model, tokenizer)
+    gen.insert(ids, make_params(max_tokens=4096))
+    assert gen.waiting[0].decoder.params.gen_length == context - len(ids)
+    (r,) = batch_generate(model, tokenizer, [ids], max_tokens=4096)
+    assert r.error is None and r.finish_reason == "stop"

@@ -44,6 +44,8 @@ def run_concurrency(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
     prompts = [chat_prompt(tokenizer, c.prompt, system=c.system, chat_template=not args.no_chat_template)
                for c in suite.cases]
+    for ids, p in zip(prompts, params):  # the library would cut the budget: a measurement runs what it was asked
+        check_context(model, len(ids), p)
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
     results = run_levels(model, tokenizer, prompts, params, args.concurrency, args.rounds, log=log, kv=_kv(args))
     settings = settings_of(args, suite, overrides, params, not args.no_chat_template)

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..decode.decoder import check_context
 from ..decode.params import RefusionParams
 from ..decode.stats import PHASES
 from ..decode.stream import stream_generate
@@ -112,7 +113,9 @@ def storage_of(kv: Optional[dict], model):
 def run_refusion(model, tokenizer, prompt_ids: Sequence[int], params: RefusionParams,
                  kv: Optional[dict] = None) -> RunResult:
     """Decode once with ReFusion through the public streaming API (``kv``:
-    ``kv_bits`` and ``kv_group_size``, None for the model's dtype)."""
+    ``kv_bits`` and ``kv_group_size``, None for the model's dtype); a budget past the model's context
+    is refused (``check_context``), as the library would cut it: a measurement runs what it was asked."""
+    check_context(model, len(prompt_ids), params)
     mx.synchronize()
     mx.reset_peak_memory()
     tokens: List[int] = []

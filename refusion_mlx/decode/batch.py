@@ -27,7 +27,7 @@ from ..errors import DecodeError, RefusionError, brief
 from .answer import AnswerText, end_ids
 from .cache import CommittedCache
 from .decoder import RefusionDecoder
-from .fit import fitted_default
+from .fit import fitted
 from .forward import run_passes
 from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
@@ -117,8 +117,8 @@ class BatchGenerator:
     def insert(self, prompt: Union[str, Sequence[int]], params: Optional[RefusionParams] = None,
                cache: Optional[CommittedCache] = None, constraint: Union[Constraint, Compiled, None] = None,
                logprobs: Optional[int] = None, fit: bool = False) -> int:
-        """Queue a request; returns its uid. A prompt over the context raises
-        ``DecodeError`` here, before anything is queued.
+        """Queue a request; returns its uid. A prompt that leaves the answer no
+        room in the context raises ``DecodeError`` here, before anything is queued.
 
         ``prompt``: text (tokenized as is) or ids; with ``cache`` (a
         conversation so far, which the request then owns), only the new ids.
@@ -136,7 +136,9 @@ class BatchGenerator:
         ``fit`` (always so when ``params`` is None): ``params``' budget is a
         default, not the caller's, and is shrunk to the whole slots the
         context leaves after the prompt (``decode.fit``, as the commands and
-        the server shrink theirs).
+        the server shrink theirs); the caller's own, where it runs past them,
+        is cut to them, as the commands and the server cut theirs (as mlx-lm
+        never refuses a budget): the answer then ends "length" there.
         """
         if params is not None and not isinstance(params, RefusionParams):
             raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "
@@ -157,9 +159,8 @@ class BatchGenerator:
             raise DecodeError(unscored("logprobs", grammar.constraint.name))
         if cache is None:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
-        if params is None or fit:
-            params = fitted_default(params or RefusionParams(), cache.next_position + len(ids),
-                                    self.model.args.max_position_embeddings)
+        params = fitted(params or RefusionParams(), cache.next_position + len(ids),
+                        self.model.args.max_position_embeddings, default=params is None or fit)
         decoder = RefusionDecoder(self.model, ids, params, mask_id=self.mask_id,
                                   eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
         uid, self._next_uid = self._next_uid, self._next_uid + 1

@@ -1,6 +1,6 @@
 """An answer's budget fitted to the model's context: the one home of the rule
-the server (every API's requests), ``generate``, its prompts file and the chat
-follow.
+the server (every API's requests), ``generate``, its prompts file, the chat
+and the Python API follow.
 
 A default budget (none asked) is shrunk to the whole slots the context leaves
 after the prompt, as OpenAI shrinks its default; one asked past that room is
@@ -18,7 +18,7 @@ from ..errors import DecodeError
 from .params import RefusionParams
 from .params import budget as budget_of
 
-__all__ = ["ContextError", "Fit", "fit_budget", "fitted_default"]
+__all__ = ["ContextError", "Fit", "fit_budget", "fitted"]
 
 
 class ContextError(DecodeError):
@@ -48,10 +48,14 @@ def own_blocks(params: RefusionParams) -> Dict[str, Any]:
     return {k: getattr(params, k) for k in ("serial_num_blocks", "block_length") if getattr(params, k) is not None}
 
 
-def fitted_default(params: RefusionParams, prompt_tokens: int, context: int) -> RefusionParams:
-    """``params`` whose budget is a default (the caller asked none: the Python
-    API's), shrunk to what the context leaves after ``prompt_tokens``."""
-    return fit_budget(prompt_tokens, context, params, own_blocks(params)).params
+def fitted(params: RefusionParams, prompt_tokens: int, context: int, default: bool) -> RefusionParams:
+    """``params`` fitted to what the context leaves after ``prompt_tokens`` (the Python API's):
+    a ``default`` budget (the caller asked none) shrunk to it; one asked cut to it where it runs
+    past, as the commands and the server cut theirs, else left as it is."""
+    if not default and prompt_tokens + params.layout().gen_length <= context:
+        return params
+    return fit_budget(prompt_tokens, context, params, own_blocks(params),
+                      max_tokens=None if default else params.gen_length).params
 
 
 def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, fields: Optional[Dict[str, Any]] = None,

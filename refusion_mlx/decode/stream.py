@@ -215,7 +215,10 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     Decoding parameters come as ``params`` or as keywords: ``max_tokens``
     (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
-    (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``. ``cache``: a
+    (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``; a ``max_tokens``
+    past what the model's context leaves after the prompt is cut to the whole
+    slots it leaves (``decode.fit``, as the commands and the server cut
+    theirs; the answer then ends "length" there). ``cache``: a
     CommittedCache to continue (chat), one response at a time; left
     before the answer ends (a break, or an error raised mid-answer), it keeps
     the prompt and the answer's text so far (as mlx-lm's prompt cache does). ``kv_bits`` (4 or 8) and
