@@ -179,6 +179,11 @@ def test_what_mlx_lm_users_pass_is_refused_with_what_to_give(demo):
         rm.BatchGenerator(model, tok).insert("hi", {"max_tokens": 8})
     mixed = rm.batch_generate(model, tok, ["hi", "ho"], [make_params(max_tokens=8), {"max_tokens": 16}])
     assert mixed[0].finish_reason != "error" and "params must be a RefusionParams" in mixed[1].error
+    from refusion_mlx.decode.conversation import ChatSession
+
+    for params in ({"max_tokens": 8}, {}):  # a chat session's too (an AttributeError; {} taken as the defaults)
+        with pytest.raises(DecodeError, match=r"params must be a RefusionParams \(make_params\(max_tokens=.*got dict"):
+            ChatSession(model, tok, params)
     with pytest.raises(TypeError, match="sampler: give temp, top_p, top_k and min_p"):
         generate(model, tok, "hi", sampler=None)
     with pytest.raises(TypeError, match="logits_processors: not supported"):

@@ -31,7 +31,7 @@ from .fit import fitted
 from .forward import run_passes
 from .grammar import Compiled, Constraint, as_constraint, compile_constraint
 from .kv_store import KVStorage
-from .params import RefusionParams, budget_given, make_params
+from .params import RefusionParams, a_params, budget_given, make_params
 from .prompt import prompt_ids, prompt_list, wrapped
 from .response import GenerationResponse
 from .stats import DecodeStats
@@ -140,9 +140,8 @@ class BatchGenerator:
         is cut to them, as the commands and the server cut theirs (as mlx-lm
         never refuses a budget): the answer then ends "length" there.
         """
-        if params is not None and not isinstance(params, RefusionParams):
-            raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "
-                              f"{type(params).__name__}")
+        if params is not None:
+            a_params(params)
         if cache is not None:
             _a_committed_cache(cache)
         ids = prompt_ids(self.tokenizer, prompt)

@@ -59,7 +59,7 @@ class ChatSession:
                  kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
                  storage=None, template_kwargs: Optional[Dict[str, Any]] = None):
         from .kv_store import KVStorage
-        from .params import RefusionParams
+        from .params import RefusionParams, a_params
         from .stream import template_options
 
         self.template_kwargs = template_options(template_kwargs) if template_kwargs else None
@@ -67,7 +67,7 @@ class ChatSession:
         self.storage = KVStorage.given(storage, kv_bits, kv_group_size, model)  # a bad setting fails here
         self.model = model
         self.tokenizer = tokenizer
-        self.params = params or RefusionParams()
+        self.params = RefusionParams() if params is None else a_params(params)
         self.params.layout()  # bad settings fail here, not at the first turn; every turn reads this layout
         self.system = system
         self.reuse = reuse

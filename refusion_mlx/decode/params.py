@@ -294,6 +294,14 @@ def settings_named(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return kwargs
 
 
+def a_params(params) -> RefusionParams:
+    """``params`` when it is a RefusionParams, else the one DecodeError saying how to make one."""
+    if not isinstance(params, RefusionParams):
+        raise DecodeError(f"params must be a RefusionParams (make_params(max_tokens=..., ...)), got "
+                          f"{type(params).__name__}")
+    return params
+
+
 def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
     """RefusionParams from keyword arguments, checked; the aliases of
     ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
