@@ -18,7 +18,7 @@ from tests.helpers import random_config, random_model
 @pytest.mark.parametrize("kwargs, message", [
     (dict(slot_size=0), "slot_size must be a positive integer"),
     (dict(slot_size=-4), "slot_size must be a positive integer"),
-    (dict(gen_length=0), "gen_length must be a positive integer"),
+    (dict(gen_length=0), r"gen_length \(max_tokens\) must be a positive integer"),
     (dict(serial_num_blocks=0), "serial_num_blocks must be a positive integer"),
     (dict(block_length=-8), "block_length must be a positive integer"),
     (dict(block_length=6, slot_size=4), "not a multiple of slot_size"),

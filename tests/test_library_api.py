@@ -77,8 +77,9 @@ def test_numpy_numbers_are_taken_as_mlx_lm_takes_them(demo, prompt):
                            slot_threshold=np.float64(0.6))
     assert numpy == rm.make_params(max_tokens=8, temp=0.5, seed=3, top_k=3)
     assert type(numpy.gen_length) is int and type(numpy.temperature) is float
-    with pytest.raises(DecodeError, match="gen_length must be a positive integer"):
-        rm.make_params(max_tokens=np.float32(8.5))
+    for bad in (np.float32(8.5), 0, -1, 1.5):  # the name the caller wrote is in it (it said gen_length alone)
+        with pytest.raises(DecodeError, match=r"gen_length \(max_tokens\) must be a positive integer"):
+            rm.make_params(max_tokens=bad)
 
 
 def test_the_constraint_keywords(demo, prompt):

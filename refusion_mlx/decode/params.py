@@ -81,7 +81,7 @@ class RefusionParams:
     def _resolve(self) -> "BlockLayout":
         S = self.slot_size
         _positive_int("slot_size", S)
-        _positive_int("gen_length", self.gen_length)
+        _positive_int("gen_length (max_tokens)", self.gen_length)  # either name: the caller wrote one
         if self.gen_length > MAX_GEN_LENGTH:  # before any layout is built for it
             raise DecodeError(f"gen_length (max_tokens) {self.gen_length} is over {MAX_GEN_LENGTH:,}: more than "
                               "any model's context")
