@@ -31,6 +31,12 @@ from tests.helpers import random_config, random_model
     (dict(temperature=float("nan")), "temperature must be >= 0 and finite"),
     (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
+    # a bool is no float setting's number, as it is no int setting's (True was taken as 1.0)
+    (dict(temperature=True), "temperature must be >= 0 and finite, got True"),
+    (dict(top_p=True), r"top_p must be within \(0, 1\], got True"),
+    (dict(slot_threshold=True), r"slot_threshold must be within \[0, 1\], got True"),
+    (dict(token_threshold=False), r"token_threshold must be within \[0, 1\], got False"),
+    (dict(min_p=True), r"min_p must be within \[0, 1\], got True"),
     (dict(seed=-2 ** 63 - 1), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),  # a 64-bit integer
     (dict(seed=2 ** 64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
 ])

@@ -87,13 +87,13 @@ class RefusionParams:
                               "any model's context")
         for name in ("slot_threshold", "token_threshold"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            if not _number(value) or not 0.0 <= value <= 1.0:
                 raise DecodeError(f"{name} must be within [0, 1], got {value!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise DecodeError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise DecodeError(f"top_p must be within (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
@@ -138,6 +138,11 @@ def budget(max_tokens: int, slot_size: int) -> int:
 def default_block_length(slot_size: int, tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
     """The default block: ``tokens`` rounded up to whole slots."""
     return -(-tokens // slot_size) * slot_size
+
+
+def _number(value) -> bool:
+    """Whether ``value`` is a float setting's number: an int or a float, not a bool (as int settings refuse one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive_int(name: str, value) -> None:
