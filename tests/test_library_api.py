@@ -82,6 +82,18 @@ def test_numpy_numbers_are_taken_as_mlx_lm_takes_them(demo, prompt):
             rm.make_params(max_tokens=bad)
 
 
+def test_stream_generate_takes_max_tokens_fourth_as_mlx_lm_does(demo, prompt):
+    """mlx-lm's stream_generate(model, tokenizer, prompt, max_tokens); its generate's fourth is verbose,
+    as here (stream_generate took no fourth argument)."""
+    model, tok = demo
+    *_, last = rm.stream_generate(model, tok, prompt, 4)
+    assert last.generation_tokens == 4 and last.finish_reason == "length"
+    assert "".join(r.text for r in rm.stream_generate(model, tok, prompt, 4)) == rm.generate(model, tok, prompt,
+                                                                                             max_tokens=4)
+    with pytest.raises(TypeError, match="give params or decoding keywords, not both"):
+        next(rm.stream_generate(model, tok, prompt, 4, params=rm.make_params()))
+
+
 def test_the_constraint_keywords(demo, prompt):
     model, tok = demo
     with pytest.raises(DecodeError, match="not json_schema and grammar"):  # {} (any JSON) counts as given

@@ -204,7 +204,7 @@ def render_chat(tokenizer, messages: List[Dict[str, Any]], **kwargs) -> str:
 
 
 
-def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: Optional[int] = None, *,
                     cache: Optional[CommittedCache] = None, params: Optional[RefusionParams] = None,
                     json_schema: Union[str, Dict[str, Any], None] = None, grammar: Optional[str] = None,
                     json_object: bool = False, kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None,
@@ -213,7 +213,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     """Decode ``prompt`` (text, tokenized as is, or ids) with ReFusion, streaming.
 
     Decoding parameters come as ``params`` or as keywords: ``max_tokens``
-    (= ``gen_length``), ``slot_size``, ``serial_num_blocks`` or
+    (= ``gen_length``; also the fourth argument, as mlx-lm's), ``slot_size``, ``serial_num_blocks`` or
     ``block_length``, ``slot_threshold``, ``token_threshold``, ``temperature``
     (= ``temp``), ``seed``, ``top_p``, ``top_k``, ``min_p``; a ``max_tokens``
     past what the model's context leaves after the prompt is cut to the whole
@@ -239,6 +239,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *,
     (``finish_reason`` "stop"); a budget that ends first gives "length".
     """
     constraint = constraint_of(json_schema, grammar, json_object)
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
     if params is not None and kwargs:
         raise TypeError("give params or decoding keywords, not both")
     gen = BatchGenerator(model, tokenizer, max_batch=1, storage=KVStorage.given(storage, kv_bits, kv_group_size))
