@@ -117,6 +117,20 @@ def test_chat_prompt_takes_text_parts(demo):
         rm.chat_prompt(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
 
 
+def test_chat_prompt_prefills_only_an_assistant_message(demo):
+    """prefill leaves the last message open for the answer to continue: an assistant's, as the server's
+    continue_final_message requires (a user's was left open, the answer written into the question)."""
+    tok = demo[1]
+    asked = [{"role": "user", "content": "Who is Sven?"}]
+    begun = rm.chat_prompt(tok, asked + [{"role": "assistant", "content": "Sven lives"}], prefill=True)
+    assert tok.decode(begun).endswith("<|im_start|>assistant\nSven lives")
+    for prompt, last in (("Who is Sven?", "the last is a user message"), (asked, "the last is a user message"),
+                         ([], "there is none")):
+        with pytest.raises(DecodeError, match=f"^prefill: the last message must be an assistant's, which the answer "
+                                              rf"continues \({last}\)$"):
+            rm.chat_prompt(tok, prompt, prefill=True)
+
+
 def test_a_cache_let_go_of_mid_answer_keeps_what_was_answered_and_serves_one_answer_at_a_time(demo):
     model, tok = demo
     first = rm.chat_prompt(tok, "Count from 17 to 60.")

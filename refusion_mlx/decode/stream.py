@@ -39,8 +39,9 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     """Prompt ids as the reference builds them: chat template, then tokenize.
     ``tools``: function tools (``{"type": "function", "function": {...}}``)
     given to the template, which renders them (and tool messages) its own way.
-    ``prefill``: the last message (the assistant's) is left open, for the
-    answer to continue it, instead of a new assistant turn after it;
+    ``prefill``: the last message, an assistant's (else a DecodeError), is
+    left open, for the answer to continue it, instead of a new assistant turn
+    after it;
     ``add_generation_prompt`` False (vLLM's field): neither, the prompt ends
     with the last message closed.
     ``template_kwargs``: the template's own variables (mlx-lm's
@@ -54,6 +55,9 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
         raise DecodeError(f"the prompt must be text or a list of messages ({{\"role\": ..., \"content\": ...}}), "
                           f"got {type(prompt).__name__}")
     messages = with_system(messages, system)
+    if prefill and (not messages or messages[-1].get("role") != "assistant"):
+        last = f"the last is a {messages[-1].get('role')} message" if messages else "there is none"
+        raise DecodeError(f"prefill: the last message must be an assistant's, which the answer continues ({last})")
     if chat_template and getattr(tokenizer, "chat_template", None):
         opening = {"continue_final_message": True} if prefill else {"add_generation_prompt": add_generation_prompt}
         own = template_options(template_kwargs) if template_kwargs else {}
