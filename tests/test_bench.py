@@ -141,8 +141,8 @@ def test_parameter_layers():
     case = suite.cases[0]
     p = resolve_params(suite, case)
     assert p.block_length == 8 and p.token_threshold == 0.5
-    p = resolve_params(suite, case, "gsm8k")  # the preset's block count replaces the suite's block length
-    assert p.block_length is None and p.serial_num_blocks == PRESETS["gsm8k"]["serial_num_blocks"]
+    p = resolve_params(suite, case, "gsm8k")  # the preset's blocks (512 / its count) replace the suite's
+    assert len(p.layout().block_lengths) == PRESETS["gsm8k"]["serial_num_blocks"] and p.block_length == 128
     assert p.token_threshold == PRESETS["gsm8k"]["token_threshold"]
     p = resolve_params(suite, case, "gsm8k", {"token_threshold": 0.9, "gen_length": 256})
     assert p.token_threshold == 0.9 and p.gen_length == 256

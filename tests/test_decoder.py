@@ -79,11 +79,12 @@ def test_explicit_layouts_keep_their_meaning():
     assert RefusionParams(gen_length=128, serial_num_blocks=32).layout().block_lengths == [4] * 32
     assert RefusionParams(gen_length=128, serial_num_blocks=2).layout().block_lengths == [64, 64]
     assert RefusionParams(gen_length=64, block_length=8).layout().block_lengths == [8] * 8
-    from refusion_mlx.decode.presets import preset
+    from refusion_mlx.decode.presets import PRESETS, preset
 
     for name in ("reference", "gsm8k", "gpqa", "arc-c"):
         p = make_params(**preset(name))
-        assert sum(p.layout().block_lengths) == 512 and len(p.layout().block_lengths) == p.serial_num_blocks
+        blocks = p.layout().block_lengths
+        assert sum(blocks) == 512 and len(blocks) == PRESETS[name]["serial_num_blocks"]
 
 
 def test_prompt_plus_budget_over_context_is_refused():

@@ -390,7 +390,7 @@ def test_cli_preset_and_override(capsys):
     assert (p.slot_threshold, p.token_threshold) == (0.9, 0.4)
     args = build_parser().parse_args(["--preset", "math"])
     p = params_from_args(args)
-    assert (p.gen_length, p.slot_size, p.serial_num_blocks, p.token_threshold) == (512, 32, 8, 0.6)
+    assert (p.gen_length, p.slot_size, p.block_length, p.token_threshold) == (512, 32, 64, 0.6)  # 8 blocks
     args = build_parser().parse_args(["--preset", "gpqa", "--serial-num-blocks", "4", "--slot-threshold", "0.5"])
     p = params_from_args(args)
     assert (p.slot_size, p.serial_num_blocks, p.slot_threshold) == (8, 4, 0.5)

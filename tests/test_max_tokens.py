@@ -259,3 +259,31 @@ def test_the_python_api_cuts_a_budget_past_the_context_as_the_commands_do(demo):
     assert gen.waiting[0].decoder.params.gen_length == context - len(ids)
     (r,) = batch_generate(model, tokenizer, [ids], max_tokens=4096)
     assert r.error is None and r.finish_reason == "stop"
+
+
+def test_a_preset_at_another_budget_has_one_layout_on_every_interface(capsys, tmp_path):
+    """A preset keeps its block length at another budget (decode/presets.py) through generate, a prompts file's
+    line and a server started with it (the server and the prompts file spread its 4 blocks over 100 tokens:
+    4 blocks of 32, one slot each, where generate gave 1 block of 128)."""
+    from refusion_mlx.cli.flags import add_decoding_args, params_from_args
+    from refusion_mlx.serve.core.engine_request import resolve
+    from refusion_mlx.decode.presets import PRESETS
+
+    expected = {"block_length": 128, "blocks": 1, "slots_per_block": 4}
+    prompt = ["--model", str(FIXTURE_MODEL), "--preset", "gsm8k", "--json"]
+    assert generate_main([*prompt, "--prompt", "Who is Sven?", "--max-tokens", "100"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["layout"] == expected
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Who is Sven?", "max_tokens": 100}) + "\n")
+    assert generate_main([*prompt, "--prompts-file", str(tmp_path / "p.jsonl")]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["layout"] == expected
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_decoding_args(parser)
+    server = params_from_args(parser.parse_args(["--preset", "gsm8k"]))  # the server's --preset gsm8k
+    request = resolve(list(range(12)), max_tokens=100, fields={}, defaults=server, context=2048)
+    assert request.params.layout().describe() == expected
+    for name in ("gsm8k", "math", "arc-c"):  # at its own budget, the preset's own blocks
+        blocks = params_from_args(parser.parse_args(["--preset", name])).layout().block_lengths
+        assert len(blocks) == PRESETS[name]["serial_num_blocks"] and sum(blocks) == 512, name

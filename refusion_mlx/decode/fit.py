@@ -69,7 +69,9 @@ def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, field
     their ``RefusionParams`` names; their block choice replaces the
     defaults'). The defaults' ``serial_num_blocks`` N serves any budget: N
     blocks of whole slots, the last one shorter where it does not split
-    evenly (N equal blocks, the reference's layout, where it does); a
+    evenly (N equal blocks, the reference's layout, where it does; a
+    preset's blocks are a block length, kept at any budget:
+    :func:`.presets.preset`); a
     ``serial_num_blocks`` of ``fields`` is the reference's contract (N equal
     blocks of whole slots), and a cut keeps to it. ``name``: the budget's
     name in messages. A prompt with no room is a :class:`ContextError`, a bad

@@ -23,12 +23,13 @@ PRESET_GEN_LENGTH = 512
 def preset(name: str, gen_length: Optional[int] = None) -> Dict[str, float]:
     """The settings of a named preset for an answer of ``gen_length`` tokens
     (None: the preset's own 512), gen_length included. A preset's block
-    count is tied to its 512 tokens: for another budget it keeps its block
-    *length* instead."""
+    count is tied to its 512 tokens, so its settings name its block
+    *length* (512 / its count): its own layout at 512, and the same blocks at
+    any other budget, however that budget is set (a flag, a server
+    request's ``max_tokens``, a prompts file's line, the context's cut) --
+    the one home of that rule."""
     if name not in PRESETS:
         raise DecodeError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    values: Dict[str, Any] = {"gen_length": PRESET_GEN_LENGTH, **PRESETS[name]}
-    if gen_length is not None and gen_length != PRESET_GEN_LENGTH:
-        values["gen_length"] = gen_length
-        values["block_length"] = PRESET_GEN_LENGTH // values.pop("serial_num_blocks")
+    values: Dict[str, Any] = {"gen_length": PRESET_GEN_LENGTH if gen_length is None else gen_length, **PRESETS[name]}
+    values["block_length"] = PRESET_GEN_LENGTH // values.pop("serial_num_blocks")
     return values

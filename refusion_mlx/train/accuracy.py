@@ -243,19 +243,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from ..decode.params import PARAM_NAMES, make_params
-    from ..decode.presets import preset
 
-    values = preset(args.preset) if args.preset else {}
-    if values:  # keep the preset's block length whatever the budget
-        values["block_length"] = values["gen_length"] // values.pop("serial_num_blocks")
-    values.pop("gen_length", None)
-    for name in PARAM_NAMES:
-        if name != "gen_length" and getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
-            if name == "serial_num_blocks":
-                values.pop("block_length", None)
-    try:
-        params = make_params(**values)
+    values = {name: getattr(args, name) for name in PARAM_NAMES if name != "gen_length"}
+    try:  # a preset's blocks are a block length (decode/presets.py): its own whatever the budget
+        params = make_params(preset=args.preset, **values)
         dataclasses.replace(params, gen_length=args.gen_length or MAX_BUDGET).layout()
     except RefusionError as e:
         parser.error(str(e))
