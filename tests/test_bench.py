@@ -213,8 +213,8 @@ def test_layouts_decode_under_the_preset(monkeypatch, capsys):
 
     seen = []
 
-    def captured(args, model, tokenizer, suite, base, log):
-        seen.append(base)
+    def captured(args, model, tokenizer, suite, bases, log):
+        seen.append(bases[0])
         return {"layouts": [], "data": "suite prompts", "rows": 0, "table": ""}
 
     monkeypatch.setattr(layouts, "run_layouts", captured)
@@ -224,6 +224,33 @@ def test_layouts_decode_under_the_preset(monkeypatch, capsys):
     assert (seen[0].slot_threshold, seen[0].token_threshold) == (gsm8k.slot_threshold, gsm8k.token_threshold)
     assert seen[1].slot_threshold == 0.5 and seen[1].token_threshold == gsm8k.token_threshold
     assert seen[0].slot_threshold != make_params().slot_threshold
+
+
+def test_layouts_decode_under_the_suites_settings(monkeypatch, tmp_path):
+    """A --suite file's decoding settings reach the layouts sweep, layered as everywhere in bench (suite < prompt
+    < --preset < flags; --data's rows: the suite's defaults); they were dropped for the decoder's defaults."""
+    from refusion_mlx.bench import layouts
+
+    seen = []
+    decoded = layouts.stream_generate
+    monkeypatch.setattr(layouts, "stream_generate", lambda *a, params, **k: seen.append(params) or decoded(
+        *a, params=params, **k))
+    suite = tmp_path / "thr.json"
+    suite.write_text(json.dumps({"name": "thr", "defaults": {"slot_threshold": 0.95, "token_threshold": 0.9},
+                                 "prompts": [{"prompt": "Count from 3 to 7.", "params": {"slot_threshold": 0.99}},
+                                             "Who is Sven?"]}))
+    sweep = ["--suite", str(suite), "--layouts", "default", "--budgets", "8", "--slot-sizes", "4"]
+    assert bench.main(sweep) == 0
+    assert [(p.slot_threshold, p.token_threshold, p.gen_length) for p in seen] == [(0.99, 0.9, 8), (0.95, 0.9, 8)]
+    seen.clear()
+    assert bench.main([*sweep, "--token-threshold", "0.5"]) == 0
+    assert [p.token_threshold for p in seen] == [0.5, 0.5]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Who is Sven?"},
+                                             {"role": "assistant", "content": "x"}]}) + "\n")
+    seen.clear()
+    assert bench.main([*sweep, "--data", str(data)]) == 0
+    assert [(p.slot_threshold, p.token_threshold) for p in seen] == [(0.95, 0.9)]
 
 
 def test_bad_suite_file_one_line(tmp_path, capsys):

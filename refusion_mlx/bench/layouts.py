@@ -4,7 +4,8 @@ layout moves tokens per forward, tokens per second and exact-match accuracy.
 Every row of a chat JSONL (``--data``; the last message is the reference
 answer) is decoded alone, greedily, at each budget (``--budgets``), slot size
 (``--slot-sizes``) and layout (``--layouts``), with the other decoding
-settings as given (default thresholds otherwise). A layout is
+settings as the suite, ``--preset`` and the flags resolve them for each
+prompt (``--data``'s rows: the suite's defaults). A layout is
 
 * ``default``: what a request without a layout gets (``RefusionParams``);
 * ``count``: the reference's count rule, 32 blocks when they cut the budget
@@ -105,19 +106,23 @@ class Setting:
 
 def sweep(model, tokenizer, conversations: Sequence[Sequence[dict]], answers: Optional[Sequence[str]],
           budgets: Sequence[int], slot_sizes: Sequence[int], layouts: Sequence[str],
-          base: Optional[RefusionParams] = None, log: Optional[Callable[[str], None]] = None) -> List[Setting]:
-    """Decode every conversation alone at every setting; one Setting each."""
-    base = base or RefusionParams()
+          bases: Sequence[RefusionParams] = (), log: Optional[Callable[[str], None]] = None) -> List[Setting]:
+    """Decode every conversation alone at every setting; one Setting each.
+    ``bases``: each conversation's other settings (thresholds, temperature;
+    one for all, or none: the defaults)."""
     prompts = [chat_prompt(tokenizer, list(c)) for c in conversations]
+    bases = list(bases) or [RefusionParams()]
+    if len(bases) == 1:
+        bases *= len(prompts)
     results = []
     for S in slot_sizes:
         for budget in budgets:
             for layout in layouts:
-                p = layout_params(base, layout, budget, S)
-                setting = Setting(budget, S, layout, p.layout().describe(),
+                setting = Setting(budget, S, layout, layout_params(bases[0], layout, budget, S).layout().describe(),
                                   correct=None if answers is None else 0)
                 for i, ids in enumerate(prompts):
                     text, last = "", None
+                    p = layout_params(bases[i], layout, budget, S)
                     for last in stream_generate(model, tokenizer, ids, params=p):
                         text += last.text
                     stats = last.stats
@@ -146,8 +151,9 @@ def format_layouts(results: Sequence[Setting]) -> str:
                          "tok/s", "exact"], rows)
 
 
-def run_layouts(args, model, tokenizer, suite, base: RefusionParams, log) -> dict:
-    """The --layouts report: the table, and every setting as a dict."""
+def run_layouts(args, model, tokenizer, suite, bases: Sequence[RefusionParams], log) -> dict:
+    """The --layouts report: the table, and every setting as a dict. ``bases``: the settings of each of the
+    suite's prompts, or the one of --data's rows."""
     if args.data:
         rows = read_rows(args.data, args.limit)
         conversations = [r["messages"][:-1] for r in rows]
@@ -159,10 +165,10 @@ def run_layouts(args, model, tokenizer, suite, base: RefusionParams, log) -> dic
     for S in args.slot_sizes:
         for layout in args.layouts:
             try:
-                layout_params(base, layout, args.budgets[0], S).layout()
+                layout_params(bases[0], layout, args.budgets[0], S).layout()
             except Exception as e:  # DecodeError: a layout that cannot cut these slots
                 raise BenchError(f"layout {layout} with slot size {S}: {e}") from None
     results = sweep(model, tokenizer, conversations, answers, args.budgets, args.slot_sizes, args.layouts,
-                    base, log)
+                    bases, log)
     return {"layouts": [r.as_dict() for r in results], "data": args.data or "suite prompts",
             "rows": len(conversations), "table": format_layouts(results)}

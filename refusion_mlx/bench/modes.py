@@ -11,12 +11,12 @@ import sys
 from typing import Any, Dict
 
 from ..decode.decoder import check_context
-from ..decode.params import FIELDS, RefusionParams, make_params
+from ..decode.params import FIELDS, RefusionParams
 from ..decode.stream import chat_prompt
 from .compare import load_models, params_dict, resolve_all, settings_line
 from .concurrency import baseline
 from .report import environment, format_table, header_lines
-from .suite import Suite
+from .suite import Suite, resolve_params
 
 
 def settings_of(args, suite: Suite, overrides: Dict[str, Any], params, chat_template: bool = True) -> dict:
@@ -158,13 +158,16 @@ def measure_layouts(args, suite: Suite, overrides: Dict[str, Any], log) -> dict:
     """--layouts: the block-layout sweep (``layouts``), with the environment."""
     from .layouts import run_layouts
 
+    # each prompt's settings as the suite, --preset and the flags resolve them (--data's rows: the suite's
+    # defaults); the sweep sets the budget, slot size and blocks itself
     fixed = ("gen_length", "slot_size", "block_length", "serial_num_blocks")
-    base = make_params(preset=args.preset, **{k: v for k, v in overrides.items() if k not in fixed})
+    given = {k: v for k, v in overrides.items() if k not in fixed}
+    bases = [resolve_params(suite, case, args.preset, given) for case in ([None] if args.data else suite.cases)]
     model, tokenizer, _ = load_models(args.model, args.dtype, ar=False, adapter_path=args.adapter_path)
     env = environment(model, args.model or "bundled demo model (refusion_mlx/demo/tiny-refusion)")
-    result = run_layouts(args, model, tokenizer, suite, base, log)
+    result = run_layouts(args, model, tokenizer, suite, bases, log)
     result["environment"] = env
-    result["settings"] = {**settings_of(args, suite, overrides, []), "base": params_dict(base),
+    result["settings"] = {**settings_of(args, suite, overrides, bases),
                           "budgets": args.budgets, "slot_sizes": args.slot_sizes, "layouts": args.layouts,
                           "data": args.data, "limit": args.limit if args.data else None}
     result["report"] = "\n".join(header_lines(env) + ["", result.pop("table")])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..decode.params import PARAM_NAMES, RefusionParams, make_params
+from ..decode.params import PARAM_NAMES, RefusionParams, layered, make_params
 from ..decode.presets import preset
 from ..errors import DecodeError, RefusionError
 
@@ -96,25 +96,15 @@ def _check_params(params: Any, where: str) -> None:
                          f"known: {', '.join(PARAM_NAMES)}")
 
 
-def _layer(values: Dict[str, Any], layer: Dict[str, Any]) -> None:
-    """Apply one layer of parameters; a block count replaces a block length."""
-    layer = {k: v for k, v in layer.items() if v is not None}
-    if "serial_num_blocks" in layer:
-        values.pop("block_length", None)
-    if "block_length" in layer:
-        values.pop("serial_num_blocks", None)
-    values.update(layer)
-
-
-def resolve_params(suite: Suite, case: Case, preset_name: Optional[str] = None,
+def resolve_params(suite: Suite, case: Optional[Case], preset_name: Optional[str] = None,
                    overrides: Optional[Dict[str, Any]] = None) -> RefusionParams:
-    """A case's RefusionParams: suite defaults < case < preset < overrides."""
-    values: Dict[str, Any] = {}
-    _layer(values, suite.defaults)
-    _layer(values, case.params)
+    """A case's RefusionParams: suite defaults < case < preset < overrides
+    (``decode.params.layered``). ``case`` None: the suite's defaults alone, for
+    prompts from elsewhere (``--layouts --data``)."""
+    values = layered(suite.defaults, case.params if case else {})
     if preset_name:  # at a budget the overrides set, the preset's block length (decode/presets.py)
-        _layer(values, preset(preset_name, (overrides or {}).get("gen_length")))
-    _layer(values, overrides or {})
+        values = layered(values, preset(preset_name, (overrides or {}).get("gen_length")))
+    values = layered(values, overrides or {})
     try:
         params = make_params(**values)
     except TypeError as e:

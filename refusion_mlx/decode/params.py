@@ -307,6 +307,16 @@ def a_params(params) -> RefusionParams:
     return params
 
 
+def layered(values: Dict[str, Any], layer: Dict[str, Any]) -> Dict[str, Any]:
+    """Settings ``layer`` over ``values`` (a None in ``layer`` is not given): a
+    block count replaces a block length beneath it and vice versa, so a
+    layer's block choice is the one kept (a preset over a bench suite, the
+    caller's keywords over a preset)."""
+    layer = {k: v for k, v in layer.items() if v is not None}
+    other = {"serial_num_blocks": "block_length", "block_length": "serial_num_blocks"}
+    return {**{k: v for k, v in values.items() if other.get(k) not in layer}, **layer}
+
+
 def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
     """RefusionParams from keyword arguments, checked; the aliases of
     ``ALIASES`` (``max_tokens``, ``temp``) stand for their settings.
@@ -322,10 +332,7 @@ def make_params(preset: Optional[str] = None, **kwargs) -> RefusionParams:
     if preset is not None:
         from .presets import preset as preset_values
 
-        values = preset_values(preset, kwargs.get("gen_length"))
-        if "block_length" in kwargs or "serial_num_blocks" in kwargs:  # the caller's blocks, not the preset's
-            values.pop("block_length", None), values.pop("serial_num_blocks", None)
-        kwargs = {**values, **kwargs}
+        kwargs = layered(preset_values(preset, kwargs.get("gen_length")), kwargs)  # the caller's blocks win
     params = RefusionParams(**kwargs)
     params.layout()  # checked and resolved where made: a bad setting is a DecodeError here
     return params
