@@ -103,15 +103,15 @@ def test_seeded_sampling_does_not_depend_on_neighbours(demo, golden_cases):
 
 def test_top_k_one_samples_the_argmax(demo, golden_cases):
     """top_k=1 leaves only the argmax to sample: even a hot temperature then decodes as greedy does;
-    without the filter the same seed decodes differently (the filter is applied)."""
+    without the filter some seed decodes differently (the filter is applied)."""
     model, tokenizer = demo
     case = golden_cases[16]
     greedy = params_of(case)
-    filtered = RefusionParams(**{**greedy.__dict__, "temperature": 5.0, "top_k": 1, "seed": 3})
-    plain = RefusionParams(**{**greedy.__dict__, "temperature": 5.0, "seed": 3})
-    a, b, c = batch_generate(model, tokenizer, [case["prompt_ids"]] * 3, [greedy, filtered, plain])
+    filtered = RefusionParams(**{**greedy.__dict__, "temperature": 2.0, "top_k": 1, "seed": 3})
+    plain = [RefusionParams(**{**greedy.__dict__, "temperature": 2.0, "seed": s}) for s in range(3, 7)]
+    a, b, *c = batch_generate(model, tokenizer, [case["prompt_ids"]] * 6, [greedy, filtered, *plain])
     assert a.output_ids == b.output_ids == case["output_ids"]
-    assert c.output_ids != case["output_ids"]
+    assert any(r.output_ids != case["output_ids"] for r in c)  # the hottest temperature, 2: some seed strays
 
 
 def test_generator_rejects_bad_input_at_insert(demo):

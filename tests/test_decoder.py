@@ -27,9 +27,10 @@ from tests.helpers import random_config, random_model
     (dict(serial_num_blocks=4, block_length=16), "not both"),
     (dict(slot_threshold=1.5), r"within \[0, 1\]"),
     (dict(token_threshold=-0.1), r"within \[0, 1\]"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0 and finite"),
-    (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
+    (dict(temperature=-1.0), r"temperature must be within \[0, 2\]"),
+    (dict(temperature=float("nan")), r"temperature must be within \[0, 2\]"),
+    (dict(temperature=float("inf")), r"temperature must be within \[0, 2\]"),
+    (dict(temperature=2.5), r"temperature must be within \[0, 2\]"),  # a request's bound, every interface's
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
     # a bool is no float setting's number, as it is no int setting's (True was taken as 1.0)
     (dict(temperature=True), "temperature must be >= 0 and finite, got True"),

@@ -139,3 +139,47 @@ def test_the_bench_sends_the_tables_request_names():
     assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
     fields = _request_fields(make_params(max_tokens=64, serial_num_blocks=4))
     assert fields["serial_num_blocks"] == 4 and "block_length" not in fields and "seed" not in fields
+
+
+def test_every_interface_holds_a_setting_to_the_tables_bounds():
+    """A value past a setting's upper bound is refused by the flags (the server's --temp 5 started, and requests
+    that left temperature out ran at 5, while one sending 5 got a 400), make_params, a prompts file and a
+    request alike; its bound itself is taken by all of them."""
+    from pydantic import ValidationError
+
+    from refusion_mlx.cli import params_from_args
+    from refusion_mlx.errors import DecodeError
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for f in (f for f in FIELDS if f.le is not None):
+        for value, taken in ((f.le, True), (f.le + (1 if f.type is int else 0.5), False)):
+            value = f.type(value)
+            flag = _parser().parse_args([f.flags[0], str(value)])
+            made = [lambda: params_from_args(flag), lambda: make_params(**{f.name: value}),
+                    lambda: parse_prompts(json.dumps({"prompt": "hi", f.name: value}), "p.jsonl", RefusionParams()),
+                    lambda: ChatCompletionRequest.model_validate({**body, f.request: value})]
+            for make in made:
+                if taken:
+                    make()
+                else:
+                    with pytest.raises((DecodeError, RefusionError, ValidationError)):
+                        make()
+            if not taken:  # the flag as the user typed it
+                with pytest.raises(DecodeError, match=f"^{f.flags[0]} must be"):
+                    params_from_args(flag)
+
+
+def test_the_messages_api_states_its_own_temperature_range():
+    """Anthropic's temperature is from 0 to 1: the Messages API's schema (/openapi.json) says so, not the table's
+    2, and its validation is the schema's."""
+    from pydantic import ValidationError
+
+    from refusion_mlx.serve.protocols.anthropic_api import MAX_TEMPERATURE
+
+    schema = MessagesRequest.model_json_schema()["properties"]["temperature"]
+    assert MAX_TEMPERATURE == 1 and {"type": "number", "minimum": 0, "maximum": 1} in schema["anyOf"]
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert MessagesRequest.model_validate({**body, "temperature": 1}).temperature == 1
+    with pytest.raises(ValidationError, match="less than or equal to 1"):
+        MessagesRequest.model_validate({**body, "temperature": 1.5})
+    assert ChatCompletionRequest.model_json_schema()["properties"]["temperature"]["anyOf"][0]["maximum"] == 2

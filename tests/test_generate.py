@@ -440,7 +440,7 @@ def test_settings_errors_name_what_the_user_wrote(demo, capsys, tmp_path):
     model, tokenizer = demo
     jsonl = tmp_path / "p.jsonl"
     for line, needle in (({"prompt": "hi", "max_tokens": 0}, ":1: max_tokens must be a positive integer, got 0"),
-                         ({"prompt": "hi", "temp": -1}, ":1: temp must be >= 0"),
+                         ({"prompt": "hi", "temp": -1}, ":1: temp must be within [0, 2]"),
                          ({"prompt": "hi", "max_tokens": 2 ** 30}, ":1: max_tokens 1073741824 is over")):
         jsonl.write_text(json.dumps(line) + "\n")
         code, out, err = run_main(capsys, "--prompts-file", str(jsonl))
@@ -497,7 +497,8 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
     (["--slot-threshold", "1.2"], "within [0, 1]"),
     (["--token-threshold", "-1"], "within [0, 1]"),
     (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
-    (["--temp", "-0.5"], "--temp must be >= 0"),
+    (["--temp", "-0.5"], "--temp must be within [0, 2]"),
+    (["--temp", "5"], "--temp must be within [0, 2]"),  # a request's bound: a server took 5
     (["--prompt", "Who is Sven? " * 500], "tokens; the model's context is 2048"),  # a budget past it is cut
     (["--prompt", "Who is Sven? " * 500000], "the prompt is too long for the model's context: 6,500,000 characters"),
     (["--model", "/nonexistent/folder"], "no model folder at /nonexistent/folder"),

@@ -3,7 +3,6 @@ specification, REFUSION.md §2, kept outside this repository, lists them; docs/s
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -21,6 +20,7 @@ from ..errors import DecodeError
 DEFAULT_BLOCK_TOKENS = 16
 SEEDS = 2 ** 64  # a seed is one of MLX's random keys: an unsigned 64-bit integer
 MIN_SEED = -2 ** 63  # ... given as one, or as a signed one (OpenAI's seed; clients send -1)
+MAX_TEMPERATURE = 2  # OpenAI's bound, every interface's: the flags, make_params, a prompts file, a request
 MAX_GEN_LENGTH = 2 ** 24  # most tokens an answer may ask for: past every model's context, and small enough to lay out
 
 
@@ -89,8 +89,8 @@ class RefusionParams:
             value = getattr(self, name)
             if not _number(value) or not 0.0 <= value <= 1.0:
                 raise DecodeError(f"{name} must be within [0, 1], got {value!r}")
-        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise DecodeError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not _number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise DecodeError(f"temperature must be within [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise DecodeError(f"top_p must be within (0, 1], got {self.top_p!r}")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -231,7 +231,7 @@ FIELDS: Tuple[Field, ...] = (
           default=f"default {_DEFAULTS.token_threshold}", request="token_threshold", ge=0, le=1),
     Field("temperature", float, "temperature of the planning drafts; 0: argmax", flags=("--temp",),
           aliases=("temp",), default=f"default {_DEFAULTS.temperature:g}", request="temperature", openai=True,
-          ge=0, le=2),
+          ge=0, le=MAX_TEMPERATURE),
     Field("seed", int, "random seed for temperature > 0", flags=("--seed",), request="seed", openai=True,
           ge=MIN_SEED, le=SEEDS - 1),
     Field("top_p", float, "nucleus filter of the planning drafts (1: off)", flags=("--top-p",), request="top_p",

@@ -81,8 +81,11 @@ class _MessagesBase(_CountBase):
         return None if value is None else check_stops(value)
 
 
-# The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own.
-MessagesRequest = with_decoding("MessagesRequest", _MessagesBase, __name__, without=("max_tokens",))
+# The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own, and so
+# is its temperature's range, from 0 to 1.
+MAX_TEMPERATURE = 1
+MessagesRequest = with_decoding("MessagesRequest", _MessagesBase, __name__, without=("max_tokens",),
+                                bounds={"temperature": {"le": MAX_TEMPERATURE}})
 
 
 def _text_blocks(content: Any, param: str) -> str:
@@ -310,8 +313,6 @@ def output_format(body, prefill: bool = False):
 def messages_request(body, terms: RequestTerms) -> Draft:
     """The body in the engine's terms."""
     check_thinking(body)
-    if body.temperature is not None and body.temperature > 1:
-        raise invalid("temperature", f"must be from 0 to 1 on the Messages API, got {body.temperature!r}")
     prompt, parallel = chat_prompt_of(body, terms.takes_tools)
     ids = terms.prompt_ids(prompt, "messages")
     constraint = request_constraint(prompt.tools, body.tool_choice, parallel, any_strict(body.tools, nested=False),

@@ -149,19 +149,23 @@ class StreamOptions(BaseModel):
                           "(answer positions, token ids and their text), out of answer order")
 
 
-def _decoding_specs() -> Dict[str, Any]:
+def _decoding_specs(bounds: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
     """The request's decoding fields, one per setting of ``FIELDS`` with a
     request name: optional (null: the server's default), typed, bounded and
-    described as the table says."""
-    return {f.request: (Optional[f.type], Field(None, description=f.request_description(), **f.bounds()))
+    described as the table says (``bounds``: an API's own, over the table's)."""
+    return {f.request: (Optional[f.type], Field(None, description=f.request_description(),
+                                                **{**f.bounds(), **bounds.get(f.request, {})}))
             for f in FIELDS if f.request is not None}
 
 
-def with_decoding(name: str, base: type, module: str, without: Sequence[str] = ()) -> type:
+def with_decoding(name: str, base: type, module: str, without: Sequence[str] = (),
+                  bounds: Optional[Dict[str, Dict[str, float]]] = None) -> type:
     """``base``, an API's body, with the decoding fields but those ``without``
-    (an API with its own name for the most tokens leaves ``max_tokens`` out)."""
+    (an API with its own name for the most tokens leaves ``max_tokens`` out);
+    ``bounds``: an API's narrower bounds of a field (the Messages API's
+    temperature), which its schema then states and its validation applies."""
     return create_model(name, __base__=base, __module__=module,
-                        **{k: v for k, v in _decoding_specs().items() if k not in without})
+                        **{k: v for k, v in _decoding_specs(bounds or {}).items() if k not in without})
 
 
 def decoding_given(body) -> Dict[str, Any]:
