@@ -598,6 +598,10 @@ BAD = [
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "metadata": {"user_id": "u", "foo": "x"}},
      "metadata"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "metadata": {"user_id": 5}}, "metadata"),
+    # the prompt cache's partition: at most 256 characters, as chat's and the Responses API's user (unbounded here)
+    ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "metadata": {"user_id": "u" * 257}}, "metadata"),
+    ("/v1/chat/completions", {"max_tokens": 8, "messages": user(SVEN), "user": "u" * 257}, "user"),
+    ("/v1/responses", {"input": SVEN, "user": "u" * 257}, "user"),
     ("/v1/messages", {"max_tokens": 8, "messages": user(SVEN), "tool_choice": {"type": "any"}}, "tool_choice"),
 ]
 

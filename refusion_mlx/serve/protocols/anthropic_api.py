@@ -29,8 +29,8 @@ from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import check_results, function_tool, template_tools
 from ..edge.answering import Answering
 from .anthropic_events import MessagesWriter
-from .bodies import (MAX_STOP, MAX_STOP_CHARS, STRICT, StreamOptions, check_stops, decoding_given, field_error,
-                     include_commits, refusing, with_decoding)
+from .bodies import (MAX_STOP, MAX_STOP_CHARS, MAX_USER_CHARS, STRICT, StreamOptions, check_stops, decoding_given,
+                     field_error, include_commits, refusing, with_decoding)
 
 
 class _CountBase(BaseModel):
@@ -73,6 +73,8 @@ class _MessagesBase(_CountBase):
         user = (value or {}).get("user_id")
         if value is not None and (set(value) - {"user_id"} or not isinstance(user, (str, type(None)))):
             raise field_error('takes user_id alone (a string), as {"user_id": "..."}')
+        if user is not None and len(user) > MAX_USER_CHARS:  # the prompt cache's partition, as chat's user
+            raise field_error(f"user_id is at most {MAX_USER_CHARS} characters, got {len(user)}")
         return value
 
     @field_validator("stop_sequences")

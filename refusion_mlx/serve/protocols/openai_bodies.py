@@ -22,8 +22,8 @@ from ...decode.params import FIELDS
 from ...decode.prompt import CHAT_ROLES, template_role
 from ...decode.stream import template_options
 from ...errors import DecodeError
-from .bodies import (MAX_STOP, MAX_STOP_CHARS, STRICT, UNSERVED, StreamOptions, check_stops, decoding_given,
-                     field_error, include_commits, refusing, with_decoding)
+from .bodies import (MAX_STOP, MAX_STOP_CHARS, MAX_USER_CHARS, STRICT, UNSERVED, StreamOptions, check_stops,
+                     decoding_given, field_error, include_commits, refusing, with_decoding)
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
@@ -51,8 +51,8 @@ class _BodyBase(BaseModel):
                                               f"{MAX_STOP_CHARS} characters")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition "
-                                "(a request continues only the cached prompts of its own user and API key)")
+    user: Optional[str] = Field(None, max_length=MAX_USER_CHARS, description="the end user: the prompt cache's "
+                                "partition (a request continues only the cached prompts of its own user and API key)")
 
     _refuse = refusing("chat.completions", HARMLESS)
 

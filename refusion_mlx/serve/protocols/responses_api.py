@@ -27,7 +27,8 @@ from ..core.tool_calls import arguments_object, check_results, first_unanswered,
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
 from ..edge.security import KEY_SCOPE
-from .bodies import STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing, with_decoding
+from .bodies import (MAX_USER_CHARS, STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing,
+                     with_decoding)
 from .responses_events import ResponsesWriter
 from .responses_store import ResponseStore, input_items, item_page
 
@@ -58,7 +59,8 @@ class _ResponsesBase(BaseModel):
     stream_options: Optional[StreamOptions] = Field(None, description="ReFusion: include_commits, as on chat")
     store: Optional[bool] = Field(None, description="keep the response for previous_response_id (default true)")
     metadata: Optional[Dict[str, str]] = None
-    user: Optional[str] = Field(None, max_length=256, description="the end user: the prompt cache's partition")
+    user: Optional[str] = Field(None, max_length=MAX_USER_CHARS,
+                                description="the end user: the prompt cache's partition")
     text: Optional[Dict[str, Any]] = Field(None, description='{"format": {"type": "text"}}, {"format": {"type": '
                                            '"json_object"}} or {"format": {"type": "json_schema", "name", "schema", '
                                            '"strict"}}: the answer is decoded under the schema (constrained)')
