@@ -183,3 +183,19 @@ def test_the_messages_api_states_its_own_temperature_range():
     with pytest.raises(ValidationError, match="less than or equal to 1"):
         MessagesRequest.model_validate({**body, "temperature": 1.5})
     assert ChatCompletionRequest.model_json_schema()["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
+
+
+def test_the_most_top_tokens_is_one_bound_on_every_body():
+    """top_logprobs (chat, the Responses API) and the legacy completions' logprobs count take up to the same
+    MAX_TOP_LOGPROBS (three literals before)."""
+    from pydantic import ValidationError
+
+    from refusion_mlx.serve.protocols.bodies import MAX_TOP_LOGPROBS
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    for model, field, body in ((ChatCompletionRequest, "top_logprobs", chat),
+                               (ResponsesRequest, "top_logprobs", {"input": "hi"}),
+                               (CompletionRequest, "logprobs", {"prompt": "hi"})):
+        assert getattr(model.model_validate({**body, field: MAX_TOP_LOGPROBS}), field) == MAX_TOP_LOGPROBS
+        with pytest.raises(ValidationError, match=f"less than or equal to {MAX_TOP_LOGPROBS}"):
+            model.model_validate({**body, field: MAX_TOP_LOGPROBS + 1})

@@ -24,6 +24,7 @@ from ...decode.presets import PRESETS
 
 MAX_STOP = 16  # stop strings a request
 MAX_STOP_CHARS = 1000  # characters in one: each step holds back and checks as much of the answer, per stop string
+MAX_TOP_LOGPROBS = 20  # most likely tokens shown beside each answer token (top_logprobs, logprobs), as OpenAI's
 MAX_USER_CHARS = 256  # the end user's id (user, metadata.user_id: the prompt cache's partition), as OpenAI and
 # Anthropic cap it
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")

@@ -22,8 +22,8 @@ from ...decode.params import FIELDS
 from ...decode.prompt import CHAT_ROLES, template_role
 from ...decode.stream import template_options
 from ...errors import DecodeError
-from .bodies import (MAX_STOP, MAX_STOP_CHARS, MAX_USER_CHARS, STRICT, UNSERVED, StreamOptions, check_stops,
-                     decoding_given, field_error, include_commits, refusing, with_decoding)
+from .bodies import (MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, MAX_USER_CHARS, STRICT, UNSERVED, StreamOptions,
+                     check_stops, decoding_given, field_error, include_commits, refusing, with_decoding)
 from ..core.engine_request import ChatPrompt, Draft, RequestTerms
 from ..core.refusal import Reason, Refusal
 from ..core.structured import any_strict, request_constraint, response_format
@@ -134,8 +134,8 @@ class ChatCompletionRequest(_Body):
                              "(with a seed, answer k uses seed + k)")
     logprobs: Optional[bool] = Field(None, description="each answer token's log-probability: the probability "
                                      "the decoder accepted it under (docs/serving.md)")
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="with logprobs: the most likely tokens "
-                                        "of the row that scored each token")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: the most "
+                                        "likely tokens of the row that scored each token")
     response_format: Optional[Dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the answer is decoded under the schema (constrained)')
@@ -217,8 +217,9 @@ class CompletionRequest(_Body):
                              "together (with a seed, answer k uses seed + k)")
     echo: Optional[bool] = Field(None, description="the prompt back before the answer; with max_tokens 0 or 1 "
                                  "and logprobs, each prompt token's log-probability (scoring, docs/serving.md)")
-    logprobs: Optional[int] = Field(None, ge=0, le=20, description="the answer tokens' log-probabilities and this "
-                                    "many most likely tokens per token; with echo: the prompt's")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="the answer tokens' "
+                                    "log-probabilities and this many most likely tokens per token; with echo: the "
+                                    "prompt's")
     logprob_estimator: Optional[Literal["ar", "mc"]] = Field(
         None, description='with echo: "ar" (default) the prompt read autoregressively, one forward; "mc" the '
                           "authors' masked-diffusion Monte Carlo estimator of the tokens after context_tokens")

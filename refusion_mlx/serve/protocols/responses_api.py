@@ -27,8 +27,8 @@ from ..core.tool_calls import arguments_object, check_results, first_unanswered,
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
 from ..edge.security import KEY_SCOPE
-from .bodies import (MAX_USER_CHARS, STRICT, StreamOptions, decoding_given, field_error, include_commits, refusing,
-                     with_decoding)
+from .bodies import (MAX_TOP_LOGPROBS, MAX_USER_CHARS, STRICT, StreamOptions, decoding_given, field_error,
+                     include_commits, refusing, with_decoding)
 from .responses_events import ResponsesWriter
 from .responses_store import ResponseStore, input_items, item_page
 
@@ -74,8 +74,8 @@ class _ResponsesBase(BaseModel):
     include: Optional[List[str]] = Field(None, description='"message.output_text.logprobs": the answer\'s tokens\' '
                                                            "log-probabilities; other values are accepted and "
                                                            "add nothing")
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="the most likely tokens beside each answer "
-                                                                       "token's log-probability (implies them)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="the most likely tokens "
+                                        "beside each answer token's log-probability (implies them)")
 
     # the server's settings (kv_bits), other servers' sampler and constraint fields, as on every API, and chat's
     # response_format, max_tokens and stop (foreign_fields)
