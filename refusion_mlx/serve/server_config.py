@@ -37,6 +37,7 @@ DEFAULT_MAX_STORED_RESPONSES = 1024  # the Responses API's, for previous_respons
 DEFAULT_MAX_STORED_RESPONSE_BYTES = 64 << 20  # and their JSON size, all together
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (then it is closed)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive after its headers (then 408)
+MAX_SECONDS = 1_000_000  # most seconds of --watchdog-seconds, --body-timeout, --header-timeout (11.6 days)
 API_KEY_ENV = "REFUSION_MLX_API_KEY"  # the API key(s), comma-separated, when --api-key is not given
 # whose cached prompts a request may continue: the same (key, user); the same, and never without a user; anyone's
 CACHE_SCOPES = ("user", "private", "shared")
@@ -111,9 +112,10 @@ class ServerConfig:
         for name in ("prompt_cache_dir_bytes", "max_kv_bytes"):
             if getattr(self, name) is not None:
                 _check(name, getattr(self, name), 0 if name == "prompt_cache_dir_bytes" else 1)
-        seconds = self.watchdog_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
-            raise RefusionError(f"watchdog_seconds must be a positive number of seconds, got {self.watchdog_seconds!r}")
+        for name in ("watchdog_seconds", "body_timeout", "header_timeout"):
+            if not _is_seconds(getattr(self, name)):
+                raise RefusionError(f"{name} must be a positive number of seconds under {MAX_SECONDS:,}, "
+                                    f"got {getattr(self, name)!r}")
         self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
         fill = object.__setattr__  # frozen: the derived values are set once, here
         fill(self, "storage", KVStorage.of(self.kv_bits, self.kv_group_size))  # the head dimension: at load
@@ -135,10 +137,6 @@ class ServerConfig:
                 template_options(self.chat_template_config, "chat_template_config")
             except DecodeError as e:
                 raise RefusionError(str(e)) from None
-        for name in ("body_timeout", "header_timeout"):
-            seconds = getattr(self, name)
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
-                raise RefusionError(f"{name} must be a positive number of seconds, got {seconds!r}")
         if self.max_connections is not None:
             _check("max_connections", self.max_connections, 1)
         if self.model_id is None:
@@ -189,13 +187,19 @@ def _positive_size(text: str) -> int:
     return value
 
 
+def _is_seconds(value) -> bool:
+    """Whether ``value`` is a duration setting's: a number of seconds above 0 and under :data:`MAX_SECONDS`."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < MAX_SECONDS
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value < 1e6:  # as ServerConfig checks it
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds under 1e6, got {text!r}")
+    if not _is_seconds(value):  # as ServerConfig checks it
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds under {MAX_SECONDS:,}, "
+                                         f"got {text!r}")
     return value
 
 

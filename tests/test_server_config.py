@@ -1,0 +1,36 @@
+"""The server's settings hold to one rule each, whether a flag or ``ServerConfig``'s keyword gives them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from refusion_mlx.errors import RefusionError
+from refusion_mlx.serve.server_config import ServerConfig, add_server_args
+
+
+def _flag(*argv: str) -> str:
+    """The one-line error of the server's flags ``argv`` ("" when they parse)."""
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = Parser()
+    add_server_args(parser)
+    try:
+        parser.parse_args(list(argv))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("name", ["watchdog_seconds", "body_timeout", "header_timeout"])
+def test_a_duration_has_one_bound_as_a_flag_and_a_keyword(name):
+    """--watchdog-seconds 2e6 was refused while ServerConfig(watchdog_seconds=2e6) was taken."""
+    flag = "--" + name.replace("_", "-")
+    for value in (0, -1, 1e6, 2e6):
+        assert "positive number of seconds under 1,000,000" in _flag(flag, str(value)), value
+        with pytest.raises(RefusionError, match=f"^{name} must be a positive number of seconds under 1,000,000"):
+            ServerConfig(**{name: value})
+    assert _flag(flag, "999999") == "" and getattr(ServerConfig(**{name: 999999}), name) == 999999
