@@ -34,3 +34,17 @@ def test_a_duration_has_one_bound_as_a_flag_and_a_keyword(name):
         with pytest.raises(RefusionError, match=f"^{name} must be a positive number of seconds under 1,000,000"):
             ServerConfig(**{name: value})
     assert _flag(flag, "999999") == "" and getattr(ServerConfig(**{name: 999999}), name) == 999999
+
+
+def test_an_api_key_has_one_rule_and_one_message_as_a_flag_and_a_keyword():
+    """--api-key and ServerConfig(api_keys=...) said the rule in two messages ("is" and "must be")."""
+    from refusion_mlx.serve.server_config import API_KEY_RULE
+
+    for bad in ("k y", "k" * 1025, "clé"):
+        assert _flag("--api-key", bad) == f"argument --api-key: {API_KEY_RULE}", bad
+        with pytest.raises(RefusionError) as e:
+            ServerConfig(api_keys=(bad,))
+        assert str(e.value) == API_KEY_RULE, bad
+    with pytest.raises(RefusionError, match=API_KEY_RULE):
+        ServerConfig(api_keys=("",))
+    assert _flag("--api-key", "k" * 1024) == "" and ServerConfig(api_keys="k" * 1024).api_keys == ("k" * 1024,)

@@ -39,6 +39,8 @@ DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive after its headers (then 408)
 MAX_SECONDS = 1_000_000  # most seconds of --watchdog-seconds, --body-timeout, --header-timeout (11.6 days)
 API_KEY_ENV = "REFUSION_MLX_API_KEY"  # the API key(s), comma-separated, when --api-key is not given
+MAX_API_KEY_CHARS = 1024
+API_KEY_RULE = f"an API key is 1 to {MAX_API_KEY_CHARS} printable ASCII characters without spaces"
 # whose cached prompts a request may continue: the same (key, user); the same, and never without a user; anyone's
 CACHE_SCOPES = ("user", "private", "shared")
 # which calls a model may open under tool_choice "auto" are decoded under their tool's schema: every one, or
@@ -123,8 +125,8 @@ class ServerConfig:
         fill(self, "allowed_hosts", tuple(self.allowed_hosts))
         fill(self, "api_keys", (self.api_keys,) if isinstance(self.api_keys, str) else tuple(self.api_keys))
         for key in self.api_keys:
-            if not isinstance(key, str) or not key or len(key) > 1024 or not all(33 <= ord(c) < 127 for c in key):
-                raise RefusionError("an API key must be 1 to 1024 printable ASCII characters without spaces")
+            if not _is_api_key(key):
+                raise RefusionError(API_KEY_RULE)
         if not isinstance(self.metrics_public, bool):
             raise RefusionError(f"metrics_public must be true or false, got {self.metrics_public!r}")
         if self.prompt_cache_scope not in CACHE_SCOPES:
@@ -203,12 +205,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _is_api_key(key) -> bool:
+    """Whether ``key`` is an API key: :data:`API_KEY_RULE` (a header's value, compared as it is)."""
+    return isinstance(key, str) and 0 < len(key) <= MAX_API_KEY_CHARS and all(33 <= ord(c) < 127 for c in key)
+
+
 def _keys(text: str) -> List[str]:
     """argparse type of --api-key: one key or several, comma-separated (as the environment variable takes them)."""
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in keys if len(k) > 1024 or not all(33 <= ord(c) < 127 for c in k)]
-    if not keys or bad:
-        raise argparse.ArgumentTypeError("an API key is 1 to 1024 printable ASCII characters without spaces")
+    if not keys or not all(map(_is_api_key, keys)):
+        raise argparse.ArgumentTypeError(API_KEY_RULE)
     return keys
 
 
