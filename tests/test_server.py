@@ -875,11 +875,11 @@ def test_cli_serves_and_shuts_down_cleanly(cli_servers, sig):
     (["--max-tokens", "0"], "--max-tokens must be a positive integer"),
     (["--slot-size", "4", "--block-length", "6"], "not a multiple"),
     (["--host", "203.0.113.77"], "cannot listen on"),
-    (["--max-active", "0"], "must be >= 1"),
+    (["--max-active", "0"], "--max-active: expected a positive integer"),
     (["--max-kv-bytes", "0"], "must be more than 0 bytes"),
     (["--watchdog-seconds", "soon"], "must be a positive number of seconds"),
     (["--header-timeout", "-1"], "--header-timeout: must be a positive number of seconds"),
-    (["--max-connections", "0"], "--max-connections: must be >= 1"),
+    (["--max-connections", "0"], "--max-connections: expected a positive integer"),
     (["--max-stored-response-bytes", "lots"], "invalid size"),
     (["--chat-template-config", "{enable_thinking: false}"], "--chat-template-config"),
 ])

@@ -48,3 +48,18 @@ def test_an_api_key_has_one_rule_and_one_message_as_a_flag_and_a_keyword():
     with pytest.raises(RefusionError, match=API_KEY_RULE):
         ServerConfig(api_keys=("",))
     assert _flag("--api-key", "k" * 1024) == "" and ServerConfig(api_keys="k" * 1024).api_keys == ("k" * 1024,)
+
+
+def test_the_servers_counts_read_as_every_commands_do():
+    """The server's count flags are cli.flags' positive_int and count (it had copies of its own, with other
+    messages and a cap of 2**62 that ServerConfig's keywords did not have)."""
+    for flag in ("--max-batch", "--max-active", "--max-queue", "--max-body-bytes", "--max-connections"):
+        for text in ("0", "x", "-3"):
+            assert _flag(flag, text) == f"argument {flag}: expected a positive integer, got {text!r}", flag
+        assert _flag(flag, str(1 << 63)) == ""
+    for text in ("x", "-1"):
+        assert _flag("--max-stored-responses", text) == (
+            f"argument --max-stored-responses: expected a whole number (0 or more), got {text!r}")
+    assert _flag("--max-stored-responses", "0") == ""
+    for text in ("70000", "-1", "x"):
+        assert _flag("--port", text) == f"argument --port: port must be within 0..65535, got {text!r}"

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..cli import add_kv_args, byte_size, params_from_args
+from ..cli import add_kv_args, byte_size, count, params_from_args, positive_int
 from ..decode.kv_store import KVStorage
 from ..decode.params import RefusionParams
 from ..decode.stream import template_options
@@ -165,21 +165,15 @@ def _check(name: str, value, lo: int, hi: Optional[int] = None) -> None:
         raise RefusionError(f"{name} must be an integer {within}, got {value!r}")
 
 
-def _int_flag(lo: int, hi: int, message: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(message.format(value))
-        return value
-    return parse
-
-
-_port = _int_flag(0, 65535, "port must be within 0..65535, got {}")
-_positive = _int_flag(1, 1 << 62, "must be >= 1, got {}")
-_count = _int_flag(0, 1 << 62, "must be >= 0, got {}")
+def _port(text: str) -> int:
+    """argparse type of --port: 0 (a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be within 0..65535, got {text!r}")
+    return value
 
 
 def _positive_size(text: str) -> int:
@@ -229,10 +223,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--model-id", help="the model name reported by /v1/models (default: --model)")
-    parser.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH,
+    parser.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
                         help=f"requests decoded together, one batched forward per step (default {DEFAULT_MAX_BATCH})")
-    parser.add_argument("--max-active", dest="max_batch", type=_positive, help=argparse.SUPPRESS)  # the old name
-    parser.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
+    parser.add_argument("--max-active", dest="max_batch", type=positive_int, help=argparse.SUPPRESS)  # the old name
+    parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES,
                         help="memory for the KV caches of recent conversations and shared prompts, reused by "
@@ -254,9 +248,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watchdog-seconds", type=_seconds, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
                         help="/health answers 503 while a step has run longer than this "
                              f"(default {DEFAULT_WATCHDOG_SECONDS:g})")
-    parser.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY,
+    parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY,
                         help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_BODY})")
-    parser.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED_RESPONSES,
+    parser.add_argument("--max-stored-responses", type=count, default=DEFAULT_MAX_STORED_RESPONSES,
                         help="responses of the Responses API kept in memory for previous_response_id and GET "
                              f"/v1/responses/ID, least recently used out; 0 keeps none "
                              f"(default {DEFAULT_MAX_STORED_RESPONSES})")
@@ -282,7 +276,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
                         help="a connection whose request headers have not all come within this long is closed "
                              f"(default {DEFAULT_HEADER_TIMEOUT:g})")
-    parser.add_argument("--max-connections", type=_positive, metavar="N",
+    parser.add_argument("--max-connections", type=positive_int, metavar="N",
                         help="open connections taken at once; past it the oldest one still waiting for a "
                              "request's headers (an idle keep-alive one too) is closed (default: the process's file-descriptor limit less 128, at most "
                              "4096)")
