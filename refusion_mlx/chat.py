@@ -12,8 +12,8 @@ import signal
 import sys
 from typing import List, Optional
 
-from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, output_file,
-                  params_from_args, run, storage_from_args)
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fill_defaults,
+                  output_file, params_from_args, refuse_unread, run, storage_from_args)
 from .cli.launch import add_distributed_args, join, ready, shared_input
 from .cli.mlx_lm_flags import add_end_tokens, add_mlx_lm_args
 from .cli.repl import HELP, Terminal, repl
@@ -26,6 +26,8 @@ from .models.backend import wired_limit
 from .models.loading import load
 
 __all__ = ["ChatSession", "build_parser", "main"]
+GOES_WITH = {"visualize": ("frame_time",)}  # refused without it: it would be ignored (cli.unread)
+DEFAULTS = {"frame_time": 0.08}
 
 
 def build_parser() -> OneLineParser:
@@ -42,16 +44,19 @@ def build_parser() -> OneLineParser:
                         help="prefill the whole conversation every turn (to measure what reuse saves)")
     parser.add_argument("--visualize", action="store_true",
                         help="draw the answer's slots filling out of order (ANSI terminal)")
-    parser.add_argument("--frame-time", type=float, default=0.08, metavar="SECONDS",
-                        help="with --visualize, the least time a step stays on screen (default 0.08; 0: as fast "
-                             "as it decodes)")
+    parser.add_argument("--frame-time", type=float, metavar="SECONDS",
+                        help=f"with --visualize, the least time a step stays on screen (default "
+                             f"{DEFAULTS['frame_time']:g}; 0: as fast as it decodes)")
     parser.add_argument("--trace", metavar="FILE", type=output_file, help="write each step's commits as JSON to FILE")
     add_mlx_lm_args(parser)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refuse_unread(parser, args, GOES_WITH)
+    fill_defaults(args, DEFAULTS)
     term = Terminal()
     try:
         if not 0 <= args.frame_time <= 10:

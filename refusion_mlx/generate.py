@@ -13,8 +13,9 @@ from typing import List, Optional
 
 from ._blas import describe as blas_description
 from ._callable import make_callable
-from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fitted, params_from_args,
-                  positive_int, read_input, read_text, run, Spelled, spelled, storage_from_args, without_line_end)
+from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fill_defaults,
+                  fitted, params_from_args, positive_int, read_input, read_text, refuse_unread, run, Spelled, spelled,
+                  storage_from_args, without_line_end)
 from .cli.launch import add_distributed_args, join, ready, with_distributed
 from .cli.mlx_lm_flags import add_end_tokens, add_mlx_lm_args, add_verbose_arg
 from .decode.answer import AnswerText
@@ -33,6 +34,8 @@ __all__ = ["AnswerText", "GenerationResponse", "PARAM_NAMES", "build_parser", "c
            "generate", "main", "make_params", "stream_generate"]
 
 DEFAULT_PROMPT = "Write the multiplication table of 7 up to 5."
+GOES_WITH = {"prompts_file": ("batch_size",)}  # refused without it: it would be ignored (cli.unread)
+DEFAULTS = {"batch_size": 8}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--grammar", metavar="FILE",
                        help="constrained decoding: the answer matches this grammar (llguidance's Lark format)")
     add_kv_args(parser)
-    parser.add_argument("--batch-size", type=positive_int, default=8,
-                        help="with --prompts-file: requests decoded together (default 8)")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help=f"with --prompts-file: requests decoded together (default {DEFAULTS['batch_size']})")
     add_verbose_arg(parser, "print statistics to standard error")
     add_mlx_lm_args(parser)
     parser.add_argument("--json", action="store_true",
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_unread(parser, args, GOES_WITH)
+    fill_defaults(args, DEFAULTS)
     for needs in ("system", "chat_template_config"):  # mlx-lm drops the system prompt there, unsaid
         if args.no_chat_template and getattr(args, needs) is not None:
             parser.error(f"{spelled(args, needs)} needs the chat template: {spelled(args, 'no_chat_template')} "

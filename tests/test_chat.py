@@ -344,13 +344,23 @@ def test_cli_visualize_and_trace(background, tmp_path):
     (["--trace", "/nonexistent-dir/trace.json"], "cannot write the trace"),
     (["--trace", ""], "must name a file, not an empty string"),
     (["--bogus"], "unrecognized arguments"),
-    (["--frame-time", "-1"], "--frame-time must be within"),
+    (["--visualize", "--frame-time", "-1"], "--frame-time must be within"),
 ])
 def test_cli_bad_flags_one_line(flags, needle):
     r = subprocess.run([sys.executable, "-m", "refusion_mlx.chat", *flags], input="", capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert r.returncode != 0 and needle in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_frame_time_without_visualize_is_refused(capsys):
+    """--frame-time paces the --visualize drawing: without it the chat ran as if it were not given; refused as
+    bench refuses a flag its mode does not read (one line, exit 2)."""
+    from refusion_mlx.chat import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--frame-time", "5"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith("error: --frame-time goes with --visualize\n")
 
 
 def test_ctrl_c_while_the_model_loads_says_interrupted(monkeypatch, capsys):

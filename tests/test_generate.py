@@ -524,6 +524,19 @@ def test_cli_bad_values_are_one_line_errors(capsys, argv, fragment):
     assert err.count("\n") == 1 and fragment in err and "Traceback" not in err
 
 
+def test_a_flag_of_the_prompts_file_without_it_is_refused(capsys, tmp_path):
+    """--batch-size without --prompts-file decoded the one prompt without a word; refused as bench refuses a
+    flag its mode does not read (one line, exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(["--batch-size", "4", "--prompt", "Who is Sven?"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.endswith("error: --batch-size goes with --prompts-file\n")
+    (tmp_path / "p.txt").write_text("Who is Sven?\n")
+    code, out, _ = run_main(capsys, "--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "4", "--max-tokens",
+                            "16")
+    assert code == 0 and out
+
+
 def test_cli_json_schema_and_grammar(capsys, tmp_path):
     import jsonschema
 

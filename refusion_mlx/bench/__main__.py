@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, check_writable, interrupt_once,
-                   output_file, positive_int, positive_ints, run, storage_from_args)
+from ..cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, check_writable, fill_defaults,
+                   interrupt_once, output_file, positive_int, positive_ints, refuse_unread, run, storage_from_args)
 from ..cli.launch import add_distributed_args, join
 from ..decode.params import PARAM_NAMES
 from ..distributed import watchdog
@@ -111,20 +111,6 @@ UNREAD = {"layouts": ("gen_length", "slot_size", "block_length", "serial_num_blo
           "forecast_only": ("batch",)}
 
 
-def _refuse_unread(parser: OneLineParser, args) -> None:
-    """A flag of one measurement without it, or a flag the measurement given does not read: one line."""
-    spelled = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
-    given = [name for name, value in vars(args).items() if value is not None and value is not False]
-    for mode, flags in MODE_FLAGS.items():
-        for flag in flags:
-            if flag in given and not getattr(args, mode):
-                parser.error(f"{spelled[flag]} goes with {spelled[mode]}")
-    for mode, flags in UNREAD.items():
-        for flag in flags:
-            if flag in given and getattr(args, mode):
-                parser.error(f"{spelled[flag]} does not go with {spelled[mode]} (it does not read it)")
-
-
 def _same_file(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
@@ -139,9 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     modes_given = [f"--{m}" for m in ("shape", "layouts", "concurrency", "conversation") if getattr(args, m)]
     if len(modes_given) > 1:
         parser.error(f"{' and '.join(modes_given)} are separate measurements: give one")
-    _refuse_unread(parser, args)
-    for flag, default in MODE_DEFAULTS.items():
-        setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
+    refuse_unread(parser, args, MODE_FLAGS, UNREAD)
+    fill_defaults(args, MODE_DEFAULTS)
     if args.json and args.json != "-":
         suite = DEFAULT_SUITE if args.suite == "default" else args.suite
         if any(_same_file(args.json, p) for p in (suite, args.data, args.cost_curve) if p):
