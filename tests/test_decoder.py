@@ -33,7 +33,7 @@ from tests.helpers import random_config, random_model
     (dict(temperature=2.5), r"temperature must be within \[0, 2\]"),  # a request's bound, every interface's
     (dict(slot_size=2.5), "slot_size must be a positive integer"),
     # a bool is no float setting's number, as it is no int setting's (True was taken as 1.0)
-    (dict(temperature=True), "temperature must be >= 0 and finite, got True"),
+    (dict(temperature=True), r"temperature must be within \[0, 2\], got True"),
     (dict(top_p=True), r"top_p must be within \(0, 1\], got True"),
     (dict(slot_threshold=True), r"slot_threshold must be within \[0, 1\], got True"),
     (dict(token_threshold=False), r"token_threshold must be within \[0, 1\], got False"),
