@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from refusion_mlx.bench.cost_curve import SWITCHES, as_default
 from refusion_mlx.cli import OneLineParser, run
 from refusion_mlx.errors import RefusionError
 
@@ -51,11 +52,6 @@ def _load(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RefusionError(f"{path}: not a JSON file of the GPU record ({e})") from None
-
-
-# The runtime's switches a forward_cost run records (``switches``), with their defaults: a row
-# measured under another value is a candidate's, compared in :func:`decisions`, not a target's.
-SWITCHES = {"overlap": "auto", "qmm_pad": "auto"}
 
 
 def _files(outs: List[Path], pattern: str) -> List[Path]:
@@ -77,10 +73,6 @@ def run_conditions(outs: List[Path]) -> List[dict]:
     timings say so in the record too)."""
     return [{"file": path.name, **{k: run[k] for k in ("load", "warnings", "blas") if k in run}}
             for path in _files(outs, "fc-*.json") for run in [_load(path)]]
-
-
-def _as_default(rows: List[dict]) -> List[dict]:
-    return [r for r in rows if all(r.get(k, v) == v for k, v in SWITCHES.items())]
 
 
 def versus_ar(outs: List[Path]) -> List[dict]:
@@ -147,7 +139,7 @@ def targets(forward_cost: List[dict], vs_ar: List[dict], attention: str = "auto"
     (``auto``: the runtime's choice; or a candidate of :data:`CANDIDATES`),
     the other switches as the runtime sets them."""
     out = []
-    forward_cost = _as_default(forward_cost)
+    forward_cost = as_default(forward_cost)  # a candidate's rows are compared in decisions
     named = "" if attention == "auto" else f", attention {attention}"
     ar = {(r["dtype"], r["q_bits"], r["kv_len"]): r["ms"] for r in forward_cost if r["phase"] == "ar"}
     for q_bits, limit in ((None, 1.5), (4, 2.0)):

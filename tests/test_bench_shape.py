@@ -384,6 +384,34 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
     assert "not a cost curve" in capsys.readouterr().err
 
 
+def test_a_cost_curve_prices_the_runtimes_settings_only(tmp_path, capsys):
+    """A GPU record tags each row with the switches it ran under: the rows of REFUSION_MLX_OVERLAP=on and of
+    the 4-bit padding off and on are a candidate's, and were mixed into the runtime's curve (two points at
+    one width and cache length, the price between them arbitrary)."""
+    from refusion_mlx.bench.cost_curve import CostCurve
+
+    def row(phase, width, ms, **switches):
+        return {"phase": phase, "width": width, "kv_len": 256, "ms": ms, "dtype": "bfloat16", "q_bits": None,
+                "attention": None if phase == "ar" else "auto", "overlap": "auto", "qmm_pad": "auto", **switches}
+
+    rows = [row("ar", 1, 8.0), row("plan", 1, 10.0), row("plan", 16, 20.0),
+            row("plan", 16, 60.0, overlap="on"), row("plan", 4, 90.0, qmm_pad="off"), row("plan", 4, 5.0, qmm_pad="on")]
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"shape": "tiny", "forward_cost": rows}))
+    curve = CostCurve.load(str(record), "bfloat16", None, "tiny")
+    assert curve.table == {"plan": {256: [(1, 10.0), (16, 20.0)]}} and curve.ms("plan", 16, 256) == 20.0
+    # a forward_cost run of a candidate's (its rows untagged, its switches the file's) prices nothing
+    untagged = [{k: v for k, v in r.items() if k not in ("overlap", "qmm_pad")} for r in rows[:3]]
+    run = tmp_path / "fc-bf16-overlap.json"
+    run.write_text(json.dumps({"shape": "tiny", "switches": {"overlap": "on", "qmm_pad": "auto"},
+                               "forward_cost": untagged}))
+    assert main(["--shape", "tiny", "--dtype", "bfloat16", "--forecast-only", "--cost-curve", str(run)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "only a candidate's" in err[0], err
+    run.write_text(json.dumps({"shape": "tiny", "switches": {"overlap": "auto"}, "forward_cost": untagged}))
+    assert CostCurve.load(str(run), "bfloat16", None, "tiny").table == {"plan": {256: [(1, 10.0), (16, 20.0)]}}
+
+
 def test_json_dash_keeps_standard_output_json(capsys):
     """``--json -``: the forecast shown before the timing went to standard output ahead of the JSON."""
     assert main(["--shape", "tiny", "--prompts", "1", "--max-tokens", "16", "--json", "-"]) == 0

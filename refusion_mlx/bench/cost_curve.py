@@ -14,9 +14,13 @@ widest's cost grown in proportion to the width past it, which is what a
 compute-bound forward does). AR's prompt is priced as a plan pass of its
 length, each token after it at AR's one-token forward.
 
-The curve's rows are the runtime's own choice of attention: ``auto`` rows
-where there are some, else what ``auto`` takes on CUDA (``fused`` for one
-query row, ``unfused`` for more: ``models.backend.fused_attention``).
+The curve's rows are the runtime's own settings: measured with every switch
+of :data:`SWITCHES` at its default (a GPU record's rows of
+``REFUSION_MLX_OVERLAP=on`` or of the 4-bit padding off and on are a
+candidate's, measured beside the runtime's, and priced nothing), and the
+runtime's own choice of attention: ``auto`` rows where there are some, else
+what ``auto`` takes on CUDA (``fused`` for one query row, ``unfused`` for
+more: ``models.backend.fused_attention``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .suite import BenchError
+
+# The runtime's switches a forward_cost run records (``switches``) and a GPU record tags each of its rows with,
+# at their defaults: a row measured under another value is a candidate's, not the runtime's.
+SWITCHES = {"overlap": "auto", "qmm_pad": "auto"}
+
+
+def as_default(rows: Sequence[dict], switches: Optional[dict] = None) -> List[dict]:
+    """The rows measured with every switch as the runtime sets it; ``switches``: the run's own (a
+    ``forward_cost`` JSON's), for rows that carry none (a row without the tag, nor its run: the default)."""
+    run = {**SWITCHES, **(switches or {})}
+    return [r for r in rows if all(r.get(k, run[k]) == v for k, v in SWITCHES.items())]
+
 
 PHASE_OF = {"prefill": "plan", "plan": "plan", "verify": "verify", "infill_draft": "infill",
             "infill_verify": "infill"}
@@ -67,8 +83,9 @@ class CostCurve:
                 points.sort()
         self.ar = sorted(ar.items())
         if not self.table or not self.ar:
-            raise BenchError(f"{source or 'the cost curve'}: no forwards of the runtime's attention and no AR "
-                             "forward to price against (measure with python -m benchmarks.forward_cost)")
+            raise BenchError(f"{source or 'the cost curve'}: no forwards of the runtime's attention and settings "
+                             "(REFUSION_MLX_OVERLAP and REFUSION_MLX_QMM_PAD as it sets them) and no AR forward to "
+                             "price against (measure with python -m benchmarks.forward_cost)")
 
     @classmethod
     def load(cls, path: str, dtype: str, q_bits: Optional[int], shape: Optional[str] = None) -> "CostCurve":
@@ -87,9 +104,13 @@ class CostCurve:
             if measured != shape:
                 raise BenchError(f"{path} measured {measured}, not {shape}")
         mine = [r for r in data["forward_cost"] if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
+        weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
         if not mine:
-            weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
             raise BenchError(f"{path} has no forwards in {weights}")
+        mine = as_default(mine, data.get("switches"))  # a candidate's rows price nothing
+        if not mine:
+            raise BenchError(f"{path} has no forwards in {weights} with the runtime's settings, only a candidate's "
+                             "(REFUSION_MLX_OVERLAP or REFUSION_MLX_QMM_PAD set otherwise than by default)")
         return cls(mine, str(path), data.get("device", ""))
 
     def ms(self, phase: str, width: int, kv: int) -> float:
@@ -141,6 +162,8 @@ def _read(path: str) -> dict:
     if not isinstance(data, dict) or "forward_cost" not in data:
         raise BenchError(f"{path}: not a cost curve (no \"forward_cost\" list: the JSON of python -m "
                          "benchmarks.forward_cost or a record of benchmarks/records)")
+    if not isinstance(data.get("switches", {}), dict):
+        raise BenchError(f"{path}: \"switches\" is {data['switches']!r:.40}, not an object of the run's settings")
     rows = data["forward_cost"]
     if not isinstance(rows, list):
         raise BenchError(f"{path}: not a cost curve (\"forward_cost\" is {rows!r:.40}, not a list of rows)")
