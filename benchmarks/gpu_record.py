@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from refusion_mlx.bench.cost_curve import SWITCHES, as_default
+from refusion_mlx.bench.cost_curve import ROW_KEYS, SWITCHES, as_default, check_fields
 from refusion_mlx.cli import OneLineParser, run
 from refusion_mlx.errors import RefusionError
 
@@ -47,11 +47,72 @@ RECORDS = Path(__file__).resolve().parent / "records"
 SHAPE_FILE = re.compile(r"shape-(?P<weights>[a-z0-9]+)-(?P<attention>[a-z]+)\.json$")
 
 
-def _load(path: Path) -> dict:
+def _given(_value) -> bool:
+    return True
+
+
+NUMBER = (int, float)
+
+
+def _name(what: str) -> tuple:
+    return str, bool, what  # bool: not empty
+
+
+# What each file of a call's folder must hold for the record: key -> (its types, a check, what it should be)
+# (``cost_curve.check_fields``); a file that does not is one line naming it and what it lacks.
+FC_KEYS = {"forward_cost": (list, _given, "the list of rows python -m benchmarks.forward_cost writes"),
+           "device": _name("the device it ran on")}
+OPTIONAL = {"shape": _name("the model shape it measured")}
+FC_OPTIONAL = {**OPTIONAL, "switches": (dict, lambda v: all(isinstance(x, str) for x in v.values()),
+                                        "an object of the run's settings, each a name")}
+FC_ROW_KEYS = {**ROW_KEYS, "dtype": _name("the weights' dtype"),
+               "q_bits": ((int, type(None)), _given, "the weights' bits or null")}
+ATTENTION = {"attention": ((str, type(None)), _given, "the attention mode (AR's rows: null or none)")}
+SHAPE_KEYS = {"profiles": (list, _given, "the list of profiles python -m refusion_mlx.bench --shape writes"),
+              "device": FC_KEYS["device"], "dtype": FC_ROW_KEYS["dtype"], "q_bits": FC_ROW_KEYS["q_bits"],
+              "ar_tok_s": ((*NUMBER, type(None)), _given, "AR's tokens per second or null")}
+PROFILE_KEYS = {"source": _name("derived or recorded")}
+MEASURED_KEYS = {"tokens_per_forward": (NUMBER, _given, "a number"),
+                 "measured": (dict, _given, "an object with tok_s and ratio")}
+SPEED_KEYS = {"tok_s": (NUMBER, _given, "a number"), "ratio": (NUMBER, _given, "a number")}
+BATCHED_KEYS = {"requests": (int, _given, "a number of requests"), "speedup": (NUMBER, _given, "a number")}
+STAMP_KEYS = {"tree": _name("the files' id (python -m benchmarks.run_stamp)"), "date": _name("the run's day")}
+STAMP_OPTIONAL = {"commit": ((str, type(None)), _given, "a commit or null")}
+
+
+def _load(path: Path, keys: dict, optional: Optional[dict] = None) -> dict:
+    """The JSON object of ``path`` with each of ``keys`` (and of ``optional``, where present) as it should
+    be: else one line naming the file and what is missing."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise RefusionError(f"{path}: not a JSON file of the GPU record ({e})") from None
+    check_fields(str(path), data, keys, "a JSON object of the GPU record")
+    check_fields(str(path), data, optional or {}, required=False)
+    return data
+
+
+def _fc_run(path: Path) -> dict:
+    """A ``forward_cost`` run's JSON, every row checked."""
+    run = _load(path, FC_KEYS, FC_OPTIONAL)
+    for i, row in enumerate(run["forward_cost"]):
+        check_fields(f"{path}: forward_cost[{i}]", row, FC_ROW_KEYS, "a row (an object)")
+        check_fields(f"{path}: forward_cost[{i}]", row, ATTENTION, required=row["phase"] != "ar")
+    return run
+
+
+def _shape_run(path: Path) -> dict:
+    """A ``bench --shape`` run's JSON, every profile the record reads checked."""
+    run = _load(path, SHAPE_KEYS, OPTIONAL)
+    for i, p in enumerate(run["profiles"]):
+        where = f"{path}: profiles[{i}]"
+        check_fields(where, p, PROFILE_KEYS, "a profile (an object)")
+        if p["source"] == "derived" and p.get("measured"):
+            check_fields(where, p, MEASURED_KEYS)
+            check_fields(f"{where}.measured", p["measured"], SPEED_KEYS)
+            if p.get("batched"):
+                check_fields(f"{where}.batched", p["batched"], BATCHED_KEYS)
+    return run
 
 
 def _files(outs: List[Path], pattern: str) -> List[Path]:
@@ -62,7 +123,7 @@ def forward_costs(outs: List[Path]) -> List[dict]:
     """Every row of the folders' ``fc-*.json``, each with the switches its run had."""
     rows = []
     for path in _files(outs, "fc-*.json"):
-        run = _load(path)
+        run = _fc_run(path)
         switches = {**SWITCHES, **run.get("switches", {})}
         rows += [{**r, **switches} for r in run["forward_cost"]]
     return rows
@@ -72,7 +133,7 @@ def run_conditions(outs: List[Path]) -> List[dict]:
     """Each forward-cost run's file with the machine's load while it ran and its warnings (a busy device's
     timings say so in the record too)."""
     return [{"file": path.name, **{k: run[k] for k in ("load", "warnings", "blas") if k in run}}
-            for path in _files(outs, "fc-*.json") for run in [_load(path)]]
+            for path in _files(outs, "fc-*.json") for run in [_fc_run(path)]]
 
 
 def versus_ar(outs: List[Path]) -> List[dict]:
@@ -81,7 +142,7 @@ def versus_ar(outs: List[Path]) -> List[dict]:
         m = SHAPE_FILE.search(path.name)
         if not m:
             continue
-        r = _load(path)
+        r = _shape_run(path)
         for p in r["profiles"]:
             if p["source"] != "derived" or not p.get("measured"):
                 continue
@@ -235,7 +296,7 @@ def provenance(outs: List[Path], commit: Optional[str] = None, root: Path = CHEC
     """``commit``, ``tree`` and ``date`` of the runs in ``outs``, from their ``run.json``
     (``benchmarks.run_stamp``): the commit of ``root`` whose files the runs measured
     (``commit`` given: that one), or ``uncommitted``; the first run's UTC day."""
-    stamps = [_load(out / "run.json") for out in outs if (out / "run.json").is_file()]
+    stamps = [_load(out / "run.json", STAMP_KEYS, STAMP_OPTIONAL) for out in outs if (out / "run.json").is_file()]
     trees = sorted({s["tree"] for s in stamps})
     if len(trees) > 1 and not commit:
         raise RefusionError(f"the calls measured {len(trees)} trees ({', '.join(t[:12] for t in trees)}): "
@@ -253,13 +314,14 @@ def build(outs: List[Path], log: Optional[Path] = None, commit: Optional[str] = 
     if not fc and not shapes:
         where = " ".join(str(out) for out in outs)
         raise RefusionError(f"{where}: no fc-*.json or shape-*.json (run benchmarks/gpu_record.sh OUT first)")
-    first = _load(_files(outs, "fc-*.json")[0]) if fc else _load(shapes[0])
-    devices = {_load(path)["device"] for path in _files(outs, "fc-*.json") + shapes}
+    runs = [_fc_run(path) for path in _files(outs, "fc-*.json")] + [_shape_run(path) for path in shapes]
+    first = runs[0]
+    devices = {run["device"] for run in runs}
     if len(devices) > 1:
         raise RefusionError(f"the runs were made on {len(devices)} devices ({', '.join(sorted(devices))}): "
                             "one record is one device's")
     device = first["device"]
-    measured = {_load(path).get("shape") for path in _files(outs, "fc-*.json") + shapes} - {None}
+    measured = {run.get("shape") for run in runs} - {None}
     if len(measured) > 1:
         raise RefusionError(f"the runs measured {len(measured)} model shapes ({', '.join(sorted(measured))}): "
                             "one record is one shape's")

@@ -470,6 +470,34 @@ def test_gpu_record_without_runs_is_one_line(tmp_path, capsys):
     assert "2 devices" in err and "NVIDIA H100" in err
 
 
+AR_ROW = {"phase": "ar", "width": 1, "kv_len": 256, "dtype": "bfloat16", "q_bits": None, "ms": 8.0}
+SHAPE_RUN = {"device": "x", "dtype": "bfloat16", "q_bits": None, "ar_tok_s": 9.0}
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("fc-x.json", {}, "fc-x.json has no forward_cost; it should be the list of rows"),
+    ("fc-x.json", [1, 2], "fc-x.json is not a JSON object of the GPU record: [1, 2]"),
+    ("fc-x.json", {"forward_cost": [{"phase": "plan"}], "device": "x"}, "fc-x.json: forward_cost[0] has no width"),
+    ("fc-x.json", {"forward_cost": [{**AR_ROW, "phase": "plan"}], "device": "x"}, "forward_cost[0] has no attention"),
+    ("fc-x.json", {"forward_cost": [AR_ROW], "device": "x", "switches": ["on"]}, "has switches ['on']"),
+    ("shape-bf16-auto.json", {"device": "x"}, "shape-bf16-auto.json has no profiles"),
+    ("shape-bf16-auto.json", {**SHAPE_RUN, "profiles": [{"source": "derived", "measured": {"tok_s": 1.0}}]},
+     "profiles[0] has no tokens_per_forward"),
+    ("shape-bf16-auto.json", {**SHAPE_RUN, "profiles": [
+        {"source": "derived", "tokens_per_forward": 2.5, "measured": {"tok_s": 1.0}}]}, "profiles[0].measured has no ratio"),
+    ("run.json", {"date": "2026-12-06"}, "run.json has no tree")])
+def test_gpu_record_of_a_malformed_file_is_one_line(name, content, says, tmp_path, capsys):
+    """JSON that parses but is not what the record reads: one line naming the file and what it lacks, exit 1,
+    as for a file that does not parse (KeyError 'forward_cost', 'profiles', 'width' and an AttributeError
+    were tracebacks)."""
+    (tmp_path / "fc-ok.json").write_text(json.dumps({"device": "x", "forward_cost": [AR_ROW]}))
+    (tmp_path / name).write_text(json.dumps(content))
+    assert gpu_record.main([str(tmp_path), "--record", str(tmp_path / "record.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / name) in err[0] and says in err[0], err
+    assert not (tmp_path / "record.json").exists()
+
+
 def test_gpu_record_targets_for_each_attention_measured():
     """The runtime's choice (unfused rows stand in for auto on CUDA) and the
     bucketed candidate each get the issue's targets, named apart."""

@@ -168,11 +168,20 @@ def _read(path: str) -> dict:
     if not isinstance(rows, list):
         raise BenchError(f"{path}: not a cost curve (\"forward_cost\" is {rows!r:.40}, not a list of rows)")
     for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise BenchError(f"{path}: forward_cost[{i}] is not a row (an object): {row!r:.40}")
-        for key, (types, good, what) in ROW_KEYS.items():
-            value = row.get(key)
-            if key not in row or isinstance(value, bool) or not isinstance(value, types) or not good(value):
-                said = f"has no {key}" if key not in row else f"has {key} {value!r}"
-                raise BenchError(f"{path}: forward_cost[{i}] {said}; it should be {what}")
+        check_fields(f"{path}: forward_cost[{i}]", row, ROW_KEYS, "a row (an object)")
     return data
+
+
+def check_fields(where: str, value, keys: dict, noun: str = "an object", required: bool = True) -> None:
+    """``value`` is an object (else it is not ``noun``) and each of ``keys`` (key -> (its types, a check of
+    its value, what it should be); ``required`` False: where present) is in it as it should be: otherwise
+    one line naming ``where`` and what is wrong."""
+    if not isinstance(value, dict):
+        raise BenchError(f"{where} is not {noun}: {value!r:.40}")
+    for key, (types, good, what) in keys.items():
+        if key not in value and not required:
+            continue
+        got = value.get(key)
+        if key not in value or isinstance(got, bool) or not isinstance(got, types) or not good(got):
+            said = f"has no {key}" if key not in value else f"has {key} {got!r:.40}"
+            raise BenchError(f"{where} {said}; it should be {what}")
