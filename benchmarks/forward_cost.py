@@ -55,214 +55,41 @@ when repeats of a row differ by more than half their median
 A table per run and ``--json`` (``forward_cost``: one row per forward
 timed, AR's as ``phase: "ar"``, width 1; ``--json -``: the JSON on standard
 output, the tables on standard error; the path is checked before
-measuring). On CUDA, run under ``nsys`` for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
+measuring). A ``--json`` file is rewritten (atomically) after every row
+with ``complete`` false, and once more at the end with ``complete`` true:
+a run killed or failed part way keeps every row it finished, in a valid
+JSON, an earlier attention mode's too. On CUDA, run under ``nsys`` for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
 hence the parts timed alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
 
 from refusion_mlx._blas import blas_in_use
 from refusion_mlx.bench.report import device_description, package_version
-from refusion_mlx.cli import OneLineParser, positive_ints, run
-from refusion_mlx.decode.cache import CommittedCache
-from refusion_mlx.decode.packed import padded
-from refusion_mlx.decode.runner import Runner
-from refusion_mlx.errors import RefusionError
+from refusion_mlx.cli import OneLineParser, positive_ints, run, write_text
 from refusion_mlx.models import backend
 
 from .forward_cost_report import PARTS, load_now, print_tables, spread, warnings
+from .forward_timing import PHASES, SLOT_SIZE, AROneToken, Filled, forward_ms, parts_ms, sync_cost_ms
 from .speed_common import check_json_path, median, write_json
-
-PHASES = ("plan", "verify", "infill")
-SLOT_SIZE = 4
-
-
-def infill_layout(width: int, slot_size: int = SLOT_SIZE) -> tuple:
-    """(slots, cursor) of an infill pass ``width`` tokens wide: whole slots
-    from their first token when the width allows, else one slot's last
-    ``width`` tokens."""
-    if width % slot_size == 0:
-        return width // slot_size, 0
-    if width < slot_size:
-        return 1, slot_size - width
-    raise RefusionError(f"an infill pass of {width} tokens is neither whole slots of {slot_size} nor part of one")
-
-
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of ``fn()`` evaluated, after one untimed call."""
-    mx.eval(fn())
-    times = []
-    for _ in range(repeat):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
-class AROneToken:
-    """mlx-lm's one-token forward after ``kv_len`` cached rows (random keys
-    and values), the cache one row longer each call: the AR side of every
-    row at this cache length, timed right after each of its forwards
-    (:func:`forward_ms`), so that both sides of ``x_ar`` meet the machine in
-    the same state. One untimed call first."""
-
-    def __init__(self, ar_model, kv_len: int):
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.model, self.cache = ar_model, make_prompt_cache(ar_model)
-        args = ar_model.args
-        K, D = args.num_key_value_heads, args.head_dim
-        dtype = ar_model.model.norm.weight.dtype
-        for c in self.cache:
-            kv = mx.random.normal((1, K, kv_len, D)).astype(dtype)
-            c.update_and_fetch(kv, kv)
-        mx.eval([c.state for c in self.cache])
-        self.token = mx.array([[1]], dtype=mx.int32)
-        self.times: List[float] = []
-        self.builds: List[float] = []
-        self.once(keep=False)
-
-    def once(self, keep: bool = True) -> float:
-        """Seconds of one forward (its graph built, then evaluated)."""
-        mx.synchronize()
-        t0 = time.perf_counter()
-        best = mx.argmax(self.model(self.token, cache=self.cache)[:, -1, :], axis=-1)
-        built = time.perf_counter()
-        mx.eval(best)
-        took = time.perf_counter() - t0
-        if keep:
-            self.times.append(took)
-            self.builds.append(built - t0)
-        return took
-
-
-class Filled:
-    """One sequence's cache holding ``rows`` committed rows of random keys and
-    values, with room for ``extra`` more (the passes timed write after them)."""
-
-    def __init__(self, model, rows: int, extra: int, seed: int = 0):
-        self.cache = CommittedCache.for_model(model)
-        self.cache.reserve(rows + extra)
-        key = mx.random.key(seed)
-        for store in self.cache.stores:
-            if store is not None:
-                shape = store.keys.shape
-                store.keys = mx.random.normal(shape, key=key).astype(store.keys.dtype)
-                store.values = mx.random.normal(shape, key=key).astype(store.values.dtype)
-                mx.eval(store.keys, store.values)
-        self.cache.commit([0] * rows, list(range(rows)))
-
-    def grow_one(self) -> None:
-        """One more committed row (a decode moves on)."""
-        n = len(self.cache)
-        self.cache.commit([0], [n])
-
-    def write(self, phase: str, width: int):
-        if phase == "infill":
-            slots, cursor = infill_layout(width)
-            return self.cache.infill(slots, SLOT_SIZE, cursor)
-        return self.cache.extend(width)
-
-
-def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool,
-               ar: Optional[AROneToken] = None) -> Tuple[List[float], List[float], List[float]]:
-    """Seconds of ``repeat`` whole forwards of ``width`` tokens (LM head on
-    every row, after one untimed), of the host's part of each before its
-    evaluation: building the graph in Python (with
-    ``REFUSION_MLX_OVERLAP=on``, also starting its first layers), and of
-    ``ar``'s one-token forward timed right after each (none without ``ar``)."""
-    runner = Runner.of(model)
-    rng = np.random.default_rng(0)
-    times, builds, ar_times = [], [], []
-    for r in range(repeat + 1):
-        write = filled.write(phase, width)
-        start = len(filled.cache)
-        tokens = mx.array(rng.integers(0, model.args.vocab_size, width), dtype=mx.int32)
-        positions = mx.arange(start, start + width, dtype=mx.int32)
-        mx.eval(tokens, positions, *([write.mask] if isinstance(write.mask, mx.array) else []),
-                *([write.rows] if write.rows is not None else []))
-        mx.synchronize()
-        t0 = time.perf_counter()
-        logits = model.head(runner.hidden(tokens, positions, write)).astype(mx.float32)
-        built = time.perf_counter()
-        mx.eval(logits)
-        if r:
-            times.append(time.perf_counter() - t0)
-            builds.append(built - t0)
-            if ar is not None:
-                ar_times.append(ar.once())
-        if not fixed_kv:
-            filled.grow_one()
-    return times, builds, ar_times
-
-
-def parts_ms(model, filled: Filled, phase: str, width: int, repeat: int, sync_ms: float) -> Dict[str, float]:
-    """Each op class of the forward timed alone over every layer (ms)."""
-    args = model.args
-    dtype = model.layers[0].input_layernorm.weight.dtype
-    H, K, D = model.heads, model.kv_heads, args.head_dim
-    x = mx.random.normal((width, args.hidden_size)).astype(dtype)
-    y = mx.random.normal((width, H * D)).astype(dtype)
-    q = mx.random.normal((1, H, width, D)).astype(dtype)
-    kv = mx.random.normal((1, K, width, D)).astype(dtype)
-    mx.eval(x, y, q, kv)
-    layers = model.layers
-    write = padded(filled.write(phase, width), width)  # a padded batch of one where shapes are bucketed
-    mask = None if write.mask is None else model.attention_mask(write.mask, width, write.visible, dtype)
-
-    def proj():
-        return [[*a.qkv(a, x), a.o_proj(y)] for a in (layer.self_attn for layer in layers)]
-
-    def attn():
-        return [write.layer(i).attend(q, kv, kv, mask) for i in range(len(layers))]
-
-    fns = {"proj": proj, "mlp": lambda: [layer.mlp(x) for layer in layers],
-           "attn": attn, "head": lambda: model.head(x).astype(mx.float32)}
-    quantized = [m for layer in layers for _, m in layer.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    if quantized:  # every quantized matmul of the layers: in one call, and in calls of at most 7 rows
-        inputs = {}
-        for m in quantized:
-            k = m.scales.shape[-1] * m.group_size
-            inputs.setdefault(k, mx.random.normal((width, k)).astype(dtype))
-        mx.eval(list(inputs.values()))
-
-        def matmuls(rows: int):
-            def run():
-                out = []
-                for m in quantized:
-                    xm = inputs[m.scales.shape[-1] * m.group_size]
-                    out += [mx.quantized_matmul(xm[i:i + rows], m.weight, m.scales, m.get("biases"), transpose=True,
-                                                group_size=m.group_size, bits=m.bits) for i in range(0, width, rows)]
-                return out
-            return run
-
-        fns["qmm"] = matmuls(width)
-        fns["qmm_rows7"] = matmuls(7)
-    return {name: max(0.0, 1000 * timed(fn, repeat) - sync_ms) for name, fn in fns.items()}
-
-
-def sync_cost_ms(repeat: int = 20) -> float:
-    a = mx.zeros((1,))
-    return 1000 * timed(lambda: a + 1, repeat)
 
 
 def measure(model, ar_model, attention: List[str], phases: List[str], widths: List[int], kv_lens: List[int],
-            repeat: int, fixed_kv: bool = False, split: bool = True, log=None) -> dict:
+            repeat: int, fixed_kv: bool = False, split: bool = True, log=None,
+            progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Every row (:func:`forward_ms`, split by :func:`parts_ms`), AR's
     one-token forward by cache length from the forwards timed beside the
     rows, and the machine's load average at the start, the end and its
-    highest between."""
+    highest between; ``progress``: called with all of that so far after
+    every row (so a run cut short can keep what it measured)."""
     say = log or (lambda _m: None)
     load = {"cores": os.cpu_count(), "start": load_now()}
     peak = load["start"][0] if load["start"] else None
@@ -270,11 +97,19 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
     rows = []
     ar_times: Dict[int, List[float]] = {kv: [] for kv in kv_lens}
     ar_builds: Dict[int, List[float]] = {kv: [] for kv in kv_lens}
+
+    def result(end) -> dict:
+        ar_rows = [{"phase": "ar", "width": 1, "kv_len": kv, **spread(ar_times[kv]),
+                    "build_ms": round(1000 * median(ar_builds[kv]), 4), "samples": len(ar_times[kv])}
+                   for kv in kv_lens if ar_times[kv]]
+        return {"sync_ms": round(sync_ms, 4), "rows": list(rows), "ar": ar_rows,
+                "load": {**load, "end": end, "peak_1min": peak}}
+
     for mode in attention:
         with backend.setting(backend.ATTENTION_ENV, mode):
             for kv in kv_lens:
                 filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
-                ar = AROneToken(ar_model, kv) if ar_model is not None else None
+                ar = AROneToken(ar_model, kv, ar_times[kv], ar_builds[kv]) if ar_model is not None else None
                 for phase in phases:
                     for width in widths:
                         times, builds, paired = forward_ms(model, filled, phase, width, repeat, fixed_kv, ar)
@@ -294,15 +129,10 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
                         peak = max(peak, now[0]) if now and peak is not None else peak
                         say(f"{mode} {phase} width {width} at {kv}: {row['ms']:.3f} ms (min {row['ms_min']:.3f})"
                             + (f", AR {row['ar_ms']:.3f} ms: {row['x_ar']:.2f}x" if paired else ""))
-                if ar is not None:
-                    ar_times[kv] += ar.times
-                    ar_builds[kv] += ar.builds
+                        if progress is not None:
+                            progress(result(now))
                 del filled, ar
-    ar_rows = [{"phase": "ar", "width": 1, "kv_len": kv, **spread(ar_times[kv]),
-                "build_ms": round(1000 * median(ar_builds[kv]), 4), "samples": len(ar_times[kv])}
-               for kv in kv_lens if ar_times[kv]]
-    load.update(end=load_now(), peak_1min=peak)
-    return {"sync_ms": round(sync_ms, 4), "rows": rows, "ar": ar_rows, "load": load}
+    return result(load_now())
 
 
 def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
@@ -378,19 +208,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
         if not on_gpu:  # its threads decide what a small matmul costs on a shared CPU (docs/benchmarks.md)
             print(f"BLAS: {blas_in_use()}", file=report, flush=True)
+
+        def payload(result: dict, complete: bool) -> dict:
+            return {"device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),
+                    "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
+                    "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                    "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},
+                    "complete": complete, "sync_ms": result["sync_ms"], "load": result["load"],
+                    "warnings": warnings(result), "forward_cost": record_rows(result, args.dtype, args.q_bits)}
+
+        def so_far(result: dict) -> None:  # each row on disk as it is measured: a cut run keeps them
+            write_text(args.json, json.dumps(payload(result, False), indent=1) + "\n")
+
         result = measure(model, ar_model, args.attention, args.phases, args.widths, args.kv, args.repeat,
-                         args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True))
+                         args.fixed_kv, not args.no_split, log=lambda m: print(m, file=sys.stderr, flush=True),
+                         progress=so_far if args.json and args.json != "-" else None)
         print_tables(result, report)
-        notes = warnings(result)
-        for line in notes:
+        done = payload(result, True)
+        for line in done["warnings"]:
             print(f"warning: {line}", file=sys.stderr)
-        write_json(args.json, {
-            "device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),
-            "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
-            "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},
-            "sync_ms": result["sync_ms"], "load": result["load"], "warnings": notes,
-            "forward_cost": record_rows(result, args.dtype, args.q_bits)})
+        write_json(args.json, done)
         return 0
 
     return run(body)

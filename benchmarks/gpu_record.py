@@ -131,8 +131,9 @@ def forward_costs(outs: List[Path]) -> List[dict]:
 
 def run_conditions(outs: List[Path]) -> List[dict]:
     """Each forward-cost run's file with the machine's load while it ran and its warnings (a busy device's
-    timings say so in the record too)."""
-    return [{"file": path.name, **{k: run[k] for k in ("load", "warnings", "blas") if k in run}}
+    timings say so in the record too), and ``complete`` false where the run was cut before its end (its JSON
+    holds the rows it finished)."""
+    return [{"file": path.name, **{k: run[k] for k in ("load", "warnings", "blas", "complete") if k in run}}
             for path in _files(outs, "fc-*.json") for run in [_fc_run(path)]]
 
 
@@ -367,6 +368,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{t.get('measured', t.get('measured_worst'))}"
                   + (f" (median {t['measured_median']}; held back by {t['held_back_by']}: {t['growth_ms']} ms "
                      "more than a 1-token forward)" if "measured_median" in t else ""))
+        for r in record["runs"]:
+            if r.get("complete") is False:
+                print(f"note: {r['file']}'s run was cut before its end: the record holds the rows it finished")
         for d in record["decisions"]:
             print(f"{d['switch']} {d['candidate']} against {d['against']}: {d['median_ratio']}x the time "
                   f"(median of {d['pairs']} {d['forwards']}; {d['best_ratio']}-{d['worst_ratio']}x): "

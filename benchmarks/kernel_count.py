@@ -38,7 +38,7 @@ from refusion_mlx.cli import OneLineParser, positive_ints, run
 from refusion_mlx.decode.runner import Runner
 from refusion_mlx.models import backend
 
-from .forward_cost import PHASES, SLOT_SIZE, Filled
+from .forward_timing import PHASES, SLOT_SIZE, Filled
 from .speed_common import check_json_path, write_json
 
 BUILDS = 21  # graphs built per forward timed (the median is reported)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import (constrained, forward_cost, gpu_record, grammar_engines, mc_scoring, overhead, profile_decoder,
-                        scaling, soak, speed_common)
+from benchmarks import (constrained, forward_cost, forward_timing, gpu_record, grammar_engines, mc_scoring, overhead,
+                        profile_decoder, scaling, soak, speed_common)
 from refusion_mlx.bench import forward_replay
 from refusion_mlx.errors import RefusionError
 
@@ -326,7 +326,7 @@ def test_forward_cost_on_the_cpu_paths(tmp_path, capsys):
                               "attn", "head", "other", "x", "AR"]
     assert "load average (1, 5, 15 min)" in out and "mlx-lm" in out
     r = json.loads(path.read_text())
-    assert r["paths"] == "cpu" and r["shape"] == "tiny" and r["settings"]["repeat"] == 2
+    assert r["paths"] == "cpu" and r["shape"] == "tiny" and r["settings"]["repeat"] == 2 and r["complete"] is True
     assert r["blas"] and f"BLAS: {r['blas']}" in out  # its threads decide a small matmul's cost on a busy CPU
     rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
     assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
@@ -342,6 +342,35 @@ def test_forward_cost_on_the_cpu_paths(tmp_path, capsys):
     assert isinstance(r["warnings"], list)
     assert [line for line in err.splitlines() if line.startswith("warning: ")] == [f"warning: {w}" for w in
                                                                                   r["warnings"]]
+
+
+def test_forward_cost_keeps_every_row_it_finished_when_cut(tmp_path, monkeypatch, capsys):
+    """One process measures --attention auto,bucketed (gpu_record.sh's fc-bf16) and wrote its JSON only at
+    the end: cut during bucketed, it lost auto's rows too. The file now holds each row as it is measured."""
+    path = tmp_path / "fc-bf16.json"
+    timed, calls = forward_cost.forward_ms, []
+
+    def cut(*args, **kwargs):  # the fifth forward timed: bucketed's first, after auto's 4 rows
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # a kill at the call's limit, as far as the file can tell
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(forward_cost, "forward_ms", cut)
+    assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1", "--phases",
+                              "plan,verify", "--attention", "auto,bucketed", "--no-split", "--json", str(path)]) == 130
+    r = json.loads(path.read_text())
+    rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
+    assert r["complete"] is False and {(x["attention"], x["phase"], x["width"]) for x in rows} == {
+        ("auto", p, w) for p in ("plan", "verify") for w in (1, 4)}
+    (ar,) = [x for x in r["forward_cost"] if x["phase"] == "ar"]
+    assert ar["samples"] == 4  # AR's forwards beside the rows kept
+    assert not [p for p in tmp_path.iterdir() if p.name != path.name]  # no temporary file left beside it
+    capsys.readouterr()
+    assert gpu_record.main([str(tmp_path), "--commit", "x", "--record", str(tmp_path / "record.json")]) == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["runs"][0]["complete"] is False and len(record["forward_cost"]) == 5
+    assert "note: fc-bf16.json's run was cut before its end" in capsys.readouterr().out
 
 
 def test_forward_cost_rows_parts_and_ar(cost_run):
@@ -403,8 +432,8 @@ def test_forward_cost_says_spread_load_and_noise():
 
 
 def test_forward_cost_infill_layout():
-    assert forward_cost.infill_layout(1) == (1, 3) and forward_cost.infill_layout(2) == (1, 2)
-    assert forward_cost.infill_layout(4) == (1, 0) and forward_cost.infill_layout(32) == (8, 0)
+    assert forward_timing.infill_layout(1) == (1, 3) and forward_timing.infill_layout(2) == (1, 2)
+    assert forward_timing.infill_layout(4) == (1, 0) and forward_timing.infill_layout(32) == (8, 0)
 
 
 @pytest.mark.parametrize("argv, says", [
