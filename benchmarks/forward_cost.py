@@ -20,8 +20,10 @@ it):
 * **the whole forward**, as the decoder runs it (``Runner.hidden``, the LM
   head on every row, one evaluation): median (``ms``), fastest and slowest
   (``ms_min``, ``ms_max``, ``spread``: their difference over the median) of ``--repeat`` runs, each
-  at a cache one row longer than the last, as in decoding (a backend that plans per shape pays for its
-  plan every time; ``--fixed-kv``: the same length every run), and its ``build``: the host's time until
+  at a new cache length, as in decoding (a backend that plans per shape pays for its plan every time):
+  each row starts from its ``--kv`` length and its forwards see a few rows more, each phase's apart
+  (``kv_range``: the shortest and longest; :func:`forward_timing.cache_lengths`; ``--fixed-kv``: the
+  ``--kv`` length every run), AR's at the same lengths, and its ``build``: the host's time until
   the graph is built, before it is evaluated (Python's work per op; with
   ``REFUSION_MLX_OVERLAP=on`` or on the CPU paths it also starts the first
   layers), which only overlapping can hide;
@@ -78,7 +80,8 @@ from refusion_mlx.cli import OneLineParser, positive_ints, run, write_text
 from refusion_mlx.models import backend
 
 from .forward_cost_report import PARTS, load_now, print_tables, spread, warnings
-from .forward_timing import PHASES, SLOT_SIZE, AROneToken, Filled, forward_ms, parts_ms, sync_cost_ms
+from .forward_timing import (PHASES, SLOT_SIZE, AROneToken, Filled, cache_lengths, forward_ms, parts_ms,
+                             sync_cost_ms)
 from .speed_common import check_json_path, median, write_json
 
 
@@ -99,7 +102,11 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
     ar_builds: Dict[int, List[float]] = {kv: [] for kv in kv_lens}
 
     def result(end) -> dict:
-        ar_rows = [{"phase": "ar", "width": 1, "kv_len": kv, **spread(ar_times[kv]),
+        def seen(kv: int) -> List[int]:  # AR's forwards were at the cache lengths of the rows' beside them
+            paired = [r["kv_range"] for r in rows if r["kv_len"] == kv and "ar_ms" in r]
+            return [min(a for a, _ in paired), max(b for _, b in paired)]
+
+        ar_rows = [{"phase": "ar", "width": 1, "kv_len": kv, "kv_range": seen(kv), **spread(ar_times[kv]),
                     "build_ms": round(1000 * median(ar_builds[kv]), 4), "samples": len(ar_times[kv])}
                    for kv in kv_lens if ar_times[kv]]
         return {"sync_ms": round(sync_ms, 4), "rows": list(rows), "ar": ar_rows,
@@ -108,13 +115,17 @@ def measure(model, ar_model, attention: List[str], phases: List[str], widths: Li
     for mode in attention:
         with backend.setting(backend.ATTENTION_ENV, mode):
             for kv in kv_lens:
-                filled = Filled(model, kv, (repeat + 2) * (2 + max(widths)) + 4 * SLOT_SIZE * max(widths))
-                ar = AROneToken(ar_model, kv, ar_times[kv], ar_builds[kv]) if ar_model is not None else None
-                for phase in phases:
+                room = len(phases) * (repeat + 1)  # the cache lengths past kv a row's forwards see
+                filled = Filled(model, kv, room + max(SLOT_SIZE, *widths))
+                ar = AROneToken(ar_model, kv, room, ar_times[kv], ar_builds[kv]) if ar_model is not None else None
+                for p, phase in enumerate(phases):
+                    lengths = cache_lengths(kv, p, len(phases), repeat, fixed_kv)
                     for width in widths:
-                        times, builds, paired = forward_ms(model, filled, phase, width, repeat, fixed_kv, ar)
-                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv, **spread(times),
+                        times, builds, paired = forward_ms(model, filled, phase, width, lengths, ar)
+                        row = {"attention": mode, "phase": phase, "width": width, "kv_len": kv,
+                               "kv_range": [min(lengths[1:]), max(lengths[1:])], **spread(times),
                                "build_ms": round(1000 * median(builds), 4)}
+                        filled.cut(kv)
                         if split:
                             parts = parts_ms(model, filled, phase, width, repeat, sync_ms)
                             row.update({k: round(v, 4) for k, v in parts.items()})
@@ -182,7 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeat", type=int, default=5 if on_gpu else 3,
                         help="timed forwards per row (median, fastest, spread; default 5 on a GPU, 3 on the CPU)")
     parser.add_argument("--fixed-kv", action="store_true",
-                        help="every timed forward at the same cache length (default: one row longer each time)")
+                        help="every forward at exactly the --kv length (default: each at a new length, as a "
+                             "decode's cache grows, a few rows past it: the rows' kv_range)")
     parser.add_argument("--no-split", action="store_true", help="time whole forwards only")
     parser.add_argument("--no-ar", action="store_true", help="skip AR's one-token forward")
     parser.add_argument("--json", metavar="OUT", help="write the results to this JSON file (-: standard output, "

@@ -105,7 +105,9 @@ def print_tables(result: dict, file=None) -> None:
         print(f"\nload average (1, 5, 15 min) on {load['cores']} cores: {load['start']} at the start, "
               f"{load.get('end')} at the end, {load.get('peak_1min')} at most (1 min) between", file=file)
     exceeds = sum(1 for r in result["rows"] if r.get("split_exceeds_total"))
-    print("\nms per forward: median of the repeats, min the fastest, spread (slowest - fastest) / median; build: "
+    print("\nkv: the cache length a row starts from (its forwards: a new length each, a few rows past it, "
+          "kv_range in the JSON; --fixed-kv: kv each); "
+          "ms per forward: median of the repeats, min the fastest, spread (slowest - fastest) / median; build: "
           "the host's part before the evaluation (Python building the graph; on the CPU paths and with "
           "REFUSION_MLX_OVERLAP=on, also the first layers computed meanwhile)"
           + (f"; parts timed alone, each less an empty evaluation ({result['sync_ms']:.3f} ms): proj the q/k/v/o "

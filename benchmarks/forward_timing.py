@@ -49,31 +49,42 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
 
 class AROneToken:
     """mlx-lm's one-token forward after ``kv_len`` cached rows (random keys
-    and values), the cache one row longer each call: the AR side of every
-    row at this cache length, timed right after each of its forwards
-    (:func:`forward_ms`), so that both sides of ``x_ar`` meet the machine in
-    the same state. One untimed call first. ``times``, ``builds``: the lists
-    each timed forward's seconds and its graph's are appended to (default new)."""
+    and values), with room for ``room`` more without growing its buffers:
+    the AR side of every row at this cache length, timed right after each of
+    its forwards at the same cache length (:func:`forward_ms`), so that both
+    sides of ``x_ar`` meet the machine in the same state. One untimed call
+    first. ``times``, ``builds``: the lists each timed forward's seconds and
+    its graph's are appended to (default new)."""
 
-    def __init__(self, ar_model, kv_len: int, times: Optional[List[float]] = None,
+    def __init__(self, ar_model, kv_len: int, room: int = 0, times: Optional[List[float]] = None,
                  builds: Optional[List[float]] = None):
         from mlx_lm.models.cache import make_prompt_cache
 
         self.model, self.cache = ar_model, make_prompt_cache(ar_model)
         args = ar_model.args
-        K, D = args.num_key_value_heads, args.head_dim
-        dtype = ar_model.model.norm.weight.dtype
-        for c in self.cache:
-            kv = mx.random.normal((1, K, kv_len, D)).astype(dtype)
-            c.update_and_fetch(kv, kv)
-        mx.eval([c.state for c in self.cache])
+        self.shape = (1, args.num_key_value_heads, args.head_dim)
+        self.dtype = ar_model.model.norm.weight.dtype
+        self.cut(kv_len + room + 1)  # the buffers as long as any forward here needs: none grows while timed
         self.token = mx.array([[1]], dtype=mx.int32)
         self.times: List[float] = [] if times is None else times
         self.builds: List[float] = [] if builds is None else builds
-        self.once(keep=False)
+        self.once(kv_len, keep=False)
 
-    def once(self, keep: bool = True) -> float:
-        """Seconds of one forward (its graph built, then evaluated)."""
+    def cut(self, rows: int) -> None:
+        """Exactly ``rows`` cached rows: the rest dropped (its offset moved back, nothing copied), or random
+        rows added."""
+        B, K, D = self.shape
+        for c in self.cache:
+            if c.offset > rows:
+                c.trim(c.offset - rows)
+            elif c.offset < rows:
+                kv = mx.random.normal((B, K, rows - c.offset, D)).astype(self.dtype)
+                c.update_and_fetch(kv, kv)
+        mx.eval([c.state for c in self.cache])
+
+    def once(self, rows: int, keep: bool = True) -> float:
+        """Seconds of one forward after ``rows`` cached rows (its graph built, then evaluated)."""
+        self.cut(rows)
         mx.synchronize()
         t0 = time.perf_counter()
         best = mx.argmax(self.model(self.token, cache=self.cache)[:, -1, :], axis=-1)
@@ -102,10 +113,15 @@ class Filled:
                 mx.eval(store.keys, store.values)
         self.cache.commit([0] * rows, list(range(rows)))
 
-    def grow_one(self) -> None:
-        """One more committed row (a decode moves on)."""
+    def cut(self, rows: int) -> None:
+        """Exactly ``rows`` committed rows: past them the rest dropped (the rows kept are the first ones,
+        so nothing is copied: ``CommittedCache.keep``), short of them the next rows the passes wrote
+        committed, as a decode commits them."""
         n = len(self.cache)
-        self.cache.commit([0], [n])
+        if n > rows:
+            self.cache.keep(range(rows))
+        elif n < rows:
+            self.cache.commit([0] * (rows - n), list(range(n, rows)))
 
     def write(self, phase: str, width: int):
         if phase == "infill":
@@ -114,17 +130,30 @@ class Filled:
         return self.cache.extend(width)
 
 
-def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed_kv: bool,
+def cache_lengths(kv_len: int, phase: int, phases: int, repeat: int, fixed_kv: bool) -> List[int]:
+    """The cache length of each forward of a row at ``kv_len`` (the untimed one first), the row's phase
+    the ``phase``-th of ``phases``: ``kv_len`` each with ``fixed_kv``; else a new length each time, as a
+    decode's cache grows: the timed ones at ``kv_len + phase``, then ``phases`` rows longer each, so that
+    no two forwards of a cache length repeat a shape (a plan and a verify pass of one width are the same
+    forward) and no phase is measured at longer caches than another; the untimed one past them."""
+    if fixed_kv:
+        return [kv_len] * (repeat + 1)
+    return [kv_len + phase + k * phases for k in (repeat, *range(repeat))]
+
+
+def forward_ms(model, filled: Filled, phase: str, width: int, lengths: List[int],
                ar: Optional[AROneToken] = None) -> Tuple[List[float], List[float], List[float]]:
-    """Seconds of ``repeat`` whole forwards of ``width`` tokens (LM head on
-    every row, after one untimed), of the host's part of each before its
-    evaluation: building the graph in Python (with
-    ``REFUSION_MLX_OVERLAP=on``, also starting its first layers), and of
-    ``ar``'s one-token forward timed right after each (none without ``ar``)."""
+    """Seconds of whole forwards of ``width`` tokens (LM head on every row),
+    one after each cache length of ``lengths`` (:func:`cache_lengths`; the
+    first untimed), of the host's part of each before its evaluation:
+    building the graph in Python (with ``REFUSION_MLX_OVERLAP=on``, also
+    starting its first layers), and of ``ar``'s one-token forward timed
+    right after each at the same cache length (none without ``ar``)."""
     runner = Runner.of(model)
     rng = np.random.default_rng(0)
     times, builds, ar_times = [], [], []
-    for r in range(repeat + 1):
+    for r, length in enumerate(lengths):
+        filled.cut(length)
         write = filled.write(phase, width)
         start = len(filled.cache)
         tokens = mx.array(rng.integers(0, model.args.vocab_size, width), dtype=mx.int32)
@@ -140,9 +169,7 @@ def forward_ms(model, filled: Filled, phase: str, width: int, repeat: int, fixed
             times.append(time.perf_counter() - t0)
             builds.append(built - t0)
             if ar is not None:
-                ar_times.append(ar.once())
-        if not fixed_kv:
-            filled.grow_one()
+                ar_times.append(ar.once(length))
     return times, builds, ar_times
 
 

@@ -373,6 +373,50 @@ def test_forward_cost_keeps_every_row_it_finished_when_cut(tmp_path, monkeypatch
     assert "note: fc-bf16.json's run was cut before its end" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_forward_cost_measures_each_row_at_its_cache_length(fixed, monkeypatch, capsys):
+    """One cache was shared by every phase and width at a length and grew a row per forward: rows labelled
+    256 were measured at 256-364 cached rows, AR's too. Each row now starts from its length: its forwards at
+    a new length each (a phase's apart from another's, so that no plan and verify pass of a width repeat a
+    shape), a few rows past it, as its kv_range says; with --fixed-kv every forward, AR's too, at the length."""
+    seen, ar_seen = [], []
+    write, once = forward_timing.Filled.write, forward_timing.AROneToken.once
+
+    def spy_write(self, phase, width):
+        seen.append((phase, width, len(self.cache)))
+        return write(self, phase, width)
+
+    def spy_once(self, *args, **kwargs):
+        took = once(self, *args, **kwargs)
+        ar_seen.append(self.cache[0].offset - 1)  # the rows it attended before its own
+        return took
+
+    monkeypatch.setattr(forward_timing.Filled, "write", spy_write)
+    monkeypatch.setattr(forward_timing.AROneToken, "once", spy_once)
+    repeat = 3
+    assert forward_cost.main(["--shape", "tiny", "--widths", "1,4", "--kv", "16,40", "--repeat", str(repeat),
+                              "--no-split", "--json", "-"] + (["--fixed-kv"] if fixed else [])) == 0
+    r = json.loads(capsys.readouterr().out)
+    rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
+    assert len(seen) == len(rows) * (repeat + 1)  # each row's forwards, the untimed one first
+    paired = []  # the cache lengths AR's forwards should have seen: its untimed one at each length, then ours
+    for i, x in enumerate(rows):
+        mine = seen[i * (repeat + 1):(i + 1) * (repeat + 1)]
+        assert {(ph, w) for ph, w, _ in mine} == {(x["phase"], x["width"])}
+        lengths = [n for _, _, n in mine[1:]]
+        paired += ([x["kv_len"]] if i == 0 or rows[i - 1]["kv_len"] != x["kv_len"] else []) + lengths
+        if fixed:
+            assert lengths == [x["kv_len"]] * repeat and mine[0][2] == x["kv_len"]
+        else:
+            p = ("plan", "verify", "infill").index(x["phase"])
+            assert lengths == [x["kv_len"] + p + 3 * k for k in range(repeat)]
+        assert x["kv_range"] == [min(lengths), max(lengths)]
+    assert ar_seen == paired  # AR at the very length of the forward it is paired with
+    for ar in (x for x in r["forward_cost"] if x["phase"] == "ar"):
+        at = [x["kv_range"] for x in rows if x["kv_len"] == ar["kv_len"]]
+        assert ar["kv_range"] == [min(a for a, _ in at), max(b for _, b in at)]
+
+
 def test_forward_cost_rows_parts_and_ar(cost_run):
     out, printed = cost_run
     r = json.loads((out / "fc-bf16.json").read_text())
