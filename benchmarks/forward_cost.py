@@ -60,7 +60,8 @@ output, the tables on standard error; the path is checked before
 measuring). A ``--json`` file is rewritten (atomically) after every row
 with ``complete`` false, and once more at the end with ``complete`` true:
 a run killed or failed part way keeps every row it finished, in a valid
-JSON, an earlier attention mode's too. On CUDA, run under ``nsys`` for NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
+JSON, an earlier attention mode's too. On CUDA, run under ``nsys`` for
+NVTX ranges of MLX's kernels; MLX exposes no per-op profiler to Python,
 hence the parts timed alone.
 """
 
@@ -152,6 +153,27 @@ def record_rows(result: dict, dtype: str, q_bits: Optional[int]) -> List[dict]:
     return out + [{**r, "attention": None, "dtype": dtype, "q_bits": q_bits} for r in result["ar"]]
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} hours" if seconds > 7200 else f"{seconds / 60:.0f} minutes" if seconds > 120 \
+        else f"{seconds:.0f} s"
+
+
+def slow_note(model, args) -> str:
+    """One line for a run in half precision on the CPU, where MLX's kernels are much slower than in float32
+    (4-bit most: qwen3-0.6b's one-token forward took 12.5 s, a 4-token one 4.5 times that): a one-token
+    forward timed (two, the first untimed), the run's forwards and parts priced at it, each at one to its
+    width times its cost."""
+    times, _, _ = forward_ms(model, Filled(model, args.kv[0], SLOT_SIZE), "plan", 1, [args.kv[0]] * 2)
+    each = len(args.attention) * len(args.kv) * len(args.phases) * (args.repeat + 1) * (1 if args.no_split else 2)
+    ar = 0 if args.no_ar else len(args.attention) * len(args.kv) * len(args.phases) * len(args.widths) * args.repeat
+    low, high = (each * len(args.widths) + ar) * times[0], (each * sum(args.widths) + ar) * times[0]
+    weights = f"{args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}"
+    return (f"note: {weights} on the CPU is for parity, not speed: a one-token forward took {times[0]:.2f} s "
+            f"here, so this run's {each * len(args.widths) + ar} forwards and parts take {_duration(low)} to "
+            f"{_duration(high)} (a forward of n tokens costs up to n times as much); float32, the default, "
+            "times the CPU")
+
+
 def names(allowed) -> Callable[[str], List[str]]:
     """argparse type: comma-separated names of ``allowed``; the error names the choices."""
     def parse(text: str) -> List[str]:
@@ -179,7 +201,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         default="bfloat16" if on_gpu else "float32",
                         help="the weights' dtype (default bfloat16 on a GPU, float32 on the CPU; on the CPU "
-                             "bfloat16 is for parity, not speed: several times slower, 4-bit most)")
+                             "bfloat16 is for parity, not speed: several times slower, 4-bit most; the run says "
+                             "how long at its start)")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
     parser.add_argument("--widths", type=positive_ints, default=[1, 2, 4, 8, 16, 32] if on_gpu else [1, 4, 16],
                         help="tokens per forward (default 1,2,4,8,16,32 on a GPU, 1,4,16 on the CPU)")
@@ -220,6 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
         if not on_gpu:  # its threads decide what a small matmul costs on a shared CPU (docs/benchmarks.md)
             print(f"BLAS: {blas_in_use()}", file=report, flush=True)
+            if args.dtype != "float32":  # MLX's CPU kernels in half precision: hours at a real shape, 4-bit
+                print(slow_note(model, args), file=sys.stderr, flush=True)
 
         def payload(result: dict, complete: bool) -> dict:
             return {"device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),

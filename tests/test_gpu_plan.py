@@ -303,6 +303,26 @@ def test_the_instrument_warns_that_bf16_on_the_cpu_is_for_parity(capsys):
     assert "bfloat16 is for parity, not speed" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_half_precision_run_on_the_cpu_says_how_long_it_takes(capsys):
+    """--dtype bfloat16 --q-bits 4 on the CPU took hours at qwen3-0.6b (12.5 s a one-token forward) and said
+    so only in --help: the run now says at its start, from a one-token forward it times, what it will take."""
+    import mlx.core as mx
+
+    from benchmarks import forward_cost
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("the note is the CPU's")
+    argv = ["--shape", "tiny", "--widths", "1,4", "--kv", "16", "--repeat", "1", "--phases", "plan", "--no-split",
+            "--no-ar", "--json", "-"]
+    assert forward_cost.main(argv + ["--dtype", "bfloat16", "--q-bits", "4"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    (note,) = [line for line in err if line.startswith("note: bfloat16, 4-bit on the CPU is for parity")]
+    assert "a one-token forward took" in note and "this run's 4 forwards and parts take" in note  # 2 widths x 2
+    assert err.index(note) < min(i for i, line in enumerate(err) if line.startswith("auto plan width"))
+    assert forward_cost.main(argv) == 0  # float32: nothing to say
+    assert "parity" not in capsys.readouterr().err
+
+
 def test_the_nsys_step_traces_where_nsys_is_and_costs_nothing_where_not(fake, tmp_path):
     """MLX's CUDA backend names each op's host work in an NVTX range; the step
     records them under nsys (its summaries come back, its forwards stay out of the record)."""
