@@ -367,7 +367,7 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
     assert main(["--shape", "tiny", "--prompts", "2", "--max-tokens", "16", "--forecast-only",
                  "--cost-curve", str(path), "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["cost_curve"] == {"file": str(path), "device": "gpu (test)"}
+    assert r["cost_curve"] == {"file": str(path), "device": "gpu (test)", "priced_as": {}}  # every phase measured
     for p in r["profiles"]:
         c = p["from_curve"]
         assert c["refusion_tok_s"] > 0 and c["ratio"] == pytest.approx(c["ar_seconds"] / c["refusion_seconds"], 1e-3)
@@ -382,6 +382,23 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
     path.write_text("[1, 2]")
     assert main(["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)]) == 1
     assert "not a cost curve" in capsys.readouterr().err
+
+
+def test_a_cost_curve_says_which_phase_it_priced_from_another(tmp_path, capsys):
+    """gpu_record.sh's 4-bit run measures plan and infill only: the verify passes were priced at plan's rows
+    and nothing said so. They still are (a verify pass is a plan pass of its width), and the report names it."""
+    rows = [{"phase": "ar", "width": 1, "kv_len": 256, "ms": 8.0, "attention": None}]
+    rows += [{"phase": p, "width": w, "kv_len": 256, "ms": 10.0 + w, "attention": "auto"} for p in ("plan", "infill")
+             for w in (1, 4, 16)]
+    path = tmp_path / "fc-q4.json"
+    path.write_text(json.dumps({"shape": "tiny", "device": "gpu (test)", "forward_cost": [
+        {**r, "dtype": "float32", "q_bits": 4} for r in rows]}))
+    out = tmp_path / "shape.json"
+    assert main(["--shape", "tiny", "--q-bits", "4", "--prompts", "2", "--max-tokens", "16", "--forecast-only",
+                 "--cost-curve", str(path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["cost_curve"]["priced_as"] == {"verify": "plan"}
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"note: {path} has no verify forwards of these weights: the verify passes are priced as plan passes" in said
 
 
 def test_a_cost_curve_prices_the_runtimes_settings_only(tmp_path, capsys):

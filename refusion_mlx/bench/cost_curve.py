@@ -11,7 +11,9 @@ prefill or plan pass at ``plan``'s, a verify at ``verify``'s, an infill
 pass at ``infill``'s), interpolated linearly in width and cache length
 between the points measured and held at the ends (wider than measured: the
 widest's cost grown in proportion to the width past it, which is what a
-compute-bound forward does). AR's prompt is priced as a plan pass of its
+compute-bound forward does). A phase the curve has no rows of
+(``gpu_record.sh``'s 4-bit run measures plan and infill only) is priced at
+``plan``'s, and the report names it (:meth:`CostCurve.describe`). AR's prompt is priced as a plan pass of its
 length, each token after it at AR's one-token forward.
 
 The curve's rows are the runtime's own settings: measured with every switch
@@ -66,6 +68,7 @@ class CostCurve:
 
     def __init__(self, rows: Sequence[dict], source: str = "", device: str = ""):
         self.source, self.device = source, device
+        self.priced_as: Dict[str, str] = {}  # a phase with no rows -> the phase :meth:`ms` priced it at
         # (phase) -> kv -> [(width, ms)], and AR's kv -> ms
         self.table: Dict[str, Dict[int, List[Tuple[int, float]]]] = {}
         ar: Dict[int, float] = {}
@@ -114,11 +117,20 @@ class CostCurve:
         return cls(mine, str(path), data.get("device", ""))
 
     def ms(self, phase: str, width: int, kv: int) -> float:
-        """One forward of ``width`` tokens after ``kv`` cached rows."""
-        by_kv = self.table.get(PHASE_OF.get(phase, phase)) or self.table.get("plan") or \
-            next(iter(self.table.values()))
-        per_kv = sorted((k, _interpolate(points, width, grow=True)) for k, points in by_kv.items())
+        """One forward of ``width`` tokens after ``kv`` cached rows; a phase the curve has no rows of at
+        ``plan``'s (a verify pass is a plan pass of its width), else at the first phase it has, and
+        :attr:`priced_as` says so."""
+        wanted = PHASE_OF.get(phase, phase)
+        used = wanted if wanted in self.table else "plan" if "plan" in self.table else next(iter(self.table))
+        if used != wanted:
+            self.priced_as[wanted] = used
+        per_kv = sorted((k, _interpolate(points, width, grow=True)) for k, points in self.table[used].items())
         return _interpolate(per_kv, kv)
+
+    def describe(self) -> dict:
+        """What a report says of the curve: its file, its device and each phase it priced from another's
+        rows (``priced_as``: phase -> the phase whose rows priced it)."""
+        return {"file": self.source, "device": self.device, "priced_as": dict(sorted(self.priced_as.items()))}
 
     def ar_ms(self, kv: int) -> float:
         return _interpolate(self.ar, kv)

@@ -105,8 +105,11 @@ def format_curve(r: dict) -> str:
               p["from_curve"]["refusion_tok_s"], f"{p['from_curve']['ratio']:.2f}x"] for p in r["profiles"]]
     title = (f"priced from the cost of a forward by width measured on {c['device'] or 'the device'} ({c['file']}): "
              "each forward at the measured milliseconds of its phase, width and cache length")
+    notes = [f"note: {c['file']} has no {phase} forwards of these weights: the {phase} passes are priced as {used} "
+             "passes of their width and cache length" for phase, used in (c.get("priced_as") or {}).items()]
     return "\n".join(textwrap.wrap(title, width=110, subsequent_indent="    ")
-                     + [format_table(["profile", "tok/fwd", "seconds", "tok/s", "ReFusion / AR"], rows)])
+                     + [format_table(["profile", "tok/fwd", "seconds", "tok/s", "ReFusion / AR"], rows)]
+                     + [line for note in notes for line in textwrap.wrap(note, width=110, subsequent_indent="    ")])
 
 
 def _forecast(r: dict) -> str:

@@ -363,7 +363,7 @@ def run_shape(name: str, suite: Suite, params, dtype: str = "float32", q_bits: O
         "weight_bytes_per_token": mine["weight_bytes_per_token"], "flops_per_token": mine["flops_per_token"],
         "forecast": mine["forecast"], "forecast_note": NOTE, "profiles": profiles,
         "kv_memory": kv_memory(shape_config(name), dtype, **(kv or {})),
-        "cost_curve": None if cost_curve is None else {"file": cost_curve.source, "device": cost_curve.device},
+        "cost_curve": None if cost_curve is None else cost_curve.describe(),
         "h100": [{"weights": w, "recorded_with": who, "tokens_per_forward": t, "measured_ratio": m,
                   "forecast_ratio": f} for w, who, t, m, f in MEASURED_ON_H100],
     }
