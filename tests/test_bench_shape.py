@@ -320,6 +320,15 @@ def test_forecast_says_the_quantization_and_widths_it_assumes(tmp_path, capsys):
     assert "[d] float32 weights" in text and "once at every width" in text and "bfloat16/float16" not in text
 
 
+def test_forecast_names_the_mlx_whose_kernels_it_follows(capsys):
+    """The Metal kernels the forecast follows depend on MLX's version (gemv_wide is new in MLX 0.32.1, and the
+    project allows 0.32): footnote [d] names the one they were read from, for every kind of weights."""
+    for flags in ([], ["--dtype", "bfloat16"], ["--dtype", "bfloat16", "--q-bits", "4"]):
+        assert main(["--shape", "tiny", "--forecast-only", "--prompts", "1", "--max-tokens", "16", *flags]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "streamed as MLX 0.32.1's Metal kernels stream them (gemv_wide is new in 0.32.1" in text, flags
+
+
 def test_float32_weights_are_streamed_once_at_every_width():
     """gemv_wide (a pass per 5 rows) serves float16 and bfloat16 only: float32 takes gemv or a GEMM, one pass
     (the forecast priced float32 as bf16); quantized weights are qmv(_wide) whatever the activations."""

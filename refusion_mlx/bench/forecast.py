@@ -269,26 +269,32 @@ def format_forecast(r: dict) -> str:
     return "\n".join(lines)
 
 
+# The MLX whose Metal kernels :func:`weight_reads` and :func:`qmv_row_limit` follow (mlx/backend/metal:
+# matmul.cpp, quantized.cpp): gemv_wide is new in 0.32.1, qmv_wide in 0.32.0; another MLX may stream otherwise.
+KERNELS_OF = "MLX 0.32.1"
+STREAMED = f"streamed as {KERNELS_OF}'s Metal kernels stream them (gemv_wide is new in 0.32.1, qmv_wide in 0.32.0)"
+
+
 def kernel_note(config: dict, q_bits: Optional[int], chips: Sequence[Chip], dtype: str = "bfloat16") -> str:
     """Footnote [d]: the weights' form and the widths at which the forecast
-    has MLX's Metal kernels stream each matrix more than once."""
+    has MLX's Metal kernels stream each matrix more than once, and the MLX
+    whose kernels those are (:data:`KERNELS_OF`)."""
     if not q_bits and dtype == "float32":
-        return ("[d] float32 weights, streamed as MLX's Metal kernels stream them: once at every width (gemv "
-                "for 1 row, a GEMM from 2: gemv_wide, which re-reads the weights every 5 rows, takes float16 "
-                "and bfloat16 only).")
+        return (f"[d] float32 weights, {STREAMED}: once at every width (gemv for 1 row, a GEMM from 2: "
+                "gemv_wide, which re-reads the weights every 5 rows, takes float16 and bfloat16 only).")
     if not q_bits:
-        return (f"[d] {dtype} weights, streamed as MLX's Metal kernels stream them: a 1-row forward "
-                "once (gemv), 2-15 rows once per 5 rows on M3 and later (gemv_wide: 2 passes from 6 rows, 3 from "
-                "11; M1/M2 take a GEMM), 16 rows and more once (GEMM).")
+        return (f"[d] {dtype} weights, {STREAMED}: a 1-row forward once (gemv), 2-15 rows once per 5 rows on M3 "
+                "and later (gemv_wide: 2 passes from 6 rows, 3 from 11; M1/M2 take a GEMM), 16 rows and more once "
+                "(GEMM).")
     d, hd = config["hidden_size"], config["head_dim"]
     H, K, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
     mats = (("qkv", d, (H + 2 * K) * hd), ("o", H * hd, d), ("gate_up", d, 2 * inter), ("down", inter, d),
             ("head", d, config["vocab_size"]))
     limits = "; ".join(f"{c.name.split(' (')[0]} " + ", ".join(f"{m} {qmv_row_limit(k, n, c)}" for m, k, n in mats)
                        for c in chips)
-    return (f"[d] {q_bits}-bit weights (group size 64, {dtype} activations), streamed as MLX's Metal kernels stream them: below a "
-            "matrix's GEMM row limit once per 5 rows on M3 and later (qmv_wide; once per row on M1/M2), from it "
-            f"once (split-K GEMM); the limits at this shape, in rows: {limits}.")
+    return (f"[d] {q_bits}-bit weights (group size 64, {dtype} activations), {STREAMED}: below a matrix's GEMM "
+            "row limit once per 5 rows on M3 and later (qmv_wide; once per row on M1/M2), from it once (split-K "
+            f"GEMM); the limits at this shape, in rows: {limits}.")
 
 
 def _chips(names: List[str]) -> List[Chip]:
