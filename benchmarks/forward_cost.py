@@ -83,7 +83,7 @@ from refusion_mlx.models import backend
 from .forward_cost_report import PARTS, load_now, print_tables, spread, warnings
 from .forward_timing import (PHASES, SLOT_SIZE, AROneToken, Filled, cache_lengths, forward_ms, parts_ms,
                              sync_cost_ms)
-from .speed_common import check_json_path, median, write_json
+from .speed_common import check_json_path, median, shape_arg, write_json
 
 
 def measure(model, ar_model, attention: List[str], phases: List[str], widths: List[int], kv_lens: List[int],
@@ -189,12 +189,12 @@ def names(allowed) -> Callable[[str], List[str]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from refusion_mlx.bench.shapes import HIDDEN_SHAPES, SHAPES
+    from refusion_mlx.bench.shapes import SHAPES
 
     on_gpu = mx.default_device() == mx.gpu
     parser = OneLineParser(prog="python -m benchmarks.forward_cost",
                            description="A forward's cost by width, split by op class, against AR's one-token forward.")
-    parser.add_argument("--shape", choices=list(SHAPES) + list(HIDDEN_SHAPES), metavar="NAME",
+    parser.add_argument("--shape", type=shape_arg, metavar="NAME",
                         default="refusion-8b" if on_gpu else "qwen3-0.6b",
                         help=f"model shape, random weights: {', '.join(SHAPES)} (default: refusion-8b on a GPU, "
                              "qwen3-0.6b on the CPU)")

@@ -139,6 +139,18 @@ def median(values: Sequence[float]) -> float:
     return float(np.median(np.asarray(values, dtype=np.float64)))
 
 
+def shape_arg(text: str) -> str:
+    """argparse type of ``--shape``: a shape ``bench.shapes`` builds (the tests' hidden one too); the error
+    names the listed ones only, as ``bench --shape`` does."""
+    from refusion_mlx.bench.shapes import check_shape, shape_names
+
+    try:
+        check_shape(text)
+    except RefusionError:
+        raise argparse.ArgumentTypeError(f"unknown shape {text!r}; known: {', '.join(shape_names())}") from None
+    return text
+
+
 def write_json(path: Optional[str], payload: dict) -> None:
     """``payload`` to ``path`` (``-``: standard output), as ``bench --json`` writes it."""
     from refusion_mlx.bench.compare import write_json as write

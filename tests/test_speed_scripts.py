@@ -494,6 +494,18 @@ def test_forward_cost_bad_flags_exit_2(argv, says, capsys):
     assert len(err) == 1 and says in err[0] and "<lambda>" not in err[0]
 
 
+@pytest.mark.parametrize("tool", ["forward_cost", "kernel_count"])
+def test_a_speed_tool_names_the_listed_shapes_only(tool, capsys):
+    """--shape nope listed the tests' hidden shape tiny among the choices."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"benchmarks.{tool}").main(["--shape", "nope"])
+    assert e.value.code == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.endswith("unknown shape 'nope'; known: qwen3-0.6b, qwen3-1.7b, qwen3-4b, refusion-8b") and "tiny" not in err
+
+
 def test_gpu_record_from_the_runs(cost_run, tmp_path, capsys):
     """The record's keys, from the instrument's and bench --shape's JSON."""
     from refusion_mlx.bench.__main__ import main as bench_main
