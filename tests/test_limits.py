@@ -886,6 +886,15 @@ def test_hostile_model_folders_are_refused_in_one_line(tmp_path):
     refused(rope, "rope_scaling.factor")
 
 
+def template_folder(tmp_path, template: str):
+    """The demo model's folder with ``template`` its chat template."""
+    hostile = folder(tmp_path)
+    config = json.loads((hostile / "tokenizer_config.json").read_text())
+    (hostile / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (hostile / "chat_template.jinja").unlink(missing_ok=True)
+    return hostile
+
+
 def _error(fn, *args):
     try:
         fn(*args)
@@ -915,6 +924,24 @@ HOSTILE_TEMPLATES = [  # what each would do unchecked: loop for hours, or alloca
     ('{% set a = "a" * 4000000 %}{% for i in range(100000) %}{{ a }}{% endfor %}', "wrote over 67108864 characters"),
     ('{{ "x" | center(10**10) }}', "asked center for 10000000000"),
     ("{{ messages[0]['content'] | indent(10**10) }}", "asked indent for 10000000000"),
+    # jinja's own filters, which the line budget never sees: 3e9 slices summed, 2.7 GB of lists, 1.6 GB of fill
+    ("{{ []|slice(3000000000, 0)|map('length')|sum }}", "asked slice for 3000000000 \\(the most is 65536\\)"),
+    ("{{ []|slice(40000000)|list|length }}", "asked slice for 40000000"),
+    ("{{ ([1]|batch(200000000, 0)|first)|length }}", "asked batch for 200000000"),
+    ("{% set l = [1] * 4000000 %}{{ ([l] * 1000)|sum(start=[])|length }}", "summed over 4194304 items"),
+    ("{{ (['a'] * 4000000)|join('b' * 4000000) }}", "joined over 4194304 characters"),
+    ("{{ ('a ' * 2000000)|wordwrap(1, wrapstring='x' * 1000) }}", "wrapped into over 4194304 characters"),
+    # a short list of one list repeated writes out long: {{ }}, ~, %, join, tojson
+    ("{% set b = [['x' * 100]] * 4000000 %}{{ b }}", "wrote out a value of over 4194304 characters"),
+    ("{% set b = [['x' * 100]] * 4000000 %}{{ b ~ '' }}", "joined over 4194304 characters with ~"),
+    ("{% set b = [['x' * 100]] * 4000000 %}{{ '%s' % (b,) }}", "formatted a value of over 4194304"),
+    ("{% set b = [['x' * 100]] * 4000000 %}{{ b|join }}", "joined over 4194304 characters"),
+    ("{% set b = [['x' * 100]] * 4000000 %}{{ b|tojson }}", "wrote out a value of over 4194304"),
+    ("{% set a = 'a' * 4000000 %}{% macro m() %}{% for i in range(100000) %}{{ a }}{% endfor %}{% endmacro %}"
+     "{% set x = m() %}{{ x|length }}", "joined over 67108864 characters"),
+    # each string under the limits, 2,000 of them 8 GB
+    ("{% set s = 'x' * 4000000 %}{% set ns = namespace(l=[]) %}{% for i in range(2000) %}"
+     "{% set ns.l = ns.l + [s ~ i] %}{% endfor %}{{ ns.l|length }}", "made over 134217728 characters or items"),
 ]
 
 
@@ -926,14 +953,31 @@ def test_a_hostile_chat_template_fails_in_one_line_at_once(tmp_path, template, n
     from refusion_mlx.decode.stream import render_chat
     from refusion_mlx.errors import DecodeError
 
-    hostile = folder(tmp_path)
-    config = json.loads((hostile / "tokenizer_config.json").read_text())
-    (hostile / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    (hostile / "chat_template.jinja").unlink(missing_ok=True)
+    hostile = template_folder(tmp_path, template)
     tokenizer = load_tokenizer(hostile)
     t0 = time.monotonic()
     with pytest.raises(DecodeError, match=f"^the chat template failed: the chat template {needle}"):
         render_chat(tokenizer, [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert time.monotonic() - t0 < 5
+
+
+HEAVY_LINES = ("{% set s = 'x' * 4000000 %}{% for i in range(1000) %}{% for j in range(300) %}{% set t = s.upper() %}"
+               "{% endfor %}{% endfor %}{{ messages[0]['content'] }}")  # under the line budget, minutes of work
+
+
+def test_a_chat_template_of_few_heavy_lines_fails_past_its_time(tmp_path, monkeypatch):
+    from mlx_lm.utils import load_tokenizer
+
+    from refusion_mlx.decode.stream import render_chat
+    from refusion_mlx.errors import DecodeError
+    from refusion_mlx.models import template_steps
+
+    monkeypatch.setattr(template_steps, "TEMPLATE_SECONDS", 1.0, raising=False)
+    hostile = template_folder(tmp_path, HEAVY_LINES)
+    tokenizer = load_tokenizer(hostile)
+    t0 = time.monotonic()
+    with pytest.raises(DecodeError, match="^the chat template failed: the chat template ran past 1 seconds$"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}])
     assert time.monotonic() - t0 < 5
 
 
@@ -964,4 +1008,21 @@ def test_a_chat_template_that_never_ends_fails_its_request(tmp_path):
                                                                  "max_tokens": 4})
         assert status == 400 and "ran past" in err["error"]["message"] and seconds < 10
         assert call(srv, "GET", "/health")[0] == 200
+        assert call(srv, "POST", "/v1/completions", {"prompt": "1 2 3", "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.parametrize("template,needle", [("{{ []|slice(3000000000, 0)|map('length')|sum }}", "asked slice"),
+                                             (HEAVY_LINES, "ran past 1 seconds")])
+def test_a_chat_template_of_jinja_filters_or_heavy_lines_fails_its_request(tmp_path, monkeypatch, template, needle):
+    """One chat request once held the small lane's tokenizer for ever: a filter's loop runs in jinja's code."""
+    from refusion_mlx.models import template_steps
+    from refusion_mlx.serve.http_server import RefusionServer
+
+    monkeypatch.setattr(template_steps, "TEMPLATE_SECONDS", 1.0, raising=False)
+    hostile = template_folder(tmp_path, template)
+    with RefusionServer(str(hostile), port=0) as srv:
+        (status, err), seconds = timed(call, srv, "POST", CHAT, {"messages": [{"role": "user", "content": "Hi"}],
+                                                                 "max_tokens": 4})
+        assert status == 400 and needle in err["error"]["message"] and seconds < 5, (status, err, seconds)
+        assert call(srv, "POST", "/tokenize", {"prompt": "1 2 3"})[0] == 200
         assert call(srv, "POST", "/v1/completions", {"prompt": "1 2 3", "max_tokens": 4})[0] == 200

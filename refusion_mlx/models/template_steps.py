@@ -9,13 +9,18 @@ Within :func:`step_limit`:
 
 * every line the compiled template runs counts against a per-render budget
   of :data:`TEMPLATE_STEPS` (a trace function on the rendering thread, which
-  looks at the template's own frames only);
+  looks at the template's own frames only), and a rendering ends after
+  :data:`TEMPLATE_SECONDS` (checked there and at every Python call, jinja's
+  filters and generators included: a line may do much work);
 * what could make a string, list or number past :data:`MAX_ITEMS` items (or
   :data:`MAX_BITS` bits) is checked before it runs: the operators ``*``,
   ``**``, ``+``, ``%`` and ``~``; every call the template makes (an integer
   argument, ``join``, ``replace``, ``str.format``'s widths); the filters of
-  :data:`FILTER_LIMITS` and ``lipsum``; a rendering writes at most
-  :data:`MAX_OUTPUT` characters;
+  :data:`FILTER_LIMITS` (``slice``, ``batch``: the parts they make; ``join``,
+  ``sum``, ``wordwrap``, ``string``...: what they would make) and ``lipsum``;
+  a value written out (``{{ x }}``, ``~``, ``%``) is measured first (``[l] *
+  4000000`` is short but writes out long); all those operations make at most
+  :data:`MAX_MADE` in all, and a rendering writes at most :data:`MAX_OUTPUT`;
 * nothing of the template runs while it compiles (jinja folds constant
   expressions then, past every check: ``"x" * 10**10`` took 24 GB);
 * a template of more than :data:`MAX_TEMPLATE_CHARS` characters is refused
@@ -34,8 +39,13 @@ import operator
 import re
 import sys
 import threading
+import time
+from typing import Optional
 
 TEMPLATE_STEPS = 1_000_000  # template lines one rendering may run (a real template: a few thousand)
+TEMPLATE_SECONDS = 10.0  # how long one rendering may run (a real template: milliseconds; 6,000 turns: a second)
+MAX_MADE = 1 << 27  # characters or items one rendering may make with those operations, all told
+MAX_PARTS = 1 << 16  # lists one ``slice`` may make (each a list of its own)
 MAX_ITEMS = 1 << 22  # characters or items a template may make with one operation
 MAX_BITS = 1 << 16  # bits of an integer a template may make with **
 MAX_LIPSUM = 1000  # lipsum's paragraphs, and words in one
@@ -61,6 +71,39 @@ def _size(value) -> int:
     return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
 
 
+def _text_size(value, limit: int = MAX_ITEMS) -> int:
+    """About how many characters ``value`` writes out (a list of one list
+    repeated counts that list each time), counted until past ``limit``."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 2 + 4 * len(item)
+            stack += [*item.keys(), *item.values()] if total <= limit else []
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 2 + 2 * len(item)
+            stack += item if total <= limit else []
+        else:  # jinja's namespace() writes out its dict
+            total += 8
+            stack += [object.__getattribute__(item, "_Namespace__attrs")] if type(item).__name__ == "Namespace" else []
+    return total
+
+
+def _check_text(value, what: str = "wrote out"):
+    if _text_size(value) > MAX_ITEMS:
+        _refuse(f"{what} a value of over {MAX_ITEMS} characters")
+    return value
+
+
+def _made(size: int) -> None:
+    """Count ``size`` items made against the rendering's MAX_MADE (2,000 distinct strings of 4M are 8 GB)."""
+    _budget.made = getattr(_budget, "made", 0) + size
+    if _budget.made > MAX_MADE:
+        _refuse(f"made over {MAX_MADE} characters or items in all")
+
+
 def _check_format(fmt: str) -> None:
     """A printf or ``str.format`` string whose widths or precisions would make more than MAX_ITEMS."""
     specs = [m.groups() for m in _PRINTF.finditer(fmt)]
@@ -72,15 +115,19 @@ def _check_format(fmt: str) -> None:
 
 def _bounded_binop(context, op: str, left, right):
     """jinja's sandbox hook for the intercepted operators: ``*``, ``**``, ``+`` and ``%`` checked first."""
-    if op == "+" and _size(left) and _size(right) and _size(left) + _size(right) > MAX_ITEMS:
-        _refuse(f"made a sequence of {_size(left) + _size(right)} items (the most is {MAX_ITEMS})")
+    if op == "+" and _size(left) and _size(right):
+        if _size(left) + _size(right) > MAX_ITEMS:
+            _refuse(f"made a sequence of {_size(left) + _size(right)} items (the most is {MAX_ITEMS})")
+        _made(_size(left) + _size(right))
     if op == "%" and isinstance(left, str):
         _check_format(left)
+        _check_text(right, "formatted")
     if op == "*":
         count = right if isinstance(right, int) else left if isinstance(left, int) else None
         size = max(_size(left), _size(right))
         if count is not None and size and count * size > MAX_ITEMS:
             _refuse(f"made a sequence of {count * size} items (the most is {MAX_ITEMS})")
+        _made(count * size if count is not None and size else 0)
         return operator.mul(left, right)
     if op == "**":
         if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 \
@@ -124,14 +171,22 @@ def _checked_call(obj, args: tuple, kwargs: dict) -> tuple:
     return args, kwargs
 
 
-def _bounded_join(join):
-    """jinja's ``str_join`` / ``markup_join`` (the ``~`` operator) held to MAX_ITEMS characters."""
+def _bounded_join(join, most: int = MAX_ITEMS):
+    """jinja's ``str_join`` / ``markup_join`` (the ``~`` operator) held to
+    ``most`` characters; its ``concat`` (a rendering's, a macro's output) to MAX_OUTPUT."""
     def bounded(seq):
         parts = list(seq)
-        if sum(len(p) if isinstance(p, str) else 0 for p in parts) > MAX_ITEMS:
-            _refuse(f"joined over {MAX_ITEMS} characters with ~")
+        size = _text_size(parts, most)
+        if size > most:
+            _refuse(f"joined over {most} characters" + (" with ~" if most == MAX_ITEMS else ""))
+        _made(size if most == MAX_ITEMS else 0)
         return join(parts)
     return bounded
+
+
+def _checked_str(value=""):
+    """``str`` as the compiled template calls it: what a value writes out, measured first."""
+    return str(_check_text(value))
 
 
 def _bounded_output(render):
@@ -140,6 +195,7 @@ def _bounded_output(render):
         total = 0
         for piece in render(context):
             total += len(piece)
+            _tick()
             if total > MAX_OUTPUT:
                 _refuse(f"wrote over {MAX_OUTPUT} characters")
             yield piece
@@ -173,6 +229,7 @@ def _checked(base: type) -> type:
 
             def checked(*args, **kwargs):
                 _check_format(fmt if isinstance(fmt, str) else "")
+                _check_text([args, kwargs], "formatted")
                 return wrapped(*args, **kwargs)
             return checked
 
@@ -203,14 +260,46 @@ def _install(template: str) -> None:
         for name in ("str_join", "markup_join"):
             if name in names:
                 names[name] = _bounded_join(names[name])
+        names["str"] = _checked_str  # what ``{{ x }}`` writes out
+        env.concat = _bounded_join(env.concat, MAX_OUTPUT)  # a macro's or a block set's output
         compiled.root_render_func = _bounded_output(compiled.root_render_func)
         env.globals["lipsum"] = _bounded("lipsum", env.globals["lipsum"], MAX_LIPSUM, 0, 2, 3)  # paragraphs, words
         _installed.add(template)
 
 
+def _join_size(value, d="", attribute=None):
+    items = list(value)
+    if len(str(d)) * max(len(items) - 1, 0) + _text_size(items) > MAX_ITEMS:
+        _refuse(f"joined over {MAX_ITEMS} characters")
+    return items
+
+
+def _sum_size(value, attribute=None, start=0):
+    items = list(value)
+    if isinstance(start, (list, tuple)):
+        size = len(start) + sum(_text_size(i) for i in items)  # what the items are, or hold
+        if size > MAX_ITEMS:
+            _refuse(f"summed over {MAX_ITEMS} items")
+    return items
+
+
+def _wrap_size(value, width=79, break_long_words=True, wrapstring=None, *rest, **kwargs):
+    if len(str(_check_text(value))) * (1 + len(str(wrapstring or ""))) > MAX_ITEMS:  # a line a character at most
+        _refuse(f"wrapped into over {MAX_ITEMS} characters")
+    return value
+
+
 # the filters checked before they run: the most their integer arguments may be, and where those stand
+# (among all jinja hands them: an eval context or environment first, for slice and wordwrap too)
 FILTER_LIMITS = {"format": (MAX_ITEMS, ()), "center": (MAX_ITEMS, (1,)), "indent": (MAX_ITEMS, (1,)),
-                 "tojson": (MAX_INDENT, (2,)), "replace": (MAX_ITEMS, (3,))}
+                 "tojson": (MAX_INDENT, (2,)), "replace": (MAX_ITEMS, (3,)), "slice": (MAX_PARTS, (2,)),
+                 "batch": (MAX_ITEMS, (1,)), "join": (MAX_ITEMS, ()), "sum": (MAX_ITEMS, ()),
+                 "wordwrap": (MAX_ITEMS, (2,)), "string": (MAX_ITEMS, ()), "pprint": (MAX_ITEMS, ())}
+# those whose value (and arguments) are measured first: each gives the value back (a generator read once)
+_VALUE_SIZES = {"join": _join_size, "sum": _sum_size, "wordwrap": _wrap_size,
+                "string": lambda value: _check_text(value), "pprint": lambda value: _check_text(value),
+                "tojson": lambda value, *_, **__: _check_text(value),
+                "format": lambda value, *args, **kwargs: (_check_text([args, kwargs], "formatted"), value)[1]}
 
 
 def _checked_filter(name: str, fn):
@@ -230,6 +319,8 @@ def _checked_filter(name: str, fn):
             _check_format(value)
         if name == "replace" and len(args) >= 2:
             _checked_call(str(value).replace, args[:2], {})
+        if name in _VALUE_SIZES:
+            value = _VALUE_SIZES[name](value, *args, **kwargs)
         first = {_PassArg.context: (context,), _PassArg.eval_context: (context.eval_ctx,),
                  _PassArg.environment: (context.environment,)}.get(takes, ())
         return sized(*first, value, *args, **kwargs)
@@ -251,7 +342,19 @@ class _CheckedFilters(dict):
         super().__setitem__(name, fn)
 
 
+def _tick() -> None:
+    """A rendering past its time fails (the clock read every 1024 ticks)."""
+    _budget.ticks -= 1
+    if _budget.ticks <= 0:
+        _budget.ticks = 1024
+        if time.monotonic() > getattr(_budget, "deadline", math.inf):
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError(f"the chat template ran past {_budget.seconds:g} seconds")
+
+
 def _trace(frame, event, arg):
+    _tick()  # every Python call, in jinja's own code too (a filter's loop, a generator resumed)
     if frame.f_code.co_filename != TEMPLATE_FILE:
         return None
     return _count
@@ -260,6 +363,7 @@ def _trace(frame, event, arg):
 def _count(frame, event, arg):
     if event == "line":
         _budget.left -= 1
+        _tick()
         if _budget.left < 0:
             from jinja2.exceptions import TemplateError
 
@@ -268,9 +372,10 @@ def _count(frame, event, arg):
 
 
 @contextlib.contextmanager
-def step_limit(tokenizer, steps: int = TEMPLATE_STEPS):
+def step_limit(tokenizer, steps: int = TEMPLATE_STEPS, seconds: Optional[float] = None):
     """Within the block, renderings of ``tokenizer``'s chat template run at
-    most ``steps`` template lines and make nothing past the sizes above. A
+    most ``steps`` template lines and ``seconds`` (TEMPLATE_SECONDS), and make
+    nothing past the sizes above. A
     trace function already set on the thread (a debugger, coverage) is left
     alone: then only the sizes are checked."""
     template = getattr(tokenizer, "chat_template", None)
@@ -282,11 +387,14 @@ def step_limit(tokenizer, steps: int = TEMPLATE_STEPS):
                                 f"{MAX_TEMPLATE_CHARS})")
         _install(template)
     traced = sys.gettrace() is None
-    _budget.left, _budget.steps = steps, steps
+    _budget.left, _budget.steps, _budget.ticks, _budget.made = steps, steps, 1, 0
+    _budget.seconds = TEMPLATE_SECONDS if seconds is None else seconds
+    _budget.deadline = time.monotonic() + _budget.seconds
     if traced:
         sys.settrace(_trace)
     try:
         yield
     finally:
+        _budget.deadline = math.inf
         if traced:
             sys.settrace(None)
