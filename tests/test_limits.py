@@ -669,6 +669,34 @@ def test_lanes_pick_by_body_size_and_refuse_new_work_once_stopping():
     assert lanes.current() is lanes.small  # outside any request's thread
 
 
+def test_a_follow_up_of_a_long_stored_conversation_takes_the_large_lane(server, monkeypatch):
+    """A 70-byte Responses follow-up renders its stored conversation (4 MiB of turns held the small lane, and
+    every short request behind it, for 10 s): the stored bytes count toward its lane as its body's do."""
+    from refusion_mlx.decode import stream
+
+    turn = "Tell me about Zoe and Sven and the lighthouse by the sea, please. "
+    items = [{"role": role, "content": turn} for _ in range(200) for role in ("user", "assistant")]
+    status, first = call(server, "POST", "/v1/responses", {"input": items + [{"role": "user", "content": "Sven?"}],
+                                                           "max_output_tokens": 2, "truncation": "auto"})
+    assert status == 200, first
+    chat_prompt, slowed = stream.chat_prompt, []
+
+    def slow_once(tokenizer, messages, **kwargs):  # the follow-up's render, made long, holding its lane
+        if len(messages) > 300 and not slowed:
+            slowed.append(True)
+            time.sleep(3)
+        return chat_prompt(tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(stream, "chat_prompt", slow_once)
+    follow_up = in_thread(call, server, "POST", "/v1/responses", {"input": "And Zoe?", "max_output_tokens": 2,
+                                                                  "previous_response_id": first["id"],
+                                                                  "truncation": "auto"})
+    assert wait_for(lambda: slowed, 10), follow_up[0].join() or follow_up[1]
+    (status, _), seconds = timed(call, server, "POST", "/tokenize", {"prompt": "hello"})
+    follow_up[0].join()
+    assert status == 200 and seconds < 1.5 and follow_up[1]["out"][0][0] == 200, (seconds, follow_up[1])
+
+
 def deep_schema(depth: int) -> dict:
     schema = {"type": "string"}
     for _ in range(depth):

@@ -26,6 +26,7 @@ from ..core.structured import any_strict, request_constraint, response_format
 from ..core.tool_calls import arguments_object, check_results, first_unanswered, function_tool, template_tools
 from ..edge.answering import Answering
 from ..edge.http_errors import APIError
+from ..edge.lanes import weigh
 from ..edge.security import KEY_SCOPE
 from .bodies import (MAX_TOP_LOGPROBS, MAX_USER_CHARS, STRICT, StreamOptions, decoding_given, field_error,
                      include_commits, refusing, with_decoding)
@@ -309,6 +310,12 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
     (a 400: no response here runs in the background)."""
     store = ResponseStore(answering.config.max_stored_responses, answering.config.max_stored_response_bytes)
 
+    def weigh_history(body: ResponsesRequest, request: Request) -> None:
+        """A follow-up renders its stored conversation too: its lane is picked by both (lanes.weigh)."""
+        previous = body.previous_response_id
+        entry = store.get(previous, request.scope.get(KEY_SCOPE, "")) if isinstance(previous, str) else None
+        weigh(request.scope, entry.nbytes if entry is not None else 0)
+
     @app.post("/v1/responses")
     @app.post("/responses", include_in_schema=False)
     async def create(body: ResponsesRequest, request: Request):
@@ -321,6 +328,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
             writer.input_items = input_items(body.input)
             return draft
 
+        weigh_history(body, request)
         return await answering.answer(request, make, writer, bool(body.stream), body.user)
 
     @app.post("/v1/responses/input_tokens")
@@ -329,6 +337,7 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         """The prompt's tokens as ``POST /v1/responses`` would make it (the openai SDK's
         ``responses.input_tokens.count``): its instructions, tools and stored conversation included."""
         owner = request.scope.get(KEY_SCOPE, "")
+        weigh_history(body, request)
         draft = await answering.off_loop(request, lambda: responses_request(body, store, answering.terms, owner)[0])
         return {"object": "response.input_tokens", "input_tokens": len(draft.ids)}
 
