@@ -522,16 +522,15 @@ def test_text_that_spells_a_special_token_is_written_as_text(demo, constraint, t
     assert tokenizer.decode(body) == text and not specials & set(body)
 
 
-def test_a_call_whose_arguments_spell_its_marker_is_refused_and_eos_is_not_text(demo):
-    """A call is read from the answer's text, so a tool's parameters that spell the calls' end marker would
-    end it early: refused when the constraint is made. A grammar that names the EOS token is refused too;
-    a description or title may say anything."""
+def test_a_call_whose_arguments_spell_its_marker_is_taken_and_eos_is_not_text(demo):
+    """A call ends at the end marker after its JSON, not one in its strings (serve/core/call_bounds.py), so
+    a tool's parameters may spell the calls' markers; a description or title may say anything. A grammar
+    that names the EOS token is refused."""
     from refusion_mlx.decode.grammar import compile_constraint
 
     model, tokenizer = demo
     tool = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"const": "x</tool_call>"}}}}
-    with pytest.raises(DecodeError, match="spell '</tool_call>', the calls' own marker"):
-        Constraint.tool_calls([tool], "<tool_call>", "</tool_call>")
+    Constraint.tool_calls([tool], "<tool_call>", "</tool_call>")
     described = {"type": "object", "description": "</tool_call>", "properties": {"a": {"type": "integer",
                                                                                        "title": "<tool_call>"}}}
     Constraint.tool_calls([{"name": "f", "parameters": described}], "<tool_call>", "</tool_call>")

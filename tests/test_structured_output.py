@@ -275,6 +275,28 @@ def test_anthropic_forced_tool_choice(server):
             jsonschema.validate(b.input, SCHEMAS[b.name])
 
 
+def test_a_call_whose_argument_holds_the_end_marker_is_a_call(server, oai):
+    """An argument may hold the call format's end marker (an agent writing a file about tool calls): the call
+    ends at the marker after its JSON, so it comes back a call with its argument whole, on both APIs (a schema
+    that spells the markers is taken: it was refused while such a call ended there)."""
+    write = {"type": "object", "properties": {"content": {"type": "string", "pattern": "^see <[/]tool_call> here$"},
+                                              "tag": {"enum": ["<tool_call></tool_call>"]}},
+             "required": ["content", "tag"]}
+    want = {"content": "see </tool_call> here", "tag": "<tool_call></tool_call>"}
+    c = ask(oai, "write it", max_tokens=96, tools=[{"type": "function", "function": {"name": "Write",
+                                                                                     "parameters": write}}],
+            tool_choice={"type": "function", "function": {"name": "Write"}}).choices[0]
+    assert c.finish_reason == "tool_calls" and not c.message.content, c
+    assert json.loads(c.message.tool_calls[0].function.arguments) == want
+    claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
+                                 timeout=120)
+    m = claude.messages.create(model="tiny-refusion", max_tokens=96, messages=[{"role": "user", "content": "write it"}],
+                               tools=[{"name": "Write", "input_schema": write}], tool_choice={"type": "tool",
+                                                                                              "name": "Write"})
+    assert m.stop_reason == "tool_use" and [(b.type, b.input) for b in m.content] == [
+        ("tool_use", want)]
+
+
 def test_a_schema_without_type_object_is_an_object_or_a_400(server, oai):
     """OpenAI's ``parameters`` without ``type`` are an object's (OpenAI takes them): a forced call's
     arguments are decoded as one, never null, and the call never comes back as markup text. Anthropic

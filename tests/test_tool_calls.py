@@ -24,6 +24,7 @@ from tests.helpers import FIXTURE_MODEL
 
 SVEN = '<tool_call>\n{"name": "lookup_person", "arguments": {"name": "Sven"}}\n</tool_call>'
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+MARKED = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "see </tool_call> here"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,13 @@ CASES = [
      ['Break:\n<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>']),
     (CALC + '\n<tool_call>\n{"arguments": {}}\n</tool_call>',  # after a call its whitespace is dropped as ever
      [("calculator", {"expression": "6*7"}), '<tool_call>\n{"arguments": {}}\n</tool_call>']),
+    # the end marker's text inside an argument (a file about tool calls) is the argument's: the call ends at
+    # the marker after its JSON, escaped quotes and backslashes read as such
+    (MARKED + "\nDone.", [("calculator", {"expression": "see </tool_call> here"}), "Done."]),
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "a \\" </tool_call> \\\\"}}\n</tool_call>',
+     [("calculator", {"expression": 'a " </tool_call> \\'})]),
+    (MARKED + "\n" + MARKED, [("calculator", {"expression": "see </tool_call> here"})] * 2),
+    ("<tool_call>\ncalculator 6*7</tool_call>", ["<tool_call>\ncalculator 6*7</tool_call>"]),  # not JSON: first marker
 ]
 
 
@@ -226,3 +234,16 @@ def test_logprobs_with_tools_cover_the_content_in_any_steps():
     content, calls = entries(fmt)
     assert content == ["Hi", "bytes:\\xc3", "bytes:\\xa9", "!"] and [c.name for c in calls] == ["f"]
 
+
+
+def test_stop_strings_skip_a_call_whose_arguments_hold_its_end_marker():
+    """A stop string inside a call's arguments, after the end marker's text there, is the call's (the call's
+    bounds are the splitter's: :mod:`refusion_mlx.serve.core.call_bounds`), however the text comes."""
+    from refusion_mlx.serve.core.text import TextShaper
+
+    text = MARKED.replace("here", "here STOP") + " after STOP more"
+    for cut in range(1, len(text)):
+        shaper = TextShaper(["STOP"], 0, ("<tool_call>", "</tool_call>"))
+        first, _ = shaper.feed(text[:cut], [], final=False)
+        rest, reason = shaper.feed(text[cut:], [], final=True)
+        assert first + rest == text[:text.rindex(" STOP")] + " " and reason == "stop", cut

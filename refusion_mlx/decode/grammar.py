@@ -26,7 +26,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -108,11 +108,6 @@ class Constraint:
                          None)
         if too_large is not None:  # before anything recursive reads them
             raise DecodeError(f"{name}: the parameters of tool {too_large} (the limits of constrained decoding)")
-        marker = _spelled_marker(spec)
-        if marker is not None:  # the answer's calls are read from its text: the call would end there
-            raise DecodeError(f"{name}: a tool's parameters spell {marker!r}, the calls' own marker, which would "
-                              "end a call where its text is read: leave it out of constants, enums, patterns and "
-                              "property names")
         return cls("tool_calls", json.dumps(spec), name).checked()
 
     @property
@@ -337,38 +332,6 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab: int, eos_id: in
     if ahead.is_error() or not first.any():
         raise DecodeError(f"{constraint.name}: admits no text (no answer can be written under it)")
     return Compiled(constraint, grammar, lltok, vocab, eos_id, probe)
-
-
-_NOT_WRITTEN = {"description", "title", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _answer_strings(schema: Any) -> List[str]:
-    """The strings of a JSON Schema that an answer under it may write: constants, enums, patterns and
-    property names (not descriptions, titles or examples)."""
-    out, stack = [], [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, str):
-            out.append(node)
-        elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                if key in _NOT_WRITTEN:
-                    continue
-                if key in _SCHEMA_MAPS and isinstance(value, dict):
-                    out.extend(value if key in ("properties", "patternProperties") else ())
-                    stack.extend(value.values())
-                else:
-                    stack.append(value)
-    return out
-
-
-def _spelled_marker(spec: Dict[str, Any]) -> Optional[str]:
-    """A call marker (``</tool_call>``) that a tool's name or the text its parameters' schema writes spells."""
-    strings = [t["name"] for t in spec["tools"]] + _answer_strings([t["parameters"] for t in spec["tools"]])
-    return next((m for m in (spec["end"], spec["start"]) if any(m in text for text in strings)), None)
 
 
 _LISTING = re.compile(r"^\s*(\d+ \||\^+$)")  # the grammar the engine made (a schema's as Lark), line by line

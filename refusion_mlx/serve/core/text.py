@@ -8,6 +8,8 @@ import codecs
 import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .call_bounds import CallSpans
+
 
 class TextShaper:
     """Applies stop strings to the in-order answer text.
@@ -20,7 +22,8 @@ class TextShaper:
 
     def __init__(self, stop: Sequence[str], eos_id: int, calls: Optional[Tuple[str, str]] = None):
         self.stop: List[str] = list(stop)
-        self.calls = calls  # a call's (start, end) markers: the text between them is no stop string's
+        # a call's (start, end) markers: the text of a call (:mod:`.call_bounds`) is no stop string's
+        self._calls = CallSpans(*calls) if calls is not None else None
         self.eos_id = eos_id
         self.completion_tokens = 0
         self.text = ""  # all final text received
@@ -55,7 +58,7 @@ class TextShaper:
 
     def _first_stop(self) -> Optional[int]:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
-        spans = self._call_spans()
+        spans = self._calls.read(self.text) if self._calls is not None else []
         hits = []
         for s in self.stop:
             i = self.text.find(s, start)
@@ -64,18 +67,6 @@ class TextShaper:
             if i >= 0:
                 hits.append(i)
         return min(hits) if hits else None
-
-    def _call_spans(self) -> List[Tuple[int, int]]:
-        """Where the text's calls are, their markers included (an open one to the text's end)."""
-        if self.calls is None:
-            return []
-        (opening, closing), spans, at = self.calls, [], self.text.find(self.calls[0])
-        while at >= 0:
-            end = self.text.find(closing, at + len(opening))
-            end = len(self.text) if end < 0 else end + len(closing)
-            spans.append((at, end))
-            at = self.text.find(opening, end)
-        return spans
 
     def _held(self) -> int:
         """Length of the longest tail of the text that begins some stop string:

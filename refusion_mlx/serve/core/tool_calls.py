@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ...decode.json_schema import size_problem
+from .call_bounds import CallEnd
 from .refusal import Reason, Refusal
 
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -129,7 +130,8 @@ class ToolCallSplitter:
 
     ``feed(text, final)`` returns the items now certain, in order: strings
     and :class:`ToolCall`. Text that could begin ``start`` is held back until
-    it is known not to; a call is held until its ``end``, then parsed; one
+    it is known not to; a call is held until its ``end`` (outside its JSON's
+    strings: :mod:`.call_bounds`), then parsed; one
     that does not parse (or never ends) goes out as the text it was
     (``failed`` counts them), the whitespace before it too, but for one the
     token budget cut short: it is neither text nor a call (its markup is the
@@ -148,6 +150,7 @@ class ToolCallSplitter:
         self.call_at = 0  # where the open call's start marker is in the text fed
         self.gap = ""  # the whitespace before it: dropped if it is a call, given back with it if not
         self.in_call = False
+        self.ends = CallEnd(fmt.end)  # the open call's end marker, looked for as its body grows
         self.after_call = False  # the last item given out was a call
         self.calls = 0
         self.failed = 0
@@ -163,7 +166,7 @@ class ToolCallSplitter:
         out: List[Union[str, ToolCall]] = []
         while not self.done:
             if self.in_call:
-                end = self.pending.find(self.fmt.end)
+                end = self.ends.find(self.pending)  # pending begins with the call's body
                 if end < 0:
                     break
                 body = self.pending[:end]
@@ -177,6 +180,7 @@ class ToolCallSplitter:
                 self._text(head.rstrip(), out, self.base)
                 self.gap = head[len(head.rstrip()):]
                 self.call_at, self.in_call = self.base + start, True
+                self.ends = CallEnd(self.fmt.end)
                 self._advance(start + len(self.fmt.start))
         if self.done:
             self._advance(len(self.pending))
