@@ -332,7 +332,7 @@ def test_a_whole_answer_is_built_and_encoded_off_the_event_loop():
 
     from fastapi.responses import JSONResponse
 
-    from refusion_mlx.serve.edge.answering import json_answer, json_bytes
+    from refusion_mlx.serve.edge.json_answer import json_answer, json_bytes
 
     choice = {"index": 0, "text": "Zoë \u2028 <b>", "logprobs": {"token_logprobs": [None, -0.5, -1e-9]}}
     for body in ({"id": "x", "choices": [choice], "usage": {"n": 1}},

@@ -37,6 +37,7 @@ from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
 from ..core.tool_calls import ToolCall
 from .http_errors import printable
+from .json_answer import json_answer
 from .lanes import Lanes
 from .request_ids import request_id, tagged
 from .security import KEY_SCOPE
@@ -47,6 +48,9 @@ GRACEFUL_SHUTDOWN = 5  # seconds uvicorn waits for open requests on a stop, then
 STOP_WAIT = 3.0  # seconds a request waits for the engine to end it once a stop is asked
 COMPILED_KEPT = 16  # constraints kept compiled (tools, schemas, grammars), the most recently used
 CLIENT_CHECK = 0.25  # seconds between two looks at whether a request's client is still there
+# seconds a stream may go without a byte before its writer's keep-alive goes out: agents (Codex, Claude Code)
+# give up on a stream silent for 300 s, and a call held back whole or a long prefill can take that long
+KEEP_ALIVE = 15.0
 
 
 class ClientGone(Exception):
@@ -119,6 +123,11 @@ class Writer:
     def error(self, refusal: Refusal) -> str:
         raise NotImplementedError
 
+    def keep_alive(self) -> str:
+        """What a stream sends after ``KEEP_ALIVE`` s of silence: an SSE comment (OpenAI's clients skip it);
+        an API whose clients' idle timers count events only sends an event it takes as harmless."""
+        return ": keep-alive\n\n"
+
     def answer(self, answer: Answer) -> Any:
         raise NotImplementedError
 
@@ -126,36 +135,6 @@ class Writer:
 def data(obj) -> str:
     """A server-sent event with only data (OpenAI's chat and text completions)."""
     return f"data: {json.dumps(obj)}\n\n"
-
-
-_CHOICES = "\0choices\0"
-
-
-def _compact(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def json_bytes(body: dict) -> bytes:
-    """A whole answer as JSONResponse writes it, its ``choices`` encoded one at a time: the C encoder
-    holds the GIL for a call, so one call over 100 MB (echo scoring, many prompts with logprobs) would
-    stop every other thread, the event loop too."""
-    choices = body.get("choices")
-    if not isinstance(choices, list) or len(choices) < 2:
-        return _compact(body)
-    shell = _compact({**body, "choices": _CHOICES})
-    at = shell.index(_compact(_CHOICES))
-    return b"".join([shell[:at], b"[", b",".join(_compact(c) for c in choices), b"]",
-                     shell[at + len(_compact(_CHOICES)):]])
-
-
-async def json_answer(build: Callable[[], dict], headers: Optional[dict] = None) -> Response:
-    """A whole answer: built and encoded on a worker thread, so a large one never holds the event loop
-    (``/health`` went unanswered for 48 s while a 134 MB answer was encoded there). Not a tokenizer
-    lane: an answer already made goes out during a shutdown, and no request's tokenizing waits on it."""
-    from starlette.concurrency import run_in_threadpool
-
-    content = await run_in_threadpool(lambda: json_bytes(build()))
-    return Response(content, media_type="application/json", headers=headers)
 
 
 def event(name: str, obj) -> str:
@@ -282,21 +261,26 @@ class Answering:
                 job.cancelled.set()  # no-op once it finished; frees the generation when the client left
 
 
-async def job_event(job: Job, engine, request: Optional[Request] = None) -> tuple:
+async def job_event(job: Job, engine, request: Optional[Request] = None, idle: Optional[float] = None) -> tuple:
     """The job's next event; a client that leaves meanwhile (``request``)
-    cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it."""
+    cancels it; a stop the engine does not answer in ``STOP_WAIT`` s ends it;
+    none for ``idle`` s: ("idle", None)."""
+    quiet = None if idle is None else time.monotonic() + idle
     while True:
         # looked at every CLIENT_CHECK s, also while events keep coming (a fast decode never times out below)
         if request is not None and time.monotonic() - job.client_seen >= CLIENT_CHECK:
             job.client_seen = time.monotonic()
             if await request.is_disconnected():
                 raise ClientGone()
+        wait = CLIENT_CHECK if quiet is None else max(0.0, min(CLIENT_CHECK, quiet - time.monotonic()))
         try:
-            return await asyncio.wait_for(job.events.get(), CLIENT_CHECK)
+            return await asyncio.wait_for(job.events.get(), wait)
         except asyncio.TimeoutError:
             since = engine.stopping_since
             if since is not None and time.monotonic() - since > STOP_WAIT:
                 return "error", Refusal(Reason.SHUTTING_DOWN, "the server is shutting down")
+            if quiet is not None and time.monotonic() >= quiet:
+                return "idle", None
 
 
 async def next_event(job: Job, engine, request: Request) -> tuple:
@@ -333,9 +317,12 @@ async def sse(job: Job, engine, writer: Writer, t0: float, scope):
         first = writer.start()
         if first:
             yield first
+        sent = time.monotonic()
         while True:
-            what, payload = await job_event(job, engine)
-            if what == "error":
+            what, payload = await job_event(job, engine, idle=max(0.0, sent + KEEP_ALIVE - time.monotonic()))
+            if what == "idle":  # nothing to say for a while (a call held back whole): keep the client waiting
+                out = writer.keep_alive()
+            elif what == "error":
                 note = payload.message
                 out = writer.error(payload)
             elif what == "done":
@@ -349,6 +336,7 @@ async def sse(job: Job, engine, writer: Writer, t0: float, scope):
                 out = writer.text(payload) if what == "text" else writer.tool_call(payload)
             if out:
                 yield out
+                sent = time.monotonic()
             if what in ("error", "done"):
                 break
     finally:

@@ -75,6 +75,9 @@ class MessagesWriter(Writer):
                                                                     "blocks": answer_blocks(self.request)}})
         return out + event("ping", {"type": "ping"})
 
+    def keep_alive(self) -> str:
+        return event("ping", {"type": "ping"})  # Anthropic's own, which its clients take anywhere in a stream
+
     def close_block(self) -> str:
         if self.open is None:
             return ""

@@ -23,7 +23,9 @@ from fastapi.responses import Response
 from ..core.engine_request import EngineRequest, finish
 from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
-from ..edge.answering import (ClientGone, JobStream, _log, collect, cut_header, data, job_event, json_answer,
+from ..edge import answering as edge
+from ..edge.json_answer import json_answer
+from ..edge.answering import (ClientGone, JobStream, _log, collect, cut_header, data, job_event,
                               next_event)
 from .openai_bodies import MAX_PROMPTS
 from .openai_echo import check_work
@@ -134,9 +136,15 @@ async def _stream(jobs, writers, engine, n: int, t0: float, scope):
             start = w.start()
             if start:
                 yield start
-        left = len(jobs)
+        left, sent = len(jobs), time.monotonic()
         while left:
-            i, (what, payload) = await merged.get()
+            try:
+                i, (what, payload) = await asyncio.wait_for(merged.get(), sent + edge.KEEP_ALIVE - time.monotonic())
+            except asyncio.TimeoutError:  # no choice has anything to say for a while: keep the client waiting
+                yield writers[0].keep_alive()
+                sent = time.monotonic()
+                continue
+            sent = time.monotonic()
             w = writers[i]
             if what == "error":
                 note = payload.message

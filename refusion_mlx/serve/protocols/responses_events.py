@@ -136,6 +136,11 @@ class ResponsesWriter(Writer):
         self.seq += 1
         return event(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
+    def keep_alive(self) -> str:
+        """``response.in_progress`` again, with the snapshot: Codex's idle timer counts events, not SSE
+        comments; a lifecycle event is valid anywhere in the stream and the SDKs take it as a snapshot."""
+        return self.emit("response.in_progress", response=self.response("in_progress"))
+
     def start(self) -> str:
         out = self.emit("response.created", response=self.response("in_progress"))
         out += self.emit("response.in_progress", response=self.response("in_progress"))
