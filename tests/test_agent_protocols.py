@@ -225,6 +225,28 @@ def test_max_tokens_past_the_context_is_cut_on_every_api(server):
         assert int(headers["x-max-tokens-cut"].split(" -> ")[1]) < 100
 
 
+def test_a_prompt_past_the_context_is_worded_as_each_apis_clients_read_it(server):
+    """Anthropic's sentence on the Messages API (Claude Code compacts on "prompt is too long" and reads both
+    sizes from it), OpenAI's code context_length_exceeded on the others (Codex's cue): the same sizes."""
+    long = [{"role": "user", "content": "Tell me about Sven. " * 500}]
+    tokens = call(server, "POST", "/v1/messages/count_tokens", {"messages": long})[2]["input_tokens"]
+    assert tokens > 2048
+    for stream in (False, True):
+        status, _, err = call(server, "POST", "/v1/messages", {"messages": long, "max_tokens": 64, "stream": stream})
+        assert status == 400 and err["type"] == "error", err
+        assert err["error"] == {"type": "invalid_request_error",  # the demo's 2048 less one slot of 4
+                                "message": f"prompt is too long: {tokens} tokens > 2044 maximum"}, err
+    status, _, err = call(server, "POST", "/v1/chat/completions", {"messages": long, "max_tokens": 64})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert err["error"]["message"] == f"the prompt is {tokens} tokens; the model's context is 2048", err
+    from refusion_mlx.decode.fit import ContextError  # the budget's overflow (a cut budget rarely meets it)
+    from refusion_mlx.serve.edge.http_errors import anthropic_overflow
+
+    budget = ContextError("the prompt (2000 tokens) + max_tokens ...", "max_tokens", 2000, 64, 2048)
+    assert anthropic_overflow(budget) == ("input length and `max_tokens` exceed context limit: 2000 + 64 > 2048, "
+                                          "decrease input length or `max_tokens` and try again")
+
+
 def test_every_api_refuses_the_fields_chat_refuses(server):
     """The server's own settings and other servers' sampler fields are refused alike on the three APIs (each
     in its own error shape), never ignored; values that change nothing pass."""

@@ -24,11 +24,16 @@ __all__ = ["ContextError", "Fit", "fit_budget", "fitted"]
 class ContextError(DecodeError):
     """The prompt leaves the answer no room in the model's context. ``field``:
     what to blame, ``"prompt"`` (it leaves no whole slot) or ``"max_tokens"``
-    (the budget asked, in the whole blocks it must keep to, does not fit)."""
+    (the budget asked, in the whole blocks it must keep to, does not fit).
+    The sizes that overflow, for a caller that words them its own way (an
+    API's edge): ``prompt_tokens`` + ``answer`` > ``context``, where
+    ``answer`` is the budget in whole slots (``"max_tokens"``) or the least
+    answer the prompt must leave room for, one slot (block) (``"prompt"``)."""
 
-    def __init__(self, message: str, field: str):
+    def __init__(self, message: str, field: str, prompt_tokens: int = 0, answer: int = 0, context: int = 0):
         super().__init__(message)
         self.field = field
+        self.prompt_tokens, self.answer, self.context = prompt_tokens, answer, context
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,14 @@ def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, field
     name in messages. A prompt with no room is a :class:`ContextError`, a bad
     setting a DecodeError."""
     fields = fields or {}
-    if prompt_tokens >= context:
-        raise ContextError(f"the prompt is {prompt_tokens} tokens; the model's context is {context}", "prompt")
     slot = fields.get("slot_size") or defaults.slot_size
+    unit = slot * fields["serial_num_blocks"] if fields.get("serial_num_blocks") else slot
+    if prompt_tokens >= context:
+        raise ContextError(f"the prompt is {prompt_tokens} tokens; the model's context is {context}", "prompt",
+                           prompt_tokens, unit, context)
     blocks = {"block_length": None, "serial_num_blocks": None}
     own_blocks = bool(blocks.keys() & fields.keys())
     serial = None if own_blocks or defaults.block_length is not None else defaults.serial_num_blocks
-    unit = slot * fields["serial_num_blocks"] if fields.get("serial_num_blocks") else slot
     asked, room = max_tokens, ((context - prompt_tokens) // unit) * unit  # the whole slots (blocks) it leaves
     if max_tokens is None or max_tokens > room:
         max_tokens = min(defaults.gen_length if max_tokens is None else max_tokens, room)
@@ -91,7 +97,7 @@ def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, field
             room_for = (f"no whole slot of {slot}" if unit == slot else
                         f"no {unit // slot} blocks of whole slots of {slot} (serial_num_blocks)")
             raise ContextError(f"the prompt is {prompt_tokens} tokens; the model's context of {context} leaves "
-                               f"{room_for} for an answer", "prompt")
+                               f"{room_for} for an answer", "prompt", prompt_tokens, unit, context)
     while True:
         changes = {**(blocks if own_blocks else {}), **fields, "gen_length": max_tokens}
         if serial:
@@ -104,5 +110,5 @@ def fit_budget(prompt_tokens: int, context: int, defaults: RefusionParams, field
         max_tokens -= unit  # a layout of whole blocks past the context: a slot (block) less, until it fits
     if prompt_tokens + budget > context:
         raise ContextError(f"the prompt ({prompt_tokens} tokens) + {name} ({max_tokens}, {budget} in whole slots) "
-                           f"exceeds the model's context of {context}", "max_tokens")
+                           f"exceeds the model's context of {context}", "max_tokens", prompt_tokens, budget, context)
     return Fit(params, asked if asked is not None and asked != max_tokens else None)

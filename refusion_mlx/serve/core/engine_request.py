@@ -238,7 +238,7 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
         fitted = fit_budget(len(ids), context, defaults, fields, max_tokens, name=max_tokens_param)
     except ContextError as e:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, str(e),
-                      prompt_param if e.field == "prompt" else max_tokens_param) from None
+                      prompt_param if e.field == "prompt" else max_tokens_param, overflow=e) from None
     except DecodeError as e:
         raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
     params, cut = fitted.params, fitted.asked

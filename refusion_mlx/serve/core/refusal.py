@@ -10,7 +10,7 @@ edge turns the reason into its status and error shape (OpenAI's in
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 
 class Reason(enum.Enum):
@@ -51,11 +51,14 @@ _FAILURE = {Reason.ENGINE_FAILED, Reason.START_FAILED, Reason.STEP_FAILED, Reaso
 
 class Refusal(Exception):
     """A request refused, or ended without its answer: ``reason``, a one-line
-    ``message``, and ``param``, the request field to blame (None: none)."""
+    ``message``, and ``param``, the request field to blame (None: none);
+    ``overflow``: for a prompt the context cannot answer, its sizes (a
+    :class:`~refusion_mlx.decode.fit.ContextError`), for an API that words
+    them its own way."""
 
-    def __init__(self, reason: Reason, message: str, param: Optional[str] = None):
+    def __init__(self, reason: Reason, message: str, param: Optional[str] = None, overflow: Any = None):
         super().__init__(message)
-        self.reason, self.message, self.param = reason, message, param
+        self.reason, self.message, self.param, self.overflow = reason, message, param, overflow
 
 
 def invalid(param: str, message: str) -> Refusal:

@@ -33,10 +33,11 @@ class APIError(Exception):
     """An error answered as ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None):
+                 code: Optional[str] = None, type: Optional[str] = None, anthropic_message: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.anthropic_message = anthropic_message  # Anthropic's own words for it, where its clients read them
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -44,7 +45,7 @@ class APIError(Exception):
     def anthropic_body(self, request_id: str = "") -> dict:
         """Anthropic's error shape: its error type by status (:data:`ANTHROPIC_TYPES`), and the request's id."""
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message},
+        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message},
                 **({"request_id": request_id} if request_id else {})}
 
 
@@ -64,8 +65,24 @@ STATUS = {"request": 400, "server": 503, "failure": 500}
 
 
 def refusal_error(refusal: Refusal) -> APIError:
-    """A refusal as OpenAI's error: status by its reason, the reason as ``code``."""
-    return APIError(STATUS[refusal.reason.kind], refusal.message, refusal.param, refusal.reason.value)
+    """A refusal as OpenAI's error: status by its reason, the reason as ``code``
+    (and its words in Anthropic's shape: :func:`anthropic_overflow`)."""
+    return APIError(STATUS[refusal.reason.kind], refusal.message, refusal.param, refusal.reason.value,
+                    anthropic_message=anthropic_overflow(refusal.overflow))
+
+
+def anthropic_overflow(overflow) -> Optional[str]:
+    """A context overflow (a :class:`~refusion_mlx.decode.fit.ContextError`; None: none) in the words of
+    Anthropic's API, from which its clients read the sizes: Claude Code compacts the conversation on the
+    first (``prompt is too long: N tokens > M maximum``, M the longest prompt that leaves room for an
+    answer) and lowers ``max_tokens`` on the second."""
+    if overflow is None:
+        return None
+    prompt, answer, context = overflow.prompt_tokens, overflow.answer, overflow.context
+    if overflow.field == "prompt":
+        return f"prompt is too long: {prompt} tokens > {context - answer} maximum"
+    return (f"input length and `max_tokens` exceed context limit: {prompt} + {answer} > {context}, "
+            "decrease input length or `max_tokens` and try again")
 
 
 def as_api_error(request, exc: Exception) -> APIError:
