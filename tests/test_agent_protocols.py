@@ -99,6 +99,24 @@ def test_messages_as_claude_code_sends_them(server):
     assert status == 200
 
 
+def test_an_empty_system_message_adds_nothing(server):
+    """Claude Code's compaction retry sends {"role": "system", "content": []} inside the conversation: it is
+    left out (the prompt as without it), not refused; a user or assistant message still may not be empty."""
+    said = [{"role": "user", "content": "[earlier conversation truncated]"},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": "go on"}]
+    for empty in ([], "", [{"type": "text", "text": ""}]):
+        messages = said[:1] + [{"role": "system", "content": empty}] + said[1:] + [
+            {"role": "system", "content": "Today's date is 2026-12-06."}]
+        status, _, answer = call(server, "POST", "/v1/messages", {"messages": messages, "max_tokens": 8})
+        assert status == 200, (empty, answer)
+        counted = call(server, "POST", "/v1/messages/count_tokens", {"messages": messages})[2]["input_tokens"]
+        assert counted == call(server, "POST", "/v1/messages/count_tokens", {
+            "messages": said + messages[-1:]})[2]["input_tokens"], empty
+    status, _, err = call(server, "POST", "/v1/messages", {"messages": [said[0], {"role": "user", "content": []}],
+                                                           "max_tokens": 8})
+    assert status == 400 and err["error"]["message"].startswith("messages[1].content: must not be empty"), err
+
+
 def test_messages_are_checked_and_merged_as_anthropic_does(server):
     """Anthropic's rules: each tool_use is answered by a tool_result in the next turn (a final one is not),
     tool_use ids differ, disable_parallel_tool_use is a boolean; consecutive messages of a role are one turn."""

@@ -176,13 +176,15 @@ def anthropic_messages(body) -> tuple:
     made, waiting, previous = set(), (), None  # every call's id; the calls the next turn answers; the last role
     for i, message in enumerate(body.messages):
         role = message.get("role")
+        if role == "system":  # a system message inside the conversation (Claude Code's reminders): in its place;
+            text = _text_blocks(message.get("content"), f"messages[{i}].content")  # an empty one (Claude Code's
+            if text:  # compaction retry sends one) adds nothing: left out, the turns around it as if it were not
+                out.append({"role": "system", "content": text})
+                params.append(f"messages[{i}]")
+                previous = role
+            continue
         if not (role == "assistant" and i == len(body.messages) - 1):  # but a final assistant message (a prefill)
             _not_empty(message.get("content"), f"messages[{i}].content")
-        if role == "system":  # a system message inside the conversation (Claude Code's reminders): in its place
-            out.append({"role": "system", "content": _text_blocks(message.get("content"), f"messages[{i}].content")})
-            params.append(f"messages[{i}]")
-            previous = role
-            continue
         if role not in ("user", "assistant"):
             raise invalid(f"messages[{i}].role", f"must be user, assistant or system, got {role!r}")
         blocks, param = _blocks(message, i), f"messages[{i}]"
