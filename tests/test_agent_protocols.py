@@ -265,6 +265,18 @@ def test_a_prompt_past_the_context_is_worded_as_each_apis_clients_read_it(server
                                           "decrease input length or `max_tokens` and try again")
 
 
+def test_a_responses_request_without_max_output_tokens_gets_the_context_left(server):
+    """As OpenAI's: an omitted max_output_tokens is no limit below the context (Codex sends none, and failed
+    every turn the server's 512 cut), not cut with X-Max-Tokens-Cut; chat keeps the server's default."""
+    status, headers, answer = call(server, "POST", "/v1/responses", {"input": "Who is Sven?"})
+    assert status == 200 and "x-max-tokens-cut" not in headers, answer
+    left = (2048 - answer["usage"]["input_tokens"]) // 4 * 4  # whole slots of 4, in blocks of 16
+    assert answer["usage"]["layout"]["blocks"] == -(-left // 16) and answer["max_output_tokens"] is None, answer
+    status, _, answer = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                    "content": "Who is Sven?"}]})
+    assert status == 200 and answer["usage"]["layout"]["blocks"] == 512 // 16, answer
+
+
 def test_every_api_refuses_the_fields_chat_refuses(server):
     """The server's own settings and other servers' sampler fields are refused alike on the three APIs (each
     in its own error shape), never ignored; values that change nothing pass."""

@@ -25,6 +25,9 @@ The three answers with legacy ``top_logprobs`` (text logprobs, the two AR
 scorings) gained the token itself where it was not among the top ones, as
 OpenAI's legacy logprobs have it (``logprobs`` 0: only it, where echo had null).
 The Messages API's refusal gained Anthropic's ``request_id`` (both recordings).
+The Responses answer sent without ``max_output_tokens`` (the hosted tool's) lays out the
+context the prompt leaves, 128 blocks where the server's default 512 tokens were 32, as
+OpenAI's omitted budget is no limit (both recordings; nothing else changed).
 Decimal numbers compare to 1e-4 (:func:`same_answer`): on an Intel Xeon
 MKL's float32 matmuls round the recording's logprobs (made on an AMD EPYC)
 differently in their sixth digit, with every token the same.

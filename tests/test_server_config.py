@@ -63,3 +63,23 @@ def test_the_servers_counts_read_as_every_commands_do():
     assert _flag("--max-stored-responses", "0") == ""
     for text in ("70000", "-1", "x"):
         assert _flag("--port", text) == f"argument --port: port must be within 0..65535, got {text!r}"
+
+
+def test_only_a_max_tokens_the_operator_gave_caps_the_responses_apis_open_budget():
+    """Codex never sends max_output_tokens: OpenAI's Responses API then answers up to the context's end, and so
+    does the server, unless its operator gave --max-tokens; chat and text completions keep the default (512)."""
+    from refusion_mlx.decode.params import make_params
+    from refusion_mlx.serve.core.engine_request import Draft, RequestTerms, finish
+    from refusion_mlx.server import build_parser
+
+    assert not ServerConfig.from_args(build_parser().parse_args([])).max_tokens_given
+    for argv in (["--max-tokens", "512"], ["--max-tokens", "64"]):
+        assert ServerConfig.from_args(build_parser().parse_args(argv)).max_tokens_given, argv
+    assert not ServerConfig().max_tokens_given and ServerConfig(decoding=make_params(max_tokens=64)).max_tokens_given
+    for given, responses, chat in ((False, 2036, 512), (True, 512, 512)):
+        terms = RequestTerms(list, 100, 2048, make_params(), max_tokens_given=given)
+        made = {api: finish(Draft([1] * 12, None, {}, api, open_budget=api == "responses"), terms).max_tokens
+                for api in ("responses", "chat.completions")}
+        assert made == {"responses": responses, "chat.completions": chat}, given
+        asked = finish(Draft([1] * 12, 100, {}, "responses", open_budget=True), terms)
+        assert asked.max_tokens == 100 and asked.asked_max_tokens is None

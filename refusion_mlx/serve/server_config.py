@@ -53,7 +53,12 @@ class ServerConfig:
     """Everything the server is set up with.
 
     ``decoding``: the settings a request starts from (its fields override
-    them); its ``gen_length`` is the default ``max_tokens``. ``model_id``
+    them); its ``gen_length`` is the default ``max_tokens`` of chat and text
+    completions. ``max_tokens_given``: whether that default was given (the
+    flags: ``--max-tokens``; None: given when it is not ``RefusionParams``'
+    own); only then does it cap the Responses API's answers too, whose
+    omitted ``max_output_tokens`` is otherwise the context the prompt
+    leaves, as OpenAI's is. ``model_id``
     (None: the model's path, or "tiny-refusion" for the bundled model) and
     ``prompt_cache_dir_bytes`` (None: ``prompt_cache_bytes``) are filled in
     when the config is made. ``max_kv_bytes`` None: derived from the
@@ -74,6 +79,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     decoding: RefusionParams = dataclasses.field(default_factory=RefusionParams)
+    max_tokens_given: Optional[bool] = None
     max_batch: int = DEFAULT_MAX_BATCH
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY
@@ -120,6 +126,8 @@ class ServerConfig:
                                     f"got {getattr(self, name)!r}")
         self.decoding.layout()  # a bad default is a startup error, not a 400 on every request
         fill = object.__setattr__  # frozen: the derived values are set once, here
+        if self.max_tokens_given is None:
+            fill(self, "max_tokens_given", self.decoding.gen_length != RefusionParams.gen_length)
         fill(self, "storage", KVStorage.of(self.kv_bits, self.kv_group_size))  # the head dimension: at load
         fill(self, "allowed_origins", tuple(self.allowed_origins))
         fill(self, "allowed_hosts", tuple(self.allowed_hosts))
@@ -150,13 +158,15 @@ class ServerConfig:
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         """The config of parsed flags: the model's (``cli.add_model_args``),
         the decoding flags, and :func:`add_server_args`' (each its field's name)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("decoding", "api_keys")]
+        names = [f.name for f in dataclasses.fields(cls)
+                 if f.init and f.name not in ("decoding", "max_tokens_given", "api_keys")]
         keys = tuple(args.api_keys or ()) or tuple(
             k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
         if not keys and API_KEY_ENV in os.environ:  # a secret that expanded to nothing: no open server by mistake
             raise RefusionError(f"${API_KEY_ENV} is set but holds no key (got {os.environ[API_KEY_ENV]!r}); "
                                 "give a key, or unset it to serve without one")
-        return cls(decoding=params_from_args(args), api_keys=keys, **{n: getattr(args, n) for n in names})
+        return cls(decoding=params_from_args(args), max_tokens_given=getattr(args, "gen_length", None) is not None,
+                   api_keys=keys, **{n: getattr(args, n) for n in names})
 
 
 def _check(name: str, value, lo: int, hi: Optional[int] = None) -> None:

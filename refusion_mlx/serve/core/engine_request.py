@@ -98,7 +98,9 @@ class ChatPrompt:
 @dataclass(frozen=True)
 class Draft:
     """What an API's adapter makes of a body, in the engine's terms: the
-    prompt's ``ids``, ``max_tokens`` (None: the server's default), the
+    prompt's ``ids``, ``max_tokens`` (None: the server's default, or with
+    ``open_budget`` the context the prompt leaves unless the operator gave
+    that default: :attr:`RequestTerms.max_tokens_given`), the
     decoding ``fields`` given (by their ``RefusionParams`` names), the
     ``api`` that asked, and what :func:`resolve` carries as given. The
     ``*_param`` names are those fields' names in the request's API, for its
@@ -119,6 +121,7 @@ class Draft:
     logprobs_param: str = "logprobs"  # the field that asked for them, as the API names it
     scoring: Any = None
     stop_param: str = "stop"  # the field of the stop strings, as the API names it
+    open_budget: bool = False  # the Responses API's: OpenAI's omitted max_output_tokens is no limit
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,9 @@ class RequestTerms:
     prompt's source to its ids) and ``compile`` (a request's constraint
     compiled against the tokenizer for the engine: a Compiled, or None when
     there is nothing to constrain; a DecodeError for one it cannot; None:
-    the engine compiles it)."""
+    the engine compiles it); ``max_tokens_given``: whether the server's
+    default budget was given by its operator (it then caps an open budget too:
+    :attr:`Draft.open_budget`)."""
 
     tokenize: Callable[[Any], List[int]]
     vocab_size: int
@@ -138,6 +143,7 @@ class RequestTerms:
     takes_tools: bool = False
     call_grammar: str = "all"
     compile: Optional[Callable[[Constraint], Any]] = None
+    max_tokens_given: bool = True
 
     def prompt_ids(self, source: Any, param: str) -> List[int]:
         """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
@@ -148,7 +154,10 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
     """The engine's request of an adapter's ``draft``: resolved against the
     ``terms``, under the server's call grammar, owned by ``cache_owner``;
     ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k, modulo 2**64)."""
-    made = {"fields": draft.fields, "defaults": terms.defaults, "context": terms.context}
+    defaults = terms.defaults
+    if draft.open_budget and draft.max_tokens is None and not terms.max_tokens_given:  # shrunk to what it leaves
+        defaults = dataclasses.replace(defaults, gen_length=terms.context)
+    made = {"fields": draft.fields, "defaults": defaults, "context": terms.context}
     if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
         ids, extra = draft.ids, draft.scoring.extra
         if len(ids) + extra > terms.context:

@@ -168,7 +168,7 @@ class Answering:
         """What every request is made under (known once the model is loaded)."""
         return RequestTerms(self.tokenize, self.vocab_size, self.context, self.config.decoding,
                             takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar,
-                            compile=self.compile)
+                            compile=self.compile, max_tokens_given=self.config.max_tokens_given)
 
     def compile(self, constraint):
         """A request's constraint compiled against the tokenizer (a DecodeError

@@ -262,7 +262,7 @@ def responses_request(body, store: ResponseStore, terms: RequestTerms, owner: st
     draft = Draft(ids, body.max_output_tokens, decoding_given(body), "responses", prompt_param="input",
                   max_tokens_param="max_output_tokens", include_commits=include_commits(body), tools=tools,
                   parallel_tool_calls=parallel, constraint=constraint, logprobs=answer_logprobs(body),
-                  logprobs_param="include" if body.top_logprobs is None else "top_logprobs")
+                  logprobs_param="include" if body.top_logprobs is None else "top_logprobs", open_budget=True)
     return draft, conversation, namespaces
 
 
