@@ -353,9 +353,13 @@ def test_stop_strings_are_refused_where_a_grammar_holds_the_whole_answer(server,
         assert e.value.body["param"] == "stop" and e.value.body["message"].startswith(
             f"stop: not supported with an answer constrained by {by}")
     strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
-    # (a budget that ends where the grammar still takes more, another call, is "length")
-    assert ask(oai, stop=["Sven"], tools=strict, max_tokens=24).choices[0].finish_reason in ("stop", "tool_calls",
-                                                                                             "length")
+    answer = ask(oai, stop=["Sven"], tools=strict, max_tokens=24)
+    finish, calls = answer.choices[0].finish_reason, answer.choices[0].message.tool_calls or []
+    for call in calls:  # what the grammar held is whole, whatever ended the answer
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    # "length" exactly when the budget ended it (where the grammar would still take more: another call)
+    assert (finish == "length") == (answer.usage.completion_tokens >= 24), (finish, answer.usage)
+    assert finish in ("length", "tool_calls" if calls else "stop"), (finish, calls)
     claude = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="local", max_retries=0,
                                  timeout=120)
     with pytest.raises(anthropic.BadRequestError) as e:

@@ -57,8 +57,7 @@ MAX_TEMPLATE_CHARS = 1 << 20  # a template's own text (a real one: a few KB)
 TEMPLATE_FILE = "<template>"  # the file name jinja gives a template compiled from a string
 
 _budget = threading.local()
-_installed: set = set()
-_lock = threading.Lock()
+_installed, _lock = set(), threading.Lock()  # the templates whose filters are checked, and its lock
 
 
 def _refuse(message: str):
@@ -354,7 +353,9 @@ def _tick() -> None:
 
 
 def _trace(frame, event, arg):
-    _tick()  # every Python call, in jinja's own code too (a filter's loop, a generator resumed)
+    _budget.ticks -= 1  # every Python call ticks, jinja's own too (a filter's loop); inline: it runs per call
+    if _budget.ticks <= 0:
+        _tick()
     if frame.f_code.co_filename != TEMPLATE_FILE:
         return None
     return _count
@@ -374,10 +375,9 @@ def _count(frame, event, arg):
 @contextlib.contextmanager
 def step_limit(tokenizer, steps: int = TEMPLATE_STEPS, seconds: Optional[float] = None):
     """Within the block, renderings of ``tokenizer``'s chat template run at
-    most ``steps`` template lines and ``seconds`` (TEMPLATE_SECONDS), and make
-    nothing past the sizes above. A
-    trace function already set on the thread (a debugger, coverage) is left
-    alone: then only the sizes are checked."""
+    most ``steps`` template lines and ``seconds`` (TEMPLATE_SECONDS), and make nothing past the sizes
+    above. A trace function already set on the thread (a debugger, coverage) is left alone: then only
+    the sizes are checked."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
         if len(template) > MAX_TEMPLATE_CHARS:
