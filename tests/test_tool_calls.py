@@ -25,6 +25,7 @@ from tests.helpers import FIXTURE_MODEL
 SVEN = '<tool_call>\n{"name": "lookup_person", "arguments": {"name": "Sven"}}\n</tool_call>'
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 MARKED = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "see </tool_call> here"}}\n</tool_call>'
+BAD = '<tool_call>\n{"cmd": "say "hi now"}}\n</tool_call>'  # a quote left unescaped: no JSON
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,9 @@ CASES = [
      [("calculator", {"expression": 'a " </tool_call> \\'})]),
     (MARKED + "\n" + MARKED, [("calculator", {"expression": "see </tool_call> here"})] * 2),
     ("<tool_call>\ncalculator 6*7</tool_call>", ["<tool_call>\ncalculator 6*7</tool_call>"]),  # not JSON: first marker
+    # a body that cannot be JSON (its quotes misread) ends at the first marker: the text and call after it are theirs
+    (BAD + "\nSome text.\n" + CALC, [BAD + "\nSome text.", ("calculator", {"expression": "6*7"})]),
+    ('<tool_call>\n{"a": "x</tool_call>\nNo quote.', ['<tool_call>\n{"a": "x</tool_call>\nNo quote.']),
 ]
 
 
@@ -99,8 +103,8 @@ def test_calls_are_read_from_the_answer_in_any_pieces(fmt, text, want):
     for _ in range(50):
         items, pieces = split(fmt, text, rng.sample(range(1, len(text)), 5))
         assert items == want and spans_text(text, pieces) == said
-    markup = text.find("<tool_call>")
-    if want and isinstance(want[-1], tuple):  # a call's markup: decided, not kept
+    markup = text.rfind("<tool_call>")
+    if want and isinstance(want[-1], tuple):  # the last call's markup: decided, not kept
         assert not splitter.kept(markup, markup + len("<tool_call>"))
 
 
@@ -247,3 +251,30 @@ def test_stop_strings_skip_a_call_whose_arguments_hold_its_end_marker():
         first, _ = shaper.feed(text[:cut], [], final=False)
         rest, reason = shaper.feed(text[cut:], [], final=True)
         assert first + rest == text[:text.rindex(" STOP")] + " " and reason == "stop", cut
+
+
+def test_a_body_that_cannot_be_json_ends_at_the_first_marker_in_any_pieces(fmt):
+    """A quote the model left unescaped does not make the rest of the answer the call's: what follows the
+    first end marker streams as it comes, a budget cut keeps it, one call ends the answer, stop strings fire."""
+    from refusion_mlx.serve.core.text import TextShaper
+
+    text = BAD + "\nSome STOP text.\n" + CALC + "\nAfter."
+    shown = text.index("\nSome") + len("\nSome STOP text.")
+    for cut in range(1, len(text)):
+        splitter = ToolCallSplitter(fmt, TOOLS)
+        first = splitter.feed(text[:cut], final=False)
+        if cut >= shown:  # the text after the bad call is out before the answer ends
+            assert "".join(i for i in first if isinstance(i, str)).startswith(text[:shown]), cut
+        rest = splitter.feed(text[cut:], final=True, cut=True)  # the budget ran out at the end: nothing lost
+        names = [i.name for i in first + rest if isinstance(i, ToolCall)]
+        assert "".join(i for i in first + rest if isinstance(i, str)) == text[:shown] + "After." and \
+            names == ["calculator"] and (splitter.failed, splitter.cut) == (1, 0), cut
+        items, single = split(fmt, text, [cut], single=True, final=False)
+        assert items == [BAD + "\nSome STOP text.", ("calculator", {"expression": "6*7"})] and single.done, cut
+        shaper = TextShaper(["STOP"], 0, ("<tool_call>", "</tool_call>"))
+        said, _ = shaper.feed(text[:cut], [], final=False)
+        more, reason = shaper.feed(text[cut:], [], final=True)
+        assert said + more == text[:text.index("STOP")] and reason == "stop", cut
+    open_call = '<tool_call>\n{"a": "x</tool_call>\nNo quote.'  # still open at the cut: the first marker ends it
+    splitter = ToolCallSplitter(fmt, TOOLS)
+    assert splitter.feed(open_call, final=True, cut=True) == ['<tool_call>\n{"a": "x</tool_call>', "\nNo quote."]

@@ -7,7 +7,12 @@ or ``[``, as Qwen3's ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``)
 ends at the first end marker outside the body's JSON strings: an argument may
 hold the marker's text (an agent writing a file about tool calls), and a cut
 there would leave a call that does not parse, shown as raw markup. Another
-body (XML-like formats, whose values are bare text) ends at the first marker.
+body (XML-like formats, whose values are bare text) ends at the first marker,
+and so does a JSON body once it cannot be JSON (a quote the model left
+unescaped: a string followed by text, or text by a string; anything past the
+value's close), or one still open when the answer ends that is not JSON
+whole: the strings were misread, and the first marker is the old, sound
+bound (the text and calls after it are read as such, not as the call's).
 
 Both read a text that only grows, from where they stopped: a character is
 read about once, whatever the answer's length (they run on the engine's
@@ -16,10 +21,12 @@ thread, each step).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import List, Optional, Tuple
 
 _IN_STRING = re.compile(r'["\\]')  # what ends a JSON string's plain run: its closing quote or an escape
+_SOLID = re.compile(r"\S")
 
 
 class CallEnd:
@@ -31,9 +38,23 @@ class CallEnd:
         self.at = begin  # read up to here (a marker's possible start, a lone backslash: read again)
         self.json: Optional[bool] = None  # whether the body is JSON: known at its first character past whitespace
         self.in_string = False
+        self.depth = 0  # the JSON's open brackets, outside strings
+        self.last = ""  # the last character outside strings, past whitespace ('"': a string's close)
 
-    def find(self, text: str) -> int:
-        """The end marker's offset in ``text``, or -1 while the call has none yet."""
+    def find(self, text: str, final: bool = False) -> int:
+        """The end marker's offset in ``text``, or -1 while the call has none yet; ``final``: the text is
+        the whole answer (a JSON body still open that does not parse ends at the first marker)."""
+        found = self._find(text)
+        if found < 0 and final and self.json and not _is_json(text[self.begin:]):
+            return self._first_marker(text)
+        return found
+
+    def _first_marker(self, text: str) -> int:
+        """The body is no JSON after all: the first marker ends it (the body read again, once)."""
+        self.json, self.at = False, self.begin
+        return self._find(text)
+
+    def _find(self, text: str) -> int:
         end, n = self.end, len(text)
         if not end:  # a format without one (the call runs to the answer's end): as str.find
             return self.begin
@@ -64,14 +85,41 @@ class CallEnd:
             quote = text.find('"', i)
             found = text.find(end, i, n if quote < 0 else quote + len(end) - 1)  # a marker that starts before it
             if found >= 0:
+                if not self._fits(text, i, found):
+                    return self._first_marker(text)
                 self.at = found
                 return found
             if quote < 0:
-                i = max(i, n - len(end) + 1)  # a tail that may begin the marker is read again
+                read = max(i, n - len(end) + 1)  # a tail that may begin the marker is read again
+                if not self._fits(text, i, read):
+                    return self._first_marker(text)
+                i = read
                 break
+            if not self._fits(text, i, quote) or self.depth == 0 or self.last not in "{[,:":
+                return self._first_marker(text)  # a string where JSON has none
             self.in_string, i = True, quote + 1
+            self.last = '"'
         self.at = i
         return -1
+
+    def _fits(self, text: str, start: int, stop: int) -> bool:
+        """Whether the JSON, read on over ``text[start:stop]`` (outside strings), may still be valid: no
+        text after a string but ``:,]}``, none after the value's close."""
+        for m in _SOLID.finditer(text, start, stop):
+            c = m.group()
+            if self.depth == 0 and self.last or self.last == '"' and c not in ":,]}":
+                return False
+            self.depth += (c in "{[") - (c in "}]")
+            self.last = c
+        return True
+
+
+def _is_json(body: str) -> bool:
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 class CallSpans:
@@ -85,7 +133,8 @@ class CallSpans:
         self._end: Optional[CallEnd] = None
         self.at = 0  # start markers are looked for from here
 
-    def read(self, text: str) -> List[Tuple[int, int]]:
+    def read(self, text: str, final: bool = False) -> List[Tuple[int, int]]:
+        """The spans in ``text``; ``final``: it is the whole answer (:meth:`CallEnd.find`)."""
         while True:
             if self._end is None:
                 found = text.find(self.start, self.at)
@@ -93,7 +142,7 @@ class CallSpans:
                     self.at = max(self.at, len(text) - len(self.start) + 1)
                     return self.closed
                 self.open_at, self._end = found, CallEnd(self.end, found + len(self.start))
-            found = self._end.find(text)
+            found = self._end.find(text, final)
             if found < 0:
                 return self.closed + [(self.open_at, len(text))]
             self.at = found + len(self.end)

@@ -41,7 +41,7 @@ class TextShaper:
         before = self.completion_tokens
         self.completion_tokens += sum(1 for t in tokens if t != self.eos_id)
         self.text += text
-        hit = self._first_stop()
+        hit = self._first_stop(final)
         if hit is not None:
             self.hit = next(s for s in self.stop if self.text.startswith(s, hit))
             if widths is not None:
@@ -56,9 +56,9 @@ class TextShaper:
             return self._release(len(self.text)), None
         return self._release(len(self.text) - self._held()), None
 
-    def _first_stop(self) -> Optional[int]:
+    def _first_stop(self, final: bool) -> Optional[int]:
         start = max(0, self.sent - max((len(s) for s in self.stop), default=0))
-        spans = self._calls.read(self.text) if self._calls is not None else []
+        spans = self._calls.read(self.text, final) if self._calls is not None else []
         hits = []
         for s in self.stop:
             i = self.text.find(s, start)

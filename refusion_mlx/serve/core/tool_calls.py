@@ -166,7 +166,7 @@ class ToolCallSplitter:
         out: List[Union[str, ToolCall]] = []
         while not self.done:
             if self.in_call:
-                end = self.ends.find(self.pending)  # pending begins with the call's body
+                end = self.ends.find(self.pending, final)  # pending begins with the call's body
                 if end < 0:
                     break
                 body = self.pending[:end]
