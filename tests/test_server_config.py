@@ -83,3 +83,18 @@ def test_only_a_max_tokens_the_operator_gave_caps_the_responses_apis_open_budget
         assert made == {"responses": responses, "chat.completions": chat}, given
         asked = finish(Draft([1] * 12, 100, {}, "responses", open_budget=True), terms)
         assert asked.max_tokens == 100 and asked.asked_max_tokens is None
+
+
+def test_an_open_budget_keeps_the_default_block_length_under_a_servers_serial_num_blocks():
+    """--serial-num-blocks 4 serves a 512 default as 4 blocks of 128; the Responses API's open budget (the
+    context left) would be 4 blocks of ~500 tokens each, every planning pass that wide: it keeps blocks of 16."""
+    from refusion_mlx.decode.params import make_params
+    from refusion_mlx.serve.core.engine_request import Draft, RequestTerms, finish
+
+    terms = RequestTerms(list, 100, 2048, make_params(serial_num_blocks=4), max_tokens_given=False)
+    made = finish(Draft([1] * 12, None, {}, "responses", open_budget=True), terms)
+    assert made.max_tokens == 2036 and made.layout.block_lengths == [16] * 127 + [4], made.layout
+    chat = finish(Draft([1] * 12, None, {}, "chat.completions"), terms)
+    assert chat.layout.block_lengths == [128] * 4, chat.layout
+    own = finish(Draft([1] * 12, None, {"serial_num_blocks": 2}, "responses", open_budget=True), terms)
+    assert len(own.layout.block_lengths) == 2, own.layout

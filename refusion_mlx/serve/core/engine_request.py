@@ -156,7 +156,7 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
     ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k, modulo 2**64)."""
     defaults = terms.defaults
     if draft.open_budget and draft.max_tokens is None and not terms.max_tokens_given:  # shrunk to what it leaves
-        defaults = dataclasses.replace(defaults, gen_length=terms.context)
+        defaults = open_defaults(terms)
     made = {"fields": draft.fields, "defaults": defaults, "context": terms.context}
     if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
         ids, extra = draft.ids, draft.scoring.extra
@@ -185,6 +185,15 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
         request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                           seed=(seed + sample) % SEEDS))
     return dataclasses.replace(compiled(request, terms), cache_owner=cache_owner)
+
+
+def open_defaults(terms: RequestTerms) -> RefusionParams:
+    """The server's defaults for an open budget (:attr:`Draft.open_budget`):
+    the whole context, which :func:`resolve` shrinks to what the prompt
+    leaves, in the default block length -- a server's ``serial_num_blocks``
+    N would cut the whole context into N blocks thousands of tokens wide
+    (a request's own block choice still replaces it)."""
+    return dataclasses.replace(terms.defaults, gen_length=terms.context, serial_num_blocks=None)
 
 
 def compiled(request: EngineRequest, terms: RequestTerms) -> EngineRequest:
