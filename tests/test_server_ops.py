@@ -168,6 +168,22 @@ def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     assert state["refused"] == 1 and err["error"]["param"] == "max_tokens"
 
 
+def test_an_open_budget_is_cut_to_what_max_kv_bytes_holds(caplog):
+    """Codex sends no max_output_tokens: the open budget (the context left, 2048 rows) would not fit 512 rows of
+    --max-kv-bytes and every turn was refused naming a field it never sent; it is now cut to the whole slots the
+    budget holds after the prompt, and the server says so at start-up. Chat keeps its default budget."""
+    with caplog.at_level(logging.WARNING, logger="refusion_mlx.server"):
+        with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
+            status, answer = call(srv, "POST", "/v1/responses", {"input": "Who is Sven?"})
+            chat_status, _ = call(srv, "POST", "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "Who is Sven?"}]})
+    assert status == 200 and answer["max_output_tokens"] is None, answer
+    held = (512 - answer["usage"]["input_tokens"]) // 4 * 4  # whole slots of 4 in 512 rows
+    assert answer["usage"]["layout"]["blocks"] == -(-held // 16), answer["usage"]
+    assert chat_status == 400  # chat keeps the default 512: 12 + 512 rows, more than 512 (warned at start-up)
+    assert "holds less than the model's context of 2048 tokens" in caplog.text
+
+
 def test_a_kv_refusal_names_the_field_of_its_api():
     """The Responses API's budget is max_output_tokens; a scored prompt's need is its prompt's, in rows that
     multiply out to the bytes named."""

@@ -197,8 +197,10 @@ class Engine:
             ll_warm(self.tokenizer, self.http_tokenizers, self.args.vocab_size, self.eos_id)  # tools' grammars
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
                                       storage=self.storage)  # checked against the model's head dimension
+            open_context = None if config.max_tokens_given else self.args.max_position_embeddings  # Responses'
             self.kv_cost, self.max_kv_bytes = admission_budget(self.model, self.storage, config.max_kv_bytes,
-                                                               self.prompt_cache.max_bytes, config.decoding)
+                                                               self.prompt_cache.max_bytes, config.decoding,
+                                                               open_context)
             if config.prompt_cache_dir:  # the files of this model back the prompt cache, reloaded now
                 from ..caches.cache_files import attach
 

@@ -144,6 +144,8 @@ class RequestTerms:
     call_grammar: str = "all"
     compile: Optional[Callable[[Constraint], Any]] = None
     max_tokens_given: bool = True
+    kv_cost: Any = None  # the engine's memory.KVCost, and its --max-kv-bytes: they cap an open budget
+    max_kv_bytes: Optional[int] = None
 
     def prompt_ids(self, source: Any, param: str) -> List[int]:
         """The prompt's ids from its ``source`` (``param``: its field), checked: :func:`prompt_ids`."""
@@ -156,7 +158,7 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
     ``sample``: which of ``n`` answers (with a seed, answer k uses seed + k, modulo 2**64)."""
     defaults = terms.defaults
     if draft.open_budget and draft.max_tokens is None and not terms.max_tokens_given:  # shrunk to what it leaves
-        defaults = open_defaults(terms)
+        defaults = open_defaults(terms, len(draft.ids), draft.fields.get("slot_size") or defaults.slot_size)
     made = {"fields": draft.fields, "defaults": defaults, "context": terms.context}
     if draft.scoring is not None:  # scored, not decoded: the prompt (and a drafted token) must fit the context
         ids, extra = draft.ids, draft.scoring.extra
@@ -187,13 +189,24 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
     return dataclasses.replace(compiled(request, terms), cache_owner=cache_owner)
 
 
-def open_defaults(terms: RequestTerms) -> RefusionParams:
+def open_defaults(terms: RequestTerms, prompt_tokens: int, slot: int) -> RefusionParams:
     """The server's defaults for an open budget (:attr:`Draft.open_budget`):
     the whole context, which :func:`resolve` shrinks to what the prompt
     leaves, in the default block length -- a server's ``serial_num_blocks``
     N would cut the whole context into N blocks thousands of tokens wide
-    (a request's own block choice still replaces it)."""
-    return dataclasses.replace(terms.defaults, gen_length=terms.context, serial_num_blocks=None)
+    (a request's own block choice still replaces it) -- and at most the
+    whole slots of ``slot`` that ``--max-kv-bytes`` holds after the prompt's
+    ``prompt_tokens`` (a request reserves its whole budget when it starts);
+    where it holds no slot after the prompt, the server's default budget
+    (refused as any request that cannot fit)."""
+    defaults = dataclasses.replace(terms.defaults, gen_length=terms.context, serial_num_blocks=None)
+    if terms.kv_cost is None or terms.max_kv_bytes is None:
+        return defaults
+    rows = terms.kv_cost.rows_within(terms.max_kv_bytes, max(defaults.layout().block_lengths))
+    if rows is None:
+        return defaults
+    held = (rows - prompt_tokens) // slot * slot
+    return dataclasses.replace(defaults, gen_length=min(terms.context, held) if held > 0 else terms.defaults.gen_length)
 
 
 def compiled(request: EngineRequest, terms: RequestTerms) -> EngineRequest:

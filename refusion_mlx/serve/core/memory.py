@@ -14,6 +14,7 @@ the rest is left to a step's activations and transient copies.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -140,6 +141,15 @@ class KVCost:
         """The KV bytes ``request`` reserves (:func:`kv_need`)."""
         return kv_need(request, self.row_bytes, self.scratch_row_bytes)
 
+    def rows_within(self, max_bytes: int, widest: int) -> Optional[int]:
+        """The most rows (prompt + budget, :func:`kv_rows`) one request whose
+        widest pass is ``widest`` rows (:func:`widest_pass`) may reserve within
+        ``max_bytes``; None before the model is loaded (no bytes known)."""
+        if not self.row_bytes:
+            return None
+        rows = (max_bytes - widest * self.scratch_row_bytes) // self.row_bytes
+        return rows // growth_rows() * growth_rows()
+
     def refusal(self, request, need: int, max_bytes: int):
         """The refusal of a request that can never fit, naming the numbers."""
         from .refusal import Reason, Refusal
@@ -157,13 +167,15 @@ class KVCost:
                        f"{growth_rows()}{scratch}); the server's --max-kv-bytes is {max_bytes}", param)
 
 
-def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
+def check_kv_budget(max_bytes: int, cost: KVCost, decoding, context: Optional[int] = None) -> None:
     """At start-up: a RefusionError when ``max_bytes`` is less than the smallest
     request reserves (a one-token prompt and one slot: one growth step of rows,
     and with --kv-bits one slot's rows in float), which would refuse every
     request; a warning when it is less than a one-token prompt with the
     server's default budget (``decoding``) reserves, which refuses every
-    request that does not set a smaller max_tokens."""
+    request that does not set a smaller max_tokens; a note when it holds
+    less than the model's whole ``context`` (the Responses API's open budget
+    is then cut to what it holds)."""
     from types import SimpleNamespace
 
     rows = growth_rows() * cost.row_bytes
@@ -179,15 +191,22 @@ def check_kv_budget(max_bytes: int, cost: KVCost, decoding) -> None:
         log.warning("--max-kv-bytes %d is less than a request with the default max_tokens (%d) reserves (%d): "
                     "such requests will be refused; lower --max-tokens or raise --max-kv-bytes",
                     max_bytes, decoding.gen_length, default)
+    if context is not None and max_bytes < cost.need(SimpleNamespace(prompt_ids=[], params=dataclasses.replace(
+            decoding, gen_length=context, serial_num_blocks=None))):
+        log.warning("--max-kv-bytes %d holds less than the model's context of %d tokens: a Responses request "
+                    "without max_output_tokens gets the most its prompt leaves within it, not the whole "
+                    "context; raise --max-kv-bytes for longer answers", max_bytes, context)
 
 
-def admission_budget(model, storage, given: Optional[int], prompt_cache_bytes: int, decoding) -> Tuple["KVCost", int]:
+def admission_budget(model, storage, given: Optional[int], prompt_cache_bytes: int, decoding,
+                     context: Optional[int] = None) -> Tuple["KVCost", int]:
     """(the loaded ``model``'s :class:`KVCost` as ``storage`` keeps its rows,
     ``--max-kv-bytes``: ``given``, else :func:`default_max_kv_bytes`), once
-    :func:`check_kv_budget` found it takes the server's own default request."""
+    :func:`check_kv_budget` found it takes the server's own default request
+    (and, given the open budget's ``context``, whether it holds that)."""
     cost = KVCost.of(model, storage)
     budget = given if given is not None else default_max_kv_bytes(model, prompt_cache_bytes, cost.row_bytes)
-    check_kv_budget(budget, cost, decoding)  # refuses what refuses all
+    check_kv_budget(budget, cost, decoding, context)  # refuses what refuses all
     return cost, budget
 
 

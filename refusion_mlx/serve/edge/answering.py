@@ -168,7 +168,8 @@ class Answering:
         """What every request is made under (known once the model is loaded)."""
         return RequestTerms(self.tokenize, self.vocab_size, self.context, self.config.decoding,
                             takes_tools=self.engine.tool_format is not None, call_grammar=self.config.call_grammar,
-                            compile=self.compile, max_tokens_given=self.config.max_tokens_given)
+                            compile=self.compile, max_tokens_given=self.config.max_tokens_given,
+                            kv_cost=self.engine.kv_cost, max_kv_bytes=self.engine.max_kv_bytes)
 
     def compile(self, constraint):
         """A request's constraint compiled against the tokenizer (a DecodeError
