@@ -40,7 +40,8 @@ def test_a_prompts_file_prints_each_answer_once_it_and_those_before_are_done(tmp
     import signal
 
     prompts = tmp_path / "many.txt"
-    prompts.write_text("".join(f"Count from {i} to {i + 30}.\n" for i in range(1, 81)))
+    # more than a loaded machine decodes between the first answer and the signal (80 once all finished first)
+    prompts.write_text("".join(f"Count from {i} to {i + 30}.\n" for i in range(1, 801)))
     proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.generate", "--prompts-file", str(prompts),
                              "--max-tokens", "128", "--batch-size", "2"], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
@@ -53,7 +54,7 @@ def test_a_prompts_file_prints_each_answer_once_it_and_those_before_are_done(tmp
         proc.kill()
     lines = (first + rest).splitlines(keepends=True)
     assert proc.returncode == 130 and err.endswith("interrupted\n"), (proc.returncode, err)
-    assert first.startswith("[0] 1 2 3") and 1 <= len(lines) < 80, lines
+    assert first.startswith("[0] 1 2 3") and 1 <= len(lines) < 800, lines
     assert [line.split()[0] for line in lines] == [f"[{i}]" for i in range(len(lines))]
     assert all(line.endswith("\n") for line in lines)
 
