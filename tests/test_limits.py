@@ -989,6 +989,33 @@ def test_a_hostile_chat_template_fails_in_one_line_at_once(tmp_path, template, n
     assert time.monotonic() - t0 < 5
 
 
+def test_a_checked_template_renders_outside_the_limits_on_a_new_thread():
+    """Once a render has installed the checked filters, the template renders on a thread that never entered
+    step_limit too (a library user's own apply_chat_template): its output counter once read a tick count only
+    step_limit had set, an AttributeError."""
+    import threading
+
+    from refusion_mlx.decode.stream import render_chat
+    from refusion_mlx.models.loading import DEMO_MODEL, load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_MODEL)
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = render_chat(tokenizer, messages, add_generation_prompt=True)  # installs the checks
+    box = {}
+
+    def bare():
+        try:
+            box["text"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                        enable_thinking=True)
+        except Exception as e:  # noqa: BLE001 - the failure is the assertion's
+            box["error"] = e
+
+    thread = threading.Thread(target=bare)
+    thread.start()
+    thread.join(60)
+    assert "error" not in box and box["text"] == expected, box
+
+
 HEAVY_LINES = ("{% set s = 'x' * 4000000 %}{% for i in range(1000) %}{% for j in range(300) %}{% set t = s.upper() %}"
                "{% endfor %}{% endfor %}{{ messages[0]['content'] }}")  # under the line budget, minutes of work
 

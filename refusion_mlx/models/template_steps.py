@@ -342,8 +342,8 @@ class _CheckedFilters(dict):
 
 
 def _tick() -> None:
-    """A rendering past its time fails (the clock read every 1024 ticks)."""
-    _budget.ticks -= 1
+    """A rendering past its time fails (the clock read every 1024 ticks; a render outside step_limit has none)."""
+    _budget.ticks = getattr(_budget, "ticks", 1024) - 1
     if _budget.ticks <= 0:
         _budget.ticks = 1024
         if time.monotonic() > getattr(_budget, "deadline", math.inf):
