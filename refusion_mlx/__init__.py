@@ -4,6 +4,7 @@ from . import _startup  # first: _blas and what follows take a while to import
 
 if _startup.starting():  # python -m refusion_mlx.<command> or refusion-<command>, while it imports: Ctrl-C is a
     _startup.quiet_interrupts()  # quiet exit 130
+    _startup.leave_out_torch()  # the tokenizer's transformers would import PyTorch (~1.5 s) for nothing
 
 from . import _blas  # noqa: E402
 
