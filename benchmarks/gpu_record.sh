@@ -96,7 +96,9 @@ if [ -z "${GPU_RECORD_LOGGING:-}" ]; then  # its own log, OUT/log.txt (appended)
 fi
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."  # the checkout's root: its benchmarks and tests, wherever this was started
-if ! $PY -c "import mlx.core, mlx_lm, pytest" 2>/dev/null; then
+# mlx.core loaded (a CUDA wheel without its libraries fails here); mlx_lm found, not imported: its
+# transformers imports PyTorch wherever that is installed (~2 s here, for nothing)
+if ! $PY -c "import importlib.util, mlx.core, pytest; assert importlib.util.find_spec('mlx_lm')" 2>/dev/null; then
   echo "$PY cannot import mlx, mlx_lm and pytest (on a lent GPU: benchmarks/gpu_wheels.sh install, then" \
        "export PYTHONPATH=/tmp/site:\$PWD)" >&2
   exit 1

@@ -216,6 +216,17 @@ def test_the_script_stamps_its_folder(fake, tmp_path):
     assert stamped["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
 
+def test_a_python_without_mlx_lm_ends_the_script_in_one_line_before_any_step(fake, tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['mlx_lm'] = None\n")
+    proc, calls = fake(str(tmp_path / "out"), "golden", env={"PYTHONPATH": f"{hide}{os.pathsep}{ROOT}"})
+    assert proc.returncode == 1 and calls == [], proc.stdout
+    (line,) = proc.stdout.strip().splitlines()  # the script's output and its log.txt
+    assert "cannot import mlx, mlx_lm and pytest" in line
+    assert fake(str(tmp_path / "out"), "golden")[0].returncode == 0  # the same, with mlx_lm
+
+
 @pytest.fixture
 def no_cuda(tmp_path):
     """A PATH whose loader knows no library (ldconfig) and whose ldd answers LDD's lines."""
