@@ -315,3 +315,24 @@ def test_a_truncated_adapter_file_is_one_line_on_the_commands(command, lora_fold
     assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "adapters.safetensors: lacks 18 of the 28 tensors" in err
     assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_a_dtype_field_that_names_no_dtype_is_refused_alike_by_a_command_and_by_python(tmp_path, key):
+    """transformers reads the field as ``torch.<value>`` only where PyTorch is installed, and a command
+    keeps PyTorch out: "auto" loaded from ``generate`` and failed from ``load()`` with "cannot load the
+    tokenizer: module 'torch' has no attribute 'auto'". Both say the same line now."""
+    import os
+    import subprocess
+    import sys
+
+    folder = checkpoint(tmp_path / "auto", **{key: "auto"})
+    line = f"config.json: {key} is 'auto', which is not a dtype (float16, bfloat16 or float32)"
+    with pytest.raises(LoadError) as refused:
+        load(folder)
+    assert str(refused.value).startswith(line)
+    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--model", str(folder), "--max-tokens", "4"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"error: {str(refused.value)}"], proc.stderr
+    assert load(checkpoint(tmp_path / "f16", **{key: "float16"}))[0] is not None

@@ -92,26 +92,7 @@ def check_architecture(config: dict):
     if "quantization_config" in config or "quantization" in config:
         raise LoadError("config.json says this checkpoint is already quantized; "
                         "convert the bf16/fp16/fp32 checkpoint")
-    check_dtype_field(config)
-    return model_args(config)
-
-
-def check_dtype_field(config: dict) -> None:
-    """A ``dtype`` (else ``torch_dtype``) that transformers reads as ``torch.<value>``,
-    and cannot when torch has no such name (``"auto"``: from_pretrained's argument,
-    never a stored dtype): named here, not as the tokenizer's failure."""
-    key = "dtype" if config.get("dtype") is not None else "torch_dtype"
-    value = config.get(key)
-    if not isinstance(value, str) or value in DTYPES:
-        return
-    try:
-        import torch
-    except ImportError:  # transformers leaves the string alone then
-        return
-    if not hasattr(torch, value):
-        raise LoadError(f"config.json: {key} is {value!r}, which is not a dtype (float16, bfloat16 or float32)"
-                        + ("; 'auto' is an argument of from_pretrained, not a value for config.json"
-                           if value == "auto" else ""))
+    return model_args(config)  # which checks the dtype field (config_checks.dtype_field_problems)
 
 
 def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]],

@@ -140,6 +140,19 @@ def _rope_problems(name: str, value: Any) -> List[str]:
     return out
 
 
+def dtype_field_problems(config: Dict[str, Any]) -> List[str]:
+    """A ``dtype`` (else ``torch_dtype``) string that names no floating dtype: transformers reads it as
+    ``torch.<value>`` where PyTorch is installed (``"auto"``, from_pretrained's argument, then failed as
+    the tokenizer's load) and leaves it alone where not, so it is refused here whatever is installed:
+    a folder loads or not alike from a command (which keeps PyTorch out) and from Python."""
+    key = "dtype" if config.get("dtype") is not None else "torch_dtype"
+    value = config.get(key)
+    if not isinstance(value, str) or value in FLOAT_BYTES or value == "float64":
+        return []
+    return [f"config.json: {key} is {value!r}, which is not a dtype (float16, bfloat16 or float32)"
+            + ("; 'auto' is an argument of from_pretrained, not a value for config.json" if value == "auto" else "")]
+
+
 def quantization_problems(config: Dict[str, Any]) -> List[str]:
     """config.json's ``quantization`` (mlx-lm's): group size, bits, mode; per-layer overrides."""
     quant = config.get("quantization")

@@ -68,6 +68,8 @@ def model_args(config: Dict[str, Any]):
                if k not in config]
     if missing:
         raise LoadError(f"config.json lacks {', '.join(missing)}")
+    if problems := config_checks.dtype_field_problems(config):
+        raise LoadError("\n".join(problems))
     try:
         return registry.family_args(config)
     except ConfigError as e:
