@@ -99,6 +99,11 @@ def test_a_settings_other_names_are_refused_where_a_body_does_not_take_them():
         assert not set(refused) & set(model.model_fields), api
         assert names - set(model.model_fields) <= set(refused), api
     assert foreign_fields("responses")["gen_length"].endswith("send max_output_tokens")
+    # each API's names for the budget and the stop strings, sent to another (a 200 cut nowhere, stopped nowhere)
+    for api, model in (("chat.completions", ChatCompletionRequest), ("completions", CompletionRequest),
+                       ("responses", ResponsesRequest), ("messages", MessagesRequest)):
+        others = {"max_tokens", "max_completion_tokens", "max_output_tokens", "stop", "stop_sequences"}
+        assert others - set(model.model_fields) <= set(foreign_fields(api)), api
     assert foreign_fields("messages")["temp"].endswith("send temperature")
 
 

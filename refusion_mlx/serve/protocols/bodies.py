@@ -49,12 +49,14 @@ _SCHEMA = {"chat.completions": 'chat completions\' response_format {"type": "jso
            "responses": 'text.format {"type": "json_schema", "name": ..., "schema": ...}',
            "messages": 'output_config.format {"type": "json_schema", "schema": ...}'}
 # Another API's name for what this API names its own way: its field -> this API's.
+_NO_STOP = "stop to chat completions, which cuts at stop strings (this API has none)"
 _RENAMED = {"responses": {"response_format": "text.format", "max_tokens": "max_output_tokens",
-                          "max_completion_tokens": "max_output_tokens",
-                          "stop": "stop to chat completions, which cuts at stop strings (this API has none)"},
-            "messages": {"response_format": "output_config.format", "stop": "stop_sequences"},
+                          "max_completion_tokens": "max_output_tokens", "stop": _NO_STOP, "stop_sequences": _NO_STOP},
+            "messages": {"response_format": "output_config.format", "stop": "stop_sequences",
+                         "max_output_tokens": "max_tokens", "max_completion_tokens": "max_tokens"},
             "chat.completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"},
-            "completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"}}
+            "completions": {"max_output_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                            "stop_sequences": "stop"}}
 
 
 def _settings_other_names(api: str) -> Dict[str, str]:
