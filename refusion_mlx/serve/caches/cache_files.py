@@ -146,8 +146,9 @@ class CacheDir:
 
     def files(self, warn: bool = False):
         """(mtime, size, path) of this model's entry files, oldest first: regular
-        files only (``warn``: one line for each other thing named as an entry)."""
-        out = []
+        files only (``warn``: one line for each other thing named as an entry, and one for the entries of
+        other fingerprints, which no budget of this server counts)."""
+        out, others = [], []
         try:
             entries = list(os.scandir(self.path))
         except OSError as e:
@@ -167,6 +168,12 @@ class CacheDir:
                 continue
             if f.name.startswith(self.prefix):  # another model's files are not this server's to read or trim
                 out.append((st.st_mtime, st.st_size, Path(f.path)))
+            else:
+                others.append(st.st_size)
+        if warn and others:  # a changed model (or a new version of this server) leaves its old files behind
+            log.warning("prompt cache: %d file(s), %.1f MB, in %s are for another model, dtype or --kv-bits (or an "
+                        "older version): not read, not counted in --prompt-cache-dir-bytes, not removed; delete "
+                        "them if no server uses them", len(others), sum(others) / 1e6, self.path)
         return sorted(out)
 
     def trim(self) -> None:
