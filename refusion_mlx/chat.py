@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from .cli import (OneLineParser, add_decoding_args, add_kv_args, add_model_args, add_template_arg, fill_defaults,
                   output_file, params_from_args, refuse_unread, run, storage_from_args)
-from .cli.launch import add_distributed_args, join, ready, shared_input
+from .cli.launch import add_distributed_args, join, leader_interrupts, ready, shared_input
 from .cli.mlx_lm_flags import add_end_tokens, add_mlx_lm_args
 from .cli.repl import HELP, Terminal, repl
 from .cli.trace import Trace
@@ -107,7 +107,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     term.note(HELP)
     # under mlx.launch the collectives have a timeout (rank 0 sends a heartbeat while the user types)
     def chat() -> int:
-        with wired_limit(model), watchdog.armed():  # Metal: the weights stay resident between turns
+        # rank 0's Ctrl-C acts at a broadcast, so every rank stops together
+        with wired_limit(model), watchdog.armed(), leader_interrupts(dist):  # Metal: weights stay resident
             return repl(session, term, visualize=args.visualize, trace=trace, frame_time=args.frame_time)
 
     # as every command's: a reader gone (``| head``) quiet, a full disk, an encoding or a lost rank one line

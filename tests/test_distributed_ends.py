@@ -13,6 +13,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.helpers import FIXTURE_MODEL
 from tests.ranks import ROOT, start_ranks, two_rank_server, wait_for
 
@@ -114,11 +116,13 @@ def test_a_silent_collective_times_out_with_one_line():
     assert len(lines) == 1 and lines[0].startswith("error: rank 0: no progress from the other ranks for 0.5 s")
 
 
-def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("pause", [0.5, 0.0])
+def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path, pause):
     """Ctrl-C reaches every rank of the terminal's process group. Mid-answer it drops the turn on every rank
     at one step, and the chat goes on (the ranks stopped at different steps and waited on each other); at the
     prompt it ends the chat on every rank as Ctrl-C ends a command: "interrupted", exit 130 (rank 0 aborted
-    once: its input thread was blocked in stdin)."""
+    once: its input thread was blocked in stdin). ``pause`` 0: Ctrl-C as the turn's summary is written,
+    before rank 0 reads again (it ended rank 0 alone; rank 1 lost it, exit 1)."""
     argv = ["--model", str(FIXTURE_MODEL), "--max-tokens", "2000", "--block-length", "4"]
     procs = start_ranks(tmp_path, argv, timeout_s="20", command="refusion_mlx.chat", feed=b"Count to 1000.\n")
     try:
@@ -129,8 +133,8 @@ def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path):
         procs[0].stdin.write(b"Count from 1 to 5.\n")
         procs[0].stdin.flush()
         wait_for(procs[0].stderr, b"tokens/forward")  # the next turn is answered on both ranks
-        time.sleep(0.5)
-        for p in procs:  # at the prompt
+        time.sleep(pause)
+        for p in procs:  # at the prompt, or on its way there
             p.send_signal(signal.SIGINT)
         out, err = procs[0].communicate(timeout=30)
         _, err1 = procs[1].communicate(timeout=30)

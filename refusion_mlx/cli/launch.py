@@ -4,6 +4,7 @@ start the collectives' watchdog. Alone (no launcher) all of it is a no-op."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import threading
 from typing import Callable, Iterator, Optional, TypeVar
@@ -47,6 +48,43 @@ def ready(dist: Optional[dgroup.Distributed]) -> None:
         dist.meeting = False
 
 
+class _LeaderCtrlC:
+    """Rank 0's Ctrl-C in a chat (:func:`leader_interrupts`): raised while it reads the user's line,
+    noted (``pending``) anywhere else."""
+    reading = False
+    pending = False
+
+
+_LEADER = _LeaderCtrlC()
+
+
+def _note_ctrl_c(signum, frame) -> None:
+    if _LEADER.reading:
+        _LEADER.reading = False  # one KeyboardInterrupt: a second Ctrl-C is noted
+        raise KeyboardInterrupt
+    _LEADER.pending = True
+
+
+@contextlib.contextmanager
+def leader_interrupts(dist: Optional[dgroup.Distributed]) -> Iterator[None]:
+    """Rank 0's Ctrl-C for the duration of a chat under mlx.launch. The other ranks follow rank 0 only at
+    its broadcasts: at the prompt (:func:`shared_input`) and after each step of a turn
+    (:func:`agreed_steps`). A KeyboardInterrupt raised anywhere else on rank 0 (between a turn's end
+    and the next read, say) ended rank 0 alone, the others lost it. So Ctrl-C is noted there and
+    acted on at the next broadcast: the next read ends the chat on every rank, a turn that had begun
+    stops after its first step. Alone, or on another rank, a no-op."""
+    if dist is None or not dist.leader or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _LEADER.reading = _LEADER.pending = False
+    previous = signal.signal(signal.SIGINT, _note_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _LEADER.reading = _LEADER.pending = False
+
+
 def agreed_steps(dist: Optional[dgroup.Distributed], steps: Iterator[T]) -> Iterator[T]:
     """``steps`` (a turn's responses), ending at the same step on every rank.
 
@@ -62,6 +100,9 @@ def agreed_steps(dist: Optional[dgroup.Distributed], steps: Iterator[T]) -> Iter
     stop: list = []
     previous = signal.signal(signal.SIGINT, (lambda signum, frame: stop.append(signum)) if dist.leader
                              else signal.SIG_IGN)
+    if dist.leader and _LEADER.pending:  # a Ctrl-C since the line was read is this turn's
+        stop.append(signal.SIGINT)
+    _LEADER.pending = False
     try:
         for response in steps:
             yield response
@@ -113,10 +154,14 @@ def shared_input(dist: dgroup.Distributed, read: Callable[[str], str]) -> Callab
         beater.start()
         line, ended = None, EOFError
         try:
+            _LEADER.reading = True
+            if _LEADER.pending:  # Ctrl-C since the last turn ended: at the prompt
+                raise KeyboardInterrupt
             line = read(prompt)
         except (EOFError, KeyboardInterrupt) as e:
             ended = type(e)
         finally:
+            _LEADER.reading = _LEADER.pending = False
             done.set()
             beater.join()  # its last broadcast done: the ranks' collectives stay in one order
         if line is None:
