@@ -27,9 +27,12 @@ def console_script() -> Optional[str]:
 
 
 def starting() -> bool:
-    """Whether the process is a command that is starting: ``python -m`` imports the package (its
-    ``argv[0]`` is ``-m`` until the module runs), or a console script does."""
-    return sys.argv[:1] == ["-m"] or console_script() is not None
+    """Whether the process is one of the commands, starting: ``python -m refusion_mlx.<command>`` imports
+    the package (its ``argv[0]`` is ``-m`` until the module runs), or a console script does. A user's
+    ``python -m theirs`` that imports the package is not (its Ctrl-C stays its own)."""
+    if console_script() is not None:
+        return True
+    return sys.argv[:1] == ["-m"] and (command() or "").startswith("refusion_mlx.")
 
 
 def command() -> Optional[str]:
@@ -41,14 +44,17 @@ def command() -> Optional[str]:
         return "refusion_mlx." + script.removeprefix("refusion-")
     args = iter(getattr(sys, "orig_argv", [])[1:])
     for arg in args:
-        if arg == "-m":
-            return next(args, None)
-        if arg.startswith("-m"):
-            return arg[2:]
-        if arg in ("-X", "-W", "--check-hash-based-pycs"):
+        if arg == "--check-hash-based-pycs":
             next(args, None)  # the option's value
-        elif arg == "-c" or arg == "-" or not arg.startswith("-"):
-            return None  # a script or -c: not one of our commands
+        elif arg == "-" or not arg.startswith("-"):
+            return None  # a script: not one of our commands
+        elif not arg.startswith("--"):  # short flags, bundled as CPython takes them: -um mod, -Wignore, -mmod
+            for i, flag in enumerate(arg[1:], 1):
+                if flag in "mcWX":  # the last of a bundle: its value is the rest or the next argument
+                    value = arg[i + 1:] or next(args, None)
+                    if flag in "mc":
+                        return value if flag == "m" else None
+                    break
     return None
 
 

@@ -677,12 +677,30 @@ def test_a_command_reads_its_module_from_the_interpreters_arguments(monkeypatch)
     for argv, module in [(["python", "-m", "refusion_mlx.chat", "-m", "x"], "refusion_mlx.chat"),
                          (["python", "-X", "importtime", "-W", "ignore", "-mrefusion_mlx.server"], "refusion_mlx.server"),
                          (["python", "-c", "import refusion_mlx", "-m", "x"], None),
+                         (["python", "-um", "refusion_mlx.chat"], "refusion_mlx.chat"),
+                         (["python", "-BOOmrefusion_mlx.bench"], "refusion_mlx.bench"),
+                         (["python", "-uWignore", "-m", "refusion_mlx.fuse"], "refusion_mlx.fuse"),
+                         (["python", "-uc", "pass", "-m", "x"], None), (["python", "-", "-m", "x"], None),
                          (["python", "script.py", "-m", "refusion_mlx.chat"], None), (["python"], None)]:
         monkeypatch.setattr(sys, "orig_argv", argv)
         monkeypatch.setattr(sys, "argv", ["-m"])
         assert _startup.command() == module, argv
     monkeypatch.setattr(sys, "argv", ["/venv/bin/refusion-train"])
     assert _startup.command() == "refusion_mlx.train"
+
+
+def test_a_users_own_module_run_with_python_m_keeps_its_ctrl_c_and_pytorch(tmp_path):
+    """``python -m theirs`` whose package imports refusion_mlx is no command of ours: its Ctrl-C is still
+    KeyboardInterrupt (it was "interrupted" and exit 130, past the program's own handler)."""
+    app = tmp_path / "theirs"
+    app.mkdir()
+    (app / "__init__.py").write_text("import refusion_mlx\n")
+    (app / "__main__.py").write_text("import importlib.util, signal\n"
+                                     "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,\n"
+                                     "      importlib.util.find_spec('torch') is not None)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    proc = subprocess.run([sys.executable, "-m", "theirs"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "True True\n", (proc.stdout, proc.stderr[-2000:])
 
 
 def test_a_command_that_never_runs_pytorch_does_not_import_it():
