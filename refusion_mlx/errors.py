@@ -1,5 +1,7 @@
 """Errors that reach a user as one line (CLI: non-zero exit; server: HTTP 4xx)."""
 
+from typing import Optional
+
 
 class RefusionError(ValueError):
     """A problem with the user's input or files."""
@@ -32,6 +34,20 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM raised as the KeyboardInterrupt Ctrl-C raises, so that a command
     which saves its work on Ctrl-C (``train``) saves it on SIGTERM too; the
     command line then exits 143 (128 + SIGTERM) instead of 130."""
+
+
+class PendingStop:
+    """The Ctrl-C or SIGTERM a command's signal handler raised (:meth:`raise_`), kept until the loop it
+    stops has seen it: Python drops an exception that a handler raises while a ``__del__`` or a weakref
+    callback runs (it prints "Exception ignored" and goes on), and the training went on for good after
+    its SIGTERM. ``train``'s loop stops at its next step while one is pending."""
+
+    pending: Optional[KeyboardInterrupt] = None
+
+    @classmethod
+    def raise_(cls, interrupt: KeyboardInterrupt):
+        cls.pending = interrupt
+        raise interrupt
 
 
 def brief(e: BaseException) -> str:

@@ -295,3 +295,33 @@ def test_fine_tune_takes_paths_and_refuses_a_misspelt_option(tmp_path):
     _, _, result = fine_tune(data=DATA, adapter_path=tmp_path / "a", iters=1, val_batches=0, report=None,
                              progress=False)
     assert result.iterations == 1 and (tmp_path / "a" / "adapters.safetensors").is_file()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_sigterm_whose_raise_python_drops_still_stops_the_training_at_the_next_step(tmp_path, capsys, monkeypatch):
+    """A signal handler's exception raised while a ``__del__`` runs is dropped by Python ("Exception ignored"):
+    the training went on for good after its one SIGTERM (a supervisor waits, then kills it, adapters unsaved).
+    The loop stops at its next step while the stop is pending, and saves as for any SIGTERM (exit 143)."""
+    import signal
+
+    from refusion_mlx.train import trainer
+
+    class Dropped:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)
+
+    tokens, calls = trainer.batch_tokens, []
+
+    def counted(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            Dropped()  # the handler runs inside its __del__
+        return tokens(batch)
+
+    monkeypatch.setattr(trainer, "batch_tokens", counted)
+    before = signal.getsignal(signal.SIGTERM)
+    code, _, err = run(["--data", DATA, "--adapter-path", tmp_path / "a", "--iters", "30", "--val-batches", "0",
+                        "--steps-per-report", "1"], capsys)
+    assert code == 143 and "Interrupted after iteration 2: saved the adapters" in err, (code, err[-500:])
+    assert len(calls) == 2 and (tmp_path / "a" / "adapters.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) is before

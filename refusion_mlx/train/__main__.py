@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional
 
 from ..cli import OneLineParser, run
-from ..errors import RefusionError, Terminated
+from ..errors import PendingStop, RefusionError, Terminated
 from .config import add_flags, check_data, merge
 
 
@@ -40,12 +40,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         fine_tune(**args)
         return 0
 
-    # SIGTERM (a supervisor, `kill`, a closing session) saves the adapters of the last step, as Ctrl-C does
+    # SIGTERM (a supervisor, `kill`, a closing session) saves the adapters of the last step, as Ctrl-C does;
+    # both are kept pending too, for the loop to see if Python dropped the raise (errors.PendingStop)
     previous = signal.signal(signal.SIGTERM, _terminate)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:  # not where it is ignored (a shell's background job)
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         return run(body)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGINT) is _interrupt:
+            signal.signal(signal.SIGINT, previous_int)
+        PendingStop.pending = None
 
 
 def check_optimizer(options: dict) -> None:
@@ -59,7 +66,11 @@ def check_optimizer(options: dict) -> None:
 
 def _terminate(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends at once
-    raise Terminated()
+    PendingStop.raise_(Terminated())
+
+
+def _interrupt(signum, frame):
+    PendingStop.raise_(KeyboardInterrupt())
 
 
 if __name__ == "__main__":

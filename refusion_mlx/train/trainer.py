@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from ..errors import RefusionError
+from ..errors import PendingStop, RefusionError
 from ..models.adapter_files import numbered_adapter_file, save_adapters
 from ..models.adapters import ADAPTER_FILE, trainable_weights
 from .batches import Record, batch_tokens, iterate_batches
@@ -298,6 +298,8 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
     try:
         validate(0)
         for it in range(1, args.iters + 1):
+            if PendingStop.pending is not None:  # a Ctrl-C or SIGTERM whose raise Python dropped
+                raise PendingStop.pending
             batch = next(batches)
             tokens = batch_tokens(batch)
             tic = time.perf_counter()
@@ -335,6 +337,7 @@ def train(model, optimizer, train_set: Sequence[Record], valid_set: Optional[Seq
                 say(f"Iter {it}: Saved adapter weights to {adapter_dir / ADAPTER_FILE} and "
                     f"{adapter_dir / numbered_adapter_file(it)}.")
     except KeyboardInterrupt as interrupt:
+        PendingStop.pending = None  # seen
         bar.close()
         result.interrupted = True
         if result.iterations:
