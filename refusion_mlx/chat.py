@@ -34,11 +34,11 @@ def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m refusion_mlx.chat",
                            description="Chat with a ReFusion model in the terminal (multi-turn, KV cache kept "
                                        "across turns).")
-    add_model_args(parser)
+    add_model_args(parser, short=False)  # -m: --max-tokens, as mlx-lm's
     add_distributed_args(parser)
     parser.add_argument("--system", "--system-prompt", dest="system", help="system message")
     add_template_arg(parser)
-    add_decoding_args(parser)
+    add_decoding_args(parser, max_tokens_short=True)
     add_kv_args(parser)
     parser.add_argument("--no-reuse", action="store_true",
                         help="prefill the whole conversation every turn (to measure what reuse saves)")

@@ -41,7 +41,7 @@ DEFAULTS = {"batch_size": 8}
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m refusion_mlx.generate",
                            description="Generate text with a ReFusion model (slot-level plan-and-infill decoding).")
-    add_model_args(parser)
+    add_model_args(parser, short=False)  # -m: --max-tokens, as mlx-lm's
     add_distributed_args(parser)
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="the prompt; '-' reads standard input")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action=Spelled,
                         nargs=0, default=False, help="tokenize the prompt as is")
     add_template_arg(parser)
-    add_decoding_args(parser)
+    add_decoding_args(parser, max_tokens_short=True)
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE|JSON",
                        help="constrained decoding: the answer is JSON valid under this JSON Schema (a file, or the "
@@ -91,7 +91,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.prompts_file is not None:
             return run_prompts_file(args, params, dist, constraint, storage)
         # stdin's last newline (echo's, a file's, Windows' \r\n) is not part of the prompt
-        prompt = without_line_end(read_input("-", "--prompt")) if args.prompt == "-" else args.prompt
+        # as mlx-lm's: "\n" and "\t" typed in --prompt are a newline and a tab
+        prompt = (without_line_end(read_input("-", "--prompt")) if args.prompt == "-"
+                  else args.prompt.replace("\\n", "\n").replace("\\t", "\t"))
         model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
         add_end_tokens(tokenizer, model, args.extra_eos_token)

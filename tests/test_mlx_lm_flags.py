@@ -45,6 +45,26 @@ def test_a_filter_flag_decodes_as_its_keyword_does(capsys):
     assert code == 0 and json.loads(out)["text"] == text
 
 
+@pytest.mark.parametrize("parser", [build_parser, chat.build_parser])
+def test_dash_m_is_the_budget_in_generate_and_chat_as_in_mlx_lm_and_the_model_elsewhere(parser):
+    """mlx-lm's generate and chat take ``-m`` for --max-tokens: ``--model X -m 256`` here made the model
+    "256" (no model folder at 256). The commands mlx-lm has no ``-m`` in keep it for --model."""
+    from refusion_mlx import server
+    from refusion_mlx.bench import __main__ as bench
+
+    args = parser().parse_args(["--model", "x", "-m", "256"])
+    assert args.model == "x" and params_from_args(args).gen_length == 256
+    for other in (server.build_parser, bench.build_parser):
+        assert other().parse_args(["-m", "x"]).model == "x"
+
+
+def test_a_prompts_backslash_n_and_t_are_a_newline_and_a_tab_as_in_mlx_lm(capsys):
+    code, out, _ = run_main(capsys, "--prompt", "Who is\\tSven?\\nSay.", "--no-chat-template", "--max-tokens",
+                            "4", "--json")
+    _, tokenizer = load()
+    assert code == 0 and json.loads(out)["prompt_ids"] == tokenizer.encode("Who is\tSven?\nSay.")
+
+
 def test_verbose_takes_mlx_lms_boolean_or_none(capsys):
     parse = build_parser().parse_args
     assert [parse(argv).verbose for argv in ([], ["--verbose"], ["--verbose", "True"], ["--verbose", "F"],

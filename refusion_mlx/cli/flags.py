@@ -58,13 +58,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_model_args(parser: argparse.ArgumentParser, adapters: bool = True, dtype_default: Optional[str] = None,
                    dtype_help: str = "compute dtype (default: float32 on CPU, the checkpoint's on GPU)",
-                   model_help: str = "model folder or hub repo id (default: the bundled demo model)") -> None:
+                   model_help: str = "model folder or hub repo id (default: the bundled demo model)",
+                   short: bool = True) -> None:
     """--model, --adapter-path and --dtype, as every command that loads a model takes them.
 
     ``adapters=False`` leaves --adapter-path to a command that means something
     else by it (fuse); ``dtype_default``/``dtype_help`` for a command whose
-    --dtype has another default or meaning (bench, fuse)."""
-    parser.add_argument("--model", "-m", type=model_name, help=model_help)
+    --dtype has another default or meaning (bench, fuse). ``short=False``: no ``-m``
+    for --model (generate and chat, where ``-m`` is mlx-lm's --max-tokens)."""
+    parser.add_argument("--model", *(["-m"] if short else []), type=model_name, help=model_help)
     if adapters:
         add_adapter_arg(parser)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=dtype_default,
@@ -148,9 +150,10 @@ def template_json(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_decoding_args(parser: argparse.ArgumentParser) -> None:
+def add_decoding_args(parser: argparse.ArgumentParser, max_tokens_short: bool = False) -> None:
     """The ReFusion decoding flags, shared by generate, chat, server and bench:
-    one per setting of ``decode.params.FIELDS`` that has flags, then --preset."""
+    one per setting of ``decode.params.FIELDS`` that has flags, then --preset.
+    ``max_tokens_short``: ``-m`` is --max-tokens too, as in mlx-lm's generate and chat."""
     groups: dict = {}
     for field in FIELDS:
         if not field.flags:
@@ -160,7 +163,8 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
             if field.exclusive not in groups:
                 groups[field.exclusive] = parser.add_mutually_exclusive_group()
             target = groups[field.exclusive]
-        target.add_argument(*field.flags, dest=field.name, type=field.type, help=field.flag_help())
+        short = ["-m"] if max_tokens_short and field.name == "gen_length" else []
+        target.add_argument(*field.flags, *short, dest=field.name, type=field.type, help=field.flag_help())
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="the paper's per-benchmark settings (explicit flags override)")
 
