@@ -187,6 +187,8 @@ def test_prompts_file_cli(tmp_path, golden_cases):
     ('{"prompt": "hi", "slot_size": 0}\n', "prompts.jsonl:1: slot_size must be a positive integer"),
     ('{"prompt": "hi"}\n{"prompt": "x", "colour": 1}\n', "prompts.jsonl:2: unknown field(s) colour"),
     ('{"prompt": "hi"}\n{nope\n', "prompts.jsonl:2: not valid JSON"),
+    # a plain prompt that starts with "{" made the file JSONL: the line says so
+    ('{a} is a set; explain\nhi\n', "first prompt starts with '{' is read as JSONL: write it as {\"prompt\""),
     ('{"text": "hi"}\n', "give 'prompt'"),
     ('\n\n', "no prompts"),
 ])

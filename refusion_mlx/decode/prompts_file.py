@@ -43,7 +43,14 @@ def parse_prompts(text: str, source: str, defaults: RefusionParams, system: Opti
         raise RefusionError(f"{source}: no prompts")
     if not lines[0][1].lstrip().startswith("{"):
         return [PromptItem(line, defaults) for _, line in lines]
-    return [_json_item(n, line, source, defaults, system, system_flag) for n, line in lines]
+    try:
+        first = _json_item(*lines[0], source, defaults, system, system_flag)
+    except RefusionError as e:  # a plain prompt that starts with "{" made the file JSONL: say the rule
+        if "not valid JSON" not in str(e):
+            raise
+        raise RefusionError(f"{e}; a file whose first prompt starts with '{{' is read as JSONL: write it as "
+                            f'{{"prompt": "..."}} lines') from None
+    return [first] + [_json_item(n, line, source, defaults, system, system_flag) for n, line in lines[1:]]
 
 
 def _json_item(n: int, line: str, source: str, defaults: RefusionParams, system: Optional[str] = None,
