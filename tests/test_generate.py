@@ -496,7 +496,7 @@ def test_cli_into_a_pipe_that_closes_early_is_quiet():
     (["--max-tokens", "100", "--serial-num-blocks", "32"], "whole slots"),
     (["--slot-threshold", "1.2"], "within [0, 1]"),
     (["--token-threshold", "-1"], "within [0, 1]"),
-    (["--max-tokens", "-5"], "--max-tokens must be a positive integer"),
+    (["--max-tokens", "-5"], "--max-tokens must be a positive integer, got -5 (leave it out for the default"),
     (["--temp", "-0.5"], "--temp must be within [0, 2]"),
     (["--temp", "5"], "--temp must be within [0, 2]"),  # a request's bound: a server took 5
     (["--prompt", "Who is Sven? " * 500], "tokens; the model's context is 2048"),  # a budget past it is cut

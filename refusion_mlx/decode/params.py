@@ -81,7 +81,11 @@ class RefusionParams:
     def _resolve(self) -> "BlockLayout":
         S = self.slot_size
         _positive_int("slot_size", S)
-        _positive_int("gen_length (max_tokens)", self.gen_length)  # either name: the caller wrote one
+        try:
+            _positive_int("gen_length (max_tokens)", self.gen_length)  # either name: the caller wrote one
+        except DecodeError as e:  # mlx-lm's -1 (no limit) and 0 (no answer) have no like here
+            raise DecodeError(f"{e} (leave it out for the default; a budget past the context left is cut "
+                              "to fit)") from None
         if self.gen_length > MAX_GEN_LENGTH:  # before any layout is built for it
             raise DecodeError(f"gen_length (max_tokens) {self.gen_length} is over {MAX_GEN_LENGTH:,}: more than "
                               "any model's context")
