@@ -190,6 +190,22 @@ def run_repl(loaded, lines, **kw):
     return code, out.getvalue(), err.getvalue()
 
 
+def test_a_cut_budget_names_reset_only_where_earlier_turns_took_the_room(loaded):
+    """The first turn's budget cut to the context said "(/reset starts over)", with nothing to reset."""
+    feed = iter(["Who is Sven?", "Who is Zoe?", "/reset", "Who is Sven?"])
+
+    def read(prompt):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    err = io.StringIO()
+    assert repl(session(loaded, max_tokens=4000), Terminal(read, io.StringIO(), err, interactive=False)) == 0
+    cuts = [line for line in err.getvalue().splitlines() if "cut to" in line]
+    assert [line.endswith("(/reset starts over)") for line in cuts] == [False, True, False], cuts
+
+
 def test_repl_commands(loaded):
     code, out, err = run_repl(loaded, ["Who is Sven?", "/stats", "/bogus", "", "/help",
                                        "Who is Sven?", "/reset", "/stats", "Who is Sven?", "/quit", "never read"])

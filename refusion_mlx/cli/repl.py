@@ -55,11 +55,13 @@ class Terminal:
         self.err.flush()
 
 
-def turn_summary(t: TurnRecord, max_tokens: Optional[int] = None) -> str:
-    """The turn's cost in one line; ``max_tokens``: the session's budget, said when the turn had less."""
+def turn_summary(t: TurnRecord, max_tokens: Optional[int] = None, history: bool = True) -> str:
+    """The turn's cost in one line; ``max_tokens``: the session's budget, said when the turn had less
+    (``history``: earlier turns took some of the context, which /reset frees)."""
     s = t.stats
-    cut = (f" · max tokens {max_tokens} cut to {t.max_tokens} to fit the context (/reset starts over)"
-           if max_tokens is not None and t.max_tokens < max_tokens else "")
+    cut = (f" · max tokens {max_tokens} cut to {t.max_tokens} to fit the context"
+           + (" (/reset starts over)" if history else "") if max_tokens is not None and t.max_tokens < max_tokens
+           else "")
     return (f"  {t.answer_tokens} tokens · {s.steps} steps · {s.tokens_per_forward:.2f} tokens/forward · "
             f"{s.tokens_per_second:.1f} tok/s · prefill {t.prefill_tokens} of {t.prompt_tokens} prompt "
             f"tokens ({t.reused_tokens} reused from the cache){cut}")
@@ -114,7 +116,8 @@ def run_turn(session: ChatSession, text: str, term: Terminal, visualize: bool = 
     term.out.flush()
     if trace is not None:
         trace.write()
-    term.note(turn_summary(session.turns[-1], session.params.gen_length))
+    earlier = sum(m.get("role") == "user" for m in session.messages) > 1
+    term.note(turn_summary(session.turns[-1], session.params.gen_length, history=earlier))
     return True
 
 
