@@ -710,6 +710,9 @@ def test_usage_errors(argv, message, capsys):
     ("iterations: 5\n", "unknown option 'iterations'"),
     ("iters: ten\n", "iters must be int"),
     ("lora_parameters:\n  alpha: 3\n", "unknown key 'alpha'"),
+    # a string was read a letter a key ("unknown: s, e, l, f, ...")
+    ("lora_parameters: {keys: self_attn.q_proj}\n",
+     "LoRA keys must be a list of module names such as [self_attn.q_proj], got 'self_attn.q_proj'"),
     ("iters: [\n", "not valid YAML"),
     ("slot_sizes: [4, 2.5]\n", "slot_sizes must be positive integers"),
     ("slot_sizes: {a: 1}\n", "slot_sizes must be"),

@@ -55,6 +55,8 @@ def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
         raise RefusionError(f"LoRA scale must be a finite number, got {scale!r}")
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
         raise RefusionError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    if keys is not None and not isinstance(keys, (list, tuple)):  # a string was read a letter a key
+        raise RefusionError(f"LoRA keys must be a list of module names such as [{LORA_KEYS[0]}], got {keys!r}")
     keys = list(LORA_KEYS if keys is None else keys)
     unknown = [k for k in keys if k not in LORA_KEYS]
     if not keys or unknown:
