@@ -793,3 +793,19 @@ def test_ctrl_c_and_sigterm_save_the_last_adapters(tmp_path, tok, sig, code):
     assert "saved the adapters of the last completed step" in err and "Traceback" not in err
     model, _ = load(DEMO_MODEL, dtype="float32", adapter_path=str(folder))
     assert type(model.layers[0].self_attn.q_proj).__name__ == "LoRALinear"
+
+
+def test_a_rows_content_may_be_a_list_of_text_parts_as_in_openais_chat_format(tok):
+    """``[{"type": "text", "text": ...}]`` content (OpenAI's, which chat_prompt and the server take) was
+    refused: 'message 1 needs a string "role" and a string "content"'."""
+    from refusion_mlx.train.dataset import encode_line
+
+    plain = {"messages": [{"role": "user", "content": "Who is Sven?"}, {"role": "assistant", "content": "A baker."}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Who is "},
+                                                       {"type": "text", "text": "Sven?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "A baker."}]}]}
+    a, b = encode_line(plain, tok, "row"), encode_line(parts, tok, "row")
+    assert (a.prompt, a.response) == (b.prompt, b.response)
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, plain["messages"][1]]}
+    with pytest.raises(RefusionError, match=r"^row: a message's content must be text, or a list of text parts"):
+        encode_line(bad, tok, "row")

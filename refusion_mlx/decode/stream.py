@@ -50,7 +50,7 @@ def chat_prompt(tokenizer, prompt: Union[str, List[Dict[str, Any]]], system: Opt
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)):
-        messages = [_text_content(m) for m in prompt]
+        messages = [text_content(m) for m in prompt]
     else:
         raise DecodeError(f"the prompt must be text or a list of messages ({{\"role\": ..., \"content\": ...}}), "
                           f"got {type(prompt).__name__}")
@@ -143,7 +143,7 @@ def _changed(value: Any, change: Callable[[str], str]) -> Any:
     return value
 
 
-def _text_content(message: Dict[str, Any]) -> Dict[str, Any]:
+def text_content(message: Dict[str, Any]) -> Dict[str, Any]:
     """A message whose content is a list of text parts (OpenAI's ``{"type":
     "text", "text": ...}``) with that text as one string, as templates take it."""
     if not isinstance(message, dict):

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..decode.prompt import checked_text
-from ..decode.stream import chat_prompt, render_chat
+from ..decode.stream import chat_prompt, render_chat, text_content
 from .._json import lines
-from ..errors import RefusionError
+from ..errors import DecodeError, RefusionError
 from .batches import Record
 from .config import check_replay_ratio
 
@@ -107,6 +107,12 @@ def encode_line(obj, tokenizer, where: str, keys: Features = Features()) -> Reco
         raise RefusionError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if keys.chat in obj:
         messages = obj[keys.chat]
+        if isinstance(messages, list):  # OpenAI's content as a list of text parts, as chat_prompt takes it
+            try:
+                messages = [text_content(m) if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                            for m in messages]
+            except DecodeError as e:
+                raise RefusionError(f"{where}: {e}") from None
         _check_messages(messages, where)
         tools = obj.get("tools")
         try:
