@@ -15,6 +15,7 @@ from typing import Optional
 # the console scripts pip installs (pyproject.toml's [project.scripts]): refusion-<command>
 SCRIPTS = ("refusion-generate", "refusion-convert", "refusion-chat", "refusion-server", "refusion-bench",
            "refusion-train", "refusion-fuse")
+COMMANDS = tuple(script.removeprefix("refusion-") for script in SCRIPTS)  # python -m refusion_mlx COMMAND
 
 
 def console_script() -> Optional[str]:
@@ -52,6 +53,9 @@ def command() -> Optional[str]:
             for i, flag in enumerate(arg[1:], 1):
                 if flag in "mcWX":  # the last of a bundle: its value is the rest or the next argument
                     value = arg[i + 1:] or next(args, None)
+                    if flag == "m" and value == "refusion_mlx":  # python -m refusion_mlx generate
+                        given = next(args, None)
+                        return f"refusion_mlx.{given}" if given in COMMANDS else value
                     if flag in "mc":
                         return value if flag == "m" else None
                     break

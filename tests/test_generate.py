@@ -689,6 +689,25 @@ def test_a_command_reads_its_module_from_the_interpreters_arguments(monkeypatch)
     assert _startup.command() == "refusion_mlx.train"
 
 
+def test_python_m_refusion_mlx_runs_a_command_as_python_m_mlx_lm_does():
+    """``python -m refusion_mlx generate`` is ``python -m refusion_mlx.generate`` (mlx-lm's own form now);
+    it was "No module named refusion_mlx.__main__". A missing or unknown command is one line, exit 2."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-X", "importtime", "-m", "refusion_mlx", *argv], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    proc = run("generate", "--prompt", "Who is Sven?", "-m", "16", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["text"].startswith("Sven"), proc.stderr[-2000:]
+    assert not [line for line in proc.stderr.splitlines() if line.endswith("| torch")]  # a command: no PyTorch
+    for argv, said in (([], "a command is missing"), (["gen"], "unknown command 'gen'")):
+        lines = [line for line in run(*argv).stderr.splitlines() if not line.startswith("import time")]
+        assert lines == [f"python -m refusion_mlx: error: {said}: give one of generate, convert, chat, server, "
+                         "bench, train, fuse"], lines
+    assert run("generate", "--bogus").returncode == 2
+
+
 def test_a_users_own_module_run_with_python_m_keeps_its_ctrl_c_and_pytorch(tmp_path):
     """``python -m theirs`` whose package imports refusion_mlx is no command of ours: its Ctrl-C is still
     KeyboardInterrupt (it was "interrupted" and exit 130, past the program's own handler)."""

@@ -27,7 +27,7 @@ LAYERS = [
     {"convert", "train"},
     {"serve"},
     {"bench"},
-    {"generate", "chat", "server", "fuse", "__init__"},  # the commands without a package of their own
+    {"generate", "chat", "server", "fuse", "__init__", "__main__"},  # the commands without a package of their own
 ]
 
 
