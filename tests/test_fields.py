@@ -102,7 +102,12 @@ def test_a_settings_other_names_are_refused_where_a_body_does_not_take_them():
     # each API's names for the budget and the stop strings, sent to another (a 200 cut nowhere, stopped nowhere)
     for api, model in (("chat.completions", ChatCompletionRequest), ("completions", CompletionRequest),
                        ("responses", ResponsesRequest), ("messages", MessagesRequest)):
-        others = {"max_tokens", "max_completion_tokens", "max_output_tokens", "stop", "stop_sequences"}
+        others = {"max_tokens", "max_completion_tokens", "max_output_tokens", "stop", "stop_sequences",
+                  # the schema an answer keeps to, the system prompt, the number of answers, logprobs
+                  "response_format", "text", "output_config", "output_format", "system", "instructions", "n",
+                  "logprobs", "top_logprobs", "include"}
+        if api == "completions":  # its own n and logprobs; response_format: only {"type": "text"} (HARMLESS)
+            others -= {"n", "logprobs", "response_format"}
         assert others - set(model.model_fields) <= set(foreign_fields(api)), api
     assert foreign_fields("messages")["temp"].endswith("send temperature")
 

@@ -50,13 +50,33 @@ _SCHEMA = {"chat.completions": 'chat completions\' response_format {"type": "jso
            "messages": 'output_config.format {"type": "json_schema", "schema": ...}'}
 # Another API's name for what this API names its own way: its field -> this API's.
 _NO_STOP = "stop to chat completions, which cuts at stop strings (this API has none)"
-_RENAMED = {"responses": {"response_format": "text.format", "max_tokens": "max_output_tokens",
-                          "max_completion_tokens": "max_output_tokens", "stop": _NO_STOP, "stop_sequences": _NO_STOP},
-            "messages": {"response_format": "output_config.format", "stop": "stop_sequences",
-                         "max_output_tokens": "max_tokens", "max_completion_tokens": "max_tokens"},
-            "chat.completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop"},
+_NO_N = "one request per answer (this API has no n; chat completions has)"
+_NO_LOGPROBS = "logprobs to chat completions (this API has none)"
+_NO_SCHEMA = "response_format to chat completions (this API constrains no answer to a schema)"
+_SYSTEM = "a system message in messages"
+# OpenAI's and Anthropic's names for the JSON Schema an answer keeps to, its system prompt, its number of
+# answers and its logprobs: each accepted only by the API that names it so (a 200 unconstrained, without the
+# system prompt, with one answer or no logprobs the client believed it had asked for, otherwise)
+_RENAMED = {"responses": {"response_format": "text.format", "output_config": "text.format",
+                          "output_format": "text.format", "max_tokens": "max_output_tokens",
+                          "max_completion_tokens": "max_output_tokens", "stop": _NO_STOP, "stop_sequences": _NO_STOP,
+                          "system": "instructions", "n": _NO_N, "logprobs": "top_logprobs, or include "
+                                                                             "message.output_text.logprobs"},
+            "messages": {"response_format": "output_config.format", "text": "output_config.format",
+                         "stop": "stop_sequences", "max_output_tokens": "max_tokens",
+                         "max_completion_tokens": "max_tokens", "instructions": "system", "n": _NO_N,
+                         "logprobs": _NO_LOGPROBS, "top_logprobs": _NO_LOGPROBS, "include": _NO_LOGPROBS},
+            "chat.completions": {"max_output_tokens": "max_tokens", "stop_sequences": "stop",
+                                 "text": "response_format", "output_config": "response_format",
+                                 "output_format": "response_format", "system": _SYSTEM, "instructions": _SYSTEM,
+                                 "include": "logprobs and top_logprobs"},
             "completions": {"max_output_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-                            "stop_sequences": "stop"}}
+                            "stop_sequences": "stop", "text": _NO_SCHEMA, "output_config": _NO_SCHEMA,
+                            "output_format": _NO_SCHEMA, "system": "the system text in prompt (this API has no "
+                                                                   "messages; chat completions has)",
+                            "instructions": "the instructions in prompt (this API has no messages)",
+                            "top_logprobs": "logprobs (an integer here: the top tokens per position)",
+                            "include": "logprobs"}}
 
 
 def _settings_other_names(api: str) -> Dict[str, str]:
