@@ -367,7 +367,7 @@ def test_scoring_stops_when_its_client_leaves(server):
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert wait_for(lambda: active(server) >= 1)
     sock.close()  # 256 samples of 1,500 tokens would take minutes here
-    assert wait_for(lambda: active(server) == 0, 10.0)
+    assert wait_for(lambda: active(server) == 0, 30.0)  # a piece under a loaded machine's GPU paths: 10 s was short
     status, health = call(server, "GET", "/health")
     assert status == 200 and health["cancelled"] >= 1
 
