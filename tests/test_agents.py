@@ -187,7 +187,9 @@ def test_responses_text_is_the_chat_answer(server, oai):
 
     whole = json.loads(raw(server, "POST", "/v1/responses", {"input": SVEN, "max_output_tokens": 4})[2])
     assert Response.model_validate(whole).usage.input_tokens_details.cache_write_tokens == 0  # the SDK's types hold
-    short = oai.responses.create(model="m", input=SVEN, max_output_tokens=4, instructions="Be brief.")
+    short = oai.responses.create(model="m", input=SVEN, max_output_tokens=4, instructions="Be brief.",
+                                 text={"format": {"type": "text"}, "verbosity": "low"})
+    assert short.text.verbosity == "low"  # echoed, as OpenAI does (it was dropped)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.instructions == "Be brief." and short.usage.output_tokens == 4
     assert [(o.type, o.status) for o in short.output] == [("message", "incomplete")] and short.output_text
