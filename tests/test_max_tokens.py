@@ -176,7 +176,8 @@ def test_a_server_started_with_serial_num_blocks_takes_any_max_tokens():
     assert layout(18, 24) == (24, [16, 8]) and layout(18, 100) == (100, [56, 48])  # refused before
     assert layout(2008, 1000) == (40, [24, 16]) and layout(2016, None) == (32, [16, 16])  # cut to fit the context
     assert layout(1900, 512, serial_num_blocks=4, slot_size=8) == (128, [32] * 4)  # own N: cut to whole blocks
-    for prompt, max_tokens, needle in ((18, 100, "does not cut gen_length 104"),
+    # in the request's words (it named gen_length, which a request cannot send)
+    for prompt, max_tokens, needle in ((18, 100, r"does not cut the budget of 104 tokens \(max_tokens rounded up"),
                                        (2000, 512, "no 8 blocks of whole slots of 8")):
         with pytest.raises(Refusal, match=needle):
             layout(prompt, max_tokens, serial_num_blocks=8, slot_size=8)

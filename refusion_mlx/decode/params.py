@@ -121,8 +121,8 @@ class RefusionParams:
         _positive_int("serial_num_blocks", n)
         if gen % n or (gen // n) % S:
             raise DecodeError(
-                f"serial_num_blocks {n} does not cut gen_length {gen} into blocks of "
-                f"whole slots of {S} tokens")
+                f"serial_num_blocks {n} does not cut the budget of {gen} tokens (gen_length rounded up to "
+                f"whole slots) into blocks of whole slots of {S} tokens")
         return BlockLayout(gen, [gen // n] * n, S)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -270,8 +271,9 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     except ContextError as e:
         raise Refusal(Reason.CONTEXT_LENGTH_EXCEEDED, str(e),
                       prompt_param if e.field == "prompt" else max_tokens_param, overflow=e) from None
-    except DecodeError as e:
-        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, str(e)) from None
+    except DecodeError as e:  # in the request's words: the budget is its max_tokens field, not gen_length
+        said = re.sub(r"\bgen_length\b", max_tokens_param, str(e).replace("gen_length (max_tokens)", "gen_length"))
+        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, said) from None
     params, cut = fitted.params, fitted.asked
     if cut is not None:
         log.info("%s %d cut to %d: the prompt's %d tokens leave that much of the model's context of %d",
