@@ -81,11 +81,9 @@ class RefusionParams:
     def _resolve(self) -> "BlockLayout":
         S = self.slot_size
         _positive_int("slot_size", S)
-        try:
-            _positive_int("gen_length (max_tokens)", self.gen_length)  # either name: the caller wrote one
-        except DecodeError as e:  # mlx-lm's -1 (no limit) and 0 (no answer) have no like here
-            raise DecodeError(f"{e} (leave it out for the default; a budget past the context left is cut "
-                              "to fit)") from None
+        # either name: the caller wrote one; mlx-lm's -1 (no limit) and 0 (no answer) have no like here
+        _positive_int("gen_length (max_tokens)", self.gen_length,
+                      " (leave it out for the default; a budget past the context left is cut to fit)")
         if self.gen_length > MAX_GEN_LENGTH:  # before any layout is built for it
             raise DecodeError(f"gen_length (max_tokens) {self.gen_length} is over {MAX_GEN_LENGTH:,}: more than "
                               "any model's context")
@@ -149,9 +147,9 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _positive_int(name: str, value) -> None:
+def _positive_int(name: str, value, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+        raise DecodeError(f"{name} must be a positive integer, got {value!r}{hint}")
 
 
 @dataclass

@@ -43,24 +43,20 @@ def parse_prompts(text: str, source: str, defaults: RefusionParams, system: Opti
         raise RefusionError(f"{source}: no prompts")
     if not lines[0][1].lstrip().startswith("{"):
         return [PromptItem(line, defaults) for _, line in lines]
-    try:
-        first = _json_item(*lines[0], source, defaults, system, system_flag)
-    except RefusionError as e:  # a plain prompt that starts with "{" made the file JSONL: say the rule
-        if "not valid JSON" not in str(e):
-            raise
-        raise RefusionError(f"{e}; a file whose first prompt starts with '{{' is read as JSONL: write it as "
-                            f'{{"prompt": "..."}} lines') from None
-    return [first] + [_json_item(n, line, source, defaults, system, system_flag) for n, line in lines[1:]]
+    # a plain prompt that starts with "{" made the file JSONL: its line says the rule
+    rule = '; a file whose first prompt starts with \'{\' is read as JSONL: write it as {"prompt": "..."} lines'
+    return [_json_item(n, line, source, defaults, system, system_flag, rule if i == 0 else "")
+            for i, (n, line) in enumerate(lines)]
 
 
 def _json_item(n: int, line: str, source: str, defaults: RefusionParams, system: Optional[str] = None,
-               system_flag: str = "--system") -> PromptItem:
+               system_flag: str = "--system", not_json: str = "") -> PromptItem:
     where = f"{source}:{n}"
     try:
         obj = json.loads(line)
     except ValueError as e:  # JSONDecodeError, or a number past Python's 4300 digits
         detail = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
-        raise RefusionError(f"{where}: not valid JSON ({detail})") from None
+        raise RefusionError(f"{where}: not valid JSON ({detail}){not_json}") from None
     if not isinstance(obj, dict):
         raise RefusionError(f"{where}: expected a JSON object")
     prompt = obj.pop("prompt", None)
