@@ -469,6 +469,14 @@ def test_cached_tokens_are_told_only_to_the_owner_of_the_prefix(server, cache_di
     first = json.loads(call(server, "POST", "/v1/messages", body)[2])["usage"]["cache_read_input_tokens"]
     again = json.loads(call(server, "POST", "/v1/messages", body)[2])["usage"]["cache_read_input_tokens"]
     assert first == 0 and again > 10
+    # Claude Code's user_id is a JSON object whose session_id is new each run: a new session of the same
+    # device continues what the earlier ones prefilled; another device does not
+    def claude_code(device, session):
+        user = json.dumps({"device_id": device, "account_uuid": "", "session_id": session})
+        body["metadata"] = {"user_id": user}
+        return json.loads(call(server, "POST", "/v1/messages", body)[2])["usage"]["cache_read_input_tokens"]
+
+    assert claude_code("d1", "s1") == 0 and claude_code("d1", "s2") > 10 and claude_code("d2", "s2") == 0
     # on disk: a private folder of private files, one per owner of the same tokens, named by model and owner
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
     files = list(cache_dir.iterdir())

@@ -18,6 +18,7 @@ server). ReFusion's decoding fields are extra body fields, as on chat.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -81,6 +82,23 @@ class _MessagesBase(_CountBase):
     @classmethod
     def _stops(cls, value):
         return None if value is None else check_stops(value)
+
+
+def end_user(user_id: Optional[str]) -> Optional[str]:
+    """The prompt cache's partition named by ``metadata.user_id``: the string itself, but for Claude Code's
+    JSON object of ``device_id``, ``account_uuid`` and ``session_id``, the object less its session: a new
+    session of the same user continues the system prompt and tools its earlier sessions prefilled (each
+    ``claude`` run has a new session_id, so its first request prefilled them all again)."""
+    if not isinstance(user_id, str) or not user_id.startswith("{"):
+        return user_id if isinstance(user_id, str) else None
+    try:
+        fields = json.loads(user_id)
+    except ValueError:
+        return user_id
+    if not isinstance(fields, dict) or "session_id" not in fields:
+        return user_id
+    fields.pop("session_id")
+    return json.dumps(fields, sort_keys=True)
 
 
 # The decoding fields of chat (temperature, top_p, top_k, slot_size, ...); max_tokens is Anthropic's own, and so
@@ -339,9 +357,8 @@ def add_routes(app: FastAPI, answering: Answering) -> None:
         def make() -> Draft:
             return messages_request(body, answering.terms)
 
-        user = (body.metadata or {}).get("user_id")
         return await answering.answer(request, make, MessagesWriter(answering.server), bool(body.stream),
-                                      user if isinstance(user, str) else None)
+                                      end_user((body.metadata or {}).get("user_id")))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request):
