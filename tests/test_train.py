@@ -557,6 +557,23 @@ def test_qlora_keeps_the_base_quantized_and_trains(q4, tmp_path, tok):
                   report=lambda _: None, **options)
 
 
+def test_fuse_dequantize_counts_every_quantized_layer(q4, tmp_path, capsys):
+    """--dequantize's line counts every layer it made plain: the adapted ones, dequantized while fusing,
+    too (it said 2, the embedding and the head, of the 4-bit demo's 30)."""
+    from refusion_mlx.fuse import main as fuse_main
+
+    def scales(folder):
+        return sum(k.endswith(".scales") for f in folder.glob("*.safetensors") for k in mx.load(str(f)))
+
+    folder = tmp_path / "qlora"
+    fine_tune(model=str(q4), adapter_path=str(folder), iters=1, report=lambda _: None,
+              **{**QUICK, "batch_size": 1, "val_batches": 1})
+    assert scales(q4) == 30
+    assert fuse_main(["--model", str(q4), "--adapter-path", str(folder), "--save-path", str(tmp_path / "d"),
+                      "--dequantize"]) == 0
+    assert "[INFO] dequantized 30 layers\n" in capsys.readouterr().err and scales(tmp_path / "d") == 0
+
+
 @pytest.mark.parametrize("mode, group", [("nvfp4", 16), ("mxfp8", 32), ("affine", 64)])
 def test_fusing_into_any_quantized_base_gives_float_weights(mode, group):
     """mxfp4, nvfp4 and mxfp8 keep their scales as uint8: the fused layer is cast to a floating dtype (the

@@ -47,13 +47,18 @@ def stored_dtype(config: dict, model_path: Path) -> str:
     return "float32"
 
 
+def quantized_layers(model) -> list:
+    """The model's quantized layers, as ``(name, module)`` pairs."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
 def dequantize(model) -> int:
     """Quantized layers back to plain ones, in float32 (mlx-lm's ``dequantize_model`` gives bfloat16 for
     mxfp4, nvfp4 and mxfp8, whatever ``--dtype``); how many there were."""
     from mlx.utils import tree_unflatten
 
-    plain = [(name, dequantized(m)) for name, m in model.named_modules()
-             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    plain = [(name, dequantized(m)) for name, m in quantized_layers(model)]
     if plain:
         model.update_modules(tree_unflatten(plain))
     return len(plain)
@@ -90,15 +95,16 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     model_obj, config = load_model(src, dtype=dtype)
     tokenizer = load_tokenizer(src)
     mask_id = resolve_mask_id(src, config, tokenizer, model_obj.args.vocab_size)
+    quantized = len(quantized_layers(model_obj))  # counted first: fusing dequantizes the adapted ones
     fused = fuse_adapter_folder(model_obj, adapter_path, dequantize=dequantize_weights)
     config = dict(config)
     quant = config.get("quantization")
     if dequantize_weights:
-        count = dequantize(model_obj)
+        dequantize(model_obj)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
         quant = None
-        print(f"[INFO] dequantized {count} layers", file=sys.stderr)
+        print(f"[INFO] dequantized {quantized} layers", file=sys.stderr)
     out = output_config(config, model_obj.args, mask_id, dtype, quant)
     weights = hf_parameters(model_obj)
     mx.eval(list(weights.values()))
