@@ -729,7 +729,7 @@ def test_usage_errors(argv, message, capsys):
     ("lora_parameters:\n  alpha: 3\n", "unknown key 'alpha'"),
     # a string was read a letter a key ("unknown: s, e, l, f, ...")
     ("lora_parameters: {keys: self_attn.q_proj}\n",
-     "LoRA keys must be a list of module names such as [self_attn.q_proj], got 'self_attn.q_proj'"),
+     "lora_parameters.keys must be a list of module names such as [self_attn.q_proj], got 'self_attn.q_proj'"),
     ("iters: [\n", "not valid YAML"),
     ("slot_sizes: [4, 2.5]\n", "slot_sizes must be positive integers"),
     ("slot_sizes: {a: 1}\n", "slot_sizes must be"),
@@ -744,6 +744,24 @@ def test_yaml_errors(text, message, tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(text)
     code, err = cli(["--data", str(DATA), "--config", str(tmp_path / "c.yaml")], capsys)
     assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("block, message", [
+    ("{rank: -1}", "lora_parameters.rank must be a positive integer, got -1"),
+    ("{scale: x}", "lora_parameters.scale must be a finite number, got 'x'"),
+    ("{dropout: 2}", "lora_parameters.dropout must be in [0, 1), got 2"),
+    ("{keys: [q_proj]}", "lora_parameters.keys must be a non-empty subset of self_attn.q_proj"),
+    ("{alpha: 3}", "lora_parameters: unknown key 'alpha' (rank, scale, dropout, keys)"),
+])
+def test_yaml_lora_parameters_errors_name_the_file_and_key(block, message, tmp_path, capsys):
+    """A bad value in the YAML's lora_parameters is named as the file's other keys are: the file, then
+    the key (a bad rank said --rank, a flag never typed; the others named neither file nor key)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"lora_parameters: {block}\n")
+    code, err = cli(["--data", str(DATA), "--config", str(config)], capsys)
+    assert code == 2 and f"error: --config {config}: {message}" in err and "--rank" not in err, err
+    with pytest.raises(RefusionError, match=r"^fine_tune: lora_parameters\.dropout must be in"):  # the API's
+        fine_tune(data=str(DATA), lora_parameters={"dropout": 2})
 
 
 def test_input_errors(tmp_path, q4, capsys):

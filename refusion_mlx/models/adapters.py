@@ -50,17 +50,18 @@ def lora_parameters(rank: int = 8, scale: float = 20.0, dropout: float = 0.0,
                     keys: Optional[Sequence[str]] = None) -> dict:
     """A checked ``lora_parameters`` block (keys: every projection when None)."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise RefusionError(f"LoRA rank must be a positive integer, got {rank!r}")
+        raise RefusionError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise RefusionError(f"LoRA scale must be a finite number, got {scale!r}")
+        raise RefusionError(f"lora_parameters.scale must be a finite number, got {scale!r}")
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
-        raise RefusionError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+        raise RefusionError(f"lora_parameters.dropout must be in [0, 1), got {dropout!r}")
     if keys is not None and not isinstance(keys, (list, tuple)):  # a string was read a letter a key
-        raise RefusionError(f"LoRA keys must be a list of module names such as [{LORA_KEYS[0]}], got {keys!r}")
+        raise RefusionError(f"lora_parameters.keys must be a list of module names such as [{LORA_KEYS[0]}], "
+                            f"got {keys!r}")
     keys = list(LORA_KEYS if keys is None else keys)
     unknown = [k for k in keys if k not in LORA_KEYS]
     if not keys or unknown:
-        raise RefusionError(f"LoRA keys must be a non-empty subset of {', '.join(LORA_KEYS)}"
+        raise RefusionError(f"lora_parameters.keys must be a non-empty subset of {', '.join(LORA_KEYS)}"
                             + (f"; unknown: {', '.join(map(str, unknown))}" if unknown else ""))
     return {"rank": rank, "scale": float(scale), "dropout": float(dropout), "keys": keys}
 

@@ -206,7 +206,21 @@ def _typed(name: str, value: Any, source: str) -> Any:
                           f"got {value!r}")
     if opt.choices and value not in opt.choices:
         raise OptionError(f"{source}: {name} must be one of {', '.join(opt.choices)}, got {value!r}")
+    if name == "lora_parameters":
+        lora_block(value, source)
     return float(value) if kind is float else value
+
+
+def lora_block(value: Dict[str, Any], source: str) -> None:
+    """An OptionError naming ``source`` and the key (``lora_parameters.rank``) unless every key of a
+    ``lora_parameters`` block is known and its value valid."""
+    unknown = sorted(set(value) - {*LORA_DEFAULTS, "keys"})
+    if unknown:
+        raise OptionError(f"{source}: lora_parameters: unknown key {unknown[0]!r} (rank, scale, dropout, keys)")
+    try:
+        lora_parameters(**{**LORA_DEFAULTS, **value})
+    except RefusionError as e:
+        raise OptionError(f"{source}: {e}") from None
 
 
 def slot_sizes(value: Any, source: str) -> Tuple[int, ...]:
@@ -238,9 +252,9 @@ def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any
                 raise OptionError(f"{source}: unknown option {key!r}")
             values[key] = _typed(key, value, source)
             given.add(key)
-    for key, value in cli.items():
+    for key, value in cli.items():  # a YAML-only key here is a fine_tune keyword: it has no flag
         if key in OPTIONS and value is not None:
-            values[key] = _typed(key, value, flag(key))
+            values[key] = _typed(key, value, "fine_tune" if OPTIONS[key].yaml_only else flag(key))
             given.add(key)
     return {**check(values, rank_given), "given": frozenset(given)}
 
@@ -276,18 +290,11 @@ def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
                               ", not an empty string")
     if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):
         raise OptionError(f"--num-layers must be -1 (all) or at least 1, got {v['num_layers']}")
-    lp = dict(LORA_DEFAULTS)
-    given = v.get("lora_parameters") or {}
-    unknown = sorted(set(given) - {"rank", "scale", "dropout", "keys"})
-    if unknown:
-        raise OptionError(f"lora_parameters: unknown key {unknown[0]!r} (rank, scale, dropout, keys)")
-    lp.update(given)
+    given = v.get("lora_parameters") or {}  # checked where it was read (lora_block)
+    lp = {**LORA_DEFAULTS, **given}
     if rank_given or "rank" not in given:
         lp["rank"] = v["rank"]
-    try:
-        v["lora_parameters"] = lora_parameters(**lp)
-    except RefusionError as e:
-        raise OptionError(str(e).replace("LoRA rank", "--rank")) from None
+    v["lora_parameters"] = lora_parameters(**lp)
     v["rank"] = v["lora_parameters"]["rank"]
     for name in ("lr_schedule", "optimizer_config"):
         if v[name] is not None and not isinstance(v[name], dict):
