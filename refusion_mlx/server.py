@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional
 
 from .cli import (OneLineParser, add_decoding_args, add_model_args, add_template_arg, handle_unless_ignored,
-                  raise_interrupt_once)
+                  handlers_kept, raise_interrupt_once)
 from .cli.launch import add_distributed_args, join
 from .distributed.group import say_error
 from .errors import RefusionError
@@ -21,6 +21,7 @@ from .serve.server_config import ServerConfig, add_server_args
 __all__ = ["RefusionServer", "ServerConfig", "build_parser", "main"]
 
 log = logging.getLogger("refusion_mlx.server")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 def build_parser() -> OneLineParser:
@@ -47,12 +48,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLogger().level))
 
-    # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
-    signal.signal(signal.SIGTERM, raise_interrupt_once)  # a second Ctrl-C ends at once
-    signal.signal(signal.SIGINT, raise_interrupt_once)
-    if hasattr(signal, "SIGHUP"):
-        handle_unless_ignored(signal.SIGHUP, _hang_up)  # nohup's SIG_IGN stays
-    with wired_limit():  # Metal: the weights stay resident while serving (restored after the engine stops)
+    # Metal: the weights stay resident while serving (restored after the engine stops); the handlers set here
+    # (and by raise_interrupt_once) are the caller's again when main returns (a library user's, a test's)
+    with handlers_kept(*STOP_SIGNALS), wired_limit():
+        # uvicorn handles the signals while it serves, then raises them again: here, as KeyboardInterrupt
+        signal.signal(signal.SIGTERM, raise_interrupt_once)  # a second Ctrl-C ends at once
+        signal.signal(signal.SIGINT, raise_interrupt_once)
+        if hasattr(signal, "SIGHUP"):
+            handle_unless_ignored(signal.SIGHUP, _hang_up)  # nohup's SIG_IGN stays
         server = dist = None
         try:
             config = ServerConfig.from_args(args)  # made once; the HTTP side and the engine read it

@@ -39,11 +39,17 @@ def test_a_start_cut_short_closes_the_server(monkeypatch):
 def test_a_second_interrupt_ends_at_once():
     from refusion_mlx.cli import interrupt_once, raise_interrupt_once
 
-    before, term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with interrupt_once():
-        assert signal.getsignal(signal.SIGINT) is raise_interrupt_once
-        with pytest.raises(KeyboardInterrupt):
-            raise_interrupt_once(signal.SIGINT, None)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    def mine(signum, frame):
+        pass
+
+    before, term = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, mine)
+    try:
+        with interrupt_once():
+            assert signal.getsignal(signal.SIGINT) is raise_interrupt_once
+            with pytest.raises(KeyboardInterrupt):
+                raise_interrupt_once(signal.SIGINT, None)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        # SIGTERM's too, which the Ctrl-C set to SIG_DFL (it stayed so)
+        assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is mine
+    finally:
         signal.signal(signal.SIGTERM, term)
-    assert signal.getsignal(signal.SIGINT) is before

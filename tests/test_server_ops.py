@@ -581,3 +581,42 @@ def test_one_request_with_many_choices_does_not_hold_a_later_one_behind_them():
         assert state["queued"] >= 1  # the big one's choices still wait: the small one went ahead of them
         status, body = big.result()
         assert status == 200 and len(body["choices"]) == 6
+
+
+def test_main_in_process_gives_the_callers_signal_handlers_back(monkeypatch):
+    """``server.main()`` called in process (a library user, a test), served, then stopped by SIGHUP as a
+    closed terminal stops it: SIGINT, SIGTERM and SIGHUP have the caller's handlers again when it returns
+    (SIGHUP kept the server's, which raised SIGTERM into the process; SIGINT and SIGTERM were left at
+    SIG_DFL by the handler that stopped it)."""
+    import os
+    import signal
+
+    from refusion_mlx import server
+
+    started = []
+
+    class Recorded(RefusionServer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def stop():  # once it serves, as a terminal that closes (sent anyway after a minute: the test ends)
+        deadline = time.monotonic() + 60
+        while not (started and started[0].uvicorn.started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    def mine(signum, frame):
+        pass
+
+    monkeypatch.setattr(server, "RefusionServer", Recorded)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, mine) for s in sigs}
+    try:
+        threading.Thread(target=stop, daemon=True).start()
+        code = server.main(["--model", str(FIXTURE_MODEL), "--port", "0", "--log-level", "ERROR"])
+        after = {s: signal.getsignal(s) for s in sigs}
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert code == 0 and started and after == {s: mine for s in sigs}, after

@@ -10,14 +10,12 @@ with it; the library code below never imports it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import os
 import re
-import signal
 import sys
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 from ..decode.fit import fit_budget, own_blocks
 from ..decode.kv_quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
@@ -312,41 +310,6 @@ def without_line_end(text: str) -> str:
     r"""``text`` without one line ending at its end (``\r\n``, as Windows writes it, ``\n``, or the ``\r``
     that ``input()`` leaves of a ``\r\n``): piped input's last newline is not part of a prompt."""
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith(("\n", "\r")) else text
-
-
-def handle_unless_ignored(sig: int, handler) -> Optional[object]:
-    """Install ``handler`` for ``sig`` unless the signal is ignored: ``nohup`` starts a command with SIGHUP
-    ignored, and it stays so (as for any Python program, and mlx-lm's). Returns the handler it replaced,
-    to put back; None when it left the signal alone."""
-    if signal.getsignal(sig) is signal.SIG_IGN:
-        return None
-    return signal.signal(sig, handler)
-
-
-def raise_interrupt_once(signum, frame) -> None:
-    """A signal handler: the first Ctrl-C (or SIGTERM) raises KeyboardInterrupt, and a second ends the
-    process at once, by the signal. The shutdown the first began (a server's ``close``, which joins its
-    engine thread) is never cut short by a second KeyboardInterrupt: MLX work left running into
-    interpreter exit aborts the process ("terminate called without an active exception", exit 134)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupt_once() -> Iterator[None]:
-    """Ctrl-C is :func:`raise_interrupt_once` inside the block (the commands that run a server in
-    process); the handlers before it are back after it. A no-op off the main thread."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.signal(signal.SIGINT, raise_interrupt_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 def run(body: Callable[[], int]) -> int:
