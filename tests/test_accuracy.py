@@ -90,6 +90,37 @@ def test_read_rows_checks_the_format(tmp_path):
         read_rows(bad)
 
 
+def test_rows_whose_content_is_a_list_of_text_parts_are_read_as_train_reads_them(demo, tmp_path, capsys):
+    """OpenAI's ``[{"type": "text", "text": ...}]`` content, which train takes, was refused by accuracy and
+    bench --layouts ('a row needs "messages" ending with a user turn ...'); a non-text part is refused with
+    train's own line."""
+    from refusion_mlx import bench
+    from refusion_mlx.train.dataset import encode_line
+
+    model, tokenizer = demo
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Spell the word "},
+                                                       {"type": "text", "text": "cat."}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "c-a-t"}]}]}
+    data = tmp_path / "parts.jsonl"
+    data.write_text(json.dumps(parts) + "\n")
+    (row,) = read_rows(data)
+    assert [m["content"] for m in row["messages"]] == ["Spell the word cat.", "c-a-t"]
+    assert row_family(row) == "spelling"
+    assert exact_match(model, tokenizer, [row], max_tokens=16)["total"] == 1
+    assert main(["--data", str(data), "--max-tokens", "16"]) == 0
+    assert "spelling" in capsys.readouterr().out
+    assert bench.main(["--layouts", "default", "--budgets", "16", "--slot-sizes", "4", "--data", str(data)]) == 0
+    capsys.readouterr()
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                        parts["messages"][1]]}
+    data.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(RefusionError) as trains:
+        encode_line(bad, tokenizer, f"{data}:1")
+    with pytest.raises(RefusionError) as ours:
+        read_rows(data)
+    assert str(ours.value) == str(trains.value) and "list of text parts" in str(ours.value)
+
+
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     data = tmp_path / "rows.jsonl"
     rows = [{"messages": [{"role": "user", "content": "Spell the word cat."},

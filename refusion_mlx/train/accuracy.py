@@ -1,9 +1,10 @@
 """Exact-match evaluation over a chat JSONL file: ``python -m refusion_mlx.train.accuracy``.
 
 Each row is ``{"messages": [...]}`` (mlx-lm's chat format, optionally with
-``"tools"``) whose last message is the assistant's reference answer. The
-model decodes the conversation before it (system, tools and earlier turns
-included, through the chat template), greedily, and the row counts as
+``"tools"``; a content may be OpenAI's text parts, read as train reads them)
+whose last message is the assistant's reference answer. The model decodes
+the conversation before it (system, tools and earlier turns included,
+through the chat template), greedily, and the row counts as
 correct when the answer's text equals the reference exactly: its content,
 or for a reference that calls tools (``tool_calls``), the text the chat
 template renders for the calls. Rows are grouped into task families: a row's ``"family"``
@@ -82,6 +83,8 @@ def last_question(messages: Sequence[dict]) -> str:
 
 def read_rows(path, limit: Optional[int] = None) -> List[dict]:
     """Chat rows of a JSONL file, checked: messages ending with an assistant answer."""
+    from .dataset import text_messages
+
     rows = []
     p = Path(path).expanduser()
     if not p.is_file():
@@ -97,14 +100,14 @@ def read_rows(path, limit: Optional[int] = None) -> List[dict]:
             row = json.loads(line)
         except (ValueError, RecursionError) as e:
             raise RefusionError(f"{path}:{n}: not valid JSON: {e}") from None
-        messages = row.get("messages") if isinstance(row, dict) else None
+        messages = text_messages(row.get("messages"), f"{path}:{n}") if isinstance(row, dict) else None
         if (not isinstance(messages, list) or len(messages) < 2
                 or not all(isinstance(m, dict) and (isinstance(m.get("content"), str) or m.get("tool_calls"))
                            for m in messages)
                 or messages[-1].get("role") != "assistant" or messages[-2].get("role") not in ("user", "tool")):
             raise RefusionError(f"{path}:{n}: a row needs \"messages\" ending with a user turn (or a tool's "
                                 "result) and the assistant's reference answer")
-        rows.append(row)
+        rows.append({**row, "messages": messages})
         if limit is not None and len(rows) >= limit:
             break
     if not rows:

@@ -73,6 +73,20 @@ def response_text(tokenizer, messages: List[Dict], tools=None) -> str:
     return whole[len(prompt):end]
 
 
+def text_messages(messages, where: str):
+    """A row's messages with OpenAI's content as a list of text parts joined
+    into one string, as chat_prompt takes it (anything but a list: as given),
+    the one reading of chat rows every reader shares; a non-text part is a
+    RefusionError naming ``where``."""
+    if not isinstance(messages, list):
+        return messages
+    try:
+        return [text_content(m) if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                for m in messages]
+    except DecodeError as e:
+        raise RefusionError(f"{where}: {e}") from None
+
+
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise RefusionError(f"{where}: \"messages\" must be a non-empty list")
@@ -106,13 +120,7 @@ def encode_line(obj, tokenizer, where: str, keys: Features = Features()) -> Reco
     if not isinstance(obj, dict):
         raise RefusionError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if keys.chat in obj:
-        messages = obj[keys.chat]
-        if isinstance(messages, list):  # OpenAI's content as a list of text parts, as chat_prompt takes it
-            try:
-                messages = [text_content(m) if isinstance(m, dict) and isinstance(m.get("content"), list) else m
-                            for m in messages]
-            except DecodeError as e:
-                raise RefusionError(f"{where}: {e}") from None
+        messages = text_messages(obj[keys.chat], where)
         _check_messages(messages, where)
         tools = obj.get("tools")
         try:
