@@ -551,6 +551,8 @@ BAD = [
     # as strict as OpenAI's and Anthropic's own: none of these is read as a default
     ("/v1/responses", {"input": SVEN, "reasoning": {"effort": "extreme"}}, "reasoning"),
     ("/v1/responses", {"input": SVEN, "reasoning": "high"}, "reasoning"),
+    ("/v1/responses", {"input": SVEN, "text": {"verbosity": "loud"}}, "text.verbosity"),  # it was echoed
+    ("/v1/responses", {"input": SVEN, "text": {"verbosity": ["low"]}}, "text.verbosity"),
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ("/v1/responses", {"input": SVEN, "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
      "text.format.name"),

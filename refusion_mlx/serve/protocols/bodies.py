@@ -118,9 +118,13 @@ def foreign_fields(api: str) -> Dict[str, str]:
             **{name: f"not supported by {title}: send {to}" for name, to in _RENAMED.get(api, {}).items()}}
 
 
-def field_error(message: str) -> PydanticCustomError:
-    """A body field's bad value, raised in a pydantic validator (the edge words it "FIELD: MESSAGE")."""
-    return PydanticCustomError("invalid_value", message)
+def field_error(message: str, field: Optional[str] = None) -> PydanticCustomError:
+    """A body field's bad value, raised in a pydantic validator (the edge words it "FIELD: MESSAGE");
+    ``field``: the path it blames inside the validated field (``text.verbosity``), else the field."""
+    if field is None:
+        return PydanticCustomError("invalid_value", message)
+    # the message rides in the context, so a quoted value's "{field}" stays as sent
+    return PydanticCustomError("invalid_value", "{why}", {"field": field, "why": message})
 
 
 def check_stops(items: list) -> Optional[list]:

@@ -42,6 +42,7 @@ HOSTED = ("web_search", "web_search_preview", "file_search", "computer_use", "co
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
+VERBOSITIES = ("low", "medium", "high")
 
 
 class _ResponsesBase(BaseModel):
@@ -88,6 +89,14 @@ class _ResponsesBase(BaseModel):
         for key, allowed in (("effort", REASONING_EFFORTS), ("summary", REASONING_SUMMARIES)):
             if value is not None and value.get(key) not in (None, *allowed):
                 raise field_error(f"{key} must be one of {', '.join(allowed)}, got {value.get(key)!r}")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, value):
+        if value is not None and value.get("verbosity") not in (None, *VERBOSITIES):
+            raise field_error(f"must be one of {', '.join(VERBOSITIES)}, got {value.get('verbosity')!r}",
+                              "text.verbosity")
         return value
 
     @field_validator("input", mode="before")
