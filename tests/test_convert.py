@@ -813,3 +813,18 @@ def test_a_mount_point_or_a_read_only_parent_is_refused_before_converting(tmp_pa
     assert code == 1 and err == [f"error: {tmp_path}/new/model: {tmp_path} is not writable (the model is "
                                  "written beside model, then renamed into place)"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
+
+
+@pytest.mark.parametrize("declared,stored", [("half", "F16"), ("float", "F32"), ("double", "BF16")])
+def test_pytorchs_other_names_of_a_dtype_are_the_default_output_dtype(tmp_path, declared, stored):
+    """A config's torch_dtype "half" is float16 to transformers ("float" float32; "double", float64, is no
+    output dtype: the weights' own), the default output dtype; such configs were refused as "not a dtype"."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE_MODEL, src)
+    h.edit_config(src, torch_dtype=declared)
+    from refusion_mlx.models.config_checks import read_headers
+
+    conv.convert(src, tmp_path / "out", progress=False)
+    assert {t.dtype for t in read_headers([tmp_path / "out" / "model.safetensors"]).values()} == {stored}

@@ -336,3 +336,21 @@ def test_a_dtype_field_that_names_no_dtype_is_refused_alike_by_a_command_and_by_
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"error: {str(refused.value)}"], proc.stderr
     assert load(checkpoint(tmp_path / "f16", **{key: "float16"}))[0] is not None
+
+
+@pytest.mark.parametrize("key,value", [("torch_dtype", "half"), ("dtype", "float"), ("torch_dtype", "double")])
+def test_pytorchs_other_names_of_a_dtype_load_as_transformers_reads_them(tmp_path, key, value):
+    """"half", "float" and "double" are torch.float16, float32 and float64 to transformers; they were
+    refused as "not a dtype" (and loaded before that check), while "auto" stays refused."""
+    import os
+    import subprocess
+    import sys
+
+    folder = checkpoint(tmp_path / value, **{key: value})
+    assert load(folder)[0] is not None
+    if value == "half":  # a command too
+        proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--model", str(folder), "-m", "4"],
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    assert config_checks.dtype_field_problems({key: "auto"})

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ConfigError, LoadError
 from ..models import registry
-from ..models.config_checks import Tensor, check_memory, weight_problems
+from ..models.config_checks import Tensor, check_memory, dtype_name, weight_problems
 from .checkpoint import FLOAT_TAGS, Checkpoint, open_checkpoint
 from .quant_plan import DTYPES, QuantPlan, check_choice, make_plan, quant_settings
 from .shards import ShardWriter, shard_names
@@ -158,8 +158,8 @@ def check_tokenizer(src: Path, config: dict, args) -> int:
 
 
 def declared_dtype(config: dict) -> Optional[str]:
-    """The config's ``torch_dtype`` (or ``dtype``) when it names one of ``DTYPES``."""
-    declared = config.get("torch_dtype") or config.get("dtype")
+    """The config's ``torch_dtype`` (or ``dtype``) when it names one of ``DTYPES`` (``half``: float16)."""
+    declared = dtype_name(config.get("torch_dtype") or config.get("dtype"))
     return declared if declared in DTYPES else None
 
 

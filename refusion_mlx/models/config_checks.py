@@ -50,6 +50,8 @@ TAGS = {"F64": (8, True), "F32": (4, True), "F16": (2, True), "BF16": (2, True),
         "I32": (4, False), "U32": (4, False), "I16": (2, False), "U16": (2, False), "I8": (1, False),
         "U8": (1, False), "BOOL": (1, False), "F8_E4M3": (1, True), "F8_E5M2": (1, True)}
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# PyTorch's other names of floating dtypes, which transformers reads from a config as torch.<name>
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
 QUANT_BITS = (2, 3, 4, 5, 6, 8)  # the bits MLX's affine quantization packs (mx.quantize)
 MAX_ROPE_FACTOR = 1024  # a RoPE scaling factor (published ones: up to 64)
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -140,6 +142,12 @@ def _rope_problems(name: str, value: Any) -> List[str]:
     return out
 
 
+def dtype_name(value: Any) -> Any:
+    """A config's dtype string by its own name: PyTorch's aliases (``half``, ``float``, ``double``) as
+    transformers reads them; anything else as given."""
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 def dtype_field_problems(config: Dict[str, Any]) -> List[str]:
     """A ``dtype`` (else ``torch_dtype``) string that names no floating dtype: transformers reads it as
     ``torch.<value>`` where PyTorch is installed (``"auto"``, from_pretrained's argument, then failed as
@@ -147,7 +155,7 @@ def dtype_field_problems(config: Dict[str, Any]) -> List[str]:
     a folder loads or not alike from a command (which keeps PyTorch out) and from Python."""
     key = "dtype" if config.get("dtype") is not None else "torch_dtype"
     value = config.get(key)
-    if not isinstance(value, str) or value in FLOAT_BYTES or value == "float64":
+    if not isinstance(value, str) or dtype_name(value) in FLOAT_BYTES or dtype_name(value) == "float64":
         return []
     return [f"config.json: {key} is {value!r}, which is not a dtype (float16, bfloat16 or float32)"
             + ("; 'auto' is an argument of from_pretrained, not a value for config.json" if value == "auto" else "")]
