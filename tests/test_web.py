@@ -238,8 +238,9 @@ def test_page_streams_through_each_api(chromium, server, client):
 
 
 def test_page_json_schema_box(chromium, server):
-    """A schema in the page's JSON-schema box: the answer (chat and Responses) is JSON valid under it; a box
-    that is not JSON is one line in the status, and nothing is sent."""
+    """A schema in the page's JSON-schema box: the answer (chat, Responses and Messages, which the page
+    refused to send as having no structured output) is JSON valid under it; a box that is not JSON is one
+    line in the status, and nothing is sent."""
     import jsonschema
     from playwright.sync_api import sync_playwright
 
@@ -261,7 +262,7 @@ def test_page_json_schema_box(chromium, server):
             page.press("#input", "Enter")
             page.wait_for_function("document.getElementById('status').textContent.includes('a schema is an object')")
             page.fill("#json-schema", json.dumps(schema))
-            for api in ("chat", "responses"):
+            for api in ("chat", "responses", "messages"):
                 page.click("#new-chat")
                 page.select_option("#api", api)
                 page.fill("#input", COUNT)

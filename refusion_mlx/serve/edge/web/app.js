@@ -51,8 +51,9 @@ const APIS = {
   },
   messages: {
     path: "v1/messages",
-    body: (messages, system, decoding) => ({
+    body: (messages, system, decoding, schema) => ({
       messages, ...(system ? { system } : {}), stream: true, stream_options: { include_commits: true },
+      ...(schema !== null ? { output_config: { format: { type: "json_schema", schema } } } : {}),
       ...decoding, max_tokens: decoding.max_tokens != null ? decoding.max_tokens : state.defaults.max_tokens,
     }),
     read: (name, d) => {
@@ -180,11 +181,6 @@ async function send(text) {
     }
     if (typeof schema !== "boolean" && (typeof schema !== "object" || schema === null || Array.isArray(schema))) {
       setStatus("JSON schema: a schema is an object (or true / false), got " + schemaText.slice(0, 40), "error");
-      return;
-    }
-    if ($("api").value === "messages") {
-      setStatus("JSON schema: the Messages API has no structured output; use Chat Completions or Responses",
-                "error");
       return;
     }
   }
