@@ -53,7 +53,7 @@ def command() -> Optional[str]:
             for i, flag in enumerate(arg[1:], 1):
                 if flag in "mcWX":  # the last of a bundle: its value is the rest or the next argument
                     value = arg[i + 1:] or next(args, None)
-                    if flag == "m" and value == "refusion_mlx":  # python -m refusion_mlx generate
+                    if flag == "m" and value in ("refusion_mlx", "refusion_mlx.__main__"):  # -m refusion_mlx generate
                         given = next(args, None)
                         return f"refusion_mlx.{given}" if given in COMMANDS else value
                     if flag in "mc":

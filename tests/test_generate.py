@@ -681,7 +681,12 @@ def test_a_command_reads_its_module_from_the_interpreters_arguments(monkeypatch)
                          (["python", "-BOOmrefusion_mlx.bench"], "refusion_mlx.bench"),
                          (["python", "-uWignore", "-m", "refusion_mlx.fuse"], "refusion_mlx.fuse"),
                          (["python", "-uc", "pass", "-m", "x"], None), (["python", "-", "-m", "x"], None),
-                         (["python", "script.py", "-m", "refusion_mlx.chat"], None), (["python"], None)]:
+                         (["python", "script.py", "-m", "refusion_mlx.chat"], None), (["python"], None),
+                         # the package's own __main__ named: its command, as for python -m refusion_mlx (it was
+                         # refusion_mlx.__main__, so convert went without PyTorch)
+                         (["python", "-m", "refusion_mlx", "convert"], "refusion_mlx.convert"),
+                         (["python", "-m", "refusion_mlx.__main__", "convert"], "refusion_mlx.convert"),
+                         (["python", "-m", "refusion_mlx.__main__", "nope"], "refusion_mlx.__main__")]:
         monkeypatch.setattr(sys, "orig_argv", argv)
         monkeypatch.setattr(sys, "argv", ["-m"])
         assert _startup.command() == module, argv
