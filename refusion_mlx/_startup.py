@@ -74,8 +74,16 @@ def leave_out_torch() -> None:
 
 
 def _interrupted(signum, frame):
-    print("interrupted", file=sys.stderr)
-    raise SystemExit(130)
+    """Ctrl-C before the command runs: nothing has begun that needs cleaning up, so the process ends here,
+    at once. An exception raised from here lands inside whatever import is running, where Python may wrap
+    it (3.11 turns one raised in a class's ``__set_name__``, as a dataclass field's, into a RuntimeError:
+    a traceback and exit 1)."""
+    try:
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no standard error, or a closed one: the exit still says it
+        pass
+    os._exit(130)
 
 
 def quiet_interrupts() -> None:

@@ -652,23 +652,48 @@ def test_a_console_script_starts_as_python_m_does(tmp_path):
         assert proc.returncode == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
 
 
-def test_startup_ctrl_c_is_a_quiet_exit_until_the_command_starts():
+def test_startup_ctrl_c_is_a_quiet_exit_until_the_command_starts(monkeypatch, capsys):
     import signal
 
     from refusion_mlx import _startup
 
+    def ended(code):  # the process would end here: this test's worker goes on
+        raise SystemExit(code)
+
+    monkeypatch.setattr(_startup.os, "_exit", ended)
     before = signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _startup.quiet_interrupts()
         with pytest.raises(SystemExit) as stopped:
             os.kill(os.getpid(), signal.SIGINT)
-        assert stopped.value.code == 130
+        assert stopped.value.code == 130 and capsys.readouterr().err == "interrupted\n"
         _startup.started()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_startup_ctrl_c_inside_a_class_being_made_is_still_a_quiet_exit():
+    """A Ctrl-C landing while an import makes a class whose attribute has ``__set_name__`` (a dataclass
+    field) was a traceback and exit 1 on Python 3.11, which wraps the handler's SystemExit in a RuntimeError
+    (seen under load: "Error calling __set_name__ on 'Field' instance 'open_slots' in 'DecodeState'")."""
+    code = ("import os, signal, time\n"
+            "from refusion_mlx import _startup\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "_startup.quiet_interrupts()\n"
+            "class Named:\n"
+            "    def __set_name__(self, owner, name):\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        for _ in range(200):\n"
+            "            time.sleep(0.01)\n"
+            "class Owner:\n"
+            "    field = Named()\n"
+            "print('not stopped')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "interrupted\n"), proc.stderr[-2000:]
 
 
 def test_a_command_reads_its_module_from_the_interpreters_arguments(monkeypatch):
