@@ -681,7 +681,12 @@ def test_a_signal_between_the_renames_of_force_waits_for_the_swap(tmp_path, caps
             signal.raise_signal(sig)
 
     monkeypatch.setattr(staging.os, "rename", rename_then_signal)
-    rc, err, _ = h.run_cli(capsys, *argv)
+    # a shell's background job (`pytest &`) ignores SIGINT, and an ignored signal stays ignored: Python's own
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc, err, _ = h.run_cli(capsys, *argv)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert rc == code and err[-1] == f"{word}: {dst} holds the new model (it was complete)", err
     assert calls == [f".out.replaced-{os.getpid()}", "out"]
     assert is_quantized(dst) and h.leftovers(dst) == ["out"]

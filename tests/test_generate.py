@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -748,7 +749,9 @@ def test_a_users_own_module_run_with_python_m_keeps_its_ctrl_c_and_pytorch(tmp_p
                                      "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,\n"
                                      "      importlib.util.find_spec('torch') is not None)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    proc = subprocess.run([sys.executable, "-m", "theirs"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "theirs"], capture_output=True, text=True, env=env, timeout=120,
+                          # a shell's background job (`pytest &`) ignores SIGINT, and so would its child
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode == 0 and proc.stdout == "True True\n", (proc.stdout, proc.stderr[-2000:])
 
 
