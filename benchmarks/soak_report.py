@@ -23,7 +23,7 @@ def summarize(tally, before: dict, after: dict, state: dict, wall: float, client
     checked = sum(c.get(k, 0) for k in ("stream", "long", "conversation_first_turn"))
     drops = c.get("drops_mid_stream", 0) + c.get("drops_before_answer", 0)
     # completions no client read: dropped requests that finished before the server saw the client leave
-    read = sum(c.get(k + "_ok", 0) for k in ("stream", "long", "conversation_first_turn"))
+    read = sum(c.get(k + "_ok", 0) for k in ("stream", "long", "conversation_first_turn", "over_budget"))
     unseen = outcome["completed"] - read - c.get("conversation_later_turns", 0)
     steps = delta.get("refusion_step_seconds_count", 0)
     return {
@@ -34,7 +34,7 @@ def summarize(tally, before: dict, after: dict, state: dict, wall: float, client
         "conversation_cache_hits": c.get("conversation_cache_hits", 0),
         "drops_mid_stream": c.get("drops_mid_stream", 0), "drops_before_answer": c.get("drops_before_answer", 0),
         "drops_finished_first": unseen, "drops_unaccounted": drops - outcome["cancelled"] - unseen,
-        "malformed": c.get("malformed", 0), "refused_sent": c.get("refused_sent", 0),
+        "malformed": c.get("malformed", 0), "over_budget_sent": c.get("over_budget_sent", 0),
         "status": {str(k): v for k, v in sorted(tally.status.items())}, "4xx": fourxx, "5xx": fivexx,
         "transport_errors": c.get("transport_errors", 0),
         "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
@@ -65,8 +65,8 @@ def format_report(r: dict) -> str:
         ("drops mid-stream / before the answer", f"{r['drops_mid_stream']} / {r['drops_before_answer']}"),
         ("drops cancelled / finished first / unaccounted",
          f"{m['requests']['cancelled']} / {r['drops_finished_first']} / {r['drops_unaccounted']}"),
-        ("4xx (malformed sent / over --max-kv-bytes sent)",
-         f"{r['4xx']} ({r['malformed']} / {r['refused_sent']})"),
+        ("4xx (malformed sent)", f"{r['4xx']} ({r['malformed']})"),
+        ("over --max-kv-bytes sent (each cut to it)", r["over_budget_sent"]),
         ("metrics: requests that waited for KV memory", m["kv_waits"]),
         ("5xx", r["5xx"]), ("transport errors", r["transport_errors"]),
         ("latency p50 / p95 (s)", f"{r['latency_p50_s']:.3f} / {r['latency_p95_s']:.3f}"),

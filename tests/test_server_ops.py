@@ -150,12 +150,12 @@ def five_slow_watched(srv):
 
 def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     """Two 256-row reservations fit in 2 MiB: of five slow requests, two run at a time and the
-    others wait; a request needing more than the whole budget is refused at once, naming the numbers."""
+    others wait; a prompt that leaves no slot in the whole budget is refused at once, naming the numbers."""
     with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
         _, alone = call(srv, "POST", "/v1/completions", {**SLOW, "max_tokens": 24})
         out, seen = five_slow_watched(srv)
         t0 = time.monotonic()
-        status, err = ask(srv, max_tokens=600)  # 12 + 600 tokens: 768 rows, 3 MiB
+        status, err = call(srv, "POST", "/v1/completions", {"prompt": " ".join(["7"] * 600), "max_tokens": 8})
         refused_in = time.monotonic() - t0
         state = wait_idle(srv)
     assert [s for s, _ in out] == [200] * 5
@@ -163,9 +163,39 @@ def test_admission_waits_for_kv_memory_and_refuses_what_never_fits():
     assert max(h["active"] for h in seen) == 2 and max(h["queued"] for h in seen) >= 1
     assert all(h["kv"]["reserved_bytes"] <= h["kv"]["max_bytes"] == 2 * GROWTH_BYTES for h in seen)
     assert state["kv_waits"] >= 1 and state["kv"]["reserved_bytes"] == 0
-    assert status == 400 and err["error"]["code"] == "kv_memory_exceeded" and refused_in < 5
-    assert str(3 * GROWTH_BYTES) in err["error"]["message"] and str(2 * GROWTH_BYTES) in err["error"]["message"]
-    assert state["refused"] == 1 and err["error"]["param"] == "max_tokens"
+    assert status == 400 and err["error"]["code"] == "kv_memory_exceeded" and refused_in < 5, err
+    assert err["error"]["param"] == "prompt" and re.search(
+        rf"^the prompt is \d+ tokens; the server's --max-kv-bytes of {2 * GROWTH_BYTES} holds 512 rows of KV cache "
+        r"\(4096 bytes each\), no whole slot of 4 after it$", err["error"]["message"]), err
+
+
+def test_a_budget_max_kv_bytes_cannot_hold_is_cut_to_what_it_holds(caplog):
+    """Claude Code asks for 32,000 to 128,000 tokens: past the context, cut to it; past what --max-kv-bytes
+    holds (a request reserves its whole budget when it starts), every request was refused. It is now cut to
+    the whole slots the budget holds after the prompt, as one past the context is cut to it, and says so."""
+    with caplog.at_level(logging.INFO, logger="refusion_mlx.server"):
+        with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
+            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to 900."}],
+                                                         "max_tokens": 600}),
+                               ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 128000}),
+                               ("/v1/responses", {"input": "Hi", "max_output_tokens": 1000})):
+                conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                answer = json.loads(resp.read())
+                assert resp.status == 200, (path, answer)
+                asked, given = resp.getheader("X-Max-Tokens-Cut").split(" -> ")
+                usage = answer["usage"]
+                prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+                assert asked == str(body.get("max_tokens", body.get("max_output_tokens"))), path
+                assert 512 - 16 < prompt + int(given) <= 512, (path, given, prompt)  # 512 rows: within a block
+            status, chat = call(srv, "POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Who is Sven?"}]})  # the default 512
+            state = wait_idle(srv)
+    assert status == 200 and chat["choices"][0]["message"]["content"], chat
+    assert state["refused"] == 0 and state["kv"]["reserved_bytes"] == 0
+    assert "max_tokens 600 cut to" in caplog.text and "the 512 rows --max-kv-bytes holds" in caplog.text
 
 
 def test_an_open_budget_is_cut_to_what_max_kv_bytes_holds(caplog):
@@ -180,17 +210,21 @@ def test_an_open_budget_is_cut_to_what_max_kv_bytes_holds(caplog):
     assert status == 200 and answer["max_output_tokens"] is None, answer
     held = (512 - answer["usage"]["input_tokens"]) // 4 * 4  # whole slots of 4 in 512 rows
     assert answer["usage"]["layout"]["blocks"] == -(-held // 16), answer["usage"]
-    assert chat_status == 400  # chat keeps the default 512: 12 + 512 rows, more than 512 (warned at start-up)
+    assert chat_status == 200  # chat keeps the default 512, cut to what the budget holds (warned at start-up)
     assert "holds less than the model's context of 2048 tokens" in caplog.text
 
 
 def test_a_kv_refusal_names_the_field_of_its_api():
-    """The Responses API's budget is max_output_tokens; a scored prompt's need is its prompt's, in rows that
-    multiply out to the bytes named."""
+    """The prompt that leaves no slot is each API's own field (Responses: input, Messages: messages); a scored
+    prompt's need is its prompt's, in rows that multiply out to the bytes named."""
     with serve(max_kv_bytes=2 * GROWTH_BYTES) as srv:
-        status, err = call(srv, "POST", "/v1/responses", {"input": "Who is Sven?", "max_output_tokens": 600})
-        assert status == 400 and err["error"]["param"] == "max_output_tokens" and "+ max_output_tokens" in \
-            err["error"]["message"]
+        long = " ".join(["7"] * 600)
+        status, err = call(srv, "POST", "/v1/responses", {"input": long, "max_output_tokens": 8})
+        assert status == 400 and err["error"]["param"] == "input", err
+        status, err = call(srv, "POST", "/v1/messages", {"model": "m", "max_tokens": 8,
+                                                          "messages": [{"role": "user", "content": long}]})
+        assert status == 400 and err["error"]["type"] == "invalid_request_error" and "--max-kv-bytes" in \
+            err["error"]["message"], err
         status, err = call(srv, "POST", "/v1/completions", {"prompt": " ".join(["7"] * 1000), "max_tokens": 0,
                                                             "echo": True, "logprobs": 1})
         assert status == 400 and err["error"]["param"] == "prompt", err
@@ -435,7 +469,7 @@ def test_short_soak():
     assert failed(result) is None, result["problems"]
     assert result["5xx"] == 0 and result["left_active"] == 0 and result["left_queued"] == 0
     assert result["checked"] > 10 and result["exact"] == result["checked"]
-    assert result["4xx"] >= result["malformed"] > 0
+    assert result["4xx"] == result["malformed"] > 0  # a request over the budget is cut, not refused
     m = result["metrics"]["requests"]
     drops = result["drops_mid_stream"] + result["drops_before_answer"]
     assert drops > 0 and m["cancelled"] + result["drops_finished_first"] == drops and m["failed"] == 0
