@@ -617,6 +617,29 @@ def test_one_request_with_many_choices_does_not_hold_a_later_one_behind_them():
         assert status == 200 and len(body["choices"]) == 6
 
 
+def test_a_stream_of_more_choices_than_the_batch_begins_with_its_first(monkeypatch):
+    """n past --max-batch: the stream waited for its last choice's admission, near the end of the whole
+    answer (n=16 of 256 tokens under --max-batch 2: the first byte after 7.6 s of 8.8 s). It now begins
+    once its first choice is admitted, the others' chunks following as they come."""
+    from refusion_mlx.decode.batch import BatchGenerator
+
+    step = BatchGenerator.step
+    monkeypatch.setattr(BatchGenerator, "step", lambda self, *a, **k: (time.sleep(0.01), step(self, *a, **k))[1])
+    with serve(max_batch=2) as srv:
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+        conn.request("POST", CHAT, body=json.dumps({"slot_threshold": 1.0, "token_threshold": 1.0, "max_tokens": 24, "n": 6, "stream": True,
+                                                    "messages": [{"role": "user", "content": "Count to 30."}]}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        waiting = call(srv, "GET", "/health")[1]["queued"]
+        rest = resp.read().decode()
+    assert resp.status == 200 and first.startswith(b"data: ") and waiting >= 2, (first, waiting)
+    indexes = {json.loads(line[6:])["choices"][0]["index"] for line in rest.splitlines()
+               if line.startswith("data: {") and json.loads(line[6:])["choices"]}
+    assert indexes == set(range(6)) and rest.rstrip().endswith("data: [DONE]")
+
+
 def test_main_in_process_gives_the_callers_signal_handlers_back(monkeypatch):
     """``server.main()`` called in process (a library user, a test), served, then stopped by SIGHUP as a
     closed terminal stops it: SIGINT, SIGTERM and SIGHUP have the caller's handlers again when it returns

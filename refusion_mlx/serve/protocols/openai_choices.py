@@ -8,7 +8,8 @@ one prompt share its prefilled rows (the first prefills it, the others are
 admitted once its rows are in: :meth:`..caches.prompt_cache.PromptCache.waits`).
 A refusal of any choice refuses the request (a plain 4xx, nothing decoded
 kept); once admitted, the answers are collected together, or streamed as
-their chunks come, each chunk naming its choice's index.
+their chunks come, each chunk naming its choice's index (a stream starts
+once its first choice is admitted: one that fails after is an error event).
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
     engine, loop = answering.engine, asyncio.get_running_loop()
     jobs = engine.submit_all(requests, loop)  # all queued or none (a Refusal)
     try:
-        for job in jobs:
-            await next_event(job, engine, request)  # admitted: the decoder (or the scorer) took it
+        # admitted: the decoder (or the scorer) took it. A stream starts at its first choice's admission, the
+        # others' chunks following as they come: waiting for every choice's held a stream of more choices
+        # than --max-batch until its last were admitted, near the end of the whole answer
+        for job in jobs[:1] if body.stream else jobs:
+            await next_event(job, engine, request)
     except BaseException as e:
         for job in jobs:
             job.cancelled.set()
