@@ -19,6 +19,7 @@ from refusion_mlx.models.projections import hf_parameters
 from refusion_mlx.models.loading import DEMO_MODEL, load, load_tokenizer
 from refusion_mlx.train import Record, fine_tune, fit_length, iterate_batches, load_datasets, read_jsonl
 from refusion_mlx.train.__main__ import main as train_main
+from refusion_mlx.train.config import flag
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "fixtures" / "train-data"
@@ -762,6 +763,59 @@ def test_yaml_lora_parameters_errors_name_the_file_and_key(block, message, tmp_p
     assert code == 2 and f"error: --config {config}: {message}" in err and "--rank" not in err, err
     with pytest.raises(RefusionError, match=r"^fine_tune: lora_parameters\.dropout must be in"):  # the API's
         fine_tune(data=str(DATA), lora_parameters={"dropout": 2})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("batch_size: 0", "batch_size must be at least 1, got 0"),  # each minimum
+    ("iters: -3", "iters must be at least 0, got -3"),
+    ("max_seq_length: 1", "max_seq_length must be at least 2, got 1"),
+    ("rank: 0", "rank must be at least 1, got 0"),
+    ("max_seq_length: 4\ndraft_run: 5", "draft_run must be at most max_seq_length (4), got 5"),
+    ("val_batches: -2", "val_batches must be -1 (all) or at least 0, got -2"),
+    ("test: true\ntest_batches: 0", "test_batches 0 tests nothing"),
+    ("slot_sizes: '4,x'", "slot_sizes must be positive integers"),
+    ("learning_rate: 0", "learning_rate must be positive and finite, got 0.0"),  # each number's range
+    ("draft_fraction: 2", "draft_fraction must be between 0 and 1, got 2.0"),
+    ("ar_weight: -1", "ar_weight must be positive and finite, got -1.0"),
+    ("replay_ratio: 1000", "replay_ratio must be between 0 and 100"),
+    ("seed: -1", "seed must be within [0, 2**32), got -1"),
+    ("num_layers: 0", "num_layers must be -1 (all) or at least 1, got 0"),
+    ("adapter_path: ' '", "adapter_path must name a folder, not an empty string"),
+    ("data: org/name", "data org/name: no such folder; Hugging Face datasets are not read here"),
+])
+def test_yaml_range_errors_name_the_file_and_key(text, message, tmp_path, capsys):
+    """A YAML value of the right type out of range is named by the file and its key, as a value of the wrong
+    type is (it said --batch-size, a flag never typed); the same value as a flag keeps the flag's name."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text + "\n")
+    argv = ["--config", str(config)] + ([] if text.startswith("data:") else ["--data", str(DATA)])
+    code, err = cli(argv, capsys)
+    assert code == 2 and f"error: --config {config}: {message}" in err and err.count(" --") == 1, err
+    key, value = text.splitlines()[-1].split(": ")
+    code, err = cli(argv + [flag(key), value.strip("'")], capsys)  # the flag wins, and is named
+    assert code == 2 and f"error: {flag(key)}" in err and str(config) not in err, err
+
+
+def test_yaml_input_errors_name_the_file_and_key(tmp_path, capsys):
+    """The run's own checks of a value the YAML gave (a folder, a file, a count against the data) name the
+    file and the key too."""
+    (tmp_path / "file").write_text("x")
+    config = tmp_path / "c.yaml"
+    for text, message in [
+        (f"data: {tmp_path / 'missing'}", f"data {tmp_path / 'missing'}: no such folder"),
+        ("iters: 0", "iters 0 trains nothing"),
+        (f"adapter_path: {tmp_path / 'file'}", f"adapter_path {tmp_path / 'file'} is a file"),
+        (f"resume_adapter_file: {tmp_path / 'nope'}", f"resume_adapter_file {tmp_path / 'nope'}: no such file"),
+    ]:
+        config.write_text(text + "\n")
+        argv = ["--config", str(config)] + ([] if text.startswith("data:") else ["--data", str(DATA)])
+        code, err = cli(argv + ["--adapter-path", str(tmp_path / "out")] * (not text.startswith("adapter"))
+                        + ["--iters", "1"] * (not text.startswith("iters")), capsys)
+        assert code == 1 and f"error: --config {config}: {message}" in err, (text, err)
+    config.write_text("batch_size: 64\n")  # named within the sentence: the key alone
+    code, err = cli(["--config", str(config), "--data", str(DATA), "--adapter-path", str(tmp_path / "out"),
+                     "--iters", "1", "--num-layers", "1"], capsys)
+    assert code == 1 and "train.jsonl has 40 examples, fewer than batch_size 64" in err, err
 
 
 def test_input_errors(tmp_path, q4, capsys):

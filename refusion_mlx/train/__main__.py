@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ..cli import OneLineParser, run
 from ..errors import PendingStop, RefusionError, Terminated
-from .config import add_flags, check_data, merge
+from .config import add_flags, check_data, merge, named
 
 
 def build_parser() -> OneLineParser:
@@ -27,7 +27,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = vars(parser.parse_args(argv))
     try:
         options = merge(args, args.get("config"))  # bad values are usage errors, before anything loads
-        check_data(options["data"])
+        check_data(options["data"], named("data", options["given"]))
         check_optimizer(options)
     except RefusionError as e:
         parser.error(str(e))

@@ -132,22 +132,33 @@ def check_off(key: str, value: Any, source: str) -> None:
                           f"(mlx-lm's default, {json.dumps(off)}, is accepted)")
 
 
-def check_data(value) -> None:
-    """mlx-lm's Hugging Face dataset id as ``--data`` (no such folder here): a usage error saying what to give."""
+def check_data(value, name: str = "--data") -> None:
+    """mlx-lm's Hugging Face dataset id as ``--data`` (no such folder here): a usage error saying what to give;
+    ``name``: the option's (``named``)."""
     if value is not None and not Path(value).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(value)):
-        raise OptionError(f"--data {value}: no such folder; Hugging Face datasets are not read here: write the "
+        raise OptionError(f"{name} {value}: no such folder; Hugging Face datasets are not read here: write the "
                           "rows to train.jsonl and valid.jsonl in a folder (mlx-lm's formats)")
 
 
-def check_replay_ratio(ratio: float) -> None:
+def check_replay_ratio(ratio: float, name: str = "--replay-ratio") -> None:
     """An OptionError unless 0 <= ``ratio`` <= MAX_REPLAY_RATIO (a NaN or an infinity is neither)."""
     if not 0 <= ratio <= MAX_REPLAY_RATIO:
-        raise OptionError(f"--replay-ratio must be between 0 and {MAX_REPLAY_RATIO:g} (replayed rows per "
+        raise OptionError(f"{name} must be between 0 and {MAX_REPLAY_RATIO:g} (replayed rows per "
                           f"training row), got {ratio}")
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def named(name: str, given: Optional[Dict[str, Optional[str]]] = None, lead: bool = True) -> str:
+    """How an error names option ``name``: by the YAML file and its key where the file set it
+    (``--config c.yaml: batch_size``; within a sentence, ``lead`` false: ``batch_size``), else by its flag
+    (a flag, a fine_tune keyword, the default); ``given``: merge's, each name with the file that set it."""
+    source = (given or {}).get(name)
+    if not source:
+        return flag(name)
+    return f"{source}: {name}" if lead else name
 
 
 def add_flags(parser) -> None:
@@ -237,9 +248,10 @@ def slot_sizes(value: Any, source: str) -> Tuple[int, ...]:
 
 def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any]:
     """Options: a flag given on the command line, else the YAML value, else the
-    default; ``given``: the names set by either."""
+    default; ``given``: the names set by either, each with the YAML file that set it
+    (None: a flag or keyword), so an error names what the user wrote (``named``)."""
     values = {name: opt.default for name, opt in OPTIONS.items()}
-    rank_given, given = cli.get("rank") is not None, set()
+    rank_given, given = cli.get("rank") is not None, {}
     if yaml_path:
         source = f"--config {yaml_path}"
         data = read_yaml(yaml_path)
@@ -251,52 +263,58 @@ def merge(cli: Dict[str, Any], yaml_path: Optional[str] = None) -> Dict[str, Any
             if key not in OPTIONS:
                 raise OptionError(f"{source}: unknown option {key!r}")
             values[key] = _typed(key, value, source)
-            given.add(key)
+            given[key] = source
     for key, value in cli.items():  # a YAML-only key here is a fine_tune keyword: it has no flag
         if key in OPTIONS and value is not None:
             values[key] = _typed(key, value, "fine_tune" if OPTIONS[key].yaml_only else flag(key))
-            given.add(key)
-    return {**check(values, rank_given), "given": frozenset(given)}
+            given[key] = None
+    return {**check(values, rank_given, given), "given": given}
 
 
-def check(v: Dict[str, Any], rank_given: bool = True) -> Dict[str, Any]:
-    """Range checks, and the LoRA block: ``rank`` over ``lora_parameters.rank``."""
+def check(v: Dict[str, Any], rank_given: bool = True, given: Optional[Dict[str, Optional[str]]] = None
+          ) -> Dict[str, Any]:
+    """Range checks, each naming the option as the user gave it (``named``), and the LoRA block: ``rank``
+    over ``lora_parameters.rank``."""
+
+    def name(key: str, lead: bool = True) -> str:
+        return named(key, given, lead)
+
     minimum = {"batch_size": 1, "iters": 0, "steps_per_report": 1, "steps_per_eval": 1, "save_every": 1,
                "max_seq_length": 2, "rank": 1, "draft_run": 1, "grad_accumulation_steps": 1}
-    for name, low in minimum.items():
-        if v[name] < low:
-            raise OptionError(f"{flag(name)} must be at least {low}, got {v[name]}")
+    for key, low in minimum.items():
+        if v[key] < low:
+            raise OptionError(f"{name(key)} must be at least {low}, got {v[key]}")
     if v["draft_run"] > v["max_seq_length"]:  # no response is longer: a longer run changes nothing
-        raise OptionError(f"--draft-run must be at most --max-seq-length ({v['max_seq_length']}), "
-                          f"got {v['draft_run']}")
-    for name in ("val_batches", "test_batches"):
-        if v[name] < -1:
-            raise OptionError(f"{flag(name)} must be -1 (all) or at least 0, got {v[name]}")
+        raise OptionError(f"{name('draft_run')} must be at most {name('max_seq_length', False)} "
+                          f"({v['max_seq_length']}), got {v['draft_run']}")
+    for key in ("val_batches", "test_batches"):
+        if v[key] < -1:
+            raise OptionError(f"{name(key)} must be -1 (all) or at least 0, got {v[key]}")
     if v["test"] and v["test_batches"] == 0:  # it reported a loss of 0 (perplexity 1): a perfect model
-        raise OptionError("--test-batches 0 tests nothing; give -1 (all of test.jsonl) or a count")
-    v["slot_sizes"] = slot_sizes(v["slot_sizes"], flag("slot_sizes"))
+        raise OptionError(f"{name('test_batches')} 0 tests nothing; give -1 (all of test.jsonl) or a count")
+    v["slot_sizes"] = slot_sizes(v["slot_sizes"], (given or {}).get("slot_sizes") or flag("slot_sizes"))
     if not 0 <= v["draft_fraction"] <= 1:
-        raise OptionError(f"--draft-fraction must be between 0 and 1, got {v['draft_fraction']}")
+        raise OptionError(f"{name('draft_fraction')} must be between 0 and 1, got {v['draft_fraction']}")
     if not 0 < v["ar_weight"] < math.inf:
-        raise OptionError(f"--ar-weight must be positive and finite, got {v['ar_weight']}")
+        raise OptionError(f"{name('ar_weight')} must be positive and finite, got {v['ar_weight']}")
     if not 0 <= v["seed"] < 2 ** 32:  # numpy's seed too
-        raise OptionError(f"--seed must be within [0, 2**32), got {v['seed']}")
-    check_replay_ratio(v["replay_ratio"])
+        raise OptionError(f"{name('seed')} must be within [0, 2**32), got {v['seed']}")
+    check_replay_ratio(v["replay_ratio"], name("replay_ratio"))
     if not 0 < v["learning_rate"] < math.inf:
-        raise OptionError(f"--learning-rate must be positive and finite, got {v['learning_rate']}")
-    for name in ("adapter_path", "resume_adapter_file"):
-        if v.get(name) is not None and not str(v[name]).strip():
-            raise OptionError(f"--{name.replace('_', '-')} must name a {'folder' if name == 'adapter_path' else 'file'}"
+        raise OptionError(f"{name('learning_rate')} must be positive and finite, got {v['learning_rate']}")
+    for key in ("adapter_path", "resume_adapter_file"):
+        if v.get(key) is not None and not str(v[key]).strip():
+            raise OptionError(f"{name(key)} must name a {'folder' if key == 'adapter_path' else 'file'}"
                               ", not an empty string")
     if v["num_layers"] is not None and not (v["num_layers"] == -1 or v["num_layers"] >= 1):
-        raise OptionError(f"--num-layers must be -1 (all) or at least 1, got {v['num_layers']}")
-    given = v.get("lora_parameters") or {}  # checked where it was read (lora_block)
-    lp = {**LORA_DEFAULTS, **given}
-    if rank_given or "rank" not in given:
+        raise OptionError(f"{name('num_layers')} must be -1 (all) or at least 1, got {v['num_layers']}")
+    block = v.get("lora_parameters") or {}  # checked where it was read (lora_block)
+    lp = {**LORA_DEFAULTS, **block}
+    if rank_given or "rank" not in block:
         lp["rank"] = v["rank"]
     v["lora_parameters"] = lora_parameters(**lp)
     v["rank"] = v["lora_parameters"]["rank"]
-    for name in ("lr_schedule", "optimizer_config"):
-        if v[name] is not None and not isinstance(v[name], dict):
-            raise OptionError(f"{name} must be a mapping")
+    for key in ("lr_schedule", "optimizer_config"):
+        if v[key] is not None and not isinstance(v[key], dict):
+            raise OptionError(f"{key} must be a mapping")
     return v

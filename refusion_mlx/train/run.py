@@ -19,17 +19,17 @@ from ..models.adapters import ADAPTER_CONFIG, ADAPTER_FILE, add_adapters, read_w
 from ..models.backend import wired_limit
 from ..models.loading import load
 from .batches import fit_length
-from .config import DEFAULT_NUM_LAYERS, OPTIONS, check_data, merge
+from .config import DEFAULT_NUM_LAYERS, OPTIONS, check_data, merge, named
 from .dataset import Features, load_datasets, replay_records, with_replay
 from .examples import EPSILON
 from .trainer import TrainArgs, TrainResult, build_optimizer, evaluate, train
 
 
-def resolve_num_layers(requested: Optional[int], total: int) -> int:
+def resolve_num_layers(requested: Optional[int], total: int, name: str = "--num-layers") -> int:
     if requested is None:
         return min(DEFAULT_NUM_LAYERS, total)
     if requested > total:
-        raise RefusionError(f"--num-layers {requested} is more than the model's {total} layers")
+        raise RefusionError(f"{name} {requested} is more than the model's {total} layers")
     return requested
 
 
@@ -103,6 +103,10 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
         raise TypeError(f"fine_tune() got unknown option(s): {', '.join(unknown)}")
     report = report or (lambda line: None)
     o = merge(options, options.get("config"))
+
+    def name(key: str, lead: bool = True) -> str:  # as the user gave it: a flag, or the YAML file's key
+        return named(key, o["given"], lead)
+
     if o["data"] is None:
         raise RefusionError("--data is required: a folder with train.jsonl and valid.jsonl")
     # mlx-lm's --test without --train tests the saved adapters; so does --iters 0 --test, and a config's
@@ -111,29 +115,29 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     training = o["iters"] > 0 and not refused and not (o["test"] and not o["train"] and "iters" not in o["given"])
     if not training and not o["test"]:
         raise RefusionError("train is false: nothing to do; add --test to only evaluate" if refused else
-                            "--iters 0 trains nothing; add --test to only evaluate")
+                            f"{name('iters')} 0 trains nothing; add --test to only evaluate")
     data = Path(o["data"]).expanduser()
-    check_data(o["data"])
+    check_data(o["data"], name("data"))
     if not data.is_dir():
-        raise RefusionError(f"--data {o['data']} is a file; give the folder holding train.jsonl and valid.jsonl"
-                            if data.exists() else f"--data {o['data']}: no such folder")
-    for name in (["train"] if training else []) + (["test"] if o["test"] else []):
-        if not (data / f"{name}.jsonl").is_file():
-            raise RefusionError(f"--data {o['data']} has no {name}.jsonl")
+        raise RefusionError(f"{name('data')} {o['data']} is a file; give the folder holding train.jsonl and "
+                            "valid.jsonl" if data.exists() else f"{name('data')} {o['data']}: no such folder")
+    for split in (["train"] if training else []) + (["test"] if o["test"] else []):
+        if not (data / f"{split}.jsonl").is_file():
+            raise RefusionError(f"{name('data')} {o['data']} has no {split}.jsonl")
     validating = training and o["val_batches"] != 0 and (data / "valid.jsonl").is_file()
     adapter_dir = Path(o["adapter_path"]).expanduser()
     if adapter_dir.exists() and not adapter_dir.is_dir():
-        raise RefusionError(f"--adapter-path {o['adapter_path']} is a file; give a folder")
+        raise RefusionError(f"{name('adapter_path')} {o['adapter_path']} is a file; give a folder")
     if training:
         if (adapter_dir / "config.json").is_file():  # trained adapters would sit among a model's files
-            raise RefusionError(f"--adapter-path {o['adapter_path']} is a model folder (it has config.json); "
-                                "give the adapters a folder of their own")
+            raise RefusionError(f"{name('adapter_path')} {o['adapter_path']} is a model folder (it has "
+                                "config.json); give the adapters a folder of their own")
         writable_folder(adapter_dir)
         # a bad lr_schedule or optimizer_config is found before the model loads
         optimizer = build_optimizer(o["optimizer"], o["learning_rate"], o["lr_schedule"], o["optimizer_config"],
                                     o["iters"])
     if o["resume_adapter_file"] and not Path(o["resume_adapter_file"]).expanduser().is_file():
-        raise RefusionError(f"--resume-adapter-file {o['resume_adapter_file']}: no such file")
+        raise RefusionError(f"{name('resume_adapter_file')} {o['resume_adapter_file']}: no such file")
     saved = (not training and not o["resume_adapter_file"] and (adapter_dir / ADAPTER_CONFIG).is_file()
              and (adapter_dir / ADAPTER_FILE).is_file())
 
@@ -142,7 +146,7 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
                             adapter_path=adapter_dir if saved else None)
     if reference_warning():
         report(f"[WARNING] {reference_warning()}")
-    num_layers = resolve_num_layers(o["num_layers"], len(model.layers))
+    num_layers = resolve_num_layers(o["num_layers"], len(model.layers), name("num_layers"))
     report("Loading datasets")
     if training and o["val_batches"] != 0 and not validating:
         report(f"[WARNING] {data} has no valid.jsonl: training without validation")
@@ -158,10 +162,11 @@ def fine_tune(report: Callable[[str], None] = print, progress: bool = True,
     if cut:
         report(f"[WARNING] {cut} responses were cut to fit --max-seq-length {o['max_seq_length']}")
     bs = o["batch_size"]
-    for name, split, used in (("train", train_set, training), ("valid", valid_set, validating),
+    for part, split, used in (("train", train_set, training), ("valid", valid_set, validating),
                               ("test", test_set, o["test"])):
         if used and len(split) < bs:
-            raise RefusionError(f"{name}.jsonl has {len(split)} examples, fewer than --batch-size {bs}")
+            raise RefusionError(f"{part}.jsonl has {len(split)} examples, fewer than {name('batch_size', False)} "
+                                f"{bs}")
 
     mx.random.seed(o["seed"])
     np.random.seed(o["seed"])
