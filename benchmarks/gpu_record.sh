@@ -24,7 +24,8 @@
 # Then python -m benchmarks.gpu_record OUT [OUT ...] (each call's folder) makes benchmarks/records/<device>-<date>.json
 # and prints, for each switch measured on and off, what the forwards say of it.
 # SHAPE=tiny runs every step at a toy shape: a dry run on any machine (about 3 minutes on a CPU;
-# REFUSION_MLX_PATHS=gpu takes the GPU paths there). The estimates are refusion-8b's.
+# REFUSION_MLX_PATHS=gpu takes the GPU paths there). The estimates are refusion-8b's. Any other shape
+# is refused where MLX's default device is not a GPU (--plan runs nothing, so it runs anywhere).
 # The exit status is the number of steps that failed (0: all ran; 2: bad arguments), each also said where it
 # failed; everything it prints also goes to OUT/log.txt (appended), so no tee is needed. OUT/run.json
 # stamps the run's UTC day and the files it measured (benchmarks.run_stamp), which the record takes.
@@ -88,6 +89,16 @@ if [ "$SHAPE" = refusion-8b ] && [ $TOTAL -gt $CALL_SECONDS ] && [ -z "$FORCE$BU
   exit 2
 fi
 PY=${PYTHON:-python3}
+# refusion-8b off a GPU builds 8B bf16 weights on the CPU (killed for memory, or hours a step): refused
+# (an mlx that does not import is said below, by the import check)
+if [ "$SHAPE" != tiny ]; then
+  $PY -c "import mlx.core as mx; raise SystemExit(3 * (mx.default_device().type != mx.DeviceType.gpu))" 2>/dev/null
+  if [ $? -eq 3 ]; then
+    echo "MLX's default device here is not a GPU, and the steps at $SHAPE need one: off a GPU run the dry" \
+         "run, SHAPE=tiny benchmarks/gpu_record.sh OUT [STEP ...] (REFUSION_MLX_PATHS=gpu takes the GPU paths)" >&2
+    exit 2
+  fi
+fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" || exit 1
 if [ -z "${GPU_RECORD_LOGGING:-}" ]; then  # its own log, OUT/log.txt (appended), and its own exit status

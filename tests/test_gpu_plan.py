@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_record.sh"
 
 # A Python that runs everything but the measurements: those it logs (with the
-# REFUSION_MLX_* settings they ran under) and answers as FAKE_RC says.
+# REFUSION_MLX_* settings they ran under) and answers as FAKE_RC says; its
+# default device is a GPU unless FAKE_NO_GPU is set.
 FAKE = """#!/usr/bin/env bash
 case "$*" in
+  "-c "*"DeviceType.gpu"*) [ -z "${FAKE_NO_GPU:-}" ] || exit 3; exit 0 ;;
   "-m benchmarks.forward_cost"*|"-m refusion_mlx.bench"*|"-m pytest"*)
     echo "$(env | grep '^REFUSION_MLX_' | sort | tr '\\n' ' ')| $*" >> "$FAKE_LOG"
     [ "$2" = pytest ] && echo "33 passed, 47 deselected in 1.00s"
@@ -54,6 +56,20 @@ def test_every_step_name_is_checked_before_any_runs(fake, tmp_path):
     proc, calls = fake(str(tmp_path / "out"), "golden", "shape-bf17")
     assert proc.returncode == 2 and calls == []
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "unknown step shape-bf17" in proc.stderr
+
+
+def test_a_real_shape_off_a_gpu_is_refused_in_one_line(fake, tmp_path):
+    """At refusion-8b on a machine whose MLX has no GPU the script built 8B bf16
+    weights on the CPU (killed for memory), then went on to a step estimated at hours."""
+    proc, calls = fake(str(tmp_path / "out"), "fc-bf16", env={"FAKE_NO_GPU": "1"})
+    assert proc.returncode == 2 and calls == [] and not (tmp_path / "out").exists()
+    (line,) = proc.stderr.strip().splitlines()
+    assert "not a GPU" in line and "SHAPE=tiny" in line
+    proc, calls = fake(str(tmp_path / "dry"), "fc-bf16", env={"FAKE_NO_GPU": "1", "SHAPE": "tiny"})
+    assert proc.returncode == 0 and len(calls) == 1  # the dry run runs anywhere
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan", "fc-bf16"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FAKE_NO_GPU": "1"})
+    assert proc.returncode == 0 and "total: about 120 s" in proc.stdout  # the plan runs nothing
 
 
 def test_the_script_keeps_its_own_log_and_exit_status(fake, tmp_path):
