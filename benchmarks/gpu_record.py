@@ -25,7 +25,9 @@ the runtime's own attention and for each candidate measured beside it
 ``decisions``: for each switch measured both ways (bucketed attention,
 ``REFUSION_MLX_OVERLAP=on``, the 4-bit padding; a run's ``switches``), the
 candidate's time against the other's over forwards alike in all else, and
-which of the two the numbers suggest for ``auto``.
+which of the two the numbers suggest for ``auto``. It prints each target,
+then a note for each target or field with no data and why
+(``benchmarks.record_notes``), then the decisions.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from refusion_mlx.bench.cost_curve import ROW_KEYS, SWITCHES, as_default, check_
 from refusion_mlx.cli import OneLineParser, run
 from refusion_mlx.errors import RefusionError
 
+from . import record_notes
 from .run_stamp import CHECKOUT, tree_commit
 
 RECORDS = Path(__file__).resolve().parent / "records"
@@ -137,18 +140,21 @@ def run_conditions(outs: List[Path]) -> List[dict]:
             for path in _files(outs, "fc-*.json") for run in [_fc_run(path)]]
 
 
+def shape_runs(outs: List[Path]) -> List[tuple]:
+    """Each ``bench --shape`` run of the folders: (its file's name, its attention mode, its JSON)."""
+    return [(path.name, m["attention"], _shape_run(path)) for path in _files(outs, "shape-*.json")
+            for m in [SHAPE_FILE.search(path.name)] if m]
+
+
 def versus_ar(outs: List[Path]) -> List[dict]:
+    """Each derived profile measured (on a GPU only: bench --shape replays none elsewhere) against AR."""
     rows = []
-    for path in _files(outs, "shape-*.json"):
-        m = SHAPE_FILE.search(path.name)
-        if not m:
-            continue
-        r = _shape_run(path)
+    for _, attention, r in shape_runs(outs):
         for p in r["profiles"]:
             if p["source"] != "derived" or not p.get("measured"):
                 continue
             row = {"tokens_per_forward": p["tokens_per_forward"], "dtype": r["dtype"], "q_bits": r["q_bits"],
-                   "attention": m["attention"], "refusion_tok_s": p["measured"]["tok_s"],
+                   "attention": attention, "refusion_tok_s": p["measured"]["tok_s"],
                    "ar_tok_s": r["ar_tok_s"], "ratio": p["measured"]["ratio"]}
             if p.get("batched"):
                 row["batched"] = p["batched"]
@@ -368,9 +374,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{t.get('measured', t.get('measured_worst'))}"
                   + (f" (median {t['measured_median']}; held back by {t['held_back_by']}: {t['growth_ms']} ms "
                      "more than a 1-token forward)" if "measured_median" in t else ""))
-        for r in record["runs"]:
-            if r.get("complete") is False:
-                print(f"note: {r['file']}'s run was cut before its end: the record holds the rows it finished")
+        for line in record_notes.notes(record, shape_runs(outs)):
+            print(line)
         for d in record["decisions"]:
             print(f"{d['switch']} {d['candidate']} against {d['against']}: {d['median_ratio']}x the time "
                   f"(median of {d['pairs']} {d['forwards']}; {d['best_ratio']}-{d['worst_ratio']}x): "
