@@ -11,8 +11,8 @@
 # each one costs at refusion-8b, estimated from the H200 run of 2026-11-28:
 # docs/benchmarks.md, "What each step costs"):
 #   the instrument (forward cost by width, bf16 and 4-bit, AR's rows beside);
-#   bench --shape against mlx-lm AR (1.5/2/2.5/3 tokens per forward, 8 at
-#   once in bf16); the golden cases in float32 as the runtime attends; then
+#   bench --shape against mlx-lm AR (1.5/2/2.5/3 tokens per forward; in bf16
+#   also 8 requests' forwards replayed in one batch, not the server); the golden cases in float32 as the runtime attends; then
 #   the candidates' runs (bucketed attention, the 4-bit padding off/on,
 #   REFUSION_MLX_OVERLAP=on) and the golden cases under them; last, where
 #   nsys is installed, a trace of MLX's own NVTX ranges (nsys_*.csv).
@@ -34,7 +34,7 @@ set -u
 STEPS_TABLE="\
 fc-bf16              120  forward cost by width, bf16: runtime's attention and bucketed, 3 phases, 1-32 tokens, 256/1k/4k rows, AR
 fc-q4                150  the same, 4-bit, plan and infill, 1-32 tokens, 256/4k rows (a machine's first 4-bit process: ~100 s of compiles)
-shape-bf16            85  bench --shape, bf16, runtime's attention: 1.5-3 tokens/forward against mlx-lm AR, and 8 at once
+shape-bf16            85  bench --shape, bf16, runtime's attention: 1.5-3 tokens/forward against mlx-lm AR, 8 replayed in a batch
 shape-q4              55  bench --shape, 4-bit, runtime's attention
 golden                50  golden cases, float32, runtime's attention, alone and in one batch
 shape-bf16-bucketed   55  bench --shape, bf16, bucketed attention

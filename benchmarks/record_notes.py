@@ -20,7 +20,7 @@ REQUIRED = (("forward", None, "the 16-token forward against AR's one-token forwa
             ("forward", 4, "the 16-token forward against AR's one-token forward"),
             ("vs_ar", None, "ReFusion / AR at 2.5 tokens per forward"),
             ("vs_ar", 4, "ReFusion / AR at 2.5 tokens per forward"),
-            ("batched", None, "the batch of requests at once against one at a time"))
+            ("batched", None, "the batched replay of requests' forwards against one at a time"))
 
 
 def _kind(label: str) -> Tuple[str, Optional[int]]:
