@@ -189,7 +189,7 @@ def names(allowed) -> Callable[[str], List[str]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from refusion_mlx.bench.shapes import SHAPES
+    from refusion_mlx.bench.shapes import SHAPES, shape_config
 
     on_gpu = mx.default_device() == mx.gpu
     parser = OneLineParser(prog="python -m benchmarks.forward_cost",
@@ -225,6 +225,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be positive")
+    context = shape_config(args.shape)["max_position_embeddings"]
+    reach = max(args.kv) + len(args.phases) * (args.repeat + 1) + max(SLOT_SIZE, *args.widths)  # Filled's rows
+    if reach > context:
+        parser.error(f"--kv: {max(args.kv)} cached rows and the passes after them reach position {reach}, past "
+                     f"{args.shape}'s context of {context} (max_position_embeddings)")
     if "infill" in args.phases:
         for w in args.widths:
             if w % SLOT_SIZE and w > SLOT_SIZE:

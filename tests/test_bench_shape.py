@@ -381,7 +381,10 @@ def test_cost_curve_interpolates_and_prices(tmp_path, capsys):
         c = p["from_curve"]
         assert c["refusion_tok_s"] > 0 and c["ratio"] == pytest.approx(c["ar_seconds"] / c["refusion_seconds"], 1e-3)
     assert "priced from the cost of a forward by width measured on gpu (test)" in capsys.readouterr().out
-    for argv, needle in ((["--dtype", "bfloat16"], "has no forwards in bfloat16"),
+    # the file's own dtype named, with the flag: 4-bit bf16 rows asked for at the default float32 said only "no
+    # forwards in float32, 4-bit"
+    for argv, needle in ((["--dtype", "bfloat16"], "has no forwards in bfloat16; it holds float32 (pass --dtype "
+                                                   "float32)"),
                          (["--shape", "qwen3-0.6b"], "measured tiny, not qwen3-0.6b")):
         argv = ["--shape", "tiny", "--forecast-only", "--cost-curve", str(path)] + argv
         assert main(argv) == 1

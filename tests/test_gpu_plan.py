@@ -370,3 +370,17 @@ touch "$2_nvtx_sum.csv" "$2_cuda_gpu_kern_sum.csv"
     (call,) = calls
     assert "-m benchmarks.forward_cost" in call and "--json" not in call
     assert sorted(p.name for p in out.glob("nsys*")) == ["nsys_cuda_gpu_kern_sum.csv", "nsys_nvtx_sum.csv"]
+
+
+def test_the_docs_give_the_commands_the_script_runs():
+    """The docs gave fc-q4-pad's command as --phases plan --widths 2,4,7,8 (the script runs more flags), the
+    H200 record's 0.97x without the --dtype bfloat16 its rows need, and the bench flag table lacked --batch and
+    --cost-curve."""
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    script = " ".join(SCRIPT.read_text().replace("\\\n", " ").split())
+    pad = "--q-bits 4 --attention bucketed --phases plan --widths 1,2,4,7,8 --kv 1024 --no-ar --no-split"
+    assert pad in script and f"REFUSION_MLX_QMM_PAD=off python -m benchmarks.forward_cost --shape refusion-8b " \
+                              f"--dtype bfloat16 {pad}" in text
+    assert "--dtype bfloat16 --q-bits 4 --forecast-only --cost-curve benchmarks/records/nvidia-h200-2026-11-28.json` " \
+           "gives 0.97x" in text
+    assert "| `--batch N` | with `--shape`" in text and "| `--cost-curve FILE` | with `--shape`" in text

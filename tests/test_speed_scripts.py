@@ -484,7 +484,10 @@ def test_forward_cost_infill_layout():
     (["--widths", "6"], "whole slots"), (["--phases", "decode"], "'decode' is not one of plan, verify, infill"),
     (["--attention", "flash"], "'flash' is not one of auto, fused, unfused, bucketed"),
     (["--repeat", "0"], "--repeat"), (["--kv", "0"], "--kv"), (["--widths", "1,,4"], "an empty item"),
-    (["--kv", "256,"], "an empty item"), (["--phases", "plan,"], "an empty item")])
+    (["--kv", "256,"], "an empty item"), (["--phases", "plan,"], "an empty item"),
+    (["--kv", "256,100000", "--widths", "1", "--repeat", "1", "--phases", "plan"],
+     "--kv: 100000 cached rows and the passes after them reach position 100006, past "
+                             "tiny's context of 40960 (max_position_embeddings)")])  # was measured without a word
 def test_forward_cost_bad_flags_exit_2(argv, says, capsys):
     """One line naming what is wrong (a list flag's choices; an empty item refused, not skipped)."""
     with pytest.raises(SystemExit) as e:

@@ -109,7 +109,10 @@ class CostCurve:
         mine = [r for r in data["forward_cost"] if r.get("dtype") == dtype and r.get("q_bits") == q_bits]
         weights = f"{dtype}{f', {q_bits}-bit' if q_bits else ''}"
         if not mine:
-            raise BenchError(f"{path} has no forwards in {weights}")
+            held = sorted({(r.get("dtype"), r.get("q_bits")) for r in data["forward_cost"]}, key=str)
+            raise BenchError(f"{path} has no forwards in {weights}; it holds " + "; ".join(
+                f"{d}{f', {q}-bit' if q else ''} (pass --dtype {d}{f' --q-bits {q}' if q else ''})"
+                for d, q in held))
         mine = as_default(mine, data.get("switches"))  # a candidate's rows price nothing
         if not mine:
             raise BenchError(f"{path} has no forwards in {weights} with the runtime's settings, only a candidate's "
