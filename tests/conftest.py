@@ -34,20 +34,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{AGENTS_SKIPPED}: {missing[0].removeprefix('Skipped: ')}")
 
 
-# The files that take longest (seconds on two cores), collected first: pytest-xdist's --dist loadfile
-# hands each worker whole files in collection order, so a long file collected late ran alone at the end
-# (test_new_family's 40 s were the last of a run, one core idle: 327 s where the work was 290 s).
-LONGEST_FIRST = ("test_limits.py", "test_new_family.py", "test_coding_agents.py", "test_distributed_start.py",
-                 "test_web.py", "test_convert.py", "test_web_turns.py", "test_distributed_ends.py",
-                 "test_server.py", "test_server_ops.py", "test_generate.py", "test_backend.py")
-
-
-def pytest_collection_modifyitems(items):
-    """:data:`LONGEST_FIRST` first; every other file, and every file's own tests, in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
-
-
 def pytest_sessionstart(session):
     """Written at the top of every run, ``-q`` included (which hides pytest's own header)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
