@@ -29,6 +29,7 @@ from ...decode.fit import ContextError, fit_budget
 from ...decode.params import SEEDS, BlockLayout, RefusionParams
 from ...decode.token_scores import unscored
 from ...errors import DecodeError
+from .memory import widest_pass
 from .refusal import Reason, Refusal
 from .structured import with_call_grammar
 
@@ -198,7 +199,7 @@ def within_memory(request: EngineRequest, ids: List[int], made: Dict[str, Any], 
     cost, most = terms.kv_cost, terms.max_kv_bytes
     if cost is None or most is None or not cost.row_bytes or cost.need(request) <= most:
         return request
-    rows, slot = cost.rows_within(most, max(request.params.layout().block_lengths)), request.params.slot_size
+    rows, slot = cost.rows_within(most, widest_pass(request)), request.params.slot_size
     if rows - len(ids) < slot:
         raise Refusal(Reason.KV_MEMORY_EXCEEDED, f"the prompt is {len(ids)} tokens; the server's --max-kv-bytes of "
                       f"{most} holds {rows} rows of KV cache ({cost.row_bytes} bytes each), no whole slot of {slot} "
