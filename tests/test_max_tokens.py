@@ -200,7 +200,10 @@ def test_the_commands_fit_the_budget_to_the_context_as_the_server_does(capsys, t
     assert e.value.field == "prompt"
 
     long = "Who is Sven? " * 390  # 1958 tokens of the fixture's 2048: 88 in whole slots are left
-    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompt", long, "--json"])
+    # the demo answers it with 88 tokens of "Max" at 0.6 tokens a forward over the long context: thresholds of 0
+    # commit every slot at its first pass (15 forwards, not 155); the budget and its layout are the same
+    eager = ["--slot-threshold", "0", "--token-threshold", "0"]
+    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompt", long, "--json", *eager])
     out, err = capsys.readouterr()
     assert code == 0 and err == "" and json.loads(out)["stats"]["layout"]["blocks"] == 6  # 88 tokens
     code = generate_main(["--model", str(FIXTURE_MODEL), "--prompt", "Who is Sven?", "--max-tokens", "4096"])
@@ -209,14 +212,16 @@ def test_the_commands_fit_the_budget_to_the_context_as_the_server_does(capsys, t
         "note: --max-tokens 4096 cut to 2036: the prompt's 12 tokens leave that much of the model's context of 2048\n")
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in (
         {"prompt": long}, {"prompt": "Who is Sven?", "max_tokens": 4096}, {"prompt": "Who is Sven? " * 500})))
-    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompts-file", str(tmp_path / "p.jsonl"), "--json"])
+    code = generate_main(["--model", str(FIXTURE_MODEL), "--prompts-file", str(tmp_path / "p.jsonl"), "--json",
+                          *eager])
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 1 and [r["error"] is None for r in rows] == [True, True, False]  # the last fails alone
     assert "the model's context" in rows[2]["error"] and "[1] note: max_tokens 4096 cut to 2036" in err
 
     model, tokenizer = load(FIXTURE_MODEL)
-    session = ChatSession(model, tokenizer)  # the default 512: a history of 1958 tokens leaves 88
+    # the default 512 (thresholds of 0, as above): a history of 1958 tokens leaves 88
+    session = ChatSession(model, tokenizer, make_params(slot_threshold=0, token_threshold=0))
     session.send(long)
     assert session.turns[-1].max_tokens == 88 and session.turn_params.gen_length == 88
 
