@@ -34,7 +34,7 @@ def golden_results(model, tokenizer, cases) -> List[bool]:
 
 
 def golden_results_of(folder: str, dequantize: bool = False) -> List[bool]:
-    """``golden_results`` for a converted folder, loaded in float32; runs in a worker process."""
+    """``golden_results`` for a converted folder, loaded in float32."""
     from refusion_mlx.models.loading import load
 
     model, tokenizer = load(folder, dtype="float32")
