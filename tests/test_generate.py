@@ -963,15 +963,22 @@ def test_default_dtype_is_float32_on_cpu(set_paths):
         assert model.model.norm.weight.dtype == mx.float32
 
 
-def test_the_python_apis_default_budget_is_shrunk_to_the_context(demo):
+def test_the_python_apis_default_budget_is_shrunk_to_the_context(tmp_path):
     """As the commands and the server do: a prompt that leaves less than the default 512 tokens gets
     what it leaves (it was refused for a max_tokens the caller never gave); a budget given past it is
-    cut to it, as they cut theirs (test_max_tokens)."""
+    cut to it, as they cut theirs (test_max_tokens). The fixture with a context of 700 in its config: the
+    room each check leaves is counted from the context's end, and the fixture's own 2048 made every prompt
+    ~2,000 tokens of prefill and attention (11 s of CPU; 4 s at 700)."""
     import refusion_mlx as rm
     from refusion_mlx.decode.cache import CommittedCache
+    from tests.helpers import FIXTURE_MODEL
 
-    model, tok = demo
+    folder = shutil.copytree(FIXTURE_MODEL, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 700}))
+    model, tok = load(folder, dtype="float32")
     context = model.args.max_position_embeddings
+    assert context == 700  # read from the config; the cache's turn below takes its first 100 positions
     ids = tok.encode(" ".join(["Sven"] * 40))
     ids = (ids * (context // len(ids) + 1))[:context - 100]  # leaves 100 positions: 25 slots of 4
     last = None
