@@ -755,7 +755,18 @@ def test_a_users_own_module_run_with_python_m_keeps_its_ctrl_c_and_pytorch(tmp_p
     assert proc.returncode == 0 and proc.stdout == "True True\n", (proc.stdout, proc.stderr[-2000:])
 
 
-def test_a_command_that_never_runs_pytorch_does_not_import_it():
+@pytest.fixture(scope="module")
+def json_run():
+    """One ``python -X importtime -m refusion_mlx.generate ... --json``, read by two tests: its answer and
+    the modules it imported (a command process is ~3 s of CPU before it decodes)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "refusion_mlx.generate", "--prompt",
+                           "Who is Sven?", "--max-tokens", "96", "--slot-size", "4", "--serial-num-blocks", "3",
+                           "--slot-threshold", "0", "--token-threshold", "0", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_command_that_never_runs_pytorch_does_not_import_it(json_run):
     """transformers imports PyTorch whenever it is installed (it is, with the test extras): a command
     other than convert keeps it out (the demo's generate: 3.0 s and 330 MB with it, 1.2 s and 150 MB
     without); convert, which reads .bin checkpoints with it, still can."""
@@ -763,8 +774,7 @@ def test_a_command_that_never_runs_pytorch_does_not_import_it():
 
     assert importlib.util.find_spec("torch") is not None  # installed here, so the check below means something
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "refusion_mlx.generate", "--max-tokens", "4"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = json_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     assert "transformers" in loaded and "torch" not in loaded
@@ -776,13 +786,9 @@ def test_a_command_that_never_runs_pytorch_does_not_import_it():
         assert check.returncode == 0 and check.stdout == f"{found}\n", (module, check.stdout, check.stderr[-2000:])
 
 
-def test_module_entry_point_json():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompt", "Who is Sven?",
-                           "--max-tokens", "96", "--slot-size", "4", "--serial-num-blocks", "3",
-                           "--slot-threshold", "0", "--token-threshold", "0", "--json"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def test_module_entry_point_json(json_run):
+    proc = json_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["output_ids"] == [593, 357, 311, 706, 13, 681, 352, 351, 275, 555, 13, 681, 355, 275,
                                  535, 356, 622, 13, 801]
