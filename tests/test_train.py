@@ -343,15 +343,17 @@ def test_mlx_lm_loads_the_adapters(lora_run, tok):
     np.testing.assert_allclose(np.array(theirs(ids)), ours, atol=2e-2)  # mlx-lm loads the bf16 weights
 
 
-def test_fuse_cli_output_loads_everywhere(lora_run, tok, tmp_path):
+def test_fuse_cli_output_loads_everywhere(lora_run, tok, tmp_path, capsys):
+    """The command's fuse in this process (its output is the subject), then its refusal in a process of
+    its own: ``python -m refusion_mlx.fuse``, one line on stderr and exit 1."""
     import mlx_lm
+
+    from refusion_mlx.fuse import main as fuse_main
 
     model, _, _, folder, _ = lora_run
     out = tmp_path / "fused"
-    proc = subprocess.run([sys.executable, "-m", "refusion_mlx.fuse", "--adapter-path", str(folder),
-                           "--save-path", str(out), "--dtype", "float32"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    code = fuse_main(["--adapter-path", str(folder), "--save-path", str(out), "--dtype", "float32"])
+    assert code == 0, capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     assert config["mask_token_id"] == 805 and "quantization" not in config
     fused, _ = load(out, dtype="float32")
