@@ -82,8 +82,6 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
 
     ``dtype``: of the written floating tensors (default: the checkpoint's).
     """
-    from mlx_lm.utils import save_config
-
     if dtype is not None and dtype not in DTYPES:
         raise RefusionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     src = resolve_model_path(model)
@@ -91,6 +89,9 @@ def fuse(model: Union[str, Path, None], adapter_path: Union[str, Path], save_pat
     dst = check_destination(save_path, force)
     for other, flag in ((src, "--model"), (Path(adapter_path).expanduser(), "--adapter-path")):
         check_overlap(other, dst, "--save-path {dst} overlaps " + flag + " {src}", nested=True)
+    # mlx-lm (and the transformers it imports: ~2 s of CPU) after the checks: a refusal does not wait for it
+    from mlx_lm.utils import save_config
+
     dtype = dtype or stored_dtype(read_config(src), src)
     model_obj, config = load_model(src, dtype=dtype)
     tokenizer = load_tokenizer(src)
