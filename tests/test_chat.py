@@ -26,39 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TURNS = ["Who is Sven?", "Count from 17 to 38.", "Reverse the words: sugar forest orange"]
 
 
-class Background:
-    """A subprocess started now, its output collected later (startup overlaps other tests)."""
-
-    def __init__(self, folder: Path, name: str, argv, stdin: str = ""):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.in").write_text(stdin)
-        self.out, self.err = folder / f"{name}.out", folder / f"{name}.err"
-        with open(folder / f"{name}.in") as fin, open(self.out, "w") as fout, open(self.err, "w") as ferr:
-            self.proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=ROOT)
-
-    def result(self, timeout: float = 120):
-        code = self.proc.wait(timeout)
-        return code, self.out.read_text(), self.err.read_text()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def background(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat-cli")
-    trace = folder / "trace.json"
-    runs = {
-        "chat": Background(folder, "chat", [sys.executable, "-m", "refusion_mlx.chat", "--model", str(FIXTURE_MODEL),
-                                            "--max-tokens", "48",
-                                            "--block-length", "16", "--visualize", "--frame-time", "0",
-                                            "--trace", str(trace)],
-                           "Count from 17 to 38.\n/stats\n/reset\nWho is Sven?\n"),
-    }
-    runs["trace"] = trace
-    yield runs
-    for run in runs.values():
-        if isinstance(run, Background) and run.proc.poll() is None:
-            run.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def loaded():
     from refusion_mlx.models.loading import load
@@ -323,13 +290,21 @@ def test_slot_view_draws_out_of_order_fill():
     assert out.getvalue().endswith("\x1b[2F\x1b[J")
 
 
-def test_cli_visualize_and_trace(background, tmp_path):
-    code, out, err = background["chat"].result()
+def test_cli_visualize_and_trace(tmp_path, capsys, monkeypatch):
+    """The command's main in this process (what it draws and traces is the subject, not its process: a
+    process of its own cost 3 s of CPU to start), its turns read from a pipe-like standard input and its
+    output going to a file-like one, not a terminal."""
+    from refusion_mlx.chat import main as chat_main
+
+    trace = tmp_path / "trace.json"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Count from 17 to 38.\n/stats\n/reset\nWho is Sven?\n"))
+    code = chat_main(["--model", str(FIXTURE_MODEL), "--max-tokens", "48", "--block-length", "16", "--visualize",
+                      "--frame-time", "0", "--trace", str(trace)])
+    out, err = capsys.readouterr()
     assert code == 0, err
     assert "░" in out and "step 1 · " in out and "\x1b" not in out  # a file: frame after frame, no escapes
     plain = [block for block in out.split("\n\n") if not block.startswith("step ")]
     assert plain[0].startswith("17 18 19 20") and plain[1].startswith("Sven lives in")  # the answers, drawn last
-    trace = background["trace"]
     steps = json.loads(trace.read_text())
     assert {"turn", "step", "phase", "positions", "tokens"} <= set(steps[0])
     assert {s["turn"] for s in steps} == {1, 2}
