@@ -26,6 +26,7 @@ DATA = Path(__file__).parent / "fixtures" / "train-data"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
 QUICK = dict(data=str(DATA), batch_size=4, val_batches=4, steps_per_report=5, progress=False,
              dtype="float32")  # the tests compare float32 logits, whatever paths the run takes
+ONE_VAL = {**QUICK, "val_batches": 1}  # for runs whose validation losses no test reads: a quarter of the passes
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +435,7 @@ def test_dora_and_full(tmp_path, tok):
     for kind, layers in (("dora", 2), ("full", 1)):
         folder = tmp_path / kind
         model, _, result = fine_tune(adapter_path=str(folder), iters=2, fine_tune_type=kind, num_layers=layers,
-                                     report=lambda _: None, **QUICK)
+                                     report=lambda _: None, **ONE_VAL)
         names = list(mx.load(str(folder / "adapters.safetensors")))
         if kind == "full":
             assert all(n.startswith("model.layers.3.") for n in names) and "model.layers.3.mlp.up_proj.weight" in names
@@ -453,7 +454,7 @@ def test_full_fine_tune_weights_take_the_models_dtype(tmp_path, tok):
 
     folder = tmp_path / "full"
     fine_tune(adapter_path=str(folder), iters=1, fine_tune_type="full", num_layers=1, train_embeddings=True,
-              report=lambda _: None, **QUICK)
+              report=lambda _: None, **ONE_VAL)
     saved = mx.load(str(folder / "adapters.safetensors"))
     assert saved["model.layers.3.mlp.up_proj.weight"].dtype == mx.float32
     model, _ = load(DEMO_MODEL, dtype="bfloat16", adapter_path=str(folder))
@@ -483,7 +484,7 @@ def test_replay_mixes_the_known_tasks_in(tmp_path, tok):
             with_replay(new, old, ratio, seed=0)
     lines = []
     fine_tune(adapter_path=str(tmp_path / "r"), iters=1, replay_data=str(DATA / "train.jsonl"), replay_ratio=0.5,
-              report=lines.append, **QUICK)
+              report=lines.append, **ONE_VAL)
     assert any(line.startswith("Replaying") for line in lines)
     with pytest.raises(RefusionError, match="--replay-data .*no such file"):
         fine_tune(adapter_path=str(tmp_path / "r2"), iters=1, replay_data=str(tmp_path / "none"),
@@ -494,7 +495,7 @@ def test_train_embeddings_saves_loads_and_fuses(tmp_path, tok):
     folder = tmp_path / "emb"
     base, _ = load(DEMO_MODEL, dtype="float32")
     model, _, _ = fine_tune(adapter_path=str(folder), iters=3, learning_rate=1e-3, train_embeddings=True,
-                            report=lambda _: None, **QUICK)
+                            report=lambda _: None, **ONE_VAL)
     weights = mx.load(str(folder / "adapters.safetensors"))
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(weights)
     assert json.loads((folder / "adapter_config.json").read_text())["train_embeddings"] is True
