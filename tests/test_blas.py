@@ -225,8 +225,11 @@ def test_the_test_run_names_its_blas_even_when_quiet():
 
     root = Path(__file__).resolve().parents[1]
     test = "tests/test_blas.py::test_blas_in_use_names_a_library"
+    # without the plugins of packages installed beside, which this run never uses: langsmith's and
+    # hypothesis's imports are ~3.5 of a run's ~5 s of CPU
+    quiet = ["-q", "-p", "no:cacheprovider", "-p", "no:langsmith_plugin", "-p", "no:hypothesispytest"]
     for env, expect in (({}, None), ({"REFUSION_MLX_BLAS": "bundled"}, "WARNING: slow reference BLAS")):
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=root,
+        out = subprocess.run([sys.executable, "-m", "pytest", *quiet, test], cwd=root,
                              env={**os.environ, **env}, capture_output=True, text=True, timeout=120).stdout
         lines = out.splitlines()
         assert lines[0].startswith("BLAS: "), out
@@ -239,10 +242,24 @@ def test_the_test_run_names_its_blas_even_when_quiet():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGEMM = re.compile(r"binding file (.+?) \[\d+\] to (.+?) \[\d+\]: normal symbol `cblas_sgemm'")
+SYMBOL = b"`cblas_sgemm'"
 
 
 def _optimized_here():
     return sys.platform == "linux" and any(os.path.exists(p) for p in blas.candidates())
+
+
+def _sgemm_bindings(log: bytes):
+    """(file, library) of each binding of cblas_sgemm in a dynamic linker's log. The log of a process that
+    imports PyTorch is some 27 MB: the symbol's lines are found as bytes first, and only they are matched
+    (SGEMM run over the whole text took about 1 s of CPU a process)."""
+    at = log.find(SYMBOL)
+    while at >= 0:
+        line = log[log.rfind(b"\n", 0, at) + 1:at + len(SYMBOL)].decode(errors="replace")
+        match = SGEMM.search(line)
+        if match:
+            yield match.groups()
+        at = log.find(SYMBOL, at + 1)
 
 
 def _traced(args, tmp_path, **env):
@@ -253,8 +270,8 @@ def _traced(args, tmp_path, **env):
     env = {"PATH": "/usr/bin:/bin", "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(log), **env}
     out = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    bound = [m.group(2) for f in tmp_path.glob("ld.*") for m in SGEMM.finditer(f.read_text(errors="replace"))
-             if os.path.basename(m.group(1)) == "libmlx.so"]
+    bound = [to for f in tmp_path.glob("ld.*") for by, to in _sgemm_bindings(f.read_bytes())
+             if os.path.basename(by) == "libmlx.so"]
     assert len(bound) == 1, bound
     return out.stdout.splitlines(), out.stderr, os.path.realpath(bound[0])
 
