@@ -62,14 +62,18 @@ verify() {  # MLX computes on the GPU, each CUDA library it loads on first use l
     return 1
   fi
   if ! out=$(PYTHONPATH="$SITE:$PWD" "$PY" - 2>&1 <<'PY'
+import sys
+
 import mlx.core as mx
 
-stage = "mlx-lm (and transformers, which it imports)"
+stage = "MLX on the GPU (the CUDA driver and runtime)"
 try:
-    import mlx_lm  # noqa: F401
-    stage = "MLX on the GPU (the CUDA driver and runtime)"
     assert mx.default_device() == mx.gpu, f"mlx computes on {mx.default_device()}, not a GPU"
     mx.zeros(1).item()
+    # imported as the commands import it (refusion_mlx._startup): transformers leaves PyTorch out (~2 s)
+    stage = "mlx-lm (and transformers, which it imports)"
+    sys.modules.setdefault("torch", None)
+    import mlx_lm  # noqa: F401
     stage = "NVRTC (libnvrtc.so.13: kernels compiled on first use)"
     mx.eval(mx.compile(lambda a: mx.exp(a) * 2 + 1)(mx.ones((4, 64))))
     stage = "cuBLASLt (libcublasLt.so.13: bf16 matmuls of 2 rows or more)"
