@@ -33,12 +33,12 @@ exec "%s" "$@"
 """
 
 
-@pytest.fixture
-def fake(tmp_path):
-    python = tmp_path / "python"
+def runner(folder: Path):
+    """The script's runs under the stand-in Python, kept in ``folder``: (process, the measurements' commands)."""
+    python = folder / "python"
     python.write_text(FAKE % sys.executable)
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    log = tmp_path / "calls.txt"
+    log = folder / "calls.txt"
 
     def run(*args, rc=0, env=None):
         proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
@@ -49,6 +49,20 @@ def fake(tmp_path):
         return proc, calls
 
     return run
+
+
+@pytest.fixture
+def fake(tmp_path):
+    return runner(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory):
+    """Every step in one call (--force), run once (a run's Pythons take a CPU-second) for the tests that read its
+    commands, its log (every step's lines, the golden runs' among them) or run.json: (process, calls, folder)."""
+    folder = tmp_path_factory.mktemp("forced")
+    proc, calls = runner(folder)("--force", str(folder / "out"))
+    return proc, calls, folder / "out"
 
 
 def test_every_step_name_is_checked_before_any_runs(fake, tmp_path):
@@ -85,10 +99,10 @@ def test_the_script_keeps_its_own_log_and_exit_status(fake, tmp_path):
     assert proc.returncode == 0 and (out / "log.txt").read_text().startswith(log)
 
 
-def test_a_candidate_switch_run_skips_ar(fake, tmp_path):
+def test_a_candidate_switch_run_skips_ar(forced):
     """A run under a candidate switch (overlap on, the 4-bit padding off/on) timed
     AR's forward too, rows the record tags with the switch and drops: time spent for nothing."""
-    _, calls = fake(str(tmp_path / "out"), "fc-q4-pad", "fc-overlap")
+    _, calls, _ = forced
     switched = [c for c in calls if "REFUSION_MLX_OVERLAP=on" in c or "REFUSION_MLX_QMM_PAD=" in c]
     assert switched and all("--no-ar" in c.split() for c in switched), switched
 
@@ -116,14 +130,14 @@ def test_the_steps_come_in_the_order_issue_49_needs_them():
     assert [line.split()[0] for line in listed.splitlines()[:5]] == ESSENTIAL
 
 
-def test_every_step_in_one_call_is_refused_unless_forced(fake, tmp_path):
+def test_every_step_in_one_call_is_refused_unless_forced(fake, forced, tmp_path):
     """Every step in one call needs more than a command's 10 minutes at refusion-8b."""
     assert plan() > 540
     proc, calls = fake(str(tmp_path / "out"))
     assert proc.returncode == 2 and calls == [] and not (tmp_path / "out").exists()
     (line,) = proc.stderr.strip().splitlines()
     assert "more than one call's 540 s" in line and "--force" in line
-    proc, calls = fake("--force", str(tmp_path / "out"))
+    proc, calls, _ = forced  # the same call with --force
     assert proc.returncode == 0 and len(calls) >= 12, proc.stdout
     assert sum(c.endswith("test_every_golden_case_in_one_batch_is_token_exact") for c in calls) == 3
     assert sum("--batch" in c.split() for c in calls) == 1  # 8 at once: bf16, the runtime's attention
@@ -149,13 +163,13 @@ def test_each_documented_call_fits_one_command_and_brings_back_at_most_8_files(f
         assert len(files) + 2 <= 8, files  # and log.txt, run.json
 
 
-def test_every_command_the_script_makes_parses(fake, tmp_path, monkeypatch):
+def test_every_command_the_script_makes_parses(forced, monkeypatch):
     """The instrument's and bench's own parsers accept each command the steps
     make (as docs/benchmarks.md's 4-bit padding command once did not)."""
     from benchmarks import forward_cost
     from refusion_mlx.bench import __main__ as bench
 
-    _, calls = fake("--force", str(tmp_path / "out"))
+    _, calls, _ = forced
     assert len(calls) >= 12
     monkeypatch.setattr(forward_cost, "run", lambda body: 0)
     monkeypatch.setattr(bench, "run", lambda body: 0)
@@ -166,12 +180,12 @@ def test_every_command_the_script_makes_parses(fake, tmp_path, monkeypatch):
             assert mains[argv[1]](argv[2:]) == 0, call
 
 
-def test_the_record_labels_every_golden_run(fake, tmp_path):
+def test_the_record_labels_every_golden_run(forced):
     """The CPU paths' run was the third entry of the record's golden line, unlabelled."""
     from benchmarks import gpu_record
 
-    out = tmp_path / "out"
-    assert fake(str(out), "golden", "golden-bucketed", "golden-cpu")[0].returncode == 0
+    proc, _, out = forced
+    assert proc.returncode == 0
     assert gpu_record.golden_line(out / "log.txt") == "; ".join(
         f"{label}: 33 passed, 47 deselected in 1.00s" for label in ("auto", "bucketed", "the CPU paths, on the device"))
 
@@ -222,11 +236,11 @@ def test_a_record_names_the_runs_day_and_the_commit_it_measured(tmp_path):
     assert gpu_record.provenance([call2, call3], "abc", root=repo)["commit"] == "abc"
 
 
-def test_the_script_stamps_its_folder(fake, tmp_path):
+def test_the_script_stamps_its_folder(forced):
     from benchmarks import run_stamp
 
-    out = tmp_path / "out"
-    assert fake(str(out), "golden")[0].returncode == 0
+    proc, _, out = forced
+    assert proc.returncode == 0
     stamped = json.loads((out / "run.json").read_text())
     assert stamped["tree"] == run_stamp.files_tree(ROOT)
     assert stamped["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
