@@ -21,8 +21,11 @@ def test_the_python_api_samples_alike_on_every_rank(tmp_path):
     """distributed.group.init seeds MLX's generator alike on every rank, so unseeded sampling in the Python
     API draws alike. Only the commands' join seeded it: MLX seeds each process from the clock (in ms) at its
     first draw, so ranks that got there at different times (rank 1 half a second later here, as a rank on
-    another machine would) drew apart, decoded apart, and the ring failed or hung."""
-    code = ("import sys, time\nimport refusion_mlx as rm\nfrom refusion_mlx.distributed import group\n"
+    another machine would) drew apart, decoded apart, and the ring failed or hung. PyTorch is kept out of the
+    ranks as the commands keep it out: transformers imports it where it is installed (2 CPU-s a rank), and
+    it has no part in MLX's generator."""
+    code = ("import sys, time\nsys.modules.setdefault('torch', None)\nimport refusion_mlx as rm\n"
+            "from refusion_mlx.distributed import group\n"
             "dist = group.init()\ntime.sleep(0.5 * dist.rank)\nmodel, tok = rm.load(sys.argv[1], dist=dist)\n"
             "for p in ['Who is Sven?', 'Count from 1 to 30.']:\n"
             "    print(repr(rm.generate(model, tok, rm.chat_prompt(tok, p), max_tokens=32, temperature=1.0)))\n")
