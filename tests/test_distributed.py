@@ -1,11 +1,13 @@
 """Two ranks over the ring backend on loopback (``mlx.launch --backend ring
 -n 2``): answers equal one process's token for token (float32), tensor
 parallel (generate) and pipeline (the server, under the openai client);
-only rank 0 prints; a server whose rank stops mid-step ends with one line.
-Each start costs two interpreters' start: three in all (mlx.launch for
-generate; the others started as it starts ranks, ``tests/ranks.py``, so the
-test sees each rank's own exit status). The ranks' way to ready is
-``test_distributed_start.py``, ranks that die ``test_distributed_ends.py``."""
+only rank 0 prints; a server whose rank stops mid-step ends with one line,
+one whose rank is killed answers its open requests first. Each start costs
+two interpreters' start: three in all (mlx.launch for generate; the others
+started as it starts ranks, ``tests/ranks.py``, so the test sees each rank's
+own exit status), so each server serves its module's tests, the last of
+them ending it. The ranks' way to ready is ``test_distributed_start.py``,
+ranks that die under generate and the chat ``test_distributed_ends.py``."""
 
 import dataclasses
 import http.client
@@ -77,14 +79,42 @@ def test_two_ranks_answer_like_one(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def pipeline_server(tmp_path_factory):
+def tensor_server(tmp_path_factory):
+    """A server on two ranks, split by heads (tensor parallel), on the demo model, sampling unseeded by
+    default (--temp 1.0), with a 4-s limit on collectives."""
+    with two_rank_server(tmp_path_factory.mktemp("tensor"), ["--temp", "1.0", "--max-tokens", "64"], timeout_s="4",
+                          model=None) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """What one process answers and scores, for the pipeline server's tests: found before that server starts,
+    since a rank that waits for the next step polls its socket, a core's worth, as long as it waits."""
+    from refusion_mlx.decode.scoring import score_ar, score_mc
+    from refusion_mlx.decode.stream import chat_prompt, stream_generate
+    from refusion_mlx.models.loading import load
+
+    model, tok = load(FIXTURE_MODEL)
+    prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
+    answers = {p: "".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32, kv_bits=8))
+               for p in prompts}
+    ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
+    context = len(ids) - 3
+    want_ar = score_ar(model, [ids], kv_bits=8)[0].logprobs[1:]
+    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2, kv_bits=8).logprobs[context:]
+    return {"model": model, "answers": answers, "ids": ids, "context": context, "ar": want_ar, "mc": want_mc}
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory, one_process):
     """A server on two ranks, split by layers (--pipeline), its KV caches
     quantized (--kv-bits 8: each rank keeps its own layers' codes)."""
     with two_rank_server(tmp_path_factory.mktemp("ranks"), ["--pipeline", "--kv-bits", "8"]) as served:
         yield served
 
 
-def test_a_tensor_parallel_server_samples_alike_on_every_rank(tmp_path):
+def test_a_tensor_parallel_server_samples_alike_on_every_rank(tensor_server):
     """Unseeded sampling (--temp 1.0, no seed in the request): each rank decodes on its engine thread, whose
     MLX generator is the thread's own; every rank seeds it with the seed rank 0 broadcast. Unseeded, the
     ranks' drafts parted and, under mlx.launch, the server hung until the watchdog ended both ranks (two
@@ -92,32 +122,69 @@ def test_a_tensor_parallel_server_samples_alike_on_every_rank(tmp_path):
     under mlx.launch)."""
     import openai
 
-    with two_rank_server(tmp_path, ["--temp", "1.0", "--max-tokens", "64"], timeout_s="20",
-                          model=None) as (port, procs):  # the demo model
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=30)
-        for _ in range(6):
-            hot = client.chat.completions.create(model="m", max_tokens=32, temperature=1.0,
-                                                 messages=[{"role": "user", "content": "Who is Sven?"}])
-            assert hot.choices[0].finish_reason in ("stop", "length")
-        assert all(p.poll() is None for p in procs)
+    port, procs = tensor_server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=30)
+    for _ in range(6):
+        hot = client.chat.completions.create(model="m", max_tokens=32, temperature=1.0,
+                                             messages=[{"role": "user", "content": "Who is Sven?"}])
+        assert hot.choices[0].finish_reason in ("stop", "length")
+    assert all(p.poll() is None for p in procs)
 
 
-def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_server):
+def test_a_server_whose_rank_was_killed_answers_its_open_requests(tensor_server):
+    """Rank 1 killed mid-request: rank 0's engine gets the ring's error (or, when MLX waits for ever
+    instead, the watchdog ends the rank); either way every open request gets the server's "shutting down"
+    answer -- a 503 in the API's shape, a stream's error event and [DONE] -- before rank 0 exits 1 with one
+    line (it exited at once: the requests' connections were reset, a stream cut mid-answer). Ends the
+    tensor-parallel server; its requests ask for greedy decoding, which samples none."""
+    port, procs = tensor_server
+    body = {"messages": [{"role": "user", "content": "Count to 1000."}], "max_tokens": 2000, "block_length": 4,
+            "temperature": 0}
+
+    def ask():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(ask)
+        while True:  # the engine holds it (queued or in the batch)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+                health = json.load(resp)
+            if health["active"] + health["queued"]:
+                break
+            time.sleep(0.05)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")  # in the batch
+        procs[1].send_signal(signal.SIGKILL)
+        rest = stream.read()
+        status, payload = whole.result(timeout=60)
+    _, err = procs[0].communicate(timeout=60)
+    assert (status, payload["error"]["code"]) == (503, "shutting_down"), payload
+    assert b'"code": "shutting_down"' in rest and rest.rstrip().endswith(b"data: [DONE]"), rest
+    err = err.decode()
+    assert procs[0].returncode == 1 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "error" in line.lower()] in (
+        ["error: rank 0: lost the other ranks ([ring] connection to a peer was lost): a rank died or the link broke"],
+        ["error: rank 0: no progress from the other ranks for 4 s (a rank died or the link is down); stopping "
+         "(REFUSION_MLX_COLLECTIVE_TIMEOUT sets the limit)"]), err
+
+
+def test_pipeline_server_under_two_ranks_answers_the_openai_client(pipeline_server, one_process):
     """Rank 0 serves HTTP; every rank runs the batches it broadcasts:
     concurrent requests (streamed and not) answer as one process does. The
-    model is split by layers here (--pipeline; the test above splits heads)
+    model is split by layers here (--pipeline; the tests above split heads)
     and its KV caches are 8-bit, so one start checks the server, the
     pipeline and a quantized cache across ranks."""
     import openai
 
-    from refusion_mlx.decode.stream import chat_prompt, stream_generate
-    from refusion_mlx.models.loading import load
-
     port, _ = pipeline_server
-    prompts = [p["prompt"] for p in PROMPTS[:2]] + ["Who is Sven?"]
-    model, tok = load(FIXTURE_MODEL)
-    expected = ["".join(r.text for r in stream_generate(model, tok, chat_prompt(tok, p), max_tokens=32, kv_bits=8))
-                for p in prompts]
+    model, answers = one_process["model"], one_process["answers"]
+    prompts, expected = list(answers), list(answers.values())
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local", max_retries=0, timeout=60)
 
     def ask(i):
@@ -157,19 +224,12 @@ def test_pipeline_server_decodes_a_constrained_answer_on_every_rank(pipeline_ser
     assert all(p.poll() is None for p in procs)
 
 
-def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server):
+def test_pipeline_server_scores_a_prompt_as_one_process_does(pipeline_server, one_process):
     """Echo scoring under two ranks (each running its layers of every scoring
     piece): the AR and the Monte Carlo estimates are those of one process
     with the same quantized cache (--kv-bits 8)."""
-    from refusion_mlx.decode.scoring import score_ar, score_mc
-    from refusion_mlx.models.loading import load
-
     port, _ = pipeline_server
-    model, tok = load(FIXTURE_MODEL)
-    ids = tok.encode("Sven lives in Oslo. Where does Sven live? In Oslo.")
-    context = len(ids) - 3
-    want_ar = score_ar(model, [ids], kv_bits=8)[0].logprobs[1:]
-    want_mc = score_mc(model, ids, context, model.args.mask_token_id, mc_num=8, seed=2, kv_bits=8).logprobs[context:]
+    ids, context, want_ar, want_mc = (one_process[k] for k in ("ids", "context", "ar", "mc"))
     for body, want, skip in (({}, want_ar, 1),
                              ({"logprob_estimator": "mc", "mc_num": 8, "seed": 2, "context_tokens": context},
                               want_mc, context)):
