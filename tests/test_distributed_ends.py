@@ -78,7 +78,9 @@ def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path, p
     at one step, and the chat goes on (the ranks stopped at different steps and waited on each other); at the
     prompt it ends the chat on every rank as Ctrl-C ends a command: "interrupted", exit 130 (rank 0 aborted
     once: its input thread was blocked in stdin). ``pause`` 0: Ctrl-C as the turn's summary is written,
-    before rank 0 reads again (it ended rank 0 alone; rank 1 lost it, exit 1)."""
+    before rank 0 reads again (it ended rank 0 alone; rank 1 lost it, exit 1). The next turn is one the
+    fixture model answers in a sentence (18 tokens; "Count from 1 to 5." ran on for 90, seconds of two
+    ranks' decoding)."""
     argv = ["--model", str(FIXTURE_MODEL), "--max-tokens", "2000", "--block-length", "4"]
     procs = start_ranks(tmp_path, argv, timeout_s="20", command="refusion_mlx.chat", feed=b"Count to 1000.\n")
     try:
@@ -86,7 +88,7 @@ def test_ctrl_c_in_a_two_rank_chat_stops_every_rank_at_the_same_step(tmp_path, p
         for p in procs:
             p.send_signal(signal.SIGINT)
         wait_for(procs[0].stderr, b"[interrupted")
-        procs[0].stdin.write(b"Count from 1 to 5.\n")
+        procs[0].stdin.write(b"Who is Sven?\n")
         procs[0].stdin.flush()
         wait_for(procs[0].stderr, b"tokens/forward")  # the next turn is answered on both ranks
         time.sleep(pause)
