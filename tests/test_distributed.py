@@ -9,12 +9,14 @@ own exit status), so each server serves its module's tests, the last of
 them ending it. The ranks' way to ready is ``test_distributed_start.py``,
 ranks that die under generate and the chat ``test_distributed_ends.py``."""
 
+import contextlib
 import dataclasses
 import http.client
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -42,17 +44,43 @@ def _launcher():
     return [str(script)] if script.exists() else [sys.executable, "-m", "mlx._distributed_utils.launch"]
 
 
-def _launch(args, timeout=90, **kwargs):
+def _launch(args, timeout=90):
     """``mlx.launch --backend ring -n 2 python -m refusion_mlx.<args>`` from the repository root.
     mlx.launch exits 0 whatever its ranks do; a rank whose port another process took between
     choosing and binding it (the suite runs servers alongside) is tried again on new ports."""
     for _ in range(3):
         cmd = [*_launcher(), "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)),
                sys.executable, "-m", *args]
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+        run = _run_fed(cmd, timeout)
         if "Couldn't bind socket" not in run.stderr:
             return run
     return run
+
+
+def _run_fed(cmd, timeout):
+    """``cmd`` run to its end, its output captured, with a MiB on a standard input held open. mlx.launch
+    passes its input on to each rank, one thread a rank, and those threads loop without sleeping while a
+    rank's input pipe has room, or its own input is at its end: a core for as long as the ranks run (4.7
+    CPU-s to launch two ``sleep 4``). Once the ranks' pipes are full of input they never read, the
+    launcher waits in select (0.2 CPU-s)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    stdin, proc.stdin = proc.stdin, None  # not closed by communicate: its end sets the launcher looping
+
+    def feed():
+        with contextlib.suppress(OSError):
+            stdin.write("\n" * (1 << 20))
+            stdin.flush()
+
+    threading.Thread(target=feed, daemon=True).start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+        proc.wait()
+        with contextlib.suppress(OSError):
+            stdin.close()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _one_process(argv, capsys):
