@@ -371,6 +371,14 @@ FAKE_FETCH = """plan => {
 }"""
 
 
+# how many elements the page creates from now on (window.created)
+COUNT_ELEMENTS = """() => {
+    const create = document.createElement.bind(document);
+    window.created = 0;
+    document.createElement = (...args) => { window.created++; return create(...args); };
+}"""
+
+
 def chunks_sse(n: int, start: int = 0, blocks: bool = True, finish: str | None = None) -> str:
     """A chat stream's events, one token (``x``) a step at positions ``start`` .. ``start + n - 1``: the
     first (with blocks) announces ``start + n`` positions; with ``finish``, its end (and ``[DONE]``)."""
@@ -458,9 +466,11 @@ def test_page_stream_edges(chromium, server):
 
 
 def test_page_long_answer_stays_responsive(chromium, server):
-    """A long answer's burst of events (2,048 one-token steps read at once) is drawn within a bound, and
-    Stop, clicked while it is being handled, ends it at once: the page draws once a frame, only what
-    changed, and yields while it reads (it redrew every cell on every commit: seconds of frozen page)."""
+    """A long answer's burst of events (2,048 one-token steps read at once) is drawn with work that grows
+    with its length, not its square, and Stop, clicked while it is being handled, ends it: the page draws
+    once a frame, only what changed (it redrew every cell on every commit: seconds of frozen page; a
+    rebuild every frame creates 16 elements a token here). The measure is the elements the page creates,
+    not wall time, which a loaded machine stretches (a 2-second bound on Stop failed under CI's load)."""
     from playwright.sync_api import sync_playwright
 
     n, burst = 2048, chunks_sse(2048)
@@ -470,17 +480,16 @@ def test_page_long_answer_stays_responsive(chromium, server):
             page, errors = chat_page(browser, server)
             page.evaluate(FAKE_FETCH, [[burst, False], [burst, False]])
             page.fill("#input", "Count.")
-            t0 = time.monotonic()
             page.press("#input", "Enter", timeout=5000)
             page.click("#stop", timeout=5000)
-            page.wait_for_selector(".msg.assistant[data-finish]", timeout=5000)
-            stop = (time.monotonic() - t0, page.get_attribute(".msg.assistant", "data-finish"))
+            page.wait_for_selector(".msg.assistant[data-finish]", timeout=10000)
+            stop = page.get_attribute(".msg.assistant", "data-finish")
             page.fill("#input", "Count.")
-            t0 = time.monotonic()
+            page.evaluate(COUNT_ELEMENTS)
             page.press("#input", "Enter", timeout=5000)
             page.wait_for_function(f"document.getElementById('slot-caption').textContent.endsWith("
-                                   f"'{n} of {n} committed')", timeout=5000, polling=50)
-            drawn = time.monotonic() - t0
+                                   f"'{n} of {n} committed')", timeout=10000, polling=50)
+            created = page.evaluate("window.created")
             cells = page.locator("#grid .cell:not(.masked)").count()
             text = page.text_content(".msg.assistant:nth-child(4) .body")
             page.click("#stop", timeout=5000)
@@ -488,8 +497,8 @@ def test_page_long_answer_stays_responsive(chromium, server):
         finally:
             browser.close()
     assert not errors
-    assert stop[0] < 2 and stop[1] == "stopped", stop
-    assert drawn < 3 and cells == n and text == "x" * n, (drawn, cells)
+    assert stop == "stopped", stop
+    assert created < 12 * n and cells == n and text == "x" * n, (created, cells)
 
 
 def chat_page(browser, server, url=None, route=None):
