@@ -6,9 +6,10 @@ if _startup.starting():  # python -m refusion_mlx.<command> or refusion-<command
     _startup.quiet_interrupts()  # quiet exit 130
     _startup.leave_out_torch()  # the tokenizer's transformers would import PyTorch (~1.5 s) for nothing
 
-from . import _blas  # noqa: E402
+from . import _blas, _malloc  # noqa: E402
 
 _blas.preload()  # must run before mlx.core is imported
+_malloc.keep_buffers()  # Linux: MLX's CPU arrays are malloc'd; a large one was mapped afresh at every op
 
 from ._version import __version__  # noqa: E402
 
