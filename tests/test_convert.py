@@ -567,7 +567,7 @@ def test_a_hangup_under_nohup_leaves_the_conversion_running(tmp_path):
     "terminated", exit 129); a hangup without nohup still ends it, as SIGTERM does."""
     ignored, default = tmp_path / "nohup", tmp_path / "plain"
     procs = {ignored: slow_conversion(ignored, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)),
-             default: slow_conversion(default)}
+             default: slow_conversion(default, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))}
     for dst, proc in procs.items():
         signal_mid_write(proc, dst, signal.SIGHUP)
     _, err = procs[ignored].communicate(timeout=120)

@@ -821,10 +821,17 @@ def test_text_shaper_holds_back_partial_stop():
 # The CLI: python -m refusion_mlx.server
 
 
+def default_signals() -> None:
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_cli(*args):
-    """Start the server CLI on a free port; its stderr lines go to a queue."""
+    """Start the server CLI on a free port; its stderr lines go to a queue. Its signals are as a terminal
+    gives them, whatever this run was started under (nohup ignores SIGHUP, a shell's ``&`` SIGINT)."""
     proc = subprocess.Popen([sys.executable, "-m", "refusion_mlx.server", "--port", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=default_signals)
     lines: "queue.Queue[str]" = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     return proc, lines
