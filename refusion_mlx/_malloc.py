@@ -13,7 +13,8 @@ kept (docs/benchmarks.md).
 :func:`keep_buffers` has glibc serve every request from its heaps (no
 ``mmap`` per buffer) and give back only a free top over 1 GiB, so a freed
 buffer is reused as Metal's cache would reuse it. The price: up to 1 GiB of
-freed memory a process keeps mapped after a peak. Left alone where the user
+freed memory a process keeps mapped after a peak (a server's engine gives it
+back once idle: ``serve/core/memory.py``'s ``HeapTrim``). Left alone where the user
 set glibc's malloc tunables (``GLIBC_TUNABLES`` or ``MALLOC_*_``), outside
 Linux, on a C library without ``mallopt`` (musl), or with
 ``REFUSION_MLX_MALLOC=system``.

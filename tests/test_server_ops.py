@@ -196,6 +196,9 @@ def test_a_budget_max_kv_bytes_cannot_hold_is_cut_to_what_it_holds(caplog):
     assert status == 200 and chat["choices"][0]["message"]["content"], chat
     assert state["refused"] == 0 and state["kv"]["reserved_bytes"] == 0
     assert "max_tokens 600 cut to" in caplog.text and "the 512 rows --max-kv-bytes holds" in caplog.text
+    # one line a request, of the cut that holds: 128,000 was cut by the context, then by memory (two lines)
+    cuts = [line for line in caplog.text.splitlines() if "max_tokens 128000 cut to" in line]
+    assert len(cuts) == 1 and cuts[0].endswith("the 512 rows --max-kv-bytes holds"), cuts
 
 
 def test_an_open_budget_is_cut_to_what_max_kv_bytes_holds(caplog):

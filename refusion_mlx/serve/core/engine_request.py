@@ -174,7 +174,10 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
         made.update(max_tokens=draft.max_tokens, stop=draft.stop, include_commits=draft.include_commits,
                     prompt_param=draft.prompt_param, max_tokens_param=draft.max_tokens_param, tools=draft.tools,
                     parallel_tool_calls=draft.parallel_tool_calls, api=draft.api, constraint=draft.constraint)
-        request = within_memory(resolve(draft.ids, **made), draft.ids, made, terms)
+        request, room = within_memory(resolve(draft.ids, **made), draft.ids, made, terms)
+        if request.asked_max_tokens is not None:  # one line, of the cut that holds (the context's or memory's)
+            log.info("%s %d cut to %d: the prompt's %d tokens leave that much of %s", draft.max_tokens_param,
+                     request.asked_max_tokens, request.params.gen_length, len(draft.ids), room)
         if draft.logprobs is not None and draft.constraint is not None:  # constrained: no slots' scores
             raise Refusal(Reason.UNSUPPORTED, unscored(draft.logprobs_param, draft.constraint.name),
                           draft.logprobs_param)
@@ -190,25 +193,28 @@ def finish(draft: Draft, terms: RequestTerms, cache_owner: Optional[str] = "", s
     return dataclasses.replace(compiled(request, terms), cache_owner=cache_owner)
 
 
-def within_memory(request: EngineRequest, ids: List[int], made: Dict[str, Any], terms: RequestTerms) -> EngineRequest:
+def within_memory(request: EngineRequest, ids: List[int], made: Dict[str, Any],
+                  terms: RequestTerms) -> Tuple[EngineRequest, str]:
     """``request`` (resolved from ``ids`` and :func:`resolve`'s arguments ``made``) with a budget that
     ``--max-kv-bytes`` cannot hold cut to the whole slots it holds after the prompt, as a budget past the
     context is cut to that (a request reserves its whole budget when it starts): Claude Code asks for
     32,000 to 128,000 tokens, which the context cuts and a smaller machine's memory may still not hold, and
-    every one of its requests was refused. A prompt that leaves no whole slot in it is refused, naming it."""
+    every one of its requests was refused. A prompt that leaves no whole slot in it is refused, naming it.
+    With the request, what its budget was fitted to, in words for the log's line on a cut."""
+    context = (request, f"the model's context of {made['context']}")
     cost, most = terms.kv_cost, terms.max_kv_bytes
     if cost is None or most is None or not cost.row_bytes or cost.need(request) <= most:
-        return request
+        return context
     rows, slot = cost.rows_within(most, widest_pass(request)), request.params.slot_size
     if rows - len(ids) < slot:
         raise Refusal(Reason.KV_MEMORY_EXCEEDED, f"the prompt is {len(ids)} tokens; the server's --max-kv-bytes of "
                       f"{most} holds {rows} rows of KV cache ({cost.row_bytes} bytes each), no whole slot of {slot} "
                       "after it", made["prompt_param"])
     try:
-        held = resolve(ids, **{**made, "context": min(rows, terms.context), "room": "the {} rows --max-kv-bytes holds"})
+        held = resolve(ids, **{**made, "context": min(rows, terms.context)})
     except Refusal:
-        return request
-    return held if cost.need(held) <= most else request
+        return context
+    return (held, f"the {min(rows, terms.context)} rows --max-kv-bytes holds") if cost.need(held) <= most else context
 
 
 def open_defaults(terms: RequestTerms, prompt_tokens: int, slot: int) -> RefusionParams:
@@ -273,7 +279,7 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
             context: int, stop: Sequence[str] = (), include_commits: bool = False,
             prompt_param: str = "prompt", max_tokens_param: str = "max_tokens", tools: Sequence[dict] = (),
             parallel_tool_calls: bool = True, api: str = "chat.completions",
-            constraint: Optional[Constraint] = None, room: str = "the model's context of {}") -> EngineRequest:
+            constraint: Optional[Constraint] = None) -> EngineRequest:
     """The request the engine runs, checked against the model's ``context``
     (:func:`~refusion_mlx.decode.fit.fit_budget`, the rule the CLIs follow too).
 
@@ -285,8 +291,8 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
     gives, by their ``RefusionParams`` names, over the server's ``defaults``
     (a request's block choice replaces the server's). ``prompt_param`` and
     ``max_tokens_param``: those fields' names in the request's API;
-    ``tools``, ``parallel_tool_calls``, ``api``, ``constraint``: carried as given. ``room``: what holds
-    ``context`` positions, worded for the log's line on a cut (:func:`within_memory`'s: ``--max-kv-bytes``).
+    ``tools``, ``parallel_tool_calls``, ``api``, ``constraint``: carried as given. The server's log line on
+    a cut is :func:`finish`'s, once the memory's cut (:func:`within_memory`) is known too.
     """
     try:
         fitted = fit_budget(len(ids), context, defaults, fields, max_tokens, name=max_tokens_param)
@@ -297,8 +303,5 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
         said = re.sub(r"\bgen_length\b", max_tokens_param, str(e).replace("gen_length (max_tokens)", "gen_length"))
         raise Refusal(Reason.INVALID_DECODING_PARAMETERS, said) from None
     params, cut = fitted.params, fitted.asked
-    if cut is not None:
-        log.info("%s %d cut to %d: the prompt's %d tokens leave that much of %s", max_tokens_param, cut,
-                 params.gen_length, len(ids), room.format(context))
     return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
                          constraint=constraint, asked_max_tokens=cut)
