@@ -42,6 +42,26 @@ def test_growth_is_in_multiples_of_growth_rows_not_per_token(model):
     assert cache.stores[0].keys.shape[2] == cache.stores[0].capacity == cache.capacity
 
 
+def test_a_planned_cache_doubles_up_to_its_plan_and_values_survive_growth(model):
+    """A response plans its prompt and whole budget (``plan``) instead of allocating them at its start: the
+    capacity doubles as rows are written, never past the plan (in whole growth steps), and each growth keeps
+    the rows written before it."""
+    cache = CommittedCache.for_model(model, growth=64)
+    cache.plan(600)
+    capacities = []
+    for i in range(600):
+        prefill(model, cache, [i % 100], [i])
+        if cache.capacity not in capacities:
+            capacities.append(cache.capacity)
+        if i == 5:
+            first = np.array(keys(cache, 0)[:, :, :6])
+    assert capacities == [64, 128, 256, 512, 640] and cache.capacity == cache.stores[0].capacity
+    assert np.array_equal(np.array(keys(cache, 0)[:, :, :6]), first)
+    unplanned = CommittedCache.for_model(model, growth=64)
+    unplanned.reserve(300)
+    assert unplanned.capacity == 320  # no plan: whole growth steps, as before
+
+
 def test_uncommitted_rows_are_cropped(model):
     """A pass writes scratch rows; only commit() makes them part of the cache."""
     cache = CommittedCache.for_model(model)

@@ -344,3 +344,17 @@ def test_only_the_states_methods_change_it():
             wrong += [f"{path.name}:{node.lineno} {ast.unparse(t)} =" for t in targets
                       if re.search(r"\bstate\.\w", ast.unparse(t))]
     assert not wrong, wrong
+
+
+def test_a_short_answer_of_a_large_budget_holds_memory_for_what_it_wrote(demo):
+    """The cache is not allocated for the whole budget at the start (at a 32k context a request cut to the
+    context reserved ~5 GB at the 8B shape): a 1,536-token budget whose answer ends within a few dozen
+    tokens holds one growth step, not prompt + budget."""
+    model, tokenizer = demo
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who is Sven?"}], add_generation_prompt=True)
+    decoder = RefusionDecoder(model, prompt, RefusionParams(gen_length=1536), mask_id=model.args.mask_token_id,
+                              eos_id=tokenizer.eos_token_id)
+    for _ in decoder.steps():
+        pass
+    cache = decoder.state.cache
+    assert len(decoder.response()) < 64 and cache.capacity == cache.growth, (len(decoder.response()), cache.capacity)

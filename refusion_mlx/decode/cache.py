@@ -56,6 +56,7 @@ class CommittedCache:
         self._row_of: Dict[int, int] = {}  # position -> row, for reading in position order
         self.stores: List[Optional[KVStore]] = self._empty_stores()
         self.capacity = 0
+        self.planned = 0  # the most rows a holder expects it to hold (``plan``)
         self.decoding = None  # a weak reference to the response decoding into this cache (decode/decoder.py)
 
     @classmethod
@@ -89,16 +90,27 @@ class CommittedCache:
         """The position after the last committed one: where a prompt that continues this cache starts."""
         return max(self.positions) + 1 if self.positions else 0
 
+    def plan(self, rows: int) -> None:
+        """The most rows this cache is expected to hold (a response's prompt and whole budget): from now on
+        it at least doubles its capacity when it grows, up to those rows, so a long answer copies its stores
+        a few times, and a short answer of a large budget holds memory for what it wrote, not for the budget
+        (a request cut to a 32k context reserved ~5 GB at the 8B shape, however short its answer). Nothing
+        is allocated here."""
+        self.planned = rows
+
     def reserve(self, rows: int, exact: bool = False) -> None:
         """Make room for ``rows`` scratch rows after the committed ones.
 
-        Growth happens in multiples of ``growth`` rows and copies the stores once per
-        growth, never once per token; ``exact``: just the rows (a copy kept, not grown).
+        Growth happens in multiples of ``growth`` rows, doubling up to what
+        was planned (``plan``), and copies the stores once per growth, never
+        once per token; ``exact``: just the rows (a copy kept, not grown).
         """
         need = len(self) + rows
         if need <= self.capacity:
             return
         new_capacity = need if exact else -(-need // self.growth) * self.growth
+        if not exact and self.planned > new_capacity:
+            new_capacity = min(max(new_capacity, 2 * self.capacity), -(-self.planned // self.growth) * self.growth)
         for store in self._held():
             store.grow(new_capacity)
         self.capacity = new_capacity

@@ -171,8 +171,8 @@ class RefusionDecoder:
 
     def _run(self) -> Generator[Pass, PassResult, None]:
         state = self.state
-        # every row this response can write: one allocation, no growth mid-decode
-        state.cache.reserve(len(self.prompt) + state.layout.gen_length)
+        # every row this response can write: the cache doubles up to them as it is written, a few copies in all
+        state.cache.plan(len(state.cache) + len(self.prompt) + state.layout.gen_length)
         tail = yield from self._prefill_head()
         if state.matcher is not None:  # constrained: one frontier, checked by the grammar
             yield from constrain.decode(state, tail, lambda step: self.steps_done.append(step))
