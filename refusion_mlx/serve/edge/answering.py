@@ -51,6 +51,10 @@ CLIENT_CHECK = 0.25  # seconds between two looks at whether a request's client i
 # seconds a stream may go without a byte before its writer's keep-alive goes out: agents (Codex, Claude Code)
 # give up on a stream silent for 300 s, and a call held back whole or a long prefill can take that long
 KEEP_ALIVE = 15.0
+# a stream still queued after this many seconds starts before its admission (its headers, its first
+# events, then keep-alives), so a busy server's queue does not run out a client's idle timer; one admitted
+# or refused sooner (a refusal at once is an HTTP status: the queue full, the KV budget) is as before
+QUEUED_START = 2.0
 
 
 class ClientGone(Exception):
@@ -242,7 +246,7 @@ class Answering:
         writer.request = await self.off_loop(request, lambda: finish(make(), self.terms, owner))
         job = self.engine.submit(writer.request, asyncio.get_running_loop())
         try:
-            await next_event(job, self.engine, request)  # admitted to the batch: the decoder took it
+            await admission(job, self.engine, request, QUEUED_START if stream else None)
             writer.cached = job.cached
             headers = cut_header(writer.request)
             if stream:
@@ -284,6 +288,15 @@ async def job_event(job: Job, engine, request: Optional[Request] = None, idle: O
                 return "idle", None
 
 
+async def admission(job: Job, engine, request: Request, within: Optional[float] = None) -> bool:
+    """Wait for the job's admission (the decoder or the scorer took it; an error raised): True when it is
+    still queued after ``within`` s (None: however long it waits)."""
+    what, payload = await job_event(job, engine, request, idle=within)
+    if what == "error":
+        raise payload
+    return what == "idle"
+
+
 async def next_event(job: Job, engine, request: Request) -> tuple:
     """The job's next event (an error raised)."""
     item = await job_event(job, engine, request)
@@ -323,6 +336,8 @@ async def sse(job: Job, engine, writer: Writer, t0: float, scope):
             what, payload = await job_event(job, engine, idle=max(0.0, sent + KEEP_ALIVE - time.monotonic()))
             if what == "idle":  # nothing to say for a while (a call held back whole): keep the client waiting
                 out = writer.keep_alive()
+            elif what == "start":  # a stream that started while queued (QUEUED_START): admitted now
+                writer.cached, out = job.cached, ""
             elif what == "error":
                 note = payload.message
                 out = writer.error(payload)

@@ -26,8 +26,7 @@ from ..core.outcome import Outcome
 from ..core.refusal import Reason, Refusal
 from ..edge import answering as edge
 from ..edge.json_answer import json_answer
-from ..edge.answering import (ClientGone, JobStream, _log, collect, cut_header, data, job_event,
-                              next_event)
+from ..edge.answering import ClientGone, JobStream, _log, collect, cut_header, data, job_event
 from .openai_bodies import MAX_PROMPTS
 from .openai_echo import check_work
 
@@ -75,8 +74,8 @@ async def answer_choices(answering, request: Request, body, kind: str, make: Cal
         # admitted: the decoder (or the scorer) took it. A stream starts at its first choice's admission, the
         # others' chunks following as they come: waiting for every choice's held a stream of more choices
         # than --max-batch until its last were admitted, near the end of the whole answer
-        for job in jobs[:1] if body.stream else jobs:
-            await next_event(job, engine, request)
+        for job in jobs[:1] if body.stream else jobs:  # a stream queued past QUEUED_START starts anyway
+            await edge.admission(job, engine, request, edge.QUEUED_START if body.stream else None)
     except BaseException as e:
         for job in jobs:
             job.cancelled.set()
