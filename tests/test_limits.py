@@ -87,7 +87,7 @@ def active(srv) -> int:
 def test_scoring_shares_the_engine_with_a_chat(server):
     """A long Monte Carlo scoring request runs in pieces between decoding steps:
     a short chat sent while it scores answers long before it ends."""
-    scorer, box = in_thread(call, server, "POST", "/v1/completions", scoring(1200, 8))
+    scorer, box = in_thread(call, server, "POST", "/v1/completions", scoring(1200, 4))  # 5 pieces, the chat waits for one
     assert wait_for(lambda: active(server) >= 1)
     (status, chat), chat_seconds = timed(call, server, "POST", CHAT,
                                          {"messages": [{"role": "user", "content": "Who is Sven?"}], "max_tokens": 16})
@@ -632,7 +632,7 @@ def test_a_flood_of_long_prompts_holds_no_short_request(server):
     """Bodies over 64 KB are made into requests in a lane of their own, one at a time: a short request
     waits for none of them (before: one lock, a thread each; 30 of them held a one-line request 37 s)."""
     flood = [in_thread(call, server, "POST", "/v1/completions", {"prompt": "1" * 900_000, "max_tokens": 1})
-             for _ in range(6)]
+             for _ in range(4)]  # each ~1 s of tokenizing or more: a short request behind them would wait 4
     time.sleep(0.3)  # the first of them is being tokenized
     (status, answer), seconds = timed(call, server, "POST", "/v1/completions", {"prompt": "1 2 3", "max_tokens": 4})
     (tok_status, _), tok_seconds = timed(call, server, "POST", "/tokenize", {"prompt": "Who is Sven?"})
