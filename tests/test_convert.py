@@ -507,6 +507,7 @@ def test_failure_mid_write_leaves_no_destination(tmp_path, capsys, monkeypatch, 
 
 SLOW_CONVERTER = """
 import sys, time
+sys.modules["torch"] = None  # the demo is safetensors: PyTorch, which mlx-lm's transformers imports, is ~3.5 s of CPU
 import refusion_mlx
 from refusion_mlx import convert
 from refusion_mlx.convert import shards
