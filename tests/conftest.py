@@ -1,9 +1,16 @@
 """Shared fixtures. Importing refusion_mlx first lets it preload an optimized BLAS."""
 
 import json
+import os
 from pathlib import Path
 
-import refusion_mlx  # noqa: F401  (before mlx.core)
+# MKL's OpenMP threads spin for 200 ms after each parallel region before they sleep (KMP_BLOCKTIME): with
+# two test workers on two cores, one worker's spinning threads took the other's core (the convert and
+# half-precision tests ~10% more CPU, 3.5 against 0.5 CPU-s for the half-precision ones). Set before MKL
+# loads (below), for the subprocesses too; a setting of the user's is kept.
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+import refusion_mlx  # noqa: F401,E402  (before mlx.core)
 import numpy as np
 import pytest
 
