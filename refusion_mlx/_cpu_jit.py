@@ -15,11 +15,14 @@ MLX version (~2 CPU-s, ~50 MB), with the compiler flags MLX's library
 builds its kernels with (read from it), and a kernel
 then builds in ~0.25 s. A precompiled header g++ finds unusable (another
 compiler, other flags: a later MLX) is passed over, and the kernels build as
-before: nothing else changes. ``REFUSION_MLX_KERNEL_HEADER=off`` leaves it out.
+before: nothing else changes. Where g++ fails to build it (a full disk), a
+``.failed`` file beside it says so, and later loads do not try again.
+``REFUSION_MLX_KERNEL_HEADER=off`` leaves it out.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -45,8 +48,9 @@ def kernel_dir() -> Path:
     return Path(tmp) / "mlx" / mx.__version__ / "cpu"
 
 
-def mlx_flags() -> Optional[list]:
-    """The flags MLX builds its CPU kernels with, read from its library (None: not found)."""
+@functools.lru_cache(maxsize=1)
+def mlx_flags() -> Optional[tuple]:
+    """The flags MLX builds its CPU kernels with, read from its library once (None: not found)."""
     import mlx.core as mx
 
     for library in sorted(Path(mx.__file__).parent.glob("lib/libmlx*.so*")):
@@ -55,7 +59,7 @@ def mlx_flags() -> Optional[list]:
         except OSError:
             continue
         if found:
-            return found.group(1).decode().split()
+            return tuple(found.group(1).decode().split())
     return None
 
 
@@ -74,11 +78,18 @@ def prepare() -> Optional[Path]:
     Linux, not the CPU, no g++, another process building it, or g++ refused)."""
     import mlx.core as mx
 
-    if sys.platform != "linux" or os.environ.get(ENV, "").lower() == "off" or mx.default_device() != mx.cpu:
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice not in ("", "auto", "off"):  # a typo is said, and changes nothing
+        print(f"warning: {ENV}={os.environ[ENV]!r} is not a setting (off, or unset): left out", file=sys.stderr)
+        return None
+    if sys.platform != "linux" or choice == "off" or mx.default_device() != mx.cpu:
         return None
     target = header_path()
     if target.is_file():
         return target
+    failed = target.with_name(target.name + ".failed")  # g++ refused it here once: not again at every load
+    if failed.exists():
+        return None
     compiler, preamble = shutil.which("g++"), include_dir() / PREAMBLE
     flags = mlx_flags() if compiler is not None and preamble.is_file() else None
     if flags is None:
@@ -96,6 +107,7 @@ def prepare() -> Optional[Path]:
                                "-o", str(part)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, timeout=600)
         if done.returncode != 0:
+            failed.touch()
             return None
         os.replace(part, target)  # whole or not there: a reader never sees half of it
         return target

@@ -51,7 +51,12 @@ def keep_buffers() -> bool:
 
 
 def _tune() -> bool:
-    if sys.platform != "linux" or os.environ.get(ENV, "").lower() == "system" or user_tuned():
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice not in ("", "auto", "system"):  # a typo is said once, and changes nothing
+        print(f"warning: {ENV}={os.environ[ENV]!r} is not a setting (system, or unset): glibc's malloc left "
+              "as it is", file=sys.stderr)
+        return False
+    if sys.platform != "linux" or choice == "system" or user_tuned():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

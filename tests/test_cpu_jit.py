@@ -62,3 +62,21 @@ def test_it_is_left_out_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv(_cpu_jit.ENV, "off")
     assert _cpu_jit.prepare() is None and not (tmp_path / "mlx").exists()
+
+
+def test_a_build_g_plus_plus_refuses_is_not_tried_again_at_every_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    builds = []
+    monkeypatch.setattr(_cpu_jit.subprocess, "run",
+                        lambda args, **kw: builds.append(args) or subprocess.CompletedProcess(args, 1))
+    assert _cpu_jit.prepare() is None and _cpu_jit.prepare() is None and len(builds) == 1
+    header = _cpu_jit.header_path()
+    assert not header.exists() and header.with_name(header.name + ".failed").is_file()
+
+
+def test_a_mistyped_switch_is_said_and_builds_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv(_cpu_jit.ENV, "of")
+    assert _cpu_jit.prepare() is None and not (tmp_path / "mlx").exists()
+    assert capsys.readouterr().err == (f"warning: {_cpu_jit.ENV}='of' is not a setting (off, or unset): "
+                                       "left out\n")

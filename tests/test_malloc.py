@@ -46,3 +46,12 @@ def test_the_users_own_allocator_settings_are_left_alone(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert _malloc._tune() is False and calls == []
+
+
+def test_a_mistyped_setting_is_said_and_changes_nothing(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(_malloc.ctypes, "CDLL", lambda *a: calls.append(a))
+    monkeypatch.setenv(_malloc.ENV, "sytem")
+    assert _malloc._tune() is False and calls == []
+    assert capsys.readouterr().err == (f"warning: {_malloc.ENV}='sytem' is not a setting (system, or unset): "
+                                       "glibc's malloc left as it is\n")
