@@ -95,3 +95,18 @@ def started() -> None:
     """The command runs: Ctrl-C is KeyboardInterrupt again."""
     if signal.getsignal(signal.SIGINT) is _interrupted:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def freeze_imports(*modules: str) -> None:
+    """Import ``modules`` now, then take every object alive (the imports' modules, classes and functions:
+    ~110k objects in the server) out of the cyclic garbage collector's scans (``gc.freeze``): a full
+    collection, which Python runs now and then and which holds the GIL (the HTTP side and the engine wait),
+    took 95 ms in the server, 4 ms after. What is frozen is never collected as a cycle, so it runs before
+    anything that may later become one (a model, a request): plain reference counting frees it as ever."""
+    import gc
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()

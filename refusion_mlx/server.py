@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, List, Optional
 
+from ._startup import freeze_imports
 from .cli import (OneLineParser, add_decoding_args, add_model_args, add_template_arg, handle_unless_ignored,
                   handlers_kept, raise_interrupt_once)
 from .cli.launch import add_distributed_args, join
@@ -90,6 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 server = sys.modules[__name__].RefusionServer(config=config, dist=dist)
             except OSError as e:
                 raise RefusionError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+            freeze_imports("mlx_lm.tokenizer_utils")  # the HTTP stack, and the tokenizer's transformers
             log.info("loading %s ...", config.model_id)
             server.load()
             log.info("serving %s at %s (Ctrl-C to stop; API docs at %s/docs)", config.model_id, server.url,

@@ -680,6 +680,27 @@ def test_startup_ctrl_c_is_a_quiet_exit_until_the_command_starts(monkeypatch, ca
         signal.signal(signal.SIGINT, before)
 
 
+def test_freezing_the_imports_collects_the_cycles_first():
+    """``_startup.freeze_imports``: the modules it names are imported and what is alive is frozen, but a
+    cycle that was garbage already is collected, not frozen for the life of the process."""
+    import gc
+    import weakref
+
+    from refusion_mlx import _startup
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    gc.unfreeze()
+    sys.modules.pop("colorsys", None)
+    _startup.freeze_imports("colorsys")
+    assert gone() is None and "colorsys" in sys.modules and gc.get_freeze_count() > 1000
+
+
 def test_a_startup_ctrl_c_inside_a_class_being_made_is_still_a_quiet_exit():
     """A Ctrl-C landing while an import makes a class whose attribute has ``__set_name__`` (a dataclass
     field) was a traceback and exit 1 on Python 3.11, which wraps the handler's SystemExit in a RuntimeError

@@ -7,6 +7,7 @@ of a second) with the settings it needs.
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import logging
@@ -655,12 +656,16 @@ def test_main_in_process_gives_the_callers_signal_handlers_back(monkeypatch):
 
     from refusion_mlx import server
 
-    started = []
+    started, frozen = [], []
 
     class Recorded(RefusionServer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self)
+
+        def load(self):  # the imports are out of the collector's scans by now (_startup.freeze_imports)
+            frozen.append(gc.get_freeze_count())
+            return super().load()
 
     def stop():  # once it serves, as a terminal that closes (sent anyway after a minute: the test ends)
         deadline = time.monotonic() + 60
@@ -674,6 +679,7 @@ def test_main_in_process_gives_the_callers_signal_handlers_back(monkeypatch):
     monkeypatch.setattr(server, "RefusionServer", Recorded)
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     before = {s: signal.signal(s, mine) for s in sigs}
+    gc.unfreeze()  # what the test run froze (conftest): main freezes its own
     try:
         threading.Thread(target=stop, daemon=True).start()
         code = server.main(["--model", str(FIXTURE_MODEL), "--port", "0", "--log-level", "ERROR"])
@@ -682,3 +688,4 @@ def test_main_in_process_gives_the_callers_signal_handlers_back(monkeypatch):
         for s, h in before.items():
             signal.signal(s, h)
     assert code == 0 and started and after == {s: mine for s in sigs}, after
+    assert frozen and frozen[0] > 10_000, frozen
