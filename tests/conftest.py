@@ -1,7 +1,9 @@
 """Shared fixtures. Importing refusion_mlx first lets it preload an optimized BLAS."""
 
+import gc
 import json
 import os
+import threading
 from pathlib import Path
 
 # MKL's OpenMP threads spin for 200 ms after each parallel region before they sleep (KMP_BLOCKTIME): with
@@ -9,12 +11,16 @@ from pathlib import Path
 # half-precision tests ~10% more CPU, 3.5 against 0.5 CPU-s for the half-precision ones). Set before MKL
 # loads (below), for the subprocesses too; a setting of the user's is kept.
 os.environ.setdefault("KMP_BLOCKTIME", "0")
+# and one MKL thread a process: the two workers keep both cores busy, and two 2-thread processes on two
+# cores took longer than two 1-thread ones (the new-family fine-tune twice at once: 53 s against 42 s each)
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import refusion_mlx  # noqa: F401,E402  (before mlx.core)
 import numpy as np
 import pytest
 
-from refusion_mlx.models.loading import load
+from refusion_mlx._startup import freeze_imports  # noqa: E402
+from refusion_mlx.models.loading import load  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 pytest_plugins = ["tests.browser"]  # the web page's browser: the chromium fixture, the line when it is missing
@@ -47,6 +53,23 @@ def pytest_sessionstart(session):
     if reporter is not None:
         for line in blas_lines():
             reporter.write_line(line)
+
+
+# Objects the test process has made since it last froze (imports, mostly: transformers' ~100k, the API
+# SDKs' ~200k) past which the next test file starts by freezing them (``_startup.freeze_imports``)
+FREEZE_PAST = 20_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def imports_out_of_the_collector():
+    """Each test file starts with the imports before it out of the cyclic collector's scans, as the server
+    command does: every in-process server's close collects its cycles (``Engine._release``), and a full
+    collection over a test process's imports took 0.2-0.4 s; all collections were ~7% of the server tests'
+    time. Not while an engine runs (its arrays must stay collectable before its streams are freed)."""
+    if len(gc.get_objects(generation=2)) > FREEZE_PAST and not any(
+            t.name == "refusion-engine" for t in threading.enumerate()):
+        freeze_imports()
+    yield
 
 
 @pytest.fixture(scope="session")
