@@ -47,6 +47,26 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{AGENTS_SKIPPED}: {missing[0].removeprefix('Skipped: ')}")
 
 
+# pytest-xdist gives each worker one file at a time (--dist loadfile). Left to itself it queues the files with
+# the most tests first, which put the longest one last (the new-family fine-tune: 4 tests, ~60 s) while the
+# other worker ran out of files. These go first, longest first (wall seconds on a 2-core VM; the coding
+# agents' and the browser's skip where node or chromium is missing), and the rest in collection order.
+LONGEST_FIRST = ("test_new_family.py", "test_convert.py", "test_backend.py", "test_train.py",
+                 "test_coding_agents.py", "test_web.py", "test_web_turns.py", "test_cli_streams.py",
+                 "test_limits.py", "test_distributed.py", "test_distributed_start.py", "test_server_ops.py",
+                 "test_server.py", "test_generate.py", "test_distributed_ends.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist's --no-loadscope-reorder: the order below stands
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's tests keep their order
+
+
 def pytest_sessionstart(session):
     """Written at the top of every run, ``-q`` included (which hides pytest's own header)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

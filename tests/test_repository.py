@@ -255,3 +255,10 @@ def test_the_public_apis_docstrings_do_not_send_a_user_to_the_specification_file
     seen["refusion_mlx.decode"] = sys.modules["refusion_mlx.decode"].__doc__
     cited = {where: found for where, doc in seen.items() if (found := _paragraphs_citing_the_spec(doc))}
     assert not cited, cited
+
+
+def test_the_files_the_test_run_starts_with_are_there():
+    """conftest's LONGEST_FIRST names test files: one renamed would silently go back to the end of the queue."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert LONGEST_FIRST and all((ROOT / "tests" / name).is_file() for name in LONGEST_FIRST)
