@@ -11,9 +11,6 @@ from pathlib import Path
 # half-precision tests ~10% more CPU, 3.5 against 0.5 CPU-s for the half-precision ones). Set before MKL
 # loads (below), for the subprocesses too; a setting of the user's is kept.
 os.environ.setdefault("KMP_BLOCKTIME", "0")
-# and one MKL thread a process: the two workers keep both cores busy, and two 2-thread processes on two
-# cores took longer than two 1-thread ones (the new-family fine-tune twice at once: 53 s against 42 s each)
-os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import refusion_mlx  # noqa: F401,E402  (before mlx.core)
 import numpy as np
