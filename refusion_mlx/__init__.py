@@ -1,10 +1,11 @@
 """ReFusion on MLX: slot-level plan-and-infill decoding with full KV-cache reuse."""
 
-from . import _startup  # first: _blas and what follows take a while to import
+from . import _hf_index, _startup  # first: _blas and what follows take a while to import
 
 if _startup.starting():  # python -m refusion_mlx.<command> or refusion-<command>, while it imports: Ctrl-C is a
     _startup.quiet_interrupts()  # quiet exit 130
     _startup.leave_out_torch()  # the tokenizer's transformers would import PyTorch (~1.5 s) for nothing
+    _hf_index.install()  # and would read its 2,600 model files for a table it had last time (0.4 s)
 
 from . import _blas, _malloc  # noqa: E402
 

@@ -20,7 +20,7 @@ BINARY_HOMES = ("refusion_mlx/demo/", "tests/fixtures/", "docs/images/web-chat")
 
 # A layer may import itself and the layers listed before it, never one after.
 LAYERS = [
-    {"_blas", "_cpu_jit", "_malloc", "_startup", "_threads", "errors", "_callable", "_version", "_json", "distributed"},
+    {"_blas", "_cpu_jit", "_hf_index", "_malloc", "_startup", "_threads", "errors", "_callable", "_version", "_json", "distributed"},
     {"models"},
     {"decode"},
     {"cli"},  # the terminal: shared flags and one-line errors, the chat's loop, slot view and trace

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import _blas, _cpu_jit
+from .. import _blas, _cpu_jit, _hf_index
 from .._json import read_json_object
 from ..distributed.meeting import same_model
 from ..errors import ConfigError, LoadError
@@ -286,6 +286,7 @@ def load_tokenizer(model_path: Path):
     outside a vocabulary, say) are kept quiet: this project's checks of that
     file say what is wrong in one line, and transformers warns once a process,
     so whether one was printed would depend on what ran before."""
+    _hf_index.install()  # before transformers' first import: its model table from the cache
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
     from transformers.utils import logging as hf_logging
 
