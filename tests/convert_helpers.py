@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from refusion_mlx.convert import main
-from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.batch import batch_generate
 from refusion_mlx.decode.params import RefusionParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -18,19 +18,13 @@ MASK = "<|mask|>"
 
 
 def golden_results(model, tokenizer, cases) -> List[bool]:
-    """Whether each golden case's response is reproduced token for token."""
-    results = []
-    for case in cases:
-        params = RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
-                                serial_num_blocks=case["serial_num_blocks"],
-                                slot_threshold=case["slot_threshold"],
-                                token_threshold=case["token_threshold"])
-        decoder = RefusionDecoder(model, case["prompt_ids"], params,
-                                  mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
-        for _ in decoder.steps():
-            pass
-        results.append(decoder.response() == case["output_ids"])
-    return results
+    """Whether each golden case's response is reproduced token for token, all decoded in one batch
+    (token-exact with each decoded alone, tests/test_batch.py: ~40% less time)."""
+    params = [RefusionParams(gen_length=case["gen_length"], slot_size=case["slot_size"],
+                             serial_num_blocks=case["serial_num_blocks"], slot_threshold=case["slot_threshold"],
+                             token_threshold=case["token_threshold"]) for case in cases]
+    results = batch_generate(model, tokenizer, [case["prompt_ids"] for case in cases], params, max_batch=len(cases))
+    return [r.output_ids == case["output_ids"] for r, case in zip(results, cases)]
 
 
 def golden_results_of(folder: str, dequantize: bool = False) -> List[bool]:

@@ -61,7 +61,7 @@ def test_a_rank_that_dies_while_another_loads_ends_the_wait_with_one_line(tmp_pa
     waited for ever, unwatched); rank 0 killed so ends rank 1 (its collective came back incomplete, and it
     exited 1 unsaid: a traceback into its quiet standard error). Never a wait without end."""
     monkeypatch.setenv("REFUSION_MLX_LOAD_TIMEOUT", "2")
-    argv = ["6", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL), "--prompt", "Count from 1 to 9."]
+    argv = ["4", "refusion_mlx.generate", "--model", str(FIXTURE_MODEL), "--prompt", "Count from 1 to 9."]
     procs = start_ranks(tmp_path, argv, timeout_s="20", command="tests.slow_load")
     left = procs[1 - dead]
     try:
