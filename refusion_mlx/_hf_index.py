@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Optional
+from typing import Optional, Tuple
 
 MODULE = "transformers.utils.import_utils"  # the module that builds the table
 FUNCTION = "create_import_structure_from_path"  # its function: a folder -> its table, recursively
@@ -78,12 +78,16 @@ def wrap(module) -> None:
         if kept:  # transformers asks twice (for the package, then for models/__init__.py)
             return decode(kept[0])
         current = _stamp_or_none(folder)
-        stored = load(folder, current)
+        read = load(folder, current)
+        if read is not None:
+            kept.append(read[1])
+            return read[0]
+        found = original(module_path)
+        stored = storable(found)
         if stored is not None:
             kept.append(stored)
-            return decode(stored)
-        found = original(module_path)
-        kept.append(store(folder, found, current))
+            if current is not None:
+                store(folder, stored, current)
         return found
 
     table.__wrapped__ = original
@@ -122,26 +126,32 @@ def _stamp_or_none(folder: str) -> Optional[str]:
         return None
 
 
-def load(folder: str, current: Optional[str]) -> Optional[list]:
-    """The stored table (its JSON form, checked) where it was stored for the files as they are now."""
+def load(folder: str, current: Optional[str]) -> Optional[Tuple[dict, list]]:
+    """(the table, its JSON form) where it was stored for the files as they are now."""
     if current is None:
         return None
     try:
         with open(_path(folder), encoding="utf-8") as f:
             stored = json.load(f)
         if stored.get("stamp") == current:
-            decode(stored["table"])
-            return stored["table"]
+            return decode(stored["table"]), stored["table"]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):  # none yet, unreadable, another shape
         pass
     return None
 
 
-def store(folder: str, table: dict, current: Optional[str]) -> list:
-    """Write ``table`` (whole or not at all: a file of its own, renamed into place); its stored form."""
-    stored = encode(table)
-    if current is None:
-        return stored
+def storable(table) -> Optional[list]:
+    """``table``'s JSON form where it reads back as an equal table; None where transformers' table has
+    another shape than the one this module knows (it is then never stored, nor read)."""
+    try:
+        stored = encode(table)
+        return stored if decode(stored) == table else None
+    except Exception:  # noqa: BLE001 (whatever the shape, transformers' import goes on with its own table)
+        return None
+
+
+def store(folder: str, stored: list, current: str) -> None:
+    """Write the table's JSON form (whole or not at all: a file of its own, renamed into place)."""
     try:
         os.makedirs(cache_folder(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_folder(), prefix=".transformers-", suffix=".tmp")
@@ -154,7 +164,6 @@ def store(folder: str, table: dict, current: Optional[str]) -> list:
             raise
     except OSError:  # a read-only or full home: the next process scans again
         pass
-    return stored
 
 
 def encode(table: dict) -> list:

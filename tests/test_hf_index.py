@@ -48,9 +48,12 @@ def test_a_second_process_reads_transformers_table_and_it_is_the_scans(tmp_path)
     assert module == "refusion_mlx._hf_index" and int(scanned) < 5 and same == "True"
 
 
-def fake_transformers(root: Path):
+TABLE = {"a": {frozenset({"tokenizers"}): {"x": {"X", "Y"}}, frozenset(): {"y": set()}}}
+
+
+def fake_transformers(root: Path, made: dict = TABLE):
     """A package laid out as transformers is (``utils/import_utils.py`` beside ``models/``), with a
-    table function that counts its scans."""
+    table function that counts its scans and answers ``made``."""
     (root / "utils").mkdir(parents=True)
     (root / "utils" / "import_utils.py").write_text("")
     (root / "models" / "a").mkdir(parents=True)
@@ -60,7 +63,7 @@ def fake_transformers(root: Path):
 
     def scan(path):
         scans.append(os.fspath(path))
-        return {"a": {frozenset({"tokenizers"}): {"x": {"X", "Y"}}, frozenset(): {"y": set()}}}
+        return made
 
     def module():  # as each process imports it afresh
         m = types.SimpleNamespace(__file__=str(root / "utils" / "import_utils.py"), create_import_structure_from_path=scan)
@@ -74,7 +77,7 @@ def test_the_table_is_scanned_once_then_read_until_a_file_changes(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     module, scans = fake_transformers(tmp_path / "tf")
     models = tmp_path / "tf" / "models"
-    expected = {"a": {frozenset({"tokenizers"}): {"x": {"X", "Y"}}, frozenset(): {"y": set()}}}
+    expected = TABLE
     table = module()
     assert table(models) == expected and len(scans) == 1
     assert table(str(models / "__init__.py")) == expected and len(scans) == 1  # transformers' second ask
@@ -103,6 +106,17 @@ def test_a_damaged_or_unwritable_cache_is_a_scan(tmp_path, monkeypatch):
     before = len(scans)
     assert module()(models)["a"][frozenset({"tokenizers"})] == {"x": {"X", "Y"}} and len(scans) == before + 1
     assert not list((tmp_path / "cache" / "refusion-mlx").glob(".transformers-*"))  # no temporary file left
+
+
+def test_a_table_of_another_shape_is_never_stored(tmp_path, monkeypatch):
+    """A later transformers whose table holds lists, or keys of another kind: its own table, each time."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for i, made in enumerate(({"a": {frozenset(): {"x": ["X"]}}}, {"a": {("tokenizers",): {"x": {"X"}}}},
+                              {"a": {frozenset(): [("x", {"X"})]}})):
+        module, scans = fake_transformers(tmp_path / f"tf{i}", made)
+        models = tmp_path / f"tf{i}" / "models"
+        assert module()(models) is made and module()(models) is made and len(scans) == 2
+    assert not (tmp_path / "cache").exists()
 
 
 def test_install_hooks_transformers_first_import_once(monkeypatch):
