@@ -23,9 +23,15 @@ FUNCTION = "create_import_structure_from_path"  # its function: a folder -> its 
 FORMAT = 1  # of the stored file: a new one is written where it differs
 
 
-def cache_folder() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                        "refusion-mlx")
+def cache_folder() -> Optional[str]:
+    """``$XDG_CACHE_HOME/refusion-mlx``, else ``~/.cache/refusion-mlx``; None where neither is an absolute
+    path (a relative XDG_CACHE_HOME is ignored, as the XDG spec says; a user without a home directory gets
+    no cache, not a folder named "~" in the working directory)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        base = os.path.join(home, ".cache") if os.path.isabs(home) else ""
+    return os.path.join(base, "refusion-mlx") if base else None
 
 
 def install() -> None:
@@ -77,8 +83,9 @@ def wrap(module) -> None:
             return original(module_path)
         if kept:  # transformers asks twice (for the package, then for models/__init__.py)
             return decode(kept[0])
-        current = _stamp_or_none(folder)
-        read = load(folder, current)
+        where = cache_file(folder)
+        current = _stamp_or_none(folder) if where is not None else None
+        read = load(where, current)
         if read is not None:
             kept.append(read[1])
             return read[0]
@@ -87,7 +94,7 @@ def wrap(module) -> None:
         if stored is not None:
             kept.append(stored)
             if current is not None:
-                store(folder, stored, current)
+                store(where, stored, current)
         return found
 
     table.__wrapped__ = original
@@ -115,8 +122,11 @@ def stamp(folder: str) -> str:
     return digest.hexdigest()
 
 
-def _path(folder: str) -> str:
-    return os.path.join(cache_folder(), f"transformers-{hashlib.sha256(folder.encode()).hexdigest()[:16]}.json")
+def cache_file(folder: str) -> Optional[str]:
+    """Where the table of the transformers whose ``models`` folder is ``folder`` is kept (one file each)."""
+    cache = cache_folder()
+    name = f"transformers-{hashlib.sha256(folder.encode()).hexdigest()[:16]}.json"
+    return None if cache is None else os.path.join(cache, name)
 
 
 def _stamp_or_none(folder: str) -> Optional[str]:
@@ -126,12 +136,12 @@ def _stamp_or_none(folder: str) -> Optional[str]:
         return None
 
 
-def load(folder: str, current: Optional[str]) -> Optional[Tuple[dict, list]]:
-    """(the table, its JSON form) where it was stored for the files as they are now."""
-    if current is None:
+def load(where: Optional[str], current: Optional[str]) -> Optional[Tuple[dict, list]]:
+    """(the table, its JSON form) where it was stored at ``where`` for the files as they are now."""
+    if where is None or current is None:
         return None
     try:
-        with open(_path(folder), encoding="utf-8") as f:
+        with open(where, encoding="utf-8") as f:
             stored = json.load(f)
         if stored.get("stamp") == current:
             return decode(stored["table"]), stored["table"]
@@ -150,15 +160,15 @@ def storable(table) -> Optional[list]:
         return None
 
 
-def store(folder: str, stored: list, current: str) -> None:
-    """Write the table's JSON form (whole or not at all: a file of its own, renamed into place)."""
+def store(where: str, stored: list, current: str) -> None:
+    """Write the table's JSON form to ``where`` (whole or not at all: a file of its own, renamed into place)."""
     try:
-        os.makedirs(cache_folder(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_folder(), prefix=".transformers-", suffix=".tmp")
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where), prefix=".transformers-", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump({"stamp": current, "table": stored}, f, separators=(",", ":"))
-            os.replace(tmp, _path(folder))
+            os.replace(tmp, where)
         except BaseException:
             os.unlink(tmp)
             raise

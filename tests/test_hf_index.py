@@ -66,7 +66,8 @@ def fake_transformers(root: Path, made: dict = TABLE):
         return made
 
     def module():  # as each process imports it afresh
-        m = types.SimpleNamespace(__file__=str(root / "utils" / "import_utils.py"), create_import_structure_from_path=scan)
+        m = types.SimpleNamespace(__file__=str(root / "utils" / "import_utils.py"),
+                                  create_import_structure_from_path=scan)
         _hf_index.wrap(m)
         return m.create_import_structure_from_path
 
@@ -117,6 +118,22 @@ def test_a_table_of_another_shape_is_never_stored(tmp_path, monkeypatch):
         models = tmp_path / f"tf{i}" / "models"
         assert module()(models) is made and module()(models) is made and len(scans) == 2
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_cache_folder_is_an_absolute_path_or_none(tmp_path, monkeypatch):
+    """A relative XDG_CACHE_HOME is ignored (the XDG spec's rule); a user without a home directory has no
+    cache, and no folder named "~" appears in the working directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _hf_index.cache_folder() == str(tmp_path / "xdg" / "refusion-mlx")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _hf_index.cache_folder() == str(tmp_path / "home" / ".cache" / "refusion-mlx")
+    monkeypatch.setattr(_hf_index.os.path, "expanduser", lambda path: path)  # no home to expand "~" to
+    assert _hf_index.cache_folder() is None
+    module, scans = fake_transformers(tmp_path / "tf")
+    monkeypatch.chdir(tmp_path)
+    assert module()(tmp_path / "tf" / "models") == TABLE and module()(tmp_path / "tf" / "models") == TABLE
+    assert len(scans) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["tf"]
 
 
 def test_install_hooks_transformers_first_import_once(monkeypatch):
