@@ -64,6 +64,24 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's tests keep their order
 
 
+def pytest_collection(session):
+    """On a fresh clone pytest rewrites each test module's asserts as it first imports it, and caches the
+    result; every worker imports the modules in one order, so each rewrote them all. Every other worker
+    (gw1, gw3, ...) imports them last first: two workers each rewrite about half and read the rest from
+    the other's cache (their collection on a two-core VM: 12.0 s -> 9.7 s). Collection, which finds them
+    imported, keeps its own order."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) % 2):
+        return
+    import importlib
+
+    for path in sorted(Path(__file__).parent.glob("test_*.py"), reverse=True):
+        try:
+            importlib.import_module(f"tests.{path.stem}")
+        except Exception:  # noqa: BLE001 (collection imports it again and reports what fails, as ever)
+            pass
+
+
 def pytest_sessionstart(session):
     """Written at the top of every run, ``-q`` included (which hides pytest's own header)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
