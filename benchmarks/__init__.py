@@ -7,7 +7,11 @@ repository root:
 * ``scaling``: time per token against budget and prompt length, peak memory
   against slots decoded in parallel;
 * ``profile_decoder``: cProfile of decoder runs, own time in buckets;
-* ``soak``: the server under mixed traffic (report in ``soak_report``).
+* ``soak``: the server under mixed traffic (report in ``soak_report``);
+* ``forward_cost``, ``kernel_count``, ``matmul_rows``: a forward's cost by
+  width against mlx-lm's one-token forward, its kernels per layer, and its
+  linear layers' matmuls by rows in each layout (``gpu_record.sh`` runs
+  them on a lent GPU).
 
 ``speed_common`` is what the first three share; ``shape-8.json`` a suite for
 real-shape random checkpoints (``python -m convert.make_checkpoint``), used

@@ -39,7 +39,7 @@ from refusion_mlx.decode.runner import Runner
 from refusion_mlx.models import backend
 
 from .forward_timing import PHASES, SLOT_SIZE, Filled
-from .speed_common import check_json_path, shape_arg, write_json
+from .speed_common import check_json_path, shape_flags, write_json
 
 BUILDS = 21  # graphs built per forward timed (the median is reported)
 
@@ -170,13 +170,9 @@ def _row(phase: str, width: int, ops: collections.Counter, build_ms: float, laye
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from refusion_mlx.bench.shapes import SHAPES
-
     parser = OneLineParser(prog="python -m benchmarks.kernel_count",
                            description="Kernels per layer of a GPU-paths forward, against mlx-lm's one-token one.")
-    parser.add_argument("--shape", type=shape_arg, metavar="NAME", default="qwen3-0.6b",
-                        help=f"model shape, random weights: {', '.join(SHAPES)} (default qwen3-0.6b)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    shape_flags(parser, dtype="bfloat16")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the weights (group size 64)")
     parser.add_argument("--widths", type=positive_ints, default=[1, 16], help="tokens per forward (default 1,16)")
     parser.add_argument("--kv", type=int, default=256, help="cached rows before the pass (default 256)")

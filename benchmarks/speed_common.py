@@ -151,6 +151,16 @@ def shape_arg(text: str) -> str:
     return text
 
 
+def shape_flags(parser: argparse.ArgumentParser, dtype: str, shape: str = "qwen3-0.6b") -> None:
+    """``--shape`` (a listed shape, random weights) and ``--dtype``, with these defaults."""
+    from refusion_mlx.bench.shapes import SHAPES
+
+    parser.add_argument("--shape", type=shape_arg, metavar="NAME", default=shape,
+                        help=f"model shape, random weights: {', '.join(SHAPES)} (default {shape})")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=dtype,
+                        help=f"the weights' dtype (default {dtype})")
+
+
 def write_json(path: Optional[str], payload: dict) -> None:
     """``payload`` to ``path`` (``-``: standard output), as ``bench --json`` writes it."""
     from refusion_mlx.bench.compare import write_json as write

@@ -285,6 +285,12 @@ def threads() -> Optional[int]:
         return None
 
 
+def mkl_threads() -> Optional[int]:
+    """MKL's thread count where the BLAS in use is MKL, else None (``cpu_paths.lay_out_linears``)."""
+    found = _mapped_blas()
+    return threads() if found is not None and found[0] == "mkl" else None
+
+
 def _version(kind: str, path: Optional[str]) -> str:
     """'2026.2' for MKL, '0.3.21' for OpenBLAS, '' when the library won't say."""
     try:

@@ -111,6 +111,21 @@ def test_mkl_is_searched_in_the_environment_and_the_user_scheme():
     assert os.path.join(sys.base_prefix, "lib") in roots
 
 
+def test_mkl_threads_is_mkls_count_and_none_for_another_blas(monkeypatch):
+    """``cpu_paths.lay_out_linears`` asks it: MKL's thread count, None for OpenBLAS or no BLAS."""
+    mkl = FakeMKL()
+    mkl.MKL_Get_Max_Threads = lambda: 3
+    monkeypatch.setattr(blas, "_library", mkl)
+    assert blas.mkl_threads() == 3
+    openblas = FakeOpenBLAS()
+    openblas.openblas_get_num_threads = lambda: 3
+    monkeypatch.setattr(blas, "_library", openblas)
+    assert blas.threads() == 3 and blas.mkl_threads() is None
+    monkeypatch.setattr(blas, "_library", None)
+    monkeypatch.setattr(blas, "_mapped_libraries", lambda: [])
+    assert blas.mkl_threads() is None
+
+
 def test_blas_in_use_names_a_library():
     assert blas.blas_in_use() and blas.describe()
 

@@ -1,6 +1,7 @@
 """CPU paths: a wide decode pass of a small model runs as two row groups on
 two CPU streams (decode/runner.py: row_groups), with the same results; linear
-weights are stored (in, out) for the BLAS (models/cpu_paths.py: store_weights_transposed)."""
+layers are laid out for the BLAS (models/cpu_paths.py: lay_out_linears): weights
+stored (in, out), or kept (out, in) and multiplied weight-major under threaded MKL."""
 
 import mlx.core as mx
 import numpy as np
@@ -119,25 +120,35 @@ def test_a_split_infill_pass_computes_what_one_group_does(demo, two_cores, monke
                     lambda c: c.infill(16, 4, 0))
 
 
-def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
-    """Every pass from 8 tokens on split: each case alone and all in one batch
-    (a batch's packed passes split between requests)."""
-    monkeypatch.setattr(runner, "SPLIT_ROWS", 8)
-    model, tokenizer = demo
+def wrong_alone(model, tokenizer, cases):
+    """The golden cases (indices) that decode otherwise, each alone."""
     wrong = []
-    for i, case in enumerate(golden_cases):
+    for i, case in enumerate(cases):
         decoder = RefusionDecoder(model, case["prompt_ids"], params_of(case),
                                   mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
         for _ in decoder.steps():
             pass
         if decoder.response() != case["output_ids"]:
             wrong.append(i)
-    assert not wrong
+    return wrong
+
+
+def wrong_batched(model, tokenizer, cases):
+    """The golden cases that decode otherwise, all in one batch."""
+    results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in cases], [params_of(c) for c in cases],
+                             max_batch=len(cases))
+    return [i for i, (r, c) in enumerate(zip(results, cases)) if r.output_ids != c["output_ids"]]
+
+
+def test_golden_cases_stay_token_exact_when_split(demo, golden_cases, two_cores, monkeypatch, splits):
+    """Every pass from 8 tokens on split: each case alone and all in one batch
+    (a batch's packed passes split between requests)."""
+    monkeypatch.setattr(runner, "SPLIT_ROWS", 8)
+    model, tokenizer = demo
+    assert wrong_alone(model, tokenizer, golden_cases) == []
     assert splits.count(2) > len(golden_cases)
     alone = len(splits)
-    results = batch_generate(model, tokenizer, [c["prompt_ids"] for c in golden_cases],
-                             [params_of(c) for c in golden_cases], max_batch=len(golden_cases))
-    assert [i for i, (r, c) in enumerate(zip(results, golden_cases)) if r.output_ids != c["output_ids"]] == []
+    assert wrong_batched(model, tokenizer, golden_cases) == []
     assert splits[alone:].count(2) > 10  # the batch's steps ran split too
 
 
@@ -206,7 +217,7 @@ def test_each_thread_splits_on_its_own_streams(demo, two_cores):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_cpu_paths_lay_linear_weights_out_in_by_out(set_paths):
+def test_cpu_paths_lay_linear_weights_out_in_by_out(set_paths, monkeypatch):
     """``cpu_paths.store_weights_transposed`` (at load, CPU paths): each plain linear weight is
     the transposed view of a row-major (in, out) buffer, so ``x @ weight.T``
     reads it row by row; the values are unchanged, and mlx-lm's side of the
@@ -218,9 +229,10 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(set_paths):
     from refusion_mlx.models.projections import Linear
 
     set_paths("cpu")  # what the CPU paths do at load, whatever paths the run takes
+    monkeypatch.setattr(_blas, "mkl_threads", lambda: 1)  # one BLAS thread (the demo model's, fit_threads)
     model, _ = load(FIXTURE_MODEL, dtype="float32")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears
+    assert linears and not any(layer.weight_major for layer in linears)
     for layer in linears:
         out_dim, in_dim = layer.weight.shape
         assert memoryview(layer.weight).strides == (4, 4 * out_dim)  # float32, column-major
@@ -238,3 +250,87 @@ def test_cpu_paths_lay_linear_weights_out_in_by_out(set_paths):
     tokens = mx.array([[10, 11, 12, 13]])
     ours = model(tokens, mx.arange(4))
     np.testing.assert_allclose(np.array(ar_model(tokens)), np.array(ours), atol=1e-4)
+
+
+@pytest.fixture
+def weight_major_calls(monkeypatch):
+    """The rows of every weight-major matmul built (``projections.weight_major_matmul``)."""
+    from refusion_mlx.models import projections
+
+    rows, real = [], projections.weight_major_matmul
+
+    def counting(x, weight):
+        rows.append(x.size // x.shape[-1])
+        return real(x, weight)
+
+    monkeypatch.setattr(projections, "weight_major_matmul", counting)
+    return rows
+
+
+@pytest.mark.parametrize("threads, layout", [(None, "transposed"), (1, "transposed"), (2, "weight-major")])
+def test_linears_go_weight_major_where_mkl_has_threads(set_paths, monkeypatch, weight_major_calls, threads, layout):
+    """MKL on two or more threads (``_blas.mkl_threads``): each linear keeps its (out, in) row-major weight and
+    multiplies a pass of 2+ rows as ``(w @ x.T).T``, one row as ``x @ w.T``; the same forward either way.
+    Another BLAS (None) or one thread: the weights stored (in, out), nothing weight-major."""
+    from refusion_mlx.models.loading import load
+    from refusion_mlx.models.projections import Linear
+
+    set_paths("cpu")
+    monkeypatch.setattr(_blas, "mkl_threads", lambda: 1)
+    plain, _ = load(FIXTURE_MODEL, dtype="float32")
+    monkeypatch.setattr(_blas, "mkl_threads", lambda: threads)
+    model, _ = load(FIXTURE_MODEL, dtype="float32")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.weight_major for m in linears} == {layout == "weight-major"}
+    out_dim, in_dim = linears[0].weight.shape
+    row_major = (4 * in_dim, 4)
+    assert (memoryview(linears[0].weight).strides == row_major) == (layout == "weight-major")
+    assert weight_major_calls == []
+    for rows in (1, 4, 16):
+        tokens = mx.arange(10, 10 + rows)[None]
+        np.testing.assert_allclose(np.array(model(tokens, mx.arange(rows))), np.array(plain(tokens, mx.arange(rows))),
+                                   rtol=1e-4, atol=1e-4)
+    # 4 and 16 rows: every linear of every layer and the head, weight-major; one row: none
+    assert weight_major_calls == ([4] * len(linears) + [16] * len(linears) if layout == "weight-major" else [])
+
+
+def test_a_tied_head_goes_weight_major_with_its_linears(set_paths, monkeypatch, weight_major_calls):
+    """A model whose embedding is its head (the bench's tied shapes, laid out as loading does): 2+ rows of
+    the head weight-major, the same logits as ``as_linear``; its gradient through either is the same."""
+    from refusion_mlx.bench.shapes import build_models
+
+    set_paths("cpu")
+    monkeypatch.setattr(_blas, "mkl_threads", lambda: 2)
+    model, _ = build_models("tiny", ar=False)
+    embedding = model.model.embed_tokens
+    assert model.args.tie_word_embeddings and embedding.weight_major
+    h = mx.random.normal((1, 5, model.args.hidden_size))
+    np.testing.assert_allclose(np.array(model.head(h)), np.array(embedding.as_linear(h)), rtol=1e-5, atol=1e-5)
+    assert weight_major_calls == [5]
+    model.head(h[:, :1])
+    assert weight_major_calls == [5]  # one row: as_linear
+
+    layer = next(m for m in model.modules() if getattr(m, "weight_major", False) and "weight" in m and m is not embedding)
+    x = mx.random.normal((3, layer.weight.shape[1]))
+
+    def loss(weight, x):
+        layer.weight = weight
+        return (layer(x) ** 2).sum()
+
+    grads = mx.grad(loss, argnums=(0, 1))(layer.weight, x)
+    layer.weight_major = False
+    plain = mx.grad(loss, argnums=(0, 1))(layer.weight, x)
+    for a, b in zip(grads, plain):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_golden_cases_stay_token_exact_weight_major(golden_cases, set_paths, monkeypatch, weight_major_calls):
+    """The demo model laid out weight-major (as on a machine whose MKL runs it on several threads):
+    every golden case alone and all in one batch, token for token."""
+    from refusion_mlx.models.loading import load
+
+    set_paths("cpu")
+    monkeypatch.setattr(_blas, "mkl_threads", lambda: 2)
+    model, tokenizer = load(FIXTURE_MODEL, dtype="float32")
+    assert wrong_alone(model, tokenizer, golden_cases) == [] and weight_major_calls
+    assert wrong_batched(model, tokenizer, golden_cases) == []

@@ -497,7 +497,7 @@ def test_forward_cost_bad_flags_exit_2(argv, says, capsys):
     assert len(err) == 1 and says in err[0] and "<lambda>" not in err[0]
 
 
-@pytest.mark.parametrize("tool", ["forward_cost", "kernel_count"])
+@pytest.mark.parametrize("tool", ["forward_cost", "kernel_count", "matmul_rows"])
 def test_a_speed_tool_names_the_listed_shapes_only(tool, capsys):
     """--shape nope listed the tests' hidden shape tiny among the choices."""
     import importlib
@@ -699,6 +699,26 @@ def test_kernel_count_prints_its_table(capsys):
     with pytest.raises(SystemExit) as e:
         kernel_count.main(["--shape", "tiny", "--widths", "6"])
     assert e.value.code == 2
+
+
+def test_matmul_rows_times_each_product_by_rows(tmp_path, capsys, monkeypatch):
+    """benchmarks.matmul_rows on the tiny shape: every product at every row count, its table and JSON; a
+    product that computes something else is refused in one line before any timing."""
+    import json
+
+    from benchmarks import matmul_rows
+
+    out = tmp_path / "rows.json"
+    assert matmul_rows.main(["--shape", "tiny", "--rows", "1,3", "--repeat", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "8 linears of 2 layers" in printed and "(w @ x.T).T ms" in printed and "BLAS:" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["rows"], r["product"]) for r in rows) == sorted(
+        (m, p) for m in (1, 3) for p in matmul_rows.PRODUCTS)
+    assert all(r["ms"] >= r["ms_min"] > 0 for r in rows)
+    monkeypatch.setitem(matmul_rows.PRODUCTS, "(w @ x.T).T", lambda x, w, t: (w @ x.T).T + 1)
+    assert matmul_rows.main(["--shape", "tiny", "--rows", "1", "--repeat", "1"]) == 1
+    assert capsys.readouterr().err.strip() == "error: (w @ x.T).T differs from x @ w.T on this device"
 
 
 def mx_fast_functions():

@@ -194,8 +194,8 @@ def share_weights(ar_model, model) -> None:
     """Point mlx-lm's model at the ReFusion model's arrays: the same weights
     (same dtype, same quantization) in memory once, not a second copy --
     but for a weight mlx-lm's matmul could not read in place: on the CPU
-    paths a joined projection's weight is laid out (in, out)
-    (``cpu_paths.store_weights_transposed``), so q/k/v and gate/up are column slices of it,
+    paths a joined projection's weight may be laid out (in, out)
+    (``cpu_paths.lay_out_linears``), so q/k/v and gate/up are column slices of it,
     which MLX would copy at every call. Those get a row-major copy once:
     mlx-lm runs on its weights as ``mlx_lm.load`` stores them."""
     import mlx.core as mx

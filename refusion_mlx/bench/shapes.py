@@ -44,7 +44,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..decode.forward import head_chunk_rows
-from ..models import backend
+from ..models import backend, cpu_paths
 from .cost_curve import price as curve_price
 from .forecast import MEASURED_ON_H100, NOTE, gap, price
 from .forward_replay import ForwardShape, RecordingModel, count_by_phase, time_batched, time_refusion
@@ -177,6 +177,8 @@ def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
     flat = [v for _, v in tree_flatten(model.parameters())]
     for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
         mx.eval(flat[i:i + 8])
+    if backend.cpu_paths():  # as loading lays them out (mlx-lm's twin shares the arrays, as bench's does)
+        cpu_paths.lay_out_linears(model)
     if not ar:
         return model, None
     config = shape_config(name)

@@ -18,10 +18,10 @@ attention                 ``mx.fast`` fused kernel, or the    grouped-query matm
                           (:func:`bucketed_attention`)
 exp in SwiGLU, softmax,   MLX's own kernels                   one vectorised, compiled exp (float32;
 LM-head log-sum-exp                                           kernels.exp)
-Linear layers             ``nn.Linear`` (``x @ w.T``)         weights stored (in, out) row-major at
-                                                              load (cpu_paths.
-                                                              store_weights_transposed), multiplied
-                                                              through a transposed view made once
+Linear layers             ``nn.Linear`` (``x @ w.T``)         MKL on 2+ threads: ``(w @ x.T).T`` for
+                                                              2+ rows; else w stored (in, out) at load,
+                                                              multiplied through a transposed view
+                                                              (cpu_paths.lay_out_linears)
 layers of a decode pass   one graph, evaluated at the end     ``async_eval`` every L/8 layers
                           (``REFUSION_MLX_OVERLAP=on``: as     (decode/runner.py: overlap)
                           the CPU paths; :func:`overlaps`)

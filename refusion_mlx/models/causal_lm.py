@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .base import CacheSpec, TensorParallel
 from .config_checks import field_problems
 from .cpu_paths import RMSNorm, attention_mask
-from .projections import Linear
+from .projections import Linear, tied_head
 from .rope import PositionalRoPE, rope_scale
 
 
@@ -163,7 +163,7 @@ class CausalLM(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
+            return tied_head(self.model.embed_tokens, h)
         return self.lm_head(h)
 
     # -- the plain pass --------------------------------------------------------

@@ -3,8 +3,8 @@ on the GPU paths MLX's fused kernels (``mx.fast.rms_norm``,
 ``scaled_dot_product_attention``); on the CPU paths (the CPU has no fused
 kernels) compiled or regrouped equivalents with the same arithmetic and
 fewer dispatched ops (RMSNorm, grouped-query attention and its mask), and
-linear weights stored transposed for the BLAS at load
-(:func:`store_weights_transposed`). How a decode pass runs on the CPU (row groups on two streams, evaluation started
+linear layers laid out for the BLAS at load (:func:`lay_out_linears`). How
+a decode pass runs on the CPU (row groups on two streams, evaluation started
 every few layers, BLAS threads) is ``decode/runner.py``'s."""
 
 from __future__ import annotations
@@ -134,6 +134,31 @@ def attention_mask(mask, queries: int, keys: int, heads: int, kv_heads: int, dty
             return mask if fused_attention(queries) else causal_mask(queries, keys)
         return mask[:, None] if mask.ndim == 3 else mask
     return grouped_mask(mask, queries, keys, heads, kv_heads, dtype)
+
+
+def lay_out_linears(model) -> str:
+    """How the plain linear layers multiply on the CPU paths, chosen at load for the BLAS in use.
+
+    ``"weight-major"`` where MKL runs on more than one thread: MKL computes a product of a few rows
+    (``x @ w.T``, 2-32 rows) on one thread whatever its thread count, but splits the weight's rows
+    among its threads in ``w @ x.T``. So each layer keeps its (out, in) weight and multiplies a pass of
+    two or more rows as ``(w @ x.T).T`` (``projections.weight_major_matmul``), the tied LM head too;
+    one row stays ``x @ w.T`` (weight-major gains nothing there). The 0.6B shape's 28 layers of matmuls at 16 rows took
+    243 ms against 432 on this 2-core CPU, a 16-token forward ~2x a one-token one against ~3x. On one
+    thread it gains nothing and on OpenBLAS (which threads ``x @ w.T``) it loses: 400 ms against 228
+    (docs/benchmarks.md, "Matmuls of a few rows on the CPU"). Elsewhere ``"transposed"``:
+    :func:`store_weights_transposed`. The choice is made once, for the layers there are now."""
+    from .. import _blas
+    from .projections import Linear
+
+    threads = _blas.mkl_threads()
+    if threads is None or threads < 2:
+        store_weights_transposed(model)
+        return "transposed"
+    for module in model.modules():
+        if isinstance(module, Linear) or type(module) is nn.Embedding:
+            module.weight_major = True
+    return "weight-major"
 
 
 def store_weights_transposed(model) -> int:

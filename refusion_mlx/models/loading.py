@@ -363,5 +363,5 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     if backend.cpu_paths():
         _blas.fit_threads(model.args.hidden_size)
         if not lazy:
-            cpu_paths.store_weights_transposed(model)
+            cpu_paths.lay_out_linears(model)
     return model, tokenizer

@@ -52,10 +52,21 @@ class Derived:
         return self.value
 
 
+def weight_major_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` computed as ``(weight @ x.T).T``: the BLAS walks the weight's rows as the outer
+    dimension (``cpu_paths.lay_out_linears``)."""
+    rows = x.size // x.shape[-1]
+    out = (weight @ x.reshape(rows, x.shape[-1]).T).T
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Linear):
     """``nn.Linear``; on the CPU paths (``backend``) it multiplies by a
     transposed view of its weight made once (no copy), instead of a transpose
-    op dispatched in every call."""
+    op dispatched in every call, or, laid out ``weight_major``
+    (``cpu_paths.lay_out_linears``), passes of two or more rows weight-major."""
+
+    weight_major = False
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool = True):
         super().__init__(input_dims, output_dims, bias=bias)
@@ -64,10 +75,21 @@ class Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if gpu_paths():
             return super().__call__(x)
+        if self.weight_major and x.size > x.shape[-1]:
+            out = weight_major_matmul(x, self["weight"])
+            return out + self["bias"] if "bias" in self else out
         weight_t = self._weight_t.get((self["weight"],), lambda w: w.T)
         if "bias" in self:
             return mx.addmm(self["bias"], x, weight_t)
         return x @ weight_t
+
+
+def tied_head(embedding: nn.Module, h: mx.array) -> mx.array:
+    """The LM head of a model whose embedding is its head: ``embedding.as_linear(h)``, or on the CPU paths,
+    laid out ``weight_major`` (``cpu_paths.lay_out_linears``), weight-major for two or more rows."""
+    if getattr(embedding, "weight_major", False) and not gpu_paths() and h.size > h.shape[-1]:
+        return weight_major_matmul(h, embedding.weight)
+    return embedding.as_linear(h)
 
 
 class PaddedQuantizedLinear(nn.QuantizedLinear):
