@@ -246,14 +246,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"building {args.shape} ({args.dtype}{f', {args.q_bits}-bit' if args.q_bits else ''}) "
               f"with random weights on {device_description()}, {backend.paths()} paths", file=report, flush=True)
         model, ar_model = build_models(args.shape, args.dtype, args.q_bits, ar=not args.no_ar)
+        # how the CPU paths laid the linears out (cpu_paths.lay_out_linears), which decides their cost by width
+        linears = ("as loaded" if not backend.cpu_paths() else "weight-major"
+                   if any(getattr(m, "weight_major", False) for m in model.modules()) else "transposed")
         if not on_gpu:  # its threads decide what a small matmul costs on a shared CPU (docs/benchmarks.md)
-            print(f"BLAS: {blas_in_use()}", file=report, flush=True)
+            print(f"BLAS: {blas_in_use()}; linears: {linears}", file=report, flush=True)
             if args.dtype != "float32":  # MLX's CPU kernels in half precision: hours at a real shape, 4-bit
                 print(slow_note(model, args), file=sys.stderr, flush=True)
 
         def payload(result: dict, complete: bool) -> dict:
             return {"device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),
                     "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
+                    "linears": linears,
                     "settings": {k: v for k, v in vars(args).items() if k != "json"},
                     "switches": {"overlap": backend.overlap_mode(), "qmm_pad": backend.qmm_pad_mode()},
                     "complete": complete, "sync_ms": result["sync_ms"], "load": result["load"],

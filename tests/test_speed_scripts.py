@@ -328,6 +328,10 @@ def test_forward_cost_on_the_cpu_paths(tmp_path, capsys):
     r = json.loads(path.read_text())
     assert r["paths"] == "cpu" and r["shape"] == "tiny" and r["settings"]["repeat"] == 2 and r["complete"] is True
     assert r["blas"] and f"BLAS: {r['blas']}" in out  # its threads decide a small matmul's cost on a busy CPU
+    from refusion_mlx import _blas  # and how the linears are laid out for them (cpu_paths.lay_out_linears)
+
+    assert r["linears"] == ("weight-major" if (_blas.mkl_threads() or 0) > 1 else "transposed")
+    assert f"; linears: {r['linears']}" in out
     rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
     assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
         ("auto", p, w) for p in ("plan", "verify", "infill") for w in (1, 4)}
@@ -420,6 +424,7 @@ def test_forward_cost_measures_each_row_at_its_cache_length(fixed, monkeypatch, 
 def test_forward_cost_rows_parts_and_ar(cost_run):
     out, printed = cost_run
     r = json.loads((out / "fc-bf16.json").read_text())
+    assert r["linears"] == "as loaded"  # the GPU paths lay nothing out
     rows = [x for x in r["forward_cost"] if x["phase"] != "ar"]
     assert {(x["attention"], x["phase"], x["width"]) for x in rows} == {
         (a, p, w) for a in ("fused", "unfused", "bucketed") for p in ("plan", "verify", "infill") for w in (1, 4)}
