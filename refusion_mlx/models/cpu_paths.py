@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import _blas
 from .backend import fused_attention, gpu_paths
 from .kernels import softmax
 
@@ -148,7 +149,6 @@ def lay_out_linears(model) -> str:
     thread it gains nothing and on OpenBLAS (which threads ``x @ w.T``) it loses: 400 ms against 228
     (docs/benchmarks.md, "Matmuls of a few rows on the CPU"). Elsewhere ``"transposed"``:
     :func:`store_weights_transposed`. The choice is made once, for the layers there are now."""
-    from .. import _blas
     from .projections import Linear
 
     threads = _blas.mkl_threads()
