@@ -32,7 +32,8 @@ LM head                   all head rows in one matmul while   chunks of ``probs.
                           memory (:func:`logits_budget`)
 BLAS threads              untouched                           fitted to the model and the pass
                                                               (``_blas.fit_threads``; per step:
-                                                              ``Runner.fit_threads``)
+                                                              ``Runner.fit_threads``, a training
+                                                              batch: ``trainer.to_mx``)
 default dtype             the checkpoint's                    float32
 wired memory              :func:`wired_limit` on Metal        nothing
 ========================  ==================================  =====================================

@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
+from .. import _blas
 from ..errors import PendingStop, RefusionError
 from ..models.adapter_files import numbered_adapter_file, save_adapters
 from ..models.adapters import ADAPTER_FILE, trainable_weights
@@ -182,6 +183,11 @@ def dequantizing_matmuls(model, mode: str = "auto") -> Callable[[], None]:
 
 
 def to_mx(batch: Dict[str, np.ndarray]) -> Dict[str, mx.array]:
+    """A collated batch on the device, the BLAS's threads fitted to it first: a small model's load leaves one
+    thread (``_blas.fit_threads``, for its narrow decode passes), while a batch's rows (every token of
+    every row) are a wide product's, which takes every core (``_blas.fit_rows``). Called between steps,
+    each of which ends in a blocking evaluation, so no matmul runs while the count changes."""
+    _blas.fit_rows(int(batch["input_ids"].size))
     return {k: mx.array(v) for k, v in batch.items()}
 
 
