@@ -181,10 +181,10 @@ def test_split_passes_run_with_one_blas_thread(demo, two_cores, monkeypatch):
     """Each group's stream has a core: the BLAS keeps one thread for a split
     pass (a plan, an infill, a batch's packed passes), and takes every core
     for a wide pass that cannot split (one 64-token slot)."""
+    model = demo[0]
+    cache, other = committed(model), committed(model)  # their prompts' passes fit the threads too: before
     calls = []
     monkeypatch.setattr(_blas, "_set_threads", lambda n: calls.append(n) or n)
-    model = demo[0]
-    cache, other = committed(model), committed(model)
     p = forward_module.Pass("plan", mx.full((80,), 805), mx.arange(24, 104), cache.extend(80))
     forward_module.run_passes(model, [p])
     p = forward_module.Pass("infill_draft", mx.full((80,), 805), mx.arange(24, 104), cache.infill(20, 4, 0))

@@ -186,3 +186,28 @@ def test_the_lm_eval_recipe_runs_lm_eval_as_this_pythons_module(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["run.py", "--tasks", "demo_facts", "--output", str(tmp_path / "out")])
     assert recipe.main() == 0
     assert [cmd[:3] for cmd in calls] == [[sys.executable, "-m", "lm_eval"]]
+
+
+def test_every_scoring_pass_fits_the_blas_threads_to_its_rows(demo, monkeypatch, set_paths):
+    """A scoring pass runs outside the decoder's steps (``Runner.hidden`` makes its own row groups): it fits
+    the BLAS's threads to its rows as a decode step does, a wide chunk split in two row groups on two
+    streams (one thread each), a narrow one alone; nothing on the GPU paths."""
+    from refusion_mlx import _blas
+    from refusion_mlx.decode import runner
+    from refusion_mlx.decode.scoring import ARScorer
+
+    model, tok = demo
+    fitted = []
+    monkeypatch.setattr(_blas, "fit_rows", lambda rows, split=False: fitted.append((rows, split)))
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runner._blas, "small_model", lambda: True)
+    ids = (chat_prompt(tok, "Where does Jonas live?") + tok.encode("Jonas lives in Oslo.")) * 3
+    assert len(ids) > runner.SPLIT_ROWS + 8
+    for paths in ("cpu", "gpu"):
+        set_paths(paths)
+        fitted.clear()
+        scorer = ARScorer(model, ids, chunk=runner.SPLIT_ROWS + 8)
+        while not scorer.finished:
+            scorer.step()
+        tail = len(ids) - runner.SPLIT_ROWS - 8
+        assert fitted == ([(runner.SPLIT_ROWS + 8, True), (tail, tail >= runner.SPLIT_ROWS)] if paths == "cpu" else [])

@@ -163,7 +163,8 @@ class Runner:
                ) -> mx.array:
         """Final-norm hidden states (T, dim) of one decode pass: tokens (T,)
         at positions (T,), writing through ``write``. ``groups``: the pass's
-        :meth:`row_groups`, when the caller made them already.
+        :meth:`row_groups`, when the caller made them already (``run_passes``, which fits the BLAS
+        threads to them); made here otherwise (a scoring pass, the speed tools), and the threads fitted.
 
         One sequence is kept 2-D (T, dim) throughout: every projection is then
         a plain matmul, without the reshapes a batch axis costs on each call.
@@ -171,8 +172,11 @@ class Runner:
         model = self.model
         h = model.embed(tokens)
         T = h.shape[0]
+        if groups is None:
+            groups = self.row_groups(write, T)
+            self.fit_threads(T, groups)
         runs = []  # per group: its rows' hidden states, rope, mask, write, stream
-        for lo, hi, group_write, stream in groups or self.row_groups(write, T):
+        for lo, hi, group_write, stream in groups:
             group_write = padded(group_write, hi - lo)  # a lone pass at bucketed shapes, where they apply
             with on(stream):
                 mask = group_write.mask
