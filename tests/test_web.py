@@ -147,11 +147,11 @@ def test_page_chats_in_a_browser(chromium, server, client, tmp_path):
             page.fill("input[name=max_tokens]", str(MAX_TOKENS))
             page.fill("#pace", "300")
             page.fill("#input", COUNT)
+            page.evaluate(GRID_AT_STEP_1)
             page.press("#input", "Enter")
-            # polled every 25 ms, not per animation frame: a busy machine's renderer may skip frames
-            page.wait_for_function("document.getElementById('slot-caption').textContent.startsWith('step 1 ')",
-                                   polling=25)
-            live = grid(page)  # step 1's frame: a later slot already there, an earlier one still masked
+            # step 1's frame, taken as the page draws it: a later slot already there, an earlier one still
+            # masked (read after a poll instead, a loaded machine's 300 ms could run out in between)
+            live = [tuple(c) for c in page.wait_for_function("window.gridAtStep1", polling=25).json_value()]
             target = os.environ.get("REFUSION_WEB_SCREENSHOT")  # docs/images/web-chat.png is taken so
             if target:
                 panel, steps = page.locator("#slots").bounding_box(), page.locator("#steps").bounding_box()
@@ -515,11 +515,25 @@ def chat_page(browser, server, url=None, route=None):
     return page, errors
 
 
+CELLS = ("els => els.map(e => [+e.dataset.pos, e.dataset.step ? +e.dataset.step : null, "
+         "e.querySelector('.t').textContent])")
+
+# The cells as the caption first says step 1, in ``window.gridAtStep1``: a mutation observer's callback runs
+# right after the drawing that set the caption (grid first, then caption), before the page does anything else.
+GRID_AT_STEP_1 = """() => {
+    const caption = document.getElementById('slot-caption');
+    const watch = new MutationObserver(() => {
+        if (!caption.textContent.startsWith('step 1 ')) return;
+        window.gridAtStep1 = (%s)([...document.querySelectorAll('#grid .cell')]);
+        watch.disconnect();
+    });
+    watch.observe(caption, {childList: true, characterData: true, subtree: true});
+}""" % CELLS
+
+
 def grid(page) -> list:
     """The slot view's cells in page order: (position, step or None, text)."""
-    return [tuple(c) for c in page.eval_on_selector_all(
-        "#grid .cell", "els => els.map(e => [+e.dataset.pos, e.dataset.step ? +e.dataset.step : null, "
-                       "e.querySelector('.t').textContent])")]
+    return [tuple(c) for c in page.eval_on_selector_all("#grid .cell", CELLS)]
 
 
 
