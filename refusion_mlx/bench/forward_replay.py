@@ -21,7 +21,6 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import _blas
 from ..decode.kv_store import KVStorage
 from ..decode.packed import PackedWrite
 from ..decode.runner import Runner
@@ -207,9 +206,7 @@ def replay(model, prepared: Replay, head_chunk: Optional[int] = None) -> List[fl
     runner = Runner.of(model)
     for s, (tokens, positions, write) in zip(prepared.shapes, prepared.inputs):
         t0 = time.perf_counter()
-        groups = runner.row_groups(write, s.tokens)
-        _blas.fit_rows(s.tokens, len(groups) > 1)  # the decoder's BLAS threads
-        h = runner.hidden(tokens, positions, write, groups)
+        h = runner.hidden(tokens, positions, write)  # its row groups and BLAS threads, as the decoder's
         if s.head_rows:
             rows = h[-s.head_rows:]
             step = head_chunk or s.head_rows
