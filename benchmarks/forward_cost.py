@@ -249,13 +249,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # how the CPU paths laid the linears out (cpu_paths.lay_out_linears), which decides their cost by width
         linears = ("as loaded" if not backend.cpu_paths() else "weight-major"
                    if any(getattr(m, "weight_major", False) for m in model.modules()) else "transposed")
+        blas = blas_in_use()  # as the run starts: each pass then fits the threads to its rows (Runner.hidden)
         if not on_gpu:  # its threads decide what a small matmul costs on a shared CPU (docs/benchmarks.md)
-            print(f"BLAS: {blas_in_use()}; linears: {linears}", file=report, flush=True)
+            print(f"BLAS: {blas}; linears: {linears}", file=report, flush=True)
             if args.dtype != "float32":  # MLX's CPU kernels in half precision: hours at a real shape, 4-bit
                 print(slow_note(model, args), file=sys.stderr, flush=True)
 
         def payload(result: dict, complete: bool) -> dict:
-            return {"device": device_description(), "mlx_version": package_version("mlx"), "blas": blas_in_use(),
+            return {"device": device_description(), "mlx_version": package_version("mlx"), "blas": blas,
                     "shape": args.shape, "dtype": args.dtype, "q_bits": args.q_bits, "paths": backend.paths(),
                     "linears": linears,
                     "settings": {k: v for k, v in vars(args).items() if k != "json"},
