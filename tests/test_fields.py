@@ -19,7 +19,8 @@ from refusion_mlx.serve.protocols.responses_api import ResponsesRequest
 from refusion_mlx.serve.protocols.bodies import DECODING_FIELDS, foreign_fields
 from refusion_mlx.serve.protocols.openai_bodies import ChatCompletionRequest, CompletionRequest
 
-SAMPLE = {int: 8, float: 0.5}  # a value every field of its type takes
+SAMPLE = {int: 8, float: 0.5, dict: {"5": -1.5}}  # a value every field of its type takes
+TYPED = {int: "8", float: "0.5", dict: '{"5": -1.5}'}  # ... as a flag gives it
 NOT_DECODING = {"model", "stop", "stream", "stream_options", "user"}
 
 
@@ -29,7 +30,10 @@ def test_the_table_names_every_setting_once():
     assert len(names) == len(set(names))
     assert ALIASES == {"max_tokens": "gen_length", "temp": "temperature"}
     hints = typing.get_type_hints(RefusionParams)
-    assert all(hints[f.name] in (f.type, typing.Optional[f.type]) for f in FIELDS)
+    assert all(hints[f.name] in (f.type, typing.Optional[f.type]) for f in FIELDS if f.type is not dict)
+    # an object setting (logit_bias) is given as a mapping and kept as sorted (key, value) pairs
+    assert [f.name for f in FIELDS if f.type is dict] == ["logit_bias"]
+    assert RefusionParams(logit_bias={"9": 1, 5: -1.5}).logit_bias == ((5, -1.5), (9, 1.0))
 
 
 def _parser():
@@ -47,11 +51,12 @@ def test_the_cli_takes_exactly_the_tables_flags():
             assert tuple(actions[f.name].option_strings) == f.flags
             assert actions[f.name].help == f.flag_help()
             for flag in f.flags:
-                assert getattr(parser.parse_args([flag, str(SAMPLE[f.type])]), f.name) == SAMPLE[f.type]
+                assert getattr(parser.parse_args([flag, TYPED[f.type]]), f.name) == SAMPLE[f.type]
     assert set(actions) == set(PARAM_NAMES)  # every setting: the sampling filters too, as mlx-lm's flags
     flags = {flag for f in FIELDS for flag in f.flags}
     assert flags == {"--max-tokens", "--gen-length", "--slot-size", "--serial-num-blocks", "--block-length",
-                     "--slot-threshold", "--token-threshold", "--temp", "--seed", "--top-p", "--top-k", "--min-p"}
+                     "--slot-threshold", "--token-threshold", "--temp", "--seed", "--top-p", "--top-k", "--min-p",
+                     "--presence-penalty", "--frequency-penalty", "--logit-bias"}
     with pytest.raises(SystemExit):  # one layout
         parser.parse_args(["--serial-num-blocks", "2", "--block-length", "8"])
     assert "blocks of 16 tokens" in " ".join(parser.format_help().split())
@@ -83,7 +88,7 @@ def test_the_server_schema_takes_exactly_the_tables_request_fields():
     assert "max_tokens" not in ResponsesRequest.model_fields and MessagesRequest.model_fields["max_tokens"].is_required()
     assert set(DECODING_FIELDS) == set(requests) - {"max_tokens"}
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    body.update({name: (1 if f.type is int else 0.5) for name, f in requests.items()})
+    body.update({name: {int: 1, float: 0.5, dict: {"5": -1.5}}[f.type] for name, f in requests.items()})
     request = ChatCompletionRequest.model_validate(body)
     assert all(getattr(request, name) == body[name] for name in requests)
 
@@ -131,10 +136,11 @@ def test_the_prompts_file_takes_exactly_the_tables_names_and_aliases():
     for name in list(PARAM_NAMES) + list(ALIASES):
         f = next(f for f in FIELDS if name in (f.name,) + f.aliases)
         value = {"gen_length": 64, "slot_size": 4, "serial_num_blocks": 4, "block_length": 16, "seed": 3,
-                 "top_k": 5}.get(f.name, SAMPLE[f.type] if f.type is float else 1)
+                 "top_k": 5}.get(f.name, SAMPLE[f.type] if f.type is not int else 1)
+        kept = RefusionParams(**{f.name: value}).logit_bias if f.type is dict else value  # as pairs
         [item] = parse_prompts(json.dumps({"prompt": "hi", name: value}), "p.jsonl", defaults)
-        assert getattr(item.params, f.name) == value
-        assert getattr(make_params(**{name: value}), f.name) == value
+        assert getattr(item.params, f.name) == kept
+        assert getattr(make_params(**{name: value}), f.name) == kept
     with pytest.raises(RefusionError, match="unknown field"):
         parse_prompts(json.dumps({"prompt": "hi", "repetition_penalty": 1.1}), "p.jsonl", defaults)
     with pytest.raises(TypeError, match="unknown decoding parameter"):
@@ -145,10 +151,13 @@ def test_the_bench_sends_the_tables_request_names():
     fields = _request_fields(make_params(max_tokens=64, block_length=16, seed=3))
     assert fields == {"max_tokens": 64, "slot_size": 4, "block_length": 16, "slot_threshold": 0.6,
                       "token_threshold": 0.3, "temperature": 0.0, "seed": 3, "top_p": 1.0, "top_k": 0,
-                      "min_p": 0.0}
+                      "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
     assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
     fields = _request_fields(make_params(max_tokens=64, serial_num_blocks=4))
     assert fields["serial_num_blocks"] == 4 and "block_length" not in fields and "seed" not in fields
+    fields = _request_fields(make_params(logit_bias={7: -100}, presence_penalty=0.5))
+    assert fields["logit_bias"] == {"7": -100.0} and fields["presence_penalty"] == 0.5  # as a body takes them
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
 
 
 def test_every_interface_holds_a_setting_to_the_tables_bounds():

@@ -266,8 +266,10 @@ def test_docs_and_openapi(server):
 
 @pytest.mark.parametrize("fields,param", [
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_p": 0}, "top_p"), ({"min_p": 1.5}, "min_p"),
-    ({"min_p": "low"}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"17": 5}}, "logit_bias"),
+    ({"min_p": "low"}, "min_p"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"logit_bias": [17]}, "logit_bias"),
+    ({"logit_bias": {"seventeen": 5}}, "logit_bias"), ({"logit_bias": {"17": 101}}, "logit_bias"),
+    ({"logit_bias": {"17": "up"}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"stop": ["a"] * 17}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -378,6 +380,20 @@ def test_continue_final_message_continues_the_assistants_message(client, server)
         body = {"messages": turns, "continue_final_message": True, **fields}
         err = check_error(*raw(server, "POST", CHAT, body), 400, param)
         assert err["message"].startswith(f"{param}: "), err
+
+
+def test_logit_bias_and_penalties_reach_the_decoder(client, expected):
+    """OpenAI's logit_bias (token ids as strings), presence_penalty and frequency_penalty, as the openai client
+    sends them; the decoder's part is tests/test_penalties.py."""
+    p = "Who is Sven?"
+    forced = chat(client, p, max_tokens=8, logit_bias={"5": 100})  # token 5 is "&" in this byte-level vocabulary
+    assert forced.choices[0].message.content == "&" * 8
+    banned = chat(client, p, logit_bias={"5": -100, "50": -100}, presence_penalty=0, frequency_penalty=0)
+    assert banned.choices[0].message.content == expected[p]  # tokens the answer has not: the same answer
+    count = "Count from 1 to 20."
+    penalised = [chat(client, count, presence_penalty=2, frequency_penalty=2).choices[0].message.content
+                 for _ in (0, 1)]
+    assert penalised[0] == penalised[1] != chat(client, count).choices[0].message.content
 
 
 def test_sampling_fields_apply_to_the_planning_drafts(client, expected):

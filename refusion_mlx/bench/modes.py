@@ -71,8 +71,8 @@ def _kv(args) -> Dict[str, Any]:
 def _request_fields(p: RefusionParams) -> dict:
     """A suite case's settings as the server's request fields (``FIELDS``'
     request names), those set; one layout, block_length over serial_num_blocks."""
-    fields = {f.request: getattr(p, f.name) for f in FIELDS
-              if f.request is not None and getattr(p, f.name) is not None}
+    fields = {f.request: ({str(k): v for k, v in getattr(p, f.name)} if f.type is dict else getattr(p, f.name))
+              for f in FIELDS if f.request is not None and getattr(p, f.name) is not None}
     if p.block_length is not None:
         fields.pop("serial_num_blocks", None)
     return fields

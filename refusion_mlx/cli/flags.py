@@ -148,6 +148,17 @@ def template_json(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (--logit-bias); what it holds is checked with the other settings."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
+
+
 def add_decoding_args(parser: argparse.ArgumentParser, max_tokens_short: bool = False) -> None:
     """The ReFusion decoding flags, shared by generate, chat, server and bench:
     one per setting of ``decode.params.FIELDS`` that has flags, then --preset.
@@ -162,7 +173,9 @@ def add_decoding_args(parser: argparse.ArgumentParser, max_tokens_short: bool = 
                 groups[field.exclusive] = parser.add_mutually_exclusive_group()
             target = groups[field.exclusive]
         short = ["-m"] if max_tokens_short and field.name == "gen_length" else []
-        target.add_argument(*field.flags, *short, dest=field.name, type=field.type, help=field.flag_help())
+        kind = json_object if field.parse == "json" else field.type
+        target.add_argument(*field.flags, *short, dest=field.name, type=kind, help=field.flag_help(),
+                            **({"metavar": "JSON"} if field.parse == "json" else {}))
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="the paper's per-benchmark settings (explicit flags override)")
 

@@ -42,6 +42,7 @@ from .cache import CommittedCache
 from .forward import Pass, PassResult, run_passes
 from .infill import infill
 from .params import RefusionParams, seed_bits
+from .penalties import Penalties
 from .state import DecodeState
 from .stats import DecodeStats, Step
 from .token_scores import SlotScores
@@ -91,7 +92,8 @@ class RefusionDecoder:
             start=len(cache), response_start=response_start,
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
             key=mx.random.key(seed_bits(params.seed)) if params.seed is not None else None,
-            matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs)
+            matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs,
+            penalties=Penalties.of(params, vocab))
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
@@ -125,8 +127,14 @@ class RefusionDecoder:
     def next_pass(self) -> Pass:
         """The pass this request needs next (the same until ``take``)."""
         if self._pass is None:
-            self._pass = next(self._loop)
+            self._pass = self._biased(next(self._loop))
         return self._pass
+
+    def _biased(self, p: Pass) -> Pass:
+        """The loop's next pass, its head rows biased as the request's penalties say (``penalties.py``)."""
+        if p.head_rows:
+            p.bias = self.state.logit_bias()
+        return p
 
     def take(self, result: PassResult, seconds: float = 0.0) -> List[Step]:
         """Hand over the result of the pass; returns the steps it completed.
@@ -137,7 +145,7 @@ class RefusionDecoder:
         p = self._pass
         self.state.count_pass(p.phase, seconds, result.synced)
         try:
-            self._pass = self._loop.send(result)
+            self._pass = self._biased(self._loop.send(result))
         except StopIteration:
             self._pass = None
             self.done = True

@@ -75,6 +75,7 @@ class Pass:
     derive: Optional[Derive] = None
     masks: Optional[Callable[[], np.ndarray]] = None
     top: int = 0  # the most likely tokens each head row also gives (generated tokens' top_logprobs)
+    bias: Optional[mx.array] = None  # (vocab,) added to each head row's logits (``penalties.py``)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -154,11 +155,15 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
     per_chunk = head_chunk_rows(vocab)
     total = head_hidden.shape[0]
     top = max(p.top for p, _ in wanted)
+    bias = row_biases([p for p, _ in wanted])
     parts = []
     for i in range(0, total, per_chunk):
         logits = model.head(head_hidden[i:i + per_chunk])
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
+        if bias is not None:
+            table, index = bias
+            logits = logits + table[index[i:i + per_chunk]]
         parts.append(row_statistics(logits, i, drafting if want_draft else None,
                                     None if follow is None else follow[i:i + per_chunk],
                                     None if allowed is None else allowed[i:i + per_chunk])
@@ -178,6 +183,20 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
         out.append(HeadOutput(pick(draft), pick(p_draft), pick(p_follow), tops(top_ids), tops(top_values)))
         at += n
     return out
+
+
+def row_biases(wanted: Sequence[Pass]) -> Optional[Tuple[mx.array, mx.array]]:
+    """The head rows' biases as (table, index): ``table[index]`` is each row's (vocab,) bias, row 0 of the
+    table zeros for the passes without one; None when no pass has one (the head is then unchanged)."""
+    biases = [p.bias for p in wanted if p.bias is not None]
+    if not biases:
+        return None
+    index, k = [], 0
+    for p in wanted:
+        k += p.bias is not None
+        index += [k if p.bias is not None else 0] * p.head_rows
+    table = mx.stack([mx.zeros_like(biases[0]), *biases])
+    return table, mx.array(index, dtype=mx.int32)
 
 
 def device_only(derived: Sequence[Tuple[Dict[str, mx.array], Dict[str, mx.array]]],

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import DecodeError
+from .penalties import MAX_BIAS, MAX_PENALTY, bias_pairs, check as check_penalties
 
 # With neither serial_num_blocks nor block_length, the response is cut into
 # blocks of this many tokens (rounded up to whole slots): 16 tokens hold 4
@@ -59,8 +60,13 @@ class RefusionParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # added to the logits of every head row (decode/penalties.py): OpenAI's, 0 / 0 / None = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None  # (token id, bias) pairs; a mapping is read as such
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         for name, value in vars(self).items():  # NumPy's scalars as Python's numbers, as mlx-lm takes them
             if isinstance(value, (bool, np.bool_, int, float)) or value is None:
                 continue
@@ -99,6 +105,7 @@ class RefusionParams:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        check_penalties(self.logit_bias, self.presence_penalty, self.frequency_penalty)
         if self.seed is not None:
             seed_bits(self.seed)
         gen = budget(self.gen_length, S)
@@ -199,6 +206,7 @@ class Field:
     ge: Optional[float] = None
     gt: Optional[float] = None
     le: Optional[float] = None
+    parse: str = ""  # the flag's text: "json", a JSON object (a request's field is one already); else ``type``
 
     def flag_help(self) -> str:
         """The command-line flag's help text."""
@@ -241,6 +249,14 @@ FIELDS: Tuple[Field, ...] = (
     Field("top_k", int, "top-k filter of the planning drafts (0: off)", flags=("--top-k",), request="top_k", ge=0),
     Field("min_p", float, "min-p filter of the planning drafts (0: off)", flags=("--min-p",), request="min_p",
           ge=0, le=1),
+    Field("presence_penalty", float, "subtracted from the logits of each token already in the answer (0: off)",
+          flags=("--presence-penalty",), request="presence_penalty", openai=True, ge=-MAX_PENALTY, le=MAX_PENALTY),
+    Field("frequency_penalty", float, "subtracted from a token's logits as many times as the answer has it "
+          "(0: off)", flags=("--frequency-penalty",), request="frequency_penalty", openai=True,
+          ge=-MAX_PENALTY, le=MAX_PENALTY),
+    Field("logit_bias", dict, f"added to the logits of these tokens: a JSON object of token ids to biases in "
+          f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]", flags=("--logit-bias",), request="logit_bias", openai=True,
+          parse="json"),
 )
 
 PARAM_NAMES = tuple(f.name for f in FIELDS)
@@ -252,8 +268,10 @@ ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 # and what to give instead: make_params says it of a keyword, generate and chat of a flag (cli.mlx_lm_flags)
 MLX_LM_HINTS = {
     "sampler": "sampler: give temp, top_p, top_k and min_p (what mlx-lm's make_sampler takes)",
-    "logits_processors": "logits_processors: not supported (ReFusion scores whole slots; no repetition penalty "
-                         "or logit bias)",
+    "logits_processors": "logits_processors: not supported (ReFusion scores whole slots: give logit_bias, "
+                         "presence_penalty or frequency_penalty)",
+    "repetition_penalty": "repetition_penalty: not supported (give presence_penalty or frequency_penalty, "
+                          "OpenAI's additive penalties)",
     "prompt_cache": "prompt_cache: give cache=CommittedCache.for_model(model) (refusion_mlx.decode.cache)",
     "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row; kv_bits 8 or 4 keeps them in "
                    "less memory)",

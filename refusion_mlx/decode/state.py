@@ -46,6 +46,7 @@ import numpy as np
 from ..errors import GrammarLimit
 from .cache import CommittedCache
 from .params import BlockLayout, RefusionParams
+from .penalties import Penalties
 from .stats import DecodeStats, SlotCommit, Step
 
 
@@ -70,6 +71,7 @@ class DecodeState:
     matcher: Optional[Any] = None  # grammar.Matcher: the constrained mode's (None: unconstrained)
     logprobs: Optional[int] = None  # the answer's logprobs are kept, with this many top tokens (None: not kept)
     scores: Dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top pairs) of committed tokens
+    penalties: Optional[Penalties] = None  # what its passes add to their logits (None: nothing)
 
     @property
     def top(self) -> int:
@@ -107,7 +109,7 @@ class DecodeState:
         S = self.slot_size
         tokens = flat[:end].tolist()
         self.cache.commit(tokens, positions[:end])
-        self.stats.committed_tokens += len(tokens)
+        self._counted(tokens)
         self.eos_committed |= self.eos_id in tokens
         commits = [SlotCommit(positions[i:min(i + S, end)], flat[i:min(i + S, end)].tolist())
                    for i in range(0, end, S)]
@@ -141,7 +143,7 @@ class DecodeState:
         tokens = [int(t) for t in tokens]
         positions = list(range(first, first + len(tokens)))
         self.cache.commit(tokens, positions)
-        self.stats.committed_tokens += len(tokens)
+        self._counted(tokens)
         self.eos_committed |= self.eos_id in tokens
         S, out, at = self.slot_size, [], 0
         while at < len(tokens):
@@ -149,6 +151,16 @@ class DecodeState:
             out.append(SlotCommit(positions[at:edge], tokens[at:edge]))
             at = edge
         return out
+
+    def _counted(self, tokens: List[int]) -> None:
+        """Answer tokens committed: the statistics and the penalties count them."""
+        self.stats.committed_tokens += len(tokens)
+        if self.penalties is not None:
+            self.penalties.count(tokens)
+
+    def logit_bias(self) -> Optional[mx.array]:
+        """What each head row of the next pass adds to its logits (``penalties.py``; None: nothing)."""
+        return None if self.penalties is None else self.penalties.vector()
 
     def end_step(self, phase: str, commits: List[SlotCommit]) -> Step:
         """Constrained mode: a step that committed ``commits``."""

@@ -42,6 +42,7 @@ from ...cli.launch import ready
 from ...distributed import watchdog
 from ...distributed.broadcast import broadcast
 from ...distributed.group import is_link_failure, lost_ranks, say_error
+from ...decode.params import PARAM_NAMES
 from ...errors import RefusionError, brief
 from ..caches.prompt_cache import PromptCache
 from ..server_config import ServerConfig
@@ -50,7 +51,7 @@ from .job import Job, Turn
 from .loglikelihood import ScoringTask
 from .memory import HeapTrim, KVCost, admission_budget
 from .metrics import ServerMetrics
-from .refusal import Reason, Refusal
+from .refusal import Reason, Refusal, field_of
 from .scheduler import Scheduler
 from .tool_calls import ToolFormat
 
@@ -318,7 +319,8 @@ class Engine:
                                       logprobs=request.logprobs)
         except RefusionError as e:  # a constraint the engine cannot compile names its field
             constraint = job.request.constraint
-            param = constraint.name if constraint is not None and str(e).startswith(f"{constraint.name}:") else None
+            param = (constraint.name if constraint is not None and str(e).startswith(f"{constraint.name}:")
+                     else field_of(str(e), PARAM_NAMES))  # logit_bias: a token id past the vocabulary
             return self._close(job, "failed", Refusal(Reason.INVALID_VALUE if param else Reason.INVALID_REQUEST,
                                                       str(e), param))
         self.metrics.add("prefill_tokens", len(ids) - n)

@@ -26,11 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...decode.grammar import Constraint
 from ...decode.fit import ContextError, fit_budget
-from ...decode.params import SEEDS, BlockLayout, RefusionParams
+from ...decode.params import PARAM_NAMES, SEEDS, BlockLayout, RefusionParams
 from ...decode.token_scores import unscored
 from ...errors import DecodeError
 from .memory import widest_pass
-from .refusal import Reason, Refusal
+from .refusal import Reason, Refusal, field_of
 from .structured import with_call_grammar
 
 log = logging.getLogger("refusion_mlx.server")
@@ -301,7 +301,7 @@ def resolve(ids: List[int], *, max_tokens: Optional[int], fields: Dict[str, Any]
                       prompt_param if e.field == "prompt" else max_tokens_param, overflow=e) from None
     except DecodeError as e:  # in the request's words: the budget is its max_tokens field, not gen_length
         said = re.sub(r"\bgen_length\b", max_tokens_param, str(e).replace("gen_length (max_tokens)", "gen_length"))
-        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, said) from None
+        raise Refusal(Reason.INVALID_DECODING_PARAMETERS, said, field_of(said, PARAM_NAMES)) from None
     params, cut = fitted.params, fitted.asked
     return EngineRequest(list(ids), params, tuple(stop), include_commits, tuple(tools), parallel_tool_calls, api,
                          constraint=constraint, asked_max_tokens=cut)

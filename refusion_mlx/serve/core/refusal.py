@@ -61,6 +61,12 @@ class Refusal(Exception):
         self.reason, self.message, self.param, self.overflow = reason, message, param, overflow
 
 
+def field_of(message: str, names) -> Optional[str]:
+    """The field a "FIELD: ..." message blames, where FIELD is one of ``names`` (None: another message)."""
+    head = message.split(":", 1)[0]
+    return head if head != message and head in names else None
+
+
 def invalid(param: str, message: str) -> Refusal:
     """A field's bad value: "PARAM: MESSAGE", blaming PARAM (a 400)."""
     return Refusal(Reason.INVALID_VALUE, f"{param}: {message}", param)

@@ -28,10 +28,11 @@ def page_files() -> dict:
 
 def page_settings(server) -> dict:
     """What the page's settings panel offers: each request field of the decoding
-    table with its type, bounds, meaning and the server's default."""
+    table that is a number (``logit_bias``, an object, is for the API) with its
+    type, bounds, meaning and the server's default."""
     fields = []
     for f in FIELDS:
-        if f.request is None:
+        if f.request is None or f.type not in (int, float):
             continue
         default = getattr(server.config.decoding, f.name)  # gen_length: max_tokens' default
         fields.append({"name": f.request, "type": f.type.__name__, "default": default, "help": f.help,

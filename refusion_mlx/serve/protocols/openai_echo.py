@@ -45,6 +45,10 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int], index: int =
     extra = body.max_tokens or 0  # echo without max_tokens: the prompt alone
     if extra > 1:
         raise Refusal(Reason.UNSUPPORTED, "echo: supported with max_tokens 0 or 1 (scoring the prompt)", "echo")
+    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
+        if getattr(body, name):  # an empty bias and a 0 change nothing
+            raise Refusal(Reason.UNSUPPORTED, f"{name}: not with echo (the prompt is scored under the model's own "
+                                              "logits)", name)
     estimator = estimator or "ar"
     if estimator == "mc":
         if context_tokens is None:

@@ -1,0 +1,137 @@
+"""logit_bias, presence_penalty and frequency_penalty (decode/penalties.py): a request decodes exactly as the
+same model would with those added to its logits, alone and in a batch, on every interface."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from refusion_mlx.decode.batch import batch_generate
+from refusion_mlx.decode.decoder import RefusionDecoder
+from refusion_mlx.decode.params import make_params
+from refusion_mlx.errors import DecodeError
+
+CASES = (4, 7, 27)  # golden cases whose answers repeat tokens (a person's facts, a times table, counting)
+
+
+def settings(case, **kw):
+    return make_params(max_tokens=case["gen_length"], slot_size=case["slot_size"],
+                       serial_num_blocks=case["serial_num_blocks"], slot_threshold=case["slot_threshold"],
+                       token_threshold=case["token_threshold"], **kw)
+
+
+def decode(model, tokenizer, case, params, head_bias=None, monkeypatch=None):
+    """A case decoded alone; ``head_bias(decoder)``: a (vocab,) array the model's head adds to every row."""
+    decoder = RefusionDecoder(model, case["prompt_ids"], params, mask_id=model.args.mask_token_id,
+                              eos_id=tokenizer.eos_token_id)
+    if head_bias is not None:
+        plain = type(model).head.__get__(model)
+        monkeypatch.setattr(model, "head", lambda h: plain(h) + head_bias(decoder), raising=False)
+    for _ in decoder.steps():
+        pass
+    if head_bias is not None:
+        monkeypatch.undo()
+    return decoder.response()
+
+
+def committed_counts(decoder, vocab):
+    """How often each token is among the answer's committed tokens now (the head runs before its step commits)."""
+    state = decoder.state
+    tokens = [t for p, _, t in state.cache.in_position_order(state.start) if p >= state.response_start]
+    return np.bincount(np.asarray(tokens, np.int64), minlength=vocab).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def cases(golden_cases):
+    return [golden_cases[i] for i in CASES]
+
+
+def test_a_logit_bias_decodes_as_a_model_with_the_bias_in_its_head(demo, cases, monkeypatch):
+    model, tokenizer = demo
+    vocab = model.args.vocab_size
+    for case in cases:
+        plain = decode(model, tokenizer, case, settings(case))
+        assert plain == case["output_ids"]
+        banned = max(set(plain) - {tokenizer.eos_token_id}, key=plain.count)  # its most repeated token
+        favoured = (banned + 1) % vocab
+        bias = {str(banned): -100, favoured: 3.5}
+        vector = np.zeros(vocab, np.float32)
+        vector[banned], vector[favoured] = -100, 3.5
+        biased = decode(model, tokenizer, case, settings(case, logit_bias=bias))
+        assert banned not in biased and biased != plain, (plain, biased)
+        assert biased == decode(model, tokenizer, case, settings(case), lambda _: mx.array(vector), monkeypatch)
+
+
+@pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 1.2), (-0.5, 0.8)])
+def test_penalties_decode_as_a_model_penalised_by_the_answer_committed_so_far(demo, cases, monkeypatch, presence,
+                                                                             frequency):
+    model, tokenizer = demo
+    vocab = model.args.vocab_size
+
+    def penalised(decoder):
+        c = committed_counts(decoder, vocab)
+        return mx.array(-frequency * c - presence * (c > 0).astype(np.float32))
+
+    changed = 0
+    for case in cases:
+        params = settings(case, presence_penalty=presence, frequency_penalty=frequency)
+        got = decode(model, tokenizer, case, params)
+        assert got == decode(model, tokenizer, case, settings(case), penalised, monkeypatch)
+        changed += got != case["output_ids"]
+    assert changed, "no penalty changed an answer: nothing was tested"
+
+
+def test_a_batch_of_biased_penalised_and_plain_requests_decodes_each_as_alone(demo, cases):
+    model, tokenizer = demo
+    banned = max(cases[1]["output_ids"], key=cases[1]["output_ids"].count)
+    params = [settings(cases[0], logit_bias={"9": -100, "10": 2}), settings(cases[1]),
+              settings(cases[2], presence_penalty=1.0, frequency_penalty=0.5),
+              settings(cases[0], frequency_penalty=2.0), settings(cases[1], logit_bias={banned: -100})]
+    prompts = [c["prompt_ids"] for c in (cases[0], cases[1], cases[2], cases[0], cases[1])]
+    together = batch_generate(model, tokenizer, prompts, params, max_batch=8)
+    for prompt, p, result in zip(prompts, params, together):
+        alone = decode(model, tokenizer, {"prompt_ids": prompt}, p)
+        assert result.output_ids == alone, p
+    assert together[1].output_ids == cases[1]["output_ids"]  # the plain one, as the reference decodes it
+    assert banned not in together[4].output_ids and banned in together[1].output_ids  # the bias is its own
+
+
+def test_the_settings_are_checked_where_they_are_made(demo, cases):
+    for bad, message in (({"presence_penalty": 2.5}, "presence_penalty must be within [-2, 2]"),
+                         ({"frequency_penalty": True}, "frequency_penalty must be within"),
+                         ({"logit_bias": {"x": 1}}, "logit_bias: keys are token ids"),
+                         ({"logit_bias": {"5": 100.5}}, "within [-100, 100], got 100.5"),
+                         ({"logit_bias": {"5": None}}, "logit_bias: values are numbers"),
+                         ({"logit_bias": [5]}, "logit_bias must be an object"),
+                         ({"logit_bias": {"-3": 1}}, "token id -3 is negative")):
+        with pytest.raises(DecodeError) as err:
+            make_params(**bad)
+        assert message in str(err.value), (bad, err.value)
+    assert make_params(logit_bias={}).logit_bias is None and make_params().presence_penalty == 0
+    model, tokenizer = demo
+    with pytest.raises(DecodeError, match="token id 816 is outside the vocabulary of 806"):
+        RefusionDecoder(model, cases[0]["prompt_ids"], make_params(logit_bias={816: -1}),
+                        mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
+
+
+def test_the_commands_take_the_flags(tmp_path):
+    """--logit-bias (a JSON object), --presence-penalty and --frequency-penalty; a bad one is one line, exit 1
+    or argparse's 2, before the model loads."""
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--max-tokens", "16",
+                                        "--prompt", "Count from 1 to 20.", "--json", *argv],
+                                       capture_output=True, text=True, timeout=120)
+    plain, biased = run(), run("--logit-bias", '{"5": 100}', "--presence-penalty", "0.5")
+    assert plain.returncode == biased.returncode == 0, (plain.stderr, biased.stderr)
+    ids = json.loads(biased.stdout)["output_ids"]
+    assert ids == [5] * 16 and json.loads(plain.stdout)["output_ids"] != ids
+    for argv, code, line in ((["--logit-bias", "{5: 1}"], 2, "argument --logit-bias: not JSON"),
+                             (["--logit-bias", "[5]"], 2, "argument --logit-bias: not a JSON object"),
+                             (["--frequency-penalty", "-2.5"], 1, "error: --frequency-penalty must be within"),
+                             (["--logit-bias", '{"99999": 1}'], 1,
+                              "error: logit_bias: token id 99999 is outside the vocabulary")):
+        bad = run(*argv)
+        assert bad.returncode == code and line in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (
+            argv, bad.returncode, bad.stderr)
