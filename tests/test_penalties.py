@@ -135,3 +135,23 @@ def test_the_commands_take_the_flags(tmp_path):
         bad = run(*argv)
         assert bad.returncode == code and line in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (
             argv, bad.returncode, bad.stderr)
+
+
+def test_a_constrained_answer_keeps_to_its_schema_under_a_bias():
+    """The constrained mode's passes carry the bias too; the grammar's mask comes after it."""
+    from refusion_mlx.decode.grammar import Constraint
+    from refusion_mlx.models.loading import load
+
+    model, tokenizer = load(None, dtype="float32")  # the bundled demo: it writes its people's facts as JSON
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "pet": {"enum": ["cat", "turtle"]}},
+              "required": ["name", "city", "pet"], "additionalProperties": False}  # the README's
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Give Sven's facts as JSON."}],
+                                           add_generation_prompt=True)
+    sven = tokenizer.encode("Sven")
+    assert len(sven) == 1
+    plain, biased = batch_generate(model, tokenizer, [prompt, prompt],
+                                   [make_params(max_tokens=64), make_params(max_tokens=64, logit_bias={sven[0]: -100})],
+                                   constraints=[Constraint.json_schema(schema)] * 2)
+    assert json.loads(plain.text)["name"] == "Sven" and sven[0] in plain.output_ids
+    assert set(json.loads(biased.text)) == {"name", "city", "pet"} and sven[0] not in biased.output_ids
