@@ -249,12 +249,12 @@ FIELDS: Tuple[Field, ...] = (
     Field("top_k", int, "top-k filter of the planning drafts (0: off)", flags=("--top-k",), request="top_k", ge=0),
     Field("min_p", float, "min-p filter of the planning drafts (0: off)", flags=("--min-p",), request="min_p",
           ge=0, le=1),
-    Field("presence_penalty", float, "subtracted from the logits of each token already in the answer (0: off)",
+    Field("presence_penalty", float, "subtracted from the logit of every token the answer already has (0: off)",
           flags=("--presence-penalty",), request="presence_penalty", openai=True, ge=-MAX_PENALTY, le=MAX_PENALTY),
-    Field("frequency_penalty", float, "subtracted from a token's logits as many times as the answer has it "
+    Field("frequency_penalty", float, "subtracted from a token's logit once for each time the answer has it "
           "(0: off)", flags=("--frequency-penalty",), request="frequency_penalty", openai=True,
           ge=-MAX_PENALTY, le=MAX_PENALTY),
-    Field("logit_bias", dict, f"added to the logits of these tokens: a JSON object of token ids to biases in "
+    Field("logit_bias", dict, f"added to the logits of the tokens it names: a JSON object of token ids to biases in "
           f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]", flags=("--logit-bias",), request="logit_bias", openai=True,
           parse="json"),
 )
