@@ -162,8 +162,7 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
         if bias is not None:
-            table, index = bias
-            logits = logits + table[index[i:i + per_chunk]]
+            logits = bias(logits, i)
         parts.append(row_statistics(logits, i, drafting if want_draft else None,
                                     None if follow is None else follow[i:i + per_chunk],
                                     None if allowed is None else allowed[i:i + per_chunk])
@@ -185,18 +184,21 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
     return out
 
 
-def row_biases(wanted: Sequence[Pass]) -> Optional[Tuple[mx.array, mx.array]]:
-    """The head rows' biases as (table, index): ``table[index]`` is each row's (vocab,) bias, row 0 of the
-    table zeros for the passes without one; None when no pass has one (the head is then unchanged)."""
+def row_biases(wanted: Sequence[Pass]) -> Optional[Callable[[mx.array, int], mx.array]]:
+    """What adds the passes' biases to a chunk of head-row logits starting at row ``first``: one vector
+    broadcast where every row has the same (a request alone), else each row's gathered from a table whose
+    row 0 is zeros (the passes without one). None when no pass has one: the head is then unchanged."""
     biases = [p.bias for p in wanted if p.bias is not None]
     if not biases:
         return None
+    if len(biases) == len(wanted) and all(b is biases[0] for b in biases):
+        return lambda logits, first: logits + biases[0]
     index, k = [], 0
     for p in wanted:
         k += p.bias is not None
         index += [k if p.bias is not None else 0] * p.head_rows
-    table = mx.stack([mx.zeros_like(biases[0]), *biases])
-    return table, mx.array(index, dtype=mx.int32)
+    table, index = mx.stack([mx.zeros_like(biases[0]), *biases]), mx.array(index, dtype=mx.int32)
+    return lambda logits, first: logits + table[index[first:first + logits.shape[0]]]
 
 
 def device_only(derived: Sequence[Tuple[Dict[str, mx.array], Dict[str, mx.array]]],
