@@ -34,10 +34,7 @@ from typing import Callable, List, Optional
 
 ENV = "REFUSION_MLX_BLAS"
 OPT_OUT = {"bundled", "reference", "off", "0", "none"}
-CANDIDATES = [
-    f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0"
-    for arch in ("x86_64", "aarch64")
-] + [
+CANDIDATES = [f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0" for arch in ("x86_64", "aarch64")] + [
     f"/usr/lib/{arch}-linux-gnu/libopenblas.so.0" for arch in ("x86_64", "aarch64")
 ] + ["/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0"]
 
@@ -194,17 +191,19 @@ WIDE_ROWS = 64
 
 _small_model = False
 _threads: Optional[int] = None
+_before: Optional[int] = None  # the library's own count, read before the first one set here
 
 
 def fit_threads(hidden_size: int) -> Optional[int]:
-    """One BLAS thread for small models, unless the user chose a count.
-
-    Returns the thread count set, or None when nothing was changed.
-    """
+    """One BLAS thread for small models, unless the user chose a count; a larger model loaded after one
+    gets the library's own count back (it kept the small model's last). Returns the thread count set, or
+    None when nothing was changed."""
     global _small_model
     _small_model = False
-    if _thread_setter() is None or user_chose_threads() or hidden_size > SMALL_HIDDEN:
+    if _thread_setter() is None or user_chose_threads():
         return None
+    if hidden_size > SMALL_HIDDEN:
+        return None if _threads is None else _set_threads(_before or os.cpu_count() or 1)
     _small_model = True
     return _set_threads(1)
 
@@ -226,7 +225,9 @@ def fit_rows(rows: int, split: bool = False) -> Optional[int]:
 
 
 def _set_threads(n: int) -> int:
-    global _threads
+    global _threads, _before
+    if _threads is None:
+        _before = threads()
     if n != _threads:
         _thread_setter()(n)
         _threads = n

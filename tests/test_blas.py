@@ -38,6 +38,7 @@ def clean_state(monkeypatch):
     for name in THREAD_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(blas, "_threads", None)
+    monkeypatch.setattr(blas, "_before", None)
     monkeypatch.setattr(blas, "_small_model", False)
     monkeypatch.setattr(blas, "mlx_first", False)
 
@@ -45,18 +46,23 @@ def clean_state(monkeypatch):
 def test_small_models_get_one_blas_thread(monkeypatch):
     fake = FakeOpenBLAS()
     monkeypatch.setattr(blas, "_library", fake)
+    monkeypatch.setattr(blas, "threads", lambda: 3)  # the library's own count
+    assert blas.fit_threads(1024) is None and fake.calls == []  # a large model first: nothing to set
     assert blas.fit_threads(256) == 1 and fake.calls == [1]
-    assert blas.fit_threads(1024) is None and fake.calls == [1]
+    # a large model after a small one gets the library's count back, not the small one's single thread
+    assert blas.fit_threads(1024) == 3 and not blas.small_model() and fake.calls == [1, 3]
+    assert blas.fit_threads(1024) == 3 and fake.calls == [1, 3]
 
 
 def test_wide_forwards_of_small_models_use_every_core(monkeypatch):
     fake = FakeOpenBLAS()
     monkeypatch.setattr(blas, "_library", fake)
     monkeypatch.setattr(blas.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(blas, "threads", lambda: None)  # a library that does not say its count: every core
     assert blas.fit_threads(256) == 1
     assert blas.fit_rows(12) == 1 and blas.fit_rows(blas.WIDE_ROWS) == 4 and blas.fit_rows(100) == 4
     assert blas.fit_rows(3) == 1 and fake.calls == [1, 4, 1]  # set only when it changes
-    assert blas.fit_threads(1024) is None and blas.fit_rows(500) is None  # big models: not ours to set
+    assert blas.fit_threads(1024) == 4 and blas.fit_rows(500) is None  # the count back, then not ours to set
 
 
 def test_the_users_thread_count_wins(monkeypatch):

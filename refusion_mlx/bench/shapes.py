@@ -43,6 +43,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import _blas
 from ..decode.forward import head_chunk_rows
 from ..models import backend, cpu_paths
 from .cost_curve import price as curve_price
@@ -178,6 +179,7 @@ def compute(model, name: str, q_bits: Optional[int] = None, ar: bool = True):
     for i in range(0, len(flat), 8):  # the rest, a few arrays at a time
         mx.eval(flat[i:i + 8])
     if backend.cpu_paths():  # as loading lays them out (mlx-lm's twin shares the arrays, as bench's does)
+        _blas.fit_threads(model.args.hidden_size)  # for the BLAS threads its passes will run on
         cpu_paths.lay_out_linears(model)
     if not ar:
         return model, None
