@@ -117,23 +117,25 @@ def test_the_settings_are_checked_where_they_are_made(demo, cases):
                         mask_id=model.args.mask_token_id, eos_id=tokenizer.eos_token_id)
 
 
-def test_the_commands_take_the_flags(tmp_path):
-    """--logit-bias (a JSON object), --presence-penalty and --frequency-penalty; a bad one is one line, exit 1
-    or argparse's 2, before the model loads."""
+def test_the_commands_take_the_flags():
+    """--logit-bias (a JSON object), --presence-penalty and --frequency-penalty; a bad one is one line and
+    exit 1 (argparse's 2 for text that is no JSON object)."""
+    import argparse
+
+    from refusion_mlx.cli.flags import json_object
+
     run = lambda *argv: subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--max-tokens", "16",
                                         "--prompt", "Count from 1 to 20.", "--json", *argv],
                                        capture_output=True, text=True, timeout=120)
-    plain, biased = run(), run("--logit-bias", '{"5": 100}', "--presence-penalty", "0.5")
-    assert plain.returncode == biased.returncode == 0, (plain.stderr, biased.stderr)
-    ids = json.loads(biased.stdout)["output_ids"]
-    assert ids == [5] * 16 and json.loads(plain.stdout)["output_ids"] != ids
-    for argv, code, line in ((["--logit-bias", "{5: 1}"], 2, "argument --logit-bias: not JSON"),
-                             (["--logit-bias", "[5]"], 2, "argument --logit-bias: not a JSON object"),
-                             (["--frequency-penalty", "-2.5"], 1, "error: --frequency-penalty must be within"),
-                             (["--logit-bias", '{"99999": 1}'], 1,
-                              "error: logit_bias: token id 99999 is outside the vocabulary")):
+    biased = run("--logit-bias", '{"5": 100}', "--presence-penalty", "0.5")
+    assert biased.returncode == 0 and json.loads(biased.stdout)["output_ids"] == [5] * 16, biased.stderr
+    for text, why in (("{5: 1}", "not JSON"), ("[5]", "not a JSON object")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            json_object(text)
+    for argv, line in ((["--frequency-penalty", "-2.5"], "error: --frequency-penalty must be within"),
+                       (["--logit-bias", '{"99999": 1}'], "error: logit_bias: token id 99999 is outside")):
         bad = run(*argv)
-        assert bad.returncode == code and line in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (
+        assert bad.returncode == 1 and line in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (
             argv, bad.returncode, bad.stderr)
 
 
