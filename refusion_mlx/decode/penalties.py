@@ -29,6 +29,7 @@ MAX_PENALTY = 2.0  # OpenAI's bounds of presence_penalty and frequency_penalty
 MAX_BIAS = 100.0  # ... and of each logit_bias value
 
 Pairs = Tuple[Tuple[int, float], ...]
+NAMES = ("logit_bias", "presence_penalty", "frequency_penalty")  # the settings: RefusionParams' and a request's
 
 
 def bias_pairs(value) -> object:
@@ -108,7 +109,7 @@ class Penalties:
     @classmethod
     def of(cls, params, vocab: int) -> Optional["Penalties"]:
         """A request's Penalties, or None when its params set none (nothing is added to its logits)."""
-        if not params.logit_bias and not params.presence_penalty and not params.frequency_penalty:
+        if not any(getattr(params, name) for name in NAMES):
             return None
         return cls(params.logit_bias, params.presence_penalty, params.frequency_penalty, vocab)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ...decode.penalties import NAMES as PENALTIES
 from ..core.loglikelihood import MAX_SCORE_WORK, MC_NUM, Scoring
 from ..core.outcome import ScoredPrompt
 from ..core.refusal import Reason, Refusal
@@ -45,7 +46,7 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int], index: int =
     extra = body.max_tokens or 0  # echo without max_tokens: the prompt alone
     if extra > 1:
         raise Refusal(Reason.UNSUPPORTED, "echo: supported with max_tokens 0 or 1 (scoring the prompt)", "echo")
-    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
+    for name in PENALTIES:
         if getattr(body, name):  # an empty bias and a 0 change nothing
             raise Refusal(Reason.UNSUPPORTED, f"{name}: not with echo (the prompt is scored under the model's own "
                                               "logits)", name)
