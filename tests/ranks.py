@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import select
 import socket
 import subprocess
@@ -20,17 +21,36 @@ from tests.helpers import FIXTURE_MODEL
 ROOT = Path(__file__).resolve().parents[1]
 
 
+BAND = 1500  # ports a pytest worker draws its ranks' from
+WORKERS = 8  # bands below the kernel's ephemeral range (one per xdist worker, gw0 to gw7, then again)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for ``bind(0)`` and outgoing connections (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive ports free now (mlx.launch gives rank i ``--starting-port`` + i)."""
-    for _ in range(50):
+    """The first of ``n`` consecutive ports free now (mlx.launch gives rank i ``--starting-port`` + i).
+
+    Drawn from a band of this pytest worker's own below the ephemeral range. MLX's ring listens with
+    SO_REUSEPORT: two groups whose ports overlap (ports another worker's ranks drew next to ours, which
+    ``bind(0)`` handed out) both listened, and a rank's connection could reach the other group's rank; the
+    rank it was meant for waited in ``accept`` for ever. A port in the ephemeral range could also be taken,
+    before the rank it was chosen for listened there, as the local port of an outgoing connection: another
+    test's, or rank 0's own connection to it, which then reached itself (TCP's self-connect)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    top = max(_ephemeral_low(), 1024 + BAND * WORKERS) - BAND * ((int(worker) if worker.isdigit() else 0) % WORKERS)
+    rng = random.Random()  # not the tests' seeded generator: a rerun draws other ports
+    for _ in range(100):
+        base = rng.randrange(top - BAND, top - n + 1)
         socks = []
         try:
-            first = socket.socket()
-            first.bind(("127.0.0.1", 0))
-            socks.append(first)
-            base = first.getsockname()[1]
-            for i in range(1, n):
-                s = socket.socket()
+            for i in range(n):
+                s = socket.socket()  # no SO_REUSEADDR/SO_REUSEPORT: a port anyone holds, listening or not, fails
                 socks.append(s)
                 s.bind(("127.0.0.1", base + i))
             return base
@@ -39,7 +59,7 @@ def free_ports(n: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports in {top - BAND}-{top - 1}")
 
 
 def start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate", feed=None):
