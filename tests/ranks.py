@@ -62,12 +62,12 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in {top - BAND}-{top - 1}")
 
 
-def start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate", feed=None):
+def start_ranks(tmp_path, argv, timeout_s="4", command="refusion_mlx.generate", feed=None, port=None):
     """Two ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE),
     so the test sees rank 0's own exit status. ``timeout_s`` None: the
     collectives' default timeout (120 s)."""
     hostfile = tmp_path / "hosts.json"
-    port = free_ports(2)
+    port = free_ports(2) if port is None else port  # the ranks' first (a caller's, drawn with its own)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     procs = []
     for rank in range(2):
@@ -98,12 +98,6 @@ def wait_for(stream, needle: bytes, timeout: float = 60) -> bytes:
     return seen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(port: int, path: str) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", path)
@@ -115,9 +109,10 @@ def _get(port: int, path: str) -> int:
 @contextlib.contextmanager
 def two_rank_server(folder, flags, timeout_s=None, model=FIXTURE_MODEL):
     """A server on two ranks, started as mlx.launch starts them, once it answers: (HTTP port, [rank 0, 1])."""
-    port = _free_port()
+    ranks = free_ports(3)  # the ranks' two, then the HTTP port: all from this worker's band
+    port = ranks + 2
     procs = start_ranks(folder, [*(["--model", str(model)] if model else []), "--port", str(port), *flags],
-                         timeout_s=timeout_s, command="refusion_mlx.server")
+                         timeout_s=timeout_s, command="refusion_mlx.server", port=ranks)
     try:
         deadline = time.monotonic() + 60
         while True:
