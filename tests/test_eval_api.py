@@ -327,6 +327,7 @@ LOGPROBS = "message.output_text.logprobs"
     ({"prompt": "x y", "echo": True, "mc_num": 4}, "mc_num"),
     ({"prompt": "x y", "echo": True, "max_tokens": 0, "logit_bias": {"5": 1}}, "logit_bias"),
     ({"prompt": "x y", "echo": True, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x y", "echo": True, "repetition_penalty": 1.2, "presence_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "mc_num": 4}, "mc_num"),
     ({"prompt": "x", "logprob_estimator": "best"}, "logprob_estimator"),
     ({"prompt": ["a", "b"], "echo": True, "logprob_estimator": "mc", "context_tokens": [1]}, "context_tokens"),

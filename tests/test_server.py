@@ -275,7 +275,7 @@ def test_docs_and_openapi(server):
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"), ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"repetition_penalty": -1}, "repetition_penalty"), ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"adapters": "my-adapters"}, "adapters"),  # mlx_lm.server's: refused, never silently ignored
     ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
     ({"store": "yes"}, "store"), ({"metadata": "x"}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
@@ -384,7 +384,7 @@ def test_continue_final_message_continues_the_assistants_message(client, server)
 
 def test_logit_bias_and_penalties_reach_the_decoder(client, expected):
     """OpenAI's logit_bias (token ids as strings), presence_penalty and frequency_penalty, as the openai client
-    sends them; the decoder's part is tests/test_penalties.py."""
+    sends them, and mlx-lm's and vLLM's repetition_penalty; the decoder's part is tests/test_penalties.py."""
     p = "Who is Sven?"
     forced = chat(client, p, max_tokens=8, logit_bias={"5": 100})  # token 5 is "&" in this byte-level vocabulary
     assert forced.choices[0].message.content == "&" * 8
@@ -394,6 +394,10 @@ def test_logit_bias_and_penalties_reach_the_decoder(client, expected):
     penalised = [chat(client, count, presence_penalty=2, frequency_penalty=2).choices[0].message.content
                  for _ in (0, 1)]
     assert penalised[0] == penalised[1] != chat(client, count).choices[0].message.content
+    repeated = chat(client, count, extra_body={"repetition_penalty": 1.8}).choices[0].message.content
+    assert repeated not in penalised and repeated != chat(client, count).choices[0].message.content
+    assert chat(client, count, extra_body={"repetition_penalty": 1}).choices[0].message.content == \
+        chat(client, count).choices[0].message.content
 
 
 def test_sampling_fields_apply_to_the_planning_drafts(client, expected):

@@ -93,7 +93,7 @@ class RefusionDecoder:
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
             key=mx.random.key(seed_bits(params.seed)) if params.seed is not None else None,
             matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs,
-            penalties=Penalties.of(params, vocab))
+            penalties=Penalties.of(params, vocab, [*cache.tokens, *self.prompt]))
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None
@@ -133,7 +133,7 @@ class RefusionDecoder:
     def _biased(self, p: Pass) -> Pass:
         """The loop's next pass, its head rows biased as the request's penalties say (``penalties.py``)."""
         if p.head_rows:
-            p.bias = self.state.logit_bias()
+            p.bias, p.repeat = self.state.logit_bias(), self.state.logit_divisors()
         return p
 
     def take(self, result: PassResult, seconds: float = 0.0) -> List[Step]:

@@ -30,6 +30,7 @@ from ..models import backend
 from .cache import KVWrite
 from .matcher import allowed_rows
 from .packed import PackedWrite
+from .penalties import repeat_penalised
 from .probs import LOGITS_BUDGET_BYTES, Drafting, row_statistics, top_logprobs
 from .runner import Runner
 
@@ -76,6 +77,7 @@ class Pass:
     masks: Optional[Callable[[], np.ndarray]] = None
     top: int = 0  # the most likely tokens each head row also gives (generated tokens' top_logprobs)
     bias: Optional[mx.array] = None  # (vocab,) added to each head row's logits (``penalties.py``)
+    repeat: Optional[mx.array] = None  # (vocab,) each head row's repetition penalty by token (``penalties.py``)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -155,14 +157,17 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
     per_chunk = head_chunk_rows(vocab)
     total = head_hidden.shape[0]
     top = max(p.top for p, _ in wanted)
-    bias = row_biases([p for p, _ in wanted])
+    bias = row_vectors([p.bias for p, _ in wanted], [p.head_rows for p, _ in wanted], 0.0)
+    repeat = row_vectors([p.repeat for p, _ in wanted], [p.head_rows for p, _ in wanted], 1.0)
     parts = []
     for i in range(0, total, per_chunk):
         logits = model.head(head_hidden[i:i + per_chunk])
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
+        if repeat is not None:
+            logits = repeat_penalised(logits, repeat(i, logits.shape[0]))
         if bias is not None:
-            logits = bias(logits, i)
+            logits = logits + bias(i, logits.shape[0])
         parts.append(row_statistics(logits, i, drafting if want_draft else None,
                                     None if follow is None else follow[i:i + per_chunk],
                                     None if allowed is None else allowed[i:i + per_chunk])
@@ -184,21 +189,24 @@ def head_outputs(model, hidden: mx.array, passes: Sequence[Pass],
     return out
 
 
-def row_biases(wanted: Sequence[Pass]) -> Optional[Callable[[mx.array, int], mx.array]]:
-    """What adds the passes' biases to a chunk of head-row logits starting at row ``first``: one vector
-    broadcast where every row has the same (a request alone), else each row's gathered from a table whose
-    row 0 is zeros (the passes without one). None when no pass has one: the head is then unchanged."""
-    biases = [p.bias for p in wanted if p.bias is not None]
-    if not biases:
+def row_vectors(vectors: Sequence[Optional[mx.array]], rows: Sequence[int],
+                neutral: float) -> Optional[Callable[[int, int], mx.array]]:
+    """The passes' (vocab,) vectors (a bias, a repetition penalty's divisors; None: a pass without) for a
+    chunk of ``n`` head rows from row ``first``: the one vector, broadcast, where every pass has the same (a
+    request alone), else each row's gathered from a table whose row 0 is ``neutral`` (the passes without
+    one). None when no pass has one: the head is then unchanged."""
+    given = [v for v in vectors if v is not None]
+    if not given:
         return None
-    if len(biases) == len(wanted) and all(b is biases[0] for b in biases):
-        return lambda logits, first: logits + biases[0]
+    if len(given) == len(vectors) and all(v is given[0] for v in given):
+        return lambda first, n: given[0]
     index, k = [], 0
-    for p in wanted:
-        k += p.bias is not None
-        index += [k if p.bias is not None else 0] * p.head_rows
-    table, index = mx.stack([mx.zeros_like(biases[0]), *biases]), mx.array(index, dtype=mx.int32)
-    return lambda logits, first: logits + table[index[first:first + logits.shape[0]]]
+    for v, n in zip(vectors, rows):
+        k += v is not None
+        index += [k if v is not None else 0] * n
+    table = mx.stack([mx.full(given[0].shape, neutral, given[0].dtype), *given])
+    index = mx.array(index, dtype=mx.int32)
+    return lambda first, n: table[index[first:first + n]]
 
 
 def device_only(derived: Sequence[Tuple[Dict[str, mx.array], Dict[str, mx.array]]],

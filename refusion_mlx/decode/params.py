@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import DecodeError
-from .penalties import MAX_BIAS, MAX_PENALTY, bias_pairs, check as check_penalties
+from .penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION, bias_pairs, check as check_penalties
 
 # With neither serial_num_blocks nor block_length, the response is cut into
 # blocks of this many tokens (rounded up to whole slots): 16 tokens hold 4
@@ -60,10 +60,11 @@ class RefusionParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    # added to the logits of every head row (decode/penalties.py): OpenAI's, 0 / 0 / None = off
+    # on the logits of every head row (decode/penalties.py): OpenAI's, 0 / 0 / None = off; HF's, 1 (or 0) = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None  # (token id, bias) pairs; a mapping is read as such
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
@@ -105,7 +106,7 @@ class RefusionParams:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        check_penalties(self.logit_bias, self.presence_penalty, self.frequency_penalty)
+        check_penalties(self.logit_bias, self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         if self.seed is not None:
             seed_bits(self.seed)
         gen = budget(self.gen_length, S)
@@ -257,6 +258,9 @@ FIELDS: Tuple[Field, ...] = (
     Field("logit_bias", dict, f"added to the logits of the tokens it names: a JSON object of token ids to biases in "
           f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]", flags=("--logit-bias",), request="logit_bias", openai=True,
           parse="json"),
+    Field("repetition_penalty", float, "divides the positive logits of the tokens the prompt or answer has, "
+          "multiplies the others (1 or 0: off)", flags=("--repetition-penalty",), request="repetition_penalty",
+          ge=0, le=MAX_REPETITION),
 )
 
 PARAM_NAMES = tuple(f.name for f in FIELDS)
@@ -269,9 +273,7 @@ ALIASES: Dict[str, str] = {alias: f.name for f in FIELDS for alias in f.aliases}
 MLX_LM_HINTS = {
     "sampler": "sampler: give temp, top_p, top_k and min_p (what mlx-lm's make_sampler takes)",
     "logits_processors": "logits_processors: not supported (ReFusion scores whole slots: give logit_bias, "
-                         "presence_penalty or frequency_penalty)",
-    "repetition_penalty": "repetition_penalty: not supported (give presence_penalty or frequency_penalty, "
-                          "OpenAI's additive penalties)",
+                         "repetition_penalty, presence_penalty or frequency_penalty)",
     "prompt_cache": "prompt_cache: give cache=CommittedCache.for_model(model) (refusion_mlx.decode.cache)",
     "max_kv_size": "max_kv_size: not supported (the committed cache keeps every row; kv_bits 8 or 4 keeps them in "
                    "less memory)",

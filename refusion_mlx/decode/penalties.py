@@ -1,24 +1,29 @@
-"""What a request adds to its logits: a logit bias and OpenAI's presence and frequency penalties.
+"""What a request does to its logits: a logit bias, OpenAI's presence and frequency penalties, and the
+repetition penalty of HF transformers, vLLM and mlx-lm.
 
 ReFusion decides from probabilities: a planning draft's confidence, a verified token's probability. A
-request that sets ``logit_bias``, ``presence_penalty`` or ``frequency_penalty`` decodes as if the model's
-logits were, at every head row of its passes (plan, verify, infill, the constrained mode's),
+request that sets ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` or ``repetition_penalty``
+decodes as if the model's logits ``l`` were, at every head row of its passes (plan, verify, infill, the
+constrained mode's),
 
-    logits[j] + logit_bias[j] - frequency_penalty * c[j] - presence_penalty * (c[j] > 0)
+    r(l[j]) + logit_bias[j] - frequency_penalty * c[j] - presence_penalty * (c[j] > 0)
 
 where ``c[j]`` counts token ``j`` among the answer's tokens committed before the step (OpenAI's "text so
-far"; the drafts of the step itself do not count). Drafts, confidences, verified probabilities and the
-logprobs reported are all of those logits (a grammar's mask comes after). With neither set a request's
-passes carry no bias and decode exactly as before.
+far"; the drafts of the step itself do not count), and ``r`` is the repetition penalty ``p`` on the tokens
+the context has -- the prompt, the conversation before it in the cache, the answer's committed tokens --
+``l / p`` where ``l > 0``, ``l * p`` elsewhere (HF's and vLLM's rule; mlx-lm's counts only the last 20
+tokens before the one it decodes, an order a decoder that commits out of order has not), and ``l`` on the
+others. Drafts, confidences, verified probabilities and the logprobs reported are all of those logits (a
+grammar's mask comes after). With none set a request's passes carry nothing and decode exactly as before.
 
-The vector is made on the host once per step that committed something (numpy, the vocabulary's length)
+The vectors are made on the host once per step that committed something (numpy, the vocabulary's length)
 and shared by the step's passes: one upload, no per-row work.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -27,9 +32,23 @@ from ..errors import DecodeError
 
 MAX_PENALTY = 2.0  # OpenAI's bounds of presence_penalty and frequency_penalty
 MAX_BIAS = 100.0  # ... and of each logit_bias value
+MAX_REPETITION = 10.0  # repetition_penalty's bound (0 and 1 are off, as mlx-lm and HF have them)
 
 Pairs = Tuple[Tuple[int, float], ...]
-NAMES = ("logit_bias", "presence_penalty", "frequency_penalty")  # the settings: RefusionParams' and a request's
+NAMES = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")  # RefusionParams' and a
+# request's settings
+
+
+def repeats(penalty) -> bool:
+    """Whether a repetition penalty changes anything (0, mlx-lm's off, 1, HF's, and None, a request's
+    unset field, do not)."""
+    return penalty is not None and penalty not in (0, 1)
+
+
+def active(settings) -> List[str]:
+    """The names of the settings of ``settings`` (RefusionParams, a request's body) that change the logits."""
+    return [name for name in NAMES
+            if (repeats(getattr(settings, name)) if name == "repetition_penalty" else getattr(settings, name))]
 
 
 def bias_pairs(value) -> object:
@@ -63,11 +82,14 @@ def _bias_value(value) -> float:
     return float(value)
 
 
-def check(logit_bias, presence_penalty, frequency_penalty) -> None:
+def check(logit_bias, presence_penalty, frequency_penalty, repetition_penalty=1.0) -> None:
     """The DecodeError of a bad setting (bounds as OpenAI's); nothing when all are good."""
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise DecodeError(f"{name} must be within [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+    value = repetition_penalty
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_REPETITION:
+        raise DecodeError(f"repetition_penalty must be within [0, {MAX_REPETITION:g}] (0 and 1: off), got {value!r}")
     if logit_bias is None:
         return
     if isinstance(logit_bias, Mapping):  # bias_pairs left it: a key or a value it could not read
@@ -93,37 +115,65 @@ def check(logit_bias, presence_penalty, frequency_penalty) -> None:
 
 class Penalties:
     """One request's bias and penalties over a vocabulary of ``vocab`` tokens, with the counts of its answer's
-    committed tokens (:meth:`count`, from the state's commits) and the vector of its next passes
-    (:meth:`vector`)."""
+    committed tokens (:meth:`count`, from the state's commits), the tokens its context has (``context``, the
+    cache's and the prompt's, and the commits) and the vectors of its next passes (:meth:`vector`,
+    :meth:`divisors`)."""
 
-    def __init__(self, logit_bias: Optional[Pairs], presence: float, frequency: float, vocab: int):
+    def __init__(self, logit_bias: Optional[Pairs], presence: float, frequency: float, vocab: int,
+                 repetition: float = 1.0, context: Sequence[int] = ()):
         self.static = np.zeros(vocab, np.float32)
         for token, bias in logit_bias or ():
             if token >= vocab:
                 raise DecodeError(f"logit_bias: token id {token} is outside the vocabulary of {vocab}")
             self.static[token] += bias
         self.presence, self.frequency = float(presence), float(frequency)
+        self.adds = bool(logit_bias) or bool(self.presence or self.frequency)
+        self.repetition = float(repetition) if repeats(repetition) else 1.0
         self.counts = np.zeros(vocab, np.int64)
+        self.seen = np.zeros(vocab, np.bool_)
+        self.seen[np.asarray(context, np.int64)] = True
         self._vector: Optional[mx.array] = None
+        self._divisors: Optional[mx.array] = None
 
     @classmethod
-    def of(cls, params, vocab: int) -> Optional["Penalties"]:
-        """A request's Penalties, or None when its params set none (nothing is added to its logits)."""
-        if not any(getattr(params, name) for name in NAMES):
+    def of(cls, params, vocab: int, context: Sequence[int] = ()) -> Optional["Penalties"]:
+        """A request's Penalties, or None when its params set none (nothing is done to its logits).
+        ``context``: the tokens before its answer (the repetition penalty's)."""
+        if not active(params):
             return None
-        return cls(params.logit_bias, params.presence_penalty, params.frequency_penalty, vocab)
+        return cls(params.logit_bias, params.presence_penalty, params.frequency_penalty, vocab,
+                   params.repetition_penalty, context)
 
     def count(self, tokens: Sequence[int]) -> None:
         """Answer tokens just committed: they count from the next step on."""
-        if (self.presence or self.frequency) and len(tokens):
-            np.add.at(self.counts, np.asarray(tokens, np.int64), 1)
+        if not len(tokens):
+            return
+        ids = np.asarray(tokens, np.int64)
+        if self.presence or self.frequency:
+            np.add.at(self.counts, ids, 1)
             self._vector = None
+        if self.repetition != 1.0 and not self.seen[ids].all():
+            self.seen[ids] = True
+            self._divisors = None
 
-    def vector(self) -> mx.array:
-        """(vocab,) float32: what each head row of the next pass adds to its logits."""
-        if self._vector is None:
+    def vector(self) -> Optional[mx.array]:
+        """(vocab,) float32: what each head row of the next pass adds to its logits (None: nothing)."""
+        if self._vector is None and self.adds:
             v = self.static - np.float32(self.frequency) * self.counts.astype(np.float32)
             if self.presence:
                 v = v - np.float32(self.presence) * (self.counts > 0)
             self._vector = mx.array(v.astype(np.float32))
         return self._vector
+
+    def divisors(self) -> Optional[mx.array]:
+        """(vocab,) float32: the repetition penalty on the tokens the context has, 1 on the others; each head
+        row of the next pass divides its positive logits by it and multiplies the others (None: nothing)."""
+        if self._divisors is None and self.repetition != 1.0:
+            self._divisors = mx.array(np.where(self.seen, np.float32(self.repetition), np.float32(1.0)))
+        return self._divisors
+
+
+def repeat_penalised(logits: mx.array, divisors: mx.array) -> mx.array:
+    """``logits`` under a repetition penalty: each divided by its token's divisor where positive, multiplied
+    by it elsewhere (a divisor of 1 leaves a logit exactly as it was)."""
+    return mx.where(logits > 0, logits / divisors, logits * divisors)

@@ -162,6 +162,10 @@ class DecodeState:
         """What each head row of the next pass adds to its logits (``penalties.py``; None: nothing)."""
         return None if self.penalties is None else self.penalties.vector()
 
+    def logit_divisors(self) -> Optional[mx.array]:
+        """The repetition penalty of each token for the next pass's head rows (``penalties.py``; None: none)."""
+        return None if self.penalties is None else self.penalties.divisors()
+
     def end_step(self, phase: str, commits: List[SlotCommit]) -> Step:
         """Constrained mode: a step that committed ``commits``."""
         self.stats.steps += 1

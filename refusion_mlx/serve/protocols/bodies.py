@@ -35,8 +35,8 @@ PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
 # Other servers' sampler settings the planning drafts cannot take (mlx_lm.server's own), and adapters loaded
 # per request: refused on every API unless they hold a value that changes nothing.
 SAMPLER_ONLY = ("not supported: the planning drafts take temperature, top_p, top_k and min_p, and the logits "
-                "logit_bias, presence_penalty and frequency_penalty")
-UNSERVED = {"repetition_penalty": (None, 0, 1), "xtc_probability": (None, 0), "adapters": (None,)}
+                "logit_bias, repetition_penalty, presence_penalty and frequency_penalty")
+UNSERVED = {"xtc_probability": (None, 0), "adapters": (None,)}
 
 # The request fields that are RefusionParams' settings under the same name
 # (max_tokens, gen_length's request name, is each API's own).

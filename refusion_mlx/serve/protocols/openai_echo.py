@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ...decode.penalties import NAMES as PENALTIES
+from ...decode.penalties import active
 from ..core.loglikelihood import MAX_SCORE_WORK, MC_NUM, Scoring
 from ..core.outcome import ScoredPrompt
 from ..core.refusal import Reason, Refusal
@@ -46,10 +46,10 @@ def scoring_of(body, ids: List[int], context_tokens: Optional[int], index: int =
     extra = body.max_tokens or 0  # echo without max_tokens: the prompt alone
     if extra > 1:
         raise Refusal(Reason.UNSUPPORTED, "echo: supported with max_tokens 0 or 1 (scoring the prompt)", "echo")
-    for name in PENALTIES:
-        if getattr(body, name):  # an empty bias and a 0 change nothing
-            raise Refusal(Reason.UNSUPPORTED, f"{name}: not with echo (the prompt is scored under the model's own "
-                                              "logits)", name)
+    changed = active(body)  # the settings that change the logits (not an empty bias, a 0, a repetition 1)
+    if changed:
+        raise Refusal(Reason.UNSUPPORTED, f"{changed[0]}: not with echo (the prompt is scored under the model's "
+                                          "own logits)", changed[0])
     estimator = estimator or "ar"
     if estimator == "mc":
         if context_tokens is None:
