@@ -35,20 +35,16 @@ MAX_BIAS = 100.0  # ... and of each logit_bias value
 MAX_REPETITION = 10.0  # repetition_penalty's bound (0 and 1 are off, as mlx-lm and HF have them)
 
 Pairs = Tuple[Tuple[int, float], ...]
-NAMES = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")  # RefusionParams' and a
-# request's settings
-
-
-def repeats(penalty) -> bool:
-    """Whether a repetition penalty changes anything (0, mlx-lm's off, 1, HF's, and None, a request's
-    unset field, do not)."""
-    return penalty is not None and penalty not in (0, 1)
+# The settings (RefusionParams', a request's) and their values that change nothing (None: a request's unset
+# field; a repetition penalty of 0 is mlx-lm's off, 1 HF's)
+OFF = {"logit_bias": (None, (), {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+       "repetition_penalty": (None, 0, 1)}
+NAMES = tuple(OFF)
 
 
 def active(settings) -> List[str]:
     """The names of the settings of ``settings`` (RefusionParams, a request's body) that change the logits."""
-    return [name for name in NAMES
-            if (repeats(getattr(settings, name)) if name == "repetition_penalty" else getattr(settings, name))]
+    return [name for name, off in OFF.items() if getattr(settings, name) not in off]
 
 
 def bias_pairs(value) -> object:
@@ -128,7 +124,7 @@ class Penalties:
             self.static[token] += bias
         self.presence, self.frequency = float(presence), float(frequency)
         self.adds = bool(logit_bias) or bool(self.presence or self.frequency)
-        self.repetition = float(repetition) if repeats(repetition) else 1.0
+        self.repetition = 1.0 if repetition in OFF["repetition_penalty"] else float(repetition)
         self.counts = np.zeros(vocab, np.int64)
         self.seen = np.zeros(vocab, np.bool_)
         self.seen[np.asarray(context, np.int64)] = True
