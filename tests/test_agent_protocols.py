@@ -278,20 +278,20 @@ def test_a_responses_request_without_max_output_tokens_gets_the_context_left(ser
 
 
 def test_every_api_refuses_the_fields_chat_refuses(server):
-    """The server's own settings and other servers' sampler fields are refused alike on the three APIs (each
-    in its own error shape), never ignored; values that change nothing pass."""
+    """The server's own settings, per-request adapters and settings out of bounds are refused alike on the
+    three APIs (each in its own error shape), never ignored; values that change nothing pass, and mlx-lm's XTC."""
     bases = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
              ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
              ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}))
     for path, body in bases:
-        for field, value in (("kv_bits", 4), ("kv_group_size", 32), ("xtc_probability", 0.5), ("adapters", "a"),
-                             ("repetition_penalty", 10.5)):
+        for field, value in (("kv_bits", 4), ("kv_group_size", 32), ("xtc_threshold", 0.6), ("adapters", "a"),
+                             ("repetition_penalty", 10.5), ("xtc_probability", 1.5)):
             status, _, err = call(server, "POST", path, {**body, field: value})
             message = err["error"]["message"]
             assert status == 400 and message.startswith(f"{field}: "), (path, field, err)
             assert ("--kv-bits" in message) == (field == "kv_bits"), message
             assert (err.get("type") == "error") == (path == "/v1/messages"), err
-        status, _, answer = call(server, "POST", path, {**body, "xtc_probability": 0, "logit_bias": {},
+        status, _, answer = call(server, "POST", path, {**body, "xtc_probability": 0.5, "logit_bias": {},
                                                         "repetition_penalty": 1.3})  # (mlx-lm's, HF's, vLLM's)
         assert status == 200, (path, answer)
 

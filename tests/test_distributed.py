@@ -35,7 +35,8 @@ from tests.ranks import ROOT, free_ports, two_rank_server
 PROMPTS = [
     {"prompt": "Write the multiplication table of 3 up to 4."},
     {"prompt": "Count from 1 to 9.", "max_tokens": 24},
-    {"prompt": "Write the multiplication table of 7 up to 5.", "temperature": 0.7, "seed": 3},
+    {"prompt": "Write the multiplication table of 7 up to 5.", "temperature": 0.7, "seed": 3, "xtc_probability": 0.5,
+     "xtc_threshold": 0.05},
     {"prompt": "Count from 1 to 9.", "max_tokens": 24, "frequency_penalty": 1.5, "logit_bias": {"17": -100},
      "repetition_penalty": 1.3},
 ]

@@ -56,7 +56,8 @@ def test_the_cli_takes_exactly_the_tables_flags():
     flags = {flag for f in FIELDS for flag in f.flags}
     assert flags == {"--max-tokens", "--gen-length", "--slot-size", "--serial-num-blocks", "--block-length",
                      "--slot-threshold", "--token-threshold", "--temp", "--seed", "--top-p", "--top-k", "--min-p",
-                     "--presence-penalty", "--frequency-penalty", "--logit-bias", "--repetition-penalty"}
+                     "--xtc-probability", "--xtc-threshold", "--presence-penalty", "--frequency-penalty",
+                     "--logit-bias", "--repetition-penalty"}
     with pytest.raises(SystemExit):  # one layout
         parser.parse_args(["--serial-num-blocks", "2", "--block-length", "8"])
     assert "blocks of 16 tokens" in " ".join(parser.format_help().split())
@@ -142,16 +143,17 @@ def test_the_prompts_file_takes_exactly_the_tables_names_and_aliases():
         assert getattr(item.params, f.name) == kept
         assert getattr(make_params(**{name: value}), f.name) == kept
     with pytest.raises(RefusionError, match="unknown field"):
-        parse_prompts(json.dumps({"prompt": "hi", "xtc_probability": 0.1}), "p.jsonl", defaults)
+        parse_prompts(json.dumps({"prompt": "hi", "repetition_context_size": 20}), "p.jsonl", defaults)
     with pytest.raises(TypeError, match="unknown decoding parameter"):
-        make_params(xtc_probability=0.1)
+        make_params(repetition_context_size=20)
 
 
 def test_the_bench_sends_the_tables_request_names():
     fields = _request_fields(make_params(max_tokens=64, block_length=16, seed=3))
     assert fields == {"max_tokens": 64, "slot_size": 4, "block_length": 16, "slot_threshold": 0.6,
                       "token_threshold": 0.3, "temperature": 0.0, "seed": 3, "top_p": 1.0, "top_k": 0,
-                      "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+                      "min_p": 0.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "presence_penalty": 0.0,
+                      "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
     fields = _request_fields(make_params(max_tokens=64, serial_num_blocks=4))
     assert fields["serial_num_blocks"] == 4 and "block_length" not in fields and "seed" not in fields

@@ -93,7 +93,7 @@ def test_mlx_lms_flags_with_no_like_here_say_why_in_one_line(parser, flags, caps
 def test_the_hints_name_the_flags_a_command_has(capsys):
     for argv, said in ((["--max-kv-size", "100"], "--max-kv-size: not supported (the committed cache keeps every row; "
                                                   "--kv-bits 8 or 4 keeps them in less memory)"),
-                       (["--xtc-probability", "0.5"], "--temp, --top-p, --top-k and --min-p shape the drafts"),
+                       (["--num-draft-tokens", "3"], "ReFusion drafts whole slots of --slot-size tokens"),
                        (["--eos-token", "x"], "--eos-token: give --extra-eos-token"),
                        (["--prompt-cache-file", "c.safetensors"], "on disk with --prompt-cache-dir")):
         with pytest.raises(SystemExit):

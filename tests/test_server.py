@@ -275,7 +275,8 @@ def test_docs_and_openapi(server):
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"web_search_options": {}}, "web_search_options"),
-    ({"repetition_penalty": -1}, "repetition_penalty"), ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"repetition_penalty": -1}, "repetition_penalty"), ({"xtc_probability": 1.5}, "xtc_probability"),
+    ({"xtc_threshold": 0.6}, "xtc_threshold"),
     ({"adapters": "my-adapters"}, "adapters"),  # mlx_lm.server's: refused, never silently ignored
     ({"tool_choice": 5}, "tool_choice"), ({"stop": 5}, "stop"),  # a union's member is not named in the field
     ({"store": "yes"}, "store"), ({"metadata": "x"}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
@@ -411,6 +412,10 @@ def test_sampling_fields_apply_to_the_planning_drafts(client, expected):
     narrow = [chat(client, p, temperature=1.5, seed=s, extra_body={"top_k": 1}).choices[0].message.content
               for s in (1, 2)]
     assert narrow == [expected[p]] * 2  # top_k=1 leaves only the argmax to sample
+    count, xtc = "Count from 1 to 20.", {"xtc_probability": 1, "xtc_threshold": 0.05}  # mlx-lm's XTC
+    dropped = [chat(client, count, temperature=1, seed=3, extra_body=xtc).choices[0].message.content for _ in (0, 1)]
+    assert dropped[0] == dropped[1] != chat(client, count, temperature=1, seed=3).choices[0].message.content
+    assert chat(client, p, extra_body=xtc).choices[0].message.content == expected[p]  # greedy: the argmax
 
 
 def test_a_signed_64_bit_seed_is_taken_on_every_api(server):

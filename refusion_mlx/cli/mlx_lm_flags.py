@@ -16,8 +16,8 @@ from .flags import in_flags
 
 # mlx-lm's generate and chat flags with no like here: each flag (and its short form) and whether it takes a value
 UNSUPPORTED = {("--max-kv-size",): True, ("--prompt-cache-file",): True, ("--quantized-kv-start",): True,
-               ("--draft-model",): True, ("--num-draft-tokens",): True, ("--xtc-probability",): True,
-               ("--xtc-threshold",): True, ("--min-tokens-to-keep",): True, ("--prefill-step-size",): True,
+               ("--draft-model",): True, ("--num-draft-tokens",): True, ("--min-tokens-to-keep",): True,
+               ("--prefill-step-size",): True,
                ("--quantize-activations", "-qa"): False, ("--trust-remote-code",): False,
                ("--eos-token",): True, ("--use-default-chat-template",): False, ("--image",): True,
                ("--prefill-response",): True}

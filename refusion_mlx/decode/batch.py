@@ -160,13 +160,19 @@ class BatchGenerator:
             cache = CommittedCache.for_model(self.model, storage=self.storage)
         params = fitted(params or RefusionParams(), cache.next_position + len(ids),
                         self.model.args.max_position_embeddings, default=params is None or fit)
-        decoder = RefusionDecoder(self.model, ids, params, mask_id=self.mask_id,
-                                  eos_id=self.eos_id, cache=cache, grammar=grammar, logprobs=logprobs)
+        decoder = RefusionDecoder(self.model, ids, params, mask_id=self.mask_id, eos_id=self.eos_id, cache=cache,
+                                  grammar=grammar, logprobs=logprobs,
+                                  xtc_keep=self.xtc_keep() if params.xtc_probability else ())
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         answer = AnswerText(self.tokenizer, decoder.cache, decoder.response_start, self.eos_id,
                             decoder.params.gen_length, stops=self.stop_ids())
         self.waiting.append(_Member(uid, decoder, answer))
         return uid
+
+    def xtc_keep(self) -> tuple:
+        """The tokens XTC never drops, as mlx-lm's generate and server give them: the end ids and the
+        newline's."""
+        return (*self.tokenizer.encode("\n", add_special_tokens=False), *end_ids(self.tokenizer))
 
     def stop_ids(self) -> frozenset:
         """Ids besides EOS that end an answer: the tokenizer's other end ids

@@ -60,13 +60,14 @@ class RefusionDecoder:
     compiled constraint (:func:`~refusion_mlx.decode.grammar.compile_constraint`):
     the answer is decoded in the constrained mode (``constrain.py``). ``logprobs``: keep the
     probability each answer token was accepted under, with this many top
-    tokens (``token_scores``; None: not kept).
+    tokens (``token_scores``; None: not kept). ``xtc_keep``: tokens besides EOS that XTC never drops (mlx-lm's
+    special ones: the tokenizer's other end ids and a newline; ``BatchGenerator`` gives them).
     """
 
     def __init__(self, model, prompt: Sequence[int], params: RefusionParams, *,
                  mask_id: int, eos_id: Optional[int], cache: Optional[CommittedCache] = None,
                  prefill_chunk: int = prefill.PREFILL_CHUNK,
-                 grammar=None, logprobs: Optional[int] = None):
+                 grammar=None, logprobs: Optional[int] = None, xtc_keep: Sequence[int] = ()):
         free_streams_at_thread_end()  # a worker thread that decodes frees its MLX streams as it ends
         self.model = model
         layout = params.layout()
@@ -93,7 +94,7 @@ class RefusionDecoder:
             stats=DecodeStats(prompt_tokens=len(self.prompt), layout=layout.describe()),
             key=mx.random.key(seed_bits(params.seed)) if params.seed is not None else None,
             matcher=grammar.matcher() if grammar is not None else None, logprobs=logprobs,
-            penalties=Penalties.of(params, vocab, [*cache.tokens, *self.prompt]))
+            penalties=Penalties.of(params, vocab, [*cache.tokens, *self.prompt]), xtc_keep=tuple(xtc_keep))
         self.steps_done: List[Step] = []  # committed steps not yet handed out
         self._loop = self._run()
         self._pass: Optional[Pass] = None

@@ -21,6 +21,8 @@ from .penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION, bias_pairs, check 
 DEFAULT_BLOCK_TOKENS = 16
 SEEDS = 2 ** 64  # a seed is one of MLX's random keys: an unsigned 64-bit integer
 MIN_SEED = -2 ** 63  # ... given as one, or as a signed one (OpenAI's seed; clients send -1)
+# XTC's threshold as mlx-lm bounds it: above 0.5 no two tokens can pass it, and XTC would drop nothing
+MAX_XTC_THRESHOLD = 0.5
 MAX_TEMPERATURE = 2  # OpenAI's bound, every interface's: the flags, make_params, a prompts file, a request
 MAX_GEN_LENGTH = 2 ** 24  # most tokens an answer may ask for: past every model's context, and small enough to lay out
 
@@ -60,6 +62,9 @@ class RefusionParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # XTC (mlx-lm's): with this chance a sampled planning row drops its likelier tokens above the threshold
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     # on the logits of every head row (decode/penalties.py): OpenAI's, 0 / 0 / None = off; HF's, 1 (or 0) = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -106,6 +111,10 @@ class RefusionParams:
             raise DecodeError(f"min_p must be within [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise DecodeError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        for name, top in (("xtc_probability", 1.0), ("xtc_threshold", MAX_XTC_THRESHOLD)):
+            value = getattr(self, name)
+            if not _number(value) or not 0.0 <= value <= top:
+                raise DecodeError(f"{name} must be within [0, {top:g}], got {value!r}")
         check_penalties(self.logit_bias, self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         if self.seed is not None:
             seed_bits(self.seed)
@@ -250,6 +259,11 @@ FIELDS: Tuple[Field, ...] = (
     Field("top_k", int, "top-k filter of the planning drafts (0: off)", flags=("--top-k",), request="top_k", ge=0),
     Field("min_p", float, "min-p filter of the planning drafts (0: off)", flags=("--min-p",), request="min_p",
           ge=0, le=1),
+    Field("xtc_probability", float, "chance that a sampled planning row drops every token above the XTC "
+          "threshold but the least likely of them (mlx-lm's XTC; 0: off)", flags=("--xtc-probability",),
+          request="xtc_probability", default=f"default {_DEFAULTS.xtc_probability:g}", ge=0, le=1),
+    Field("xtc_threshold", float, "probability a token must pass to be dropped by XTC", flags=("--xtc-threshold",),
+          request="xtc_threshold", default=f"default {_DEFAULTS.xtc_threshold:g}", ge=0, le=MAX_XTC_THRESHOLD),
     Field("presence_penalty", float, "subtracted from the logit of every token the answer already has (0: off)",
           flags=("--presence-penalty",), request="presence_penalty", openai=True, ge=-MAX_PENALTY, le=MAX_PENALTY),
     Field("frequency_penalty", float, "subtracted from a token's logit once for each time the answer has it "
@@ -283,10 +297,6 @@ MLX_LM_HINTS = {
     "draft_model": "draft_model: not supported (ReFusion drafts whole slots itself and verifies them: no draft "
                    "model)",
     "num_draft_tokens": "num_draft_tokens: not supported (ReFusion drafts whole slots of slot_size tokens)",
-    "xtc_probability": "xtc_probability: not supported (no XTC sampling; temperature, top_p, top_k and min_p "
-                       "shape the drafts)",
-    "xtc_threshold": "xtc_threshold: not supported (no XTC sampling; temperature, top_p, top_k and min_p shape "
-                     "the drafts)",
     "min_tokens_to_keep": "min_tokens_to_keep: not supported (the filters always keep the most likely token)",
     "prefill_step_size": "prefill_step_size: not supported (a prompt is prefilled in chunks of 512 tokens)",
     "quantize_activations": "quantize_activations: not supported (quantize the weights: python -m "

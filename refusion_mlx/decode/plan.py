@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .forward import HeadOutput, Pass
-from .probs import Drafting, gumbel_noise
+from .probs import XTC, Drafting, gumbel_noise
 from .state import DecodeState
 
 
@@ -35,10 +35,13 @@ def drafting(state: DecodeState, rows: int) -> Drafting:
     """This pass's drafting: greedy, or sampled with fresh noise from the
     request's own key (its draws never depend on other requests)."""
     p = state.params
-    noise = None
+    noise = xtc = None
     if p.temperature > 0:
         noise = gumbel_noise(state.next_key(), rows, state.vocab, p.slot_size)
-    return Drafting(p.temperature, noise, p.top_p, p.top_k, p.min_p)
+        if p.xtc_probability > 0:  # a key of its own: a seeded request without XTC draws as it always has
+            coins = mx.random.uniform(shape=(rows,), key=state.next_key())
+            xtc = XTC(p.xtc_probability, p.xtc_threshold, coins, state.xtc_kept)
+    return Drafting(p.temperature, noise, p.top_p, p.top_k, p.min_p, xtc)
 
 
 def _confidence(h: HeadOutput, S: int):

@@ -49,15 +49,18 @@ class Drafting:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    xtc: Optional["XTC"] = None  # mlx-lm's XTC, between min-p and top-k as mlx-lm chains them
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def scores(self, logits: mx.array, lse: mx.array, noise: mx.array) -> mx.array:
-        """What the argmax runs over, for rows of this pass."""
+    def scores(self, logits: mx.array, lse: mx.array, first: int) -> mx.array:
+        """What the argmax runs over, for this pass's rows from its row ``first`` on."""
         x = logits
-        filters = self._filters(logits.shape[-1])
+        rows = slice(first, first + logits.shape[0])
+        noise = self.noise[rows]
+        filters = self._filters(logits.shape[-1], rows)
         if filters:
             x = logits - lse[:, None]  # mlx-lm's filters take log-probabilities
             for f in filters:
@@ -70,7 +73,7 @@ class Drafting:
             return mx.where(gap == 0, 0.0, gap / self.temperature) + noise
         return x * (1.0 / self.temperature) + noise
 
-    def _filters(self, vocab: int) -> list:
+    def _filters(self, vocab: int, rows: slice) -> list:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         out = []
@@ -78,9 +81,33 @@ class Drafting:
             out.append(lambda x: apply_top_p(x, self.top_p))
         if self.min_p != 0.0:
             out.append(lambda x: apply_min_p(x, self.min_p))
+        if self.xtc is not None:
+            out.append(lambda x: self.xtc(x, rows))
         if 0 < self.top_k < vocab:
             out.append(lambda x: apply_top_k(x, self.top_k))
         return out
+
+
+@dataclass
+class XTC:
+    """mlx-lm's XTC ("exclude top choices", ``sample_utils.apply_xtc``) on a pass's sampled rows: where its
+    coin comes up (a chance of ``probability``), a row loses every token more likely than the least likely
+    one above ``threshold``, so that one, and what is less likely, remain; none go unless two pass it. The
+    ``keep`` tokens never go (mlx-lm's special tokens: the end ids and a newline). mlx-lm tosses one coin a
+    step; a pass drafts many tokens at once, so here each row tosses its own, as each step of mlx-lm's does,
+    drawn from the request's key (a seeded request draws alike alone and in a batch)."""
+
+    probability: float
+    threshold: float
+    coins: mx.array  # (rows,) uniform in [0, 1): the row's tokens go where its coin is under ``probability``
+    keep: mx.array  # (vocab,) booleans: the tokens XTC leaves
+
+    def __call__(self, x: mx.array, rows: slice) -> mx.array:
+        """``x``: log-probabilities of the rows ``rows`` of the pass (what the filters before left)."""
+        probs = mx.softmax(x, axis=-1, precise=True)
+        least = mx.min(mx.where(probs > self.threshold, probs, mx.inf), axis=-1, keepdims=True)
+        drop = (probs > least) & ~self.keep & (self.coins[rows] < self.probability)[:, None]
+        return mx.where(drop, -mx.inf, x)
 
 
 def gumbel_noise(key: Optional[mx.array], rows: int, vocab: int, slot_size: int) -> mx.array:
@@ -155,5 +182,5 @@ def _draft_scores(logits: mx.array, lse: mx.array, first: int,
         if d is None or d.greedy:
             parts.append(logits[a:b])
         else:
-            parts.append(d.scores(logits[a:b], lse[a:b], d.noise[own:own + b - a]))
+            parts.append(d.scores(logits[a:b], lse[a:b], own))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)

@@ -37,6 +37,7 @@ to keep, reuse or drop; the state keeps no reference a caller must free.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set
 
@@ -72,6 +73,14 @@ class DecodeState:
     logprobs: Optional[int] = None  # the answer's logprobs are kept, with this many top tokens (None: not kept)
     scores: Dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top pairs) of committed tokens
     penalties: Optional[Penalties] = None  # what its passes add to their logits (None: nothing)
+    xtc_keep: Sequence[int] = ()  # tokens XTC never drops besides EOS (mlx-lm's special ones: end ids, newline)
+
+    @functools.cached_property
+    def xtc_kept(self) -> mx.array:
+        """(vocab,) booleans: the tokens XTC never drops (probs.XTC), EOS and ``xtc_keep``."""
+        keep = np.zeros(self.vocab, dtype=bool)
+        keep[[t for t in {self.eos_id, *self.xtc_keep} if 0 <= t < self.vocab]] = True
+        return mx.array(keep)
 
     @property
     def top(self) -> int:

@@ -32,11 +32,8 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 # Settings of the server's process, not of a request: refused in a body whatever their value.
 PROCESS_SETTINGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size"}
 
-# Other servers' sampler settings the planning drafts cannot take (mlx_lm.server's own), and adapters loaded
-# per request: refused on every API unless they hold a value that changes nothing.
-SAMPLER_ONLY = ("not supported: the planning drafts take temperature, top_p, top_k and min_p, and the logits "
-                "logit_bias, repetition_penalty, presence_penalty and frequency_penalty")
-UNSERVED = {"xtc_probability": (None, 0), "adapters": (None,)}
+# mlx_lm.server's adapters loaded per request: refused on every API unless it holds a value that changes nothing.
+UNSERVED = {"adapters": (None,)}
 
 # The request fields that are RefusionParams' settings under the same name
 # (max_tokens, gen_length's request name, is each API's own).
@@ -158,8 +155,7 @@ def refuse_unserved(body, harmless: Dict[str, tuple] = UNSERVED, taken: Sequence
         value = body.get(name)
         if name not in taken and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
                                          for ok in values):
-            why = SAMPLER_ONLY if name in UNSERVED and name != "adapters" else "not supported by this server"
-            raise PydanticCustomError("unsupported_parameter", why, {"field": name})
+            raise PydanticCustomError("unsupported_parameter", "not supported by this server", {"field": name})
     return body
 
 

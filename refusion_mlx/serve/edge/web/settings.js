@@ -7,8 +7,8 @@
 const GROUPS = [
   ["Budget and layout", ["max_tokens", "slot_size", "block_length", "serial_num_blocks"]],
   ["Thresholds", ["slot_threshold", "token_threshold"]],
-  ["Sampling", ["temperature", "seed", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty"]],
+  ["Sampling", ["temperature", "seed", "top_p", "top_k", "min_p", "xtc_probability", "xtc_threshold",
+                "repetition_penalty", "presence_penalty", "frequency_penalty"]],
 ];
 const STORE = "refusion-mlx-settings";
 const KEY_STORE = "refusion-mlx-api-key";
