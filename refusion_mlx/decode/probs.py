@@ -36,10 +36,11 @@ TINY_TEMPERATURE = 1e-6
 class Drafting:
     """How one pass draws its drafts (REFUSION.md §4a, §5.3).
 
-    At temperature 0 the draft is the argmax (top-k / top-p / min-p cannot
-    change it). Above 0 it is ``argmax(filtered / T + Gumbel)``: a sample
-    from the softmax at temperature T of the logits left by mlx-lm's top-k,
-    top-p and min-p filters -- the same distribution the reference draws
+    At temperature 0 the draft is the argmax (the filters are not applied:
+    top-k / top-p / min-p cannot change it, and mlx-lm's greedy sampler
+    skips XTC too). Above 0 it is ``argmax(filtered / T + Gumbel)``: a sample
+    from the softmax at temperature T of the logits left by mlx-lm's top-p,
+    min-p, XTC and top-k filters -- the same distribution the reference draws
     with ``exp(l) / E**T`` in float64 when no filter is set, formed in
     float32 log space (Metal has no float64).
     """
