@@ -78,7 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 trace = Trace(args.trace, None)
             except OSError as e:
                 raise RefusionError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
-        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist,
+                                chat_template=args.chat_template)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
         add_end_tokens(tokenizer, model, args.extra_eos_token)
         ready(dist)

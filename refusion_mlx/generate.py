@@ -75,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     refuse_unread(parser, args, GOES_WITH)
     fill_defaults(args, DEFAULTS)
-    for needs in ("system", "chat_template_config"):  # mlx-lm drops the system prompt there, unsaid
+    for needs in ("system", "chat_template_config", "chat_template"):  # mlx-lm drops the system prompt there
         if args.no_chat_template and getattr(args, needs) is not None:
             parser.error(f"{spelled(args, needs)} needs the chat template: {spelled(args, 'no_chat_template')} "
                          "tokenizes the prompt as is")
@@ -94,7 +94,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # as mlx-lm's: "\n" and "\t" typed in --prompt are a newline and a tab
         prompt = (without_line_end(read_input("-", "--prompt")) if args.prompt == "-"
                   else args.prompt.replace("\\n", "\n").replace("\\t", "\t"))
-        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+        model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist,
+                                chat_template=args.chat_template)
         storage = storage_from_args(args, model)  # the group size against the model's head dimension
         add_end_tokens(tokenizer, model, args.extra_eos_token)
         ready(dist)
@@ -159,7 +160,8 @@ def run_prompts_file(args, params, dist=None, constraint=None, storage=None) -> 
     text = read_input(args.prompts_file, "--prompts-file")
     system_flag = spelled(args, "system") if args.system is not None else "--system"
     items = parse_prompts(text, args.prompts_file, params, args.system, system_flag)  # each line checked
-    model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist)
+    model, tokenizer = load(args.model, dtype=args.dtype, adapter_path=args.adapter_path, dist=dist,
+                            chat_template=args.chat_template)
     storage = storage_from_args(args, model)  # the group size against the model's head dimension
     add_end_tokens(tokenizer, model, args.extra_eos_token)
     ready(dist)

@@ -12,6 +12,7 @@ from ._startup import freeze_imports
 from .cli import (OneLineParser, add_decoding_args, add_model_args, add_template_arg, handle_unless_ignored,
                   handlers_kept, raise_interrupt_once)
 from .cli.launch import add_distributed_args, join
+from .cli.mlx_lm_flags import SERVER_UNSUPPORTED, refuse
 from .distributed.group import say_error
 from .errors import RefusionError
 from .models.backend import wired_limit
@@ -33,8 +34,9 @@ def build_parser() -> OneLineParser:
     add_model_args(parser)  # --model, --adapter-path, --dtype
     add_distributed_args(parser)  # --pipeline (under mlx.launch)
     add_decoding_args(parser)  # server-wide defaults; requests override them
-    add_template_arg(parser)  # --chat-template-config (mlx_lm.server's --chat-template-args)
+    add_template_arg(parser)  # --chat-template-config (mlx_lm.server's --chat-template-args), --chat-template
     add_server_args(parser)  # --host, --port, --max-batch, ...: ServerConfig's fields
+    refuse(parser, SERVER_UNSUPPORTED)  # mlx_lm.server's flags with no like here: one line each says why
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 

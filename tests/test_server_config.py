@@ -53,9 +53,11 @@ def test_an_api_key_has_one_rule_and_one_message_as_a_flag_and_a_keyword():
 def test_the_servers_counts_read_as_every_commands_do():
     """The server's count flags are cli.flags' positive_int and count (it had copies of its own, with other
     messages and a cap of 2**62 that ServerConfig's keywords did not have)."""
-    for flag in ("--max-batch", "--max-active", "--max-queue", "--max-body-bytes", "--max-connections"):
+    for flag in ("--max-batch", "--decode-concurrency", "--max-active", "--max-queue", "--max-body-bytes",
+                 "--max-connections"):
+        named = "--max-batch/--decode-concurrency" if flag in ("--max-batch", "--decode-concurrency") else flag
         for text in ("0", "x", "-3"):
-            assert _flag(flag, text) == f"argument {flag}: expected a positive integer, got {text!r}", flag
+            assert _flag(flag, text) == f"argument {named}: expected a positive integer, got {text!r}", flag
         assert _flag(flag, str(1 << 63)) == ""
     for text in ("x", "-1"):
         assert _flag("--max-stored-responses", text) == (

@@ -128,10 +128,14 @@ def spelled(args: argparse.Namespace, dest: str) -> str:
 
 def add_template_arg(parser: argparse.ArgumentParser) -> None:
     """--chat-template-config (mlx-lm's generate; --chat-template-args, its
-    server's): the chat template's own variables, as a JSON object."""
+    server's): the chat template's own variables, as a JSON object; and
+    --chat-template (mlx-lm's server's): a template in place of the model's."""
     parser.add_argument("--chat-template-config", "--chat-template-args", dest="chat_template_config",
                         type=template_json, metavar="JSON", action=Spelled,
                         help='the chat template\'s own variables, a JSON object: \'{"enable_thinking": false}\'')
+    parser.add_argument("--chat-template", metavar="TEMPLATE", action=Spelled,
+                        help="a chat template (Jinja text, as mlx-lm's server takes it) in place of the model's; "
+                             "checked on a one-message chat when the model loads")
 
 
 def template_json(text: str) -> dict:

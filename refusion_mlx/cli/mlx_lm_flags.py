@@ -21,6 +21,10 @@ UNSUPPORTED = {("--max-kv-size",): True, ("--prompt-cache-file",): True, ("--qua
                ("--quantize-activations", "-qa"): False, ("--trust-remote-code",): False,
                ("--eos-token",): True, ("--use-default-chat-template",): False, ("--image",): True,
                ("--prefill-response",): True}
+# mlx_lm.server's flags with no like in the server (its --decode-concurrency is --max-batch's other name)
+SERVER_UNSUPPORTED = {("--draft-model",): True, ("--num-draft-tokens",): True, ("--trust-remote-code",): False,
+                      ("--use-default-chat-template",): False, ("--prompt-concurrency",): True,
+                      ("--prefill-step-size",): True, ("--prompt-cache-size",): True}
 SETTING = re.compile(r"(?<![\w-])[a-z]+(?:_[a-z]+)+(?![\w-])")  # a Python name in a hint: top_p, kv_bits
 TRUE, FALSE = ("true", "t", "yes", "y", "1", "on"), ("false", "f", "no", "n", "0", "off")
 
@@ -59,8 +63,13 @@ def add_mlx_lm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-eos-token", nargs="+", action="extend", default=[], metavar="TOKEN",
                         help="more tokens (or ids) that end an answer, besides the tokenizer's own, as mlx-lm "
                              "takes them")
-    for flags, valued in UNSUPPORTED.items():
-        parser.add_argument(*flags, nargs="?" if valued else 0, action=Unsupported, help=argparse.SUPPRESS)
+    refuse(parser, UNSUPPORTED)
+
+
+def refuse(parser: argparse.ArgumentParser, flags: dict) -> None:
+    """Each of ``flags`` (mlx-lm's, with no like here) refused in one line that says why."""
+    for spellings, valued in flags.items():
+        parser.add_argument(*spellings, nargs="?" if valued else 0, action=Unsupported, help=argparse.SUPPRESS)
 
 
 def add_end_tokens(tokenizer, model, tokens: Sequence[str], flag: str = "--extra-eos-token") -> None:

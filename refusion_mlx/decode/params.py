@@ -305,7 +305,12 @@ MLX_LM_HINTS = {
                          "code is run)",
     "eos_token": "eos_token: give extra_eos_token (an end token besides the tokenizer's)",
     "use_default_chat_template": "use_default_chat_template: not supported (the checkpoint's own chat template "
-                                 "is used)",
+                                 "is used, or the one chat_template gives)",
+    # mlx_lm.server's own
+    "prompt_concurrency": "prompt_concurrency: not supported (prompts are prefilled in the decoding batch's "
+                          "forwards, up to max_batch requests at once, in chunks of 512 tokens)",
+    "prompt_cache_size": "prompt_cache_size: not supported (the prompt cache is bounded in bytes: give "
+                         "prompt_cache_bytes)",
     "image": "image: not supported (ReFusion reads text only)",
     "prefill_response": "prefill_response: not supported here (the server's continue_final_message continues an "
                         "assistant message)",

@@ -17,7 +17,7 @@ from . import backend, config_checks, cpu_paths, projections, registry, sharding
 from .config_checks import (check_memory, dtype_problems, quantization_problems, read_headers, weight_bytes,
                             weight_problems)
 from .fingerprint import MODEL_FILES, model_parts
-from .tokenizer_checks import resolve_mask_id, tokenizer_problems
+from .tokenizer_checks import resolve_mask_id, tokenizer_problems, use_template
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "tiny-refusion"
 
@@ -280,8 +280,9 @@ def _split(model, dist, target: mx.Dtype) -> None:
     dist.record_weights(whole, _cast_bytes(model, target))
 
 
-def load_tokenizer(model_path: Path):
-    """mlx-lm's tokenizer wrapper (HF tokenizer plus streaming detokenizer).
+def load_tokenizer(model_path: Path, chat_template: Optional[str] = None):
+    """mlx-lm's tokenizer wrapper (HF tokenizer plus streaming detokenizer);
+    ``chat_template``: a template in place of the folder's (``tokenizer_checks.use_template``).
     transformers' own warnings about the folder's config.json (a pad id
     outside a vocabulary, say) are kept quiet: this project's checks of that
     file say what is wrong in one line, and transformers warns once a process,
@@ -302,12 +303,14 @@ def load_tokenizer(model_path: Path):
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # a prompt over the context is this project's to say, in one line:
     if isinstance(getattr(hf, "deprecation_warnings", None), dict):  # not transformers' "Token indices ..." warning
         hf.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    if chat_template is not None:
+        use_template(tokenizer, chat_template)
     return tokenizer
 
 
 def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = None,
          lazy: bool = False, join_projections: bool = True, adapter_path: Optional[Union[str, Path]] = None,
-         dist=None, fuse: Optional[bool] = None):
+         dist=None, fuse: Optional[bool] = None, chat_template: Optional[str] = None):
     """Load a ReFusion checkpoint: ``(model, tokenizer)``.
 
     ``path_or_repo`` is a local folder (Hugging Face format or converted by
@@ -327,6 +330,8 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     the projections are not joined.
     ``fuse``: the old spelling of ``join_projections`` ("fuse" now means
     folding adapters in: ``python -m refusion_mlx.fuse``).
+    ``chat_template``: a chat template in place of the folder's (mlx-lm's
+    server's ``--chat-template``), checked as it is set (one-line ``LoadError``).
     """
     backend.mode()  # a bad REFUSION_MLX_PATHS fails here, in one line
     _blas.warn_once()  # MLX on the reference BLAS (Linux): one line, with the fix, at the first load
@@ -349,7 +354,7 @@ def load(path_or_repo: Union[str, Path, None] = None, dtype: Optional[str] = Non
     if join_projections and not lazy:
         projections.join_projections(model)
     projections.pad_quantized(model)  # narrow passes of a quantized model: one read of each weight on CUDA
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, chat_template)
     if tokenizer.eos_token_id is None:
         raise LoadError(f"{model_path}: the tokenizer defines no eos_token")
     problems = tokenizer_problems(model_path, config, tokenizer, model.args.vocab_size)

@@ -3,7 +3,8 @@
 The loader (``loading.load``), the converter and the fuse command ask the
 same two questions of a folder's tokenizer: is it fit for the embedding
 (:func:`tokenizer_problems`), and which id is the mask token
-(:func:`resolve_mask_id`). ReFusion's ``config.json`` carries
+(:func:`resolve_mask_id`); a chat template given in place of the folder's
+is checked as it is set (:func:`use_template`). ReFusion's ``config.json`` carries
 ``mask_token_id``, the id of the tokenizer's ``<|mask|>`` (REFUSION.md §1,
 kept outside this repository): a config that names another token, or an end
 token, would have the model decode masks as text and stop at them.
@@ -16,7 +17,7 @@ from typing import Any, Dict, List
 
 from ..errors import LoadError
 from . import config_checks
-from .template_steps import MAX_TEMPLATE_CHARS
+from .template_steps import MAX_TEMPLATE_CHARS, step_limit
 
 MASK_TOKEN = "<|mask|>"
 
@@ -59,3 +60,22 @@ def resolve_mask_id(folder: Path, config: Dict[str, Any], tokenizer, vocab_size:
     if named is not None and mask_id != named:
         raise LoadError(f"{what} is not the tokenizer's {MASK_TOKEN}, which is {named}")
     return mask_id
+
+
+def use_template(tokenizer, template: str) -> None:
+    """``tokenizer`` renders chats with ``template`` in place of its folder's (mlx-lm's ``--chat-template``):
+    refused in one line unless it is text of at most ``MAX_TEMPLATE_CHARS`` characters that renders a
+    one-message chat within ``template_steps``' limits (a syntax error fails here, not at the first request)."""
+    if not isinstance(template, str) or not template.strip():
+        raise LoadError("the chat template given is empty")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise LoadError(f"the chat template given is {len(template):,} characters long (the most is "
+                        f"{MAX_TEMPLATE_CHARS:,})")
+    tokenizer.chat_template = template
+    try:
+        with step_limit(tokenizer):
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                          add_generation_prompt=True)
+    except Exception as e:  # jinja2's errors, a limit's, what the template raises itself
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise LoadError(f"the chat template given fails on a one-message chat: {detail}") from None

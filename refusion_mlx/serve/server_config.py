@@ -103,6 +103,7 @@ class ServerConfig:
     prompt_cache_scope: str = "user"
     call_grammar: str = "all"
     chat_template_config: Optional[Dict[str, Any]] = None  # the chat template's variables, a request's over them
+    chat_template: Optional[str] = None  # a template in place of the model's (checked as the model loads)
     storage: KVStorage = dataclasses.field(init=False, repr=False, compare=False)  # of kv_bits, kv_group_size
 
     def __post_init__(self):
@@ -233,8 +234,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080; 0 picks a free one)")
     parser.add_argument("--model-id", help="the model name reported by /v1/models (default: --model)")
-    parser.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
-                        help=f"requests decoded together, one batched forward per step (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-batch", "--decode-concurrency", type=positive_int, default=DEFAULT_MAX_BATCH,
+                        help=f"requests decoded together, one batched forward per step (default {DEFAULT_MAX_BATCH}; "
+                             "--decode-concurrency: mlx_lm.server's name)")
     parser.add_argument("--max-active", dest="max_batch", type=positive_int, help=argparse.SUPPRESS)  # the old name
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those; more get 503 (default {DEFAULT_MAX_QUEUE})")

@@ -190,11 +190,11 @@ class Engine:
                 mx.random.seed(self.dist.seed)
             config = self.config
             self.model, self.tokenizer = load(config.model, dtype=config.dtype, adapter_path=config.adapter_path,
-                                              dist=self.dist)
+                                              dist=self.dist, chat_template=config.chat_template)
             ready(self.dist)
             self.args, self.eos_id = self.model.args, self.tokenizer.eos_token_id
             self.tool_format = ToolFormat.of(self.tokenizer)
-            self.http_tokenizers = (load_tokenizer(self.model.model_path), load_tokenizer(self.model.model_path))
+            self.http_tokenizers = tuple(load_tokenizer(self.model.model_path, config.chat_template) for _ in range(2))
             ll_warm(self.tokenizer, self.http_tokenizers, self.args.vocab_size, self.eos_id)  # tools' grammars
             self.gen = BatchGenerator(self.model, self.tokenizer, max_batch=config.max_batch,
                                       storage=self.storage)  # checked against the model's head dimension
