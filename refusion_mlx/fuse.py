@@ -11,6 +11,7 @@ import sys
 from typing import List, Optional
 
 from .cli import OneLineParser, adapter_folder, add_model_args, run
+from .cli.mlx_lm_flags import FUSE_UNSUPPORTED, refuse
 from .convert.fusion import fuse
 from .errors import RefusionError
 
@@ -29,6 +30,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--dequantize", action="store_true", help="write plain (dequantized) weights")
     parser.add_argument("--force", action="store_true",
                         help="replace the model folder at --save-path (never a file or another folder)")
+    refuse(parser, FUSE_UNSUPPORTED)  # mlx_lm.fuse's flags with no like here: one line each says why
     return parser
 
 

@@ -1,5 +1,6 @@
 """mlx_lm.server's flags: ``--chat-template`` (a template in place of the model's, on generate and chat too),
-``--decode-concurrency`` (``--max-batch``), and those with no like here refused in one line that says why."""
+``--decode-concurrency`` (``--max-batch``), and those with no like here refused in one line that says why, as
+mlx_lm.convert's, mlx_lm.lora's and mlx_lm.fuse's are."""
 
 from __future__ import annotations
 
@@ -38,6 +39,30 @@ def test_the_servers_flags_with_no_like_say_why_in_one_line(capsys, flags):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and f"error: {flags[0]}: " in err, err
     assert "not supported" in err and "_" not in err.split(": ", 2)[2].replace("refusion_mlx", ""), err
+
+
+@pytest.mark.parametrize("command, argv, says", [
+    ("convert", ["--hf-path", "x", "--dequantize"], "again without --quantize for float weights"),
+    ("convert", ["--hf-path", "x", "-d"], "again without --quantize"),
+    ("convert", ["--hf-path", "x", "--upload-repo", "me/model"], "hf upload REPO FOLDER"),
+    ("convert", ["--hf-path", "x", "--trust-remote-code"], "no checkpoint's own code is run"),
+    ("train", ["--report-to", "wandb"], "reporting to wandb or swanlab is not supported here"),
+    ("train", ["--project-name", "p"], "reporting is not supported here"),
+    ("train", ["--clear-cache-threshold", "1G"], "clearing MLX's cache while training is not supported"),
+    ("train", ["--trust-remote-code"], "a ReFusion model needs no code of its own"),
+    ("fuse", ["--export-gguf"], "no GGUF runtime runs ReFusion's slot decoder"),
+    ("fuse", ["--gguf-path", "m.gguf"], "no GGUF runtime"),
+    ("fuse", ["--upload-repo", "me/model"], "hf upload REPO FOLDER")])
+def test_mlx_lms_other_commands_flags_with_no_like_say_why(capsys, command, argv, says):
+    import importlib
+
+    module = importlib.import_module({"convert": "refusion_mlx.convert.__main__",
+                                      "train": "refusion_mlx.train.__main__", "fuse": "refusion_mlx.fuse"}[command])
+    with pytest.raises(SystemExit) as exit_info:
+        module.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    flag = next(a for a in argv if a.startswith("-") and a != "--hf-path")
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and f"error: {flag}: " in err and says in err, err
 
 
 def test_generate_decodes_under_the_template_given(capsys):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Sequence
+from typing import Dict, Optional, Sequence
 
 from ..decode.params import MLX_LM_HINTS
 from ..errors import RefusionError
@@ -21,6 +21,10 @@ UNSUPPORTED = {("--max-kv-size",): True, ("--prompt-cache-file",): True, ("--qua
                ("--quantize-activations", "-qa"): False, ("--trust-remote-code",): False,
                ("--eos-token",): True, ("--use-default-chat-template",): False, ("--image",): True,
                ("--prefill-response",): True}
+# mlx_lm.convert's and mlx_lm.fuse's with no like in convert and fuse (fuse has its own --dequantize)
+CONVERT_UNSUPPORTED = {("--dequantize", "-d"): False, ("--upload-repo",): True, ("--trust-remote-code",): False}
+FUSE_UNSUPPORTED = {("--export-gguf",): False, ("--gguf-path",): True, ("--upload-repo",): True,
+                    ("--trust-remote-code",): False}
 # mlx_lm.server's flags with no like in the server (its --decode-concurrency is --max-batch's other name)
 SERVER_UNSUPPORTED = {("--draft-model",): True, ("--num-draft-tokens",): True, ("--trust-remote-code",): False,
                       ("--use-default-chat-template",): False, ("--prompt-concurrency",): True,
@@ -44,11 +48,16 @@ def add_verbose_arg(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 class Unsupported(argparse.Action):
-    """A flag of mlx-lm's with no like here: a one-line usage error saying why, in this command's flags."""
+    """A flag of mlx-lm's with no like here: a one-line usage error saying why (``reason``, else its
+    ``MLX_LM_HINTS`` entry), in this command's flags."""
+
+    def __init__(self, *args, reason: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reason = reason
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = self.option_strings[0].removeprefix("--").replace("-", "_")
-        reason = MLX_LM_HINTS[name].split(": ", 1)[1]
+        reason = self.reason or MLX_LM_HINTS[name].split(": ", 1)[1]
         options = parser._option_string_actions
 
         def as_flag(m) -> str:  # another setting the hint names by its Python name, as this command's flag
@@ -66,10 +75,13 @@ def add_mlx_lm_args(parser: argparse.ArgumentParser) -> None:
     refuse(parser, UNSUPPORTED)
 
 
-def refuse(parser: argparse.ArgumentParser, flags: dict) -> None:
-    """Each of ``flags`` (mlx-lm's, with no like here) refused in one line that says why."""
+def refuse(parser: argparse.ArgumentParser, flags: dict, reasons: Optional[Dict[str, str]] = None) -> None:
+    """Each of ``flags`` (mlx-lm's, with no like here: its spellings, and whether it takes a value) refused in
+    one line that says why: ``reasons`` (by its Python name), else ``MLX_LM_HINTS``."""
     for spellings, valued in flags.items():
-        parser.add_argument(*spellings, nargs="?" if valued else 0, action=Unsupported, help=argparse.SUPPRESS)
+        name = spellings[0].removeprefix("--").replace("-", "_")
+        parser.add_argument(*spellings, nargs="?" if valued else 0, action=Unsupported, default=argparse.SUPPRESS,
+                            reason=(reasons or {}).get(name), help=argparse.SUPPRESS)  # (no attribute when unused)
 
 
 def add_end_tokens(tokenizer, model, tokens: Sequence[str], flag: str = "--extra-eos-token") -> None:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 from ..cli import OneLineParser, handle_unless_ignored
+from ..cli.mlx_lm_flags import CONVERT_UNSUPPORTED, refuse
 from ..distributed.group import say_error
 from ..errors import RefusionError
 from .converter import convert, format_summary
@@ -75,6 +76,7 @@ def build_parser() -> OneLineParser:
                         help="dtype of unquantized tensors and scales (default: the config's torch_dtype)")
     parser.add_argument("--force", action="store_true",
                         help="replace the model folder at --mlx-path (never a file or another folder)")
+    refuse(parser, CONVERT_UNSUPPORTED)  # mlx_lm.convert's flags with no like here: one line each says why
     return parser
 
 

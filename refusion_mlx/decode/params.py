@@ -306,7 +306,15 @@ MLX_LM_HINTS = {
     "eos_token": "eos_token: give extra_eos_token (an end token besides the tokenizer's)",
     "use_default_chat_template": "use_default_chat_template: not supported (the checkpoint's own chat template "
                                  "is used, or the one chat_template gives)",
-    # mlx_lm.server's own
+    # mlx_lm.server's, mlx_lm.convert's and mlx_lm.fuse's own
+    "dequantize": "dequantize: not supported (convert the PyTorch checkpoint again without --quantize for "
+                  "float weights, or dequantize the MLX folder with mlx-lm's convert -d)",
+    "upload_repo": "upload_repo: not supported (upload the folder it writes with huggingface-hub's own "
+                   "command: hf upload REPO FOLDER)",
+    "export_gguf": "export_gguf: not supported (no GGUF runtime runs ReFusion's slot decoder: the folder is "
+                   "MLX's safetensors)",
+    "gguf_path": "gguf_path: not supported (no GGUF runtime runs ReFusion's slot decoder: the folder is MLX's "
+                 "safetensors)",
     "prompt_concurrency": "prompt_concurrency: not supported (prompts are prefilled in the decoding batch's "
                           "forwards, up to max_batch requests at once, in chunks of 512 tokens)",
     "prompt_cache_size": "prompt_cache_size: not supported (the prompt cache is bounded in bytes: give "

@@ -9,8 +9,9 @@ import sys
 from typing import List, Optional
 
 from ..cli import OneLineParser, run
+from ..cli.mlx_lm_flags import refuse
 from ..errors import PendingStop, RefusionError, Terminated
-from .config import add_flags, check_data, merge, named
+from .config import MLX_LM_OFF, add_flags, check_data, flag, merge, named
 
 
 def build_parser() -> OneLineParser:
@@ -19,6 +20,9 @@ def build_parser() -> OneLineParser:
         description="Fine-tune a ReFusion model with the paper's hybrid objective (AR within unmasked slots, "
                     "MDM on masked slots); adapters in mlx-lm's format.")
     add_flags(parser)
+    # mlx_lm.lora's flags this trainer has no use for (a YAML file may hold their off values): one line says why
+    refuse(parser, {(flag(k),): not isinstance(off, bool) for k, (off, _) in MLX_LM_OFF.items() if k != "config"},
+           {k: reason for k, (_, reason) in MLX_LM_OFF.items()})
     return parser
 
 

@@ -116,7 +116,7 @@ OPTIONS: Dict[str, Option] = {
 # with the reason. As flags they are unknown (exit 2).
 MLX_LM_OFF: Dict[str, Tuple[Any, str]] = {
     "report_to": (None, "reporting to wandb or swanlab is not supported here"),
-    "project_name": (None, "it names report_to's project, and reporting is not supported here"),
+    "project_name": (None, "it names the project reports would go to, and reporting is not supported here"),
     "clear_cache_threshold": (0, "clearing MLX's cache while training is not supported here"),
     "trust_remote_code": (False, "a ReFusion model needs no code of its own"),
     "config": (None, "a config file cannot name another; give its options here or as flags"),
