@@ -130,7 +130,8 @@ def test_generate_takes_mlx_lms_flags(demo):
     line and exit 1."""
     model, tokenizer = demo
     run = lambda *argv: subprocess.run([sys.executable, "-m", "refusion_mlx.generate", "--prompt", COUNT,
-                                        "--model", str(FIXTURE_MODEL), "--max-tokens", "32", "--temp", "1", "--seed", "3", "--json", *argv],
+                                        "--model", str(FIXTURE_MODEL), "--dtype", "float32",  # the fixture's
+                                        "--max-tokens", "32", "--temp", "1", "--seed", "3", "--json", *argv],
                                        capture_output=True, text=True, timeout=120)
     done = run("--xtc-probability", "1", "--xtc-threshold", "0.05")
     assert done.returncode == 0, done.stderr
