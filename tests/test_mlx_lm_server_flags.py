@@ -19,7 +19,8 @@ from refusion_mlx.serve.server_config import ServerConfig
 
 from tests.helpers import FIXTURE_MODEL
 
-TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
 
 
 def test_the_server_takes_mlx_lm_servers_names():

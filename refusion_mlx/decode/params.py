@@ -313,8 +313,7 @@ MLX_LM_HINTS = {
                    "command: hf upload REPO FOLDER)",
     "export_gguf": "export_gguf: not supported (no GGUF runtime runs ReFusion's slot decoder: the folder is "
                    "MLX's safetensors)",
-    "gguf_path": "gguf_path: not supported (no GGUF runtime runs ReFusion's slot decoder: the folder is MLX's "
-                 "safetensors)",
+    "gguf_path": "gguf_path: not supported (no GGUF is written: no GGUF runtime runs ReFusion's slot decoder)",
     "prompt_concurrency": "prompt_concurrency: not supported (prompts are prefilled in the decoding batch's "
                           "forwards, up to max_batch requests at once, in chunks of 512 tokens)",
     "prompt_cache_size": "prompt_cache_size: not supported (the prompt cache is bounded in bytes: give "
